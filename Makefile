@@ -1,0 +1,33 @@
+# The README's commands. The venv is rebuilt from scratch whenever pyproject.toml changes.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.stamp-$(shell sha256sum pyproject.toml | cut -c1-16)
+PYTEST_ARGS ?=
+
+.PHONY: setup serve test lint bench
+
+$(STAMP): pyproject.toml
+	rm -rf $(VENV)
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+setup: $(STAMP)
+
+serve: setup
+	$(VENV)/bin/mmserve serve
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+test: lint
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests; rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
+
+bench: setup
+	$(PY) -m cluster.bench

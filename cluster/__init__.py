@@ -1,0 +1,1 @@
+"""Wiring: config schema, the Ray Serve application, the CLI and the tiny model generator."""

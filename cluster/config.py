@@ -1,0 +1,157 @@
+"""The one config object (pydantic at the edge): YAML file, CLI flags, Serve ``args``.
+
+A config names one or more models; each model gets its own preprocessor, encoder and LLM pools.
+The services take frozen dataclasses built from these sections; pydantic stays here at the edge.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class AutoscalingConfig(_Strict):
+    """Ray Serve ``autoscaling_config``; ``target_ongoing_requests`` is per replica."""
+
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    initial_replicas: int | None = Field(None, ge=0)
+    target_ongoing_requests: float = Field(2.0, gt=0)
+    upscale_delay_s: float = Field(5.0, ge=0)
+    downscale_delay_s: float = Field(30.0, ge=0)
+    metrics_interval_s: float = Field(1.0, gt=0)
+    look_back_period_s: float = Field(5.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> AutoscalingConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("min_replicas must be <= max_replicas")
+        return self
+
+
+class DeploymentOptions(_Strict):
+    """What Ray Serve needs to place and scale one pool's replicas."""
+
+    num_replicas: int | None = Field(None, ge=1, description="fixed replica count; omit to autoscale")
+    autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
+    max_ongoing_requests: int = Field(64, ge=1)
+    num_cpus: float = Field(0.1, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources")
+
+    def ray_actor_options(self) -> dict[str, Any]:
+        opts: dict[str, Any] = {"num_cpus": self.num_cpus}
+        if self.num_gpus:
+            opts["num_gpus"] = self.num_gpus
+        if self.resources:
+            opts["resources"] = dict(self.resources)
+        return opts
+
+
+class MediaLimitsConfig(_Strict):
+    max_bytes: int = Field(20 * 1024 * 1024, ge=1)
+    max_pixels: int = Field(4096 * 4096, ge=1)
+    max_video_frames: int = Field(64, ge=1)
+    max_video_seconds: float = Field(600.0, gt=0)
+    max_video_pixels_per_frame: int = Field(1920 * 1080, ge=1)
+    video_num_frames: int | None = Field(None, ge=1, description="sample exactly this many frames")
+    video_fps: float = Field(2.0, gt=0, description="sample frames at this rate when num_frames is unset")
+    max_audio_seconds: float = Field(30.0, gt=0)
+    fetch_timeout_s: float = Field(10.0, gt=0)
+    allowed_domains: list[str] | None = None
+    allow_private_addresses: bool = False
+    allowed_local_media_path: str | None = None
+
+
+class LLMConfig(_Strict):
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    max_model_len: int = Field(4096, ge=16)
+    block_size: int = Field(16, ge=1)
+    num_kv_blocks: int | None = Field(None, ge=1, description="KV blocks per replica; default from memory")
+    kv_cache_memory_fraction: float = Field(0.8, gt=0, le=1)
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=16)
+    enable_prefix_caching: bool = True
+    deployment: DeploymentOptions = Field(default_factory=DeploymentOptions)
+
+
+class EncoderConfig(_Strict):
+    max_num_encoder_input_tokens: int | None = Field(
+        None, ge=1, description="default: LLM max_num_batched_tokens"
+    )
+    encoder_cache_size: int | None = Field(
+        None, ge=1, description="embeddings; default: max_num_batched_tokens"
+    )
+    mm_encoder_tp_size: int = Field(1, ge=1)
+    mm_encoder_tp_mode: Literal["weights", "data"] = "weights"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    cache_index_shards: int = Field(2, ge=1)
+    deployment: DeploymentOptions = Field(default_factory=DeploymentOptions)
+
+
+class PreprocessConfig(_Strict):
+    limit_mm_per_prompt: dict[str, int] = Field(default_factory=lambda: {"image": 4, "video": 1, "audio": 2})
+    processor_cache_bytes: int = Field(256 * 1024 * 1024, ge=0)
+    media: MediaLimitsConfig = Field(default_factory=MediaLimitsConfig)
+    deployment: DeploymentOptions = Field(default_factory=DeploymentOptions)
+
+
+class ModelConfig(_Strict):
+    name: str = Field(..., min_length=1, description="the OpenAI `model` name clients send")
+    path: str | None = Field(None, description="HF model directory; omit with `tiny` to generate one")
+    tiny: Literal["qwen2-vl", "qwen2-audio"] | None = Field(None, description="generate this tiny model")
+    llm: LLMConfig = Field(default_factory=LLMConfig)
+    encoder: EncoderConfig = Field(default_factory=EncoderConfig)
+    preprocess: PreprocessConfig = Field(default_factory=PreprocessConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelConfig:
+        if (self.path is None) == (self.tiny is None):
+            raise ValueError(f"model {self.name!r}: set exactly one of `path` or `tiny`")
+        return self
+
+
+class IngressConfig(_Strict):
+    max_request_bytes: int = Field(64 * 1024 * 1024, ge=1)
+    max_messages: int = Field(256, ge=1)
+    max_content_parts: int = Field(64, ge=1)
+    request_timeout_s: float = Field(300.0, gt=0)
+    deployment: DeploymentOptions = Field(default_factory=DeploymentOptions)
+
+
+class AppConfig(_Strict):
+    models: list[ModelConfig] = Field(..., min_length=1)
+    ingress: IngressConfig = Field(default_factory=IngressConfig)
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    models_cache_dir: str = Field("~/.cache/mmserve/models", description="where tiny models are generated")
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> AppConfig:
+        names = [m.name for m in self.models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model names must be unique, got {names}")
+        return self
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> AppConfig:
+        return cls.model_validate(yaml.safe_load(Path(path).read_text()) or {})
+
+
+def default_config() -> AppConfig:
+    """The out-of-the-box app: tiny Qwen2-VL (image, video) and tiny Qwen2-Audio (audio) on CPU."""
+    return AppConfig(
+        models=[
+            ModelConfig(name="tiny-qwen2-vl", tiny="qwen2-vl"),
+            ModelConfig(name="tiny-qwen2-audio", tiny="qwen2-audio"),
+        ]
+    )

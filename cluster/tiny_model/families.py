@@ -1,0 +1,217 @@
+"""Write a complete, loadable HF model directory for a tiny random-weight Qwen2-VL or Qwen2-Audio.
+
+Same flags give byte-identical files: the tokenizer is trained on the shipped corpus and every weight
+is drawn from a generator seeded by ``seed`` and the parameter's name, in a fixed order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from cluster.tiny_model.tokenizer import QWEN2_AUDIO_CHAT_TEMPLATE, QWEN2_VL_CHAT_TEMPLATE, train_tokenizer
+
+FAMILIES = ("qwen2-vl", "qwen2-audio")
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    vocab_size: int = 1024
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 128
+    vision_depth: int = 2  # vision blocks (Qwen2-VL) or audio encoder layers (Qwen2-Audio)
+    vision_hidden_size: int = 32  # vision embed_dim or audio d_model
+    vision_num_heads: int = 2
+    vision_intermediate_size: int = 64  # vision MLP width (embed_dim * mlp_ratio) or audio ffn dim
+    max_position_embeddings: int = 4096
+    seed: int = 0
+
+
+PRESETS: dict[str, ModelSize] = {
+    "tiny": ModelSize(),
+    "small": ModelSize(
+        vocab_size=4096,
+        hidden_size=512,
+        num_layers=6,
+        num_heads=8,
+        num_kv_heads=4,
+        intermediate_size=1408,
+        vision_depth=6,
+        vision_hidden_size=256,
+        vision_num_heads=4,
+        vision_intermediate_size=1024,
+    ),
+}
+
+
+def _mrope_section(head_dim: int) -> list[int]:
+    """Split head_dim/2 rotary frequencies over (t, h, w) in Qwen2-VL's 2:3:3 proportion."""
+    half = head_dim // 2
+    t = max(1, round(half * 2 / 8))
+    h = (half - t) // 2
+    return [t, h, half - t - h]
+
+
+def _text_config(size: ModelSize, bos: int, eos: int, pad: int) -> dict:
+    return {
+        "vocab_size": size.vocab_size,
+        "hidden_size": size.hidden_size,
+        "intermediate_size": size.intermediate_size,
+        "num_hidden_layers": size.num_layers,
+        "num_attention_heads": size.num_heads,
+        "num_key_value_heads": size.num_kv_heads,
+        "max_position_embeddings": size.max_position_embeddings,
+        "rms_norm_eps": 1e-6,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "pad_token_id": pad,
+        "tie_word_embeddings": False,
+    }
+
+
+def _build_qwen2_vl(size: ModelSize, tok):  # type: ignore[no-untyped-def]
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    ids = {t: tok.convert_tokens_to_ids(t) for t in tok.all_special_tokens}
+    text = _text_config(size, ids["<|endoftext|>"], ids["<|im_end|>"], ids["<|endoftext|>"])
+    head_dim = size.hidden_size // size.num_heads
+    text["rope_parameters"] = {
+        "rope_type": "default",
+        "rope_theta": 1000000.0,
+        "mrope_section": _mrope_section(head_dim),
+    }
+    vision = {
+        "depth": size.vision_depth,
+        "embed_dim": size.vision_hidden_size,
+        "hidden_size": size.hidden_size,
+        "num_heads": size.vision_num_heads,
+        "mlp_ratio": size.vision_intermediate_size // size.vision_hidden_size,
+        "in_channels": 3,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    }
+    config = Qwen2VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        bos_token_id=text["bos_token_id"],
+        eos_token_id=text["eos_token_id"],
+        pad_token_id=text["pad_token_id"],
+        tie_word_embeddings=False,
+    )
+    config.architectures = ["Qwen2VLForConditionalGeneration"]
+    return config, Qwen2VLForConditionalGeneration
+
+
+def _build_qwen2_audio(size: ModelSize, tok):  # type: ignore[no-untyped-def]
+    from transformers import Qwen2AudioConfig, Qwen2AudioForConditionalGeneration
+
+    ids = {t: tok.convert_tokens_to_ids(t) for t in tok.all_special_tokens}
+    text = _text_config(size, ids["<|endoftext|>"], ids["<|im_end|>"], ids["<|endoftext|>"])
+    text["model_type"] = "qwen2"
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1000000.0}
+    audio = {
+        "d_model": size.vision_hidden_size,
+        "encoder_layers": size.vision_depth,
+        "encoder_attention_heads": size.vision_num_heads,
+        "encoder_ffn_dim": size.vision_intermediate_size,
+        "num_mel_bins": 128,
+        "max_source_positions": 1500,
+    }
+    config = Qwen2AudioConfig(
+        audio_config=audio,
+        text_config=text,
+        audio_token_index=ids["<|AUDIO|>"],
+        bos_token_id=text["bos_token_id"],
+        eos_token_id=text["eos_token_id"],
+        pad_token_id=text["pad_token_id"],
+    )
+    config.architectures = ["Qwen2AudioForConditionalGeneration"]
+    return config, Qwen2AudioForConditionalGeneration
+
+
+def _init_weights(model: torch.nn.Module, seed: int) -> None:
+    """Deterministic init, independent of transformers' own init code and of parameter creation order.
+
+    Matrices get N(0, 1/fan_in) so activations keep unit scale through the random network and logits
+    are spread out (greedy argmax far from ties); norms start at 1, biases at small values.
+    """
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+            gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+            if "norm" in name.split(".")[-2] or name.endswith(("ln_q.weight", "layer_norm.weight")):
+                p.fill_(1.0) if name.endswith("weight") else p.zero_()
+            elif p.ndim == 1:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+            elif "embed_tokens" in name or "embed_positions" in name:
+                p.copy_(torch.randn(p.shape, generator=gen))
+            else:
+                fan_in = math.prod(p.shape[1:])
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(fan_in))
+
+
+def _save_processor(family: str, out: Path, tok) -> None:  # type: ignore[no-untyped-def]
+    if family == "qwen2-vl":
+        from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
+
+        # Fewer pixels than a real checkpoint allows, so one image costs at most 1024 embeddings.
+        limits = {"min_pixels": 56 * 56, "max_pixels": 28 * 28 * 1024}
+        proc = Qwen2VLProcessor(
+            image_processor=Qwen2VLImageProcessor(**limits),
+            video_processor=Qwen2VLVideoProcessor(**limits),
+            tokenizer=tok,
+            chat_template=QWEN2_VL_CHAT_TEMPLATE,
+        )
+    else:
+        from transformers import Qwen2AudioProcessor, WhisperFeatureExtractor
+
+        proc = Qwen2AudioProcessor(
+            feature_extractor=WhisperFeatureExtractor(feature_size=128),
+            tokenizer=tok,
+            chat_template=QWEN2_AUDIO_CHAT_TEMPLATE,
+        )
+    proc.save_pretrained(str(out))
+
+
+def make_tiny_model(out_dir: str | Path, family: str, size: ModelSize | None = None) -> Path:
+    """Write config.json, model.safetensors, tokenizer and processor files for ``family`` to ``out_dir``."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+    size = size or PRESETS["tiny"]
+    if size.hidden_size % size.num_heads or size.num_heads % size.num_kv_heads:
+        raise ValueError("hidden_size must divide by num_heads, and num_heads by num_kv_heads")
+    if size.vision_hidden_size % size.vision_num_heads:
+        raise ValueError("vision_hidden_size must divide by vision_num_heads")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    template = QWEN2_VL_CHAT_TEMPLATE if family == "qwen2-vl" else QWEN2_AUDIO_CHAT_TEMPLATE
+    tok = train_tokenizer(size.vocab_size, template)
+    build = _build_qwen2_vl if family == "qwen2-vl" else _build_qwen2_audio
+    config, model_cls = build(size, tok)
+    model = model_cls(config)
+    _init_weights(model, size.seed)
+    model.eval()
+    config.save_pretrained(str(out))
+    model.generation_config.save_pretrained(str(out))
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    _save_processor(family, out, tok)
+    (out / "mmserve_tiny.json").write_text(
+        json.dumps({"family": family, **dataclasses.asdict(size)}, indent=2, sort_keys=True)
+    )
+    return out
