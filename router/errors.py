@@ -1,0 +1,75 @@
+"""Errors the API returns, in OpenAI's JSON shape, and the mapping from each service's exceptions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from router.protocol import error_body
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    499: "client_closed_request",
+    503: "service_unavailable",
+    504: "timeout_error",
+}
+
+
+class APIError(Exception):
+    """An error with an HTTP status that the ingress returns as ``{"error": {...}}``."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        code: str,
+        param: str | None = None,
+        retry_after_s: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.code = code
+        self.param = param
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> dict[str, Any]:
+        type_ = _TYPE_BY_STATUS.get(self.status_code, "server_error")
+        return error_body(self.message, type_=type_, code=self.code, param=self.param)
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else {}
+
+
+def bad_request(message: str, *, code: str = "invalid_request", param: str | None = None) -> APIError:
+    return APIError(400, message, code=code, param=param)
+
+
+def from_exception(exc: BaseException) -> APIError | None:
+    """Map a service exception (possibly wrapped by Ray) to an APIError; None if it is our own fault.
+
+    Services raise exceptions that carry ``status_code`` and ``code`` (encoder_service's MediaError)
+    or ``code`` alone (llm_service's RequestRejected, a 400). Ray wraps remote exceptions in
+    RayTaskError whose ``cause`` is the original.
+    """
+    seen = 0
+    while exc is not None and seen < 5:
+        if isinstance(exc, APIError):
+            return exc
+        status = getattr(exc, "status_code", None)
+        code = getattr(exc, "code", None)
+        if isinstance(status, int) and isinstance(code, str) and 400 <= status < 500:
+            return APIError(status, str(exc), code=code)
+        if isinstance(code, str) and isinstance(exc, ValueError):
+            return APIError(400, str(exc), code=code)
+        cause = getattr(exc, "cause", None) or exc.__cause__
+        exc = cause  # type: ignore[assignment]
+        seen += 1
+    return None
