@@ -1,0 +1,106 @@
+"""Errors for bad client input on the encoder side, each with the HTTP status and code the router maps.
+
+Every error names the item it is about (``item`` is the item's index among the request's media items,
+``None`` when the error concerns the request as a whole), so a client can tell which part to fix.
+"""
+
+from __future__ import annotations
+
+
+class MediaError(Exception):
+    """Root of all client-facing media errors. ``status_code`` and ``code`` feed an OpenAI-style error."""
+
+    status_code: int = 400
+    code: str = "invalid_media"
+
+    def __init__(self, message: str, *, item: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.item = item
+
+    def to_dict(self) -> dict[str, object]:
+        """The OpenAI error body: ``{"message", "type", "code", "param"}``."""
+        return {
+            "message": self.message,
+            "type": "invalid_request_error",
+            "code": self.code,
+            "param": None if self.item is None else f"media[{self.item}]",
+        }
+
+
+class InvalidMediaInput(MediaError):
+    """Malformed reference: bad data URL, bad base64, unknown URL scheme, neither data nor url."""
+
+    status_code = 400
+    code = "invalid_media_input"
+
+
+class MediaTooLarge(MediaError):
+    """Bytes, pixels, frames, duration or seconds over a configured limit."""
+
+    status_code = 413
+    code = "media_too_large"
+
+
+class UnsupportedMediaType(MediaError):
+    status_code = 415
+    code = "unsupported_media_type"
+
+
+class MediaDecodeError(MediaError):
+    """Bytes of a known kind that do not decode (truncated, corrupt)."""
+
+    status_code = 422
+    code = "media_decode_error"
+
+
+class URLNotAllowed(MediaError):
+    """A URL or local path refused by the SSRF / allow-list / local-path rules."""
+
+    status_code = 403
+    code = "url_not_allowed"
+
+
+class MediaFetchTimeout(MediaError):
+    status_code = 408
+    code = "media_fetch_timeout"
+
+
+class MediaFetchError(MediaError):
+    """The remote server answered with an error status, too many redirects, or the connection failed."""
+
+    status_code = 400
+    code = "media_fetch_failed"
+
+
+class MMCacheMiss(MediaError):
+    """The item was sent as a ``uuid`` only and the encoder cache does not hold it: resend the bytes."""
+
+    status_code = 400
+    code = "mm_cache_miss"
+
+
+class TooManyItems(MediaError):
+    """More items of one modality than ``limit_mm_per_prompt`` allows, or a modality the model lacks."""
+
+    status_code = 400
+    code = "too_many_items"
+
+
+class EncoderCacheFull(MediaError):
+    """An item larger than the whole encoder cache, or every entry pinned and no space can be made."""
+
+    status_code = 400
+    code = "encoder_cache_full"
+
+
+def item_name(modality: str, item: int | None) -> str:
+    """``"image 2"`` — how messages name an item."""
+    return modality if item is None else f"{modality} {item}"
+
+
+class EncoderCacheBusy(MediaError):
+    """Every cache entry is pinned by running requests and the wait for space ran out: retry later."""
+
+    status_code = 503
+    code = "encoder_cache_busy"

@@ -1,0 +1,161 @@
+"""Bytes of one media reference: raw bytes, ``data:`` URL, ``http(s)://`` (streamed, capped) or ``file://``."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+from dataclasses import dataclass
+from urllib.parse import unquote_to_bytes, urljoin
+
+import httpx
+
+from encoder_service.errors import (
+    InvalidMediaInput,
+    MediaFetchError,
+    MediaFetchTimeout,
+    MediaTooLarge,
+    URLNotAllowed,
+)
+from encoder_service.media.limits import MediaLimits
+from encoder_service.media.url_safety import Resolver, check_url, resolve_host, resolve_local_path
+from encoder_service.types import MediaRef
+
+_REDIRECTS = (301, 302, 303, 307, 308)
+
+
+@dataclass(frozen=True)
+class FetchedMedia:
+    """The item's original bytes (what mm_hash covers) and where they came from."""
+
+    data: bytes
+    source: str  # "bytes" | "data_url" | "http" | "file"
+    content_type: str | None = None
+
+
+def _too_large(label: str, size: int | str, limits: MediaLimits, item: int | None) -> MediaTooLarge:
+    return MediaTooLarge(f"{label}: {size} bytes exceeds max_bytes={limits.max_bytes}", item=item)
+
+
+def decode_data_url(
+    url: str, limits: MediaLimits, *, item: int | None = None, label: str = "media"
+) -> FetchedMedia:
+    """``data:[<mime>][;base64],<payload>``; the size is checked before decoding the payload."""
+    head, sep, payload = url[5:].partition(",")
+    if not sep:
+        raise InvalidMediaInput(f"{label}: malformed data URL (no comma)", item=item)
+    params = head.split(";")
+    is_b64 = "base64" in params[1:]
+    if len(payload) * (3 / 4 if is_b64 else 1) > limits.max_bytes + 3:
+        raise _too_large(label, f"about {int(len(payload) * 0.75)}", limits, item)
+    try:
+        data = base64.b64decode(payload, validate=True) if is_b64 else unquote_to_bytes(payload)
+    except (binascii.Error, ValueError) as e:
+        raise InvalidMediaInput(f"{label}: data URL is not valid base64: {e}", item=item) from e
+    if len(data) > limits.max_bytes:
+        raise _too_large(label, len(data), limits, item)
+    return FetchedMedia(data, "data_url", params[0] or None)
+
+
+def read_local_file(
+    url: str, limits: MediaLimits, *, item: int | None = None, label: str = "media"
+) -> FetchedMedia:
+    path = resolve_local_path(url, limits.allowed_local_media_path, item=item, label=label)
+    try:
+        with path.open("rb") as f:
+            data = f.read(limits.max_bytes + 1)
+    except OSError as e:
+        raise InvalidMediaInput(f"{label}: cannot read local file: {e.strerror}", item=item) from e
+    if len(data) > limits.max_bytes:
+        raise _too_large(label, f"more than {limits.max_bytes}", limits, item)
+    return FetchedMedia(data, "file")
+
+
+async def fetch_http(
+    url: str,
+    limits: MediaLimits,
+    *,
+    item: int | None = None,
+    label: str = "media",
+    client: httpx.AsyncClient | None = None,
+    resolver: Resolver = resolve_host,
+) -> FetchedMedia:
+    """GET ``url`` with every redirect hop re-checked, streaming and stopping at ``max_bytes``.
+
+    ``fetch_timeout_s`` bounds the whole fetch (connect, redirects and body), not only each read.
+    """
+    own = client is None
+    client = client or httpx.AsyncClient(follow_redirects=False, timeout=limits.fetch_timeout_s)
+    try:
+        async with asyncio.timeout(limits.fetch_timeout_s):
+            return await _follow(client, url, limits, item, label, resolver)
+    except (TimeoutError, httpx.TimeoutException) as e:
+        raise MediaFetchTimeout(
+            f"{label}: fetching {url} took longer than fetch_timeout_s={limits.fetch_timeout_s}", item=item
+        ) from e
+    except httpx.HTTPError as e:
+        raise MediaFetchError(f"{label}: fetching {url} failed: {e}", item=item) from e
+    finally:
+        if own:
+            await client.aclose()
+
+
+async def _follow(
+    client: httpx.AsyncClient, url: str, limits: MediaLimits, item: int | None, label: str, resolver: Resolver
+) -> FetchedMedia:
+    for _hop in range(limits.max_redirects + 1):
+        check_url(
+            url,
+            allowed_domains=limits.allowed_domains,
+            allow_private_addresses=limits.allow_private_addresses,
+            resolver=resolver,
+            item=item,
+            label=label,
+        )
+        async with client.stream("GET", url) as resp:
+            if resp.status_code in _REDIRECTS:
+                location = resp.headers.get("location")
+                if not location:
+                    raise MediaFetchError(f"{label}: redirect without Location from {url}", item=item)
+                url = urljoin(url, location)
+                continue
+            if resp.status_code >= 400:
+                raise MediaFetchError(f"{label}: {url} answered HTTP {resp.status_code}", item=item)
+            declared = resp.headers.get("content-length")
+            if declared and declared.isdigit() and int(declared) > limits.max_bytes:
+                raise _too_large(label, int(declared), limits, item)
+            chunks, size = [], 0
+            async for chunk in resp.aiter_bytes():
+                size += len(chunk)
+                if size > limits.max_bytes:
+                    raise _too_large(label, f"more than {limits.max_bytes}", limits, item)
+                chunks.append(chunk)
+            ctype = resp.headers.get("content-type")
+            return FetchedMedia(b"".join(chunks), "http", ctype.split(";")[0].strip() if ctype else None)
+    raise MediaFetchError(f"{label}: more than max_redirects={limits.max_redirects} redirects", item=item)
+
+
+async def fetch_media_bytes(
+    ref: MediaRef,
+    limits: MediaLimits,
+    *,
+    item: int | None = None,
+    client: httpx.AsyncClient | None = None,
+    resolver: Resolver = resolve_host,
+) -> FetchedMedia:
+    """The original bytes of ``ref`` from whichever form the client used."""
+    label = ref.modality if item is None else f"{ref.modality} {item}"
+    if ref.data is not None:
+        if len(ref.data) > limits.max_bytes:
+            raise _too_large(label, len(ref.data), limits, item)
+        return FetchedMedia(bytes(ref.data), "bytes")
+    if not ref.url:
+        raise InvalidMediaInput(f"{label}: neither data nor url given", item=item)
+    scheme = ref.url.split(":", 1)[0].lower()
+    if scheme == "data":
+        return decode_data_url(ref.url, limits, item=item, label=label)
+    if scheme in ("http", "https"):
+        return await fetch_http(ref.url, limits, item=item, label=label, client=client, resolver=resolver)
+    if scheme == "file":
+        return read_local_file(ref.url, limits, item=item, label=label)
+    raise URLNotAllowed(f"{label}: URL scheme {scheme!r} is not supported", item=item)

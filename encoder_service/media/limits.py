@@ -1,0 +1,34 @@
+"""``MediaLimits``: the frozen, service-side mirror of ``cluster.config.MediaLimitsConfig``."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class MediaLimits:
+    max_bytes: int = 20 * 1024 * 1024
+    max_pixels: int = 4096 * 4096
+    max_video_frames: int = 64
+    max_video_seconds: float = 600.0
+    max_video_pixels_per_frame: int = 1920 * 1080
+    video_num_frames: int | None = None  # sample exactly this many frames
+    video_fps: float = 2.0  # else sample at this rate
+    max_audio_seconds: float = 30.0
+    fetch_timeout_s: float = 10.0
+    allowed_domains: tuple[str, ...] | None = None
+    allow_private_addresses: bool = False
+    allowed_local_media_path: str | None = None
+    max_redirects: int = 5
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> MediaLimits:
+        """Build from a ``MediaLimitsConfig`` (or anything with its fields, e.g. a dict)."""
+        raw = cfg if isinstance(cfg, dict) else cfg.model_dump()
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in raw.items() if k in names}
+        if kwargs.get("allowed_domains") is not None:
+            kwargs["allowed_domains"] = tuple(kwargs["allowed_domains"])
+        return cls(**kwargs)

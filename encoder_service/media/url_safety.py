@@ -1,0 +1,135 @@
+"""Which URLs and local paths the media loader may read (SSRF guard, domain allow-list, local root).
+
+The checks are pure functions over already-resolved addresses, so they are tested without sockets;
+``resolve_host`` is the one place that touches DNS and can be swapped for a fake.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+from encoder_service.errors import InvalidMediaInput, URLNotAllowed
+
+Resolver = Callable[[str, int], list[str]]
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+def resolve_host(host: str, port: int) -> list[str]:
+    """Every address ``host`` resolves to (IPv4 and IPv6)."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return sorted({str(info[4][0]) for info in infos})
+
+
+def address_refusal(addr: str) -> str | None:
+    """Why ``addr`` is not a public unicast address, or None when it is.
+
+    IPv4-mapped / 6to4-embedded / NAT64-like forms are unwrapped first so ``::ffff:127.0.0.1`` is loopback.
+    """
+    ip: IPAddress = ipaddress.ip_address(addr.split("%", 1)[0])
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        elif ip.sixtofour is not None:
+            ip = ip.sixtofour
+    for attr in (
+        "is_loopback",
+        "is_private",
+        "is_link_local",
+        "is_multicast",
+        "is_reserved",
+        "is_unspecified",
+    ):
+        if getattr(ip, attr):
+            return attr.removeprefix("is_").replace("_", "-")
+    if not ip.is_global:
+        return "non-global"
+    return None
+
+
+def check_addresses(
+    host: str, addresses: Iterable[str], *, item: int | None = None, label: str = "media"
+) -> None:
+    """Refuse ``host`` if ANY of its resolved addresses is non-public (one private answer is enough)."""
+    addresses = list(addresses)
+    if not addresses:
+        raise URLNotAllowed(f"{label}: host {host!r} did not resolve", item=item)
+    for addr in addresses:
+        why = address_refusal(addr)
+        if why is not None:
+            raise URLNotAllowed(
+                f"{label}: host {host!r} resolves to {why} address {addr}; only public addresses "
+                "may be fetched",
+                item=item,
+            )
+
+
+def domain_allowed(host: str, allowed_domains: Iterable[str]) -> bool:
+    """``host`` equals an allowed domain or is a subdomain of one (``a.example.com`` under ``example.com``)."""
+    host = host.lower().rstrip(".")
+    for dom in allowed_domains:
+        dom = dom.lower().strip(".")
+        if host == dom or host.endswith("." + dom):
+            return True
+    return False
+
+
+def check_url(
+    url: str,
+    *,
+    allowed_domains: Iterable[str] | None,
+    allow_private_addresses: bool,
+    resolver: Resolver = resolve_host,
+    item: int | None = None,
+    label: str = "media",
+) -> None:
+    """Check one http(s) URL (one redirect hop) before connecting to it."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        raise URLNotAllowed(f"{label}: scheme {parts.scheme!r} is not allowed for remote media", item=item)
+    host = parts.hostname
+    if not host:
+        raise InvalidMediaInput(f"{label}: URL has no host", item=item)
+    if allowed_domains is not None and not domain_allowed(host, allowed_domains):
+        raise URLNotAllowed(f"{label}: host {host!r} is not in allowed_domains", item=item)
+    if allow_private_addresses:
+        return
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        addresses = [host] if _is_ip_literal(host) else resolver(host, port)
+    except OSError as e:
+        raise URLNotAllowed(f"{label}: cannot resolve host {host!r}: {e}", item=item) from e
+    check_addresses(host, addresses, item=item, label=label)
+
+
+def _is_ip_literal(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def resolve_local_path(
+    url: str, allowed_local_media_path: str | None, *, item: int | None = None, label: str = "media"
+) -> Path:
+    """Map a ``file://`` URL to a real path under ``allowed_local_media_path``, refusing escapes.
+
+    Symlinks and ``..`` are resolved first and the RESULT must lie under the (resolved) root.
+    """
+    if not allowed_local_media_path:
+        raise URLNotAllowed(f"{label}: file:// URLs are disabled (no allowed_local_media_path)", item=item)
+    parts = urlsplit(url)
+    if parts.netloc not in ("", "localhost"):
+        raise URLNotAllowed(f"{label}: file:// URL with a remote host is not allowed", item=item)
+    root = Path(os.path.realpath(allowed_local_media_path))
+    target = Path(os.path.realpath(unquote(parts.path)))
+    if target != root and root not in target.parents:
+        raise URLNotAllowed(
+            f"{label}: path {unquote(parts.path)!r} is outside allowed_local_media_path", item=item
+        )
+    return target
