@@ -1,0 +1,39 @@
+"""Engine configuration (frozen; built by cluster/ from the pool's config section)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What one LLM replica's engine needs.
+
+    ``num_kv_blocks=None`` derives the pool size: on CUDA from ``kv_cache_memory_fraction`` of the free
+    GPU memory after the weights are loaded; on CPU enough blocks for ``max_num_seqs`` sequences of
+    ``min(max_model_len, 2048)`` tokens, capped at 1 GiB of KV cache.
+    """
+
+    model: str
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    max_model_len: int = 4096
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_fraction: float = 0.8
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.max_model_len <= 0:
+            raise ValueError("block_size and max_model_len must be positive")
+        if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
+            raise ValueError("num_kv_blocks must be positive when set")
+        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+            raise ValueError("kv_cache_memory_fraction must be in (0, 1]")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, not {self.dtype!r}")

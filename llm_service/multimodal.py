@@ -1,0 +1,30 @@
+"""Media items as the LLM sees them: encoder embeddings and where they go in the prompt."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class MultiModalInput:
+    """One item's embeddings ``[num_embeds, hidden]`` placed at prompt positions
+    ``[offset, offset + num_embeds)``. ``grid_thw`` is the item's patch grid before the 2x2 spatial
+    merge (what the HF processor reports); image/video items of an M-RoPE model need it."""
+
+    embeddings: torch.Tensor
+    offset: int
+    mm_hash: str
+    modality: str  # "image" | "video" | "audio"
+    grid_thw: tuple[int, int, int] | None = None
+
+    @property
+    def length(self) -> int:
+        return int(self.embeddings.shape[0])
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length

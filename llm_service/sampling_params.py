@@ -1,0 +1,46 @@
+"""Per-request sampling parameters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llm_service.errors import RequestRejected
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """``temperature=0`` is greedy. ``top_k`` of -1 or 0 is off. ``logprobs``: None returns none, 0 the
+    sampled token's logprob only, N adds the top-N. Logprobs come from the model's raw distribution
+    (log_softmax of the logits, before temperature/top-k/top-p). ``seed`` makes a request's samples
+    reproducible regardless of what else is in the batch."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def validate(self) -> None:
+        """Raise RequestRejected(code="bad_sampling_params") naming the first bad field."""
+        problems = []
+        if self.max_tokens < 1:
+            problems.append(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            problems.append(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            problems.append(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            problems.append(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            problems.append(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if problems:
+            raise RequestRejected("bad_sampling_params", "; ".join(problems))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1

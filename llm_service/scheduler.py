@@ -1,0 +1,141 @@
+"""Continuous batching with chunked prefill and recompute preemption (pure Python).
+
+Each step gives every running request its next tokens — the rest of its prompt (chunked to the
+budget) or one decode token — then admits waiting requests FCFS while budget, ``max_num_seqs`` and
+blocks allow. When a running request cannot get a block, the most recently admitted request is
+preempted: its blocks go back to the pool and it returns to the front of the waiting queue, to be
+recomputed later from whatever prefix the cache still holds.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from llm_service.kv_cache_manager import KVCacheManager
+from llm_service.sequence import Request, RequestStatus
+
+
+@dataclass
+class ScheduledChunk:
+    """Compute tokens ``[start, start + num_tokens)`` of ``request``; sample iff it reaches the end."""
+
+    request: Request
+    start: int
+    num_tokens: int
+    block_table: list[int]
+
+    @property
+    def samples(self) -> bool:
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last one is preempted first
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    def add_request(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.FINISHED_ABORTED
+        return req
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            else:
+                out.chunks.append(
+                    ScheduledChunk(req, req.num_computed_tokens, n, self.kv.block_table(req.request_id))
+                )
+                budget -= n
+                i += 1
+                continue
+            break  # ``req`` itself was preempted: everything after it is gone too
+        if out.preempted:
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            hits = self.kv.get_computed_blocks(req)
+            num_computed = len(hits) * self.kv.block_size
+            n = min(req.num_tokens - num_computed, budget)
+            if not self.kv.allocate_slots(req, n, hits):
+                break
+            self.waiting.popleft()
+            self.kv.record_prefix_query(req.num_tokens, num_computed)
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_computed
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_computed
+            self.running.append(req)
+            out.chunks.append(ScheduledChunk(req, num_computed, n, self.kv.block_table(req.request_id)))
+            budget -= n
+        return out
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, tuple[int, object]]) -> list[Request]:
+        """Advance computed counts, append sampled tokens, retire finished requests.
+
+        Returns the requests that received a token this step (finished ones included).
+        """
+        touched = []
+        for chunk in out.chunks:
+            req = chunk.request
+            if req.is_finished:  # aborted between schedule() and update()
+                continue
+            req.num_computed_tokens = chunk.start + chunk.num_tokens
+            self.kv.cache_computed_blocks(req)
+            if req.request_id in sampled:
+                token_id, logprob = sampled[req.request_id]
+                req.append_output(token_id, logprob)
+                touched.append(req)
+                if req.is_finished:
+                    self.running.remove(req)
+                    self.requests.pop(req.request_id, None)
+                    self.kv.free(req)
+        return touched
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)

@@ -1,0 +1,82 @@
+"""A request's state as it moves through the engine (pure Python)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from llm_service.prefix_hash import MMItemSpan
+from llm_service.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+
+@dataclass
+class Request:
+    """Tokens are ``prompt_token_ids + output_token_ids``; the first ``num_computed_tokens`` of them
+    have KV in the cache. A request is due a new sample when ``num_computed_tokens == num_tokens``.
+
+    ``mm_spans`` are the media items' ``(offset, length, mm_hash)``; ``mm_inputs`` and ``runner_state``
+    are opaque here (tensors, positions, RNG) and belong to the model runner.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    stop_token_ids: frozenset[int] = frozenset()
+    max_model_len: int = 1 << 30
+    mm_spans: list[MMItemSpan] = field(default_factory=list)
+    mm_inputs: Any = ()
+    runner_state: dict[str, Any] = field(default_factory=dict)
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[Any] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
+    num_preemptions: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_hashed_blocks: int = 0  # leading blocks already registered in (or taken from) the prefix cache
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output(self, token_id: int, logprob: Any = None) -> None:
+        """Record a sampled token and set a finished status if it ends the request."""
+        self.output_token_ids.append(token_id)
+        self.output_logprobs.append(logprob)
+        if token_id in self.stop_token_ids:
+            self.status = RequestStatus.FINISHED_STOPPED
+        elif (
+            len(self.output_token_ids) >= self.sampling_params.max_tokens
+            or self.num_tokens >= self.max_model_len
+        ):
+            self.status = RequestStatus.FINISHED_LENGTH
