@@ -1,0 +1,184 @@
+"""Autoscaling decisions for the encoder and LLM pools: pure logic, no Ray import.
+
+Each pool scales on its own signal:
+
+- **encoder pool**: embeddings waiting to be computed (``queued_embeddings`` reported by every
+  ``EncoderPool`` replica), plus requests still queued at the callers' handles, against a target
+  backlog per replica;
+- **LLM pool**: its own load, the larger of KV-cache use (``kv_usage`` against ``target_kv_usage``)
+  and requests per replica (``num_running + num_waiting`` against ``target_ongoing_requests``).
+
+Every decision goes through :func:`desired_replicas`, which holds a deadband around the target so the
+pool does not flap::
+
+    load per replica / target:   0 ─── downscale_below ─── 1 ─── upscale_above ───▶
+    decision:                    shrink to fit ─┤  hold  ├─ grow to fit
+
+When it moves, it moves straight to ``ceil(total_load / target)`` replicas, so right after a move the
+load per replica is at most the target: inside the deadband, never past ``upscale_above``.
+The Ray adapter (``cluster/autoscaling_policy.py``) adds nothing but metric plumbing; Ray itself
+applies ``upscale_delay_s`` / ``downscale_delay_s`` on top of these decisions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ScalingBounds:
+    min_replicas: int
+    max_replicas: int
+
+    def __post_init__(self) -> None:
+        if self.min_replicas < 0 or self.max_replicas < 1 or self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"need 0 <= min_replicas <= max_replicas and max_replicas >= 1, "
+                f"got min={self.min_replicas} max={self.max_replicas}"
+            )
+
+    def clamp(self, n: int) -> int:
+        return max(self.min_replicas, min(self.max_replicas, n))
+
+
+@dataclass(frozen=True)
+class Hysteresis:
+    """Deadband around the target, as fractions of it: hold while ``downscale_below <= ratio <= upscale_above``."""
+
+    upscale_above: float = 1.1
+    downscale_below: float = 0.7
+
+    def __post_init__(self) -> None:
+        if not 0 < self.downscale_below <= 1 <= self.upscale_above:
+            raise ValueError(
+                f"need 0 < downscale_below <= 1 <= upscale_above, "
+                f"got {self.downscale_below} and {self.upscale_above}"
+            )
+
+
+def desired_replicas(
+    running: int,
+    total_load: float,
+    target_per_replica: float,
+    bounds: ScalingBounds,
+    hysteresis: Hysteresis = Hysteresis(),
+    hold: int | None = None,
+) -> int:
+    """Replicas wanted for ``total_load`` (any unit) at ``target_per_replica`` of it per replica.
+
+    ``running`` replicas carry the load now; ``hold`` is what to keep inside the deadband (the last
+    decision, default ``running``). The result is clamped to ``bounds``.
+    """
+    if target_per_replica <= 0:
+        raise ValueError(f"target_per_replica must be > 0, got {target_per_replica}")
+    total_load = max(0.0, total_load)
+    keep = running if hold is None else hold
+    fit = math.ceil(total_load / target_per_replica)
+    if running <= 0:
+        # Nothing to measure per replica: start enough for the load (at least one if there is any).
+        return bounds.clamp(max(keep, fit))
+    ratio = total_load / (target_per_replica * running)
+    if ratio > hysteresis.upscale_above or ratio < hysteresis.downscale_below:
+        return bounds.clamp(fit)
+    return bounds.clamp(keep)
+
+
+# ─── encoder pool ──────────────────────────────────────────────────────────────────────────────
+
+
+@dataclass(frozen=True)
+class EncoderTargets:
+    """``target_queued_embeddings_per_replica``: the backlog one replica should carry (its batch
+    budget ``max_num_encoder_input_tokens`` times a few batches is a good start).
+    ``embeddings_per_handle_queued_request``: what a request still queued at a handle (not yet
+    reached any replica, so not in ``queued_embeddings``) is assumed to cost."""
+
+    target_queued_embeddings_per_replica: float = 8192.0
+    embeddings_per_handle_queued_request: float = 1024.0
+
+    def __post_init__(self) -> None:
+        if self.target_queued_embeddings_per_replica <= 0:
+            raise ValueError("target_queued_embeddings_per_replica must be > 0")
+        if self.embeddings_per_handle_queued_request < 0:
+            raise ValueError("embeddings_per_handle_queued_request must be >= 0")
+
+
+def encoder_backlog(
+    queued_embeddings: Iterable[float], handle_queued_requests: float, targets: EncoderTargets
+) -> float:
+    """Embeddings waiting in the pool: reported by replicas plus an estimate for handle queues."""
+    return (
+        sum(max(0.0, q) for q in queued_embeddings)
+        + max(0.0, handle_queued_requests) * targets.embeddings_per_handle_queued_request
+    )
+
+
+def desired_encoder_replicas(
+    running: int,
+    queued_embeddings: Mapping[object, float],
+    handle_queued_requests: float,
+    targets: EncoderTargets,
+    bounds: ScalingBounds,
+    hysteresis: Hysteresis = Hysteresis(),
+    hold: int | None = None,
+) -> int:
+    """``queued_embeddings``: replica id → embeddings waiting on that replica."""
+    backlog = encoder_backlog(queued_embeddings.values(), handle_queued_requests, targets)
+    return desired_replicas(
+        running, backlog, targets.target_queued_embeddings_per_replica, bounds, hysteresis, hold
+    )
+
+
+# ─── LLM pool ──────────────────────────────────────────────────────────────────────────────────
+
+
+@dataclass(frozen=True)
+class LLMReplicaLoad:
+    """What one LLMServer replica reports: KV blocks in use / total (0..1), running and waiting requests."""
+
+    kv_usage: float = 0.0
+    num_running: float = 0.0
+    num_waiting: float = 0.0
+
+
+@dataclass(frozen=True)
+class LLMTargets:
+    target_kv_usage: float = 0.8
+    target_ongoing_requests: float = 16.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.target_kv_usage <= 1:
+            raise ValueError(f"target_kv_usage must be in (0, 1], got {self.target_kv_usage}")
+        if self.target_ongoing_requests <= 0:
+            raise ValueError("target_ongoing_requests must be > 0")
+
+
+def llm_pressure(load: LLMReplicaLoad, targets: LLMTargets) -> float:
+    """One replica's load in units of its target (1.0 = exactly at target), on whichever
+    resource is tighter: KV memory or request slots."""
+    kv = max(0.0, load.kv_usage) / targets.target_kv_usage
+    requests = max(0.0, load.num_running + load.num_waiting) / targets.target_ongoing_requests
+    return max(kv, requests)
+
+
+def desired_llm_replicas(
+    running: int,
+    loads: Mapping[object, LLMReplicaLoad],
+    handle_queued_requests: float,
+    targets: LLMTargets,
+    bounds: ScalingBounds,
+    hysteresis: Hysteresis = Hysteresis(),
+    hold: int | None = None,
+) -> int:
+    """``loads``: replica id → its load; ``handle_queued_requests``: requests queued at the callers'
+    handles, not on any replica yet. Replicas that have not reported yet (just started) are assumed as
+    loaded as the mean of those that have, not idle, so a scale-up is not undone at once. With no
+    report at all there is nothing to decide on: keep ``hold``."""
+    if not loads:
+        return bounds.clamp(running if hold is None else hold)
+    mean = sum(llm_pressure(v, targets) for v in loads.values()) / len(loads)
+    queued = max(0.0, handle_queued_requests) / targets.target_ongoing_requests
+    total = mean * max(running, len(loads)) + queued
+    return desired_replicas(running, total, 1.0, bounds, hysteresis, hold)

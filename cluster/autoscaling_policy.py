@@ -1,0 +1,130 @@
+"""Ray Serve custom autoscaling policies for the encoder and LLM pools (the thin Ray-facing half).
+
+Wiring (Ray Serve 2.60):
+
+- Each replica reports its own numbers: Serve calls ``record_autoscaling_stats(self) -> dict[str, float]``
+  (sync or async) on the deployment class every ``RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S``
+  (default 10 s, timeout ``RAY_SERVE_RECORD_AUTOSCALING_STATS_TIMEOUT_S`` = 10 s). Values must be int or
+  float, or Serve disables the replica's stats. Only deployments with an ``autoscaling_config`` push them.
+  ``EncoderPool`` returns ``{ENCODER_QUEUED_EMBEDDINGS: ...}``; ``LLMServer`` returns
+  ``{LLM_KV_USAGE: ..., LLM_NUM_RUNNING: ..., LLM_NUM_WAITING: ...}``.
+- The deployment's ``autoscaling_config.policy`` names a class below, e.g.
+  ``{policy_function: "cluster.autoscaling_policy:EncoderQueuePolicy", policy_kwargs: {...}}``.
+  Serve builds it once with ``policy_kwargs`` and calls ``instance(ctx)`` every control-loop tick with an
+  ``AutoscalingContext``; ``ctx.aggregated_metrics[name][replica_id]`` is each replica's value averaged
+  over ``look_back_period_s``. Serve then applies ``upscale_delay_s`` / ``downscale_delay_s``, the
+  up/downscaling factors and the min/max bounds to what we return.
+
+Until replicas report the custom metrics (an old image, or the first seconds of a replica), each policy
+falls back to Serve's own signal, ongoing requests against ``target_ongoing_requests``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cluster.autoscaling import (
+    EncoderTargets,
+    Hysteresis,
+    LLMReplicaLoad,
+    LLMTargets,
+    ScalingBounds,
+    desired_encoder_replicas,
+    desired_llm_replicas,
+    desired_replicas,
+)
+
+ENCODER_QUEUED_EMBEDDINGS = "queued_embeddings"
+LLM_KV_USAGE = "kv_usage"
+LLM_NUM_RUNNING = "num_running"
+LLM_NUM_WAITING = "num_waiting"
+
+ENCODER_POLICY = "cluster.autoscaling_policy:EncoderQueuePolicy"
+LLM_POLICY = "cluster.autoscaling_policy:LLMLoadPolicy"
+
+
+def _bounds(ctx: Any) -> ScalingBounds:
+    lo = int(ctx.capacity_adjusted_min_replicas)
+    return ScalingBounds(lo, max(1, lo, int(ctx.capacity_adjusted_max_replicas)))
+
+
+def _metric(ctx: Any, name: str) -> dict[Any, float]:
+    return dict((ctx.aggregated_metrics or {}).get(name) or {})
+
+
+def _ongoing_requests_fallback(ctx: Any, hysteresis: Hysteresis) -> int:
+    target = ctx.config.target_ongoing_requests or 2.0
+    return desired_replicas(
+        ctx.current_num_replicas,
+        ctx.total_num_requests,
+        target,
+        _bounds(ctx),
+        hysteresis,
+        hold=ctx.target_num_replicas,
+    )
+
+
+class EncoderQueuePolicy:
+    """Scale the encoder pool on embeddings waiting to be computed."""
+
+    def __init__(
+        self,
+        target_queued_embeddings_per_replica: float = 8192.0,
+        embeddings_per_handle_queued_request: float = 1024.0,
+        upscale_above: float = 1.1,
+        downscale_below: float = 0.7,
+    ) -> None:
+        self.targets = EncoderTargets(
+            target_queued_embeddings_per_replica, embeddings_per_handle_queued_request
+        )
+        self.hysteresis = Hysteresis(upscale_above, downscale_below)
+
+    def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
+        queued = _metric(ctx, ENCODER_QUEUED_EMBEDDINGS)
+        if not queued:
+            return _ongoing_requests_fallback(ctx, self.hysteresis), {}
+        n = desired_encoder_replicas(
+            ctx.current_num_replicas,
+            queued,
+            ctx.total_queued_requests or 0.0,
+            self.targets,
+            _bounds(ctx),
+            self.hysteresis,
+            hold=ctx.target_num_replicas,
+        )
+        return n, {}
+
+
+class LLMLoadPolicy:
+    """Scale the LLM pool on KV-cache use and running + waiting requests, whichever is tighter."""
+
+    def __init__(
+        self,
+        target_kv_usage: float = 0.8,
+        target_ongoing_requests: float = 16.0,
+        upscale_above: float = 1.1,
+        downscale_below: float = 0.7,
+    ) -> None:
+        self.targets = LLMTargets(target_kv_usage, target_ongoing_requests)
+        self.hysteresis = Hysteresis(upscale_above, downscale_below)
+
+    def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
+        kv = _metric(ctx, LLM_KV_USAGE)
+        running = _metric(ctx, LLM_NUM_RUNNING)
+        waiting = _metric(ctx, LLM_NUM_WAITING)
+        replicas = set(kv) | set(running) | set(waiting)
+        if not replicas:
+            return _ongoing_requests_fallback(ctx, self.hysteresis), {}
+        loads = {
+            r: LLMReplicaLoad(kv.get(r, 0.0), running.get(r, 0.0), waiting.get(r, 0.0)) for r in replicas
+        }
+        n = desired_llm_replicas(
+            ctx.current_num_replicas,
+            loads,
+            ctx.total_queued_requests or 0.0,
+            self.targets,
+            _bounds(ctx),
+            self.hysteresis,
+            hold=ctx.target_num_replicas,
+        )
+        return n, {}
