@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ def encoder_backlog(
 
 def desired_encoder_replicas(
     running: int,
-    queued_embeddings: Mapping[object, float],
+    queued_embeddings: Mapping[Any, float],
     handle_queued_requests: float,
     targets: EncoderTargets,
     bounds: ScalingBounds,
@@ -165,7 +166,7 @@ def llm_pressure(load: LLMReplicaLoad, targets: LLMTargets) -> float:
 
 def desired_llm_replicas(
     running: int,
-    loads: Mapping[object, LLMReplicaLoad],
+    loads: Mapping[Any, LLMReplicaLoad],
     handle_queued_requests: float,
     targets: LLMTargets,
     bounds: ScalingBounds,
