@@ -1,0 +1,252 @@
+"""The LLM pool's Ray Serve replica: one engine, an async step loop, token streams back to the router.
+
+Ray lives here and nowhere else in llm_service. The engine is not thread-safe, so every engine call
+happens on one worker thread: ``generate`` only enqueues work, the loop applies adds and aborts
+between steps and fans each step's outputs out to per-request queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from llm_service.config import EngineConfig
+from llm_service.multimodal import MultiModalInput
+from llm_service.outputs import RequestOutput
+from llm_service.sampling_params import SamplingParams
+
+logger = logging.getLogger("mmserve.llm")
+
+
+@dataclass(frozen=True)
+class EmbeddingRef:
+    """Where one item's embeddings are (a Ray ObjectRef, boxed in a list so Ray passes it unresolved)."""
+
+    ref: list[Any]
+    offset: int
+    mm_hash: str
+    modality: str
+    grid_thw: tuple[int, int, int] | None = None
+
+
+@dataclass(frozen=True)
+class LLMRequestSpec:
+    """What the router hands an LLM replica for one request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    mm_items: Sequence[EmbeddingRef] = ()
+    block_hashes: Sequence[Any] = field(default=(), compare=False)  # for the replica router only
+
+
+class EngineLoop:
+    """Drives an engine on one thread; async callers stream RequestOutputs per request id."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._pending_adds: list[tuple[str, list[int], SamplingParams, list[MultiModalInput]]] = []
+        self._pending_aborts: list[str] = []
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.last_stats: Any = None
+
+    def _ensure_started(self) -> None:
+        if self._task is None or self._task.done():
+            self._loop = asyncio.get_running_loop()
+            self._wakeup = asyncio.Event()
+            self._task = self._loop.create_task(self._run())
+
+    async def stream(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        mm_inputs: list[MultiModalInput],
+    ) -> AsyncIterator[RequestOutput]:
+        self._ensure_started()
+        assert self._wakeup is not None
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        if request_id in self._queues:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        self._queues[request_id] = queue
+        with self._lock:
+            self._pending_adds.append((request_id, prompt_token_ids, params, mm_inputs))
+        self._wakeup.set()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:  # the caller went away (disconnect, cancellation): free its KV blocks
+                with self._lock:
+                    self._pending_aborts.append(request_id)
+                self._wakeup.set()
+
+    def _step_once(self) -> tuple[list[RequestOutput], list[tuple[str, BaseException]]]:
+        """Runs on the worker thread: apply queued adds/aborts, then one engine step."""
+        with self._lock:
+            adds, self._pending_adds = self._pending_adds, []
+            aborts, self._pending_aborts = self._pending_aborts, []
+        errors: list[tuple[str, BaseException]] = []
+        for rid in aborts:
+            self.engine.abort(rid)
+        for rid, ids, params, mm in adds:
+            try:
+                self.engine.add_request(rid, ids, params, mm)
+            except Exception as e:  # RequestRejected and friends go back to that caller only
+                errors.append((rid, e))
+        outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+        self.last_stats = self.engine.stats()
+        return outputs, errors
+
+    def _has_pending(self) -> bool:
+        with self._lock:
+            return bool(self._pending_adds or self._pending_aborts)
+
+    async def _run(self) -> None:
+        assert self._wakeup is not None
+        while True:
+            if not self.engine.has_unfinished_requests() and not self._has_pending():
+                await self._wakeup.wait()
+                self._wakeup.clear()
+                continue
+            try:
+                outputs, errors = await asyncio.to_thread(self._step_once)
+            except Exception as e:  # an engine bug: fail every request rather than hang them
+                logger.exception("engine step failed")
+                for rid, fq in list(self._queues.items()):
+                    fq.put_nowait(e)
+                    self._pending_aborts.append(rid)
+                continue
+            for rid, err in errors:
+                if (eq := self._queues.get(rid)) is not None:
+                    eq.put_nowait(err)
+            for out in outputs:
+                if (oq := self._queues.get(out.request_id)) is not None:
+                    oq.put_nowait(out)
+
+
+async def resolve_embeddings(
+    items: Sequence[EmbeddingRef], fetch: Callable[[Any], Any]
+) -> list[MultiModalInput]:
+    """Fetch each item's embeddings (from the object store) into MultiModalInputs."""
+    tensors = await asyncio.gather(*(fetch(it.ref[0]) for it in items))
+    return [
+        MultiModalInput(
+            embeddings=t, offset=it.offset, mm_hash=it.mm_hash, modality=it.modality, grid_thw=it.grid_thw
+        )
+        for it, t in zip(items, tensors, strict=True)
+    ]
+
+
+class LLMServer:
+    """Serve replica body (wrapped by ``serve.deployment`` in cluster/app.py)."""
+
+    def __init__(self, engine_config: EngineConfig, model_name: str, engine_cls: Any = None) -> None:
+        if engine_cls is None:
+            from llm_service.engine import LLMEngine
+
+            engine_cls = LLMEngine
+        self.model_name = model_name
+        self.engine = engine_cls(engine_config)
+        self.loop = EngineLoop(self.engine)
+        self._metrics = _LLMMetrics(model_name)
+
+    async def generate(self, spec: LLMRequestSpec) -> AsyncIterator[RequestOutput]:
+        async def fetch(ref: Any) -> Any:
+            return await ref
+
+        mm_inputs = await resolve_embeddings(spec.mm_items, fetch)
+        start = time.monotonic()
+        async for out in self.loop.stream(
+            spec.request_id, list(spec.prompt_token_ids), spec.sampling_params, mm_inputs
+        ):
+            self._metrics.observe(out, start)
+            yield out
+
+    def stats(self) -> dict[str, Any]:
+        s = self.loop.last_stats or self.engine.stats()
+        return {
+            "num_running": s.num_running,
+            "num_waiting": s.num_waiting,
+            "num_free_blocks": s.num_free_blocks,
+            "num_total_blocks": s.num_total_blocks,
+            "kv_usage": s.kv_usage,
+            "prefix_hit_tokens": s.prefix_hit_tokens,
+            "prefix_query_tokens": s.prefix_query_tokens,
+            "num_preemptions": s.num_preemptions,
+        }
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Called by Serve's controller; read by router.request_routers.PrefixAffinityRouter."""
+        stats = self.stats()
+        self._metrics.export(stats)
+        return stats
+
+    def check_health(self) -> None:
+        task = self.loop._task
+        if task is not None and task.done() and task.exception() is not None:
+            raise RuntimeError(f"engine loop died: {task.exception()!r}")
+
+
+class _LLMMetrics:
+    """Prometheus metrics through Ray (scraped from each node's metrics port)."""
+
+    def __init__(self, model: str) -> None:
+        from ray.serve import metrics
+
+        tags = {"model": model}
+        self.kv_blocks_in_use = metrics.Gauge(
+            "mmserve_kv_blocks_in_use", "KV blocks held by requests", ("model",)
+        )
+        self.kv_blocks_in_use.set_default_tags(tags)
+        self.running = metrics.Gauge(
+            "mmserve_llm_running_requests", "requests in the running batch", ("model",)
+        )
+        self.running.set_default_tags(tags)
+        self.waiting = metrics.Gauge("mmserve_llm_waiting_requests", "requests waiting for KV", ("model",))
+        self.waiting.set_default_tags(tags)
+        self.prefix_hit = metrics.Counter(
+            "mmserve_prefix_cache_hit_tokens", "prompt tokens served from KV", ("model",)
+        )
+        self.prefix_hit.set_default_tags(tags)
+        self.prefix_query = metrics.Counter(
+            "mmserve_prefix_cache_query_tokens", "prompt tokens looked up", ("model",)
+        )
+        self.prefix_query.set_default_tags(tags)
+        self.tokens = metrics.Counter("mmserve_generated_tokens", "generated tokens", ("model",))
+        self.tokens.set_default_tags(tags)
+
+    def observe(self, out: RequestOutput, start: float) -> None:
+        if out.new_token_ids:
+            self.tokens.inc(len(out.new_token_ids))
+
+    def export(self, stats: dict[str, Any]) -> None:
+        self.kv_blocks_in_use.set(stats["num_total_blocks"] - stats["num_free_blocks"])
+        self.running.set(stats["num_running"])
+        self.waiting.set(stats["num_waiting"])
+        last = getattr(self, "_last", {"prefix_hit_tokens": 0, "prefix_query_tokens": 0})
+        hit = stats["prefix_hit_tokens"] - last["prefix_hit_tokens"]
+        query = stats["prefix_query_tokens"] - last["prefix_query_tokens"]
+        if hit > 0:
+            self.prefix_hit.inc(hit)
+        if query > 0:
+            self.prefix_query.inc(query)
+        self._last = stats
