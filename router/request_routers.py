@@ -1,0 +1,106 @@
+"""Ray Serve request routers (the plug-in point of Serve's handles) for the encoder and LLM pools.
+
+Both keep exact per-replica in-flight counts for the requests this handle sent (routed/completed
+hooks) and fall back on what replicas report through ``record_routing_stats`` for everyone else's.
+The decisions themselves are the pure functions in router.prefix_affinity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from router.prefix_affinity import PrefixAffinityIndex, least_loaded
+
+
+def _request_arg(pending: PendingRequest | None, attr: str, default: Any) -> Any:
+    if pending is None:
+        return default
+    for arg in [*pending.args, *pending.kwargs.values()]:
+        if hasattr(arg, attr):
+            return getattr(arg, attr)
+    return default
+
+
+class _InFlight:
+    def __init__(self) -> None:
+        self.by_request: dict[str, tuple[ReplicaID, float]] = {}
+        self.by_replica: dict[ReplicaID, float] = {}
+
+    def add(self, request_id: str, replica: ReplicaID, amount: float) -> None:
+        self.by_request[request_id] = (replica, amount)
+        self.by_replica[replica] = self.by_replica.get(replica, 0.0) + amount
+
+    def done(self, request_id: str) -> None:
+        entry = self.by_request.pop(request_id, None)
+        if entry is not None:
+            replica, amount = entry
+            self.by_replica[replica] = max(0.0, self.by_replica.get(replica, 0.0) - amount)
+
+
+class LeastQueuedEmbeddingsRouter(FIFOMixin, RequestRouter):
+    """Encoder pool: the replica with the fewest embeddings waiting to be computed."""
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        self._inflight = _InFlight()
+
+    def _load(self, replica: RunningReplica) -> float:
+        reported = float(replica.routing_stats.get("queued_embeddings", 0.0))
+        return max(reported, self._inflight.by_replica.get(replica.replica_id, 0.0))
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> Sequence[list[RunningReplica]]:
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True
+        load = {r.replica_id: self._load(r) for r in candidate_replicas}
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        return [[by_id[rid]] for rid in least_loaded(load)]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        amount = float(_request_arg(pending_request, "num_embeds", 0))
+        self._inflight.add(pending_request.metadata.internal_request_id, replica_id, amount)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._inflight.done(internal_request_id)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._inflight.by_replica.pop(replica_id, None)
+
+
+class PrefixAffinityRouter(FIFOMixin, RequestRouter):
+    """LLM pool: longest cached prefix of the request's block hashes, balanced against load."""
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        self._index = PrefixAffinityIndex()
+        self._inflight = _InFlight()
+
+    def _load(self, replica: RunningReplica) -> float:
+        stats = replica.routing_stats
+        reported = float(stats.get("num_running", 0)) + float(stats.get("num_waiting", 0))
+        return max(reported, self._inflight.by_replica.get(replica.replica_id, 0.0))
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> Sequence[list[RunningReplica]]:
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True
+        hashes = _request_arg(pending_request, "block_hashes", ())
+        load = {r.replica_id: self._load(r) for r in candidate_replicas}
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        return [[by_id[rid]] for rid in self._index.choose(list(hashes), load)]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        self._index.record(replica_id, list(_request_arg(pending_request, "block_hashes", ())))
+        self._inflight.add(pending_request.metadata.internal_request_id, replica_id, 1.0)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._inflight.done(internal_request_id)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._index.remove_replica(replica_id)
+        self._inflight.by_replica.pop(replica_id, None)
