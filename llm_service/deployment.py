@@ -29,6 +29,7 @@ class EmbeddingRef:
 
     ref: list[Any]
     offset: int
+    length: int
     mm_hash: str
     modality: str
     grid_thw: tuple[int, int, int] | None = None

@@ -7,7 +7,7 @@ class RequestRejected(ValueError):
     """A request the engine can never serve.
 
     ``code`` is one of ``prompt_too_long``, ``too_many_blocks``, ``bad_sampling_params``,
-    ``bad_mm_input``, ``duplicate_request_id``; the message names the problem.
+    ``bad_mm_input``, ``bad_prompt``, ``duplicate_request_id``; the message names the problem.
     """
 
     def __init__(self, code: str, message: str) -> None:

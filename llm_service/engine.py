@@ -1,0 +1,188 @@
+"""LLMEngine: the loop an LLM replica runs — schedule, run the model, post-process."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from llm_service.config import EngineConfig
+from llm_service.errors import RequestRejected
+from llm_service.kv_cache_manager import KVCacheManager, cdiv
+from llm_service.model_runner import ModelRunner
+from llm_service.multimodal import MultiModalInput
+from llm_service.outputs import EngineStats, GenerateOutput, GenerateRequest, RequestOutput
+from llm_service.sampling_params import SamplingParams
+from llm_service.scheduler import Scheduler
+from llm_service.sequence import Request
+
+MODALITIES = ("image", "video", "audio")
+
+
+class LLMEngine:
+    """Serves prompts whose media positions are filled by encoder embeddings; never runs an encoder."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.hidden_size: int = self.runner.text_config.hidden_size
+        self.vocab_size: int = self.runner.text_config.vocab_size
+        self.eos_token_ids: tuple[int, ...] = self.runner.text_config.eos_token_ids
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self._ids = itertools.count()
+
+    # ---- online primitives -------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        mm_inputs: Sequence[MultiModalInput] = (),
+    ) -> None:
+        """Queue a request; raise RequestRejected if it can never be served."""
+        if request_id in self.scheduler.requests:
+            raise RequestRejected(
+                "duplicate_request_id", f"request id {request_id!r} is already in the engine"
+            )
+        sampling_params.validate()
+        self._validate_prompt(prompt_token_ids, sampling_params)
+        items = sorted(mm_inputs, key=lambda m: m.offset)
+        self._validate_mm(len(prompt_token_ids), items)
+        stop = set(sampling_params.stop_token_ids)
+        if not sampling_params.ignore_eos:
+            stop.update(self.eos_token_ids)
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=sampling_params,
+            stop_token_ids=frozenset(stop),
+            max_model_len=self.config.max_model_len,
+            mm_spans=[(m.offset, m.length, m.mm_hash) for m in items],
+        )
+        self.runner.prepare_request(req, items)
+        self.scheduler.add_request(req)
+
+    def step(self) -> list[RequestOutput]:
+        """One engine iteration; returns the requests that got a new token (finished ones included)."""
+        sched = self.scheduler.schedule()
+        sampled = self.runner.execute(sched)
+        outputs = []
+        for req in self.scheduler.update(sched, sampled):
+            lp = req.output_logprobs[-1]
+            outputs.append(
+                RequestOutput(
+                    request_id=req.request_id,
+                    new_token_ids=[req.output_token_ids[-1]],
+                    new_logprobs=[lp] if req.sampling_params.logprobs is not None else None,
+                    finished=req.is_finished,
+                    finish_reason=req.status.value if req.is_finished else None,
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    num_cached_tokens=max(req.num_cached_tokens, 0),
+                )
+            )
+        return outputs
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request and free its blocks; unknown or finished ids are ignored. Emits no output."""
+        self.scheduler.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_free_blocks=self.kv.num_free_blocks,
+            num_total_blocks=self.kv.num_total_blocks,
+            kv_usage=self.kv.usage,
+            prefix_hit_tokens=self.kv.prefix_hit_tokens,
+            prefix_query_tokens=self.kv.prefix_query_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+    # ---- offline -----------------------------------------------------------------------------------
+    def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateOutput]:
+        """Run ``requests`` to completion (batched together), results in input order."""
+        ids = [f"generate-{next(self._ids)}" for _ in requests]
+        for rid, r in zip(ids, requests, strict=True):
+            self.add_request(rid, r.prompt_token_ids, r.sampling_params, r.mm_inputs)
+        results: dict[str, GenerateOutput] = {
+            rid: GenerateOutput([], [] if r.sampling_params.logprobs is not None else None, 0, 0, None)
+            for rid, r in zip(ids, requests, strict=True)
+        }
+        pending = set(ids)
+        while pending:
+            for o in self.step():
+                res = results.get(o.request_id)
+                if res is None:
+                    continue
+                res.token_ids.extend(o.new_token_ids)
+                if res.logprobs is not None and o.new_logprobs:
+                    res.logprobs.extend(o.new_logprobs)
+                res.num_prompt_tokens, res.num_cached_tokens = o.num_prompt_tokens, o.num_cached_tokens
+                if o.finished:
+                    res.finish_reason = o.finish_reason
+                    pending.discard(o.request_id)
+        return [results[rid] for rid in ids]
+
+    # ---- validation --------------------------------------------------------------------------------
+    def _validate_prompt(self, prompt: list[int], params: SamplingParams) -> None:
+        c = self.config
+        if not prompt:
+            raise RequestRejected("prompt_too_long", "the prompt is empty")
+        if len(prompt) > c.max_model_len:
+            raise RequestRejected(
+                "prompt_too_long",
+                f"prompt has {len(prompt)} tokens, more than max_model_len={c.max_model_len}",
+            )
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestRejected(
+                "bad_prompt", f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        # KV is needed for every token but the last sampled one.
+        peak = min(len(prompt) + params.max_tokens - 1, c.max_model_len)
+        if not self.kv.can_ever_fit(peak):
+            raise RequestRejected(
+                "too_many_blocks",
+                f"prompt + max_tokens need {cdiv(peak, c.block_size)} KV blocks of {c.block_size} tokens; "
+                f"the pool has {self.kv.num_total_blocks}",
+            )
+
+    def _validate_mm(self, num_tokens: int, items: list[MultiModalInput]) -> None:
+        prev_end, prev_name = 0, ""
+        for i, m in enumerate(items):
+            name = f"{m.modality} item {i} (mm_hash={m.mm_hash!r}, offset={m.offset})"
+            if m.modality not in MODALITIES:
+                raise RequestRejected("bad_mm_input", f"{name}: unknown modality {m.modality!r}")
+            if m.embeddings.dim() != 2 or m.embeddings.shape[1] != self.hidden_size:
+                raise RequestRejected(
+                    "bad_mm_input",
+                    f"{name}: embeddings have shape {tuple(m.embeddings.shape)}, expected [n, {self.hidden_size}]",
+                )
+            if m.length == 0 or m.offset < 0 or m.end > num_tokens:
+                raise RequestRejected(
+                    "bad_mm_input",
+                    f"{name}: range [{m.offset}, {m.end}) is empty or outside the prompt of {num_tokens}",
+                )
+            if m.offset < prev_end:
+                raise RequestRejected("bad_mm_input", f"{name}: overlaps {prev_name}")
+            prev_end, prev_name = m.end, name
+            if self.runner.model.uses_mrope:
+                self._validate_grid(name, m)
+
+    def _validate_grid(self, name: str, m: MultiModalInput) -> None:
+        if m.modality == "audio":
+            raise RequestRejected(
+                "bad_mm_input", f"{name}: this model ({self.runner.text_config.architecture}) takes no audio"
+            )
+        merge = self.runner.text_config.spatial_merge_size
+        if m.grid_thw is None or len(m.grid_thw) != 3:
+            raise RequestRejected("bad_mm_input", f"{name}: grid_thw (t, h, w) is required for M-RoPE")
+        t, h, w = m.grid_thw
+        if h % merge or w % merge or t * h * w // merge**2 != m.length:
+            raise RequestRejected(
+                "bad_mm_input",
+                f"{name}: grid_thw={m.grid_thw} gives {t * h * w // merge**2} embeddings, got {m.length}",
+            )

@@ -1,0 +1,138 @@
+"""Runs one scheduled batch: builds flat inputs, runs the model over the paged KV cache, samples."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from llm_service.attention import TorchPagedAttention, build_metadata
+from llm_service.config import EngineConfig
+from llm_service.kv_cache_manager import cdiv
+from llm_service.models.qwen2 import Qwen2ForCausalLM, TextConfig
+from llm_service.models.weights import load_weights
+from llm_service.mrope import mrope_positions
+from llm_service.multimodal import MultiModalInput
+from llm_service.outputs import TokenLogprob
+from llm_service.sampler import sample
+from llm_service.scheduler import ScheduledChunk, SchedulerOutput
+from llm_service.sequence import Request
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_KV_CACHE_CAP_BYTES = 1 << 30
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = DTYPES[config.dtype]
+        self.text_config = TextConfig.from_model_dir(config.model)
+        model = Qwen2ForCausalLM(self.text_config, TorchPagedAttention())
+        load_weights(model, config.model)
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.num_blocks = config.num_kv_blocks or self._derive_num_blocks()
+        cfg, bs = self.text_config, config.block_size
+        shape = (2, self.num_blocks, bs, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)
+        ]
+        self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
+
+    @property
+    def block_bytes(self) -> int:
+        cfg = self.text_config
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * cfg.num_layers * self.config.block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+    def _derive_num_blocks(self) -> int:
+        c = self.config
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(total * c.kv_cache_memory_fraction) - (total - free)
+            n = budget // self.block_bytes
+            if n <= 0:
+                raise RuntimeError(f"no GPU memory left for the KV cache ({free / 2**30:.1f} GiB free)")
+        else:
+            want = c.max_num_seqs * cdiv(min(c.max_model_len, 2048), c.block_size)
+            n = max(1, min(want, CPU_KV_CACHE_CAP_BYTES // self.block_bytes))
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB)", n, c.block_size, n * self.block_bytes / 2**20
+        )
+        return int(n)
+
+    def prepare_request(self, req: Request, mm_inputs: list[MultiModalInput]) -> None:
+        """Move the request's embeddings to the device, precompute M-RoPE positions and its RNG."""
+        state = req.runner_state
+        state["mm"] = [
+            (m.offset, m.length, m.embeddings.to(device=self.device, dtype=self.dtype)) for m in mm_inputs
+        ]
+        if self.model.uses_mrope:
+            items = [
+                (m.offset, m.length, m.grid_thw)
+                for m in mm_inputs
+                if m.modality in ("image", "video") and m.grid_thw is not None
+            ]
+            pos, delta = mrope_positions(req.num_prompt_tokens, items, self.text_config.spatial_merge_size)
+            state["mrope"], state["delta"] = pos.to(self.device), delta
+        seed = req.sampling_params.seed
+        if seed is not None:
+            state["generator"] = torch.Generator(device=self.device).manual_seed(seed)
+
+    def _positions(self, req: Request, start: int, end: int) -> torch.Tensor:
+        if not self.model.uses_mrope:
+            return torch.arange(start, end, device=self.device)
+        state, n = req.runner_state, req.num_prompt_tokens
+        parts = []
+        if start < n:
+            parts.append(state["mrope"][:, start : min(end, n)])
+        if end > n:
+            parts.append(torch.arange(max(start, n), end, device=self.device).expand(3, -1) + state["delta"])
+        return torch.cat(parts, dim=1)
+
+    def _embeds(self, chunk: ScheduledChunk) -> torch.Tensor:
+        req, start = chunk.request, chunk.start
+        end = start + chunk.num_tokens
+        ids = torch.tensor(req.all_token_ids[start:end], device=self.device)
+        emb = self.model.embed_tokens(ids)
+        for offset, length, embeds in req.runner_state.get("mm", ()):
+            lo, hi = max(start, offset), min(end, offset + length)
+            if lo < hi:  # a chunk may hold only a slice of the item
+                emb[lo - start : hi - start] = embeds[lo - offset : hi - offset]
+        return emb
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, TokenLogprob | None]]:
+        """Compute the scheduled chunks; return ``{request_id: (token, logprob)}`` for those that sample."""
+        chunks = out.chunks
+        if not chunks:
+            return {}
+        embeds = torch.cat([self._embeds(c) for c in chunks])
+        positions = torch.cat(
+            [self._positions(c.request, c.start, c.start + c.num_tokens) for c in chunks], dim=-1
+        )
+        meta = build_metadata(
+            [(c.start, c.num_tokens, c.block_table) for c in chunks], self.config.block_size, self.device
+        )
+        hidden = self.model(embeds, positions, self.kv_caches, meta)
+        rows, sampling = [], []
+        end = 0
+        for c in chunks:
+            end += c.num_tokens
+            if c.samples:
+                rows.append(end - 1)
+                sampling.append(c.request)
+        if not sampling:
+            return {}
+        logits = self.model.compute_logits(hidden[rows])
+        gens = [r.runner_state.get("generator", self.default_generator) for r in sampling]
+        tokens, logprobs = sample(logits, [r.sampling_params for r in sampling], gens)
+        return {r.request_id: (t, lp) for r, t, lp in zip(sampling, tokens, logprobs, strict=True)}

@@ -1,0 +1,203 @@
+"""Qwen2 decoder (Qwen2-Audio's LM) and the Qwen2-VL decoder (the same with M-RoPE).
+
+Inputs are flat: ``inputs_embeds [T, hidden]`` for every token of the batch and ``positions`` ``[T]``
+(1-D RoPE) or ``[3, T]`` (M-RoPE: temporal, height, width). Math follows transformers' Qwen2 /
+Qwen2-VL text models so greedy outputs agree token for token.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from llm_service.attention import AttentionMetadata, PagedAttention
+
+VL_ARCHS = ("Qwen2VLForConditionalGeneration",)
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    mrope_section: tuple[int, ...] | None  # set for Qwen2-VL
+    spatial_merge_size: int
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+    architecture: str
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> TextConfig:
+        d = Path(model_dir)
+        cfg = json.loads((d / "config.json").read_text())
+        text: dict[str, Any] = cfg.get("text_config") or cfg
+        arch = (cfg.get("architectures") or ["Qwen2ForCausalLM"])[0]
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        theta = rope.get("rope_theta", text.get("rope_theta", 10000.0))
+        mrope = rope.get("mrope_section") if arch in VL_ARCHS else None
+        if arch in VL_ARCHS and mrope is None:
+            mrope = [16, 24, 24]  # transformers' default
+        heads = text["num_attention_heads"]
+        head_dim = text.get("head_dim") or text["hidden_size"] // heads
+        return cls(
+            vocab_size=text["vocab_size"],
+            hidden_size=text["hidden_size"],
+            intermediate_size=text["intermediate_size"],
+            num_layers=text["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=text.get("num_key_value_heads", heads),
+            head_dim=head_dim,
+            rms_norm_eps=text.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            mrope_section=tuple(mrope) if mrope else None,
+            spatial_merge_size=(cfg.get("vision_config") or {}).get("spatial_merge_size", 2),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            eos_token_ids=_eos_ids(d, cfg, text),
+            architecture=arch,
+        )
+
+
+def _eos_ids(d: Path, cfg: dict[str, Any], text: dict[str, Any]) -> tuple[int, ...]:
+    gen_path = d / "generation_config.json"
+    eos = json.loads(gen_path.read_text()).get("eos_token_id") if gen_path.exists() else None
+    if eos is None:
+        eos = cfg.get("eos_token_id", text.get("eos_token_id"))
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin for 1-D positions ``[T]`` or M-RoPE positions ``[3, T]`` (frequency sections taken from
+    the t, h, w position rows in turn, as in Qwen2-VL)."""
+
+    def __init__(self, cfg: TextConfig) -> None:
+        super().__init__()
+        dim = cfg.head_dim
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.mrope_section = cfg.mrope_section
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq.float()  # [T, d/2] or [3, T, d/2]
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.mrope_section is not None:
+            if positions.dim() == 1:
+                cos, sin = cos.expand(3, -1, -1), sin.expand(3, -1, -1)
+            cos, sin = self._sections(cos), self._sections(sin)
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+        return cos.to(dtype), sin.to(dtype)
+
+    def _sections(self, f: torch.Tensor) -> torch.Tensor:
+        assert self.mrope_section is not None
+        parts = f.split(list(self.mrope_section), dim=-1)
+        return torch.cat([p[i % 3] for i, p in enumerate(parts)], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TextConfig, backend: PagedAttention) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=True)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=True)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=True)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.scale = cfg.head_dim**-0.5
+        self.backend = backend
+
+    def forward(self, x, cos, sin, kv_cache, meta):  # type: ignore[no-untyped-def]
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        c, s = cos[:, None, :], sin[:, None, :]
+        q = q * c + rotate_half(q) * s
+        k = k * c + rotate_half(k) * s
+        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(o.reshape(t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: TextConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TextConfig, backend: PagedAttention) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h, cos, sin, kv_cache, meta):  # type: ignore[no-untyped-def]
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen2ForCausalLM(nn.Module):
+    """Module names mirror HF's text model with its prefix stripped (see ``weights.py``)."""
+
+    def __init__(self, cfg: TextConfig, backend: PagedAttention) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(cfg)
+
+    @property
+    def uses_mrope(self) -> bool:
+        return self.cfg.mrope_section is not None
+
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        cos, sin = self.rotary(positions, inputs_embeds.dtype)
+        h = inputs_embeds
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            h = layer(h, cos, sin, kv, meta)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
