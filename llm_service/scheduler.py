@@ -24,10 +24,10 @@ class ScheduledChunk:
     start: int
     num_tokens: int
     block_table: list[int]
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        return self.start + self.num_tokens == self.request.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.start + self.num_tokens == self.request.num_tokens
 
 
 @dataclass
