@@ -1,0 +1,259 @@
+"""``Preprocessor``: OpenAI-style messages → prompt token ids with expanded placeholders + encoder inputs.
+
+    messages ──▶ media refs ──fetch──▶ original bytes ──▶ mm_hash ──lookup──▶ hit: meta from the cache
+                                                                         └──▶ miss: decode → HF processor
+    chat template ──▶ tokenize ──▶ expand each placeholder id to the item's num_embeds ──▶ PlaceholderRange
+
+An item the encoder cache holds is never decoded nor processed: its length and grid come from the
+cache entry. Only misses carry an ``EncoderInput``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from encoder_service.errors import InvalidMediaInput, MMCacheMiss, TooManyItems
+from encoder_service.hashing import compute_mm_hash
+from encoder_service.media.fetch import FetchedMedia, fetch_media_bytes
+from encoder_service.media.image import image_header
+from encoder_service.media.limits import MediaLimits
+from encoder_service.media.loader import decode_media
+from encoder_service.media.url_safety import Resolver, resolve_host
+from encoder_service.processor_cache import ProcessorCache
+from encoder_service.processors import FamilyProcessor, load_family_processor
+from encoder_service.types import (
+    MODALITIES,
+    EmbeddingMeta,
+    EncoderInput,
+    MediaRef,
+    Modality,
+    MultiModalItem,
+    PlaceholderRange,
+    PreprocessedRequest,
+)
+
+Lookup = Callable[[list[str]], "dict[str, EmbeddingMeta] | Awaitable[dict[str, EmbeddingMeta]]"]
+
+
+@dataclass
+class _Item:
+    index: int
+    ref: MediaRef
+    fetched: FetchedMedia | None = None
+    mm_hash: str = ""
+    num_embeds: int = 0
+    grid_thw: tuple[int, int, int] | None = None
+    encoder_input: EncoderInput | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class Preprocessor:
+    """One model's preprocessing. Safe to share across coroutines; the HF processor runs in threads."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        limits: MediaLimits | None = None,
+        limit_mm_per_prompt: dict[str, int] | None = None,
+        processor_cache_bytes: int = 256 * 1024 * 1024,
+        *,
+        model_id: str | None = None,
+        resolver: Resolver = resolve_host,
+        http_client: httpx.AsyncClient | None = None,
+    ) -> None:
+        self.limits = limits or MediaLimits()
+        self.family: FamilyProcessor = load_family_processor(model_dir, self.limits)
+        self.model_id = model_id or Path(model_dir).name
+        limit = (
+            limit_mm_per_prompt if limit_mm_per_prompt is not None else {m: 1 for m in self.family.modalities}
+        )
+        self.limit_mm_per_prompt = {
+            m: (limit.get(m, 0) if m in self.family.modalities else 0) for m in MODALITIES
+        }
+        self.processor_cache = ProcessorCache(processor_cache_bytes)
+        self.num_processor_calls = 0  # HF processor invocations, for tests and metrics
+        self._resolver = resolver
+        self._http = http_client
+
+    # ---- family facts the router and engine need -----------------------------------------------------
+    @property
+    def placeholder_token_ids(self) -> dict[Modality, int]:
+        return dict(self.family.placeholder_token_ids)
+
+    @property
+    def uses_mrope(self) -> bool:
+        return self.family.uses_mrope
+
+    @property
+    def sampling_rate(self) -> int | None:
+        return self.family.sampling_rate
+
+    @property
+    def modalities(self) -> tuple[Modality, ...]:
+        return self.family.modalities
+
+    def mm_hash(self, modality: Modality, *, data: bytes | None = None, uuid: str | None = None) -> str:
+        return compute_mm_hash(
+            self.model_id, modality, data=data, uuid=uuid, processor_kwargs=self.family.hash_kwargs(modality)
+        )
+
+    # ---- the pipeline --------------------------------------------------------------------------------
+    async def preprocess(
+        self, messages: list[dict[str, Any]], lookup: Lookup | None = None
+    ) -> PreprocessedRequest:
+        template_messages, items = self._collect(messages)
+        await asyncio.gather(*(self._fetch(it) for it in items))
+        for it in items:
+            data = it.fetched.data if it.fetched is not None else None
+            it.mm_hash = self.mm_hash(it.ref.modality, data=data, uuid=it.ref.uuid)
+        cached = await self._lookup(lookup, items)
+        computed: dict[str, _Item] = {}
+        misses = []
+        for it in items:
+            meta = cached.get(it.mm_hash)
+            if meta is not None:
+                it.num_embeds, it.grid_thw = meta.num_embeds, meta.grid_thw
+                it.metadata = {"source": "encoder_cache"}
+            elif it.fetched is None:
+                raise MMCacheMiss(
+                    f"{it.ref.modality} {it.index}: uuid {it.ref.uuid!r} is not in the encoder cache; "
+                    "send the media data with it",
+                    item=it.index,
+                )
+            elif it.mm_hash not in computed:
+                computed[it.mm_hash] = it
+                misses.append(it)
+        await asyncio.gather(*(asyncio.to_thread(self._process, it) for it in misses))
+        for it in items:
+            first = computed.get(it.mm_hash)
+            if first is not None and first is not it:
+                it.num_embeds, it.grid_thw = first.num_embeds, first.grid_thw
+                it.encoder_input, it.metadata = first.encoder_input, first.metadata
+        return self._tokenize(template_messages, items)
+
+    def preprocess_sync(
+        self, messages: list[dict[str, Any]], lookup: Lookup | None = None
+    ) -> PreprocessedRequest:
+        return asyncio.run(self.preprocess(messages, lookup))
+
+    def _collect(self, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[_Item]]:
+        """Media parts in prompt order (their index is the item index) and the messages the template sees."""
+        items: list[_Item] = []
+        counts = dict.fromkeys(MODALITIES, 0)
+        out = []
+        for msg in messages:
+            content = msg.get("content")
+            if not isinstance(content, list):
+                out.append({"role": msg["role"], "content": content or ""})
+                continue
+            parts = []
+            for part in content:
+                kind = part.get("type")
+                if kind == "text":
+                    parts.append({"type": "text", "text": part.get("text", "")})
+                    continue
+                ref = part.get("media")
+                if kind not in MODALITIES or not isinstance(ref, MediaRef) or ref.modality != kind:
+                    raise InvalidMediaInput(
+                        f"content part of type {kind!r} is not a media part", item=len(items)
+                    )
+                counts[kind] += 1
+                if counts[kind] > self.limit_mm_per_prompt[kind]:
+                    raise TooManyItems(
+                        f"{kind} {len(items)}: more than {self.limit_mm_per_prompt[kind]} {kind} item(s) per "
+                        f"prompt (limit_mm_per_prompt) for model {self.model_id!r}",
+                        item=len(items),
+                    )
+                items.append(_Item(len(items), ref))
+                parts.append({"type": kind})
+            out.append({"role": msg["role"], "content": parts})
+        return out, items
+
+    async def _fetch(self, it: _Item) -> None:
+        ref = it.ref
+        if ref.data is None and ref.url is None:
+            if ref.uuid is None:
+                raise InvalidMediaInput(f"{ref.modality} {it.index}: no data, url or uuid", item=it.index)
+            return
+        it.fetched = await fetch_media_bytes(
+            ref, self.limits, item=it.index, client=self._http, resolver=self._resolver
+        )
+        if ref.modality == "image":  # header-only pixel check, also for items the cache will serve
+            image_header(it.fetched.data, self.limits, item=it.index, label=f"image {it.index}")
+
+    async def _lookup(self, lookup: Lookup | None, items: list[_Item]) -> dict[str, EmbeddingMeta]:
+        if lookup is None or not items:
+            return {}
+        result = lookup(list(dict.fromkeys(it.mm_hash for it in items)))
+        if inspect.isawaitable(result):
+            result = await result
+        return dict(result)
+
+    def _process(self, it: _Item) -> None:
+        """Decode and run the HF processor for one miss, through the processor cache."""
+        modality = it.ref.modality
+        hit = self.processor_cache.get(it.mm_hash)
+        if hit is not None:
+            it.encoder_input, it.num_embeds, it.grid_thw = hit, hit.num_embeds, hit.grid_thw
+            it.metadata = {"source": "processor_cache"}
+            return
+        assert it.fetched is not None
+        loaded = decode_media(
+            modality,
+            it.fetched,
+            self.limits,
+            item=it.index,
+            sampling_rate=self.family.sampling_rate or 16000,
+            frame_multiple=self.family.frame_multiple,
+        )
+        self.num_processor_calls += 1
+        out = self.family.process(modality, loaded.value)
+        it.num_embeds, it.grid_thw, it.metadata = out.num_embeds, out.grid_thw, loaded.metadata
+        it.encoder_input = EncoderInput(it.mm_hash, modality, out.num_embeds, out.grid_thw, out.tensors)
+        self.processor_cache.put(it.encoder_input)
+
+    def _tokenize(self, template_messages: list[dict[str, Any]], items: list[_Item]) -> PreprocessedRequest:
+        hf = self.family.hf
+        text = hf.apply_chat_template(template_messages, add_generation_prompt=True, tokenize=False)
+        ids = list(self.family.tokenizer(text)["input_ids"])
+        queues = {m: [it for it in items if it.ref.modality == m] for m in self.family.modalities}
+        by_token = {tid: m for m, tid in self.family.placeholder_token_ids.items()}
+        out_ids: list[int] = []
+        ranges: dict[int, PlaceholderRange] = {}
+        for tid in ids:
+            modality = by_token.get(tid)
+            if modality is None:
+                out_ids.append(tid)
+                continue
+            if not queues[modality]:
+                raise InvalidMediaInput(f"prompt has more {modality} placeholders than {modality} items")
+            it = queues[modality].pop(0)
+            ranges[it.index] = PlaceholderRange(len(out_ids), it.num_embeds)
+            out_ids.extend([tid] * it.num_embeds)
+        if any(queues.values()) or len(ranges) != len(items):
+            raise InvalidMediaInput(
+                "the chat template dropped a media placeholder (text contains special tokens?)"
+            )
+        mm_items = [
+            MultiModalItem(
+                index=it.index,
+                mm_hash=it.mm_hash,
+                modality=it.ref.modality,
+                placeholder=ranges[it.index],
+                grid_thw=it.grid_thw,
+                metadata=dict(it.metadata or {}),
+                encoder_input=it.encoder_input,
+            )
+            for it in items
+        ]
+        kwargs: dict[str, Any] = {
+            m: self.family.log_kwargs(m) for m in sorted({it.ref.modality for it in items})
+        }
+        return PreprocessedRequest(out_ids, mm_items, kwargs)

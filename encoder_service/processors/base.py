@@ -1,0 +1,57 @@
+"""What the preprocessor needs from one model family: placeholders, hash kwargs, per-item processing."""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from encoder_service.types import Modality
+
+
+@dataclass
+class ProcessedItem:
+    """The HF processor's output for one item and how many embeddings it becomes."""
+
+    tensors: dict[str, Any]
+    num_embeds: int
+    grid_thw: tuple[int, int, int] | None
+
+
+def processor_config(proc: Any) -> dict[str, Any]:
+    """A sub-processor's full serialised config (what ``save_pretrained`` writes): stable across processes."""
+    return dict(json.loads(proc.to_json_string()))
+
+
+class FamilyProcessor(ABC):
+    """One model family (Qwen2-VL, Qwen2-Audio) on top of its HF ``AutoProcessor``.
+
+    Contract: ``process(modality, value)`` returns exactly what the HF processor produces for that one
+    item, and ``num_embeds`` equals how many placeholder tokens the HF processor would insert for it.
+    """
+
+    modalities: tuple[Modality, ...]
+    placeholder_tokens: ClassVar[dict[Modality, str]]
+    uses_mrope: bool
+    sampling_rate: int | None = None
+    frame_multiple: int = 1  # sampled video frames are rounded up to a multiple of this
+
+    def __init__(self, hf_processor: Any) -> None:
+        self.hf = hf_processor
+        self.tokenizer = hf_processor.tokenizer
+        self.placeholder_token_ids: dict[Modality, int] = {
+            m: int(self.tokenizer.convert_tokens_to_ids(t)) for m, t in self.placeholder_tokens.items()
+        }
+
+    @abstractmethod
+    def hash_kwargs(self, modality: Modality) -> dict[str, Any]:
+        """Every setting that changes how an item of ``modality`` is encoded (goes into mm_hash)."""
+
+    @abstractmethod
+    def log_kwargs(self, modality: Modality) -> dict[str, Any]:
+        """The few settings worth a log line (a subset of ``hash_kwargs``)."""
+
+    @abstractmethod
+    def process(self, modality: Modality, value: Any) -> ProcessedItem:
+        """Run the HF processor on one decoded item."""

@@ -1,0 +1,212 @@
+"""Preprocessor vs. the HF processor itself: same prompt ids, same per-item tensors; cache hits skip it."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from encoder_service.errors import MMCacheMiss, TooManyItems
+from encoder_service.media import MediaLimits
+from encoder_service.media.video import decode_video
+from encoder_service.processing import Preprocessor
+from encoder_service.types import EmbeddingMeta, MediaRef
+from tests.media import make_audio_array, make_audio_bytes, make_image_bytes, make_video_bytes
+
+LIMITS = MediaLimits(video_fps=4.0)
+
+
+@pytest.fixture(scope="module")
+def vl(tiny_vl_dir):
+    return Preprocessor(tiny_vl_dir, LIMITS, {"image": 4, "video": 1}, 64 * 1024 * 1024)
+
+
+@pytest.fixture(scope="module")
+def audio(tiny_audio_dir):
+    return Preprocessor(tiny_audio_dir, LIMITS, {"audio": 2}, 64 * 1024 * 1024)
+
+
+def _img(w, h, seed=0):
+    return MediaRef("image", data=make_image_bytes(w, h, seed=seed))
+
+
+def _hf_vl(pre, messages, images=None, videos=None):
+    hf = pre.family.hf
+    tmpl = [
+        {
+            "role": m["role"],
+            "content": m["content"]
+            if isinstance(m["content"], str)
+            else [{"type": p["type"]} if "media" in p else p for p in m["content"]],
+        }
+        for m in messages
+    ]
+    text = hf.apply_chat_template(tmpl, add_generation_prompt=True, tokenize=False)
+    return hf(text=[text], images=images, videos=videos, return_tensors="pt")
+
+
+@pytest.mark.parametrize(("w", "h"), [(64, 48), (200, 120), (33, 97)])
+def test_image_matches_hf(vl, w, h):
+    msgs = [
+        {"role": "user", "content": [{"type": "image", "media": _img(w, h)}, {"type": "text", "text": "hi"}]}
+    ]
+    out = vl.preprocess_sync(msgs)
+    ref = _hf_vl(vl, msgs, images=[Image.open(io.BytesIO(make_image_bytes(w, h))).convert("RGB")])
+    assert out.prompt_token_ids == ref["input_ids"][0].tolist()
+    (item,) = out.items
+    enc = item.encoder_input
+    assert torch.equal(enc.tensors["pixel_values"], ref["pixel_values"])
+    assert torch.equal(enc.tensors["image_grid_thw"], ref["image_grid_thw"])
+    t, gh, gw = ref["image_grid_thw"][0].tolist()
+    assert item.grid_thw == (t, gh, gw) and item.num_embeds == t * gh * gw // 4
+    pad = vl.placeholder_token_ids["image"]
+    ids = out.prompt_token_ids
+    assert all(i == pad for i in ids[item.placeholder.offset : item.placeholder.end])
+    assert ids[item.placeholder.offset - 1] != pad and ids[item.placeholder.end] != pad
+
+
+def test_mixed_images_and_video_match_hf(vl):
+    vid_bytes = make_video_bytes(64, 48, num_frames=8, fps=4)
+    msgs = [
+        {"role": "system", "content": "be brief"},
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "media": _img(64, 48, seed=1)},
+                {"type": "text", "text": "and"},
+                {"type": "video", "media": MediaRef("video", data=vid_bytes)},
+                {"type": "image", "media": _img(90, 60, seed=2)},
+            ],
+        },
+    ]
+    out = vl.preprocess_sync(msgs)
+    frames, meta = decode_video(vid_bytes, LIMITS, frame_multiple=2)
+    assert meta["sampled_frames"] == 8 and frames.shape == (8, 48, 64, 3)
+    imgs = [
+        Image.open(io.BytesIO(make_image_bytes(w, h, seed=s))).convert("RGB")
+        for w, h, s in [(64, 48, 1), (90, 60, 2)]
+    ]
+    ref = _hf_vl(vl, msgs, images=imgs, videos=[frames])
+    assert out.prompt_token_ids == ref["input_ids"][0].tolist()
+    img0, vid, img1 = out.items
+    assert [it.modality for it in out.items] == ["image", "video", "image"]
+    assert img0.placeholder.end < vid.placeholder.offset < img1.placeholder.offset
+    n0 = img0.encoder_input.tensors["pixel_values"].shape[0]
+    assert torch.equal(
+        torch.cat([img0.encoder_input.tensors["pixel_values"], img1.encoder_input.tensors["pixel_values"]]),
+        ref["pixel_values"],
+    )
+    assert n0 == int(ref["image_grid_thw"][0].prod())
+    assert torch.equal(vid.encoder_input.tensors["pixel_values_videos"], ref["pixel_values_videos"])
+    assert vid.grid_thw == tuple(ref["video_grid_thw"][0].tolist()) and vid.grid_thw[0] == 4
+
+
+def test_audio_matches_hf(audio):
+    msgs = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "audio", "media": MediaRef("audio", data=make_audio_bytes(1.3))},
+                {"type": "text", "text": "what"},
+                {
+                    "type": "audio",
+                    "media": MediaRef("audio", data=make_audio_bytes(2.0, sr=8000, fmt="FLAC", seed=1)),
+                },
+            ],
+        }
+    ]
+    out = audio.preprocess_sync(msgs)
+    import librosa
+    import soundfile as sf
+
+    a1, _ = sf.read(io.BytesIO(make_audio_bytes(1.3)), dtype="float32")
+    a2, sr2 = sf.read(io.BytesIO(make_audio_bytes(2.0, sr=8000, fmt="FLAC", seed=1)), dtype="float32")
+    a2 = librosa.resample(a2, orig_sr=sr2, target_sr=16000)
+    hf = audio.family.hf
+    tmpl = [
+        {"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "what"}, {"type": "audio"}]}
+    ]
+    text = hf.apply_chat_template(tmpl, add_generation_prompt=True, tokenize=False)
+    ref = hf(text=[text], audio=[a1, a2], sampling_rate=16000, return_tensors="pt")
+    assert out.prompt_token_ids == ref["input_ids"][0].tolist()
+    for k, it in enumerate(out.items):
+        assert torch.allclose(it.encoder_input.tensors["input_features"][0], ref["input_features"][k])
+        assert torch.equal(
+            it.encoder_input.tensors["feature_attention_mask"][0], ref["feature_attention_mask"][k]
+        )
+    assert out.items[0].num_embeds == 32  # 130 frames → conv (stride 2) 65 → avg-pool (2, 2) 32
+    assert not audio.uses_mrope and audio.sampling_rate == 16000
+
+
+def test_cache_hit_skips_processor_and_keeps_ids(vl):
+    msgs = [
+        {
+            "role": "user",
+            "content": [{"type": "image", "media": _img(120, 80, seed=7)}, {"type": "text", "text": "x"}],
+        }
+    ]
+    first = vl.preprocess_sync(msgs)
+    it = first.items[0]
+    meta = EmbeddingMeta(it.mm_hash, "image", it.num_embeds, 64, "float32", it.grid_thw)
+    calls, pcache = vl.num_processor_calls, vl.processor_cache.stats()
+    seen: list[list[str]] = []
+
+    async def lookup(hashes):
+        seen.append(hashes)
+        return {it.mm_hash: meta}
+
+    again = vl.preprocess_sync(msgs, lookup)
+    assert seen == [[it.mm_hash]]
+    assert again.prompt_token_ids == first.prompt_token_ids
+    assert again.items[0].encoder_input is None and again.items[0].grid_thw == it.grid_thw
+    assert vl.num_processor_calls == calls and vl.processor_cache.stats()["hits"] == pcache["hits"]
+    # uuid only: served from the cache; miss names the item
+    by_uuid = vl.mm_hash("image", uuid="cat-1")
+    msgs_uuid = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "x"},
+                {"type": "image", "media": MediaRef("image", uuid="cat-1")},
+            ],
+        }
+    ]
+    served = vl.preprocess_sync(msgs_uuid, lambda hs: {by_uuid: meta})
+    assert served.items[0].mm_hash == by_uuid and served.items[0].num_embeds == it.num_embeds
+    with pytest.raises(MMCacheMiss) as e:
+        vl.preprocess_sync(msgs_uuid, lambda hs: {})
+    assert e.value.status_code == 400 and e.value.item == 0 and "image 0" in str(e.value)
+
+
+def test_processor_cache_skips_repeat_work(vl):
+    msgs = [{"role": "user", "content": [{"type": "image", "media": _img(70, 70, seed=9)}]}]
+    a = vl.preprocess_sync(msgs)
+    calls = vl.num_processor_calls
+    b = vl.preprocess_sync(msgs)
+    assert vl.num_processor_calls == calls
+    assert torch.equal(
+        a.items[0].encoder_input.tensors["pixel_values"], b.items[0].encoder_input.tensors["pixel_values"]
+    )
+
+
+def test_limit_mm_per_prompt(vl, audio):
+    vid = MediaRef("video", data=b"x")
+    msgs = [{"role": "user", "content": [{"type": "video", "media": vid}, {"type": "video", "media": vid}]}]
+    with pytest.raises(TooManyItems) as e:
+        vl.preprocess_sync(msgs)
+    assert e.value.code == "too_many_items" and e.value.item == 1
+    with pytest.raises(TooManyItems):
+        audio.preprocess_sync([{"role": "user", "content": [{"type": "image", "media": _img(8, 8)}]}])
+
+
+def test_family_facts(vl):
+    tok = vl.family.tokenizer
+    assert vl.placeholder_token_ids == {
+        "image": tok.convert_tokens_to_ids("<|image_pad|>"),
+        "video": tok.convert_tokens_to_ids("<|video_pad|>"),
+    }
+    assert vl.uses_mrope and vl.family.frame_multiple == 2
+    assert np.array_equal(make_audio_array(0.1), make_audio_array(0.1))
