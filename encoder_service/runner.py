@@ -69,6 +69,8 @@ class EncoderRunner:
         self.model_dir = Path(model_dir)
         self.dtype = DTYPES[dtype]
         self.device = resolve_device(device, tp_rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # NCCL uses the current device
         self.tp_mode: TPMode = tp_mode
         self.tp = TPContext(tp_rank, tp_size, process_group)
         self.max_num_encoder_input_tokens = max_num_encoder_input_tokens
