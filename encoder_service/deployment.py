@@ -61,7 +61,9 @@ class EncoderPoolServer:
         num_cpus_per_rank: float = 0.1,
         num_gpus_per_rank: float = 0.0,
         model_name: str = "",
+        cache: Any = None,
     ) -> None:
+        self._cache = cache  # EncoderCacheClient: outputs are put in the object store owned by its shards
         self.max_num_encoder_input_tokens = max_num_encoder_input_tokens
         self.model_name = model_name
         if tp_size == 1:
@@ -77,7 +79,7 @@ class EncoderPoolServer:
             self._group = EncoderTPGroup(
                 model_dir,
                 tp_size=tp_size,
-                tp_mode=tp_mode,
+                tp_mode=tp_mode,  # type: ignore[arg-type]
                 dtype=dtype,
                 device=device,
                 num_cpus_per_rank=num_cpus_per_rank,
@@ -165,7 +167,8 @@ class EncoderPoolServer:
                     dtype=str(tensor.dtype).removeprefix("torch."),
                     grid_thw=q.item.grid_thw,
                 )
-                q.future.set_result(EncodedItem(meta, [ray.put(tensor)]))
+                ref = self._cache.put(meta.mm_hash, tensor) if self._cache is not None else ray.put(tensor)
+                q.future.set_result(EncodedItem(meta, [ref]))
             self._metrics.items.inc(len(step))
             self._metrics.embeddings.inc(sum(i.num_embeds for i in items))
             self._metrics.queued.set(self._queued_embeds)
@@ -191,3 +194,42 @@ class _EncoderMetrics:
         self.items.set_default_tags(tags)
         self.embeddings = metrics.Counter("mmserve_encoder_embeddings", "embeddings computed", ("model",))
         self.embeddings.set_default_tags(tags)
+
+
+class PreprocessorServer:
+    """CPU pool replica: fetch, decode, hash, look up the shared encoder cache, process the misses."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        limits: Any,
+        limit_mm_per_prompt: dict[str, int],
+        processor_cache_bytes: int,
+        cache_name_prefix: str,
+        cache_num_shards: int,
+        cache_capacity: int,
+        model_name: str = "",
+    ) -> None:
+        from encoder_service.cache_index import create_cache_index
+        from encoder_service.processing import Preprocessor
+
+        self.preprocessor = Preprocessor(
+            model_dir, limits, limit_mm_per_prompt, processor_cache_bytes, model_id=model_name or None
+        )
+        self.cache = create_cache_index(
+            cache_num_shards, cache_capacity, cache_name_prefix, detached=True, namespace="mmserve"
+        )
+
+    async def preprocess(self, messages: list[dict[str, Any]], use_cache: bool = True) -> Any:
+        async def lookup(hashes: list[str]) -> dict[str, EmbeddingMeta]:
+            found = await self.cache.lookup_many(hashes)
+            return {h: entry[0] for h, entry in found.items()}
+
+        return await self.preprocessor.preprocess(messages, lookup if use_cache else None)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "processor_calls": self.preprocessor.num_processor_calls,
+            "processor_cache": self.preprocessor.processor_cache.stats(),
+        }

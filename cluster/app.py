@@ -1,0 +1,153 @@
+"""``build_app(config)``: the Ray Serve application — ingress plus, per model, three pools.
+
+  Ingress ─┬─▶ Preprocessor-<model>  (CPU)
+           ├─▶ EncoderPool-<model>   (GPU; request router: fewest queued embeddings)
+           └─▶ LLMServer-<model>     (GPU; request router: prefix-cache affinity)
+  plus the model's shared encoder-cache index: named Ray actors, sharded by mm_hash.
+
+``app_builder(args)`` is the import path for ``serve run`` / ``serve deploy`` configs:
+``cluster.app:app_builder`` with the AppConfig as the application's ``args``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from cluster.budgets import encoder_budgets
+from cluster.config import AppConfig, DeploymentOptions, ModelConfig
+from cluster.model_dirs import resolve_model_dir
+
+
+def deployment_options(opts: DeploymentOptions, name: str) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "name": name,
+        "ray_actor_options": opts.ray_actor_options(),
+        "max_ongoing_requests": opts.max_ongoing_requests,
+    }
+    if opts.num_replicas is not None:
+        out["num_replicas"] = opts.num_replicas
+    else:
+        a = opts.autoscaling
+        out["autoscaling_config"] = {
+            "min_replicas": a.min_replicas,
+            "max_replicas": a.max_replicas,
+            "initial_replicas": a.initial_replicas,
+            "target_ongoing_requests": a.target_ongoing_requests,
+            "upscale_delay_s": a.upscale_delay_s,
+            "downscale_delay_s": a.downscale_delay_s,
+            "metrics_interval_s": a.metrics_interval_s,
+            "look_back_period_s": a.look_back_period_s,
+        }
+    return out
+
+
+def _preprocessor(model: ModelConfig, cache_dir: str) -> Any:
+    from encoder_service.deployment import PreprocessorServer
+
+    class Preprocessor(PreprocessorServer):
+        def __init__(self, model_json: dict[str, Any], cache_dir: str) -> None:
+            from encoder_service.media.limits import MediaLimits
+            from router.deployment import cache_index_args
+
+            m = ModelConfig.model_validate(model_json)
+            model_dir = resolve_model_dir(m, cache_dir)
+            prefix, shards, capacity = cache_index_args(m)
+            super().__init__(
+                model_dir,
+                limits=MediaLimits(**m.preprocess.media.model_dump()),
+                limit_mm_per_prompt=dict(m.preprocess.limit_mm_per_prompt),
+                processor_cache_bytes=m.preprocess.processor_cache_bytes,
+                cache_name_prefix=prefix,
+                cache_num_shards=shards,
+                cache_capacity=capacity,
+                model_name=m.name,
+            )
+
+    opts = deployment_options(model.preprocess.deployment, f"Preprocessor-{model.name}")
+    return serve.deployment(Preprocessor).options(**opts).bind(model.model_dump(), cache_dir)
+
+
+def _encoder_pool(model: ModelConfig, cache_dir: str) -> Any:
+    from encoder_service.deployment import EncoderPoolServer
+    from router.request_routers import LeastQueuedEmbeddingsRouter
+
+    class EncoderPool(EncoderPoolServer):
+        def __init__(self, model_json: dict[str, Any], cache_dir: str) -> None:
+            from router.deployment import cache_index_args, open_cache_index
+
+            m = ModelConfig.model_validate(model_json)
+            model_dir = resolve_model_dir(m, cache_dir)
+            compute_budget, _ = encoder_budgets(m, model_dir)
+            d = m.encoder.deployment
+            super().__init__(
+                model_dir,
+                tp_size=m.encoder.mm_encoder_tp_size,
+                tp_mode=m.encoder.mm_encoder_tp_mode,
+                dtype=m.encoder.dtype,
+                device=m.encoder.device,
+                max_num_encoder_input_tokens=compute_budget,
+                num_cpus_per_rank=d.num_cpus,
+                num_gpus_per_rank=d.num_gpus,
+                model_name=m.name,
+                cache=open_cache_index(*cache_index_args(m)),
+            )
+
+    opts = deployment_options(model.encoder.deployment, f"EncoderPool-{model.name}")
+    opts["request_router_config"] = RequestRouterConfig(
+        request_router_class=LeastQueuedEmbeddingsRouter, request_routing_stats_period_s=1.0
+    )
+    return serve.deployment(EncoderPool).options(**opts).bind(model.model_dump(), cache_dir)
+
+
+def _llm_server(model: ModelConfig, cache_dir: str) -> Any:
+    from llm_service.deployment import LLMServer
+    from router.request_routers import PrefixAffinityRouter
+
+    class LLMPool(LLMServer):
+        def __init__(self, model_json: dict[str, Any], cache_dir: str) -> None:
+            from llm_service.config import EngineConfig
+
+            m = ModelConfig.model_validate(model_json)
+            llm = m.llm
+            engine_config = EngineConfig(
+                model=resolve_model_dir(m, cache_dir),
+                dtype=llm.dtype,
+                device=llm.device,
+                max_model_len=llm.max_model_len,
+                block_size=llm.block_size,
+                num_kv_blocks=llm.num_kv_blocks,
+                kv_cache_memory_fraction=llm.kv_cache_memory_fraction,
+                max_num_seqs=llm.max_num_seqs,
+                max_num_batched_tokens=llm.max_num_batched_tokens,
+                enable_prefix_caching=llm.enable_prefix_caching,
+            )
+            super().__init__(engine_config, m.name)
+
+    opts = deployment_options(model.llm.deployment, f"LLMServer-{model.name}")
+    opts["request_router_config"] = RequestRouterConfig(
+        request_router_class=PrefixAffinityRouter, request_routing_stats_period_s=1.0
+    )
+    return serve.deployment(LLMPool).options(**opts).bind(model.model_dump(), cache_dir)
+
+
+def build_app(config: AppConfig) -> serve.Application:
+    from router.deployment import IngressServer
+
+    pools = {
+        m.name: {
+            "preprocess": _preprocessor(m, config.models_cache_dir),
+            "encoder": _encoder_pool(m, config.models_cache_dir),
+            "llm": _llm_server(m, config.models_cache_dir),
+        }
+        for m in config.models
+    }
+    opts = deployment_options(config.ingress.deployment, "Ingress")
+    return serve.deployment(IngressServer).options(**opts).bind(config.model_dump(), pools)
+
+
+def app_builder(args: dict[str, Any]) -> serve.Application:
+    """Serve config entry point: ``import_path: cluster.app:app_builder``, ``args`` = AppConfig."""
+    return build_app(AppConfig.model_validate(args))

@@ -1,0 +1,245 @@
+"""The HTTP ingress: OpenAI-compatible routes on FastAPI, served by a Ray Serve deployment."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from llm_service.outputs import RequestOutput
+from router.detokenizer import IncrementalDetokenizer
+from router.errors import APIError, bad_request, from_exception
+from router.messages import MessageLimits, normalize_messages
+from router.orchestrator import Orchestrator
+from router.protocol import (
+    AssistantMessage,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    Choice,
+    ChoiceLogprobs,
+    Delta,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    StreamChoice,
+    TokenLogprobEntry,
+    TopLogprob,
+    Usage,
+)
+from router.sampling import to_sampling_params
+
+logger = logging.getLogger("mmserve.ingress")
+
+
+@dataclass
+class ServedModel:
+    name: str
+    orchestrator: Orchestrator
+    limits: MessageLimits
+    max_model_len: int
+    modalities: list[str]
+
+
+class ChatService:
+    """Request handling independent of Serve (the deployment class below only wires it)."""
+
+    def __init__(self, models: dict[str, ServedModel], max_request_bytes: int, metrics: Any = None) -> None:
+        self.models = models
+        self.max_request_bytes = max_request_bytes
+        self.metrics = metrics
+
+    async def read_request(self, request: Request) -> ChatCompletionRequest:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_request_bytes:
+            raise APIError(
+                413, f"request body exceeds {self.max_request_bytes} bytes", code="request_too_large"
+            )
+        body = bytearray()
+        async for chunk in request.stream():
+            body.extend(chunk)
+            if len(body) > self.max_request_bytes:
+                raise APIError(
+                    413, f"request body exceeds {self.max_request_bytes} bytes", code="request_too_large"
+                )
+        try:
+            payload = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise bad_request(f"request body is not valid JSON: {e}") from e
+        try:
+            return ChatCompletionRequest.model_validate(payload)
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise bad_request(f"{where}: {first['msg']}", param=where or None) from e
+
+    def model_for(self, name: str) -> ServedModel:
+        model = self.models.get(name)
+        if model is None:
+            raise APIError(
+                404, f"model {name!r} is not served here; see GET /v1/models", code="model_not_found"
+            )
+        return model
+
+    async def chat(self, request: Request) -> Response:
+        start = time.monotonic()
+        req = await self.read_request(request)
+        model = self.model_for(req.model)
+        chat = normalize_messages(req.messages, model.limits)
+        unsupported = {m.modality for m in chat.media} - set(model.modalities)
+        if unsupported:
+            raise bad_request(
+                f"model {model.name!r} does not accept {', '.join(sorted(unsupported))} input",
+                code="unsupported_modality",
+            )
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        orch = model.orchestrator
+        prompt_ids, mm_items, release = await orch.prepare(request_id, chat)
+        try:
+            params = to_sampling_params(req, len(prompt_ids), model.max_model_len)
+        except BaseException:
+            await release()
+            raise
+        stream = orch.stream_prepared(request_id, prompt_ids, mm_items, params, release)
+        detok = IncrementalDetokenizer(orch.decode, stop=req.stop_strings)
+        first = await _first_or_error(stream)
+        if self.metrics is not None:
+            self.metrics.ttft.observe(time.monotonic() - start, tags={"model": model.name})
+        if req.stream:
+            gen = self._sse(req, model, request_id, first, stream, detok, start)
+            return StreamingResponse(gen, media_type="text/event-stream")
+        return await self._collect(req, model, request_id, first, stream, detok, start)
+
+    def _logprobs(self, orch: Orchestrator, out: RequestOutput) -> ChoiceLogprobs | None:
+        if out.new_logprobs is None:
+            return None
+        entries = []
+        for lp in out.new_logprobs:
+            tok = orch.decode([lp.token_id])
+            top = [TopLogprob(token=orch.decode([t]), logprob=v) for t, v in lp.top]
+            entries.append(TokenLogprobEntry(token=tok, logprob=lp.logprob, top_logprobs=top))
+        return ChoiceLogprobs(content=entries)
+
+    async def _collect(self, req, model, request_id, first, stream, detok, start) -> JSONResponse:  # type: ignore[no-untyped-def]
+        text, logprobs, last = [], [], first
+        out: RequestOutput | None = first
+        completion_tokens = 0
+        async for out in _chain(first, stream):
+            last = out
+            completion_tokens += len(out.new_token_ids)
+            text.append(detok.add(out.new_token_ids, final=out.finished))
+            lp = self._logprobs(model.orchestrator, out)
+            if lp and lp.content:
+                logprobs.extend(lp.content)
+            if detok.stopped:
+                break
+        finish = "stop" if detok.stopped else last.finish_reason
+        self._observe_done(model.name, start, completion_tokens)
+        resp = ChatCompletionResponse(
+            id=request_id,
+            model=model.name,
+            choices=[
+                Choice(
+                    message=AssistantMessage(content="".join(text)),
+                    finish_reason=finish,
+                    logprobs=ChoiceLogprobs(content=logprobs) if req.logprobs else None,
+                )
+            ],
+            usage=_usage(last, completion_tokens),
+        )
+        return JSONResponse(resp.model_dump(exclude_none=False))
+
+    async def _sse(self, req, model, request_id, first, stream, detok, start) -> AsyncIterator[str]:  # type: ignore[no-untyped-def]
+        def chunk(delta: Delta, finish: str | None = None, logprobs: Any = None) -> str:
+            c = ChatCompletionChunk(
+                id=request_id,
+                model=model.name,
+                choices=[StreamChoice(delta=delta, finish_reason=finish, logprobs=logprobs)],
+            )
+            return f"data: {c.model_dump_json(exclude_none=True)}\n\n"
+
+        completion_tokens = 0
+        last = first
+        try:
+            yield chunk(Delta(role="assistant", content=""))
+            async for out in _chain(first, stream):
+                last = out
+                completion_tokens += len(out.new_token_ids)
+                text = detok.add(out.new_token_ids, final=out.finished)
+                finish = "stop" if detok.stopped else (out.finish_reason if out.finished else None)
+                lp = self._logprobs(model.orchestrator, out) if req.logprobs else None
+                if text or finish or lp:
+                    yield chunk(Delta(content=text), finish, lp)
+                if finish:
+                    break
+            if req.stream_options is not None and req.stream_options.include_usage:
+                usage = ChatCompletionChunk(
+                    id=request_id, model=model.name, choices=[], usage=_usage(last, completion_tokens)
+                )
+                yield f"data: {usage.model_dump_json()}\n\n"
+            self._observe_done(model.name, start, completion_tokens)
+        except Exception as e:  # after the 200 went out, errors travel in-band
+            api = from_exception(e) or APIError(500, "internal error while generating", code="internal_error")
+            if api.status_code >= 500:
+                logger.exception("stream %s failed", request_id)
+            yield f"data: {json.dumps(api.body())}\n\n"
+        finally:
+            await stream.aclose()
+        yield "data: [DONE]\n\n"
+
+    def _observe_done(self, model: str, start: float, completion_tokens: int) -> None:
+        if self.metrics is None:
+            return
+        e2e = time.monotonic() - start
+        self.metrics.e2e.observe(e2e, tags={"model": model})
+        if completion_tokens > 1:
+            self.metrics.tpot.observe(e2e / completion_tokens, tags={"model": model})
+
+    def model_list(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=m.name, modalities=m.modalities) for m in self.models.values()])
+
+
+def _usage(last: RequestOutput, completion_tokens: int) -> Usage:
+    return Usage(
+        prompt_tokens=last.num_prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=last.num_prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=last.num_cached_tokens),
+    )
+
+
+async def _first_or_error(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration as e:
+        raise APIError(500, "the engine returned no output", code="internal_error") from e
+    except BaseException:
+        await stream.aclose()  # type: ignore[attr-defined]
+        raise
+
+
+async def _chain(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    yield first
+    if first.finished:
+        return
+    async for out in rest:
+        yield out
+
+
+def build_fastapi(service_getter: Any) -> FastAPI:
+    """The FastAPI app; ``service_getter(request)`` returns the ChatService (the Serve replica's)."""
+    app = FastAPI(title="mmserve", version="0.1.0")
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers())
+
+    return app
