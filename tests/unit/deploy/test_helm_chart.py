@@ -1,0 +1,164 @@
+"""helm/mmserve rendered with real Helm (helm-python-sdk), checked against KubeRay's CRD schema,
+Ray's ServeDeploySchema and the app's AppConfig."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import jsonschema
+import pytest
+import yaml
+
+from tests.unit.deploy.helpers import validate_serve_config
+
+ROOT = Path(__file__).resolve().parents[3]
+CHART = ROOT / "helm" / "mmserve"
+CRD = Path("/work/shared/data/kuberay/ray.io_rayservices.yaml")
+if not CRD.exists():
+    CRD = ROOT.parent / "shared" / "data" / "kuberay" / "ray.io_rayservices.yaml"
+
+
+def _gpu_values() -> dict[str, Any]:
+    return yaml.safe_load((CHART / "values-gpu-example.yaml").read_text())
+
+
+def _render(values: dict[str, Any] | None) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = {}
+    rendered = helm.Chart.load(CHART).render(values, name="mm", namespace="ml")
+    for path, doc_text in rendered.items():
+        if path.endswith("NOTES.txt"):
+            continue
+        for doc in yaml.safe_load_all(doc_text):
+            if isinstance(doc, dict):
+                out.setdefault(doc["kind"], []).append(doc)
+    return out
+
+
+def _rayservice_schema() -> dict[str, Any]:
+    crd = yaml.safe_load(CRD.read_text())
+    (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1" and v["served"] and v["storage"]]
+    return v1["schema"]["openAPIV3Schema"]
+
+
+def _marker(start_param: str) -> dict[str, float]:
+    """rayStartParams.resources is shell-quoted JSON: "{\\"encoder_node\\": 1}"."""
+    assert start_param.startswith('"') and start_param.endswith('"'), start_param
+    return json.loads(start_param[1:-1].replace('\\"', '"'))
+
+
+def test_lint_reports_no_errors() -> None:
+    for values in (None, _gpu_values()):
+        report = helm.lint(CHART, values)
+        assert report["errors"] == []
+        assert [m for m in report["messages"] if m["severity"] >= 3] == []
+
+
+@pytest.mark.parametrize("values", [None, "gpu"], ids=["defaults", "gpu-example"])
+def test_rendered_rayservice_is_valid_everywhere(values: str | None) -> None:
+    vals = _gpu_values() if values == "gpu" else None
+    docs = _render(vals)
+    (rs,) = docs["RayService"]
+    assert rs["apiVersion"] == "ray.io/v1"
+    jsonschema.validate(rs, _rayservice_schema())
+    serve = yaml.safe_load(rs["spec"]["serveConfigV2"])
+    (cfg,) = validate_serve_config(serve)
+    (svc,) = docs["Service"][:1]
+    assert svc["spec"]["ports"][0]["port"] == serve["http_options"]["port"] == 8000
+    if vals is not None:
+        assert [m.name for m in cfg.models] == [m["name"] for m in vals["models"]]
+        m = cfg.models[0]
+        assert (m.encoder.mm_encoder_tp_size, m.encoder.mm_encoder_tp_mode) == (2, "data")
+        assert m.encoder.max_num_encoder_input_tokens == 16384
+        assert m.llm.deployment.autoscaling.max_replicas == 8
+        assert {d["kind"] for d in (docs.get("ServiceMonitor") or [])} == {"ServiceMonitor"}
+    else:
+        assert "ServiceMonitor" not in docs
+
+
+def test_crd_check_is_not_vacuous() -> None:
+    (rs,) = _render(None)["RayService"]
+    bad = copy.deepcopy(rs)
+    bad["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["minReplicas"] = "one"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, _rayservice_schema())
+
+
+def test_worker_groups_carry_the_resources_the_pools_ask_for() -> None:
+    (rs,) = _render(_gpu_values())["RayService"]
+    cluster = rs["spec"]["rayClusterConfig"]
+    groups = {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
+    assert set(groups) == {"encoder", "llm"}
+    enc_marker = _marker(groups["encoder"]["rayStartParams"]["resources"])
+    llm_marker = _marker(groups["llm"]["rayStartParams"]["resources"])
+    assert set(enc_marker).isdisjoint(llm_marker)
+    assert "resources" not in cluster["headGroupSpec"]["rayStartParams"]
+    assert cluster["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0"
+    (cfg,) = validate_serve_config(yaml.safe_load(rs["spec"]["serveConfigV2"]))
+    for m in cfg.models:
+        assert set(m.encoder.deployment.resources) == set(enc_marker)
+        assert set(m.llm.deployment.resources) == set(llm_marker)
+        for pool, marker in ((m.encoder, enc_marker), (m.llm, llm_marker)):
+            for name, amount in pool.deployment.resources.items():
+                assert 0 < amount <= marker[name]
+        assert not m.preprocess.deployment.resources
+    enc_pod = groups["encoder"]["template"]["spec"]
+    limits = enc_pod["containers"][0]["resources"]["limits"]
+    assert limits["nvidia.com/gpu"] == 4 >= cfg.models[0].encoder.mm_encoder_tp_size
+    assert enc_pod["nodeSelector"] == {"node.kubernetes.io/instance-type": "g6.12xlarge"}
+    assert enc_pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+    assert (groups["llm"]["minReplicas"], groups["llm"]["maxReplicas"]) == (1, 8)
+    assert cluster["enableInTreeAutoscaling"] is True
+
+
+def _set(values: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
+    v = copy.deepcopy(values)
+    node = v
+    *parents, last = path.split(".")
+    for p in parents:
+        node = node[int(p)] if isinstance(node, list) else node.setdefault(p, {})
+    node[last] = value
+    return v
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [
+        ("bogus", 1),  # unknown top-level key
+        ("pools.encoder.autoscalng", {}),  # typo
+        ("pools.llm.autoscaling.minReplicas", -1),
+        ("cluster.encoderWorkers.maxReplicas", 0),
+        ("models.0.encoder.mm_encoder_tp_mode", "pipeline"),
+        ("models.0.encoder.deployment", {"num_gpus": 1}),  # placement comes from pools
+        ("models.0.path", "/models/x"),  # both path and tiny
+        ("pools.llm.policy.targetKvUsage", 1.5),
+        ("placement.encoderResource", "encoder node"),
+    ],
+)
+def test_values_outside_the_schema_are_refused(path: str, value: Any) -> None:
+    base = yaml.safe_load((CHART / "values.yaml").read_text())
+    chart = helm.Chart.load(CHART)
+    chart.validate_schema(base)  # the defaults pass
+    with pytest.raises(helm.HelmError):
+        chart.render(_set(base, path, value), name="mm", namespace="ml")
+
+
+def test_encoder_tp_group_must_fit_a_worker_pod() -> None:
+    vals = _set(_gpu_values(), "models.0.encoder.mm_encoder_tp_size", 8)  # 8 ranks x 1 GPU > 4 per pod
+    with pytest.raises(helm.HelmError, match="TP group"):
+        helm.Chart.load(CHART).render(vals, name="mm", namespace="ml")
+
+
+def test_values_sections_mirror_the_app_config() -> None:
+    """The chart's per-model sections list exactly the AppConfig fields (minus the chart-built `deployment`)."""
+    from cluster.config import EncoderConfig, LLMConfig, MediaLimitsConfig, PreprocessConfig
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    model = schema["properties"]["models"]["items"]["properties"]
+    for key, cls in (("encoder", EncoderConfig), ("llm", LLMConfig), ("preprocess", PreprocessConfig)):
+        assert set(model[key]["properties"]) == set(cls.model_fields) - {"deployment"}, key
+    media = model["preprocess"]["properties"]["media"]["properties"]
+    assert set(media) == set(MediaLimitsConfig.model_fields)
