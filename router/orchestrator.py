@@ -93,7 +93,7 @@ class Orchestrator:
         batches across calls under its budget, and no request holds a reservation while it waits
         for another request's item (which could deadlock two requests on each other's images).
         """
-        firsts = {}
+        firsts: dict[str, Any] = {}
         for item in pre.items:
             firsts.setdefault(item.mm_hash, item)
         results = await asyncio.gather(*(self._one_item(request_id, pre, it) for it in firsts.values()))

@@ -1,0 +1,78 @@
+"""``mmserve serve``: an embedded single-node Ray, the whole app, HTTP on 127.0.0.1:8000."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from cluster.config import AppConfig, ModelConfig, default_config
+
+
+def add_serve_command(sub: Any) -> None:
+    p = sub.add_parser("serve", help="run the app on an embedded single-node Ray (Ctrl-C stops it)")
+    p.add_argument("--config", help="AppConfig YAML (see cluster/deploy/serve-cpu.yaml for its `args`)")
+    p.add_argument("--model", help="serve this HF model directory instead of the tiny defaults")
+    p.add_argument("--model-name", help="the name clients send as `model` (default: the directory name)")
+    p.add_argument("--host", default=None)
+    p.add_argument("--port", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    p.add_argument("--mm-encoder-tp-size", type=int, default=None)
+    p.add_argument("--mm-encoder-tp-mode", choices=["weights", "data"], default=None)
+    p.add_argument("--num-cpus", type=int, default=None, help="CPUs for the embedded Ray")
+    p.set_defaults(func=_cmd_serve)
+
+
+def config_from_args(args: argparse.Namespace) -> AppConfig:
+    if args.config:
+        cfg = AppConfig.from_yaml(args.config)
+    elif args.model:
+        from pathlib import Path
+
+        name = args.model_name or Path(args.model).name
+        cfg = AppConfig(models=[ModelConfig(name=name, path=args.model)])
+    else:
+        cfg = default_config()
+    data = cfg.model_dump()
+    if args.host:
+        data["host"] = args.host
+    if args.port:
+        data["port"] = args.port
+    for m in data["models"]:
+        for key in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "dtype"):
+            if getattr(args, key) is not None:
+                m["llm"][key] = getattr(args, key)
+        if args.mm_encoder_tp_size is not None:
+            m["encoder"]["mm_encoder_tp_size"] = args.mm_encoder_tp_size
+        if args.mm_encoder_tp_mode is not None:
+            m["encoder"]["mm_encoder_tp_mode"] = args.mm_encoder_tp_mode
+    return AppConfig.model_validate(data)
+
+
+def start(cfg: AppConfig, num_cpus: int | None = None, blocking: bool = False) -> Any:
+    """Start Ray (if needed) and the app; returns the ingress handle."""
+    import ray
+    from ray import serve
+
+    from cluster.app import build_app
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=num_cpus, include_dashboard=False, namespace="mmserve")
+    serve.start(http_options={"host": cfg.host, "port": cfg.port})
+    return serve.run(build_app(cfg), name="mmserve", route_prefix="/", blocking=blocking)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    start(cfg, args.num_cpus)
+    names = ", ".join(m.name for m in cfg.models)
+    print(f"mmserve is serving {names} on http://{cfg.host}:{cfg.port}/v1 (Ctrl-C to stop)", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        return 0
