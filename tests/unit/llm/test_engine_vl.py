@@ -1,0 +1,240 @@
+"""LLMEngine vs transformers on the tiny Qwen2-VL: greedy outputs must agree token for token."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from llm_service.config import EngineConfig
+from llm_service.engine import LLMEngine
+from llm_service.errors import RequestRejected
+from llm_service.outputs import GenerateRequest
+from llm_service.sampling_params import SamplingParams
+from tests.media import make_image_array
+from tests.unit.llm.hf_ref import RefCase, build_case, hf_generate
+
+N = 12
+IMG = "<|vision_start|><|image_pad|><|vision_end|>"
+VID = "<|vision_start|><|video_pad|><|vision_end|>"
+GREEDY = SamplingParams(max_tokens=N)  # stops at EOS like HF generate
+
+
+@pytest.fixture(scope="module")
+def vl(tiny_vl_dir: Path) -> tuple[Any, Any]:
+    from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
+
+    torch.set_num_threads(1)
+    proc = AutoProcessor.from_pretrained(tiny_vl_dir)
+    hf = Qwen2VLForConditionalGeneration.from_pretrained(tiny_vl_dir).eval()
+    return hf, proc
+
+
+def image(w: int, h: int, seed: int) -> Image.Image:
+    return Image.fromarray(make_image_array(w, h, seed))
+
+
+def engine(model_dir: Path, **kw: Any) -> LLMEngine:
+    kw.setdefault("block_size", 4)
+    kw.setdefault("num_kv_blocks", 256)
+    return LLMEngine(EngineConfig(model=str(model_dir), **kw))
+
+
+def run(eng: LLMEngine, cases: list[RefCase], params: SamplingParams = GREEDY) -> list[list[int]]:
+    outs = eng.generate([GenerateRequest(c.prompt, params, c.mm_inputs) for c in cases])
+    return [o.token_ids for o in outs]
+
+
+def assert_all_free(eng: LLMEngine) -> None:
+    st = eng.stats()
+    assert not eng.has_unfinished_requests()
+    assert st.num_free_blocks == st.num_total_blocks and st.kv_usage == 0.0
+
+
+def test_text_only(vl, tiny_vl_dir) -> None:
+    hf, proc = vl
+    case = build_case(hf, proc, "the quick brown fox jumps over the lazy dog")
+    assert run(engine(tiny_vl_dir), [case]) == [hf_generate(hf, case, N)]
+
+
+def test_one_image(vl, tiny_vl_dir) -> None:
+    hf, proc = vl
+    case = build_case(hf, proc, f"describe {IMG} please", images=[image(120, 90, 1)])
+    assert case.mm_inputs[0].grid_thw == (1, 6, 8)
+    assert run(engine(tiny_vl_dir), [case]) == [hf_generate(hf, case, N)]
+
+
+def test_two_images(vl, tiny_vl_dir) -> None:
+    hf, proc = vl
+    case = build_case(hf, proc, f"a {IMG} and b {IMG} compare", images=[image(64, 48, 2), image(90, 120, 3)])
+    assert len(case.mm_inputs) == 2
+    assert run(engine(tiny_vl_dir), [case]) == [hf_generate(hf, case, N)]
+
+
+def test_video(vl, tiny_vl_dir) -> None:
+    hf, proc = vl
+    frames = np.stack([make_image_array(64, 48, 10 + i) for i in range(8)])
+    case = build_case(hf, proc, f"what happens {VID} here", videos=[frames])
+    assert case.mm_inputs[0].grid_thw == (4, 4, 4)  # t > h/2, w/2: exercises the temporal rows
+    assert run(engine(tiny_vl_dir), [case]) == [hf_generate(hf, case, N)]
+
+
+def eight_cases(hf: Any, proc: Any) -> list[RefCase]:
+    texts = ["hi", "one two three four five six seven", "a b c d e f g h i j k l m n o p q r s t u v"]
+    cases = [build_case(hf, proc, t) for t in texts]
+    cases += [
+        build_case(hf, proc, f"img {i} {IMG} ok", images=[image(64 + 28 * i, 48, 20 + i)]) for i in range(3)
+    ]
+    cases.append(build_case(hf, proc, f"x {IMG} y {IMG}", images=[image(56, 56, 30), image(84, 56, 31)]))
+    cases.append(build_case(hf, proc, "the end of the list " * 3))
+    return cases
+
+
+def test_eight_concurrent_requests(vl, tiny_vl_dir) -> None:
+    hf, proc = vl
+    cases = eight_cases(hf, proc)
+    assert len({len(c.prompt) for c in cases}) == 8
+    eng = engine(tiny_vl_dir)
+    assert run(eng, cases) == [hf_generate(hf, c, N) for c in cases]
+    assert_all_free(eng)
+
+
+def test_chunked_prefill_cuts_through_image(vl, tiny_vl_dir) -> None:
+    hf, proc = vl
+    case = build_case(hf, proc, f"describe {IMG} please now", images=[image(120, 90, 1)])
+    item = case.mm_inputs[0]
+    budget = 5
+    cut_points = range(budget, len(case.prompt), budget)
+    assert any(item.offset < c < item.end for c in cut_points)  # a chunk ends inside the image
+    other = build_case(hf, proc, "a short text prompt here")
+    eng = engine(tiny_vl_dir, max_num_batched_tokens=budget)
+    assert run(eng, [case, other]) == [hf_generate(hf, case, N), hf_generate(hf, other, N)]
+    assert_all_free(eng)
+
+
+def test_preemption_small_pool(vl, tiny_vl_dir) -> None:
+    hf, proc = vl
+    cases = eight_cases(hf, proc)[:6]
+    # enough for the largest request alone, far too few for all of them together
+    eng = engine(tiny_vl_dir, num_kv_blocks=12, block_size=4)
+    assert run(eng, cases) == [hf_generate(hf, c, N) for c in cases]
+    assert eng.stats().num_preemptions > 0
+    assert_all_free(eng)
+
+
+def test_prefix_cache_repeat_and_other_image(vl, tiny_vl_dir) -> None:
+    hf, proc = vl
+    text = f"look at this {IMG} and then describe it in words"
+    first = build_case(hf, proc, text, mm_hashes=["img-A"], images=[image(64, 48, 5)])
+    other = build_case(hf, proc, text, mm_hashes=["img-B"], images=[image(64, 48, 6)])
+    assert first.prompt == other.prompt  # same placeholder ids
+    bs = 5
+    assert len(first.prompt) % bs != 0
+    eng = engine(tiny_vl_dir, block_size=bs)
+    ref_first, ref_other = hf_generate(hf, first, N), hf_generate(hf, other, N)
+    (a,) = eng.generate([GenerateRequest(first.prompt, GREEDY, first.mm_inputs)])
+    assert a.token_ids == ref_first and a.num_cached_tokens == 0
+    (b,) = eng.generate([GenerateRequest(first.prompt, GREEDY, first.mm_inputs)])
+    assert b.token_ids == ref_first
+    assert b.num_cached_tokens == len(first.prompt) // bs * bs  # every full block
+    (c,) = eng.generate([GenerateRequest(other.prompt, GREEDY, other.mm_inputs)])
+    assert c.token_ids == ref_other
+    assert c.num_cached_tokens == other.mm_inputs[0].offset // bs * bs  # only blocks before the image
+    st = eng.stats()
+    assert st.prefix_hit_tokens == b.num_cached_tokens + c.num_cached_tokens
+    assert st.prefix_query_tokens == 3 * len(first.prompt)
+    assert_all_free(eng)
+
+
+def test_logprobs_match_hf_logits(vl, tiny_vl_dir) -> None:
+    hf, proc = vl
+    case = build_case(hf, proc, f"tell me {IMG} now", images=[image(64, 48, 8)])
+    with torch.no_grad():
+        logits = hf(**case.hf_inputs).logits[0, -1]
+    ref = torch.log_softmax(logits.float(), -1)
+    params = SamplingParams(max_tokens=1, logprobs=5)
+    (out,) = engine(tiny_vl_dir).generate([GenerateRequest(case.prompt, params, case.mm_inputs)])
+    assert out.logprobs is not None
+    lp = out.logprobs[0]
+    assert lp.token_id == int(ref.argmax())
+    assert lp.logprob == pytest.approx(float(ref[lp.token_id]), abs=1e-4)
+    top = torch.topk(ref, 5)
+    assert [t for t, _ in lp.top] == top.indices.tolist()
+    assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+
+
+def test_sampling_seed_topk(vl, tiny_vl_dir) -> None:
+    hf, proc = vl
+    case = build_case(hf, proc, "once upon a time")
+    eng = engine(tiny_vl_dir)
+    seeded = SamplingParams(max_tokens=N, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    alone = run(eng, [case], seeded)[0]
+    fillers = eight_cases(hf, proc)[:3]
+    batched = run(eng, [*fillers, case], seeded)[-1]  # other requests around it
+    assert alone == batched
+    other_seed = run(eng, [case], SamplingParams(max_tokens=N, temperature=1.0, seed=99, ignore_eos=True))[0]
+    assert other_seed != alone
+    topk1 = SamplingParams(max_tokens=N, temperature=1.0, top_k=1, seed=7)
+    assert run(eng, [case], topk1)[0] == hf_generate(hf, case, N)
+
+
+def test_stop_at_eos_and_rejections(vl, tiny_vl_dir) -> None:
+    hf, proc = vl
+    case = build_case(hf, proc, "stop here please")
+    ref = hf_generate(hf, case, N)
+    eng = engine(tiny_vl_dir, max_model_len=64, num_kv_blocks=8)
+    stop = ref[3]
+    (out,) = eng.generate(
+        [GenerateRequest(case.prompt, SamplingParams(max_tokens=N, stop_token_ids=(stop,)))]
+    )
+    assert out.token_ids == ref[: ref.index(stop) + 1] and out.finish_reason == "stop"
+    with pytest.raises(RequestRejected) as e:
+        eng.add_request("long", [1] * 65, GREEDY)
+    assert e.value.code == "prompt_too_long"
+    with pytest.raises(RequestRejected) as e:
+        eng.add_request("big", [1] * 40, GREEDY)  # 40 + 11 tokens need 13 blocks of 4; the pool has 8
+    assert e.value.code == "too_many_blocks"
+    with pytest.raises(RequestRejected) as e:
+        eng.add_request("t", [1, 2], SamplingParams(top_p=0.0))
+    assert e.value.code == "bad_sampling_params"
+    img = build_case(hf, proc, f"x {IMG}", images=[image(64, 48, 1)])
+    item = img.mm_inputs[0]
+    bad_grid = type(item)(item.embeddings, item.offset, item.mm_hash, "image", (1, 2, 2))
+    with pytest.raises(RequestRejected, match="grid_thw") as e:
+        eng.add_request("g", img.prompt, GREEDY, [bad_grid])
+    assert e.value.code == "bad_mm_input"
+    with pytest.raises(RequestRejected, match="outside the prompt"):
+        eng.add_request("o", img.prompt[:-3], GREEDY, [item])
+    with pytest.raises(RequestRejected, match="overlaps"):
+        eng.add_request("ov", img.prompt, GREEDY, [item, item])
+    with pytest.raises(RequestRejected, match=r"expected \[n, 64\]"):
+        eng.add_request(
+            "h", img.prompt, GREEDY, [type(item)(item.embeddings[:, :8], item.offset, "h", "image")]
+        )
+    assert not eng.has_unfinished_requests()
+
+
+def test_online_step_and_abort(vl, tiny_vl_dir) -> None:
+    hf, proc = vl
+    case = build_case(hf, proc, "step by step")
+    eng = engine(tiny_vl_dir)
+    eng.add_request("a", case.prompt, GREEDY)
+    eng.add_request("b", case.prompt, GREEDY)
+    outs = eng.step()
+    assert {o.request_id for o in outs} == {"a", "b"} and all(len(o.new_token_ids) == 1 for o in outs)
+    st = eng.stats()
+    assert st.num_running == 2 and st.num_free_blocks < st.num_total_blocks
+    eng.abort("b")
+    eng.abort("b")
+    eng.abort("never-seen")
+    got = outs[0].new_token_ids
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            assert o.request_id == "a"
+            got += o.new_token_ids
+    assert got == hf_generate(hf, case, N)
+    assert_all_free(eng)
