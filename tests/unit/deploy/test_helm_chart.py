@@ -142,7 +142,7 @@ def test_values_outside_the_schema_are_refused(path: str, value: Any) -> None:
     base = yaml.safe_load((CHART / "values.yaml").read_text())
     chart = helm.Chart.load(CHART)
     chart.validate_schema(base)  # the defaults pass
-    with pytest.raises(helm.HelmError):
+    with pytest.raises(helm.HelmValuesError, match="schema"):
         chart.render(_set(base, path, value), name="mm", namespace="ml")
 
 
