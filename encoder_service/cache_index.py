@@ -1,0 +1,181 @@
+"""The shared encoder cache: ``EncoderCacheBooks`` in N Ray actors sharded by mm_hash, tensors in Ray's
+object store. Every encoder and LLM replica on any node talks to the same shards through
+``EncoderCacheClient``.
+
+Single flight: the first ``get_or_reserve`` of a hash gets ``"compute"`` and a reservation pinned by its
+request; concurrent callers wait (bounded) for the ``commit`` and then get ``"hit"``. If the computing
+request is released before committing (it failed), its reservation is dropped and one waiter takes
+over the compute.
+
+Object refs cross the actor boundary wrapped in a one-element list so Ray does not resolve them; the
+shard keeps the ref until the entry is evicted. Ray (>= 2.56) has no ``ray.put(_owner=...)``: the
+replica that puts an embedding owns it, so when that replica dies its entries' objects are lost;
+readers treat a lost object as a miss (``ray.exceptions.ObjectLostError`` / ``OwnerDiedError``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import ray
+
+from encoder_service.encoder_cache import EncoderCacheBooks
+from encoder_service.errors import EncoderCacheBusy, EncoderCacheFull
+from encoder_service.types import EmbeddingMeta
+
+HIT, COMPUTE = "hit", "compute"
+
+
+def shard_of(mm_hash: str, num_shards: int) -> int:
+    """Stable across processes (the hash is hex), unlike Python's salted ``hash()``."""
+    return int(mm_hash[:16], 16) % num_shards
+
+
+class CacheIndexShard:
+    """One shard: the books, the refs, and the waits. An async actor: methods interleave at awaits."""
+
+    def __init__(self, capacity: int, wait_timeout_s: float = 30.0) -> None:
+        self.books = EncoderCacheBooks(capacity)
+        self.refs: dict[str, list[Any]] = {}  # mm_hash -> [ObjectRef]
+        self.wait_timeout_s = wait_timeout_s
+        self._changed = asyncio.Condition()
+
+    async def lookup_many(self, hashes: list[str]) -> dict[str, tuple[bytes, list[Any]]]:
+        out = {}
+        for h in hashes:
+            meta = self.books.lookup(h)
+            if meta is not None:
+                out[h] = (meta.to_msgpack(), self.refs[h])
+        return out
+
+    async def get_or_reserve(self, request_id: str, mm_hash: str, num_embeds: int) -> tuple[str, Any]:
+        """``("hit", (meta_msgpack, [ref]))`` pinned for ``request_id``, or ``("compute", None)`` reserved."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.wait_timeout_s
+        async with self._changed:
+            while True:
+                entry = self.books.entries.get(mm_hash)
+                if entry is not None and entry.meta is not None:
+                    self.books.pin(request_id, mm_hash)
+                    self.books.hits += 1
+                    return HIT, (entry.meta.to_msgpack(), self.refs[mm_hash])
+                if entry is None:
+                    try:
+                        reserved = self.books.try_allocate(request_id, mm_hash, num_embeds)
+                    except EncoderCacheFull as e:
+                        raise ValueError(str(e)) from e
+                    if reserved:
+                        self.books.misses += 1
+                        return COMPUTE, None
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    why = "its computation did not commit" if entry is not None else "every entry is pinned"
+                    raise TimeoutError(f"waited {self.wait_timeout_s}s for {mm_hash[:16]}: {why}")
+                try:
+                    await asyncio.wait_for(self._changed.wait(), remaining)
+                except TimeoutError:
+                    continue
+
+    async def commit(self, mm_hash: str, meta_msgpack: bytes, ref: list[Any]) -> None:
+        async with self._changed:
+            self.books.commit(mm_hash, EmbeddingMeta.from_msgpack(meta_msgpack))
+            self.refs[mm_hash] = ref
+            self._drop_freed()
+            self._changed.notify_all()
+
+    async def release(self, request_id: str) -> list[str]:
+        async with self._changed:
+            dropped = self.books.release(request_id)
+            self._changed.notify_all()
+            return dropped
+
+    def _drop_freed(self) -> None:
+        for h in self.books.take_freed():
+            self.refs.pop(h, None)
+
+    async def stats(self) -> dict[str, Any]:
+        self._drop_freed()
+        return self.books.stats()
+
+
+class EncoderCacheClient:
+    """Async client over the shard actors; cheap to build, picklable (holds actor handles only)."""
+
+    def __init__(self, shard_actor_handles: list[Any]) -> None:
+        if not shard_actor_handles:
+            raise ValueError("need at least one cache index shard")
+        self.shards = list(shard_actor_handles)
+
+    def shard(self, mm_hash: str) -> Any:
+        return self.shards[shard_of(mm_hash, len(self.shards))]
+
+    async def lookup_many(self, hashes: list[str]) -> dict[str, tuple[EmbeddingMeta, Any]]:
+        groups: dict[int, list[str]] = {}
+        for h in dict.fromkeys(hashes):
+            groups.setdefault(shard_of(h, len(self.shards)), []).append(h)
+        answers = await asyncio.gather(*(self.shards[s].lookup_many.remote(hs) for s, hs in groups.items()))
+        return {h: (EmbeddingMeta.from_msgpack(m), ref[0]) for ans in answers for h, (m, ref) in ans.items()}
+
+    async def lookup_meta(self, hashes: list[str]) -> dict[str, EmbeddingMeta]:
+        """The ``lookup`` the ``Preprocessor`` takes."""
+        return {h: meta for h, (meta, _) in (await self.lookup_many(hashes)).items()}
+
+    async def get_or_reserve(
+        self, request_id: str, mm_hash: str, num_embeds: int
+    ) -> tuple[str, tuple[EmbeddingMeta, Any] | None]:
+        """``("hit", (meta, ref))`` or ``("compute", None)``; raises ``EncoderCacheFull`` / ``EncoderCacheBusy``."""
+        try:
+            kind, payload = await self.shard(mm_hash).get_or_reserve.remote(request_id, mm_hash, num_embeds)
+        except Exception as e:  # Ray wraps actor errors; map the two we raise back to MediaErrors
+            cause = getattr(e, "cause", None) or e
+            if isinstance(cause, ValueError):
+                raise EncoderCacheFull(str(cause)) from e
+            if isinstance(cause, TimeoutError):
+                raise EncoderCacheBusy(f"encoder cache: {cause}") from e
+            raise
+        if kind == HIT:
+            meta, ref = payload
+            return HIT, (EmbeddingMeta.from_msgpack(meta), ref[0])
+        return COMPUTE, None
+
+    async def commit(self, mm_hash: str, meta: EmbeddingMeta, ref: Any) -> None:
+        await self.shard(mm_hash).commit.remote(mm_hash, meta.to_msgpack(), [ref])
+
+    async def release(self, request_id: str) -> None:
+        """Unpin everything ``request_id`` holds (prefill done, failure, disconnect) on every shard."""
+        await asyncio.gather(*(s.release.remote(request_id) for s in self.shards))
+
+    async def stats(self) -> dict[str, Any]:
+        per_shard = await asyncio.gather(*(s.stats.remote() for s in self.shards))
+        total = {k: sum(int(d[k]) for d in per_shard) for k in per_shard[0]}
+        return {**total, "shards": per_shard}
+
+
+def create_cache_index(
+    num_shards: int,
+    capacity: int,
+    name_prefix: str = "mmserve-encoder-cache",
+    *,
+    detached: bool = False,
+    namespace: str | None = None,
+    num_cpus: float = 0.05,
+    wait_timeout_s: float = 30.0,
+) -> EncoderCacheClient:
+    """Create (or get, if they exist) ``num_shards`` named actors; capacity is split evenly among them."""
+    actor_cls = ray.remote(CacheIndexShard)
+    per_shard = max(1, -(-capacity // num_shards))
+    handles = []
+    for i in range(num_shards):
+        opts: dict[str, Any] = {
+            "name": f"{name_prefix}-{i}",
+            "get_if_exists": True,
+            "num_cpus": num_cpus,
+            "max_concurrency": 1000,
+        }
+        if detached:
+            opts["lifetime"] = "detached"
+        if namespace is not None:
+            opts["namespace"] = namespace
+        handles.append(actor_cls.options(**opts).remote(per_shard, wait_timeout_s))
+    return EncoderCacheClient(handles)
