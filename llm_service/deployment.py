@@ -217,23 +217,23 @@ class _LLMMetrics:
         self.kv_blocks_in_use = metrics.Gauge(
             "mmserve_kv_blocks_in_use", "KV blocks held by requests", ("model",)
         )
-        self.kv_blocks_in_use.set_default_tags(tags)
+        self.kv_blocks_in_use.set_default_tags(dict(tags))
         self.running = metrics.Gauge(
             "mmserve_llm_running_requests", "requests in the running batch", ("model",)
         )
-        self.running.set_default_tags(tags)
+        self.running.set_default_tags(dict(tags))
         self.waiting = metrics.Gauge("mmserve_llm_waiting_requests", "requests waiting for KV", ("model",))
-        self.waiting.set_default_tags(tags)
+        self.waiting.set_default_tags(dict(tags))
         self.prefix_hit = metrics.Counter(
             "mmserve_prefix_cache_hit_tokens", "prompt tokens served from KV", ("model",)
         )
-        self.prefix_hit.set_default_tags(tags)
+        self.prefix_hit.set_default_tags(dict(tags))
         self.prefix_query = metrics.Counter(
             "mmserve_prefix_cache_query_tokens", "prompt tokens looked up", ("model",)
         )
-        self.prefix_query.set_default_tags(tags)
+        self.prefix_query.set_default_tags(dict(tags))
         self.tokens = metrics.Counter("mmserve_generated_tokens", "generated tokens", ("model",))
-        self.tokens.set_default_tags(tags)
+        self.tokens.set_default_tags(dict(tags))
 
     def observe(self, out: RequestOutput, start: float) -> None:
         if out.new_token_ids:
