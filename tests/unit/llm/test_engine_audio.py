@@ -78,3 +78,22 @@ def test_audio_model_rejects_bad_items(audio, tiny_audio_dir) -> None:
     assert e.value.code == "bad_mm_input"
     with pytest.raises(RequestRejected, match="modality"):
         eng.add_request("r", clip.prompt, GREEDY, [type(item)(item.embeddings, item.offset, "h", "smell")])
+
+
+def test_half_precision_and_derived_pool(audio, tiny_audio_dir) -> None:
+    hf, proc = audio
+    case = build_case(hf, proc, "half precision run")
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(**case.hf_inputs).logits[0, -1].float(), -1)
+    cfg = EngineConfig(
+        model=str(tiny_audio_dir), dtype="bfloat16", device="cpu", max_num_seqs=3, max_model_len=100
+    )
+    eng = LLMEngine(cfg)
+    assert eng.stats().num_total_blocks == 3 * 7  # max_num_seqs sequences of ceil(100 / 16) blocks
+    assert eng.runner.kv_caches[0].dtype == torch.bfloat16
+    params = SamplingParams(max_tokens=5, ignore_eos=True, logprobs=0)
+    (out,) = eng.generate([GenerateRequest(case.prompt, params)])
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+    assert out.logprobs is not None
+    first = out.logprobs[0]
+    assert first.logprob == pytest.approx(float(ref[first.token_id]), abs=0.25)
