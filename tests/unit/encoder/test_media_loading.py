@@ -147,7 +147,7 @@ def test_byte_limits(server):
 
 def test_pixel_limits():
     _raises(MediaTooLarge, 413, "max_pixels", _load, "image", data=_png_header(100000, 100000))
-    err = _raises(MediaTooLarge, 413, "", _load, "image", data=_png_header(5000, 5000))
+    err = _raises(MediaTooLarge, 413, None, _load, "image", data=_png_header(5000, 5000))
     assert str(err) == "image 2: 25000000 pixels (5000x5000) exceeds max_pixels=16777216"
     _raises(MediaTooLarge, 413, "3072 pixels", _load, "image", MediaLimits(max_pixels=3000), data=IMG)
 
