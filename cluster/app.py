@@ -38,7 +38,6 @@ def deployment_options(opts: DeploymentOptions, name: str) -> dict[str, Any]:
             "target_ongoing_requests": a.target_ongoing_requests,
             "upscale_delay_s": a.upscale_delay_s,
             "downscale_delay_s": a.downscale_delay_s,
-            "metrics_interval_s": a.metrics_interval_s,
             "look_back_period_s": a.look_back_period_s,
         }
     return out

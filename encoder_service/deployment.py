@@ -167,7 +167,7 @@ class EncoderPoolServer:
                     dtype=str(tensor.dtype).removeprefix("torch."),
                     grid_thw=q.item.grid_thw,
                 )
-                ref = self._cache.put(meta.mm_hash, tensor) if self._cache is not None else ray.put(tensor)
+                ref = ray.put(tensor)  # Ray 2.60 has no _owner=: this replica owns it
                 q.future.set_result(EncodedItem(meta, [ref]))
             self._metrics.items.inc(len(step))
             self._metrics.embeddings.inc(sum(i.num_embeds for i in items))
@@ -189,11 +189,11 @@ class _EncoderMetrics:
 
         tags = {"model": model}
         self.queued = metrics.Gauge("mmserve_encoder_queued_embeddings", "embeddings waiting", ("model",))
-        self.queued.set_default_tags(tags)
+        self.queued.set_default_tags(dict(tags))
         self.items = metrics.Counter("mmserve_encoder_items", "media items encoded", ("model",))
-        self.items.set_default_tags(tags)
+        self.items.set_default_tags(dict(tags))
         self.embeddings = metrics.Counter("mmserve_encoder_embeddings", "embeddings computed", ("model",))
-        self.embeddings.set_default_tags(tags)
+        self.embeddings.set_default_tags(dict(tags))
 
 
 class PreprocessorServer:

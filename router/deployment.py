@@ -1,7 +1,5 @@
 """The Ingress Serve deployment: FastAPI routes over ChatService, one Orchestrator per model."""
 
-from __future__ import annotations
-
 import json
 import logging
 from pathlib import Path
@@ -51,6 +49,7 @@ class IngressServer:
 
         from cluster.config import AppConfig
         from cluster.model_dirs import resolve_model_dir
+        from router.deployment import cache_index_args, open_cache_index
 
         cfg = AppConfig.model_validate(config)
         self.metrics = _IngressMetrics()
