@@ -1,0 +1,316 @@
+"""The whole app on Ray Serve, driven by the real `openai` client; answers checked against HF generate.
+
+One app per module (Ray + Serve start once). Greedy answers must equal transformers' own
+`generate(do_sample=False)` on the same model directory and the same decoded media.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import http.server
+import io
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from openai import AsyncOpenAI, BadRequestError, NotFoundError, OpenAI
+from PIL import Image
+
+from tests.media import make_audio_bytes, make_image_bytes, make_video_bytes
+
+PORT = 8431
+MAX_TOKENS = 8
+VL, AUDIO = "tiny-qwen2-vl", "tiny-qwen2-audio"
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    import ray
+    from ray import serve
+
+    from cluster.config import AppConfig, default_config
+    from cluster.serve_cli import start
+
+    cache_dir = tmp_path_factory.mktemp("models")
+    cfg = default_config().model_dump()
+    cfg.update(port=PORT, models_cache_dir=str(cache_dir))
+    for m in cfg["models"]:
+        m["preprocess"]["media"]["allow_private_addresses"] = True  # the test's HTTP server is on loopback
+        m["preprocess"]["limit_mm_per_prompt"] = {"image": 2, "video": 1, "audio": 1}
+    start(AppConfig.model_validate(cfg), num_cpus=2)
+    yield {"dirs": {VL: cache_dir / "tiny-qwen2-vl", AUDIO: cache_dir / "tiny-qwen2-audio"}}
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(app: dict[str, Any]) -> OpenAI:
+    return OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def media_server() -> Iterator[str]:
+    files = {"/cat.png": make_image_bytes(96, 64, seed=5)}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = files.get(self.path)
+            self.send_response(200 if body else 404)
+            self.send_header("Content-Length", str(len(body or b"")))
+            self.end_headers()
+            self.wfile.write(body or b"")
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+_HF: dict[str, Any] = {}
+
+
+def hf_generate(model_dir: Path, messages: list[dict[str, Any]], **media: Any) -> str:
+    """transformers' own answer: its processor and `generate(do_sample=False)`."""
+    from transformers import (
+        AutoProcessor,
+        Qwen2AudioForConditionalGeneration,
+        Qwen2VLForConditionalGeneration,
+    )
+
+    key = str(model_dir)
+    if key not in _HF:
+        cls = (
+            Qwen2VLForConditionalGeneration if "vl" in model_dir.name else Qwen2AudioForConditionalGeneration
+        )
+        _HF[key] = (AutoProcessor.from_pretrained(model_dir), cls.from_pretrained(model_dir).eval())
+    proc, model = _HF[key]
+    text = proc.apply_chat_template(messages, add_generation_prompt=True)
+    inputs = proc(text=[text], return_tensors="pt", **media)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+    return str(proc.tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True))
+
+
+def data_url(data: bytes, mime: str) -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def ask(client: OpenAI, model: str, content: Any, **kw: Any) -> Any:
+    return client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": content}],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        **kw,
+    )
+
+
+def test_models_and_health(client: OpenAI) -> None:
+    assert sorted(m.id for m in client.models.list().data) == [AUDIO, VL]
+    assert httpx.get(f"http://127.0.0.1:{PORT}/health").json() == {"status": "ok"}
+
+
+def test_text_matches_hf(client: OpenAI, app: dict[str, Any]) -> None:
+    r = ask(client, VL, "Tell me about the weather.")
+    expected = hf_generate(app["dirs"][VL], [{"role": "user", "content": "Tell me about the weather."}])
+    assert r.choices[0].message.content == expected
+    assert r.usage.completion_tokens == MAX_TOKENS or r.choices[0].finish_reason == "stop"
+
+
+def test_image_data_url_and_streaming_match_hf(client: OpenAI, app: dict[str, Any]) -> None:
+    png = make_image_bytes(64, 48, seed=1)
+    content = [
+        {"type": "image_url", "image_url": {"url": data_url(png, "image/png")}},
+        {"type": "text", "text": "Describe."},
+    ]
+    expected = hf_generate(
+        app["dirs"][VL],
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe."}]}],
+        images=[Image.open(io.BytesIO(png)).convert("RGB")],
+    )
+    assert ask(client, VL, content).choices[0].message.content == expected
+    chunks = list(
+        client.chat.completions.create(
+            model=VL,
+            messages=[{"role": "user", "content": content}],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected
+    assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens > 16
+    # The second request reused the first one's KV blocks, image included.
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 16
+
+
+def test_two_images_one_by_http_url(client: OpenAI, app: dict[str, Any], media_server: str) -> None:
+    jpg = make_image_bytes(56, 84, fmt="JPEG", seed=2)
+    content = [
+        {"type": "image_url", "image_url": {"url": f"{media_server}/cat.png"}},
+        {"type": "text", "text": "and"},
+        {"type": "image_url", "image_url": {"url": data_url(jpg, "image/jpeg")}},
+    ]
+    expected = hf_generate(
+        app["dirs"][VL],
+        [
+            {
+                "role": "user",
+                "content": [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}],
+            }
+        ],
+        images=[
+            Image.open(io.BytesIO(make_image_bytes(96, 64, seed=5))).convert("RGB"),
+            Image.open(io.BytesIO(jpg)).convert("RGB"),
+        ],
+    )
+    assert ask(client, VL, content).choices[0].message.content == expected
+
+
+def test_video_matches_hf(client: OpenAI, app: dict[str, Any]) -> None:
+    from encoder_service.media.limits import MediaLimits
+    from encoder_service.media.loader import load_media_sync
+    from encoder_service.types import MediaRef
+
+    mp4 = make_video_bytes(width=56, height=56, num_frames=8, fps=4)
+    content = [
+        {"type": "video_url", "video_url": {"url": data_url(mp4, "video/mp4")}},
+        {"type": "text", "text": "What?"},
+    ]
+    frames = load_media_sync(MediaRef("video", data=mp4), MediaLimits(), frame_multiple=2).value
+    expected = hf_generate(
+        app["dirs"][VL],
+        [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What?"}]}],
+        videos=[frames],
+    )
+    assert ask(client, VL, content).choices[0].message.content == expected
+
+
+def test_audio_matches_hf(client: OpenAI, app: dict[str, Any]) -> None:
+    import librosa
+
+    wav = make_audio_bytes(seconds=1.5, sr=22050)
+    content = [
+        {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}}
+    ]
+    audio, _ = librosa.load(io.BytesIO(wav), sr=16000)
+    expected = hf_generate(
+        app["dirs"][AUDIO],
+        [{"role": "user", "content": [{"type": "audio"}]}],
+        audio=[audio],
+        sampling_rate=16000,
+    )
+    assert ask(client, AUDIO, content).choices[0].message.content == expected
+
+
+def test_concurrent_streams_share_encoder_work(client: OpenAI, app: dict[str, Any]) -> None:
+    images = [make_image_bytes(56 + 28 * (i % 2), 56, seed=100 + i) for i in range(4)]
+    expected = {
+        i: hf_generate(
+            app["dirs"][VL],
+            [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"Item {i}"}]}],
+            images=[Image.open(io.BytesIO(png)).convert("RGB")],
+        )
+        for i, png in enumerate(images)
+    }
+    before = httpx.get(f"http://127.0.0.1:{PORT}/stats").json()[VL]["encoder_items_dispatched"]
+    aclient = AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{PORT}/v1", api_key="unused", timeout=300, max_retries=0
+    )
+
+    async def one(i: int) -> tuple[int, str]:
+        k = i % len(images)
+        content = [
+            {"type": "image_url", "image_url": {"url": data_url(images[k], "image/png")}},
+            {"type": "text", "text": f"Item {k}"},
+        ]
+        stream = await aclient.chat.completions.create(
+            model=VL,
+            messages=[{"role": "user", "content": content}],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+        )
+        return k, "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+    async def run_all() -> list[tuple[int, str]]:
+        return await asyncio.gather(*(one(i) for i in range(16)))
+
+    for k, text in asyncio.run(run_all()):
+        assert text == expected[k]
+    after = httpx.get(f"http://127.0.0.1:{PORT}/stats").json()[VL]["encoder_items_dispatched"]
+    assert after - before == len(images)  # each distinct image was encoded exactly once
+
+
+def test_uuid_served_from_cache_and_miss_is_a_named_400(client: OpenAI, app: dict[str, Any]) -> None:
+    png = make_image_bytes(64, 64, seed=9)
+    with_data = [{"type": "image_url", "image_url": {"url": data_url(png, "image/png")}, "uuid": "img-9"}]
+    first = ask(client, VL, with_data)
+    by_uuid = ask(client, VL, [{"type": "image_url", "uuid": "img-9"}])
+    assert by_uuid.choices[0].message.content == first.choices[0].message.content
+    with pytest.raises(BadRequestError) as e:
+        ask(client, VL, [{"type": "image_url", "uuid": "never-sent"}])
+    assert e.value.body["code"] == "mm_cache_miss" and "never-sent" in e.value.body["message"]
+
+
+@pytest.mark.parametrize(
+    ("model", "content", "status", "code"),
+    [
+        (
+            VL,
+            [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}] * 3,
+            400,
+            "too_many_items",
+        ),
+        (
+            VL,
+            [{"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}}],
+            None,
+            None,
+        ),
+        (
+            VL,
+            [{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}],
+            400,
+            "unsupported_modality",
+        ),
+        (
+            AUDIO,
+            [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}],
+            400,
+            "unsupported_modality",
+        ),
+        (VL, [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}], 403, "url_not_allowed"),
+    ],
+)
+def test_client_errors_are_4xx(model: str, content: Any, status: int | None, code: str | None) -> None:
+    r = httpx.post(
+        f"http://127.0.0.1:{PORT}/v1/chat/completions",
+        json={"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 4},
+        timeout=60,
+    )
+    assert 400 <= r.status_code < 500, r.text
+    if status is not None:
+        assert r.status_code == status and r.json()["error"]["code"] == code, r.text
+    assert r.json()["error"]["message"]
+
+
+def test_unknown_model_and_bad_params() -> None:
+    c = OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(NotFoundError):
+        c.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(BadRequestError):
+        c.chat.completions.create(model=VL, messages=[{"role": "user", "content": "x"}], temperature=5)
+    with pytest.raises(BadRequestError) as e:
+        c.chat.completions.create(model=VL, messages=[{"role": "user", "content": "x"}], max_tokens=100000)
+    assert "max_model_len" in e.value.body["message"]
