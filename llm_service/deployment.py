@@ -201,6 +201,15 @@ class LLMServer:
         self._metrics.export(stats)
         return stats
 
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Custom autoscaling metrics read by cluster.autoscaling_policy.LLMLoadPolicy."""
+        s = self.stats()
+        return {
+            "kv_usage": float(s["kv_usage"]),
+            "num_running": float(s["num_running"]),
+            "num_waiting": float(s["num_waiting"]),
+        }
+
     def check_health(self) -> None:
         task = self.loop._task
         if task is not None and task.done() and task.exception() is not None:
