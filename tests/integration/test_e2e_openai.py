@@ -213,43 +213,106 @@ def test_audio_matches_hf(client: OpenAI, app: dict[str, Any]) -> None:
     assert ask(client, AUDIO, content).choices[0].message.content == expected
 
 
-def test_concurrent_streams_share_encoder_work(client: OpenAI, app: dict[str, Any]) -> None:
+def test_32_concurrent_streams_mixing_modalities(client: OpenAI, app: dict[str, Any]) -> None:
+    """Images (repeated), a video and audio clips, 32 streams at once; each distinct item encoded once."""
+    import librosa
+
+    from encoder_service.media.limits import MediaLimits
+    from encoder_service.media.loader import load_media_sync
+    from encoder_service.types import MediaRef
+
     images = [make_image_bytes(56 + 28 * (i % 2), 56, seed=100 + i) for i in range(4)]
-    expected = {
-        i: hf_generate(
-            app["dirs"][VL],
-            [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"Item {i}"}]}],
-            images=[Image.open(io.BytesIO(png)).convert("RGB")],
+    mp4 = make_video_bytes(width=56, height=56, num_frames=4, fps=4, seed=7)
+    wavs = [make_audio_bytes(seconds=1.0, freq=300.0 + 100 * i, seed=i) for i in range(2)]
+    cases: list[tuple[str, list[Any], str]] = []  # (model, openai content, expected)
+    for k, png in enumerate(images):
+        cases.append(
+            (
+                VL,
+                [
+                    {"type": "image_url", "image_url": {"url": data_url(png, "image/png")}},
+                    {"type": "text", "text": f"Item {k}"},
+                ],
+                hf_generate(
+                    app["dirs"][VL],
+                    [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"Item {k}"}]}],
+                    images=[Image.open(io.BytesIO(png)).convert("RGB")],
+                ),
+            )
         )
-        for i, png in enumerate(images)
-    }
-    before = httpx.get(f"http://127.0.0.1:{PORT}/stats").json()[VL]["encoder_items_dispatched"]
+    frames = load_media_sync(MediaRef("video", data=mp4), MediaLimits(), frame_multiple=2).value
+    cases.append(
+        (
+            VL,
+            [{"type": "video_url", "video_url": {"url": data_url(mp4, "video/mp4")}}],
+            hf_generate(app["dirs"][VL], [{"role": "user", "content": [{"type": "video"}]}], videos=[frames]),
+        )
+    )
+    for wav in wavs:
+        audio, _ = librosa.load(io.BytesIO(wav), sr=16000)
+        cases.append(
+            (
+                AUDIO,
+                [
+                    {
+                        "type": "input_audio",
+                        "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"},
+                    }
+                ],
+                hf_generate(
+                    app["dirs"][AUDIO],
+                    [{"role": "user", "content": [{"type": "audio"}]}],
+                    audio=[audio],
+                    sampling_rate=16000,
+                ),
+            )
+        )
+    stats_url = f"http://127.0.0.1:{PORT}/stats"
+    before = {m: v["encoder_items_dispatched"] for m, v in httpx.get(stats_url).json().items()}
     aclient = AsyncOpenAI(
         base_url=f"http://127.0.0.1:{PORT}/v1", api_key="unused", timeout=300, max_retries=0
     )
 
     async def one(i: int) -> tuple[int, str]:
-        k = i % len(images)
-        content = [
-            {"type": "image_url", "image_url": {"url": data_url(images[k], "image/png")}},
-            {"type": "text", "text": f"Item {k}"},
-        ]
+        model, content, _ = cases[i % len(cases)]
         stream = await aclient.chat.completions.create(
-            model=VL,
+            model=model,
             messages=[{"role": "user", "content": content}],
             max_tokens=MAX_TOKENS,
             temperature=0,
             stream=True,
         )
-        return k, "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        return i % len(cases), "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
 
     async def run_all() -> list[tuple[int, str]]:
-        return await asyncio.gather(*(one(i) for i in range(16)))
+        return await asyncio.gather(*(one(i) for i in range(32)))
 
     for k, text in asyncio.run(run_all()):
-        assert text == expected[k]
-    after = httpx.get(f"http://127.0.0.1:{PORT}/stats").json()[VL]["encoder_items_dispatched"]
-    assert after - before == len(images)  # each distinct image was encoded exactly once
+        assert text == cases[k][2], k
+    after = {m: v["encoder_items_dispatched"] for m, v in httpx.get(stats_url).json().items()}
+    assert after[VL] - before[VL] == len(images) + 1  # every distinct item encoded exactly once
+    assert after[AUDIO] - before[AUDIO] == len(wavs)
+
+
+def test_second_turn_about_the_same_image_hits_the_prefix_cache(client: OpenAI) -> None:
+    png = make_image_bytes(84, 56, seed=77)
+    turn1 = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": data_url(png, "image/png")}},
+                {"type": "text", "text": "What is it?"},
+            ],
+        }
+    ]
+    first = client.chat.completions.create(model=VL, messages=turn1, max_tokens=MAX_TOKENS, temperature=0)
+    turn2 = [
+        *turn1,
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And its colour?"},
+    ]
+    second = client.chat.completions.create(model=VL, messages=turn2, max_tokens=MAX_TOKENS, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens > 16  # past the system prompt: the image's blocks
 
 
 def test_uuid_served_from_cache_and_miss_is_a_named_400(client: OpenAI, app: dict[str, Any]) -> None:
