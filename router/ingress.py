@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
@@ -232,14 +232,3 @@ async def _chain(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> As
         return
     async for out in rest:
         yield out
-
-
-def build_fastapi(service_getter: Any) -> FastAPI:
-    """The FastAPI app; ``service_getter(request)`` returns the ChatService (the Serve replica's)."""
-    app = FastAPI(title="mmserve", version="0.1.0")
-
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers())
-
-    return app

@@ -168,13 +168,6 @@ class Orchestrator:
             if not released:
                 await release()
 
-    async def generate(
-        self, request_id: str, chat: NormalizedChat, params: SamplingParams
-    ) -> AsyncIterator[RequestOutput]:
-        prompt_ids, mm_items, release = await self.prepare(request_id, chat)
-        async for out in self.stream_prepared(request_id, prompt_ids, mm_items, params, release):
-            yield out
-
 
 async def _noop() -> None:
     await asyncio.sleep(0)

@@ -40,28 +40,37 @@ class _InFlight:
             self.by_replica[replica] = max(0.0, self.by_replica.get(replica, 0.0) - amount)
 
 
-class LeastQueuedEmbeddingsRouter(FIFOMixin, RequestRouter):
-    """Encoder pool: the replica with the fewest embeddings waiting to be computed."""
+class _LoadAwareRouter(FIFOMixin, RequestRouter):
+    """Shared machinery: exact in-flight amounts per replica, and an ordering hook ``_rank``."""
 
     def initialize_state(self, **kwargs: Any) -> None:
         self._inflight = _InFlight()
 
-    def _load(self, replica: RunningReplica) -> float:
-        reported = float(replica.routing_stats.get("queued_embeddings", 0.0))
-        return max(reported, self._inflight.by_replica.get(replica.replica_id, 0.0))
+    def _reported(self, replica: RunningReplica) -> float:
+        raise NotImplementedError
+
+    def _amount(self, pending_request: PendingRequest) -> float:
+        raise NotImplementedError
+
+    def _rank(self, pending_request: PendingRequest | None, load: dict[ReplicaID, float]) -> list[ReplicaID]:
+        return least_loaded(load)
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> Sequence[list[RunningReplica]]:
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True
-        load = {r.replica_id: self._load(r) for r in candidate_replicas}
+        load = {
+            r.replica_id: max(self._reported(r), self._inflight.by_replica.get(r.replica_id, 0.0))
+            for r in candidate_replicas
+        }
         by_id = {r.replica_id: r for r in candidate_replicas}
-        return [[by_id[rid]] for rid in least_loaded(load)]
+        return [[by_id[rid]] for rid in self._rank(pending_request, load)]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        amount = float(_request_arg(pending_request, "num_embeds", 0))
-        self._inflight.add(pending_request.metadata.internal_request_id, replica_id, amount)
+        self._inflight.add(
+            pending_request.metadata.internal_request_id, replica_id, self._amount(pending_request)
+        )
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._inflight.done(internal_request_id)
@@ -71,36 +80,37 @@ class LeastQueuedEmbeddingsRouter(FIFOMixin, RequestRouter):
         self._inflight.by_replica.pop(replica_id, None)
 
 
-class PrefixAffinityRouter(FIFOMixin, RequestRouter):
+class LeastQueuedEmbeddingsRouter(_LoadAwareRouter):
+    """Encoder pool: the replica with the fewest embeddings waiting to be computed."""
+
+    def _reported(self, replica: RunningReplica) -> float:
+        return float(replica.routing_stats.get("queued_embeddings", 0.0))
+
+    def _amount(self, pending_request: PendingRequest) -> float:
+        return float(_request_arg(pending_request, "num_embeds", 0))
+
+
+class PrefixAffinityRouter(_LoadAwareRouter):
     """LLM pool: longest cached prefix of the request's block hashes, balanced against load."""
 
     def initialize_state(self, **kwargs: Any) -> None:
+        super().initialize_state(**kwargs)
         self._index = PrefixAffinityIndex()
-        self._inflight = _InFlight()
 
-    def _load(self, replica: RunningReplica) -> float:
+    def _reported(self, replica: RunningReplica) -> float:
         stats = replica.routing_stats
-        reported = float(stats.get("num_running", 0)) + float(stats.get("num_waiting", 0))
-        return max(reported, self._inflight.by_replica.get(replica.replica_id, 0.0))
+        return float(stats.get("num_running", 0)) + float(stats.get("num_waiting", 0))
 
-    async def choose_replicas(
-        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
-    ) -> Sequence[list[RunningReplica]]:
-        if pending_request is not None:
-            pending_request.routing_context.should_backoff = True
-        hashes = _request_arg(pending_request, "block_hashes", ())
-        load = {r.replica_id: self._load(r) for r in candidate_replicas}
-        by_id = {r.replica_id: r for r in candidate_replicas}
-        return [[by_id[rid]] for rid in self._index.choose(list(hashes), load)]
+    def _amount(self, pending_request: PendingRequest) -> float:
+        return 1.0
+
+    def _rank(self, pending_request: PendingRequest | None, load: dict[ReplicaID, float]) -> list[ReplicaID]:
+        return self._index.choose(list(_request_arg(pending_request, "block_hashes", ())), load)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         self._index.record(replica_id, list(_request_arg(pending_request, "block_hashes", ())))
-        self._inflight.add(pending_request.metadata.internal_request_id, replica_id, 1.0)
-
-    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self._inflight.done(internal_request_id)
+        super().on_request_routed(pending_request, replica_id, result)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._index.remove_replica(replica_id)
-        self._inflight.by_replica.pop(replica_id, None)
