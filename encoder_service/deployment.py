@@ -60,6 +60,7 @@ class EncoderPoolServer:
         max_num_encoder_input_tokens: int = 8192,
         num_cpus_per_rank: float = 0.1,
         num_gpus_per_rank: float = 0.0,
+        resources_per_rank: dict[str, float] | None = None,
         model_name: str = "",
         cache: Any = None,
     ) -> None:
@@ -84,6 +85,7 @@ class EncoderPoolServer:
                 device=device,
                 num_cpus_per_rank=num_cpus_per_rank,
                 num_gpus_per_rank=num_gpus_per_rank,
+                resources=resources_per_rank,
             )
             self.hidden_size = self._group.hidden_size
         self._queue: deque[_Queued] = deque()
