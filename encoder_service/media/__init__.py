@@ -5,12 +5,14 @@ from __future__ import annotations
 from encoder_service.media.fetch import FetchedMedia, fetch_media_bytes
 from encoder_service.media.limits import MediaLimits
 from encoder_service.media.loader import LoadedMedia, decode_media, load_media, load_media_sync
+from encoder_service.media.pinned_client import PinnedClient
 from encoder_service.media.url_safety import address_refusal, check_addresses, check_url, resolve_local_path
 
 __all__ = [
     "FetchedMedia",
     "LoadedMedia",
     "MediaLimits",
+    "PinnedClient",
     "address_refusal",
     "check_addresses",
     "check_url",

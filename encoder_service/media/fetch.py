@@ -18,7 +18,14 @@ from encoder_service.errors import (
     URLNotAllowed,
 )
 from encoder_service.media.limits import MediaLimits
-from encoder_service.media.url_safety import Resolver, check_url, resolve_host, resolve_local_path
+from encoder_service.media.pinned_client import PinnedClient
+from encoder_service.media.url_safety import (
+    CheckedHost,
+    Resolver,
+    resolve_checked,
+    resolve_host,
+    resolve_local_path,
+)
 from encoder_service.types import MediaRef
 
 _REDIRECTS = (301, 302, 303, 307, 308)
@@ -82,10 +89,15 @@ async def fetch_http(
 ) -> FetchedMedia:
     """GET ``url`` with every redirect hop re-checked, streaming and stopping at ``max_bytes``.
 
+    Each hop's host is resolved once, checked, and the connection pinned to those addresses, so a
+    second DNS answer (rebinding) is never used. ``client``, when given, must be a ``PinnedClient``.
     ``fetch_timeout_s`` bounds the whole fetch (connect, redirects and body), not only each read.
     """
     own = client is None
-    client = client or httpx.AsyncClient(follow_redirects=False, timeout=limits.fetch_timeout_s)
+    if client is None:
+        client = PinnedClient(timeout=limits.fetch_timeout_s)
+    elif not isinstance(client, PinnedClient):
+        raise TypeError("media fetches need a PinnedClient; a plain httpx client resolves host names again")
     try:
         async with asyncio.timeout(limits.fetch_timeout_s):
             return await _follow(client, url, limits, item, label, resolver)
@@ -100,11 +112,25 @@ async def fetch_http(
             await client.aclose()
 
 
+def _pin(client: PinnedClient, url: str, checked: CheckedHost, item: int | None, label: str) -> None:
+    """Pin the host as httpx will connect to it (IDNA form); refuse a URL whose parsers disagree on it."""
+    try:
+        target = httpx.URL(url)
+    except httpx.InvalidURL as e:
+        raise InvalidMediaInput(f"{label}: invalid URL {url!r}: {e}", item=item) from e
+    if target.host != checked.host:
+        raise URLNotAllowed(
+            f"{label}: URL host is ambiguous ({target.host!r} or {checked.host!r})", item=item
+        )
+    client.backend.pin(target.raw_host.decode("ascii"), checked.port, checked.addresses)
+
+
 async def _follow(
-    client: httpx.AsyncClient, url: str, limits: MediaLimits, item: int | None, label: str, resolver: Resolver
+    client: PinnedClient, url: str, limits: MediaLimits, item: int | None, label: str, resolver: Resolver
 ) -> FetchedMedia:
     for _hop in range(limits.max_redirects + 1):
-        check_url(
+        checked = await asyncio.to_thread(  # getaddrinfo blocks: keep it off the event loop
+            resolve_checked,
             url,
             allowed_domains=limits.allowed_domains,
             allow_private_addresses=limits.allow_private_addresses,
@@ -112,6 +138,7 @@ async def _follow(
             item=item,
             label=label,
         )
+        _pin(client, url, checked, item, label)
         async with client.stream("GET", url) as resp:
             if resp.status_code in _REDIRECTS:
                 location = resp.headers.get("location")

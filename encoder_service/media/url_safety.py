@@ -1,7 +1,8 @@
 """Which URLs and local paths the media loader may read (SSRF guard, domain allow-list, local root).
 
 The checks are pure functions over already-resolved addresses, so they are tested without sockets;
-``resolve_host`` is the one place that touches DNS and can be swapped for a fake.
+``resolve_host`` is the one place that touches DNS and can be swapped for a fake. ``resolve_checked``
+returns the addresses it checked so the fetch connects to exactly those (see ``pinned_client``).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import ipaddress
 import os
 import socket
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -78,6 +80,15 @@ def domain_allowed(host: str, allowed_domains: Iterable[str]) -> bool:
     return False
 
 
+@dataclass(frozen=True)
+class CheckedHost:
+    """A URL's host and port and the addresses it resolved to ONCE, each checked: connect to these only."""
+
+    host: str
+    port: int
+    addresses: tuple[str, ...]
+
+
 def check_url(
     url: str,
     *,
@@ -87,7 +98,48 @@ def check_url(
     item: int | None = None,
     label: str = "media",
 ) -> None:
-    """Check one http(s) URL (one redirect hop) before connecting to it."""
+    """Check one http(s) URL (one redirect hop); with ``allow_private_addresses`` nothing is resolved."""
+    if allow_private_addresses:
+        _check_scheme_and_domain(url, allowed_domains, item, label)
+        return
+    resolve_checked(
+        url,
+        allowed_domains=allowed_domains,
+        allow_private_addresses=False,
+        resolver=resolver,
+        item=item,
+        label=label,
+    )
+
+
+def resolve_checked(
+    url: str,
+    *,
+    allowed_domains: Iterable[str] | None,
+    allow_private_addresses: bool,
+    resolver: Resolver = resolve_host,
+    item: int | None = None,
+    label: str = "media",
+) -> CheckedHost:
+    """Check one http(s) URL and resolve its host exactly once; the connection must go to the result.
+
+    The host is resolved even with ``allow_private_addresses`` so that the connection is still pinned.
+    """
+    host, port = _check_scheme_and_domain(url, allowed_domains, item, label)
+    try:
+        addresses = [host] if _is_ip_literal(host) else resolver(host, port)
+    except OSError as e:
+        raise URLNotAllowed(f"{label}: cannot resolve host {host!r}: {e}", item=item) from e
+    if not addresses:
+        raise URLNotAllowed(f"{label}: host {host!r} did not resolve", item=item)
+    if not allow_private_addresses:
+        check_addresses(host, addresses, item=item, label=label)
+    return CheckedHost(host, port, tuple(addresses))
+
+
+def _check_scheme_and_domain(
+    url: str, allowed_domains: Iterable[str] | None, item: int | None, label: str
+) -> tuple[str, int]:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https"):
         raise URLNotAllowed(f"{label}: scheme {parts.scheme!r} is not allowed for remote media", item=item)
@@ -96,14 +148,11 @@ def check_url(
         raise InvalidMediaInput(f"{label}: URL has no host", item=item)
     if allowed_domains is not None and not domain_allowed(host, allowed_domains):
         raise URLNotAllowed(f"{label}: host {host!r} is not in allowed_domains", item=item)
-    if allow_private_addresses:
-        return
-    port = parts.port or (443 if parts.scheme == "https" else 80)
     try:
-        addresses = [host] if _is_ip_literal(host) else resolver(host, port)
-    except OSError as e:
-        raise URLNotAllowed(f"{label}: cannot resolve host {host!r}: {e}", item=item) from e
-    check_addresses(host, addresses, item=item, label=label)
+        port = parts.port
+    except ValueError as e:
+        raise InvalidMediaInput(f"{label}: URL has an invalid port: {e}", item=item) from e
+    return host, port or (443 if parts.scheme == "https" else 80)
 
 
 def _is_ip_literal(host: str) -> bool:

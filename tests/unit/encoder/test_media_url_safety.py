@@ -7,7 +7,14 @@ import os
 import pytest
 
 from encoder_service.errors import URLNotAllowed
-from encoder_service.media.url_safety import address_refusal, check_url, domain_allowed, resolve_local_path
+from encoder_service.media.url_safety import (
+    CheckedHost,
+    address_refusal,
+    check_url,
+    domain_allowed,
+    resolve_checked,
+    resolve_local_path,
+)
 
 PUBLIC = "93.184.216.34"
 
@@ -70,6 +77,29 @@ def test_every_resolved_address_is_checked():
             check_url(literal, allowed_domains=None, allow_private_addresses=False, resolver=_fake({}))
     # opted out: loopback allowed, resolver never consulted
     check_url("http://mixed.test/", allowed_domains=None, allow_private_addresses=True, resolver=_fake({}))
+
+
+def test_resolve_checked_resolves_once_and_returns_what_it_checked():
+    calls = []
+
+    def resolver(host, port):
+        calls.append((host, port))
+        return {"ok.test": [PUBLIC, "2606:4700:4700::1111"], "lo.test": ["127.0.0.1"], "none.test": []}[host]
+
+    kw = {"allowed_domains": None, "resolver": resolver}
+    got = resolve_checked("https://OK.test/a.png", allow_private_addresses=False, **kw)
+    assert got == CheckedHost("ok.test", 443, (PUBLIC, "2606:4700:4700::1111"))
+    assert calls == [("ok.test", 443)]
+    # opted out of the address check, the host is still resolved (the connection is pinned to it)
+    got = resolve_checked("http://lo.test:8080/", allow_private_addresses=True, **kw)
+    assert got == CheckedHost("lo.test", 8080, ("127.0.0.1",))
+    with pytest.raises(URLNotAllowed, match="loopback"):
+        resolve_checked("http://lo.test/", allow_private_addresses=False, **kw)
+    with pytest.raises(URLNotAllowed, match="did not resolve"):
+        resolve_checked("http://none.test/", allow_private_addresses=True, **kw)
+    calls.clear()
+    got = resolve_checked("http://[::1]:81/", allow_private_addresses=True, **kw)
+    assert got == CheckedHost("::1", 81, ("::1",)) and calls == []  # a literal is its own answer
 
 
 def test_allow_list_and_schemes():
