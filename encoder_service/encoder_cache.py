@@ -8,6 +8,7 @@ their space; evicted hashes queue in ``take_freed()`` for whoever holds the tens
     entries ─┬─ pinned (pins non-empty): never evicted
              └─ freeable (pins empty, committed): LRU order, evicted on demand
     a reservation (meta None) whose pins all go away is dropped at once: its compute failed.
+    a committed entry whose tensor is lost (its owner died) is dropped by ``invalidate``, pins and all.
 
 Modelled on vLLM's EncoderCacheManager. Pure Python: no torch, no Ray.
 """
@@ -46,6 +47,7 @@ class EncoderCacheBooks:
         self.hits = 0
         self.misses = 0
         self.evictions = 0
+        self.invalidations = 0
 
     # ---- queries -------------------------------------------------------------------------------------
     @property
@@ -142,6 +144,34 @@ class EncoderCacheBooks:
         if not held:
             self._by_request.pop(request_id, None)
         return dropped
+
+    def invalidate(self, mm_hash: str) -> bool:
+        """Drop a committed entry whose tensor is lost, pinned or not; its space is free at once.
+
+        Pins held by other running requests go with it. Those requests already hold the same lost
+        ref: their LLM call fails on it and they recover by themselves (invalidate, re-encode). Their
+        pins are forgotten with the entry, so their later ``release`` is a no-op for this hash: it
+        never unpins a newer entry computed under the same hash unless they pinned that one too.
+        Not counted as an eviction and not queued in ``take_freed``: the caller drops the ref itself.
+
+        A reservation (not committed) is left alone and False is returned: its computing request
+        will commit a fresh tensor, or release and drop it.
+        """
+        entry = self.entries.get(mm_hash)
+        if entry is None or not entry.committed:
+            return False
+        del self.entries[mm_hash]
+        self._freeable.pop(mm_hash, None)
+        self.used -= entry.num_embeds
+        for request_id in entry.pins:
+            held = self._by_request.get(request_id)
+            if held is None:
+                continue
+            held.discard(mm_hash)
+            if not held:
+                del self._by_request[request_id]
+        self.invalidations += 1
+        return True
 
     def take_freed(self) -> list[str]:
         """Hashes evicted since the last call (their tensors can be dropped)."""
