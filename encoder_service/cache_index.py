@@ -9,13 +9,21 @@ over the compute.
 
 Object refs cross the actor boundary wrapped in a one-element list so Ray does not resolve them; the
 shard keeps the ref until the entry is evicted. Ray (>= 2.56) has no ``ray.put(_owner=...)``: the
-replica that puts an embedding owns it, so when that replica dies its entries' objects are lost;
-readers treat a lost object as a miss (``ray.exceptions.ObjectLostError`` / ``OwnerDiedError``).
+replica that puts an embedding owns it, so when that replica dies its entries' objects are lost.
+Two ways out of the index for such entries (``invalidate``):
+
+  reactive   the LLM replica gets ``OwnerDiedError`` (an ``ObjectLostError``) fetching a ref and names
+             the lost hashes; the router invalidates them (only if they still hold the ref it saw)
+             and re-encodes: a lost object is a miss.
+  proactive  an encoder replica shutting down gracefully invalidates the (hash, ref) pairs it owns.
+             A pair whose hash is still only reserved is remembered as doomed: the commit of that ref,
+             which may arrive just after (the router commits once ``encode`` returns), drops the entry.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import ray
@@ -25,6 +33,12 @@ from encoder_service.errors import EncoderCacheBusy, EncoderCacheFull
 from encoder_service.types import EmbeddingMeta
 
 HIT, COMPUTE = "hit", "compute"
+MAX_DOOMED_REFS = 4096  # refs invalidated before their commit arrived, remembered per shard
+
+
+def ref_id(ref: Any) -> str:
+    """An ObjectRef's id, comparable across processes without resolving the object."""
+    return str(ref.hex())
 
 
 def shard_of(mm_hash: str, num_shards: int) -> int:
@@ -40,6 +54,7 @@ class CacheIndexShard:
         self.refs: dict[str, list[Any]] = {}  # mm_hash -> [ObjectRef]
         self.wait_timeout_s = wait_timeout_s
         self._changed = asyncio.Condition()
+        self._doomed: dict[str, None] = {}  # ref ids invalidated while their hash was reserved
 
     async def lookup_many(self, hashes: list[str]) -> dict[str, tuple[bytes, list[Any]]]:
         out = {}
@@ -66,6 +81,7 @@ class CacheIndexShard:
                     except EncoderCacheFull as e:
                         raise ValueError(str(e)) from e
                     if reserved:
+                        self._drop_freed()  # now: an evicted hash may be reserved again right after
                         self.books.misses += 1
                         return COMPUTE, None
                 remaining = deadline - loop.time()
@@ -77,12 +93,48 @@ class CacheIndexShard:
                 except TimeoutError:
                     continue
 
-    async def commit(self, mm_hash: str, meta_msgpack: bytes, ref: list[Any]) -> None:
+    async def commit(self, mm_hash: str, meta_msgpack: bytes, ref: list[Any]) -> bool:
+        """Fill the reservation; False if ``ref`` was invalidated already (the entry is dropped)."""
         async with self._changed:
             self.books.commit(mm_hash, EmbeddingMeta.from_msgpack(meta_msgpack))
-            self.refs[mm_hash] = ref
+            rid = ref_id(ref[0])
+            doomed = rid in self._doomed
+            if doomed:
+                del self._doomed[rid]
+                self.books.invalidate(mm_hash)
+            else:
+                self.refs[mm_hash] = ref
             self._drop_freed()
             self._changed.notify_all()
+            return not doomed
+
+    async def invalidate(self, expected: dict[str, str | None]) -> list[str]:
+        """Drop committed entries whose objects are lost: ``{mm_hash: ref id or None}``.
+
+        With a ref id, the entry is dropped only if it still holds that ref (a newer entry computed
+        after the loss is kept), and a hash that is only reserved dooms that ref's coming commit.
+        With None, the committed entry is dropped whatever it holds. Returns the dropped hashes.
+        """
+        async with self._changed:
+            dropped = []
+            for mm_hash, rid in expected.items():
+                if rid is not None and self.books.is_reserved(mm_hash):
+                    self._doom(rid)
+                    continue
+                held = self.refs.get(mm_hash)
+                if rid is not None and (held is None or ref_id(held[0]) != rid):
+                    continue
+                if self.books.invalidate(mm_hash):
+                    self.refs.pop(mm_hash, None)
+                    dropped.append(mm_hash)
+            if dropped:
+                self._changed.notify_all()  # space came back: waiters may allocate now
+            return dropped
+
+    def _doom(self, rid: str) -> None:
+        self._doomed[rid] = None
+        while len(self._doomed) > MAX_DOOMED_REFS:
+            del self._doomed[next(iter(self._doomed))]
 
     async def release(self, request_id: str) -> list[str]:
         async with self._changed:
@@ -96,7 +148,7 @@ class CacheIndexShard:
 
     async def stats(self) -> dict[str, Any]:
         self._drop_freed()
-        return self.books.stats()
+        return {**self.books.stats(), "invalidations": self.books.invalidations}
 
 
 class EncoderCacheClient:
@@ -139,8 +191,25 @@ class EncoderCacheClient:
             return HIT, (EmbeddingMeta.from_msgpack(meta), ref[0])
         return COMPUTE, None
 
-    async def commit(self, mm_hash: str, meta: EmbeddingMeta, ref: Any) -> None:
-        await self.shard(mm_hash).commit.remote(mm_hash, meta.to_msgpack(), [ref])
+    async def commit(self, mm_hash: str, meta: EmbeddingMeta, ref: Any) -> bool:
+        """False when ``ref``'s owner already invalidated it (shutting down): the entry was dropped."""
+        return bool(await self.shard(mm_hash).commit.remote(mm_hash, meta.to_msgpack(), [ref]))
+
+    async def invalidate(
+        self, mm_hashes: Iterable[str], ref_ids: Mapping[str, str] | None = None
+    ) -> list[str]:
+        """Drop the committed entries of ``mm_hashes`` (their objects are lost); returns those dropped.
+
+        ``ref_ids`` (mm_hash -> ``ref_id`` of the ref the caller saw) makes it conditional: an entry
+        is only dropped while it still holds that ref. Pins of other running requests on a dropped
+        entry go with it (see ``EncoderCacheBooks.invalidate``); their release stays a no-op.
+        """
+        groups: dict[int, dict[str, str | None]] = {}
+        for h in dict.fromkeys(mm_hashes):
+            rid = None if ref_ids is None else ref_ids.get(h)
+            groups.setdefault(shard_of(h, len(self.shards)), {})[h] = rid
+        answers = await asyncio.gather(*(self.shards[s].invalidate.remote(g) for s, g in groups.items()))
+        return [h for dropped in answers for h in dropped]
 
     async def release(self, request_id: str) -> None:
         """Unpin everything ``request_id`` holds (prefill done, failure, disconnect) on every shard."""

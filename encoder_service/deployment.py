@@ -6,20 +6,28 @@ EncoderPoolServer keeps a FIFO of items from every request it is sent and runs e
 never exceed ``max_num_encoder_input_tokens`` embeddings, so many small requests share one step
 and one huge request cannot starve the rest for longer than a step. Its queue, in embeddings, is
 what the encoder pool's request router balances on and what its autoscaling policy scales on.
+
+The replica owns every embedding it puts (Ray has no ``ray.put(_owner=...)``), so its objects die
+with it. It remembers the (mm_hash, ref id) of what it put, and on graceful shutdown (Serve calls
+``__del__``: scale-down, redeploy, ``serve.shutdown``) it invalidates those entries of the shared
+encoder cache, so the index stops handing out refs that are about to be lost.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
-from collections.abc import Sequence
+from collections import OrderedDict, deque
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from encoder_service.types import EmbeddingMeta, EncoderInput
 
 logger = logging.getLogger("mmserve.encoder")
+
+MAX_OWNED_TRACKED = 65536  # (mm_hash, ref id) pairs remembered for shutdown; oldest are likely evicted
+SHUTDOWN_INVALIDATE_TIMEOUT_S = 5.0  # well inside Serve's graceful_shutdown_timeout_s (20 s default)
 
 
 @dataclass(frozen=True)
@@ -64,7 +72,8 @@ class EncoderPoolServer:
         model_name: str = "",
         cache: Any = None,
     ) -> None:
-        self._cache = cache  # EncoderCacheClient: outputs are put in the object store owned by its shards
+        self._cache = cache  # EncoderCacheClient: invalidated on shutdown for the objects this replica owns
+        self._owned: OrderedDict[str, str] = OrderedDict()  # mm_hash -> ref id of what this replica put
         self.max_num_encoder_input_tokens = max_num_encoder_input_tokens
         self.model_name = model_name
         if tp_size == 1:
@@ -170,10 +179,49 @@ class EncoderPoolServer:
                     grid_thw=q.item.grid_thw,
                 )
                 ref = ray.put(tensor)  # Ray 2.60 has no _owner=: this replica owns it
+                self._remember(meta.mm_hash, ref.hex())
                 q.future.set_result(EncodedItem(meta, [ref]))
             self._metrics.items.inc(len(step))
             self._metrics.embeddings.inc(sum(i.num_embeds for i in items))
             self._metrics.queued.set(self._queued_embeds)
+
+    def _remember(self, mm_hash: str, rid: str) -> None:
+        """Ids only: holding the refs themselves would keep every object alive in the store."""
+        self._owned[mm_hash] = rid
+        self._owned.move_to_end(mm_hash)
+        while len(self._owned) > MAX_OWNED_TRACKED:
+            self._owned.popitem(last=False)
+
+    async def invalidate_owned(self, timeout_s: float = SHUTDOWN_INVALIDATE_TIMEOUT_S) -> int:
+        """Drop the cache entries that hold this replica's objects; the number dropped. Never raises.
+
+        Entries are matched by ref id, so one re-encoded elsewhere since is kept; an entry whose
+        commit has not arrived yet is dropped when it does (the shard remembers the doomed ref).
+        """
+        owned, self._owned = self._owned, OrderedDict()
+        if self._cache is None or not owned:
+            return 0
+        try:
+            dropped = await asyncio.wait_for(self._cache.invalidate(list(owned), owned), timeout_s)
+        except Exception as e:  # best effort: readers still recover from a lost object
+            logger.warning("invalidating %d owned encoder-cache entries failed: %r", len(owned), e)
+            return 0
+        logger.info("invalidated %d of %d owned encoder-cache entries", len(dropped), len(owned))
+        return len(dropped)
+
+    def __del__(self) -> Awaitable[int] | None:
+        """Serve's graceful-shutdown hook: it awaits the coroutine returned here on the replica's loop.
+
+        A plain ``def`` on purpose: the garbage collector also calls ``__del__``, where a coroutine
+        would only warn. Outside a running event loop (GC, interpreter exit) it does nothing.
+        """
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return None
+        if getattr(self, "_cache", None) is None or not getattr(self, "_owned", None):
+            return None
+        return self.invalidate_owned()
 
     def record_routing_stats(self) -> dict[str, Any]:
         return {"queued_embeddings": self._queued_embeds}

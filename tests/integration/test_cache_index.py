@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from typing import Any
 
 import numpy as np
 import pytest
 import ray
 
-from encoder_service.cache_index import COMPUTE, HIT, EncoderCacheClient, create_cache_index
+from encoder_service.cache_index import COMPUTE, HIT, EncoderCacheClient, create_cache_index, ref_id
 from encoder_service.errors import EncoderCacheBusy, EncoderCacheFull
 from encoder_service.hashing import compute_mm_hash
 from encoder_service.types import EmbeddingMeta
@@ -17,7 +18,7 @@ from encoder_service.types import EmbeddingMeta
 
 @pytest.fixture(scope="module")
 def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
@@ -28,6 +29,11 @@ def _hash(i: int) -> str:
 
 def _meta(h: str, n: int) -> EmbeddingMeta:
     return EmbeddingMeta(h, "image", n, 4, "float32", (1, 2, 2))
+
+
+def _ref_of(answer: tuple[str, tuple[EmbeddingMeta, Any] | None]) -> Any:
+    assert answer[1] is not None
+    return answer[1][1]
 
 
 @ray.remote(num_cpus=0.1)
@@ -51,9 +57,11 @@ def test_single_flight_and_cross_process_lookup(ray_session):
         assert not any(w.done() for w in waiters)  # they wait for the commit, they don't compute
         ref = ray.put(np.full((4, 4), 2.0, dtype=np.float32))
         await client.commit(h, _meta(h, 4), ref)
-        done = await asyncio.gather(*waiters)
-        assert all(kind == HIT and payload[0].num_embeds == 4 for kind, payload in done)
-        assert float(np.asarray(ray.get(done[0][1][1])).sum()) == 32.0
+        hits = await asyncio.gather(*waiters)
+        assert all(
+            kind == HIT and payload is not None and payload[0].num_embeds == 4 for kind, payload in hits
+        )
+        assert float(np.asarray(ray.get(_ref_of(hits[0]))).sum()) == 32.0
         return await client.stats()
 
     stats = asyncio.run(scenario())
@@ -93,3 +101,130 @@ def test_failed_compute_hands_over_and_eviction_when_needed(ray_session):
 
     stats = asyncio.run(scenario())
     assert stats["evictions"] == 1 and stats["entries"] == 1
+
+
+def test_invalidate_turns_a_pinned_hit_into_compute_and_returns_capacity(ray_session):
+    client = create_cache_index(2, 14, name_prefix=f"t-{uuid.uuid4().hex[:6]}", wait_timeout_s=5.0)
+    h, other = _hash(20), _hash(21)  # two shards of capacity 7 each, or one of 14: h and other fit apart
+
+    async def scenario():
+        assert (await client.get_or_reserve("a", h, 7))[0] == COMPUTE
+        lost = ray.put(np.ones((7, 4), dtype=np.float32))
+        await client.commit(h, _meta(h, 7), lost)
+        hit = await client.get_or_reserve("b", h, 7)
+        assert hit[0] == HIT and ref_id(_ref_of(hit)) == ref_id(lost)  # "a" and "b" both pin the entry
+        stale = ray.put(np.zeros(1))
+        assert await client.invalidate([h], {h: ref_id(stale)}) == []  # it holds another ref: kept
+        assert (await client.stats())["entries"] == 1
+        assert await client.invalidate([h], {h: ref_id(lost)}) == [h]
+        stats = await client.stats()
+        assert stats["invalidations"] == 1 and stats["entries"] == 0
+        assert stats["used"] == 0 and stats["pinned"] == 0  # capacity back, both pins gone with it
+        assert await client.lookup_many([h]) == {}
+        assert (await client.get_or_reserve("c", h, 7))[0] == COMPUTE  # a miss now: compute again
+        await client.release("a")  # the invalidated pins: no-ops, "c"'s reservation stays
+        await client.release("b")
+        stats = await client.stats()
+        assert stats["pinned"] == 1 and stats["used"] == 7
+        await client.commit(h, _meta(h, 7), ray.put(np.full((7, 4), 3.0, dtype=np.float32)))
+        assert await client.invalidate([h, other]) == [h]  # unconditional; other was never there
+        await client.release("c")
+        return await client.stats()
+
+    stats = asyncio.run(scenario())
+    assert stats["entries"] == 0 and stats["used"] == 0 and stats["pinned"] == 0
+    assert stats["invalidations"] == 2
+
+
+def test_invalidate_wakes_a_request_waiting_for_space(ray_session):
+    client = create_cache_index(1, 10, name_prefix=f"t-{uuid.uuid4().hex[:6]}", wait_timeout_s=5.0)
+    h, other = _hash(30), _hash(31)
+
+    async def scenario():
+        assert (await client.get_or_reserve("a", h, 6))[0] == COMPUTE
+        ref = ray.put(np.zeros(6))
+        await client.commit(h, _meta(h, 6), ref)
+        waiter = asyncio.ensure_future(client.get_or_reserve("b", other, 5))  # 4 free, h pinned
+        await asyncio.sleep(0.3)
+        assert not waiter.done()
+        await client.invalidate([h], {h: ref_id(ref)})
+        assert (await asyncio.wait_for(waiter, 2.0))[0] == COMPUTE
+        await client.release("a")
+        await client.release("b")
+        return await client.stats()
+
+    stats = asyncio.run(scenario())
+    assert stats == {**stats, "entries": 0, "used": 0, "pinned": 0, "evictions": 0, "invalidations": 1}
+
+
+def test_invalidate_before_the_commit_dooms_that_ref(ray_session):
+    """The owner shuts down between ``encode`` returning and the router's commit: the commit of the
+    doomed ref drops the entry, and a waiting request takes over the compute."""
+    client = create_cache_index(1, 10, name_prefix=f"t-{uuid.uuid4().hex[:6]}", wait_timeout_s=5.0)
+    h = _hash(40)
+
+    async def scenario():
+        assert (await client.get_or_reserve("a", h, 4))[0] == COMPUTE
+        doomed = ray.put(np.zeros(4))
+        assert await client.invalidate([h], {h: ref_id(doomed)}) == []  # only reserved so far
+        waiter = asyncio.ensure_future(client.get_or_reserve("b", h, 4))
+        await asyncio.sleep(0.2)
+        assert not await client.commit(h, _meta(h, 4), doomed)
+        assert (await asyncio.wait_for(waiter, 2.0))[0] == COMPUTE
+        assert await client.lookup_many([h]) == {}
+        fresh = ray.put(np.ones(4))
+        assert await client.commit(h, _meta(h, 4), fresh)
+        hit = await client.get_or_reserve("c", h, 4)
+        assert hit[0] == HIT and ref_id(_ref_of(hit)) == ref_id(fresh)
+        for r in "abc":
+            await client.release(r)
+        return await client.stats()
+
+    stats = asyncio.run(scenario())
+    assert stats["entries"] == 1 and stats["pinned"] == 0 and stats["used"] == 4
+
+
+def test_encoder_replica_shutdown_invalidates_only_what_it_still_owns(ray_session, tiny_vl_dir):
+    """``__del__`` as Serve calls it on graceful shutdown: returns a coroutine, awaited on the loop."""
+    from encoder_service.deployment import EncodeBatch, EncoderPoolServer
+    from encoder_service.media import MediaLimits
+    from encoder_service.processing import Preprocessor
+    from encoder_service.types import MediaRef
+    from tests.media import make_image_bytes
+
+    client = create_cache_index(2, 10_000, name_prefix=f"t-{uuid.uuid4().hex[:6]}")
+    pre = Preprocessor(tiny_vl_dir, MediaLimits(), {"image": 3}, 64 * 1024 * 1024)
+    content = [
+        {"type": "image", "media": MediaRef("image", data=make_image_bytes(56, 56, seed=s))} for s in (1, 2)
+    ]
+    items = pre.preprocess_sync([{"role": "user", "content": content}]).items
+    server = EncoderPoolServer(str(tiny_vl_dir), cache=client)
+    kept, moved = items[0].mm_hash, items[1].mm_hash
+    elsewhere = _hash(50)
+
+    async def scenario():
+        for it in items:
+            assert (await client.get_or_reserve("r", it.mm_hash, it.num_embeds))[0] == COMPUTE
+            assert it.encoder_input is not None
+            (out,) = await server.encode(EncodeBatch("r", [it.encoder_input]))
+            assert await client.commit(it.mm_hash, out.meta, out.ref[0])
+        await client.get_or_reserve("r", elsewhere, 3)  # another replica's entry
+        await client.commit(elsewhere, _meta(elsewhere, 3), ray.put(np.zeros(3)))
+        # `moved` was lost once and re-encoded by another replica: its entry holds another ref now
+        (_, ref) = (await client.lookup_many([moved]))[moved]
+        assert await client.invalidate([moved], {moved: ref_id(ref)}) == [moved]
+        assert (await client.get_or_reserve("s", moved, items[1].num_embeds))[0] == COMPUTE
+        await client.commit(
+            moved, EmbeddingMeta(moved, "image", items[1].num_embeds, 4, "float32"), ray.put(0)
+        )
+        await client.release("r")
+        await client.release("s")
+        shutdown = server.__del__()
+        assert shutdown is not None
+        assert await shutdown == 1
+        assert server.__del__() is None  # nothing owned any more: a later GC call is a no-op
+        return await client.lookup_many([kept, moved, elsewhere]), await client.stats()
+
+    found, stats = asyncio.run(scenario())
+    assert set(found) == {moved, elsewhere} and stats["invalidations"] == 2
+    assert server.__del__() is None  # outside an event loop (GC): does nothing
