@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 from router.protocol import error_body
 
@@ -46,6 +46,21 @@ class APIError(Exception):
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else {}
+
+
+E = TypeVar("E", bound=BaseException)
+
+
+def find_cause(exc: BaseException | None, cls: type[E], attr: str) -> E | None:
+    """The first ``cls`` in ``exc``'s chain (Ray's RayTaskError ``cause``, then ``__cause__``) that
+    carries ``attr``: Ray's dual-class wrappers pass ``isinstance`` without holding the fields."""
+    for _ in range(5):
+        if exc is None:
+            return None
+        if isinstance(exc, cls) and attr in vars(exc):
+            return exc
+        exc = getattr(exc, "cause", None) or exc.__cause__
+    return None
 
 
 def bad_request(message: str, *, code: str = "invalid_request", param: str | None = None) -> APIError:

@@ -5,6 +5,10 @@
 
 Pins on encoder-cache entries are taken before the LLM is called and released when its first
 output arrives (the prefill consumed the embeddings), or when anything fails or the client leaves.
+
+Lost embeddings (the encoder replica that owns them died): the LLM replica refuses the request
+before it enters the engine with ``EmbeddingsLost``; those entries are invalidated, re-encoded once
+under the same pins' request id, and the LLM is called again. A second loss is a 503.
 """
 
 from __future__ import annotations
@@ -12,16 +16,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from encoder_service.cache_index import ref_id
 from encoder_service.deployment import EncodeBatch, EncodedItem
 from encoder_service.types import EncoderInput, PreprocessedRequest
-from llm_service.deployment import EmbeddingRef, LLMRequestSpec
+from llm_service.deployment import EmbeddingRef, EmbeddingsLost, LLMRequestSpec
 from llm_service.outputs import RequestOutput
 from llm_service.prefix_hash import compute_block_hashes
 from llm_service.sampling_params import SamplingParams
-from router.errors import bad_request
+from router.errors import APIError, bad_request, find_cause
 from router.messages import NormalizedChat, text_only_messages
 
 logger = logging.getLogger("mmserve.router")
@@ -152,21 +157,82 @@ class Orchestrator:
         released = False
         stream = None
         try:
-            hashes = compute_block_hashes(
-                prompt_ids, [(m.offset, m.length, m.mm_hash) for m in mm_items], self.block_size
-            )
-            spec = LLMRequestSpec(request_id, prompt_ids, params, mm_items, hashes)
-            stream = self.h.llm.options(stream=True).generate.remote(spec)
+            stream, first = await self._first_output(request_id, prompt_ids, mm_items, params)
+            if first is None:
+                return
+            released = True
+            await release()
+            yield first
             async for out in stream:
-                if not released:
-                    released = True
-                    await release()
                 yield out
         finally:
             if stream is not None:
                 stream.cancel()
             if not released:
                 await release()
+
+    async def _first_output(
+        self, request_id: str, prompt_ids: list[int], mm_items: list[EmbeddingRef], params: SamplingParams
+    ) -> tuple[Any, RequestOutput | None]:
+        """Call the LLM and wait for its first output, re-encoding lost embeddings once."""
+        hashes = compute_block_hashes(
+            prompt_ids, [(m.offset, m.length, m.mm_hash) for m in mm_items], self.block_size
+        )
+        for attempt in (1, 2):
+            spec = LLMRequestSpec(request_id, prompt_ids, params, mm_items, hashes)
+            stream = self.h.llm.options(stream=True).generate.remote(spec)
+            try:
+                return stream, await stream.__anext__()
+            except StopAsyncIteration:
+                return stream, None
+            except BaseException as e:
+                stream.cancel()
+                lost = find_cause(e, EmbeddingsLost, "mm_hashes")
+                if lost is None:
+                    raise
+                await self._invalidate(request_id, lost.mm_hashes, mm_items, attempt)
+                if attempt == 2:
+                    raise _lost_twice(lost.mm_hashes) from e
+                mm_items = await self._reencode(request_id, mm_items, lost.mm_hashes)
+        raise AssertionError("unreachable: the second attempt returns or raises")
+
+    async def _invalidate(
+        self, request_id: str, lost: list[str], mm_items: list[EmbeddingRef], attempt: int
+    ) -> None:
+        """Drop the lost entries from the shared index, but only while they hold the refs we sent."""
+        logger.warning(
+            "request %s (attempt %d): embeddings lost for %s; invalidating", request_id, attempt, lost
+        )
+        sent = {m.mm_hash: ref_id(m.ref[0]) for m in mm_items if m.mm_hash in lost}
+        await self.h.cache.invalidate(lost, sent)
+
+    async def _reencode(
+        self, request_id: str, mm_items: list[EmbeddingRef], lost: list[str]
+    ) -> list[EmbeddingRef]:
+        """Fresh refs for the lost items; the others keep theirs (and their pins).
+
+        A new preprocess pass gives the lost items their encoder inputs back (the index no longer
+        lists them; the processor cache may still hold their tensors, else they are processed
+        again); each is then a cache hit (someone re-encoded it already) or reserved and encoded.
+        """
+        pre: PreprocessedRequest = await self.h.preprocess.preprocess.remote(self._messages[request_id])
+        firsts: dict[str, Any] = {}
+        for item in pre.items:
+            firsts.setdefault(item.mm_hash, item)
+        wanted = list(dict.fromkeys(lost))
+        found = await asyncio.gather(*(self._one_item(request_id, pre, firsts[h]) for h in wanted))
+        fresh = {h: ref for h, (_, ref) in zip(wanted, found, strict=True)}
+        return [replace(m, ref=[fresh[m.mm_hash]]) if m.mm_hash in fresh else m for m in mm_items]
+
+
+def _lost_twice(mm_hashes: list[str]) -> APIError:
+    return APIError(
+        503,
+        f"the embeddings of {len(mm_hashes)} media item(s) were lost twice while serving this request "
+        "(encoder replicas are restarting or scaling down); retry shortly",
+        code="embeddings_lost",
+        retry_after_s=1,
+    )
 
 
 async def _noop() -> None:
