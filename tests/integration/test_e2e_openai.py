@@ -2,6 +2,7 @@
 
 One app per module (Ray + Serve start once). Greedy answers must equal transformers' own
 `generate(do_sample=False)` on the same model directory and the same decoded media.
+The `test_zz*` tests kill an encoder replica, then delete the app: keep them last in the file.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import base64
 import http.server
 import io
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -127,7 +129,7 @@ def test_text_matches_hf(client: OpenAI, app: dict[str, Any]) -> None:
 
 def test_image_data_url_and_streaming_match_hf(client: OpenAI, app: dict[str, Any]) -> None:
     png = make_image_bytes(64, 48, seed=1)
-    content = [
+    content: list[Any] = [
         {"type": "image_url", "image_url": {"url": data_url(png, "image/png")}},
         {"type": "text", "text": "Describe."},
     ]
@@ -151,7 +153,8 @@ def test_image_data_url_and_streaming_match_hf(client: OpenAI, app: dict[str, An
     assert text == expected
     assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens > 16
     # The second request reused the first one's KV blocks, image included.
-    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 16
+    details = chunks[-1].usage.prompt_tokens_details
+    assert details is not None and (details.cached_tokens or 0) >= 16
 
 
 def test_two_images_one_by_http_url(client: OpenAI, app: dict[str, Any], media_server: str) -> None:
@@ -296,7 +299,7 @@ def test_32_concurrent_streams_mixing_modalities(client: OpenAI, app: dict[str, 
 
 def test_second_turn_about_the_same_image_hits_the_prefix_cache(client: OpenAI) -> None:
     png = make_image_bytes(84, 56, seed=77)
-    turn1 = [
+    turn1: list[Any] = [
         {
             "role": "user",
             "content": [
@@ -306,13 +309,14 @@ def test_second_turn_about_the_same_image_hits_the_prefix_cache(client: OpenAI) 
         }
     ]
     first = client.chat.completions.create(model=VL, messages=turn1, max_tokens=MAX_TOKENS, temperature=0)
-    turn2 = [
+    turn2: list[Any] = [
         *turn1,
         {"role": "assistant", "content": first.choices[0].message.content},
         {"role": "user", "content": "And its colour?"},
     ]
     second = client.chat.completions.create(model=VL, messages=turn2, max_tokens=MAX_TOKENS, temperature=0)
-    assert second.usage.prompt_tokens_details.cached_tokens > 16  # past the system prompt: the image's blocks
+    details = second.usage.prompt_tokens_details if second.usage else None
+    assert details is not None and (details.cached_tokens or 0) > 16  # past the system prompt: image blocks
 
 
 def test_uuid_served_from_cache_and_miss_is_a_named_400(client: OpenAI, app: dict[str, Any]) -> None:
@@ -323,7 +327,8 @@ def test_uuid_served_from_cache_and_miss_is_a_named_400(client: OpenAI, app: dic
     assert by_uuid.choices[0].message.content == first.choices[0].message.content
     with pytest.raises(BadRequestError) as e:
         ask(client, VL, [{"type": "image_url", "uuid": "never-sent"}])
-    assert e.value.body["code"] == "mm_cache_miss" and "never-sent" in e.value.body["message"]
+    body: Any = e.value.body
+    assert body["code"] == "mm_cache_miss" and "never-sent" in body["message"]
 
 
 @pytest.mark.parametrize(
@@ -376,4 +381,79 @@ def test_unknown_model_and_bad_params() -> None:
         c.chat.completions.create(model=VL, messages=[{"role": "user", "content": "x"}], temperature=5)
     with pytest.raises(BadRequestError) as e:
         c.chat.completions.create(model=VL, messages=[{"role": "user", "content": "x"}], max_tokens=100000)
-    assert "max_model_len" in e.value.body["message"]
+    body: Any = e.value.body
+    assert "max_model_len" in body["message"]
+
+
+def _wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
+        time.sleep(0.2)
+
+
+def test_zz_embeddings_lost_with_their_encoder_replica_are_encoded_again(
+    client: OpenAI, app: dict[str, Any]
+) -> None:
+    """Kill the VL encoder replica that owns an image's embeddings; the same image again must still
+    equal HF generate: the LLM replica finds the object lost, the router invalidates and re-encodes.
+    Last in the module (named so): it replaces a replica under the shared app."""
+    import ray
+    from ray import serve
+
+    png = make_image_bytes(70, 42, seed=404)
+    content = [
+        {"type": "image_url", "image_url": {"url": data_url(png, "image/png")}},
+        {"type": "text", "text": "Once more?"},
+    ]
+    expected = hf_generate(
+        app["dirs"][VL],
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Once more?"}]}],
+        images=[Image.open(io.BytesIO(png)).convert("RGB")],
+    )
+    assert ask(client, VL, content).choices[0].message.content == expected
+
+    def stats() -> dict[str, Any]:
+        return dict(httpx.get(f"http://127.0.0.1:{PORT}/stats").json()[VL])
+
+    def encoder_replicas() -> list[str]:
+        prefix = f"SERVE_REPLICA::mmserve#EncoderPool-{VL}#"
+        return [
+            a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)
+        ]
+
+    before = stats()
+    (victim,) = encoder_replicas()  # one replica: the one that computed the image
+    ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+
+    def replaced() -> bool:
+        names = encoder_replicas()
+        deployment = serve.status().applications["mmserve"].deployments[f"EncoderPool-{VL}"]
+        running = deployment.replica_states.get("RUNNING", 0)
+        return victim not in names and len(names) == 1 and running == 1 and deployment.status == "HEALTHY"
+
+    _wait_for(replaced, 25.0, "Serve to replace the killed encoder replica")
+    assert ask(client, VL, content).choices[0].message.content == expected
+    after = stats()
+    assert after["encoder_items_dispatched"] - before["encoder_items_dispatched"] == 1  # encoded again
+    assert after["encoder_cache"]["invalidations"] - before["encoder_cache"]["invalidations"] == 1
+    assert after["encoder_cache"]["pinned"] == 0
+
+
+def test_zzz_graceful_encoder_shutdown_invalidates_what_it_owns(client: OpenAI) -> None:
+    """Serve runs each replica's ``__del__`` on graceful shutdown; the encoder replica's drops the
+    cache entries holding its objects. Deletes the app, so it runs last (the fixture then shuts down)."""
+    from ray import serve
+
+    from cluster.config import default_config
+    from router.deployment import cache_index_args, open_cache_index
+
+    png = make_image_bytes(42, 70, seed=405)
+    ask(client, VL, [{"type": "image_url", "image_url": {"url": data_url(png, "image/png")}}])
+    before = httpx.get(f"http://127.0.0.1:{PORT}/stats").json()[VL]["encoder_cache"]
+    serve.delete("mmserve")  # graceful: drains, then __del__ on every replica
+    (model,) = [m for m in default_config().models if m.name == VL]
+    after = asyncio.run(open_cache_index(*cache_index_args(model)).stats())
+    dropped = after["invalidations"] - before["invalidations"]
+    assert dropped >= 1  # at least the image just encoded
+    assert before["entries"] - after["entries"] == dropped and after["pinned"] == 0
