@@ -41,7 +41,7 @@ class EncoderCacheBooks:
         self.capacity = capacity
         self.entries: dict[str, CacheEntry] = {}
         self._freeable: OrderedDict[str, int] = OrderedDict()  # unpinned committed hashes, oldest first
-        self._by_request: dict[str, set[str]] = {}
+        self._by_request: dict[str, dict[str, None]] = {}  # request -> its hashes, in pin order
         self._freed: list[str] = []
         self.used = 0
         self.hits = 0
@@ -120,15 +120,15 @@ class EncoderCacheBooks:
         entry = self.entries[mm_hash]
         entry.pins.add(request_id)
         self._freeable.pop(mm_hash, None)
-        self._by_request.setdefault(request_id, set()).add(mm_hash)
+        self._by_request.setdefault(request_id, {})[mm_hash] = None
 
     def release(self, request_id: str, mm_hash: str | None = None) -> list[str]:
         """Unpin one item, or every item of the request. Returns the hashes whose reservation was dropped."""
-        held = self._by_request.get(request_id, set())
+        held = self._by_request.get(request_id, {})
         hashes = [mm_hash] if mm_hash is not None else list(held)
         dropped = []
         for h in hashes:
-            held.discard(h)
+            held.pop(h, None)
             entry = self.entries.get(h)
             if entry is None or request_id not in entry.pins:
                 continue
@@ -167,7 +167,7 @@ class EncoderCacheBooks:
             held = self._by_request.get(request_id)
             if held is None:
                 continue
-            held.discard(mm_hash)
+            held.pop(mm_hash, None)
             if not held:
                 del self._by_request[request_id]
         self.invalidations += 1
