@@ -131,6 +131,17 @@ class CacheIndexShard:
                 self._changed.notify_all()  # space came back: waiters may allocate now
             return dropped
 
+    async def holding(self, expected: dict[str, str]) -> list[str]:
+        """Of ``{mm_hash: ref id}``, the hashes whose entry holds that ref or awaits its commit."""
+        out = []
+        for mm_hash, rid in expected.items():
+            if mm_hash not in self.books.entries:
+                continue
+            held = self.refs.get(mm_hash)
+            if held is None or ref_id(held[0]) == rid:
+                out.append(mm_hash)
+        return out
+
     def _doom(self, rid: str) -> None:
         self._doomed[rid] = None
         while len(self._doomed) > MAX_DOOMED_REFS:
@@ -210,6 +221,15 @@ class EncoderCacheClient:
             groups.setdefault(shard_of(h, len(self.shards)), {})[h] = rid
         answers = await asyncio.gather(*(self.shards[s].invalidate.remote(g) for s, g in groups.items()))
         return [h for dropped in answers for h in dropped]
+
+    async def holding(self, ref_ids: Mapping[str, str]) -> list[str]:
+        """Of ``{mm_hash: ref id}``, the hashes the index still holds with that ref (or whose commit
+        is still pending): what an owner must keep alive."""
+        groups: dict[int, dict[str, str]] = {}
+        for h, rid in ref_ids.items():
+            groups.setdefault(shard_of(h, len(self.shards)), {})[h] = rid
+        answers = await asyncio.gather(*(self.shards[s].holding.remote(g) for s, g in groups.items()))
+        return [h for held in answers for h in held]
 
     async def release(self, request_id: str) -> None:
         """Unpin everything ``request_id`` holds (prefill done, failure, disconnect) on every shard."""

@@ -8,26 +8,24 @@ and one huge request cannot starve the rest for longer than a step. Its queue, i
 what the encoder pool's request router balances on and what its autoscaling policy scales on.
 
 The replica owns every embedding it puts (Ray has no ``ray.put(_owner=...)``), so its objects die
-with it. It remembers the (mm_hash, ref id) of what it put, and on graceful shutdown (Serve calls
-``__del__``: scale-down, redeploy, ``serve.shutdown``) it invalidates those entries of the shared
-encoder cache, so the index stops handing out refs that are about to be lost.
+with it: ``OwnedEmbeddings`` keeps them alive while the shared cache index serves them and, on
+graceful shutdown (Serve calls ``__del__``: scale-down, redeploy, ``serve.shutdown``), invalidates
+their index entries so the index stops handing out refs that are about to be lost.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from encoder_service.owned_embeddings import OwnedEmbeddings
 from encoder_service.types import EmbeddingMeta, EncoderInput
 
 logger = logging.getLogger("mmserve.encoder")
-
-MAX_OWNED_TRACKED = 65536  # (mm_hash, ref id) pairs remembered for shutdown; oldest are likely evicted
-SHUTDOWN_INVALIDATE_TIMEOUT_S = 5.0  # well inside Serve's graceful_shutdown_timeout_s (20 s default)
 
 
 @dataclass(frozen=True)
@@ -73,7 +71,8 @@ class EncoderPoolServer:
         cache: Any = None,
     ) -> None:
         self._cache = cache  # EncoderCacheClient: invalidated on shutdown for the objects this replica owns
-        self._owned: OrderedDict[str, str] = OrderedDict()  # mm_hash -> ref id of what this replica put
+        self._owned = OwnedEmbeddings(cache)
+        self._sweeper: asyncio.Task[None] | None = None
         self.max_num_encoder_input_tokens = max_num_encoder_input_tokens
         self.model_name = model_name
         if tp_size == 1:
@@ -125,6 +124,8 @@ class EncoderPoolServer:
         if self._task is None or self._task.done():
             self._wakeup = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._run())
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.get_running_loop().create_task(self._owned.sweep_forever())
 
     def _next_step(self) -> list[_Queued]:
         """FIFO items up to the compute budget (the first item always goes, it was checked to fit)."""
@@ -179,35 +180,15 @@ class EncoderPoolServer:
                     grid_thw=q.item.grid_thw,
                 )
                 ref = ray.put(tensor)  # Ray 2.60 has no _owner=: this replica owns it
-                self._remember(meta.mm_hash, ref.hex())
+                self._owned.add(meta.mm_hash, ref)
                 q.future.set_result(EncodedItem(meta, [ref]))
             self._metrics.items.inc(len(step))
             self._metrics.embeddings.inc(sum(i.num_embeds for i in items))
             self._metrics.queued.set(self._queued_embeds)
 
-    def _remember(self, mm_hash: str, rid: str) -> None:
-        """Ids only: holding the refs themselves would keep every object alive in the store."""
-        self._owned[mm_hash] = rid
-        self._owned.move_to_end(mm_hash)
-        while len(self._owned) > MAX_OWNED_TRACKED:
-            self._owned.popitem(last=False)
-
-    async def invalidate_owned(self, timeout_s: float = SHUTDOWN_INVALIDATE_TIMEOUT_S) -> int:
-        """Drop the cache entries that hold this replica's objects; the number dropped. Never raises.
-
-        Entries are matched by ref id, so one re-encoded elsewhere since is kept; an entry whose
-        commit has not arrived yet is dropped when it does (the shard remembers the doomed ref).
-        """
-        owned, self._owned = self._owned, OrderedDict()
-        if self._cache is None or not owned:
-            return 0
-        try:
-            dropped = await asyncio.wait_for(self._cache.invalidate(list(owned), owned), timeout_s)
-        except Exception as e:  # best effort: readers still recover from a lost object
-            logger.warning("invalidating %d owned encoder-cache entries failed: %r", len(owned), e)
-            return 0
-        logger.info("invalidated %d of %d owned encoder-cache entries", len(dropped), len(owned))
-        return len(dropped)
+    async def invalidate_owned(self) -> int:
+        """Drop the cache entries that hold this replica's objects; the number dropped. Never raises."""
+        return await self._owned.invalidate_all()
 
     def __del__(self) -> Awaitable[int] | None:
         """Serve's graceful-shutdown hook: it awaits the coroutine returned here on the replica's loop.
@@ -219,7 +200,7 @@ class EncoderPoolServer:
             asyncio.get_running_loop()
         except RuntimeError:
             return None
-        if getattr(self, "_cache", None) is None or not getattr(self, "_owned", None):
+        if getattr(self, "_cache", None) is None or not len(getattr(self, "_owned", ())):
             return None
         return self.invalidate_owned()
 
