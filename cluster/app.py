@@ -16,12 +16,18 @@ from typing import Any
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from cluster.autoscaling_policy import ENCODER_POLICY, LLM_POLICY
 from cluster.budgets import encoder_budgets
 from cluster.config import AppConfig, DeploymentOptions, ModelConfig
 from cluster.model_dirs import resolve_model_dir
 
+TP_LEADER_NUM_CPUS = 0.1  # the replica of a TP>1 encoder group only queues, batches and puts
 
-def deployment_options(opts: DeploymentOptions, name: str) -> dict[str, Any]:
+
+def deployment_options(
+    opts: DeploymentOptions, name: str, default_policy: str | None = None
+) -> dict[str, Any]:
+    """Serve ``.options()`` for one pool; ``default_policy`` applies when the config names none."""
     out: dict[str, Any] = {
         "name": name,
         "ray_actor_options": opts.ray_actor_options(),
@@ -40,7 +46,39 @@ def deployment_options(opts: DeploymentOptions, name: str) -> dict[str, Any]:
             "downscale_delay_s": a.downscale_delay_s,
             "look_back_period_s": a.look_back_period_s,
         }
+        if a.metrics_interval_s is not None:
+            out["autoscaling_config"]["metrics_interval_s"] = a.metrics_interval_s
+        if a.policy is not None:
+            out["autoscaling_config"]["policy"] = a.policy.model_dump()
+        elif default_policy is not None:
+            out["autoscaling_config"]["policy"] = {"policy_function": default_policy}
     return out
+
+
+def encoder_placement(model: ModelConfig) -> dict[str, Any]:
+    """Where one encoder replica runs. TP size 1: the replica itself holds the rank's resources.
+
+    TP size N > 1: one placement group per replica (Serve's ``placement_group_bundles``), so a
+    replica is scheduled, autoscaled and torn down as one gang::
+
+        bundle 0      the replica (leader: queue, batching, object-store puts)  CPU + node markers
+        bundle 1..N   rank 0..N-1 (EncoderTPGroup actors)                        CPU, GPU + node markers
+
+    Every bundle carries the pool's custom resources (``encoder_node``), so no rank lands elsewhere.
+    GPU groups are STRICT_PACK (one node: NCCL over NVLink/PCIe); CPU groups PACK.
+    """
+    enc, d = model.encoder, model.encoder.deployment
+    if enc.mm_encoder_tp_size == 1:
+        return {}
+    rank: dict[str, float] = {"CPU": d.num_cpus, **d.resources}
+    if d.num_gpus:
+        rank["GPU"] = d.num_gpus
+    leader = {"CPU": TP_LEADER_NUM_CPUS, **d.resources}
+    return {
+        "ray_actor_options": {"num_cpus": TP_LEADER_NUM_CPUS, "resources": dict(d.resources)},
+        "placement_group_bundles": [leader] + [dict(rank) for _ in range(enc.mm_encoder_tp_size)],
+        "placement_group_strategy": "STRICT_PACK" if d.num_gpus else "PACK",
+    }
 
 
 def _preprocessor(model: ModelConfig, cache_dir: str) -> Any:
@@ -90,11 +128,13 @@ def _encoder_pool(model: ModelConfig, cache_dir: str) -> Any:
                 max_num_encoder_input_tokens=compute_budget,
                 num_cpus_per_rank=d.num_cpus,
                 num_gpus_per_rank=d.num_gpus,
+                resources_per_rank=dict(d.resources),
                 model_name=m.name,
                 cache=open_cache_index(*cache_index_args(m)),
             )
 
-    opts = deployment_options(model.encoder.deployment, f"EncoderPool-{model.name}")
+    opts = deployment_options(model.encoder.deployment, f"EncoderPool-{model.name}", ENCODER_POLICY)
+    opts.update(encoder_placement(model))
     opts["request_router_config"] = RequestRouterConfig(
         request_router_class=LeastQueuedEmbeddingsRouter, request_routing_stats_period_s=1.0
     )
@@ -125,7 +165,7 @@ def _llm_server(model: ModelConfig, cache_dir: str) -> Any:
             )
             super().__init__(engine_config, m.name)
 
-    opts = deployment_options(model.llm.deployment, f"LLMServer-{model.name}")
+    opts = deployment_options(model.llm.deployment, f"LLMServer-{model.name}", LLM_POLICY)
     opts["request_router_config"] = RequestRouterConfig(
         request_router_class=PrefixAffinityRouter, request_routing_stats_period_s=1.0
     )

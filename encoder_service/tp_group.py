@@ -111,13 +111,9 @@ class EncoderTPGroup:
             )
             self.family, self.hidden_size = self._runner.family, self._runner.hidden_size
             return
-        bundle: dict[str, float] = {"CPU": num_cpus_per_rank, **(resources or {})}
-        if num_gpus_per_rank:
-            bundle["GPU"] = num_gpus_per_rank
-        strategy = "STRICT_PACK" if num_gpus_per_rank else "PACK"
-        self._pg = placement_group([dict(bundle) for _ in range(tp_size)], strategy=strategy)
+        pg, first_bundle = self._placement(tp_size, num_cpus_per_rank, num_gpus_per_rank, resources)
         try:
-            ray.get(self._pg.ready())
+            ray.get(pg.ready())
             worker_cls = ray.remote(EncoderRankWorker)
             self._actors = [
                 worker_cls.options(
@@ -125,7 +121,7 @@ class EncoderTPGroup:
                     num_gpus=num_gpus_per_rank,
                     resources=resources or {},
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        placement_group=self._pg, placement_group_bundle_index=rank
+                        placement_group=pg, placement_group_bundle_index=first_bundle + rank
                     ),
                 ).remote()
                 for rank in range(tp_size)
@@ -155,6 +151,31 @@ class EncoderTPGroup:
             self.shutdown()
             raise
         self.family, self.hidden_size = info["family"], info["hidden_size"]
+
+    def _placement(
+        self, tp_size: int, cpus: float, gpus: float, resources: dict[str, float] | None
+    ) -> tuple[Any, int]:
+        """The placement group the ranks go in, and the bundle index of rank 0.
+
+        Inside a Serve replica deployed with ``placement_group_bundles`` (cluster/app.py), that group
+        is the replica's own: bundle 0 holds the replica, bundles 1..tp_size the ranks, so Serve and
+        the cluster autoscaler see one replica as one gang with its node markers. Elsewhere (tests,
+        scripts) the group makes its own placement group and removes it on shutdown.
+        """
+        current = ray.util.get_current_placement_group()
+        if current is not None:
+            if len(current.bundle_specs) < tp_size + 1:
+                raise ValueError(
+                    f"the replica's placement group has {len(current.bundle_specs)} bundles; "
+                    f"mm_encoder_tp_size={tp_size} needs {tp_size + 1} (the replica, then one per rank)"
+                )
+            return current, 1
+        bundle: dict[str, float] = {"CPU": cpus, **(resources or {})}
+        if gpus:
+            bundle["GPU"] = gpus
+        strategy = "STRICT_PACK" if gpus else "PACK"
+        self._pg = placement_group([dict(bundle) for _ in range(tp_size)], strategy=strategy)
+        return self._pg, 0
 
     def _submit(self, inputs: list[EncoderInput]) -> Any:
         """Send the batch to every rank; the ref of rank 0's result."""
