@@ -21,6 +21,7 @@ falls back to Serve's own signal, ongoing requests against ``target_ongoing_requ
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from cluster.autoscaling import (
@@ -33,6 +34,8 @@ from cluster.autoscaling import (
     desired_llm_replicas,
     desired_replicas,
 )
+
+logger = logging.getLogger("ray.serve")  # the controller's log: logs/serve/controller_<pid>.log
 
 ENCODER_QUEUED_EMBEDDINGS = "queued_embeddings"
 LLM_KV_USAGE = "kv_usage"
@@ -50,6 +53,20 @@ def _bounds(ctx: Any) -> ScalingBounds:
 
 def _metric(ctx: Any, name: str) -> dict[Any, float]:
     return dict((ctx.aggregated_metrics or {}).get(name) or {})
+
+
+class _ChangeLog:
+    """One line in the controller's log each time a policy starts asking for a different count."""
+
+    def __init__(self) -> None:
+        self.last: int | None = None
+
+    def __call__(self, ctx: Any, n: int, why: str) -> None:
+        if n != ctx.target_num_replicas and n != self.last:
+            logger.info(
+                "%s wants %d replicas (now %d): %s", ctx.deployment_name, n, ctx.target_num_replicas, why
+            )
+        self.last = n if n != ctx.target_num_replicas else None
 
 
 def _ongoing_requests_fallback(ctx: Any, hysteresis: Hysteresis) -> int:
@@ -78,6 +95,7 @@ class EncoderQueuePolicy:
             target_queued_embeddings_per_replica, embeddings_per_handle_queued_request
         )
         self.hysteresis = Hysteresis(upscale_above, downscale_below)
+        self._log = _ChangeLog()
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         queued = _metric(ctx, ENCODER_QUEUED_EMBEDDINGS)
@@ -91,6 +109,12 @@ class EncoderQueuePolicy:
             _bounds(ctx),
             self.hysteresis,
             hold=ctx.target_num_replicas,
+        )
+        self._log(
+            ctx,
+            n,
+            f"{sum(queued.values()):.0f} embeddings queued on replicas, "
+            f"{ctx.total_queued_requests or 0:.1f} requests at handles",
         )
         return n, {}
 
@@ -107,6 +131,7 @@ class LLMLoadPolicy:
     ) -> None:
         self.targets = LLMTargets(target_kv_usage, target_ongoing_requests)
         self.hysteresis = Hysteresis(upscale_above, downscale_below)
+        self._log = _ChangeLog()
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         kv = _metric(ctx, LLM_KV_USAGE)
@@ -126,5 +151,11 @@ class LLMLoadPolicy:
             _bounds(ctx),
             self.hysteresis,
             hold=ctx.target_num_replicas,
+        )
+        self._log(
+            ctx,
+            n,
+            f"KV use up to {max(v.kv_usage for v in loads.values()):.2f}, "
+            f"{sum(v.num_running + v.num_waiting for v in loads.values()):.0f} requests running or waiting",
         )
         return n, {}

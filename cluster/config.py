@@ -17,8 +17,22 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class AutoscalingPolicyConfig(_Strict):
+    """A Serve autoscaling policy: ``module:Class`` built once with ``policy_kwargs``, or ``module:function``."""
+
+    policy_function: str = Field(..., pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    policy_kwargs: dict[str, float | int | str | bool] = Field(default_factory=dict)
+
+
 class AutoscalingConfig(_Strict):
-    """Ray Serve ``autoscaling_config``; ``target_ongoing_requests`` is per replica."""
+    """Ray Serve ``autoscaling_config``; ``target_ongoing_requests`` is per replica.
+
+    ``policy`` unset means the pool's own policy: encoder pools scale on queued embeddings
+    (``EncoderQueuePolicy``), LLM pools on KV use and requests (``LLMLoadPolicy``), the preprocessor
+    and ingress on Serve's ongoing requests. ``target_ongoing_requests`` is the fallback signal until
+    replicas report their own metrics. Serve's default everywhere:
+    ``{policy_function: "ray.serve.autoscaling_policy:default_autoscaling_policy"}``.
+    """
 
     min_replicas: int = Field(1, ge=0)
     max_replicas: int = Field(1, ge=1)
@@ -27,11 +41,24 @@ class AutoscalingConfig(_Strict):
     upscale_delay_s: float = Field(5.0, ge=0)
     downscale_delay_s: float = Field(30.0, ge=0)
     look_back_period_s: float = Field(30.0, gt=0)
+    metrics_interval_s: float | None = Field(
+        None,
+        gt=0,
+        description="how often replicas and handles push autoscaling metrics (Ray's default: 10 s). "
+        "Ray 2.60 marks it deprecated in favour of RAY_SERVE_*_AUTOSCALING_METRIC_PUSH_INTERVAL_S, "
+        "but its replicas and handles still read only this field",
+    )
+    policy: AutoscalingPolicyConfig | None = None
 
     @model_validator(mode="after")
     def _check(self) -> AutoscalingConfig:
         if self.min_replicas > self.max_replicas:
             raise ValueError("min_replicas must be <= max_replicas")
+        if self.look_back_period_s <= (self.metrics_interval_s or 10.0):
+            raise ValueError(
+                f"look_back_period_s ({self.look_back_period_s}) must exceed metrics_interval_s "
+                f"({self.metrics_interval_s or 10.0}), or the window may hold no sample"
+            )
         return self
 
 
