@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import os
 import time
 from typing import Any
 
@@ -61,9 +63,22 @@ def start(cfg: AppConfig, num_cpus: int | None = None, blocking: bool = False) -
     from cluster.app import build_app
 
     if not ray.is_initialized():
+        if _is_loopback(cfg.host):
+            # An embedded single-node Ray serving loopback keeps its own sockets on loopback too;
+            # Ray otherwise binds its GCS/raylet to the machine's routable address.
+            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         ray.init(num_cpus=num_cpus, include_dashboard=False, namespace="mmserve")
-    serve.start(http_options={"host": cfg.host, "port": cfg.port})
+    serve.start(proxy_location="HeadOnly", http_options={"host": cfg.host, "port": cfg.port})
     return serve.run(build_app(cfg), name="mmserve", route_prefix="/", blocking=blocking)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
