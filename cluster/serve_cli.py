@@ -67,7 +67,7 @@ def start(cfg: AppConfig, num_cpus: int | None = None, blocking: bool = False) -
             # An embedded single-node Ray serving loopback keeps its own sockets on loopback too;
             # Ray otherwise binds its GCS/raylet to the machine's routable address.
             os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        ray.init(num_cpus=num_cpus, include_dashboard=False, namespace="mmserve")
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace="mmserve")
     serve.start(proxy_location="HeadOnly", http_options={"host": cfg.host, "port": cfg.port})
     return serve.run(build_app(cfg), name="mmserve", route_prefix="/", blocking=blocking)
 

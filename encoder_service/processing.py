@@ -17,14 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from encoder_service.errors import InvalidMediaInput, MMCacheMiss, TooManyItems
 from encoder_service.hashing import compute_mm_hash
 from encoder_service.media.fetch import FetchedMedia, fetch_media_bytes
 from encoder_service.media.image import image_header
 from encoder_service.media.limits import MediaLimits
 from encoder_service.media.loader import decode_media
+from encoder_service.media.pinned_client import PinnedClient
 from encoder_service.media.url_safety import Resolver, resolve_host
 from encoder_service.processor_cache import ProcessorCache
 from encoder_service.processors import FamilyProcessor, load_family_processor
@@ -66,7 +65,7 @@ class Preprocessor:
         *,
         model_id: str | None = None,
         resolver: Resolver = resolve_host,
-        http_client: httpx.AsyncClient | None = None,
+        http_client: PinnedClient | None = None,
     ) -> None:
         self.limits = limits or MediaLimits()
         self.family: FamilyProcessor = load_family_processor(model_dir, self.limits)
