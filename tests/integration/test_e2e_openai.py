@@ -19,10 +19,10 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 from openai import AsyncOpenAI, BadRequestError, NotFoundError, OpenAI
 from PIL import Image
 
+from tests.hf_oracle import hf_generate as oracle_generate
 from tests.media import make_audio_bytes, make_image_bytes, make_video_bytes
 
 PORT = 8431
@@ -76,29 +76,8 @@ def media_server() -> Iterator[str]:
     server.shutdown()
 
 
-_HF: dict[str, Any] = {}
-
-
 def hf_generate(model_dir: Path, messages: list[dict[str, Any]], **media: Any) -> str:
-    """transformers' own answer: its processor and `generate(do_sample=False)`."""
-    from transformers import (
-        AutoProcessor,
-        Qwen2AudioForConditionalGeneration,
-        Qwen2VLForConditionalGeneration,
-    )
-
-    key = str(model_dir)
-    if key not in _HF:
-        cls = (
-            Qwen2VLForConditionalGeneration if "vl" in model_dir.name else Qwen2AudioForConditionalGeneration
-        )
-        _HF[key] = (AutoProcessor.from_pretrained(model_dir), cls.from_pretrained(model_dir).eval())
-    proc, model = _HF[key]
-    text = proc.apply_chat_template(messages, add_generation_prompt=True)
-    inputs = proc(text=[text], return_tensors="pt", **media)
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
-    return str(proc.tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True))
+    return oracle_generate(model_dir, messages, MAX_TOKENS, **media)
 
 
 def data_url(data: bytes, mime: str) -> str:
