@@ -22,21 +22,46 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{ printf "%s:%s" .Values.image.repository .Values.image.tag }}
 {{- end -}}
 
-{{/* Serve/AppConfig autoscaling, snake_case; the same text goes into args and into the
-     deployments: override, so the two cannot disagree. */}}
+{{/* AppConfig AutoscalingConfig of one pool, snake_case:
+     dict "name" <pool, for errors> "a" <pools.x.autoscaling> "policy" <{policy_function, policy_kwargs} or nil>.
+     cluster.app passes it to Serve as the deployment's autoscaling_config, policy included. */}}
 {{- define "mmserve.autoscaling" -}}
-min_replicas: {{ .minReplicas | toJson }}
-max_replicas: {{ .maxReplicas | toJson }}
-{{- if hasKey . "initialReplicas" }}
-initial_replicas: {{ .initialReplicas | toJson }}
+{{- $a := .a -}}
+{{- $interval := $a.metricsIntervalS | default 10 -}}
+{{- $lookBack := $a.lookBackPeriodS | default 30 -}}
+{{- if le (float64 $lookBack) (float64 $interval) -}}
+{{- fail (printf "pools.%s.autoscaling: lookBackPeriodS (%v) must exceed metricsIntervalS (%v; Ray's default 10 when unset), or the window may hold no sample" .name $lookBack $interval) -}}
+{{- end -}}
+min_replicas: {{ $a.minReplicas | toJson }}
+max_replicas: {{ $a.maxReplicas | toJson }}
+{{- if hasKey $a "initialReplicas" }}
+initial_replicas: {{ $a.initialReplicas | toJson }}
 {{- end }}
-target_ongoing_requests: {{ .targetOngoingRequests | default 2 | toJson }}
-upscale_delay_s: {{ if hasKey . "upscaleDelayS" }}{{ .upscaleDelayS | toJson }}{{ else }}30{{ end }}
-downscale_delay_s: {{ if hasKey . "downscaleDelayS" }}{{ .downscaleDelayS | toJson }}{{ else }}600{{ end }}
-look_back_period_s: {{ .lookBackPeriodS | default 30 | toJson }}
+target_ongoing_requests: {{ $a.targetOngoingRequests | default 2 | toJson }}
+upscale_delay_s: {{ if hasKey $a "upscaleDelayS" }}{{ $a.upscaleDelayS | toJson }}{{ else }}30{{ end }}
+downscale_delay_s: {{ if hasKey $a "downscaleDelayS" }}{{ $a.downscaleDelayS | toJson }}{{ else }}600{{ end }}
+{{- if hasKey $a "metricsIntervalS" }}
+metrics_interval_s: {{ $a.metricsIntervalS | toJson }}
+{{- end }}
+look_back_period_s: {{ $lookBack | toJson }}
+{{- with .policy }}
+policy: {{ toJson . }}
+{{- end }}
 {{- end -}}
 
-{{/* AppConfig DeploymentOptions of one pool: dict "pool" <pools.x> "gpus" bool "resources" map */}}
+{{/* A Serve autoscaling policy: dict "function" "module:Class" "values" <pools.x.policy, camelCase>.
+     The values' keys become the class's constructor arguments in snake_case (policy_kwargs). */}}
+{{- define "mmserve.policy" -}}
+{{- $kwargs := dict -}}
+{{- range $k, $v := .values | default dict -}}
+{{- $_ := set $kwargs (snakecase $k) $v -}}
+{{- end -}}
+{{- toJson (dict "policy_function" .function "policy_kwargs" $kwargs) -}}
+{{- end -}}
+
+{{/* AppConfig DeploymentOptions of one pool:
+     dict "name" <pool> "pool" <pools.x> "gpus" bool "resources" map "policy" <policy or nil>.
+     With encoder TP > 1, num_cpus / num_gpus are per rank (cluster.app.encoder_placement). */}}
 {{- define "mmserve.deployment" -}}
 num_cpus: {{ .pool.numCpus | toJson }}
 {{- if .gpus }}
@@ -47,7 +72,7 @@ max_ongoing_requests: {{ .pool.maxOngoingRequests | default 64 | toJson }}
 resources: {{ toJson . }}
 {{- end }}
 autoscaling:
-{{ include "mmserve.autoscaling" .pool.autoscaling | indent 2 }}
+{{ include "mmserve.autoscaling" (dict "name" .name "a" .pool.autoscaling "policy" .policy) | indent 2 }}
 {{- end -}}
 
 {{/* ray start --resources for a worker group: the shell-quoted JSON KubeRay passes through. */}}

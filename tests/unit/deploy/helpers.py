@@ -1,61 +1,68 @@
-"""Shared checks for the deployment files: Ray's and KubeRay's own schemas, and the app's config."""
+"""Shared checks for the Serve configs (cluster/deploy/serve-*.yaml and the chart's serveConfigV2).
+
+A Serve config is valid when Ray's ServeDeploySchema takes it, its ``args`` are an AppConfig, ``args``
+is the only place (no ``deployments:`` override, no push-interval env var that Ray ignores), and the
+autoscaling_config the app builds for each EncoderPool / LLMServer is one Ray's own AutoscalingConfig
+takes, with a policy that resolves to the pool's class and accepts its kwargs.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ray.serve.config import AutoscalingConfig
+from ray.serve.config import AutoscalingConfig as RayAutoscalingConfig
 from ray.serve.schema import ServeDeploySchema
 
-from cluster.config import AppConfig
+from cluster.app import deployment_options, encoder_placement
+from cluster.autoscaling_policy import ENCODER_POLICY, LLM_POLICY, EncoderQueuePolicy, LLMLoadPolicy
+from cluster.config import AppConfig, ModelConfig
 
-# The app's deployment names (contract with cluster/app.py).
-POOL_DEPLOYMENTS = {"encoder": "EncoderPool-{}", "llm": "LLMServer-{}"}
-CHECKED_AUTOSCALING_FIELDS = (
-    "min_replicas",
-    "max_replicas",
-    "initial_replicas",
-    "target_ongoing_requests",
-    "upscale_delay_s",
-    "downscale_delay_s",
-    "look_back_period_s",
-)
+# Ray 2.60 defines these but its replicas and handles read only autoscaling_config.metrics_interval_s.
+IGNORED_ENV_VARS = {
+    "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S",
+    "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S",
+}
+# Deployment name prefix -> the policy class that must scale it (the classes, not the app's strings).
+POOL_POLICIES: dict[str, type] = {"EncoderPool": EncoderQueuePolicy, "LLMServer": LLMLoadPolicy}
+
+
+def pool_options(model: ModelConfig) -> dict[str, dict[str, Any]]:
+    """Serve ``.options()`` of the model's encoder and LLM pools, as cluster.app builds them
+    (test_cluster_yamls checks this against Serve's own build of the app)."""
+    enc = deployment_options(model.encoder.deployment, f"EncoderPool-{model.name}", ENCODER_POLICY)
+    enc.update(encoder_placement(model))
+    llm = deployment_options(model.llm.deployment, f"LLMServer-{model.name}", LLM_POLICY)
+    return {enc["name"]: enc, llm["name"]: llm}
+
+
+def ray_autoscaling(opts: dict[str, Any]) -> RayAutoscalingConfig:
+    """The pool's autoscaling_config as Ray parses it; the pool must autoscale."""
+    assert "autoscaling_config" in opts, f"{opts['name']} has a fixed replica count"
+    return RayAutoscalingConfig(**opts["autoscaling_config"])
+
+
+def pool_policy(name: str, ray_cfg: RayAutoscalingConfig) -> Any:
+    """The policy instance Serve's controller would build: its class must be the pool's own, and its
+    constructor must take the kwargs (TypeError for an unknown one, ValueError for a bad value)."""
+    policy_cls = ray_cfg.policy.get_policy()
+    expected = POOL_POLICIES[name.split("-", 1)[0]]
+    assert policy_cls is expected, f"{name} scales with {ray_cfg.policy.policy_function}, not {expected}"
+    return policy_cls(**ray_cfg.policy.policy_kwargs)
 
 
 def validate_serve_config(doc: dict[str, Any]) -> list[AppConfig]:
-    """Validate a Serve config as Ray does, each app's args as AppConfig, and each deployment override:
-    its name must be one the app creates, its autoscaling_config a valid Ray one whose policy resolves
-    and accepts its kwargs, and its bounds equal to those in args. Returns the AppConfigs."""
+    """Check a Serve config as described in the module docstring; return each app's AppConfig."""
     ServeDeploySchema.model_validate(doc)
     configs = []
     for app in doc["applications"]:
+        assert "deployments" not in app, (
+            f"app {app['name']}: `deployments:` would replace the options cluster.app builds from args"
+        )
+        env = (app.get("runtime_env") or {}).get("env_vars") or {}
+        assert not IGNORED_ENV_VARS & set(env), "Ray ignores these; set autoscaling.metrics_interval_s"
         cfg = AppConfig.model_validate(app["args"])
-        configs.append(cfg)
-        names = {"Ingress"}
         for m in cfg.models:
-            names |= {f"Preprocessor-{m.name}", f"EncoderPool-{m.name}", f"LLMServer-{m.name}"}
-        for dep in app.get("deployments", []):
-            assert dep["name"] in names, f"{dep['name']} is not a deployment of the app ({sorted(names)})"
-            assert "ray_actor_options" not in dep, "placement belongs in args (see serve-gpu.yaml header)"
-            if "autoscaling_config" not in dep:
-                continue
-            ray_cfg = AutoscalingConfig.model_validate(dep["autoscaling_config"])
-            policy = ray_cfg.policy.get_policy()
-            policy(**ray_cfg.policy.policy_kwargs)  # kwargs must match the constructor
-            _check_override_matches_args(cfg, dep["name"], dep["autoscaling_config"])
+            for name, opts in pool_options(m).items():
+                pool_policy(name, ray_autoscaling(opts))
+        configs.append(cfg)
     return configs
-
-
-def _check_override_matches_args(cfg: AppConfig, name: str, override: dict[str, Any]) -> None:
-    for m in cfg.models:
-        for pool, pattern in POOL_DEPLOYMENTS.items():
-            if pattern.format(m.name) != name:
-                continue
-            opts = getattr(m, pool).deployment
-            assert opts.num_replicas is None, f"{name}: autoscaled in deployments: but fixed in args"
-            args_auto = opts.autoscaling.model_dump()
-            for field in CHECKED_AUTOSCALING_FIELDS:
-                if field in override:
-                    assert override[field] == args_auto[field], (
-                        f"{name}.{field}: deployments: says {override[field]}, args say {args_auto[field]}"
-                    )

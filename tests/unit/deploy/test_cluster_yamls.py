@@ -1,4 +1,4 @@
-"""cluster/deploy/*.yaml against Ray's own schemas and the app's config."""
+"""cluster/deploy/*.yaml against Ray's own schemas, the app's config and the Serve options it builds."""
 
 from __future__ import annotations
 
@@ -14,7 +14,10 @@ import ray.autoscaler
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from tests.unit.deploy.helpers import validate_serve_config
+from cluster.app import build_app, encoder_placement
+from cluster.autoscaling_policy import LLM_POLICY
+from cluster.config import AppConfig
+from tests.unit.deploy.helpers import pool_options, pool_policy, ray_autoscaling, validate_serve_config
 
 DEPLOY = Path(__file__).resolve().parents[3] / "cluster" / "deploy"
 
@@ -59,6 +62,33 @@ def test_serve_configs_validate(name: str) -> None:
     assert cfg.models
 
 
+@pytest.mark.parametrize("name", ["serve-gpu.yaml", "serve-cpu.yaml"])
+def test_pools_push_metrics_often_enough_to_react(name: str) -> None:
+    """What the headers promise: metrics every 2 s (not Ray's 10 s), averaged over a window that holds
+    several samples."""
+    (cfg,) = validate_serve_config(_load(name))
+    for m in cfg.models:
+        for opts in pool_options(m).values():
+            ray_cfg = ray_autoscaling(opts)
+            assert ray_cfg.metrics_interval_s == 2.0
+            assert ray_cfg.look_back_period_s >= 5 * ray_cfg.metrics_interval_s
+
+
+def test_serve_gpu_policy_targets() -> None:
+    (cfg,) = validate_serve_config(_load("serve-gpu.yaml"))
+    (m,) = cfg.models
+    opts = pool_options(m)
+    enc = pool_policy(f"EncoderPool-{m.name}", ray_autoscaling(opts[f"EncoderPool-{m.name}"]))
+    llm_auto = ray_autoscaling(opts[f"LLMServer-{m.name}"])
+    llm = pool_policy(f"LLMServer-{m.name}", llm_auto)
+    # the encoder's target backlog is 2 batches of its compute budget (as the YAML comment says)
+    assert m.encoder.max_num_encoder_input_tokens is not None
+    assert enc.targets.target_queued_embeddings_per_replica == 2 * m.encoder.max_num_encoder_input_tokens
+    # the LLM's request target and Serve's fallback target count the same thing: keep them equal
+    assert llm.targets.target_ongoing_requests == llm_auto.target_ongoing_requests
+    assert 0 < llm.targets.target_kv_usage < 1
+
+
 def test_serve_gpu_pools_fit_their_node_types() -> None:
     (cfg,) = validate_serve_config(_load("serve-gpu.yaml"))
     types = _load("ray-cluster.yaml")["available_node_types"]
@@ -66,10 +96,47 @@ def test_serve_gpu_pools_fit_their_node_types() -> None:
         enc, llm = m.encoder.deployment, m.llm.deployment
         assert set(enc.resources) == {"encoder_node"} and set(llm.resources) == {"llm_node"}
         assert enc.num_gpus > 0 and llm.num_gpus > 0
-        # one replica is a TP group: the encoder node type must hold all its ranks
-        assert types["encoder_gpu"]["resources"]["GPU"] >= m.encoder.mm_encoder_tp_size * enc.num_gpus
         assert types["llm_gpu"]["resources"]["GPU"] >= llm.num_gpus
         assert m.encoder.mm_encoder_tp_mode in ("weights", "data")
+
+
+def test_serve_gpu_encoder_replica_is_one_placement_group_on_an_encoder_node() -> None:
+    (cfg,) = validate_serve_config(_load("serve-gpu.yaml"))
+    (m,) = cfg.models
+    assert m.encoder.mm_encoder_tp_size == 2
+    opts = pool_options(m)[f"EncoderPool-{m.name}"]
+    bundles = opts["placement_group_bundles"]
+    assert opts["placement_group_strategy"] == "STRICT_PACK"  # NCCL ranks on one node
+    assert len(bundles) == 3  # the replica + 2 ranks
+    assert all(b.get("encoder_node", 0) > 0 for b in bundles), bundles
+    replica, ranks = bundles[0], bundles[1:]
+    assert replica.get("GPU", 0) == 0
+    assert all(r["GPU"] == 1 and r["CPU"] == 4 for r in ranks), ranks  # per-rank values of the YAML
+    # Serve puts the replica actor in bundle 0: what it asks for must fit there
+    actor = opts["ray_actor_options"]
+    assert actor["num_cpus"] <= replica["CPU"] and actor.get("num_gpus", 0) == 0
+    assert all(0 < v <= replica[k] for k, v in actor["resources"].items())
+    # STRICT_PACK: the whole group fits one encoder node, two groups per node as ray-cluster.yaml says
+    node = _load("ray-cluster.yaml")["available_node_types"]["encoder_gpu"]["resources"]
+    for res in ("CPU", "GPU", "encoder_node"):
+        assert 2 * sum(b.get(res, 0) for b in bundles) <= node[res], res
+
+
+def test_serve_builds_the_options_the_checks_look_at() -> None:
+    """Serve's own build of the app (no cluster) deploys the autoscaling_config and placement group
+    that pool_options() shows, so the checks above look at what really runs."""
+    from ray.serve._private.build_app import build_app as serve_build_app
+
+    (app,) = _load("serve-gpu.yaml")["applications"]
+    cfg = AppConfig.model_validate(app["args"])
+    built = {d.name: d for d in serve_build_app(build_app(cfg), name=app["name"]).deployments}
+    (m,) = cfg.models
+    for name, opts in pool_options(m).items():
+        d = built[name]
+        assert d._deployment_config.autoscaling_config == ray_autoscaling(opts), name
+        assert d._replica_config.placement_group_bundles == opts.get("placement_group_bundles"), name
+        assert d._replica_config.placement_group_strategy == opts.get("placement_group_strategy"), name
+    assert built[f"EncoderPool-{m.name}"]._replica_config.placement_group_bundles  # TP 2: a group
 
 
 def test_serve_cpu_uses_the_tiny_model_without_gpus() -> None:
@@ -79,14 +146,41 @@ def test_serve_cpu_uses_the_tiny_model_without_gpus() -> None:
         for pool in (m.encoder, m.llm, m.preprocess):
             assert pool.deployment.num_gpus == 0 and not pool.deployment.resources
             assert 0 < pool.deployment.num_cpus < 1  # fractional, or it waits forever on a small box
+        assert encoder_placement(m) == {}  # TP 1: the replica holds the rank, no placement group
 
 
-def test_serve_check_catches_override_drift() -> None:
-    doc = _load("serve-gpu.yaml")
-    doc["applications"][0]["deployments"][0]["autoscaling_config"]["max_replicas"] = 3
-    with pytest.raises(AssertionError, match="max_replicas"):
-        validate_serve_config(doc)
-    doc = _load("serve-gpu.yaml")
-    doc["applications"][0]["deployments"][1]["autoscaling_config"]["policy"]["policy_kwargs"] = {"nope": 1}
-    with pytest.raises(TypeError):
-        validate_serve_config(doc)
+LLM_AUTO = "args.models.0.llm.deployment.autoscaling"
+ENC_AUTO = "args.models.0.encoder.deployment.autoscaling"
+PUSH_ENV = {"env_vars": {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "2"}}
+
+
+def _set(doc: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
+    """``path`` is relative to the first application."""
+    node = doc["applications"][0]
+    *parents, last = path.split(".")
+    for p in parents:
+        node = node[int(p)] if isinstance(node, list) else node[p]
+    node[last] = value
+    return doc
+
+
+@pytest.mark.parametrize("name", ["serve-gpu.yaml", "serve-cpu.yaml"])
+@pytest.mark.parametrize(
+    ("path", "value", "error", "match"),
+    [
+        ("deployments", [{"name": "Ingress", "num_replicas": 2}], AssertionError, "deployments"),
+        ("runtime_env", PUSH_ENV, AssertionError, "metrics_interval_s"),
+        (f"{LLM_AUTO}.policy.policy_kwargs", {"nope": 1}, TypeError, "nope"),
+        (f"{LLM_AUTO}.policy.policy_kwargs.target_kv_usage", 1.5, ValueError, "target_kv_usage"),
+        (f"{ENC_AUTO}.policy.policy_function", LLM_POLICY, AssertionError, "EncoderPool-.* scales with"),
+        (f"{ENC_AUTO}.policy.policy_function", "cluster.nope:Policy", ModuleNotFoundError, "cluster.nope"),
+        (f"{ENC_AUTO}.metrics_interval_s", 20, ValueError, "look_back_period_s"),
+        (f"{LLM_AUTO}.metrics_interval_s", 0, ValueError, "metrics_interval_s"),
+        (f"{LLM_AUTO}.look_back_period_s", 2, ValueError, "look_back_period_s"),  # == metrics_interval_s
+        ("args.models.0.llm.deployment.num_replicas", 2, AssertionError, "fixed replica count"),
+    ],
+)
+def test_serve_check_refuses_bad_configs(name: str, path: str, value: Any, error: type, match: str) -> None:
+    validate_serve_config(_load(name))  # the file itself passes
+    with pytest.raises(error, match=match):
+        validate_serve_config(_set(_load(name), path, value))

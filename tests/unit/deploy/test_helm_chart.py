@@ -1,10 +1,12 @@
 """helm/mmserve rendered with real Helm (helm-python-sdk), checked against KubeRay's CRD schema,
-Ray's ServeDeploySchema and the app's AppConfig."""
+Ray's ServeDeploySchema, the app's AppConfig and the Serve options the app builds from it."""
 
 from __future__ import annotations
 
 import copy
+import inspect
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,10 @@ import jsonschema
 import pytest
 import yaml
 
-from tests.unit.deploy.helpers import validate_serve_config
+from cluster.app import deployment_options
+from cluster.autoscaling_policy import EncoderQueuePolicy, LLMLoadPolicy
+from cluster.config import AppConfig
+from tests.unit.deploy.helpers import pool_options, pool_policy, ray_autoscaling, validate_serve_config
 
 ROOT = Path(__file__).resolve().parents[3]
 CHART = ROOT / "helm" / "mmserve"
@@ -36,6 +41,16 @@ def _render(values: dict[str, Any] | None) -> dict[str, list[dict[str, Any]]]:
             if isinstance(doc, dict):
                 out.setdefault(doc["kind"], []).append(doc)
     return out
+
+
+def _serve_config(values: dict[str, Any] | None) -> AppConfig:
+    (rs,) = _render(values)["RayService"]
+    (cfg,) = validate_serve_config(yaml.safe_load(rs["spec"]["serveConfigV2"]))
+    return cfg
+
+
+def _snake(camel: str) -> str:
+    return re.sub(r"(?<!^)([A-Z])", r"_\1", camel).lower()
 
 
 def _rayservice_schema() -> dict[str, Any]:
@@ -135,6 +150,10 @@ def _set(values: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
         ("models.0.encoder.deployment", {"num_gpus": 1}),  # placement comes from pools
         ("models.0.path", "/models/x"),  # both path and tiny
         ("pools.llm.policy.targetKvUsage", 1.5),
+        ("pools.llm.policy.target_kv_usage", 0.5),  # camelCase in values
+        ("pools.encoder.policy.targetQueuedEmbeddingsPerReplica", 0),
+        ("pools.encoder.autoscaling.metricsIntervalS", 0),
+        ("pools.metricPushIntervalS", 2),  # gone: metricsIntervalS is per pool
         ("placement.encoderResource", "encoder node"),
     ],
 )
@@ -162,3 +181,97 @@ def test_values_sections_mirror_the_app_config() -> None:
         assert set(model[key]["properties"]) == set(cls.model_fields) - {"deployment"}, key
     media = model["preprocess"]["properties"]["media"]["properties"]
     assert set(media) == set(MediaLimitsConfig.model_fields)
+
+
+def test_encoder_tp_group_is_one_placement_group_on_an_encoder_pod() -> None:
+    vals = _gpu_values()
+    cfg = _serve_config(vals)
+    (m,) = cfg.models
+    opts = pool_options(m)[f"EncoderPool-{m.name}"]
+    bundles = opts["placement_group_bundles"]
+    assert len(bundles) == 1 + 2 and opts["placement_group_strategy"] == "STRICT_PACK"
+    marker = "encoder_node"  # placement.encoderResource in values.yaml
+    assert all(b[marker] > 0 for b in bundles), bundles
+    gpus_per_pod = vals["cluster"]["encoderWorkers"]["gpus"]
+    assert sum(b.get("GPU", 0) for b in bundles) == 2 * vals["pools"]["encoder"]["numGpus"] <= gpus_per_pod
+
+
+def test_policy_values_reach_the_policies() -> None:
+    vals = _gpu_values()
+    (m,) = _serve_config(vals).models
+    for name, opts in pool_options(m).items():
+        ray_cfg = ray_autoscaling(opts)
+        policy = pool_policy(name, ray_cfg)
+        values = vals["pools"]["encoder" if name.startswith("EncoderPool") else "llm"]
+        for key, value in values["policy"].items():
+            assert getattr(policy.targets, _snake(key)) == value, (name, key)
+        assert ray_cfg.metrics_interval_s == values["autoscaling"]["metricsIntervalS"] == 2
+
+
+def test_unset_policy_values_take_the_policy_defaults() -> None:
+    vals = {  # Helm merges these into values.yaml: null removes a default
+        "pools": {
+            "encoder": {
+                "policy": {"targetQueuedEmbeddingsPerReplica": 1000, "embeddingsPerHandleQueuedRequest": None}
+            },
+            "llm": {"policy": None},
+        }
+    }
+    (m,) = _serve_config(vals).models
+    opts = pool_options(m)
+    enc_cfg = ray_autoscaling(opts[f"EncoderPool-{m.name}"])
+    llm_cfg = ray_autoscaling(opts[f"LLMServer-{m.name}"])
+    assert enc_cfg.policy.policy_kwargs == {"target_queued_embeddings_per_replica": 1000}
+    assert llm_cfg.policy.policy_kwargs == {}
+    enc = pool_policy(f"EncoderPool-{m.name}", enc_cfg)
+    assert enc.targets.embeddings_per_handle_queued_request == 1024.0  # EncoderQueuePolicy's default
+    assert pool_policy(f"LLMServer-{m.name}", llm_cfg).targets.target_kv_usage == 0.8
+
+
+def test_every_autoscaling_value_reaches_ray() -> None:
+    """Each key the schema allows in pools.<pool>.autoscaling lands in that pool's Ray autoscaling_config."""
+    chosen = {
+        "minReplicas": 2,
+        "maxReplicas": 7,
+        "initialReplicas": 3,
+        "targetOngoingRequests": 5,
+        "upscaleDelayS": 11,
+        "downscaleDelayS": 130,
+        "metricsIntervalS": 1.5,
+        "lookBackPeriodS": 17,
+    }
+    schema = json.loads((CHART / "values.schema.json").read_text())["properties"]["pools"]["properties"]
+    vals = yaml.safe_load((CHART / "values.yaml").read_text())
+    pools = ("ingress", "preprocess", "encoder", "llm")
+    for i, pool in enumerate(pools):
+        assert set(schema[pool]["properties"]["autoscaling"]["properties"]) == set(chosen), pool
+        vals["pools"][pool]["autoscaling"] = {k: v + i for k, v in chosen.items()}  # distinct per pool
+    cfg = _serve_config(vals)
+    (m,) = cfg.models
+    opts = {
+        "ingress": deployment_options(cfg.ingress.deployment, "Ingress"),
+        "preprocess": deployment_options(m.preprocess.deployment, "Preprocessor"),
+        **{p: o for p, o in zip(("encoder", "llm"), pool_options(m).values(), strict=True)},
+    }
+    for i, pool in enumerate(pools):
+        ray_cfg = ray_autoscaling(opts[pool])
+        for key, value in chosen.items():
+            assert getattr(ray_cfg, _snake(key)) == value + i, (pool, key)
+
+
+@pytest.mark.parametrize(
+    "auto",
+    [{"metricsIntervalS": 20, "lookBackPeriodS": 20}, {"metricsIntervalS": None, "lookBackPeriodS": 10}],
+    ids=["equal", "ray-default-interval"],
+)
+def test_look_back_must_exceed_the_metrics_interval(auto: dict[str, Any]) -> None:
+    vals = {"pools": {"llm": {"autoscaling": auto}}}  # merged into values.yaml; null unsets
+    with pytest.raises(helm.HelmError, match=r"pools\.llm\.autoscaling: lookBackPeriodS"):
+        helm.Chart.load(CHART).render(vals, name="mm", namespace="ml")
+
+
+def test_policy_values_are_constructor_arguments() -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())["properties"]["pools"]["properties"]
+    for pool, cls in (("encoder", EncoderQueuePolicy), ("llm", LLMLoadPolicy)):
+        keys = {_snake(k) for k in schema[pool]["properties"]["policy"]["properties"]}
+        assert keys and keys <= set(inspect.signature(cls).parameters), (pool, keys)
