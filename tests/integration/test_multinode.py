@@ -16,7 +16,7 @@ import asyncio
 import base64
 import io
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -131,6 +131,14 @@ def alive_actors(class_suffix: str) -> list[dict[str, Any]]:
     return [a for a in table.values() if a["State"] == "ALIVE" and a["ActorClassName"].endswith(class_suffix)]
 
 
+def wanted_replicas(deployment: str) -> int:
+    """Replicas starting or running (not those stopping): what the pool has grown to."""
+    from ray import serve
+
+    states = serve.status().applications["mmserve"].deployments[deployment].replica_states
+    return sum(int(n) for s, n in states.items() if getattr(s, "value", s) not in ("STOPPING", "STOPPED"))
+
+
 def running_replicas(deployment: str) -> int:
     from ray import serve
 
@@ -185,29 +193,34 @@ def test_answers_equal_hf_across_nodes(client: OpenAI, cluster: dict[str, Any]) 
     assert stats["encoder_items_dispatched"] == 1
 
 
-async def _burst(concurrency: int, until: Any, max_s: float) -> tuple[dict[bytes, Any], float | None]:
-    """Keep ``concurrency`` requests with fresh images in flight until ``until()`` holds (or ``max_s``
-    passes), then let them finish. Returns each image's answer (or exception) and the seconds from the
-    first request to when ``until()`` first held (None if it never did)."""
+Request = tuple[Any, list[dict[str, Any]], int]  # (key, messages, max_tokens)
+
+
+async def _burst(
+    next_request: Callable[[], Request], concurrency: int, until: Callable[[], bool], max_s: float
+) -> tuple[dict[Any, Any], float | None]:
+    """Keep ``concurrency`` fresh requests in flight until ``until()`` holds (or ``max_s`` passes),
+    then let them finish. Returns each request's answer (or exception) by key, and the seconds from
+    the first request to when ``until()`` first held (None if it never did)."""
     client = AsyncOpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="unused", timeout=120, max_retries=0)
     start = time.monotonic()
     reached: list[float] = []
-    answers: dict[bytes, Any] = {}
-    seeds = iter(range(1000, 100000))
+    answers: dict[Any, Any] = {}
 
     async def worker() -> None:
         while not reached and time.monotonic() - start < max_s:
-            png = make_image_bytes(224, 224, seed=next(seeds))
+            key, messages, max_tokens = next_request()
             try:
                 r = await client.chat.completions.create(
                     model=VL,
-                    messages=image_request(png),  # type: ignore[arg-type]
-                    max_tokens=MAX_TOKENS,
+                    messages=messages,  # type: ignore[arg-type]
+                    max_tokens=max_tokens,
                     temperature=0,
+                    extra_body={"ignore_eos": True},
                 )
-                answers[png] = r.choices[0].message.content or ""
+                answers[key] = r.choices[0].message.content or ""
             except Exception as e:  # recorded, asserted on by the test
-                answers[png] = e
+                answers[key] = e
 
     async def watch() -> None:
         while not reached and time.monotonic() - start < max_s:
@@ -234,10 +247,16 @@ def test_image_burst_scales_encoder_pool_only(client: OpenAI, cluster: dict[str,
     llm_counts: list[int] = []
 
     def encoder_scaled_up() -> bool:
-        llm_counts.append(len(alive_actors(f":{LLM}")))
+        llm_counts.append(wanted_replicas(LLM))
         return running_replicas(ENC) >= 2
 
-    answers, scale_up_s = asyncio.run(_burst(concurrency=16, until=encoder_scaled_up, max_s=120))
+    seeds = iter(range(1000, 100000))
+
+    def next_image() -> Request:
+        png = make_image_bytes(224, 224, seed=next(seeds))
+        return png, image_request(png), MAX_TOKENS
+
+    answers, scale_up_s = asyncio.run(_burst(next_image, 16, encoder_scaled_up, max_s=120))
     print(f"\nencoder pool 1 -> 2 replicas {scale_up_s} s after the burst started; {len(answers)} requests")
     failures = [a for a in answers.values() if isinstance(a, BaseException)]
     assert not failures, failures[:3]
@@ -259,3 +278,27 @@ def test_image_burst_scales_encoder_pool_only(client: OpenAI, cluster: dict[str,
             temperature=0,
         )
         assert r.choices[0].message.content == expected_for_image(cluster["dir"], png)
+
+
+def test_long_generations_scale_llm_pool_only(cluster: dict[str, Any]) -> None:
+    assert (running_replicas(ENC), running_replicas(LLM)) == (1, 1)
+    encoder_counts: list[int] = []
+
+    def llm_scaled_up() -> bool:
+        encoder_counts.append(wanted_replicas(ENC))
+        return running_replicas(LLM) >= 2
+
+    prompts = (f"Story number {i}, tell it long." for i in range(100000))
+
+    def next_text() -> Request:
+        p = next(prompts)
+        return p, [{"role": "user", "content": p}], 192
+
+    answers, scale_up_s = asyncio.run(_burst(next_text, 48, llm_scaled_up, max_s=120))
+    print(f"\nLLM pool 1 -> 2 replicas {scale_up_s} s after the burst started; {len(answers)} requests")
+    failures = [a for a in answers.values() if isinstance(a, BaseException)]
+    assert not failures, failures[:3]
+    assert scale_up_s is not None, "the LLM pool never reached 2 replicas during the burst"
+    assert max(encoder_counts) == 1 and running_replicas(ENC) == 1
+    down_s = wait_for(lambda: running_replicas(LLM) == 1, 60, "the LLM pool to scale down")
+    print(f"LLM pool 2 -> 1 replicas {down_s:.1f} s after the burst ended")
