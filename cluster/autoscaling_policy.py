@@ -3,13 +3,16 @@
 Wiring (Ray Serve 2.60):
 
 - Each replica reports its own numbers: Serve calls ``record_autoscaling_stats(self) -> dict[str, float]``
-  (sync or async) on the deployment class every ``RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S``
-  (default 10 s, timeout ``RAY_SERVE_RECORD_AUTOSCALING_STATS_TIMEOUT_S`` = 10 s). Values must be int or
-  float, or Serve disables the replica's stats. Only deployments with an ``autoscaling_config`` push them.
+  (sync or async) on the deployment class and pushes the samples every ``autoscaling_config.metrics_interval_s``
+  (default 10 s; Ray 2.60 reads only this field, the ``RAY_SERVE_*_AUTOSCALING_METRIC_PUSH_INTERVAL_S``
+  env vars it names as replacements are not wired up yet; stats timeout
+  ``RAY_SERVE_RECORD_AUTOSCALING_STATS_TIMEOUT_S`` = 10 s). Values must be int or float, or Serve disables
+  the replica's stats. Only deployments with an ``autoscaling_config`` push them.
   ``EncoderPool`` returns ``{ENCODER_QUEUED_EMBEDDINGS: ...}``; ``LLMServer`` returns
   ``{LLM_KV_USAGE: ..., LLM_NUM_RUNNING: ..., LLM_NUM_WAITING: ...}``.
 - The deployment's ``autoscaling_config.policy`` names a class below, e.g.
-  ``{policy_function: "cluster.autoscaling_policy:EncoderQueuePolicy", policy_kwargs: {...}}``.
+  ``{policy_function: "cluster.autoscaling_policy:EncoderQueuePolicy", policy_kwargs: {...}}``;
+  ``cluster/app.py`` sets it from ``AppConfig`` (each pool's default unless the config names one).
   Serve builds it once with ``policy_kwargs`` and calls ``instance(ctx)`` every control-loop tick with an
   ``AutoscalingContext``; ``ctx.aggregated_metrics[name][replica_id]`` is each replica's value averaged
   over ``look_back_period_s``. Serve then applies ``upscale_delay_s`` / ``downscale_delay_s``, the
