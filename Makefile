@@ -5,6 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stamp-$(shell sha256sum pyproject.toml | cut -c1-16)
 PYTEST_ARGS ?=
+BENCH_ARGS ?=
 
 .PHONY: setup serve test lint bench
 
@@ -30,4 +31,4 @@ test: lint
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 bench: setup
-	$(PY) -m cluster.bench
+	$(PY) -m cluster.bench $(BENCH_ARGS)
