@@ -18,32 +18,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable
+from dataclasses import dataclass
 from typing import Any
 
 from encoder_service.owned_embeddings import OwnedEmbeddings
-from encoder_service.types import EmbeddingMeta, EncoderInput
+from encoder_service.types import EmbeddingMeta, EncodeBatch, EncodedItem, EncoderInput
 
 logger = logging.getLogger("mmserve.encoder")
-
-
-@dataclass(frozen=True)
-class EncodeBatch:
-    """One request's cache misses, sent to one encoder replica."""
-
-    request_id: str
-    inputs: Sequence[EncoderInput]
-
-    @property
-    def num_embeds(self) -> int:  # read by router.request_routers.LeastQueuedEmbeddingsRouter
-        return sum(i.num_embeds for i in self.inputs)
-
-
-@dataclass(frozen=True)
-class EncodedItem:
-    meta: EmbeddingMeta
-    ref: list[Any] = field(default_factory=list)  # [ObjectRef] of the [num_embeds, hidden] tensor
 
 
 @dataclass

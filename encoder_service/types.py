@@ -1,19 +1,20 @@
 """Records handed between the preprocessor, the encoder pool and (through the router) the LLM pool.
 
-Plain dataclasses, no torch at import time: tensors ride along as values and cross processes through
-Ray's object store. ``to_msgpack``/``from_msgpack`` give the versioned wire form of the metadata.
+Plain dataclasses, no torch at import time. Every record that crosses a process boundary pickles
+as its versioned msgpack wire form (``encoder_service/wire.py``); ObjectRefs ride beside the bytes
+so Ray keeps counting them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import msgpack
+from encoder_service.wire import grid_from_wire, grid_to_wire, pack, pack_tensor, unpack, unpack_tensor
 
 Modality = Literal["image", "video", "audio"]
 MODALITIES: tuple[Modality, ...] = ("image", "video", "audio")
-WIRE_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,28 @@ class EncoderInput:
     grid_thw: tuple[int, int, int] | None
     tensors: dict[str, Any] = field(default_factory=dict)
 
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "mm_hash": self.mm_hash,
+            "modality": self.modality,
+            "num_embeds": self.num_embeds,
+            "grid_thw": grid_to_wire(self.grid_thw),
+            "tensors": {k: pack_tensor(t) for k, t in self.tensors.items()},
+        }
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> EncoderInput:
+        return cls(
+            mm_hash=d["mm_hash"],
+            modality=d["modality"],
+            num_embeds=int(d["num_embeds"]),
+            grid_thw=grid_from_wire(d["grid_thw"]),
+            tensors={k: unpack_tensor(t) for k, t in d["tensors"].items()},
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_encoder_input_from_bytes, (pack("EncoderInput", self.to_wire()),))
+
 
 @dataclass(frozen=True)
 class MultiModalItem:
@@ -72,12 +95,45 @@ class MultiModalItem:
     def num_embeds(self) -> int:
         return self.placeholder.length
 
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "mm_hash": self.mm_hash,
+            "modality": self.modality,
+            "offset": self.placeholder.offset,
+            "length": self.placeholder.length,
+            "grid_thw": grid_to_wire(self.grid_thw),
+            "metadata": self.metadata,
+            "encoder_input": self.encoder_input.to_wire() if self.encoder_input else None,
+        }
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> MultiModalItem:
+        enc = d["encoder_input"]
+        return cls(
+            index=int(d["index"]),
+            mm_hash=d["mm_hash"],
+            modality=d["modality"],
+            placeholder=PlaceholderRange(int(d["offset"]), int(d["length"])),
+            grid_thw=grid_from_wire(d["grid_thw"]),
+            metadata=dict(d["metadata"]),
+            encoder_input=EncoderInput.from_wire(enc) if enc is not None else None,
+        )
+
 
 @dataclass(frozen=True)
 class PreprocessedRequest:
     prompt_token_ids: list[int]
     items: list[MultiModalItem]
     processor_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        fields = {
+            "prompt_token_ids": list(self.prompt_token_ids),
+            "items": [it.to_wire() for it in self.items],
+            "processor_kwargs": self.processor_kwargs,
+        }
+        return (_preprocessed_from_bytes, (pack("PreprocessedRequest", fields),))
 
     def to_log(self) -> dict[str, Any]:
         """What a failure's log line needs to replay the request (no tensors)."""
@@ -111,29 +167,79 @@ class EmbeddingMeta:
     grid_thw: tuple[int, int, int] | None = None
 
     def to_msgpack(self) -> bytes:
-        return msgpack.packb(
+        return pack(
+            "EmbeddingMeta",
             {
-                "v": WIRE_VERSION,
                 "mm_hash": self.mm_hash,
                 "modality": self.modality,
                 "num_embeds": self.num_embeds,
                 "hidden_size": self.hidden_size,
                 "dtype": self.dtype,
-                "grid_thw": list(self.grid_thw) if self.grid_thw else None,
-            }
+                "grid_thw": grid_to_wire(self.grid_thw),
+            },
         )
 
     @classmethod
     def from_msgpack(cls, raw: bytes) -> EmbeddingMeta:
-        d = msgpack.unpackb(raw)
-        if d.get("v") != WIRE_VERSION:
-            raise ValueError(f"unsupported EmbeddingMeta wire version {d.get('v')!r}")
-        grid = d["grid_thw"]
+        d = unpack("EmbeddingMeta", raw)
         return cls(
             mm_hash=d["mm_hash"],
             modality=d["modality"],
-            num_embeds=d["num_embeds"],
-            hidden_size=d["hidden_size"],
+            num_embeds=int(d["num_embeds"]),
+            hidden_size=int(d["hidden_size"]),
             dtype=d["dtype"],
-            grid_thw=tuple(grid) if grid else None,  # type: ignore[arg-type]
+            grid_thw=grid_from_wire(d["grid_thw"]),
         )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (EmbeddingMeta.from_msgpack, (self.to_msgpack(),))
+
+
+@dataclass(frozen=True)
+class EncodeBatch:
+    """One request's cache misses, sent to one encoder replica."""
+
+    request_id: str
+    inputs: Sequence[EncoderInput]
+
+    @property
+    def num_embeds(self) -> int:  # read by router.request_routers.LeastQueuedEmbeddingsRouter
+        return sum(i.num_embeds for i in self.inputs)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        fields = {"request_id": self.request_id, "inputs": [i.to_wire() for i in self.inputs]}
+        return (_encode_batch_from_bytes, (pack("EncodeBatch", fields),))
+
+
+@dataclass(frozen=True)
+class EncodedItem:
+    """One encoder output: its metadata, and ``[ObjectRef]`` of the ``[num_embeds, hidden]`` tensor."""
+
+    meta: EmbeddingMeta
+    ref: list[Any] = field(default_factory=list)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_encoded_item_from_bytes, (self.meta.to_msgpack(), self.ref))
+
+
+# Module-level so pickle finds them by name; each checks kind and version.
+def _encoder_input_from_bytes(raw: bytes) -> EncoderInput:
+    return EncoderInput.from_wire(unpack("EncoderInput", raw))
+
+
+def _preprocessed_from_bytes(raw: bytes) -> PreprocessedRequest:
+    d = unpack("PreprocessedRequest", raw)
+    return PreprocessedRequest(
+        prompt_token_ids=[int(t) for t in d["prompt_token_ids"]],
+        items=[MultiModalItem.from_wire(it) for it in d["items"]],
+        processor_kwargs=dict(d["processor_kwargs"]),
+    )
+
+
+def _encode_batch_from_bytes(raw: bytes) -> EncodeBatch:
+    d = unpack("EncodeBatch", raw)
+    return EncodeBatch(d["request_id"], [EncoderInput.from_wire(i) for i in d["inputs"]])
+
+
+def _encoded_item_from_bytes(meta: bytes, ref: list[Any]) -> EncodedItem:
+    return EncodedItem(EmbeddingMeta.from_msgpack(meta), list(ref))

@@ -12,38 +12,18 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from llm_service.config import EngineConfig
 from llm_service.multimodal import MultiModalInput
 from llm_service.outputs import RequestOutput
+from llm_service.request_spec import EmbeddingRef, LLMRequestSpec
 from llm_service.sampling_params import SamplingParams
 
 logger = logging.getLogger("mmserve.llm")
 
 
-@dataclass(frozen=True)
-class EmbeddingRef:
-    """Where one item's embeddings are (a Ray ObjectRef, boxed in a list so Ray passes it unresolved)."""
-
-    ref: list[Any]
-    offset: int
-    length: int
-    mm_hash: str
-    modality: str
-    grid_thw: tuple[int, int, int] | None = None
-
-
-@dataclass(frozen=True)
-class LLMRequestSpec:
-    """What the router hands an LLM replica for one request."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    mm_items: Sequence[EmbeddingRef] = ()
-    block_hashes: Sequence[Any] = field(default=(), compare=False)  # for the replica router only
+_Add = tuple[str, list[int], SamplingParams, list[MultiModalInput]]  # request id, prompt, params, media
 
 
 class EngineLoop:
@@ -52,19 +32,18 @@ class EngineLoop:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self._lock = threading.Lock()
-        self._pending_adds: list[tuple[str, list[int], SamplingParams, list[MultiModalInput]]] = []
-        self._pending_aborts: list[str] = []
+        # Adds and aborts (a bare request id) in arrival order: a stream cancelled before the loop
+        # picked up its add must be added, then aborted, never the other way round.
+        self._pending: list[_Add | str] = []
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
         self.last_stats: Any = None
 
     def _ensure_started(self) -> None:
         if self._task is None or self._task.done():
-            self._loop = asyncio.get_running_loop()
             self._wakeup = asyncio.Event()
-            self._task = self._loop.create_task(self._run())
+            self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stream(
         self,
@@ -80,7 +59,7 @@ class EngineLoop:
             raise ValueError(f"duplicate request id {request_id!r}")
         self._queues[request_id] = queue
         with self._lock:
-            self._pending_adds.append((request_id, prompt_token_ids, params, mm_inputs))
+            self._pending.append((request_id, prompt_token_ids, params, mm_inputs))
         self._wakeup.set()
         finished = False
         try:
@@ -96,19 +75,24 @@ class EngineLoop:
         finally:
             self._queues.pop(request_id, None)
             if not finished:  # the caller went away (disconnect, cancellation): free its KV blocks
-                with self._lock:
-                    self._pending_aborts.append(request_id)
-                self._wakeup.set()
+                self._abort(request_id)
+
+    def _abort(self, request_id: str) -> None:
+        with self._lock:
+            self._pending.append(request_id)
+        if self._wakeup is not None:
+            self._wakeup.set()
 
     def _step_once(self) -> tuple[list[RequestOutput], list[tuple[str, BaseException]]]:
         """Runs on the worker thread: apply queued adds/aborts, then one engine step."""
         with self._lock:
-            adds, self._pending_adds = self._pending_adds, []
-            aborts, self._pending_aborts = self._pending_aborts, []
+            pending, self._pending = self._pending, []
         errors: list[tuple[str, BaseException]] = []
-        for rid in aborts:
-            self.engine.abort(rid)
-        for rid, ids, params, mm in adds:
+        for op in pending:
+            if isinstance(op, str):
+                self.engine.abort(op)
+                continue
+            rid, ids, params, mm = op
             try:
                 self.engine.add_request(rid, ids, params, mm)
             except Exception as e:  # RequestRejected and friends go back to that caller only
@@ -119,7 +103,7 @@ class EngineLoop:
 
     def _has_pending(self) -> bool:
         with self._lock:
-            return bool(self._pending_adds or self._pending_aborts)
+            return bool(self._pending)
 
     async def _run(self) -> None:
         assert self._wakeup is not None
@@ -134,7 +118,7 @@ class EngineLoop:
                 logger.exception("engine step failed")
                 for rid, fq in list(self._queues.items()):
                     fq.put_nowait(e)
-                    self._pending_aborts.append(rid)
+                    self._abort(rid)
                 continue
             for rid, err in errors:
                 if (eq := self._queues.get(rid)) is not None:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from llm_service.multimodal import MultiModalInput
 from llm_service.sampling_params import SamplingParams
+from llm_service.wire import pack, unpack
 
 
 @dataclass
@@ -27,6 +29,23 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort"
     num_prompt_tokens: int
     num_cached_tokens: int
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        logprobs = (
+            None
+            if self.new_logprobs is None
+            else [[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in self.new_logprobs]
+        )
+        fields = {
+            "request_id": self.request_id,
+            "new_token_ids": list(self.new_token_ids),
+            "new_logprobs": logprobs,
+            "finished": self.finished,
+            "finish_reason": self.finish_reason,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_cached_tokens": self.num_cached_tokens,
+        }
+        return (_request_output_from_bytes, (pack("RequestOutput", fields),))
 
 
 @dataclass
@@ -59,3 +78,21 @@ class EngineStats:
     @property
     def prefix_hit_rate(self) -> float:
         return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+
+def _request_output_from_bytes(raw: bytes) -> RequestOutput:
+    d = unpack("RequestOutput", raw)
+    logprobs = d["new_logprobs"]
+    return RequestOutput(
+        request_id=d["request_id"],
+        new_token_ids=[int(t) for t in d["new_token_ids"]],
+        new_logprobs=None
+        if logprobs is None
+        else [
+            TokenLogprob(int(t), float(lp), [(int(a), float(b)) for a, b in top]) for t, lp, top in logprobs
+        ],
+        finished=bool(d["finished"]),
+        finish_reason=d["finish_reason"],
+        num_prompt_tokens=int(d["num_prompt_tokens"]),
+        num_cached_tokens=int(d["num_cached_tokens"]),
+    )

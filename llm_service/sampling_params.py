@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from llm_service.errors import RequestRejected
 
@@ -40,6 +41,31 @@ class SamplingParams:
             problems.append(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if problems:
             raise RequestRejected("bad_sampling_params", "; ".join(problems))
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "stop_token_ids": list(self.stop_token_ids),
+            "ignore_eos": self.ignore_eos,
+            "logprobs": self.logprobs,
+        }
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> SamplingParams:
+        return cls(
+            max_tokens=int(d["max_tokens"]),
+            temperature=float(d["temperature"]),
+            top_p=float(d["top_p"]),
+            top_k=int(d["top_k"]),
+            seed=d["seed"],
+            stop_token_ids=tuple(int(t) for t in d["stop_token_ids"]),
+            ignore_eos=bool(d["ignore_eos"]),
+            logprobs=d["logprobs"],
+        )
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,68 @@
+"""The versioned msgpack wire form of the encoder side's records, tensors as raw buffers.
+
+Records that cross a process boundary (preprocessor → router → encoder pool → router) pickle as
+``(Class.from_wire, (msgpack bytes, refs))`` through ``__reduce__``: Ray still carries the envelope
+and sees any ObjectRefs (so its reference counting holds), but the record's contents are an explicit
+schema with a version, not Python object state, so a replica on a newer build reads an older one's
+records or refuses them by name. A tensor is ``{"dtype", "shape", "data"}``, its bytes in C order.
+
+    wire record = {"v": WIRE_VERSION, "kind": "<record>", ...fields}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+WIRE_VERSION = 1
+
+
+class WireVersionError(ValueError):
+    pass
+
+
+def pack(kind: str, fields: dict[str, Any]) -> bytes:
+    return bytes(msgpack.packb({"v": WIRE_VERSION, "kind": kind, **fields}, use_bin_type=True))
+
+
+def unpack(kind: str, raw: bytes) -> dict[str, Any]:
+    d = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    if not isinstance(d, dict) or d.get("kind") != kind:
+        got = d.get("kind") if isinstance(d, dict) else type(d).__name__
+        raise WireVersionError(f"expected a record of kind {kind!r}, got {got!r}")
+    if d.get("v") != WIRE_VERSION:
+        raise WireVersionError(
+            f"{kind} wire version {d.get('v')!r} is not supported (this build reads {WIRE_VERSION})"
+        )
+    return dict(d)
+
+
+def pack_tensor(t: Any) -> dict[str, Any]:
+    """A torch tensor as dtype name, shape and its bytes (any dtype, bfloat16 included)."""
+    import torch
+
+    t = t.detach().contiguous().cpu()
+    data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "data": data}
+
+
+def unpack_tensor(d: dict[str, Any]) -> Any:
+    import torch
+
+    dtype = getattr(torch, d["dtype"], None)
+    if not isinstance(dtype, torch.dtype):
+        raise WireVersionError(f"unknown tensor dtype {d['dtype']!r}")
+    shape = [int(n) for n in d["shape"]]
+    if not d["data"]:
+        return torch.empty(shape, dtype=dtype)
+    flat = torch.frombuffer(bytearray(d["data"]), dtype=torch.uint8)
+    return flat.view(dtype).reshape(shape)
+
+
+def grid_to_wire(grid: tuple[int, int, int] | None) -> list[int] | None:
+    return list(grid) if grid else None
+
+
+def grid_from_wire(grid: list[int] | None) -> tuple[int, int, int] | None:
+    return (int(grid[0]), int(grid[1]), int(grid[2])) if grid else None

@@ -1,0 +1,80 @@
+"""What the router hands an LLM replica for one request: prompt ids, sampling params, and where each
+media item's embeddings are. Pickles as its versioned msgpack wire form (``llm_service/wire.py``);
+the embeddings' ObjectRefs travel beside the bytes, so Ray keeps counting them and passes them
+unresolved (the replica fetches them itself, and reports lost ones before admitting the request)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from llm_service.sampling_params import SamplingParams
+from llm_service.wire import pack, unpack
+
+
+@dataclass(frozen=True)
+class EmbeddingRef:
+    """Where one item's embeddings are (a Ray ObjectRef, boxed in a list so Ray passes it unresolved)."""
+
+    ref: list[Any]
+    offset: int
+    length: int
+    mm_hash: str
+    modality: str
+    grid_thw: tuple[int, int, int] | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        grid = list(self.grid_thw) if self.grid_thw else None
+        return {
+            "offset": self.offset,
+            "length": self.length,
+            "mm_hash": self.mm_hash,
+            "modality": self.modality,
+            "grid_thw": grid,
+        }
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any], ref: list[Any]) -> EmbeddingRef:
+        grid = d["grid_thw"]
+        return cls(
+            ref=list(ref),
+            offset=int(d["offset"]),
+            length=int(d["length"]),
+            mm_hash=d["mm_hash"],
+            modality=d["modality"],
+            grid_thw=(int(grid[0]), int(grid[1]), int(grid[2])) if grid else None,
+        )
+
+
+@dataclass(frozen=True)
+class LLMRequestSpec:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    mm_items: Sequence[EmbeddingRef] = ()
+    block_hashes: Sequence[Any] = field(default=(), compare=False)  # for the replica router only
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        fields = {
+            "request_id": self.request_id,
+            "prompt_token_ids": list(self.prompt_token_ids),
+            "sampling_params": self.sampling_params.to_wire(),
+            "mm_items": [m.to_wire() for m in self.mm_items],
+            "block_hashes": [bytes(h) for h in self.block_hashes],
+        }
+        refs = [m.ref for m in self.mm_items]
+        return (_spec_from_bytes, (pack("LLMRequestSpec", fields), refs))
+
+
+def _spec_from_bytes(raw: bytes, refs: list[list[Any]]) -> LLMRequestSpec:
+    d = unpack("LLMRequestSpec", raw)
+    if len(refs) != len(d["mm_items"]):
+        raise ValueError(f"LLMRequestSpec carries {len(d['mm_items'])} items but {len(refs)} refs")
+    return LLMRequestSpec(
+        request_id=d["request_id"],
+        prompt_token_ids=[int(t) for t in d["prompt_token_ids"]],
+        sampling_params=SamplingParams.from_wire(d["sampling_params"]),
+        mm_items=[EmbeddingRef.from_wire(m, r) for m, r in zip(d["mm_items"], refs, strict=True)],
+        block_hashes=list(d["block_hashes"]),
+    )

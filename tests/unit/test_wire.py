@@ -1,0 +1,150 @@
+"""Records between pools pickle as versioned msgpack: round trips, the wire bytes, version checks."""
+
+from __future__ import annotations
+
+import pickle
+
+import msgpack
+import pytest
+import torch
+
+from encoder_service.types import (
+    EmbeddingMeta,
+    EncodeBatch,
+    EncodedItem,
+    EncoderInput,
+    MultiModalItem,
+    PlaceholderRange,
+    PreprocessedRequest,
+)
+from encoder_service.wire import WireVersionError as EncoderWireVersionError
+from llm_service.outputs import RequestOutput, TokenLogprob
+from llm_service.request_spec import EmbeddingRef, LLMRequestSpec
+from llm_service.sampling_params import SamplingParams
+from llm_service.wire import WireVersionError as LLMWireVersionError
+
+
+def roundtrip(obj: object) -> object:
+    return pickle.loads(pickle.dumps(obj))
+
+
+def encoder_input(seed: int = 0) -> EncoderInput:
+    g = torch.Generator().manual_seed(seed)
+    return EncoderInput(
+        mm_hash=f"{seed:064x}",
+        modality="image",
+        num_embeds=4,
+        grid_thw=(1, 4, 4),
+        tensors={
+            "pixel_values": torch.randn(16, 12, generator=g),
+            "half": torch.randn(3, 5, generator=g).to(torch.bfloat16),
+            "image_grid_thw": torch.tensor([[1, 4, 4]]),
+            "empty": torch.zeros(0, 3),
+        },
+    )
+
+
+def assert_same_input(a: EncoderInput, b: EncoderInput) -> None:
+    assert (a.mm_hash, a.modality, a.num_embeds, a.grid_thw) == (
+        b.mm_hash,
+        b.modality,
+        b.num_embeds,
+        b.grid_thw,
+    )
+    assert a.tensors.keys() == b.tensors.keys()
+    for k in a.tensors:
+        assert a.tensors[k].dtype == b.tensors[k].dtype and torch.equal(a.tensors[k], b.tensors[k]), k
+
+
+def test_encoder_input_and_batch_roundtrip_bit_exact() -> None:
+    x = encoder_input()
+    y = roundtrip(x)
+    assert isinstance(y, EncoderInput)
+    assert_same_input(x, y)
+    batch = roundtrip(EncodeBatch("req-1", [encoder_input(1), encoder_input(2)]))
+    assert isinstance(batch, EncodeBatch) and batch.request_id == "req-1" and batch.num_embeds == 8
+    for ours, ref in zip(batch.inputs, [encoder_input(1), encoder_input(2)], strict=True):
+        assert_same_input(ours, ref)
+
+
+def test_preprocessed_request_roundtrip() -> None:
+    items = [
+        MultiModalItem(
+            0, "a" * 64, "image", PlaceholderRange(3, 4), (1, 4, 4), {"width": 56}, encoder_input()
+        ),
+        MultiModalItem(1, "b" * 64, "audio", PlaceholderRange(9, 2), None, {"seconds": 1.5}, None),
+    ]
+    pre = PreprocessedRequest([1, 2, 3] + [7] * 4 + [5, 6] + [8] * 2, items, {"fps": 2.0})
+    back = roundtrip(pre)
+    assert isinstance(back, PreprocessedRequest)
+    assert back.prompt_token_ids == pre.prompt_token_ids and back.processor_kwargs == {"fps": 2.0}
+    assert [(i.index, i.mm_hash, i.modality, i.placeholder, i.grid_thw, i.metadata) for i in back.items] == [
+        (i.index, i.mm_hash, i.modality, i.placeholder, i.grid_thw, i.metadata) for i in items
+    ]
+    assert back.items[1].encoder_input is None
+    assert back.items[0].encoder_input is not None
+    assert_same_input(back.items[0].encoder_input, encoder_input())
+
+
+def test_embedding_meta_wire_bytes_are_the_documented_msgpack() -> None:
+    meta = EmbeddingMeta("c" * 64, "video", 12, 64, "bfloat16", (2, 4, 6))
+    expected = msgpack.packb(
+        {
+            "v": 1,
+            "kind": "EmbeddingMeta",
+            "mm_hash": "c" * 64,
+            "modality": "video",
+            "num_embeds": 12,
+            "hidden_size": 64,
+            "dtype": "bfloat16",
+            "grid_thw": [2, 4, 6],
+        },
+        use_bin_type=True,
+    )
+    assert meta.to_msgpack() == expected
+    assert roundtrip(meta) == meta
+    item = roundtrip(EncodedItem(meta, ["stand-in for an ObjectRef"]))
+    assert isinstance(item, EncodedItem) and item.meta == meta and item.ref == ["stand-in for an ObjectRef"]
+
+
+def test_llm_request_spec_and_outputs_roundtrip() -> None:
+    params = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=5, seed=3, stop_token_ids=(4, 9))
+    items = [
+        EmbeddingRef(["ref-a"], 2, 4, "d" * 64, "image", (1, 4, 4)),
+        EmbeddingRef(["ref-b"], 8, 3, "e" * 64, "audio"),
+    ]
+    spec = LLMRequestSpec("r", [1, 2, 3], params, items, [b"\x01" * 16, b"\x02" * 16])
+    back = roundtrip(spec)
+    assert isinstance(back, LLMRequestSpec)
+    assert (back.request_id, back.prompt_token_ids, back.sampling_params) == ("r", [1, 2, 3], params)
+    assert list(back.mm_items) == items and list(back.block_hashes) == [b"\x01" * 16, b"\x02" * 16]
+    # The pickle carries the msgpack bytes and the refs, not the dataclasses' Python state.
+    assert b"SamplingParams" not in pickle.dumps(spec) and b"EmbeddingRef" not in pickle.dumps(spec)
+
+    out = RequestOutput(
+        "r",
+        [5, 6],
+        [TokenLogprob(5, -0.25, [(5, -0.25), (6, -1.5)]), TokenLogprob(6, -2.0, [])],
+        True,
+        "length",
+        3,
+        0,
+    )
+    assert roundtrip(out) == out
+    plain = RequestOutput("r", [5], None, False, None, 3, 2)
+    assert roundtrip(plain) == plain
+
+
+def test_other_wire_versions_and_kinds_are_refused_by_name() -> None:
+    from encoder_service.types import _encoder_input_from_bytes
+    from llm_service.outputs import _request_output_from_bytes
+
+    newer = msgpack.packb({"v": 2, "kind": "RequestOutput"}, use_bin_type=True)
+    with pytest.raises(LLMWireVersionError, match="RequestOutput wire version 2"):
+        _request_output_from_bytes(newer)
+    with pytest.raises(
+        EncoderWireVersionError, match="expected a record of kind 'EncoderInput', got 'EncodeBatch'"
+    ):
+        _encoder_input_from_bytes(msgpack.packb({"v": 1, "kind": "EncodeBatch"}, use_bin_type=True))
+    with pytest.raises(EncoderWireVersionError, match="EmbeddingMeta wire version 0"):
+        EmbeddingMeta.from_msgpack(msgpack.packb({"v": 0, "kind": "EmbeddingMeta"}, use_bin_type=True))
