@@ -59,7 +59,7 @@ class CacheIndexShard:
     async def lookup_many(self, hashes: list[str]) -> dict[str, tuple[bytes, list[Any]]]:
         out = {}
         for h in hashes:
-            meta = self.books.lookup(h)
+            meta = self.books.lookup(h, count=False)  # a peek: get_or_reserve counts the decision
             if meta is not None:
                 out[h] = (meta.to_msgpack(), self.refs[h])
         return out

@@ -63,13 +63,15 @@ class EncoderCacheBooks:
     def num_pinned(self) -> int:
         return sum(1 for e in self.entries.values() if e.pins)
 
-    def lookup(self, mm_hash: str) -> EmbeddingMeta | None:
-        """The committed entry's metadata (counts a hit or a miss; a hit refreshes its LRU position)."""
+    def lookup(self, mm_hash: str, count: bool = True) -> EmbeddingMeta | None:
+        """The committed entry's metadata; a hit refreshes its LRU position. ``count=False`` for a peek
+        that is not the decision (the preprocessor's, before the router reserves), so each item is
+        counted once as a hit or a miss."""
         entry = self.entries.get(mm_hash)
         if entry is None or entry.meta is None:
-            self.misses += 1
+            self.misses += count
             return None
-        self.hits += 1
+        self.hits += count
         if mm_hash in self._freeable:
             self._freeable.move_to_end(mm_hash)
         return entry.meta

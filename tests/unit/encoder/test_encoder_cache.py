@@ -63,6 +63,7 @@ def test_failed_reservation_is_dropped_and_counters():
     assert books.used == 0 and "a" not in books.entries and books.take_freed() == []
     _fill(books, "r2", "b", 2)
     books.lookup("b")
+    assert books.lookup("b", count=False) is not None and books.lookup("zz", count=False) is None  # peeks
     assert books.stats() == {
         "capacity": 10,
         "used": 2,
