@@ -32,6 +32,19 @@ from encoder_service.runner import EncoderRunner, TPMode
 from encoder_service.tp.launch import default_backend, free_port, init_tp_process_group
 from encoder_service.types import EncoderInput
 
+# Bounds on each start-up step, so a group that cannot form fails (and Serve retries the replica)
+# instead of hanging. Under heavy CPU contention a rank actor was once seen never to start.
+PLACEMENT_TIMEOUT_S = 600.0  # a self-made group may wait for the cluster autoscaler to add a node
+RANK_START_TIMEOUT_S = 120.0  # actors into bundles that are already reserved
+LOAD_TIMEOUT_S = 900.0  # process-group rendezvous and loading a large tower's weights
+
+
+def _get(refs: Any, timeout_s: float, what: str) -> Any:
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError as e:
+        raise RuntimeError(f"encoder TP group: gave up after {timeout_s:.0f} s waiting for {what}") from e
+
 
 class EncoderRankWorker:
     """One TP rank: joins the group, then runs its EncoderRunner on every batch it is sent."""
@@ -113,7 +126,7 @@ class EncoderTPGroup:
             return
         pg, first_bundle = self._placement(tp_size, num_cpus_per_rank, num_gpus_per_rank, resources)
         try:
-            ray.get(pg.ready())
+            _get(pg.ready(), PLACEMENT_TIMEOUT_S, "the TP group's placement group to be ready")
             worker_cls = ray.remote(EncoderRankWorker)
             self._actors = [
                 worker_cls.options(
@@ -126,12 +139,14 @@ class EncoderTPGroup:
                 ).remote()
                 for rank in range(tp_size)
             ]
-            nodes = ray.get([a.node_address.remote() for a in self._actors])
+            nodes = _get(
+                [a.node_address.remote() for a in self._actors], RANK_START_TIMEOUT_S, "rank actors to start"
+            )
             # One node: loopback. Several (PACK may spread CPU ranks): rank 0's node IP.
             host = "127.0.0.1" if len({n for n, _ in nodes}) == 1 else nodes[0][1]
-            port = ray.get(self._actors[0].pick_port.remote(host))
+            port = _get(self._actors[0].pick_port.remote(host), RANK_START_TIMEOUT_S, "rank 0 to pick a port")
             init_method = f"tcp://{host}:{port}"
-            ray.get(
+            _get(
                 [
                     a.start.remote(
                         init_method,
@@ -144,9 +159,11 @@ class EncoderTPGroup:
                         max_num_encoder_input_tokens,
                     )
                     for rank, a in enumerate(self._actors)
-                ]
+                ],
+                LOAD_TIMEOUT_S,
+                "every rank to join the process group and load its weights",
             )
-            info = ray.get(self._actors[0].info.remote())
+            info = _get(self._actors[0].info.remote(), RANK_START_TIMEOUT_S, "rank 0's model info")
         except BaseException:
             self.shutdown()
             raise

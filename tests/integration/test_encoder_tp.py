@@ -76,7 +76,7 @@ def test_gloo_tp2_equals_tp1(gloo_results, family: str, mode: str) -> None:  # t
 def ray_local():  # type: ignore[no-untyped-def]
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
 
