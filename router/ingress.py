@@ -6,7 +6,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,19 +128,32 @@ class ChatService:
             entries.append(TokenLogprobEntry(token=tok, logprob=lp.logprob, top_logprobs=top))
         return ChoiceLogprobs(content=entries)
 
-    async def _collect(self, req, model, request_id, first, stream, detok, start) -> JSONResponse:  # type: ignore[no-untyped-def]
-        text, logprobs, last = [], [], first
-        out: RequestOutput | None = first
+    async def _collect(
+        self,
+        req: ChatCompletionRequest,
+        model: ServedModel,
+        request_id: str,
+        first: RequestOutput,
+        stream: AsyncGenerator[RequestOutput, None],
+        detok: IncrementalDetokenizer,
+        start: float,
+    ) -> JSONResponse:
+        text: list[str] = []
+        logprobs: list[TokenLogprobEntry] = []
+        last = first
         completion_tokens = 0
-        async for out in _chain(first, stream):
-            last = out
-            completion_tokens += len(out.new_token_ids)
-            text.append(detok.add(out.new_token_ids, final=out.finished))
-            lp = self._logprobs(model.orchestrator, out)
-            if lp and lp.content:
-                logprobs.extend(lp.content)
-            if detok.stopped:
-                break
+        try:
+            async for out in _chain(first, stream):
+                last = out
+                completion_tokens += len(out.new_token_ids)
+                text.append(detok.add(out.new_token_ids, final=out.finished))
+                lp = self._logprobs(model.orchestrator, out)
+                if lp and lp.content:
+                    logprobs.extend(lp.content)
+                if detok.stopped:
+                    break
+        finally:  # a stop string ends it early: the LLM stops now, not when the generator is collected
+            await stream.aclose()
         finish = "stop" if detok.stopped else last.finish_reason
         self._observe_done(model.name, start, completion_tokens)
         resp = ChatCompletionResponse(
@@ -157,8 +170,17 @@ class ChatService:
         )
         return JSONResponse(resp.model_dump(exclude_none=False))
 
-    async def _sse(self, req, model, request_id, first, stream, detok, start) -> AsyncIterator[str]:  # type: ignore[no-untyped-def]
-        def chunk(delta: Delta, finish: str | None = None, logprobs: Any = None) -> str:
+    async def _sse(
+        self,
+        req: ChatCompletionRequest,
+        model: ServedModel,
+        request_id: str,
+        first: RequestOutput,
+        stream: AsyncGenerator[RequestOutput, None],
+        detok: IncrementalDetokenizer,
+        start: float,
+    ) -> AsyncIterator[str]:
+        def chunk(delta: Delta, finish: str | None = None, logprobs: ChoiceLogprobs | None = None) -> str:
             c = ChatCompletionChunk(
                 id=request_id,
                 model=model.name,
@@ -216,13 +238,13 @@ def _usage(last: RequestOutput, completion_tokens: int) -> Usage:
     )
 
 
-async def _first_or_error(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+async def _first_or_error(stream: AsyncGenerator[RequestOutput, None]) -> RequestOutput:
     try:
         return await stream.__anext__()
     except StopAsyncIteration as e:
         raise APIError(500, "the engine returned no output", code="internal_error") from e
     except BaseException:
-        await stream.aclose()  # type: ignore[attr-defined]
+        await stream.aclose()
         raise
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -152,7 +152,7 @@ class Orchestrator:
         mm_items: list[EmbeddingRef],
         params: SamplingParams,
         release: Callable[[], Awaitable[None]],
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the LLM's outputs; pins are released at the first output or on any exit."""
         released = False
         stream = None
