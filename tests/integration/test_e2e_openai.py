@@ -3,6 +3,7 @@
 One app per module (Ray + Serve start once). Greedy answers must equal transformers' own
 `generate(do_sample=False)` on the same model directory and the same decoded media.
 The `test_zz*` tests kill an encoder replica, then delete the app: keep them last in the file.
+Ray exports the app's Prometheus metrics on a fixed local port, every second (see the fixture).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import asyncio
 import base64
 import http.server
 import io
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,8 +21,9 @@ from typing import Any
 
 import httpx
 import pytest
-from openai import AsyncOpenAI, BadRequestError, NotFoundError, OpenAI
+from openai import APITimeoutError, AsyncOpenAI, BadRequestError, NotFoundError, OpenAI
 from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.hf_oracle import hf_generate as oracle_generate
 from tests.media import make_audio_bytes, make_image_bytes, make_video_bytes
@@ -44,10 +47,30 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     for m in cfg["models"]:
         m["preprocess"]["media"]["allow_private_addresses"] = True  # the test's HTTP server is on loopback
         m["preprocess"]["limit_mm_per_prompt"] = {"image": 2, "video": 1, "audio": 1}
-    start(AppConfig.model_validate(cfg), num_cpus=2)
-    yield {"dirs": {VL: cache_dir / "tiny-qwen2-vl", AUDIO: cache_dir / "tiny-qwen2-audio"}}
+    # start() would call the same ray.init; here Ray's metrics agent also serves Prometheus text on a
+    # known port, and workers push their metrics every second instead of every ten.
+    metrics_port = _free_port()
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        namespace="mmserve",
+        _metrics_export_port=metrics_port,
+        _system_config={"metrics_report_interval_ms": 1000},
+    )
+    start(AppConfig.model_validate(cfg))
+    yield {
+        "dirs": {VL: cache_dir / "tiny-qwen2-vl", AUDIO: cache_dir / "tiny-qwen2-audio"},
+        "metrics_url": f"http://127.0.0.1:{metrics_port}/metrics",
+    }
     serve.shutdown()
     ray.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -369,6 +392,171 @@ def _wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> Non
     while not condition():
         assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
         time.sleep(0.2)
+
+
+LONG = 3500  # max_tokens of the generations a client abandons (ignore_eos: it would run to the end)
+GENERATED = "ray_mmserve_generated_tokens_total"
+
+
+def _metric(app: dict[str, Any], sample: str, model: str) -> float:
+    """One Prometheus sample summed over every worker exporting it, for one model (0 when absent)."""
+    text = httpx.get(app["metrics_url"], timeout=10).text
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == sample and s.labels.get("model") == model
+    )
+
+
+def _llm_stats(model: str = VL) -> dict[str, Any]:
+    from ray import serve
+
+    handle = serve.get_deployment_handle(f"LLMServer-{model}", app_name="mmserve")
+    return dict(handle.stats.remote().result(timeout_s=30))
+
+
+def _encoder_cache(model: str = VL) -> dict[str, Any]:
+    return dict(httpx.get(f"http://127.0.0.1:{PORT}/stats").json()[model]["encoder_cache"])
+
+
+def _nothing_held() -> bool:
+    """The LLM replica runs and queues nothing, every KV block is free, no encoder-cache entry is pinned."""
+    s = _llm_stats()
+    return (
+        s["num_running"] == 0
+        and s["num_waiting"] == 0
+        and s["num_free_blocks"] == s["num_total_blocks"]
+        and _encoder_cache()["pinned"] == 0
+    )
+
+
+def _image_chat(png: bytes, text: str) -> list[dict[str, Any]]:
+    content = [
+        {"type": "image_url", "image_url": {"url": data_url(png, "image/png")}},
+        {"type": "text", "text": text},
+    ]
+    return [{"role": "user", "content": content}]
+
+
+def _tokens_generated_since(client: OpenAI, app: dict[str, Any], before: float, seen: int = 0) -> float:
+    """About how many tokens the VL replica streamed since ``before`` (a reading of its counter), for
+    an upper bound. A short marker request goes last; the counter is read once it shows ``seen`` (the
+    tokens the client saw) plus the marker's. Workers export once a second, so the figure is rough:
+    good to tell a few dozen tokens from the thousands of a generation nobody stopped."""
+    marker = client.chat.completions.create(
+        model=VL,
+        messages=[{"role": "user", "content": "marker"}],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert marker.usage is not None and marker.usage.completion_tokens == MAX_TOKENS
+    _wait_for(
+        lambda: _metric(app, GENERATED, VL) >= before + seen + MAX_TOKENS,
+        20.0,
+        "the marker's tokens in /metrics",
+    )
+    return _metric(app, GENERATED, VL) - before - MAX_TOKENS
+
+
+def test_metrics_report_real_values(client: OpenAI, app: dict[str, Any]) -> None:
+    """Known traffic (two fresh images, a streamed and a plain request) shows up in Ray's Prometheus
+    export: generated tokens, encoded items, TTFT and e2e histogram counts, all for the VL model."""
+    samples = (
+        GENERATED,
+        "ray_mmserve_encoder_items_total",
+        "ray_mmserve_ttft_seconds_count",
+        "ray_mmserve_e2e_latency_seconds_count",
+    )
+    before = {s: _metric(app, s, VL) for s in samples}
+    plain = client.chat.completions.create(
+        model=VL,
+        messages=_image_chat(make_image_bytes(56, 56, seed=601), "Count."),
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model=VL,
+            messages=_image_chat(make_image_bytes(84, 56, seed=602), "Count."),
+            max_tokens=MAX_TOKENS + 3,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert plain.usage is not None and chunks[-1].usage is not None
+    completion = plain.usage.completion_tokens + chunks[-1].usage.completion_tokens
+    assert completion == 2 * MAX_TOKENS + 3
+    expected = dict(zip(samples, (completion, 2, 2, 2), strict=True))
+
+    def exported() -> bool:
+        return all(_metric(app, s, VL) - before[s] >= n for s, n in expected.items())
+
+    _wait_for(exported, 20.0, f"{expected} more in {app['metrics_url']}")
+    # Each model's encoder counts what the ingress dispatched to that model's pool (exports only lag):
+    # no item is counted twice or under the other model's label.
+    dispatched = httpx.get(f"http://127.0.0.1:{PORT}/stats").json()
+    for model in (VL, AUDIO):
+        assert (
+            _metric(app, "ray_mmserve_encoder_items_total", model)
+            <= dispatched[model]["encoder_items_dispatched"]
+        )
+
+
+def test_streamed_client_disconnect_aborts_the_generation(client: OpenAI, app: dict[str, Any]) -> None:
+    """A client reads a few chunks of a long generation about a fresh image and hangs up: the engine
+    drops the request (its KV blocks all free again) long before max_tokens, and no pin is left."""
+    before = _metric(app, GENERATED, VL)
+    stream = client.chat.completions.create(
+        model=VL,
+        messages=_image_chat(make_image_bytes(98, 70, seed=611), "Go on forever."),
+        max_tokens=LONG,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    seen = 0
+    for chunk in stream:
+        seen += bool(chunk.choices and chunk.choices[0].delta.content)
+        if seen == 4:
+            break
+    mid = _llm_stats()
+    assert mid["num_running"] == 1 and mid["num_free_blocks"] < mid["num_total_blocks"]  # still generating
+    stream.close()  # closes the HTTP connection mid-stream
+
+    _wait_for(_nothing_held, 20.0, "the LLM replica to drop the abandoned stream and the pins to go")
+    generated = _tokens_generated_since(client, app, before, seen)
+    assert generated < LONG // 4, generated
+
+
+@pytest.mark.parametrize("timeout_s", [0.05, 0.5])
+def test_non_streamed_client_timeout_aborts_the_generation(
+    client: OpenAI, app: dict[str, Any], timeout_s: float
+) -> None:
+    """A plain request about a fresh image whose client gives up (read timeout) on a long generation:
+    same guarantees. After 0.05 s it is mostly gone before the first token (preprocessing or
+    encoding, pins held), after 0.5 s mid-generation."""
+    before = _metric(app, GENERATED, VL)
+    impatient = OpenAI(
+        base_url=f"http://127.0.0.1:{PORT}/v1", api_key="unused", timeout=timeout_s, max_retries=0
+    )
+    with pytest.raises(APITimeoutError):
+        impatient.chat.completions.create(
+            model=VL,
+            messages=_image_chat(make_image_bytes(70, 98, seed=612 + int(timeout_s * 100)), "Go on forever."),
+            max_tokens=LONG,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+    impatient.close()
+
+    _wait_for(_nothing_held, 20.0, "the LLM replica to drop the abandoned request and the pins to go")
+    generated = _tokens_generated_since(client, app, before)
+    assert generated < LONG // 4, generated
 
 
 def test_zz_embeddings_lost_with_their_encoder_replica_are_encoded_again(
