@@ -32,7 +32,8 @@ from encoder_service.encoder_cache import EncoderCacheBooks
 from encoder_service.errors import EncoderCacheBusy, EncoderCacheFull
 from encoder_service.types import EmbeddingMeta
 
-HIT, COMPUTE = "hit", "compute"
+HIT, COMPUTE, RELEASED = "hit", "compute", "released"
+MAX_RELEASED_IDS = 65536  # request ids remembered as released, per shard (ids are never reused)
 MAX_DOOMED_REFS = 4096  # refs invalidated before their commit arrived, remembered per shard
 
 
@@ -55,6 +56,7 @@ class CacheIndexShard:
         self.wait_timeout_s = wait_timeout_s
         self._changed = asyncio.Condition()
         self._doomed: dict[str, None] = {}  # ref ids invalidated while their hash was reserved
+        self._released: dict[str, None] = {}  # request ids released, oldest first (bounded)
 
     async def lookup_many(self, hashes: list[str]) -> dict[str, tuple[bytes, list[Any]]]:
         out = {}
@@ -70,6 +72,9 @@ class CacheIndexShard:
         deadline = loop.time() + self.wait_timeout_s
         async with self._changed:
             while True:
+                if request_id in self._released:
+                    # Its client left while this call waited: pinning or reserving now would leak.
+                    return RELEASED, None
                 entry = self.books.entries.get(mm_hash)
                 if entry is not None and entry.meta is not None:
                     self.books.pin(request_id, mm_hash)
@@ -148,7 +153,12 @@ class CacheIndexShard:
             del self._doomed[next(iter(self._doomed))]
 
     async def release(self, request_id: str) -> list[str]:
+        """Unpin everything ``request_id`` holds. Final: its ``get_or_reserve`` calls still waiting
+        here (its client left meanwhile) return ``"released"`` instead of pinning afterwards."""
         async with self._changed:
+            self._released[request_id] = None
+            while len(self._released) > MAX_RELEASED_IDS:
+                del self._released[next(iter(self._released))]
             dropped = self.books.release(request_id)
             self._changed.notify_all()
             return dropped
@@ -200,6 +210,10 @@ class EncoderCacheClient:
         if kind == HIT:
             meta, ref = payload
             return HIT, (EmbeddingMeta.from_msgpack(meta), ref[0])
+        if kind == RELEASED:
+            raise asyncio.CancelledError(
+                f"request {request_id} was released while waiting for {mm_hash[:16]}"
+            )
         return COMPUTE, None
 
     async def commit(self, mm_hash: str, meta: EmbeddingMeta, ref: Any) -> bool:
