@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import sys
 import time
 from typing import Any
 
@@ -26,6 +27,12 @@ def add_serve_command(sub: Any) -> None:
     p.add_argument("--mm-encoder-tp-size", type=int, default=None)
     p.add_argument("--mm-encoder-tp-mode", choices=["weights", "data"], default=None)
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs for the embedded Ray")
+    p.add_argument(
+        "--metrics-export-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics on 127.0.0.1:PORT/metrics (default: a port Ray picks)",
+    )
     p.set_defaults(func=_cmd_serve)
 
 
@@ -55,19 +62,26 @@ def config_from_args(args: argparse.Namespace) -> AppConfig:
     return AppConfig.model_validate(data)
 
 
-def start(cfg: AppConfig, num_cpus: int | None = None, blocking: bool = False) -> Any:
+def start(
+    cfg: AppConfig,
+    num_cpus: int | None = None,
+    blocking: bool = False,
+    metrics_export_port: int | None = None,
+) -> Any:
     """Start Ray (if needed) and the app; returns the ingress handle."""
+    if "ray" not in sys.modules and _is_loopback(cfg.host):
+        # An embedded single-node Ray serving loopback keeps its own sockets on loopback too; Ray
+        # otherwise binds its GCS and raylet to the machine's routable address. Ray reads this flag
+        # when it is first imported, hence before the import below.
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
     from ray import serve
 
     from cluster.app import build_app
 
     if not ray.is_initialized():
-        if _is_loopback(cfg.host):
-            # An embedded single-node Ray serving loopback keeps its own sockets on loopback too;
-            # Ray otherwise binds its GCS/raylet to the machine's routable address.
-            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace="mmserve")
+        extra = {} if metrics_export_port is None else {"_metrics_export_port": metrics_export_port}
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace="mmserve", **extra)
     serve.start(proxy_location="HeadOnly", http_options={"host": cfg.host, "port": cfg.port})
     return serve.run(build_app(cfg), name="mmserve", route_prefix="/", blocking=blocking)
 
@@ -83,7 +97,7 @@ def _is_loopback(host: str) -> bool:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
-    start(cfg, args.num_cpus)
+    start(cfg, args.num_cpus, metrics_export_port=args.metrics_export_port)
     names = ", ".join(m.name for m in cfg.models)
     print(f"mmserve is serving {names} on http://{cfg.host}:{cfg.port}/v1 (Ctrl-C to stop)", flush=True)
     try:
