@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from llm_service.outputs import RequestOutput
 from router.detokenizer import IncrementalDetokenizer
 from router.errors import APIError, bad_request, from_exception
-from router.messages import MessageLimits, normalize_messages
+from router.messages import MessageLimits, NormalizedChat, normalize_messages
 from router.orchestrator import Orchestrator
 from router.protocol import (
     AssistantMessage,
@@ -35,6 +35,7 @@ from router.protocol import (
     TopLogprob,
     Usage,
 )
+from router.replay_log import failure_record, log_failure
 from router.sampling import to_sampling_params
 
 logger = logging.getLogger("mmserve.ingress")
@@ -102,6 +103,25 @@ class ChatService:
             )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         orch = model.orchestrator
+        try:
+            return await self._answer(req, model, request_id, chat, start)
+        except Exception as e:
+            self._log_failure(orch, request_id, chat, e)
+            orch.forget(request_id)
+            raise
+        except BaseException:  # the client left: nothing failed on our side
+            orch.forget(request_id)
+            raise
+
+    async def _answer(
+        self,
+        req: ChatCompletionRequest,
+        model: ServedModel,
+        request_id: str,
+        chat: NormalizedChat,
+        start: float,
+    ) -> Response:
+        orch = model.orchestrator
         prompt_ids, mm_items, release = await orch.prepare(request_id, chat)
         try:
             params = to_sampling_params(req, len(prompt_ids), model.max_model_len)
@@ -114,9 +134,18 @@ class ChatService:
         if self.metrics is not None:
             self.metrics.ttft.observe(time.monotonic() - start, tags={"model": model.name})
         if req.stream:
-            gen = self._sse(req, model, request_id, first, stream, detok, start)
+            gen = self._sse(req, model, request_id, first, stream, detok, start, chat)
             return StreamingResponse(gen, media_type="text/event-stream")
-        return await self._collect(req, model, request_id, first, stream, detok, start)
+        response = await self._collect(req, model, request_id, first, stream, detok, start)
+        orch.forget(request_id)
+        return response
+
+    def _log_failure(
+        self, orch: Orchestrator, request_id: str, chat: NormalizedChat, e: BaseException
+    ) -> None:
+        api = from_exception(e) or APIError(500, "internal error", code="internal_error")
+        record = failure_record(request_id, api.status_code, api.code, e, chat.media, orch.replay(request_id))
+        log_failure(logger, record, e)
 
     def _logprobs(self, orch: Orchestrator, out: RequestOutput) -> ChoiceLogprobs | None:
         if out.new_logprobs is None:
@@ -179,6 +208,7 @@ class ChatService:
         stream: AsyncGenerator[RequestOutput, None],
         detok: IncrementalDetokenizer,
         start: float,
+        chat: NormalizedChat,
     ) -> AsyncIterator[str]:
         def chunk(delta: Delta, finish: str | None = None, logprobs: ChoiceLogprobs | None = None) -> str:
             c = ChatCompletionChunk(
@@ -210,10 +240,10 @@ class ChatService:
             self._observe_done(model.name, start, completion_tokens)
         except Exception as e:  # after the 200 went out, errors travel in-band
             api = from_exception(e) or APIError(500, "internal error while generating", code="internal_error")
-            if api.status_code >= 500:
-                logger.exception("stream %s failed", request_id)
+            self._log_failure(model.orchestrator, request_id, chat, e)
             yield f"data: {json.dumps(api.body())}\n\n"
         finally:
+            model.orchestrator.forget(request_id)
             await stream.aclose()
         yield "data: [DONE]\n\n"
 

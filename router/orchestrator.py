@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -30,6 +31,8 @@ from router.errors import APIError, bad_request, find_cause
 from router.messages import NormalizedChat, text_only_messages
 
 logger = logging.getLogger("mmserve.router")
+
+MAX_REPLAY_RECORDS = 4096
 
 
 @dataclass
@@ -55,6 +58,9 @@ class Orchestrator:
         self.max_model_len = max_model_len
         self._on_encoder_run = on_encoder_run or (lambda n: None)
         self._messages: dict[str, Any] = {}  # request id -> normalised messages, while pins are held
+        # request id -> PreprocessedRequest.to_log(), until forget(); bounded, in case a response is
+        # dropped before its body starts (then nothing calls forget()).
+        self._replay: OrderedDict[str, dict[str, Any]] = OrderedDict()
 
     def tokenize_text_chat(self, chat: NormalizedChat) -> list[int]:
         ids = self.tokenizer.apply_chat_template(
@@ -76,6 +82,9 @@ class Orchestrator:
         except BaseException:
             self._messages.pop(request_id, None)
             raise
+        self._replay[request_id] = pre.to_log()
+        while len(self._replay) > MAX_REPLAY_RECORDS:
+            self._replay.popitem(last=False)
         if len(pre.prompt_token_ids) >= self.max_model_len:
             self._messages.pop(request_id, None)
             raise bad_request(
@@ -141,6 +150,14 @@ class Orchestrator:
             await self.h.cache.release(request_id)
         except Exception:  # never let cleanup mask the original error
             logger.exception("releasing encoder-cache pins of %s failed", request_id)
+
+    def replay(self, request_id: str) -> dict[str, Any] | None:
+        """The preprocessed request's replay facts (mm_hashes, placeholders, metadata), if it got that far."""
+        return self._replay.get(request_id)
+
+    def forget(self, request_id: str) -> None:
+        """The request is over (answered or failed and logged): drop its replay facts."""
+        self._replay.pop(request_id, None)
 
     def decode(self, token_ids: Any) -> str:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
