@@ -27,6 +27,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from encoder_service.encoder_cache import EncoderCacheBooks
 from encoder_service.errors import EncoderCacheBusy, EncoderCacheFull
@@ -275,6 +276,9 @@ def create_cache_index(
             "get_if_exists": True,
             "num_cpus": num_cpus,
             "max_concurrency": 1000,
+            # Never inside the caller's placement group: created from an encoder replica whose TP
+            # group has one, the shards would take its ranks' CPU and die with that replica.
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=None),
         }
         if detached:
             opts["lifetime"] = "detached"

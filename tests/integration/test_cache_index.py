@@ -228,3 +228,36 @@ def test_encoder_replica_shutdown_invalidates_only_what_it_still_owns(ray_sessio
     found, stats = asyncio.run(scenario())
     assert set(found) == {moved, elsewhere} and stats["invalidations"] == 2
     assert server.__del__() is None  # outside an event loop (GC): does nothing
+
+
+@ray.remote(num_cpus=0.1)
+class _ReplicaInAPlacementGroup:
+    """Like a TP>1 encoder replica: runs in a placement group that captures its children, with no
+    CPU to spare in its bundle."""
+
+    def open_index(self, prefix: str) -> dict[str, Any]:
+        client = create_cache_index(2, 64, prefix, detached=True, namespace="mmserve-test")
+        return asyncio.run(asyncio.wait_for(client.stats(), 30))
+
+
+def test_shards_created_inside_a_placement_group_live_outside_it(ray_session) -> None:  # type: ignore[no-untyped-def]
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    pg = placement_group([{"CPU": 0.1}])
+    ray.get(pg.ready(), timeout=30)
+    replica = _ReplicaInAPlacementGroup.options(
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0, placement_group_capture_child_tasks=True)
+    ).remote()
+    prefix = f"pg-test-{uuid.uuid4().hex[:8]}"
+    try:
+        # Inside the group the shards could never be scheduled (the bundle's CPU is the replica's).
+        stats = ray.get(replica.open_index.remote(prefix), timeout=60)
+        assert stats["capacity"] == 64 and len(stats["shards"]) == 2
+        ray.kill(replica)
+        remove_placement_group(pg)  # the shards must outlive the replica and its group
+        survivor = create_cache_index(2, 64, prefix, detached=True, namespace="mmserve-test")
+        assert asyncio.run(asyncio.wait_for(survivor.stats(), 30))["capacity"] == 64
+    finally:
+        for i in range(2):
+            ray.kill(ray.get_actor(f"{prefix}-{i}", namespace="mmserve-test"))
