@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -29,8 +28,9 @@ _Add = tuple[str, list[int], SamplingParams, list[MultiModalInput]]  # request i
 class EngineLoop:
     """Drives an engine on one thread; async callers stream RequestOutputs per request id."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, on_outputs: Callable[[list[RequestOutput]], None] | None = None) -> None:
         self.engine = engine
+        self._on_outputs = on_outputs or (lambda outs: None)  # every step's outputs, listened to or not
         self._lock = threading.Lock()
         # Adds and aborts (a bare request id) in arrival order: a stream cancelled before the loop
         # picked up its add must be added, then aborted, never the other way round.
@@ -123,6 +123,7 @@ class EngineLoop:
             for rid, err in errors:
                 if (eq := self._queues.get(rid)) is not None:
                     eq.put_nowait(err)
+            self._on_outputs(outputs)
             for out in outputs:
                 if (oq := self._queues.get(out.request_id)) is not None:
                     oq.put_nowait(out)
@@ -193,9 +194,9 @@ class LLMServer:
             engine_cls = LLMEngine
         self.model_name = model_name
         self.engine = engine_cls(engine_config)
-        self.loop = EngineLoop(self.engine)
-        self.embedding_fetch_timeout_s = embedding_fetch_timeout_s
         self._metrics = _LLMMetrics(model_name)
+        self.loop = EngineLoop(self.engine, on_outputs=self._metrics.observe_step)
+        self.embedding_fetch_timeout_s = embedding_fetch_timeout_s
 
     async def generate(self, spec: LLMRequestSpec) -> AsyncIterator[RequestOutput]:
         """Stream outputs; raises ``EmbeddingsLost`` before the engine sees the request if an
@@ -205,11 +206,9 @@ class LLMServer:
             return await asyncio.wait_for(ref, self.embedding_fetch_timeout_s)
 
         mm_inputs = await resolve_embeddings(spec.mm_items, fetch)
-        start = time.monotonic()
         async for out in self.loop.stream(
             spec.request_id, list(spec.prompt_token_ids), spec.sampling_params, mm_inputs
         ):
-            self._metrics.observe(out, start)
             yield out
 
     def stats(self) -> dict[str, Any]:
@@ -274,9 +273,12 @@ class _LLMMetrics:
         self.tokens = metrics.Counter("mmserve_generated_tokens", "generated tokens", ("model",))
         self.tokens.set_default_tags(dict(tags))
 
-    def observe(self, out: RequestOutput, start: float) -> None:
-        if out.new_token_ids:
-            self.tokens.inc(len(out.new_token_ids))
+    def observe_step(self, outputs: list[RequestOutput]) -> None:
+        """Tokens the engine generated, whether or not a caller still listens (an un-aborted request
+        shows up here)."""
+        n = sum(len(out.new_token_ids) for out in outputs)
+        if n:
+            self.tokens.inc(n)
 
     def export(self, stats: dict[str, Any]) -> None:
         self.kv_blocks_in_use.set(stats["num_total_blocks"] - stats["num_free_blocks"])

@@ -161,3 +161,29 @@ def test_stream_cancelled_before_the_loop_added_it_never_runs() -> None:
     assert engine.generated["late"] == 0
     assert engine.generated["busy"] < MAX_TOKENS // 4
     assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
+
+
+def test_on_outputs_sees_every_generated_token_even_after_the_caller_left() -> None:
+    """What the generated-tokens metric counts: the engine's work, listened to or not."""
+    engine = FakeEngine()
+    seen_by_hook: Counter[str] = Counter()
+
+    def hook(outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            seen_by_hook[out.request_id] += len(out.new_token_ids)
+
+    loop = EngineLoop(engine, on_outputs=hook)
+
+    async def scenario() -> None:
+        whole = [
+            o async for o in loop.stream("full", PROMPT, SamplingParams(max_tokens=5, ignore_eos=True), [])
+        ]
+        assert sum(len(o.new_token_ids) for o in whole) == 5
+        gen = stream(loop, "left")
+        await gen.__anext__()
+        await gen.aclose()
+        await wait_until(lambda: idle(loop), "the engine to drop the closed request")
+
+    asyncio.run(scenario())
+    assert seen_by_hook == engine.generated  # every sampled token, per request, including after the close
+    assert seen_by_hook["full"] == 5 and seen_by_hook["left"] >= 1
