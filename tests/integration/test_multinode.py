@@ -174,6 +174,14 @@ def test_pools_run_on_their_own_nodes(cluster: dict[str, Any]) -> None:
         "EncoderRankWorker": {nodes["encoder"]},  # the TP group's bundles carry encoder_node too
     }
     assert len(alive_actors("EncoderRankWorker")) == 2  # one TP-2 group
+    # ...inside the replica's own placement group (Serve's placement_group_bundles), not a second one:
+    # bundle 0 the replica, one bundle per rank, all on the encoder node.
+    import ray
+
+    groups = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
+    assert len(groups) == 1, groups
+    assert len(groups[0]["bundles"]) == 3
+    assert set(groups[0]["bundles_to_node_id"].values()) == {nodes["encoder"]}
 
 
 def test_answers_equal_hf_across_nodes(client: OpenAI, cluster: dict[str, Any]) -> None:
