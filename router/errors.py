@@ -80,8 +80,9 @@ def from_exception(exc: BaseException) -> APIError | None:
             return exc
         status = getattr(exc, "status_code", None)
         code = getattr(exc, "code", None)
-        if isinstance(status, int) and isinstance(code, str) and 400 <= status < 500:
-            return APIError(status, str(exc), code=code)
+        if isinstance(status, int) and isinstance(code, str) and 400 <= status < 600:
+            retry = getattr(exc, "retry_after_s", None) or (1 if status == 503 else None)
+            return APIError(status, str(exc), code=code, retry_after_s=retry)
         if isinstance(code, str) and isinstance(exc, ValueError):
             return APIError(400, str(exc), code=code)
         cause = getattr(exc, "cause", None) or exc.__cause__

@@ -84,8 +84,8 @@ class ChatCompletionRequest(BaseModel):
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
-    seed: int | None = None
+    top_k: int | None = Field(None, ge=-1, le=1 << 31)
+    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 63)
     stop: str | list[str] | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)

@@ -14,23 +14,45 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any
+from urllib.parse import urlsplit
 
 from encoder_service.types import MediaRef
 
+_URL_IN_TEXT = re.compile(r"(?i)\b(?:https?|file)://[^\s'\"<>]+")
+_DATA_URL_IN_TEXT = re.compile(r"(?i)\bdata:[^\s'\"<>]*")
+
+
+def redact_url(url: str) -> str:
+    """Scheme, host, port and path only: no credentials, query string or fragment; never a data URL."""
+    u = url.strip()
+    if u[:5].lower() == "data:":
+        return "data_url"
+    try:
+        parts = urlsplit(u)
+        port = f":{parts.port}" if parts.port else ""
+    except ValueError:
+        return "unparseable_url"
+    return f"{parts.scheme.lower()}://{parts.hostname or ''}{port}{parts.path}"[:200]
+
+
+def redact_text(text: str) -> str:
+    """An error message with every URL in it redacted (fetch errors quote the URL they failed on)."""
+    text = _DATA_URL_IN_TEXT.sub("data_url", text)
+    return _URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)), text)
+
 
 def media_summary(media: list[MediaRef]) -> list[dict[str, Any]]:
-    """Where each item came from, without its bytes: a URL without its query string, never a data URL."""
+    """Where each item came from, without its bytes (see ``redact_url``)."""
     out = []
     for m in media:
         if m.data is not None:
             source = "bytes"
         elif m.url is None:
             source = "uuid"
-        elif m.url.startswith("data:"):
-            source = "data_url"
         else:
-            source = m.url.split("?", 1)[0][:200]
+            source = redact_url(m.url)
         out.append({"modality": m.modality, "source": source, "uuid": m.uuid})
     return out
 
@@ -48,7 +70,7 @@ def failure_record(
         "request_id": request_id,
         "status": status,
         "code": code,
-        "error": f"{type(error).__name__}: {error}"[:2000],
+        "error": redact_text(f"{type(error).__name__}: {error}")[:2000],
         "media": media_summary(media),
     }
     if preprocessed is not None:

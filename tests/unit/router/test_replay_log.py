@@ -28,6 +28,21 @@ def test_media_summary_names_sources_without_bytes_or_queries() -> None:
         {"modality": "audio", "source": "uuid", "uuid": "clip-7"},
     ]
     assert "secret" not in json.dumps(media_summary(media))
+    tricky = [
+        MediaRef("image", url=" DATA:image/png;base64,c2VjcmV0"),  # fetched too: schemes are case-blind
+        MediaRef("image", url="https://alice:secret@cdn.test:8443/a.png#secret"),
+    ]
+    assert [m["source"] for m in media_summary(tricky)] == ["data_url", "https://cdn.test:8443/a.png"]
+
+
+def test_error_text_loses_url_credentials_queries_and_data() -> None:
+    err = ValueError(
+        "image 0: GET 'https://u:secret@s3.test/b/k.png?X-Amz-Signature=secret' answered 403; "
+        "image 1: data:image/png;base64,c2VjcmV0 is not valid base64"
+    )
+    record = failure_record("r", 403, "url_not_allowed", err, [], None)
+    assert "secret" not in record["error"] and "c2VjcmV0" not in record["error"]
+    assert "https://s3.test/b/k.png" in record["error"] and "data_url" in record["error"]
 
 
 def test_orchestrator_keeps_the_preprocessed_facts_of_a_failed_request() -> None:

@@ -158,3 +158,25 @@ def test_error_mapping_unwraps_causes() -> None:
     err = from_exception(RequestRejected("prompt has 5000 tokens"))
     assert err is not None and err.status_code == 400
     assert from_exception(RuntimeError("boom")) is None
+
+
+def test_service_unavailable_errors_map_to_503_with_retry_after() -> None:
+    from encoder_service.errors import EncoderCacheBusy
+
+    class Wrapper(Exception):
+        def __init__(self, cause: BaseException) -> None:
+            super().__init__("wrapped")
+            self.cause = cause
+
+    err = from_exception(Wrapper(EncoderCacheBusy("encoder cache: every entry is pinned")))
+    assert err is not None and (err.status_code, err.code) == (503, "encoder_cache_busy")
+    assert err.headers() == {"Retry-After": "1"}
+
+
+def test_seed_and_top_k_outside_what_the_wire_carries_are_refused() -> None:
+    from pydantic import ValidationError
+
+    for bad in ({"seed": 1 << 64}, {"seed": -(1 << 63) - 1}, {"top_k": 1 << 64}):
+        with pytest.raises(ValidationError):
+            _req("hi", **bad)
+    assert _req("hi", seed=(1 << 63) - 1, top_k=50).seed == (1 << 63) - 1
