@@ -106,6 +106,17 @@ class EngineLoop:
             return bool(self._pending)
 
     async def _run(self) -> None:
+        try:
+            await self._loop_forever()
+        except BaseException as e:  # the loop is gone: no stream may wait on it forever
+            if not isinstance(e, asyncio.CancelledError):
+                logger.exception("engine loop died")
+            err = e if isinstance(e, Exception) else RuntimeError("engine loop stopped")
+            for q in list(self._queues.values()):
+                q.put_nowait(err)
+            raise
+
+    async def _loop_forever(self) -> None:
         assert self._wakeup is not None
         while True:
             if not self.engine.has_unfinished_requests() and not self._has_pending():
@@ -123,7 +134,10 @@ class EngineLoop:
             for rid, err in errors:
                 if (eq := self._queues.get(rid)) is not None:
                     eq.put_nowait(err)
-            self._on_outputs(outputs)
+            try:
+                self._on_outputs(outputs)
+            except Exception:  # metrics must never stop the loop that every stream waits on
+                logger.exception("on_outputs callback failed")
             for out in outputs:
                 if (oq := self._queues.get(out.request_id)) is not None:
                     oq.put_nowait(out)
@@ -241,8 +255,9 @@ class LLMServer:
 
     def check_health(self) -> None:
         task = self.loop._task
-        if task is not None and task.done() and task.exception() is not None:
-            raise RuntimeError(f"engine loop died: {task.exception()!r}")
+        if task is not None and task.done():
+            why = "cancelled" if task.cancelled() else repr(task.exception())
+            raise RuntimeError(f"engine loop died: {why}")
 
 
 class _LLMMetrics:

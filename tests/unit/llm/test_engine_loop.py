@@ -187,3 +187,17 @@ def test_on_outputs_sees_every_generated_token_even_after_the_caller_left() -> N
     asyncio.run(scenario())
     assert seen_by_hook == engine.generated  # every sampled token, per request, including after the close
     assert seen_by_hook["full"] == 5 and seen_by_hook["left"] >= 1
+
+
+def test_a_failing_on_outputs_callback_does_not_stop_the_loop() -> None:
+    def broken(outputs: list[RequestOutput]) -> None:
+        raise RuntimeError("metrics backend down")
+
+    loop = EngineLoop(FakeEngine(), on_outputs=broken)
+
+    async def scenario() -> int:
+        params = SamplingParams(max_tokens=5, ignore_eos=True)
+        outs = [o async for o in loop.stream("r", PROMPT, params, [])]
+        return sum(len(o.new_token_ids) for o in outs)
+
+    assert asyncio.run(asyncio.wait_for(scenario(), 10)) == 5
