@@ -38,6 +38,10 @@ MAX_RELEASED_IDS = 65536  # request ids remembered as released, per shard (ids a
 MAX_DOOMED_REFS = 4096  # refs invalidated before their commit arrived, remembered per shard
 
 
+class RequestReleased(RuntimeError):
+    """The request's pins were released (its client left) while this call waited: nothing was pinned."""
+
+
 def ref_id(ref: Any) -> str:
     """An ObjectRef's id, comparable across processes without resolving the object."""
     return str(ref.hex())
@@ -212,9 +216,7 @@ class EncoderCacheClient:
             meta, ref = payload
             return HIT, (EmbeddingMeta.from_msgpack(meta), ref[0])
         if kind == RELEASED:
-            raise asyncio.CancelledError(
-                f"request {request_id} was released while waiting for {mm_hash[:16]}"
-            )
+            raise RequestReleased(f"request {request_id} was released while waiting for {mm_hash[:16]}")
         return COMPUTE, None
 
     async def commit(self, mm_hash: str, meta: EmbeddingMeta, ref: Any) -> bool:

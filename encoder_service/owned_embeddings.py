@@ -80,13 +80,15 @@ class OwnedEmbeddings:
         Entries are matched by ref id, so one re-encoded elsewhere since is kept; an entry whose
         commit has not arrived yet is dropped when it does (the shard remembers the doomed ref).
         """
-        ids, self._refs = self._ids(), OrderedDict()
+        ids = self._ids()
         if self.cache is None or not ids:
             return 0
-        try:
+        try:  # the refs stay held until the index stops handing them out
             dropped = await asyncio.wait_for(self.cache.invalidate(list(ids), ids), timeout_s)
         except Exception as e:  # best effort: readers still recover from a lost object
             logger.warning("invalidating %d owned encoder-cache entries failed: %r", len(ids), e)
             return 0
+        finally:
+            self._refs = OrderedDict()
         logger.info("invalidated %d of %d owned encoder-cache entries", len(dropped), len(ids))
         return len(dropped)
