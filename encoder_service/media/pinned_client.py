@@ -13,6 +13,7 @@ The URL keeps the host name, so the Host header, the https SNI name and the cert
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 import httpcore
@@ -20,6 +21,9 @@ import httpx
 
 # httpx's own defaults for AsyncClient (httpcore's pool has smaller ones)
 _LIMITS = httpx.Limits(max_connections=100, max_keepalive_connections=20, keepalive_expiry=5.0)
+
+
+MAX_PINS = 4096
 
 
 class PinnedBackend(httpcore.AsyncNetworkBackend):
@@ -30,13 +34,20 @@ class PinnedBackend(httpcore.AsyncNetworkBackend):
 
     def __init__(self, network: httpcore.AsyncNetworkBackend | None = None) -> None:
         self._network = network if network is not None else httpcore.AnyIOBackend()
-        self._pins: dict[tuple[str, int], tuple[str, ...]] = {}
+        # Newest last; bounded, since a long-lived preprocessor may fetch from endless hosts. Every
+        # fetch pins its hop right before connecting, so only a pin older than MAX_PINS newer ones
+        # is ever missing, and then the connect is refused, never resolved here.
+        self._pins: OrderedDict[tuple[str, int], tuple[str, ...]] = OrderedDict()
 
     def pin(self, host: str, port: int, addresses: Sequence[str]) -> None:
         """From now on ``host:port`` connects to ``addresses`` (already checked) and nothing else."""
         if not addresses:
             raise ValueError(f"no address to pin {host}:{port} to")
-        self._pins[(host.lower(), port)] = tuple(addresses)
+        key = (host.lower(), port)
+        self._pins[key] = tuple(addresses)
+        self._pins.move_to_end(key)
+        while len(self._pins) > MAX_PINS:
+            self._pins.popitem(last=False)
 
     def addresses_for(self, host: str, port: int) -> tuple[str, ...]:
         try:

@@ -125,6 +125,19 @@ def test_backend_maps_host_to_pinned_addresses_only():
         backend.pin("empty.test", 80, [])
 
 
+def test_pins_are_bounded_oldest_first():
+    from encoder_service.media.pinned_client import MAX_PINS
+
+    backend = PinnedBackend(FakeNetwork({}))
+    for i in range(MAX_PINS + 10):
+        backend.pin(f"h{i}.test", 443, [PUBLIC])
+    backend.pin("h10.test", 443, [PUBLIC])  # re-pinned: newest again
+    assert backend.addresses_for(f"h{MAX_PINS + 9}.test", 443) == (PUBLIC,)
+    assert backend.addresses_for("h10.test", 443) == (PUBLIC,)
+    with pytest.raises(httpcore.ConnectError, match="was not checked"):
+        backend.addresses_for("h0.test", 443)  # evicted: refused, never resolved
+
+
 def test_plain_httpx_client_is_refused():
     async def go():
         async with httpx.AsyncClient() as plain:
