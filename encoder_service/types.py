@@ -11,7 +11,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from encoder_service.wire import grid_from_wire, grid_to_wire, pack, pack_tensor, unpack, unpack_tensor
+from encoder_service.wire import (
+    grid_from_wire,
+    grid_to_wire,
+    pack,
+    pack_tensor,
+    plain,
+    unpack,
+    unpack_tensor,
+)
 
 Modality = Literal["image", "video", "audio"]
 MODALITIES: tuple[Modality, ...] = ("image", "video", "audio")
@@ -103,7 +111,7 @@ class MultiModalItem:
             "offset": self.placeholder.offset,
             "length": self.placeholder.length,
             "grid_thw": grid_to_wire(self.grid_thw),
-            "metadata": self.metadata,
+            "metadata": plain(self.metadata),
             "encoder_input": self.encoder_input.to_wire() if self.encoder_input else None,
         }
 
@@ -131,7 +139,7 @@ class PreprocessedRequest:
         fields = {
             "prompt_token_ids": list(self.prompt_token_ids),
             "items": [it.to_wire() for it in self.items],
-            "processor_kwargs": self.processor_kwargs,
+            "processor_kwargs": plain(self.processor_kwargs),
         }
         return (_preprocessed_from_bytes, (pack("PreprocessedRequest", fields),))
 
@@ -139,7 +147,7 @@ class PreprocessedRequest:
         """What a failure's log line needs to replay the request (no tensors)."""
         return {
             "num_prompt_tokens": len(self.prompt_token_ids),
-            "processor_kwargs": self.processor_kwargs,
+            "processor_kwargs": plain(self.processor_kwargs),
             "items": [
                 {
                     "index": it.index,

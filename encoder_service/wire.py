@@ -38,10 +38,31 @@ def unpack(kind: str, raw: bytes) -> dict[str, Any]:
     return dict(d)
 
 
+def plain(value: Any) -> Any:
+    """``value`` as msgpack's own types: numpy scalars unwrapped, tuples as lists, keys as strings,
+    anything else unknown as its ``str`` (metadata and processor kwargs are for logs and replay)."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # numpy / torch scalar
+        return plain(value.item())
+    if hasattr(value, "tolist"):  # a small array in metadata
+        return plain(value.tolist())
+    return str(value)
+
+
 def pack_tensor(t: Any) -> dict[str, Any]:
-    """A torch tensor as dtype name, shape and its bytes (any dtype, bfloat16 included)."""
+    """A tensor (torch, or a numpy array: it comes back as torch) as dtype name, shape and its bytes
+    (any dtype, bfloat16 included)."""
     import torch
 
+    if not isinstance(t, torch.Tensor):
+        import numpy as np
+
+        t = torch.from_numpy(np.ascontiguousarray(t))
     t = t.detach().contiguous().cpu()
     data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
     return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "data": data}

@@ -148,3 +148,23 @@ def test_other_wire_versions_and_kinds_are_refused_by_name() -> None:
         _encoder_input_from_bytes(msgpack.packb({"v": 1, "kind": "EncodeBatch"}, use_bin_type=True))
     with pytest.raises(EncoderWireVersionError, match="EmbeddingMeta wire version 0"):
         EmbeddingMeta.from_msgpack(msgpack.packb({"v": 0, "kind": "EmbeddingMeta"}, use_bin_type=True))
+
+
+def test_numpy_tensors_and_non_msgpack_metadata_cross_as_plain_values() -> None:
+    from pathlib import Path
+
+    import numpy as np
+
+    x = EncoderInput(
+        "f" * 64, "audio", 2, None, {"input_features": np.arange(6, dtype=np.float32).reshape(1, 2, 3)}
+    )
+    back = roundtrip(x)
+    assert isinstance(back, EncoderInput)
+    assert torch.equal(back.tensors["input_features"], torch.arange(6, dtype=torch.float32).reshape(1, 2, 3))
+    item = MultiModalItem(
+        0, "f" * 64, "audio", PlaceholderRange(1, 2), None, {"seconds": np.float32(1.5), "shape": (2, 3)}
+    )
+    pre = roundtrip(PreprocessedRequest([1, 2, 3], [item], {"fps": np.int64(2), "root": Path("/m")}))
+    assert isinstance(pre, PreprocessedRequest)
+    assert pre.items[0].metadata == {"seconds": 1.5, "shape": [2, 3]}
+    assert pre.processor_kwargs == {"fps": 2, "root": "/m"}
