@@ -103,9 +103,18 @@ class CacheIndexShard:
                 except TimeoutError:
                     continue
 
-    async def commit(self, mm_hash: str, meta_msgpack: bytes, ref: list[Any]) -> bool:
-        """Fill the reservation; False if ``ref`` was invalidated already (the entry is dropped)."""
+    async def commit(
+        self, mm_hash: str, meta_msgpack: bytes, ref: list[Any], request_id: str | None = None
+    ) -> bool:
+        """Fill the reservation; False if ``ref`` was invalidated already (the entry is dropped) or,
+        with ``request_id``, if the entry is no longer that request's reservation (it was released
+        and another request reserved or filled it meanwhile): then nothing changes."""
         async with self._changed:
+            entry = self.books.entries.get(mm_hash)
+            if request_id is not None and (
+                entry is None or entry.meta is not None or request_id not in entry.pins
+            ):
+                return False
             self.books.commit(mm_hash, EmbeddingMeta.from_msgpack(meta_msgpack))
             rid = ref_id(ref[0])
             doomed = rid in self._doomed
@@ -219,9 +228,13 @@ class EncoderCacheClient:
             raise RequestReleased(f"request {request_id} was released while waiting for {mm_hash[:16]}")
         return COMPUTE, None
 
-    async def commit(self, mm_hash: str, meta: EmbeddingMeta, ref: Any) -> bool:
-        """False when ``ref``'s owner already invalidated it (shutting down): the entry was dropped."""
-        return bool(await self.shard(mm_hash).commit.remote(mm_hash, meta.to_msgpack(), [ref]))
+    async def commit(
+        self, mm_hash: str, meta: EmbeddingMeta, ref: Any, request_id: str | None = None
+    ) -> bool:
+        """False when ``ref``'s owner already invalidated it (shutting down): the entry was dropped;
+        or when the reservation is no longer ``request_id``'s (see ``CacheIndexShard.commit``)."""
+        shard = self.shard(mm_hash)
+        return bool(await shard.commit.remote(mm_hash, meta.to_msgpack(), [ref], request_id))
 
     async def invalidate(
         self, mm_hashes: Iterable[str], ref_ids: Mapping[str, str] | None = None

@@ -110,7 +110,14 @@ class Orchestrator:
         firsts: dict[str, Any] = {}
         for item in pre.items:
             firsts.setdefault(item.mm_hash, item)
-        results = await asyncio.gather(*(self._one_item(request_id, pre, it) for it in firsts.values()))
+        tasks = [asyncio.ensure_future(self._one_item(request_id, pre, it)) for it in firsts.values()]
+        try:
+            results = await asyncio.gather(*tasks)
+        except BaseException:  # one item failed (or the client left): stop encoding the others
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
         found = dict(zip(firsts, results, strict=True))
         return [
             EmbeddingRef(
@@ -135,7 +142,7 @@ class Orchestrator:
         encoded: list[EncodedItem] = await self.h.encoder.encode.remote(EncodeBatch(request_id, [enc]))
         self._on_encoder_run(len(encoded))
         out = encoded[0]
-        await cache.commit(out.meta.mm_hash, out.meta, out.ref[0])
+        await cache.commit(out.meta.mm_hash, out.meta, out.ref[0], request_id)
         return out.meta, out.ref[0]
 
     async def _reprocess(self, request_id: str, index: int) -> EncoderInput:
