@@ -235,11 +235,8 @@ class PreprocessorServer:
         )
 
     async def preprocess(self, messages: list[dict[str, Any]], use_cache: bool = True) -> Any:
-        async def lookup(hashes: list[str]) -> dict[str, EmbeddingMeta]:
-            found = await self.cache.lookup_many(hashes)
-            return {h: entry[0] for h, entry in found.items()}
-
-        return await self.preprocessor.preprocess(messages, lookup if use_cache else None)
+        lookup = self.cache.lookup_meta if use_cache else None
+        return await self.preprocessor.preprocess(messages, lookup)
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -127,47 +127,43 @@ class EncoderTPGroup:
         pg, first_bundle = self._placement(tp_size, num_cpus_per_rank, num_gpus_per_rank, resources)
         try:
             _get(pg.ready(), PLACEMENT_TIMEOUT_S, "the TP group's placement group to be ready")
-            worker_cls = ray.remote(EncoderRankWorker)
             self._actors = [
-                worker_cls.options(
+                ray.remote(EncoderRankWorker)
+                .options(
                     num_cpus=num_cpus_per_rank,
                     num_gpus=num_gpus_per_rank,
                     resources=resources or {},
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=pg, placement_group_bundle_index=first_bundle + rank
                     ),
-                ).remote()
+                )
+                .remote()
                 for rank in range(tp_size)
             ]
-            nodes = _get(
-                [a.node_address.remote() for a in self._actors], RANK_START_TIMEOUT_S, "rank actors to start"
-            )
-            # One node: loopback. Several (PACK may spread CPU ranks): rank 0's node IP.
-            host = "127.0.0.1" if len({n for n, _ in nodes}) == 1 else nodes[0][1]
-            port = _get(self._actors[0].pick_port.remote(host), RANK_START_TIMEOUT_S, "rank 0 to pick a port")
-            init_method = f"tcp://{host}:{port}"
-            _get(
-                [
-                    a.start.remote(
-                        init_method,
-                        rank,
-                        tp_size,
-                        str(model_dir),
-                        tp_mode,
-                        dtype,
-                        device,
-                        max_num_encoder_input_tokens,
-                    )
-                    for rank, a in enumerate(self._actors)
-                ],
-                LOAD_TIMEOUT_S,
-                "every rank to join the process group and load its weights",
-            )
-            info = _get(self._actors[0].info.remote(), RANK_START_TIMEOUT_S, "rank 0's model info")
+            info = self._start_ranks(str(model_dir), tp_mode, dtype, device, max_num_encoder_input_tokens)
         except BaseException:
             self.shutdown()
             raise
         self.family, self.hidden_size = info["family"], info["hidden_size"]
+
+    def _start_ranks(
+        self, model_dir: str, tp_mode: TPMode, dtype: str, device: str, max_tokens: int | None
+    ) -> dict[str, Any]:
+        """Rendezvous at rank 0's node, every rank loads its shard; rank 0's model facts."""
+        nodes = _get(
+            [a.node_address.remote() for a in self._actors], RANK_START_TIMEOUT_S, "rank actors to start"
+        )
+        # One node: loopback. Several (PACK may spread CPU ranks): rank 0's node IP.
+        host = "127.0.0.1" if len({n for n, _ in nodes}) == 1 else nodes[0][1]
+        port = _get(self._actors[0].pick_port.remote(host), RANK_START_TIMEOUT_S, "rank 0 to pick a port")
+        init_method = f"tcp://{host}:{port}"
+        size = len(self._actors)
+        starts = [
+            a.start.remote(init_method, rank, size, model_dir, tp_mode, dtype, device, max_tokens)
+            for rank, a in enumerate(self._actors)
+        ]
+        _get(starts, LOAD_TIMEOUT_S, "every rank to join the process group and load its weights")
+        return dict(_get(self._actors[0].info.remote(), RANK_START_TIMEOUT_S, "rank 0's model info"))
 
     def _placement(
         self, tp_size: int, cpus: float, gpus: float, resources: dict[str, float] | None

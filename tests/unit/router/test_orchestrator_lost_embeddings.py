@@ -76,7 +76,7 @@ class FakePreprocess:
 
     async def preprocess(self, messages: list[dict[str, Any]], use_cache: bool = True) -> PreprocessedRequest:
         hashes = [p["hash"] for p in messages[0]["content"]]
-        found = await self.cache.lookup_many(hashes) if use_cache else {}
+        found = await self.cache.lookup_meta(hashes) if use_cache else {}
         items = [
             MultiModalItem(
                 index=i,
