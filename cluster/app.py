@@ -163,7 +163,7 @@ def _llm_server(model: ModelConfig, cache_dir: str) -> Any:
                 max_num_batched_tokens=llm.max_num_batched_tokens,
                 enable_prefix_caching=llm.enable_prefix_caching,
             )
-            super().__init__(engine_config, m.name)
+            super().__init__(engine_config, m.name, embedding_fetch_timeout_s=llm.embedding_fetch_timeout_s)
 
     opts = deployment_options(model.llm.deployment, f"LLMServer-{model.name}", LLM_POLICY)
     opts["request_router_config"] = RequestRouterConfig(

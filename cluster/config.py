@@ -106,6 +106,9 @@ class LLMConfig(_Strict):
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=16)
     enable_prefix_caching: bool = True
+    embedding_fetch_timeout_s: float = Field(
+        60.0, gt=0, description="an embedding not fetched from the object store by then counts as lost"
+    )
     deployment: DeploymentOptions = Field(default_factory=DeploymentOptions)
 
 
