@@ -64,27 +64,28 @@ class EncoderInput:
     grid_thw: tuple[int, int, int] | None
     tensors: dict[str, Any] = field(default_factory=dict)
 
-    def to_wire(self) -> dict[str, Any]:
+    def to_wire(self, buffers: list[Any]) -> dict[str, Any]:
         return {
             "mm_hash": self.mm_hash,
             "modality": self.modality,
             "num_embeds": self.num_embeds,
             "grid_thw": grid_to_wire(self.grid_thw),
-            "tensors": {k: pack_tensor(t) for k, t in self.tensors.items()},
+            "tensors": {k: pack_tensor(t, buffers) for k, t in self.tensors.items()},
         }
 
     @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> EncoderInput:
+    def from_wire(cls, d: dict[str, Any], buffers: list[Any]) -> EncoderInput:
         return cls(
             mm_hash=d["mm_hash"],
             modality=d["modality"],
             num_embeds=int(d["num_embeds"]),
             grid_thw=grid_from_wire(d["grid_thw"]),
-            tensors={k: unpack_tensor(t) for k, t in d["tensors"].items()},
+            tensors={k: unpack_tensor(t, buffers) for k, t in d["tensors"].items()},
         )
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_encoder_input_from_bytes, (pack("EncoderInput", self.to_wire()),))
+        buffers: list[Any] = []
+        return (_encoder_input_from_bytes, (pack("EncoderInput", self.to_wire(buffers)), buffers))
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,7 @@ class MultiModalItem:
     def num_embeds(self) -> int:
         return self.placeholder.length
 
-    def to_wire(self) -> dict[str, Any]:
+    def to_wire(self, buffers: list[Any]) -> dict[str, Any]:
         return {
             "index": self.index,
             "mm_hash": self.mm_hash,
@@ -112,11 +113,11 @@ class MultiModalItem:
             "length": self.placeholder.length,
             "grid_thw": grid_to_wire(self.grid_thw),
             "metadata": plain(self.metadata),
-            "encoder_input": self.encoder_input.to_wire() if self.encoder_input else None,
+            "encoder_input": self.encoder_input.to_wire(buffers) if self.encoder_input else None,
         }
 
     @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> MultiModalItem:
+    def from_wire(cls, d: dict[str, Any], buffers: list[Any]) -> MultiModalItem:
         enc = d["encoder_input"]
         return cls(
             index=int(d["index"]),
@@ -125,7 +126,7 @@ class MultiModalItem:
             placeholder=PlaceholderRange(int(d["offset"]), int(d["length"])),
             grid_thw=grid_from_wire(d["grid_thw"]),
             metadata=dict(d["metadata"]),
-            encoder_input=EncoderInput.from_wire(enc) if enc is not None else None,
+            encoder_input=EncoderInput.from_wire(enc, buffers) if enc is not None else None,
         )
 
 
@@ -136,12 +137,13 @@ class PreprocessedRequest:
     processor_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __reduce__(self) -> tuple[Any, ...]:
+        buffers: list[Any] = []
         fields = {
             "prompt_token_ids": list(self.prompt_token_ids),
-            "items": [it.to_wire() for it in self.items],
+            "items": [it.to_wire(buffers) for it in self.items],
             "processor_kwargs": plain(self.processor_kwargs),
         }
-        return (_preprocessed_from_bytes, (pack("PreprocessedRequest", fields),))
+        return (_preprocessed_from_bytes, (pack("PreprocessedRequest", fields), buffers))
 
     def to_log(self) -> dict[str, Any]:
         """What a failure's log line needs to replay the request (no tensors)."""
@@ -215,8 +217,9 @@ class EncodeBatch:
         return sum(i.num_embeds for i in self.inputs)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        fields = {"request_id": self.request_id, "inputs": [i.to_wire() for i in self.inputs]}
-        return (_encode_batch_from_bytes, (pack("EncodeBatch", fields),))
+        buffers: list[Any] = []
+        fields = {"request_id": self.request_id, "inputs": [i.to_wire(buffers) for i in self.inputs]}
+        return (_encode_batch_from_bytes, (pack("EncodeBatch", fields), buffers))
 
 
 @dataclass(frozen=True)
@@ -231,22 +234,22 @@ class EncodedItem:
 
 
 # Module-level so pickle finds them by name; each checks kind and version.
-def _encoder_input_from_bytes(raw: bytes) -> EncoderInput:
-    return EncoderInput.from_wire(unpack("EncoderInput", raw))
+def _encoder_input_from_bytes(raw: bytes, buffers: list[Any]) -> EncoderInput:
+    return EncoderInput.from_wire(unpack("EncoderInput", raw), buffers)
 
 
-def _preprocessed_from_bytes(raw: bytes) -> PreprocessedRequest:
+def _preprocessed_from_bytes(raw: bytes, buffers: list[Any]) -> PreprocessedRequest:
     d = unpack("PreprocessedRequest", raw)
     return PreprocessedRequest(
         prompt_token_ids=[int(t) for t in d["prompt_token_ids"]],
-        items=[MultiModalItem.from_wire(it) for it in d["items"]],
+        items=[MultiModalItem.from_wire(it, buffers) for it in d["items"]],
         processor_kwargs=dict(d["processor_kwargs"]),
     )
 
 
-def _encode_batch_from_bytes(raw: bytes) -> EncodeBatch:
+def _encode_batch_from_bytes(raw: bytes, buffers: list[Any]) -> EncodeBatch:
     d = unpack("EncodeBatch", raw)
-    return EncodeBatch(d["request_id"], [EncoderInput.from_wire(i) for i in d["inputs"]])
+    return EncodeBatch(d["request_id"], [EncoderInput.from_wire(i, buffers) for i in d["inputs"]])
 
 
 def _encoded_item_from_bytes(meta: bytes, ref: list[Any]) -> EncodedItem:

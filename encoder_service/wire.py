@@ -4,7 +4,8 @@ Records that cross a process boundary (preprocessor → router → encoder pool 
 ``(Class.from_wire, (msgpack bytes, refs))`` through ``__reduce__``: Ray still carries the envelope
 and sees any ObjectRefs (so its reference counting holds), but the record's contents are an explicit
 schema with a version, not Python object state, so a replica on a newer build reads an older one's
-records or refuses them by name. A tensor is ``{"dtype", "shape", "data"}``, its bytes in C order.
+records or refuses them by name. A tensor is ``{"dtype", "shape", "buf"}``: ``buf`` indexes the list of
+raw buffers that travels beside the record (C order), so tensor bytes are never copied into msgpack.
 
     wire record = {"v": WIRE_VERSION, "kind": "<record>", ...fields}
 """
@@ -15,7 +16,7 @@ from typing import Any
 
 import msgpack
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: tensor bytes out of band, beside the record
 
 
 class WireVersionError(ValueError):
@@ -54,9 +55,10 @@ def plain(value: Any) -> Any:
     return str(value)
 
 
-def pack_tensor(t: Any) -> dict[str, Any]:
-    """A tensor (torch, or a numpy array: it comes back as torch) as dtype name, shape and its bytes
-    (any dtype, bfloat16 included)."""
+def pack_tensor(t: Any, buffers: list[Any]) -> dict[str, Any]:
+    """A tensor (torch, or a numpy array: it comes back as torch) as dtype name and shape; its bytes
+    go to ``buffers`` as a flat uint8 numpy array (any dtype, bfloat16 included), which pickle
+    protocol 5 (Ray's) carries out of band: no copy into the record, zero-copy reads on a node."""
     import torch
 
     if not isinstance(t, torch.Tensor):
@@ -64,21 +66,23 @@ def pack_tensor(t: Any) -> dict[str, Any]:
 
         t = torch.from_numpy(np.ascontiguousarray(t))
     t = t.detach().contiguous().cpu()
-    data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "data": data}
+    buffers.append(t.reshape(-1).view(torch.uint8).numpy())
+    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "buf": len(buffers) - 1}
 
 
-def unpack_tensor(d: dict[str, Any]) -> Any:
+def unpack_tensor(d: dict[str, Any], buffers: list[Any]) -> Any:
+    import warnings
+
     import torch
 
     dtype = getattr(torch, d["dtype"], None)
     if not isinstance(dtype, torch.dtype):
         raise WireVersionError(f"unknown tensor dtype {d['dtype']!r}")
-    shape = [int(n) for n in d["shape"]]
-    if not d["data"]:
-        return torch.empty(shape, dtype=dtype)
-    flat = torch.frombuffer(bytearray(d["data"]), dtype=torch.uint8)
-    return flat.view(dtype).reshape(shape)
+    raw = buffers[int(d["buf"])]
+    with warnings.catch_warnings():  # read-only when zero-copy from the object store; never written
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.from_numpy(raw)
+    return flat.view(dtype).reshape([int(n) for n in d["shape"]])
 
 
 def grid_to_wire(grid: tuple[int, int, int] | None) -> list[int] | None:
