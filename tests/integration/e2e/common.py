@@ -1,0 +1,42 @@
+"""What every e2e module shares: where the app listens, the HF oracle, request helpers."""
+
+from __future__ import annotations
+
+import base64
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from openai import OpenAI
+
+from tests.hf_oracle import hf_generate as oracle_generate
+
+PORT = 8431
+MAX_TOKENS = 8
+VL, AUDIO = "tiny-qwen2-vl", "tiny-qwen2-audio"
+
+
+def hf_generate(model_dir: Path, messages: list[dict[str, Any]], **media: Any) -> str:
+    return oracle_generate(model_dir, messages, MAX_TOKENS, **media)
+
+
+def data_url(data: bytes, mime: str) -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def ask(client: OpenAI, model: str, content: Any, **kw: Any) -> Any:
+    return client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": content}],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        **kw,
+    )
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
+        time.sleep(0.2)

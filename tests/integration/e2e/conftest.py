@@ -1,0 +1,86 @@
+"""One app for the whole e2e package (Ray + Serve start once): the default tiny models on Ray Serve,
+HTTP on 127.0.0.1:PORT, Prometheus metrics exported every second on a free local port.
+
+Modules run in name order and share it; ``test_zz_replica_loss.py`` kills an encoder replica and
+then deletes the app, so it must stay last.
+"""
+
+from __future__ import annotations
+
+import http.server
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from openai import OpenAI
+
+from tests.integration.e2e.common import AUDIO, PORT, VL
+from tests.media import make_image_bytes
+
+
+@pytest.fixture(scope="package")
+def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    import ray
+    from ray import serve
+
+    from cluster.config import AppConfig, default_config
+    from cluster.serve_cli import start
+
+    cache_dir = tmp_path_factory.mktemp("models")
+    cfg = default_config().model_dump()
+    cfg.update(port=PORT, models_cache_dir=str(cache_dir))
+    for m in cfg["models"]:
+        m["preprocess"]["media"]["allow_private_addresses"] = True  # the test's HTTP server is on loopback
+        m["preprocess"]["limit_mm_per_prompt"] = {"image": 2, "video": 1, "audio": 1}
+    # start() would call the same ray.init; here Ray's metrics agent also serves Prometheus text on a
+    # known port, and workers push their metrics every second instead of every ten.
+    metrics_port = _free_port()
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        namespace="mmserve",
+        _metrics_export_port=metrics_port,
+        _system_config={"metrics_report_interval_ms": 1000},
+    )
+    start(AppConfig.model_validate(cfg))
+    yield {
+        "dirs": {VL: cache_dir / "tiny-qwen2-vl", AUDIO: cache_dir / "tiny-qwen2-audio"},
+        "metrics_url": f"http://127.0.0.1:{metrics_port}/metrics",
+    }
+    serve.shutdown()
+    ray.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="package")
+def client(app: dict[str, Any]) -> OpenAI:
+    return OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+@pytest.fixture(scope="package")
+def media_server() -> Iterator[str]:
+    files = {"/cat.png": make_image_bytes(96, 64, seed=5)}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = files.get(self.path)
+            self.send_response(200 if body else 404)
+            self.send_header("Content-Length", str(len(body or b"")))
+            self.end_headers()
+            self.wfile.write(body or b"")
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()

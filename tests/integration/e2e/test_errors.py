@@ -1,0 +1,71 @@
+"""Bad input is a 4xx naming the problem, never a 500."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+from openai import BadRequestError, NotFoundError, OpenAI
+
+from tests.integration.e2e.common import (
+    AUDIO,
+    PORT,
+    VL,
+)
+
+pytestmark = pytest.mark.usefixtures("app")  # the package's one app (conftest.py)
+
+
+@pytest.mark.parametrize(
+    ("model", "content", "status", "code"),
+    [
+        (
+            VL,
+            [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}] * 3,
+            400,
+            "too_many_items",
+        ),
+        (
+            VL,
+            [{"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}}],
+            None,
+            None,
+        ),
+        (
+            VL,
+            [{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}],
+            400,
+            "unsupported_modality",
+        ),
+        (
+            AUDIO,
+            [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}],
+            400,
+            "unsupported_modality",
+        ),
+        (VL, [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}], 403, "url_not_allowed"),
+    ],
+)
+def test_client_errors_are_4xx(model: str, content: Any, status: int | None, code: str | None) -> None:
+    r = httpx.post(
+        f"http://127.0.0.1:{PORT}/v1/chat/completions",
+        json={"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 4},
+        timeout=60,
+    )
+    assert 400 <= r.status_code < 500, r.text
+    if status is not None:
+        assert r.status_code == status and r.json()["error"]["code"] == code, r.text
+    assert r.json()["error"]["message"]
+
+
+def test_unknown_model_and_bad_params() -> None:
+    c = OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(NotFoundError):
+        c.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(BadRequestError):
+        c.chat.completions.create(model=VL, messages=[{"role": "user", "content": "x"}], temperature=5)
+    with pytest.raises(BadRequestError) as e:
+        c.chat.completions.create(model=VL, messages=[{"role": "user", "content": "x"}], max_tokens=100000)
+    body: Any = e.value.body
+    assert "max_model_len" in body["message"]

@@ -1,0 +1,188 @@
+"""A client that leaves holds nothing (no running request, KV block or cache pin), and the Prometheus
+metrics Ray exports carry real values."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+from openai import APITimeoutError, OpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.integration.e2e.common import (
+    AUDIO,
+    MAX_TOKENS,
+    PORT,
+    VL,
+    data_url,
+    wait_for,
+)
+from tests.media import make_image_bytes
+
+pytestmark = pytest.mark.usefixtures("app")  # the package's one app (conftest.py)
+
+
+LONG = 3500  # max_tokens of the generations a client abandons (ignore_eos: it would run to the end)
+GENERATED = "ray_mmserve_generated_tokens_total"
+
+
+def _metric(app: dict[str, Any], sample: str, model: str) -> float:
+    """One Prometheus sample summed over every worker exporting it, for one model (0 when absent)."""
+    text = httpx.get(app["metrics_url"], timeout=10).text
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == sample and s.labels.get("model") == model
+    )
+
+
+def _llm_stats(model: str = VL) -> dict[str, Any]:
+    from ray import serve
+
+    handle = serve.get_deployment_handle(f"LLMServer-{model}", app_name="mmserve")
+    return dict(handle.stats.remote().result(timeout_s=30))
+
+
+def _encoder_cache(model: str = VL) -> dict[str, Any]:
+    return dict(httpx.get(f"http://127.0.0.1:{PORT}/stats").json()[model]["encoder_cache"])
+
+
+def _nothing_held() -> bool:
+    """The LLM replica runs and queues nothing, every KV block is free, no encoder-cache entry is pinned."""
+    s = _llm_stats()
+    return (
+        s["num_running"] == 0
+        and s["num_waiting"] == 0
+        and s["num_free_blocks"] == s["num_total_blocks"]
+        and _encoder_cache()["pinned"] == 0
+    )
+
+
+def _image_chat(png: bytes, text: str) -> list[dict[str, Any]]:
+    content = [
+        {"type": "image_url", "image_url": {"url": data_url(png, "image/png")}},
+        {"type": "text", "text": text},
+    ]
+    return [{"role": "user", "content": content}]
+
+
+def _tokens_generated_since(client: OpenAI, app: dict[str, Any], before: float, seen: int = 0) -> float:
+    """About how many tokens the VL replica streamed since ``before`` (a reading of its counter), for
+    an upper bound. A short marker request goes last; the counter is read once it shows ``seen`` (the
+    tokens the client saw) plus the marker's. Workers export once a second, so the figure is rough:
+    good to tell a few dozen tokens from the thousands of a generation nobody stopped."""
+    marker = client.chat.completions.create(
+        model=VL,
+        messages=[{"role": "user", "content": "marker"}],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert marker.usage is not None and marker.usage.completion_tokens == MAX_TOKENS
+    wait_for(
+        lambda: _metric(app, GENERATED, VL) >= before + seen + MAX_TOKENS,
+        20.0,
+        "the marker's tokens in /metrics",
+    )
+    return _metric(app, GENERATED, VL) - before - MAX_TOKENS
+
+
+def test_metrics_report_real_values(client: OpenAI, app: dict[str, Any]) -> None:
+    """Known traffic (two fresh images, a streamed and a plain request) shows up in Ray's Prometheus
+    export: generated tokens, encoded items, TTFT and e2e histogram counts, all for the VL model."""
+    samples = (
+        GENERATED,
+        "ray_mmserve_encoder_items_total",
+        "ray_mmserve_ttft_seconds_count",
+        "ray_mmserve_e2e_latency_seconds_count",
+    )
+    before = {s: _metric(app, s, VL) for s in samples}
+    plain = client.chat.completions.create(
+        model=VL,
+        messages=_image_chat(make_image_bytes(56, 56, seed=601), "Count."),
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model=VL,
+            messages=_image_chat(make_image_bytes(84, 56, seed=602), "Count."),
+            max_tokens=MAX_TOKENS + 3,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert plain.usage is not None and chunks[-1].usage is not None
+    completion = plain.usage.completion_tokens + chunks[-1].usage.completion_tokens
+    assert completion == 2 * MAX_TOKENS + 3
+    expected = dict(zip(samples, (completion, 2, 2, 2), strict=True))
+
+    def exported() -> bool:
+        return all(_metric(app, s, VL) - before[s] >= n for s, n in expected.items())
+
+    wait_for(exported, 20.0, f"{expected} more in {app['metrics_url']}")
+    # Each model's encoder counts what the ingress dispatched to that model's pool (exports only lag):
+    # no item is counted twice or under the other model's label.
+    dispatched = httpx.get(f"http://127.0.0.1:{PORT}/stats").json()
+    for model in (VL, AUDIO):
+        assert (
+            _metric(app, "ray_mmserve_encoder_items_total", model)
+            <= dispatched[model]["encoder_items_dispatched"]
+        )
+
+
+def test_streamed_client_disconnect_aborts_the_generation(client: OpenAI, app: dict[str, Any]) -> None:
+    """A client reads a few chunks of a long generation about a fresh image and hangs up: the engine
+    drops the request (its KV blocks all free again) long before max_tokens, and no pin is left."""
+    before = _metric(app, GENERATED, VL)
+    stream = client.chat.completions.create(
+        model=VL,
+        messages=_image_chat(make_image_bytes(98, 70, seed=611), "Go on forever."),
+        max_tokens=LONG,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    seen = 0
+    for chunk in stream:
+        seen += bool(chunk.choices and chunk.choices[0].delta.content)
+        if seen == 4:
+            break
+    mid = _llm_stats()
+    assert mid["num_running"] == 1 and mid["num_free_blocks"] < mid["num_total_blocks"]  # still generating
+    stream.close()  # closes the HTTP connection mid-stream
+
+    wait_for(_nothing_held, 20.0, "the LLM replica to drop the abandoned stream and the pins to go")
+    generated = _tokens_generated_since(client, app, before, seen)
+    assert generated < LONG // 4, generated
+
+
+@pytest.mark.parametrize("timeout_s", [0.05, 0.5])
+def test_non_streamed_client_timeout_aborts_the_generation(
+    client: OpenAI, app: dict[str, Any], timeout_s: float
+) -> None:
+    """A plain request about a fresh image whose client gives up (read timeout) on a long generation:
+    same guarantees. After 0.05 s it is mostly gone before the first token (preprocessing or
+    encoding, pins held), after 0.5 s mid-generation."""
+    before = _metric(app, GENERATED, VL)
+    impatient = OpenAI(
+        base_url=f"http://127.0.0.1:{PORT}/v1", api_key="unused", timeout=timeout_s, max_retries=0
+    )
+    with pytest.raises(APITimeoutError):
+        impatient.chat.completions.create(
+            model=VL,
+            messages=_image_chat(make_image_bytes(70, 98, seed=612 + int(timeout_s * 100)), "Go on forever."),
+            max_tokens=LONG,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+    impatient.close()
+
+    wait_for(_nothing_held, 20.0, "the LLM replica to drop the abandoned request and the pins to go")
+    generated = _tokens_generated_since(client, app, before)
+    assert generated < LONG // 4, generated
