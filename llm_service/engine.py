@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence
+from typing import Any
 
 from llm_service.config import EngineConfig
-from llm_service.errors import RequestRejected
+from llm_service.errors import RequestFaults, RequestRejected
 from llm_service.kv_cache_manager import KVCacheManager, cdiv
 from llm_service.model_runner import ModelRunner
 from llm_service.multimodal import MultiModalInput
 from llm_service.outputs import EngineStats, GenerateOutput, GenerateRequest, RequestOutput
 from llm_service.sampling_params import SamplingParams
-from llm_service.scheduler import Scheduler
-from llm_service.sequence import Request
+from llm_service.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from llm_service.sequence import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 MODALITIES = ("image", "video", "audio")
+Sampled = dict[str, tuple[int, object]]
 
 
 class LLMEngine:
@@ -63,10 +68,11 @@ class LLMEngine:
         self.scheduler.add_request(req)
 
     def step(self) -> list[RequestOutput]:
-        """One engine iteration; returns the requests that got a new token (finished ones included)."""
+        """One engine iteration; returns the requests that got a new token (finished ones included)
+        and those whose computation failed in it (``finish_reason="error"``, see ``_execute``)."""
         sched = self.scheduler.schedule()
-        sampled = self.runner.execute(sched)
-        outputs = []
+        sampled, faults = self._execute(sched)
+        outputs = [self._fail(rid, msg) for rid, msg in faults.items()]
         for req in self.scheduler.update(sched, sampled):
             lp = req.output_logprobs[-1]
             outputs.append(
@@ -81,6 +87,72 @@ class LLMEngine:
                 )
             )
         return outputs
+
+    # ---- failure isolation -------------------------------------------------------------------------
+    def _execute(self, sched: SchedulerOutput) -> tuple[Sampled, dict[str, str]]:
+        """Run the step; if it raises, find the request(s) at fault and run it for the others.
+
+        Returns ``(sampled, faults)``: ``faults`` maps each culprit to what went wrong. Culprits are
+        the ones a ``RequestFaults`` names, then any group that still fails is halved until single
+        requests fail alone. If every request not so named fails alone too, the fault is not one
+        request's: the original exception is raised. Replaying chunks is safe: a chunk writes KV only
+        into its own request's not-yet-computed slots (never a shared, cached block) and rewrites
+        the same values; seeded generators are rewound before each attempt.
+        """
+        rng = self.runner.rng_states(sched)
+        try:
+            return self.runner.execute(sched), {}
+        except Exception as exc:
+            first = exc
+        sampled: Sampled = {}
+        named: dict[str, str] = {}
+        alone: dict[str, str] = {}
+        todo: list[tuple[list[ScheduledChunk], Exception]] = [(sched.chunks, first)]
+        while todo:
+            group, err = todo.pop()
+            hit = {c.request.request_id for c in group} & set(getattr(err, "faults", ()))
+            if isinstance(err, RequestFaults) and hit:
+                named.update({rid: err.faults[rid] for rid in hit})
+                rest = [c for c in group if c.request.request_id not in hit]
+                parts = [rest] if rest else []
+            elif len(group) == 1:
+                alone[group[0].request.request_id] = f"{type(err).__name__}: {err}"
+                continue
+            else:
+                parts = _halves(group)
+            for part in parts:
+                result = self._attempt(part, rng)
+                if isinstance(result, Exception):
+                    todo.append((part, result))
+                else:
+                    sampled.update(result)
+        if alone and len(named) + len(alone) == len(sched.chunks):
+            raise first  # every request that is not named fails alone too: not one request's fault
+        for rid, msg in alone.items():
+            logger.warning("request %s failed in an engine step (the others went on): %s", rid, msg)
+        return sampled, {**named, **alone}
+
+    def _attempt(self, chunks: list[ScheduledChunk], rng: dict[str, Any]) -> Sampled | Exception:
+        self.runner.restore_rng_states(SchedulerOutput(chunks), rng)
+        try:
+            return self.runner.execute(SchedulerOutput(chunks))
+        except Exception as e:
+            return e
+
+    def _fail(self, request_id: str, message: str) -> RequestOutput:
+        """Retire a culprit (its KV blocks freed) and say so in its last output."""
+        req = self.scheduler.abort(request_id, RequestStatus.FINISHED_ERROR)
+        assert req is not None, f"failed request {request_id!r} is not in the engine"
+        return RequestOutput(
+            request_id=request_id,
+            new_token_ids=[],
+            new_logprobs=None,
+            finished=True,
+            finish_reason=RequestStatus.FINISHED_ERROR.value,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            error=message,
+        )
 
     def abort(self, request_id: str) -> None:
         """Drop a request and free its blocks; unknown or finished ids are ignored. Emits no output."""
@@ -122,7 +194,7 @@ class LLMEngine:
                     res.logprobs.extend(o.new_logprobs)
                 res.num_prompt_tokens, res.num_cached_tokens = o.num_prompt_tokens, o.num_cached_tokens
                 if o.finished:
-                    res.finish_reason = o.finish_reason
+                    res.finish_reason, res.error = o.finish_reason, o.error
                     pending.discard(o.request_id)
         return [results[rid] for rid in ids]
 
@@ -186,3 +258,8 @@ class LLMEngine:
                 "bad_mm_input",
                 f"{name}: grid_thw={m.grid_thw} gives {t * h * w // merge**2} embeddings, got {m.length}",
             )
+
+
+def _halves(chunks: list[ScheduledChunk]) -> list[list[ScheduledChunk]]:
+    mid = len(chunks) // 2
+    return [part for part in (chunks[:mid], chunks[mid:]) if part]

@@ -1,4 +1,4 @@
-"""Errors for bad requests; the router maps them to 4xx responses."""
+"""Errors for bad requests (the router maps them to 4xx) and for one request's failed computation."""
 
 from __future__ import annotations
 
@@ -17,3 +17,32 @@ class RequestRejected(ValueError):
 
     def __reduce__(self):  # type: ignore[no-untyped-def]  # keeps ``code`` across pickling (Ray)
         return (type(self), (self.code, self.message))
+
+
+class RequestFailed(Exception):
+    """One request's computation failed inside an engine step (the others in the step went on).
+
+    The engine finishes such a request with ``finish_reason="error"`` and ``RequestOutput.error``;
+    the serving loop raises this to that request's caller only. A 500: the request was admitted as
+    valid, so the fault is the server's (e.g. the model produced non-finite logits for its inputs).
+    """
+
+    status_code = 500
+    code = "request_failed"
+
+    def __init__(self, request_id: str, message: str) -> None:
+        super().__init__(f"request {request_id!r} failed in the engine: {message}")
+        self.request_id = request_id
+        self.message = message
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (type(self), (self.request_id, self.message))
+
+
+class RequestFaults(RuntimeError):
+    """Raised inside a step when the failing requests are known (e.g. the sampler found non-finite
+    logits in their rows): ``faults`` maps each culprit's request id to what went wrong."""
+
+    def __init__(self, faults: dict[str, str]) -> None:
+        super().__init__("; ".join(f"{rid}: {msg}" for rid, msg in faults.items()))
+        self.faults = faults

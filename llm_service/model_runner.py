@@ -8,13 +8,14 @@ import torch
 
 from llm_service.attention import TorchPagedAttention, build_metadata
 from llm_service.config import EngineConfig
+from llm_service.errors import RequestFaults
 from llm_service.kv_cache_manager import cdiv
 from llm_service.models.qwen2 import Qwen2ForCausalLM, TextConfig
 from llm_service.models.weights import load_weights
 from llm_service.mrope import mrope_positions
 from llm_service.multimodal import MultiModalInput
 from llm_service.outputs import TokenLogprob
-from llm_service.sampler import sample
+from llm_service.sampler import NonFiniteLogits, sample
 from llm_service.scheduler import ScheduledChunk, SchedulerOutput
 from llm_service.sequence import Request
 
@@ -134,5 +135,19 @@ class ModelRunner:
             return {}
         logits = self.model.compute_logits(hidden[rows])
         gens = [r.runner_state.get("generator", self.default_generator) for r in sampling]
-        tokens, logprobs = sample(logits, [r.sampling_params for r in sampling], gens)
+        try:
+            tokens, logprobs = sample(logits, [r.sampling_params for r in sampling], gens)
+        except NonFiniteLogits as e:
+            msg = "the model produced NaN or infinite logits for this request's inputs"
+            raise RequestFaults({sampling[i].request_id: msg for i in e.rows}) from e
         return {r.request_id: (t, lp) for r, t, lp in zip(sampling, tokens, logprobs, strict=True)}
+
+    def rng_states(self, out: SchedulerOutput) -> dict[str, torch.Tensor]:
+        """The seeded generators' states of the step's requests, to replay the step exactly."""
+        gens = ((c.request.request_id, c.request.runner_state.get("generator")) for c in out.chunks)
+        return {rid: g.get_state() for rid, g in gens if g is not None}
+
+    def restore_rng_states(self, out: SchedulerOutput, states: dict[str, torch.Tensor]) -> None:
+        for c in out.chunks:
+            if (state := states.get(c.request.request_id)) is not None:
+                c.request.runner_state["generator"].set_state(state)

@@ -26,9 +26,10 @@ class RequestOutput:
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprob] | None
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort"
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
     num_prompt_tokens: int
     num_cached_tokens: int
+    error: str | None = None  # set iff finish_reason == "error": what failed (this request only)
 
     def __reduce__(self) -> tuple[Any, ...]:
         logprobs = (
@@ -44,6 +45,7 @@ class RequestOutput:
             "finish_reason": self.finish_reason,
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_cached_tokens": self.num_cached_tokens,
+            "error": self.error,
         }
         return (_request_output_from_bytes, (pack("RequestOutput", fields),))
 
@@ -62,6 +64,7 @@ class GenerateOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     finish_reason: str | None
+    error: str | None = None
 
 
 @dataclass
@@ -95,4 +98,5 @@ def _request_output_from_bytes(raw: bytes) -> RequestOutput:
         finish_reason=d["finish_reason"],
         num_prompt_tokens=int(d["num_prompt_tokens"]),
         num_cached_tokens=int(d["num_cached_tokens"]),
+        error=d.get("error"),
     )

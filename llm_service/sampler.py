@@ -1,4 +1,10 @@
-"""Turn the last-token logits of each sampling request into a token (and logprobs)."""
+"""Turn the last-token logits of each sampling request into a token (and logprobs).
+
+Numerically safe for every parameter ``SamplingParams.validate`` accepts: temperatures below
+``SAMPLING_EPS`` are greedy, the others scale logits already shifted so their maximum is 0 (no
+overflow, at least one probability is 1 before normalising). A row the model filled with NaN or +inf
+(or only -inf) has no meaningful token: ``NonFiniteLogits`` names those rows instead of sampling junk.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,12 @@ import torch
 
 from llm_service.outputs import TokenLogprob
 from llm_service.sampling_params import SamplingParams
+
+
+class NonFiniteLogits(RuntimeError):
+    def __init__(self, rows: list[int]) -> None:
+        super().__init__(f"the model produced NaN or infinite logits in rows {rows}")
+        self.rows = rows
 
 
 def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -22,20 +34,31 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return logits
 
 
+def check_finite(logits: torch.Tensor) -> None:
+    """Raise NonFiniteLogits naming each row with a NaN, a +inf, or no finite value at all."""
+    bad = logits.isnan().any(-1) | ~torch.isfinite(logits.amax(-1))
+    if bool(bad.any()):
+        raise NonFiniteLogits(bad.nonzero().flatten().tolist())
+
+
+def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
+    scaled = (row - row.max()) / p.temperature  # <= 0 everywhere, exactly 0 at the argmax
+    probs = _filter(scaled, p.top_k, p.top_p).softmax(-1)
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
 def sample(
     logits: torch.Tensor,  # [S, vocab], one row per sampling request
     params: list[SamplingParams],
     generators: list[torch.Generator],
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     logits = logits.float()
-    tokens: list[int] = []
-    for row, p, gen in zip(logits, params, generators, strict=True):
-        if p.greedy:
-            tokens.append(int(row.argmax()))
-            continue
-        filtered = _filter(row / p.temperature, p.top_k, p.top_p)
-        probs = filtered.softmax(-1)
-        tokens.append(int(torch.multinomial(probs, 1, generator=gen)))
+    check_finite(logits)
+    greedy = logits.argmax(-1).tolist()
+    tokens = [
+        greedy[i] if p.greedy else _sample_row(row, p, gen)
+        for i, (row, p, gen) in enumerate(zip(logits, params, generators, strict=True))
+    ]
     logprobs: list[TokenLogprob | None] = [None] * len(tokens)
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     if want:

@@ -57,7 +57,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def abort(self, request_id: str) -> Request | None:
+    def abort(
+        self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> Request | None:
+        """Retire a request wherever it is and free its blocks; ``status`` says why (abort or error)."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
@@ -66,7 +69,7 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req)
-        req.status = RequestStatus.FINISHED_ABORTED
+        req.status = status
         return req
 
     def schedule(self) -> SchedulerOutput:

@@ -16,6 +16,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # its computation failed in a step; the step went on for the others
 
     @property
     def finished(self) -> bool:
@@ -23,6 +24,7 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_STOPPED,
             RequestStatus.FINISHED_LENGTH,
             RequestStatus.FINISHED_ABORTED,
+            RequestStatus.FINISHED_ERROR,
         )
 
 
