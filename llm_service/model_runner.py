@@ -10,9 +10,9 @@ from llm_service.attention import TorchPagedAttention, build_metadata
 from llm_service.config import EngineConfig
 from llm_service.errors import RequestFaults
 from llm_service.kv_cache_manager import cdiv
-from llm_service.models.qwen2 import Qwen2ForCausalLM, TextConfig
+from llm_service.models import build_decoder, load_text_config
 from llm_service.models.weights import load_weights
-from llm_service.mrope import mrope_positions
+from llm_service.mrope import prompt_mrope_positions
 from llm_service.multimodal import MultiModalInput
 from llm_service.outputs import TokenLogprob
 from llm_service.sampler import NonFiniteLogits, sample
@@ -36,8 +36,8 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = DTYPES[config.dtype]
-        self.text_config = TextConfig.from_model_dir(config.model)
-        model = Qwen2ForCausalLM(self.text_config, TorchPagedAttention())
+        self.text_config = load_text_config(config.model)
+        model = build_decoder(self.text_config, TorchPagedAttention())
         load_weights(model, config.model)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.num_blocks = config.num_kv_blocks or self._derive_num_blocks()
@@ -77,12 +77,10 @@ class ModelRunner:
             (m.offset, m.length, m.embeddings.to(device=self.device, dtype=self.dtype)) for m in mm_inputs
         ]
         if self.model.uses_mrope:
-            items = [
-                (m.offset, m.length, m.grid_thw)
-                for m in mm_inputs
-                if m.modality in ("image", "video") and m.grid_thw is not None
-            ]
-            pos, delta = mrope_positions(req.num_prompt_tokens, items, self.text_config.spatial_merge_size)
+            cfg = self.text_config
+            pos, delta = prompt_mrope_positions(
+                req.num_prompt_tokens, mm_inputs, cfg.spatial_merge_size, cfg.tokens_per_second
+            )
             state["mrope"], state["delta"] = pos.to(self.device), delta
         seed = req.sampling_params.seed
         if seed is not None:

@@ -13,13 +13,16 @@ if TYPE_CHECKING:
 class MultiModalInput:
     """One item's embeddings ``[num_embeds, hidden]`` placed at prompt positions
     ``[offset, offset + num_embeds)``. ``grid_thw`` is the item's patch grid before the 2x2 spatial
-    merge (what the HF processor reports); image/video items of an M-RoPE model need it."""
+    merge (what the HF processor reports); image/video items of an M-RoPE model need it.
+    ``second_per_grid_ts``: seconds of video one temporal patch spans (HF's per-video
+    ``second_per_grid_ts``); Qwen2.5-VL places a video's temporal positions by it (absolute time)."""
 
     embeddings: torch.Tensor
     offset: int
     mm_hash: str
     modality: str  # "image" | "video" | "audio"
     grid_thw: tuple[int, int, int] | None = None
+    second_per_grid_ts: float | None = None
 
     @property
     def length(self) -> int:

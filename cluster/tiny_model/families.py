@@ -1,4 +1,4 @@
-"""Write a complete, loadable HF model directory for a tiny random-weight Qwen2-VL or Qwen2-Audio.
+"""Write a complete, loadable HF model directory for a tiny random-weight Qwen2-VL, Qwen2.5-VL or Qwen2-Audio.
 
 Same flags give byte-identical files: the tokenizer is trained on the shipped corpus and every weight
 is drawn from a generator seeded by ``seed`` and the parameter's name, in a fixed order.
@@ -18,7 +18,8 @@ from safetensors.torch import save_file
 
 from cluster.tiny_model.tokenizer import QWEN2_AUDIO_CHAT_TEMPLATE, QWEN2_VL_CHAT_TEMPLATE, train_tokenizer
 
-FAMILIES = ("qwen2-vl", "qwen2-audio")
+FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen2-audio")
+VL_FAMILIES = ("qwen2-vl", "qwen2.5-vl")
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class ModelSize:
     num_heads: int = 4
     num_kv_heads: int = 2
     intermediate_size: int = 128
-    vision_depth: int = 2  # vision blocks (Qwen2-VL) or audio encoder layers (Qwen2-Audio)
+    vision_depth: int = 2  # vision blocks (Qwen2-VL, Qwen2.5-VL) or audio encoder layers (Qwen2-Audio)
     vision_hidden_size: int = 32  # vision embed_dim or audio d_model
     vision_num_heads: int = 2
     vision_intermediate_size: int = 64  # vision MLP width (embed_dim * mlp_ratio) or audio ffn dim
@@ -117,6 +118,52 @@ def _build_qwen2_vl(size: ModelSize, tok):  # type: ignore[no-untyped-def]
     return config, Qwen2VLForConditionalGeneration
 
 
+def _fullatt_block_indexes(depth: int) -> list[int]:
+    """Every second block attends over whole frames, the others in windows (a real 32-block tower: 7, 15, 23, 31)."""
+    return list(range(1, depth, 2)) or [0]
+
+
+def _build_qwen2_5_vl(size: ModelSize, tok):  # type: ignore[no-untyped-def]
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    ids = {t: tok.convert_tokens_to_ids(t) for t in tok.all_special_tokens}
+    text = _text_config(size, ids["<|endoftext|>"], ids["<|im_end|>"], ids["<|endoftext|>"])
+    head_dim = size.hidden_size // size.num_heads
+    text["rope_parameters"] = {
+        "rope_type": "default",
+        "rope_theta": 1000000.0,
+        "mrope_section": _mrope_section(head_dim),
+    }
+    vision = {
+        "depth": size.vision_depth,
+        "hidden_size": size.vision_hidden_size,
+        "intermediate_size": size.vision_intermediate_size,
+        "num_heads": size.vision_num_heads,
+        "out_hidden_size": size.hidden_size,
+        "hidden_act": "silu",
+        "in_channels": 3,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "window_size": 112,  # 4x4 merged tokens per window, as in the released checkpoints
+        "fullatt_block_indexes": _fullatt_block_indexes(size.vision_depth),
+        "tokens_per_second": 2,  # the released checkpoints' value (transformers' default is 4)
+    }
+    config = Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        setattr(config, key, text[key])
+    config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    return config, Qwen2_5_VLForConditionalGeneration
+
+
 def _build_qwen2_audio(size: ModelSize, tok):  # type: ignore[no-untyped-def]
     from transformers import Qwen2AudioConfig, Qwen2AudioForConditionalGeneration
 
@@ -144,18 +191,25 @@ def _build_qwen2_audio(size: ModelSize, tok):  # type: ignore[no-untyped-def]
     return config, Qwen2AudioForConditionalGeneration
 
 
-def _init_weights(model: torch.nn.Module, seed: int) -> None:
+_BUILDERS = {"qwen2-vl": _build_qwen2_vl, "qwen2.5-vl": _build_qwen2_5_vl, "qwen2-audio": _build_qwen2_audio}
+
+
+def _init_weights(model: torch.nn.Module, seed: int, norm_jitter: float = 0.0) -> None:
     """Deterministic init, independent of transformers' own init code and of parameter creation order.
 
     Matrices get N(0, 1/fan_in) so activations keep unit scale through the random network and logits
-    are spread out (greedy argmax far from ties); norms start at 1, biases at small values.
+    are spread out (greedy argmax far from ties); norms start at 1 (plus ``norm_jitter`` noise, so a
+    test sees a norm weight loaded into the wrong place), biases at small values.
     """
     with torch.no_grad():
         for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
             digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
             gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
             if "norm" in name.split(".")[-2] or name.endswith(("ln_q.weight", "layer_norm.weight")):
-                p.fill_(1.0) if name.endswith("weight") else p.zero_()
+                if name.endswith("weight"):
+                    p.copy_(1.0 + norm_jitter * torch.randn(p.shape, generator=gen))
+                else:
+                    p.zero_()
             elif p.ndim == 1:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
             elif "embed_tokens" in name or "embed_positions" in name:
@@ -166,12 +220,19 @@ def _init_weights(model: torch.nn.Module, seed: int) -> None:
 
 
 def _save_processor(family: str, out: Path, tok) -> None:  # type: ignore[no-untyped-def]
-    if family == "qwen2-vl":
-        from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
+    if family in VL_FAMILIES:
+        from transformers import (
+            Qwen2_5_VLProcessor,
+            Qwen2VLImageProcessor,
+            Qwen2VLProcessor,
+            Qwen2VLVideoProcessor,
+        )
 
         # Fewer pixels than a real checkpoint allows, so one image costs at most 1024 embeddings.
+        # Qwen2.5-VL's released checkpoints use these same image/video processor classes.
         limits = {"min_pixels": 56 * 56, "max_pixels": 28 * 28 * 1024}
-        proc = Qwen2VLProcessor(
+        proc_cls = Qwen2VLProcessor if family == "qwen2-vl" else Qwen2_5_VLProcessor
+        proc = proc_cls(
             image_processor=Qwen2VLImageProcessor(**limits),
             video_processor=Qwen2VLVideoProcessor(**limits),
             tokenizer=tok,
@@ -199,12 +260,12 @@ def make_tiny_model(out_dir: str | Path, family: str, size: ModelSize | None = N
         raise ValueError("vision_hidden_size must divide by vision_num_heads")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    template = QWEN2_VL_CHAT_TEMPLATE if family == "qwen2-vl" else QWEN2_AUDIO_CHAT_TEMPLATE
+    template = QWEN2_VL_CHAT_TEMPLATE if family in VL_FAMILIES else QWEN2_AUDIO_CHAT_TEMPLATE
     tok = train_tokenizer(size.vocab_size, template)
-    build = _build_qwen2_vl if family == "qwen2-vl" else _build_qwen2_audio
+    build = _BUILDERS[family]
     config, model_cls = build(size, tok)
     model = model_cls(config)
-    _init_weights(model, size.seed)
+    _init_weights(model, size.seed, norm_jitter=0.1 if family == "qwen2.5-vl" else 0.0)
     model.eval()
     config.save_pretrained(str(out))
     model.generation_config.save_pretrained(str(out))

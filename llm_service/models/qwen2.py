@@ -1,4 +1,4 @@
-"""Qwen2 decoder (Qwen2-Audio's LM) and the Qwen2-VL decoder (the same with M-RoPE).
+"""Qwen2 decoder (Qwen2-Audio's LM) and the Qwen2-VL / Qwen2.5-VL decoders (the same with M-RoPE).
 
 Inputs are flat: ``inputs_embeds [T, hidden]`` for every token of the batch and ``positions`` ``[T]``
 (1-D RoPE) or ``[3, T]`` (M-RoPE: temporal, height, width). Math follows transformers' Qwen2 /
@@ -10,14 +10,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from llm_service.attention import AttentionMetadata, PagedAttention
 
-VL_ARCHS = ("Qwen2VLForConditionalGeneration",)
+PositionScheme = Literal["rope", "mrope", "mrope_abs_time"]
 
 
 @dataclass(frozen=True)
@@ -31,23 +31,30 @@ class TextConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    mrope_section: tuple[int, ...] | None  # set for Qwen2-VL
+    mrope_section: tuple[int, ...] | None  # set for the M-RoPE schemes
     spatial_merge_size: int
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
     architecture: str
+    model_type: str = "qwen2"
+    tokens_per_second: float | None = None  # set for "mrope_abs_time" (Qwen2.5-VL video positions)
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path) -> TextConfig:
-        d = Path(model_dir)
-        cfg = json.loads((d / "config.json").read_text())
+    def from_hf_config(cls, model_dir: str | Path, cfg: dict[str, Any], scheme: PositionScheme) -> TextConfig:
+        """The decoder's facts from a ``config.json`` dict (text fields top-level or under ``text_config``)."""
         text: dict[str, Any] = cfg.get("text_config") or cfg
         arch = (cfg.get("architectures") or ["Qwen2ForCausalLM"])[0]
+        if text.get("use_sliding_window"):
+            raise ValueError(f"{model_dir}: sliding-window attention (use_sliding_window) is not supported")
         rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
         theta = rope.get("rope_theta", text.get("rope_theta", 10000.0))
-        mrope = rope.get("mrope_section") if arch in VL_ARCHS else None
-        if arch in VL_ARCHS and mrope is None:
-            mrope = [16, 24, 24]  # transformers' default
+        mrope = None
+        if scheme != "rope":
+            mrope = rope.get("mrope_section") or [16, 24, 24]  # transformers' default
+        vision: dict[str, Any] = cfg.get("vision_config") or {}
+        tps = None
+        if scheme == "mrope_abs_time":
+            tps = float(vision.get("tokens_per_second", 4))  # transformers' default
         heads = text["num_attention_heads"]
         head_dim = text.get("head_dim") or text["hidden_size"] // heads
         return cls(
@@ -61,10 +68,12 @@ class TextConfig:
             rms_norm_eps=text.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
             mrope_section=tuple(mrope) if mrope else None,
-            spatial_merge_size=(cfg.get("vision_config") or {}).get("spatial_merge_size", 2),
+            spatial_merge_size=vision.get("spatial_merge_size", 2),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-            eos_token_ids=_eos_ids(d, cfg, text),
+            eos_token_ids=_eos_ids(Path(model_dir), cfg, text),
             architecture=arch,
+            model_type=str(cfg.get("model_type", "qwen2")),
+            tokens_per_second=tps,
         )
 
 
