@@ -6,6 +6,12 @@ Every error names the item it is about (``item`` is the item's index among the r
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+log = logging.getLogger(__name__)
+
 
 class MediaError(Exception):
     """Root of all client-facing media errors. ``status_code`` and ``code`` feed an OpenAI-style error."""
@@ -104,3 +110,41 @@ class EncoderCacheBusy(MediaError):
 
     status_code = 503
     code = "encoder_cache_busy"
+
+
+# Third-party decoders given hostile bytes raise whatever their parser hits: av.error.*, OSError,
+# ValueError, AttributeError, UnicodeDecodeError, struct.error, soundfile.LibsndfileError, librosa's
+# ParameterError, PIL's UnidentifiedImageError, ... These say "the format is not one we read" (415):
+_UNSUPPORTED_NAMES = frozenset({"UnidentifiedImageError", "PatchWelcomeError", "NotImplementedError"})
+
+
+def decoder_error(exc: BaseException, label: str, item: int | None) -> MediaError:
+    """THE mapping of a decoder's or processor's exception on client bytes to a 4xx naming the item.
+
+    Our own ``MediaError`` passes through; ``MemoryError`` → 413; a format the decoder does not
+    implement → 415; anything else a decoder raises on the bytes → 422.
+    """
+    if isinstance(exc, MediaError):
+        return exc
+    if isinstance(exc, MemoryError):
+        return MediaTooLarge(f"{label}: decoding needs more memory than this server allows", item=item)
+    kind = type(exc).__name__
+    if kind in _UNSUPPORTED_NAMES or isinstance(exc, NotImplementedError):
+        return UnsupportedMediaType(f"{label}: format or codec not supported ({kind}: {exc})", item=item)
+    return MediaDecodeError(f"{label}: media data does not decode ({kind}: {exc})", item=item)
+
+
+@contextmanager
+def decoding(label: str, item: int | None) -> Iterator[None]:
+    """``with decoding("video 2", 2): ...`` — every exception inside becomes ``decoder_error(...)``.
+
+    Only ``Exception`` is mapped (KeyboardInterrupt, SystemExit, cancellation pass through). The
+    original traceback is logged at DEBUG so a decoder bug stays findable.
+    """
+    try:
+        yield
+    except MediaError:
+        raise
+    except Exception as e:
+        log.debug("%s: decoder raised", label, exc_info=True)
+        raise decoder_error(e, label, item) from e

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import os
+import stat
 from dataclasses import dataclass
 from urllib.parse import unquote_to_bytes, urljoin
 
@@ -17,6 +19,7 @@ from encoder_service.errors import (
     MediaTooLarge,
     URLNotAllowed,
 )
+from encoder_service.media.content_encoding import ACCEPT_ENCODING, CappedDecoder
 from encoder_service.media.limits import MediaLimits
 from encoder_service.media.pinned_client import PinnedClient
 from encoder_service.media.url_safety import (
@@ -67,15 +70,47 @@ def decode_data_url(
 def read_local_file(
     url: str, limits: MediaLimits, *, item: int | None = None, label: str = "media"
 ) -> FetchedMedia:
+    """Read a ``file://`` URL under the allowed root: regular files only, at most ``max_bytes + 1``.
+
+    The file is opened non-blocking and checked on the open descriptor, so a FIFO, device or socket
+    under the root is refused at once (opening a FIFO for reading would otherwise wait for a writer),
+    and a path swapped for a symlink after the check is not followed.
+    """
     path = resolve_local_path(url, limits.allowed_local_media_path, item=item, label=label)
+    shown = path.name
     try:
-        with path.open("rb") as f:
-            data = f.read(limits.max_bytes + 1)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY)
     except OSError as e:
-        raise InvalidMediaInput(f"{label}: cannot read local file: {e.strerror}", item=item) from e
+        raise InvalidMediaInput(f"{label}: cannot read local file {shown!r}: {e.strerror}", item=item) from e
+    with open(fd, "rb", closefd=True) as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise URLNotAllowed(f"{label}: local path {shown!r} is not a regular file", item=item)
+        if info.st_size > limits.max_bytes:
+            raise _too_large(label, info.st_size, limits, item)
+        try:
+            data = f.read(limits.max_bytes + 1)
+        except OSError as e:
+            raise InvalidMediaInput(
+                f"{label}: cannot read local file {shown!r}: {e.strerror}", item=item
+            ) from e
     if len(data) > limits.max_bytes:
         raise _too_large(label, f"more than {limits.max_bytes}", limits, item)
     return FetchedMedia(data, "file")
+
+
+async def read_local_file_async(
+    url: str, limits: MediaLimits, *, item: int | None = None, label: str = "media"
+) -> FetchedMedia:
+    """``read_local_file`` in a worker thread, bounded by ``fetch_timeout_s``: the event loop never waits."""
+    try:
+        async with asyncio.timeout(limits.fetch_timeout_s):
+            return await asyncio.to_thread(read_local_file, url, limits, item=item, label=label)
+    except TimeoutError as e:
+        raise MediaFetchTimeout(
+            f"{label}: reading the local file took longer than fetch_timeout_s={limits.fetch_timeout_s}",
+            item=item,
+        ) from e
 
 
 async def fetch_http(
@@ -139,7 +174,7 @@ async def _follow(
             label=label,
         )
         _pin(client, url, checked, item, label)
-        async with client.stream("GET", url) as resp:
+        async with client.stream("GET", url, headers={"Accept-Encoding": ACCEPT_ENCODING}) as resp:
             if resp.status_code in _REDIRECTS:
                 location = resp.headers.get("location")
                 if not location:
@@ -151,12 +186,9 @@ async def _follow(
             declared = resp.headers.get("content-length")
             if declared and declared.isdigit() and int(declared) > limits.max_bytes:
                 raise _too_large(label, int(declared), limits, item)
-            chunks, size = [], 0
-            async for chunk in resp.aiter_bytes():
-                size += len(chunk)
-                if size > limits.max_bytes:
-                    raise _too_large(label, f"more than {limits.max_bytes}", limits, item)
-                chunks.append(chunk)
+            decoder = CappedDecoder(resp.headers.get("content-encoding"), limits.max_bytes, label, item)
+            chunks = [decoder.feed(chunk) async for chunk in resp.aiter_raw()]
+            chunks.append(decoder.finish())
             ctype = resp.headers.get("content-type")
             return FetchedMedia(b"".join(chunks), "http", ctype.split(";")[0].strip() if ctype else None)
     raise MediaFetchError(f"{label}: more than max_redirects={limits.max_redirects} redirects", item=item)
@@ -184,5 +216,5 @@ async def fetch_media_bytes(
     if scheme in ("http", "https"):
         return await fetch_http(ref.url, limits, item=item, label=label, client=client, resolver=resolver)
     if scheme == "file":
-        return read_local_file(ref.url, limits, item=item, label=label)
+        return await read_local_file_async(ref.url, limits, item=item, label=label)
     raise URLNotAllowed(f"{label}: URL scheme {scheme!r} is not supported", item=item)

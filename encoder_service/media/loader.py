@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from encoder_service.errors import InvalidMediaInput
+from encoder_service.errors import InvalidMediaInput, decoding
 from encoder_service.media.audio import decode_audio
 from encoder_service.media.fetch import FetchedMedia, fetch_media_bytes
 from encoder_service.media.image import decode_image
@@ -41,20 +41,25 @@ def decode_media(
     sampling_rate: int = 16000,
     frame_multiple: int = 1,
 ) -> LoadedMedia:
-    """Decode already-fetched bytes, enforcing the modality's limits."""
+    """Decode already-fetched bytes, enforcing the modality's limits.
+
+    This is where every decoder exception on client bytes becomes a 4xx ``MediaError`` naming the item
+    (``errors.decoding``): the decoders themselves raise only their limit and format errors.
+    """
     label = modality if item is None else f"{modality} {item}"
     meta: dict[str, Any]
     value: Any
-    if modality == "image":
-        value, meta = decode_image(fetched.data, limits, item=item, label=label)
-    elif modality == "video":
-        value, meta = decode_video(
-            fetched.data, limits, frame_multiple=frame_multiple, item=item, label=label
-        )
-    elif modality == "audio":
-        value, meta = decode_audio(fetched.data, limits, sampling_rate, item=item, label=label)
-    else:
-        raise InvalidMediaInput(f"{label}: unknown modality {modality!r}", item=item)
+    with decoding(label, item):
+        if modality == "image":
+            value, meta = decode_image(fetched.data, limits, item=item, label=label)
+        elif modality == "video":
+            value, meta = decode_video(
+                fetched.data, limits, frame_multiple=frame_multiple, item=item, label=label
+            )
+        elif modality == "audio":
+            value, meta = decode_audio(fetched.data, limits, sampling_rate, item=item, label=label)
+        else:
+            raise InvalidMediaInput(f"{label}: unknown modality {modality!r}", item=item)
     meta = {"source": fetched.source, "num_bytes": len(fetched.data), **meta}
     return LoadedMedia(modality, fetched.data, value, meta)
 

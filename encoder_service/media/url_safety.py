@@ -8,6 +8,7 @@ returns the addresses it checked so the fetch connects to exactly those (see ``p
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
 import socket
 from collections.abc import Callable, Iterable
@@ -16,9 +17,11 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from encoder_service.errors import InvalidMediaInput, URLNotAllowed
+from encoder_service.media.address_classes import address_refusal
+
+log = logging.getLogger(__name__)
 
 Resolver = Callable[[str, int], list[str]]
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
 def resolve_host(host: str, port: int) -> list[str]:
@@ -27,45 +30,24 @@ def resolve_host(host: str, port: int) -> list[str]:
     return sorted({str(info[4][0]) for info in infos})
 
 
-def address_refusal(addr: str) -> str | None:
-    """Why ``addr`` is not a public unicast address, or None when it is.
-
-    IPv4-mapped / 6to4-embedded / NAT64-like forms are unwrapped first so ``::ffff:127.0.0.1`` is loopback.
-    """
-    ip: IPAddress = ipaddress.ip_address(addr.split("%", 1)[0])
-    if isinstance(ip, ipaddress.IPv6Address):
-        if ip.ipv4_mapped is not None:
-            ip = ip.ipv4_mapped
-        elif ip.sixtofour is not None:
-            ip = ip.sixtofour
-    for attr in (
-        "is_loopback",
-        "is_private",
-        "is_link_local",
-        "is_multicast",
-        "is_reserved",
-        "is_unspecified",
-    ):
-        if getattr(ip, attr):
-            return attr.removeprefix("is_").replace("_", "-")
-    if not ip.is_global:
-        return "non-global"
-    return None
-
-
 def check_addresses(
     host: str, addresses: Iterable[str], *, item: int | None = None, label: str = "media"
 ) -> None:
-    """Refuse ``host`` if ANY of its resolved addresses is non-public (one private answer is enough)."""
+    """Refuse ``host`` if ANY of its resolved addresses is non-public (one private answer is enough).
+
+    The client is told "not allowed" only: where the host resolved, and the class of that address,
+    would map the server's internal network for whoever asks. The server's log says which address.
+    """
     addresses = list(addresses)
     if not addresses:
         raise URLNotAllowed(f"{label}: host {host!r} did not resolve", item=item)
     for addr in addresses:
         why = address_refusal(addr)
         if why is not None:
+            log.info("%s: refused host %r: it resolves to %s (%s)", label, host, addr, why)
             raise URLNotAllowed(
-                f"{label}: host {host!r} resolves to {why} address {addr}; only public addresses "
-                "may be fetched",
+                f"{label}: host {host!r} is not allowed (only hosts whose every address is public "
+                "may be fetched)",
                 item=item,
             )
 
@@ -175,10 +157,13 @@ def resolve_local_path(
     parts = urlsplit(url)
     if parts.netloc not in ("", "localhost"):
         raise URLNotAllowed(f"{label}: file:// URL with a remote host is not allowed", item=item)
+    path = unquote(parts.path)
+    if "\x00" in path:
+        raise InvalidMediaInput(f"{label}: file:// path contains a NUL byte (%00)", item=item)
+    if not path.startswith("/"):
+        raise InvalidMediaInput(f"{label}: file:// URL needs an absolute path", item=item)
     root = Path(os.path.realpath(allowed_local_media_path))
-    target = Path(os.path.realpath(unquote(parts.path)))
+    target = Path(os.path.realpath(path))
     if target != root and root not in target.parents:
-        raise URLNotAllowed(
-            f"{label}: path {unquote(parts.path)!r} is outside allowed_local_media_path", item=item
-        )
+        raise URLNotAllowed(f"{label}: path {path!r} is outside allowed_local_media_path", item=item)
     return target

@@ -1,19 +1,25 @@
-"""Video bytes (MP4, WebM, …) → sampled RGB frames ``[T, H, W, 3]`` uint8, decoded with PyAV.
+"""Video bytes (MP4/MOV, WebM/Matroska, AVI, MPEG-TS) → sampled RGB frames ``[T, H, W, 3]`` uint8 (PyAV).
 
 Frames are sampled uniformly: exactly ``video_num_frames`` when set, else ``duration * video_fps``. The
 count is rounded up to a multiple of ``frame_multiple`` (Qwen2-VL's ``temporal_patch_size``), repeating
 the last frame when the clip is shorter than that.
+
+Decompression bombs are stopped while decoding, not only from the header, which a stream may contradict:
+the decoder itself refuses a picture over ``max_video_pixels_per_frame`` (FFmpeg's ``max_pixels``), each
+decoded frame is checked again, and the pixels of every decoded frame (sampled or not) are summed
+against ``max_video_decoded_pixels``. A stream that changes resolution mid-way has its sampled frames
+scaled, as they are decoded, to the size the clip started with, so the output is one array.
 """
 
 from __future__ import annotations
 
-import io
 import math
 from typing import Any
 
 import numpy as np
 
 from encoder_service.errors import MediaDecodeError, MediaTooLarge, UnsupportedMediaType
+from encoder_service.media.containers import VIDEO_CONTAINERS, open_container, require_container
 from encoder_service.media.limits import MediaLimits
 
 
@@ -32,6 +38,22 @@ def num_frames_to_sample(seconds: float, total: int, limits: MediaLimits, frame_
     return max(frame_multiple, math.ceil(want / frame_multiple) * frame_multiple)
 
 
+def _frame_too_large(label: str, w: int, h: int, limits: MediaLimits, item: int | None) -> MediaTooLarge:
+    return MediaTooLarge(
+        f"{label}: {w}x{h} = {w * h} pixels per frame exceeds "
+        f"max_video_pixels_per_frame={limits.max_video_pixels_per_frame}",
+        item=item,
+    )
+
+
+def _seconds(container: Any, stream: Any, rate: float) -> float:
+    if stream.duration is not None and stream.time_base is not None:
+        return float(stream.duration * stream.time_base)
+    if container.duration is not None:
+        return float(container.duration) / 1_000_000
+    return (stream.frames or 0) / rate
+
+
 def decode_video(
     data: bytes,
     limits: MediaLimits,
@@ -40,30 +62,17 @@ def decode_video(
     item: int | None = None,
     label: str = "video",
 ) -> tuple[np.ndarray, dict[str, Any]]:
-    import av
-
-    try:
-        container = av.open(io.BytesIO(data))
-    except (av.error.InvalidDataError, av.error.FFmpegError) as e:
-        raise UnsupportedMediaType(f"{label}: not a recognised video format", item=item) from e
-    with container:
+    """Decoder exceptions are left to ``loader.decode_media``'s one mapping (``errors.decoding``)."""
+    fmt = require_container(data, VIDEO_CONTAINERS, "video", label, item)
+    with open_container(data, fmt) as container:
         if not container.streams.video:
             raise UnsupportedMediaType(f"{label}: no video stream", item=item)
         stream = container.streams.video[0]
         width, height = stream.codec_context.width, stream.codec_context.height
         if width * height > limits.max_video_pixels_per_frame:
-            raise MediaTooLarge(
-                f"{label}: {width}x{height} = {width * height} pixels per frame exceeds "
-                f"max_video_pixels_per_frame={limits.max_video_pixels_per_frame}",
-                item=item,
-            )
+            raise _frame_too_large(label, width, height, limits, item)
         rate = float(stream.average_rate or stream.guessed_rate or 0) or 1.0
-        if stream.duration is not None and stream.time_base is not None:
-            seconds = float(stream.duration * stream.time_base)
-        elif container.duration is not None:
-            seconds = container.duration / 1_000_000
-        else:
-            seconds = (stream.frames or 0) / rate
+        seconds = _seconds(container, stream, rate)
         if seconds > limits.max_video_seconds:
             raise MediaTooLarge(
                 f"{label}: {seconds:.2f} s exceeds max_video_seconds={limits.max_video_seconds}", item=item
@@ -75,43 +84,86 @@ def decode_video(
                 f"{label}: sampling {want} frames exceeds max_video_frames={limits.max_video_frames}",
                 item=item,
             )
-        frames = _decode_sampled(container, stream, sample_frame_indices(total, want), item, label)
-    picked = np.stack(frames)
+        picked = _FrameSampler(sample_frame_indices(total, want), limits, item, label).run(stream, container)
+        name = container.format.name
+    height, width = picked.shape[1:3]
     meta = {
-        "width": width,
-        "height": height,
+        "width": int(width),
+        "height": int(height),
         "seconds": round(seconds, 3),
         "total_frames": total,
         "sampled_frames": int(picked.shape[0]),
-        "format": container.format.name,
+        "format": name,
     }
     return picked, meta
 
 
-def _decode_sampled(
-    container: Any, stream: Any, indices: list[int], item: int | None, label: str
-) -> list[np.ndarray]:
-    """Decode in order, keeping only the sampled frames (memory stays at ``len(indices)`` frames).
+class _FrameSampler:
+    """Decode in order, keep the sampled frames in one preallocated array, enforce the pixel budgets.
 
-    When the stream holds fewer frames than its header promised, missing picks repeat the last frame.
+    Memory stays at one ``[T, H, W, 3]`` array plus the decoder's own frames. When the stream holds
+    fewer frames than its header promised, missing picks repeat the last decoded pick.
     """
-    import av
 
-    wanted, stop = set(indices), max(indices)
-    kept: dict[int, np.ndarray] = {}
-    last: np.ndarray | None = None
-    try:
-        for i, frame in enumerate(container.decode(stream)):
-            if i > stop:
-                break
-            if i in wanted:
-                last = kept[i] = frame.to_ndarray(format="rgb24")
-    except av.error.FFmpegError as e:
-        raise MediaDecodeError(f"{label}: video data does not decode ({e})", item=item) from e
-    if last is None:
-        raise MediaDecodeError(f"{label}: no frame decodes", item=item)
-    out = []
-    for i in indices:
-        last = kept.get(i, last)
-        out.append(last)
-    return out
+    def __init__(self, indices: list[int], limits: MediaLimits, item: int | None, label: str) -> None:
+        self.indices, self.limits, self.item, self.label = indices, limits, item, label
+        self.slots: dict[int, list[int]] = {}
+        for pos, i in enumerate(indices):
+            self.slots.setdefault(i, []).append(pos)
+        self.out: np.ndarray | None = None
+        self.filled = [False] * len(indices)
+        self.decoded_pixels = 0
+
+    def run(self, stream: Any, container: Any) -> np.ndarray:
+        import av
+
+        per_frame = self.limits.max_video_pixels_per_frame
+        # FFmpeg's decoder refuses a larger picture before allocating it (the header may lie)
+        stream.codec_context.options = {"max_pixels": str(per_frame)}
+        stop = max(self.indices)
+        try:
+            for i, frame in enumerate(container.decode(stream)):
+                self._check(frame.width, frame.height)
+                if i in self.slots:
+                    self._keep(i, frame)
+                if i >= stop:
+                    break
+        except av.error.FFmpegError:
+            w, h = stream.codec_context.width, stream.codec_context.height
+            if w * h > per_frame:  # the decoder refused the picture size: say so, 413
+                raise _frame_too_large(self.label, w, h, self.limits, self.item) from None
+            raise
+        return self._result()
+
+    def _check(self, w: int, h: int) -> None:
+        if w * h > self.limits.max_video_pixels_per_frame:
+            raise _frame_too_large(self.label, w, h, self.limits, self.item)
+        self.decoded_pixels += w * h
+        if self.decoded_pixels > self.limits.max_video_decoded_pixels:
+            raise MediaTooLarge(
+                f"{self.label}: decoding needs more than max_video_decoded_pixels="
+                f"{self.limits.max_video_decoded_pixels} pixels (summed over decoded frames)",
+                item=self.item,
+            )
+
+    def _keep(self, i: int, frame: Any) -> None:
+        if self.out is None:
+            self.out = np.empty((len(self.indices), frame.height, frame.width, 3), np.uint8)
+        h, w = self.out.shape[1:3]
+        if (frame.width, frame.height) != (w, h):  # resolution changed mid-stream: scale as decoded
+            frame = frame.reformat(width=w, height=h, format="rgb24")
+        rgb = frame.to_ndarray(format="rgb24")
+        for pos in self.slots[i]:
+            self.out[pos] = rgb
+            self.filled[pos] = True
+
+    def _result(self) -> np.ndarray:
+        if self.out is None:
+            raise MediaDecodeError(f"{self.label}: no video frame decodes", item=self.item)
+        last = 0  # the first pick is frame 0, which was decoded since ``out`` exists
+        for pos, done in enumerate(self.filled):
+            if done:
+                last = pos
+            else:
+                self.out[pos] = self.out[last]
+        return self.out

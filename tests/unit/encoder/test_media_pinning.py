@@ -105,7 +105,7 @@ def test_redirect_hops_each_checked_and_pinned():
     # a hop back to a name that now answers loopback is refused before any connection to it
     net = FakeNetwork({PUBLIC: _redirect("/again.png")})
     resolver = Rebinding({"media.test": [PUBLIC]})
-    with pytest.raises(URLNotAllowed, match=r"^media: host 'media.test' resolves to loopback") as e:
+    with pytest.raises(URLNotAllowed, match=r"^media: host 'media.test' is not allowed") as e:
         _fetch("http://media.test/a.png", net, resolver)
     assert e.value.item == 1 and e.value.status_code == 403
     assert net.connected == [(PUBLIC, 80)]

@@ -60,7 +60,7 @@ def _fake(answers):
 def test_every_resolved_address_is_checked():
     resolver = _fake({"ok.test": [PUBLIC], "mixed.test": [PUBLIC, "10.0.0.7"], "v6.test": ["fd12::5"]})
     check_url("https://ok.test/a.png", allowed_domains=None, allow_private_addresses=False, resolver=resolver)
-    with pytest.raises(URLNotAllowed, match=r"private address 10\.0\.0\.7") as e:
+    with pytest.raises(URLNotAllowed, match=r"host 'mixed.test' is not allowed") as e:
         check_url(
             "https://mixed.test/a.png",
             allowed_domains=None,
@@ -70,6 +70,7 @@ def test_every_resolved_address_is_checked():
             label="image 3",
         )
     assert e.value.status_code == 403 and e.value.item == 3 and str(e.value).startswith("image 3:")
+    assert "10.0.0.7" not in str(e.value) and "private" not in str(e.value)  # nothing about where
     with pytest.raises(URLNotAllowed):
         check_url("http://v6.test/", allowed_domains=None, allow_private_addresses=False, resolver=resolver)
     for literal in ("http://127.0.0.1:8080/x", "http://[::ffff:169.254.169.254]/x", "http://[fe80::1]/"):
@@ -93,7 +94,7 @@ def test_resolve_checked_resolves_once_and_returns_what_it_checked():
     # opted out of the address check, the host is still resolved (the connection is pinned to it)
     got = resolve_checked("http://lo.test:8080/", allow_private_addresses=True, **kw)
     assert got == CheckedHost("lo.test", 8080, ("127.0.0.1",))
-    with pytest.raises(URLNotAllowed, match="loopback"):
+    with pytest.raises(URLNotAllowed, match="not allowed"):
         resolve_checked("http://lo.test/", allow_private_addresses=False, **kw)
     with pytest.raises(URLNotAllowed, match="did not resolve"):
         resolve_checked("http://none.test/", allow_private_addresses=True, **kw)
