@@ -122,6 +122,7 @@ class ModelRunner:
             [(c.start, c.num_tokens, c.block_table) for c in chunks], self.config.block_size, self.device
         )
         hidden = self.model(embeds, positions, self.kv_caches, meta)
+        _check_finite(chunks, hidden)
         rows, sampling = [], []
         end = 0
         for c in chunks:
@@ -149,3 +150,20 @@ class ModelRunner:
         for c in out.chunks:
             if (state := states.get(c.request.request_id)) is not None:
                 c.request.runner_state["generator"].set_state(state)
+
+
+def _check_finite(chunks: list[ScheduledChunk], hidden: torch.Tensor) -> None:
+    """Raise RequestFaults naming each chunk whose hidden states hold NaN/inf, before its KV is cached.
+
+    Any non-finite K/V a chunk wrote shows in its own final hidden states, and a NaN at a later
+    position of a chunk reaches the earlier ones too (masked attention weights are 0, and 0 * NaN is
+    NaN): such blocks must never enter the prefix cache under a hash that other prompts share.
+    """
+    bad = ~torch.isfinite(hidden).all(-1)
+    if not bool(bad.any()):
+        return
+    parts = bad.split([c.num_tokens for c in chunks])
+    msg = "the model produced NaN or infinite activations for this request's inputs"
+    raise RequestFaults(
+        {c.request.request_id: msg for c, p in zip(chunks, parts, strict=True) if bool(p.any())}
+    )
