@@ -4,7 +4,11 @@ Text tokens get the same id on all three rows and count up by one. An image/vide
 grid ``(t, h, w)`` becomes ``t * (h/m) * (w/m)`` tokens (``m`` the spatial merge, 2) placed at
 ``(start + T(ti), start + hi, start + wi)``; the next text position is ``start + max(h, w) / m``
 (transformers 5.x ignores ``t`` there, for both families). Past the prompt, token ``i`` sits at
-``i + delta`` on every row with ``delta = max position + 1 - prompt length``.
+``i + delta`` on every row with ``delta = last prompt position + 1 - prompt length``: transformers
+5.x ``generate`` continues from the last prompt token's position, which is below the maximum when a
+video's temporal positions run past the text after it (its ``rope_deltas``, ``max + 1 - length``, are
+not what ``generate`` uses). A prompt ends in text (the chat template's assistant header), so the
+three rows agree there; were it to end inside an item, the largest of the three is taken.
 
 The temporal index ``T`` is where the two families differ:
 
@@ -83,7 +87,7 @@ def mrope_positions(
     if num_tokens > idx:
         parts.append(torch.arange(cur, cur + num_tokens - idx).expand(3, -1))
     pos = torch.cat(parts, dim=1) if parts else torch.zeros(3, 0, dtype=torch.long)
-    delta = int(pos.max()) + 1 - num_tokens if num_tokens else 0
+    delta = int(pos[:, -1].max()) + 1 - num_tokens if num_tokens else 0
     return pos.long(), delta
 
 
