@@ -224,6 +224,6 @@ def test_qwen2_vl_long_video_decodes_from_last_position(tiny_vl_dir: Path) -> No
     case = build_case(hf, proc, f"what {VID} ok", videos=[frames])
     item = case.mm_inputs[0]
     assert item.grid_thw is not None and item.grid_thw[0] == 8 and item.end < len(case.prompt)
-    pos, delta = prompt_mrope_positions(len(case.prompt), case.mm_inputs, 2)
+    pos, _ = prompt_mrope_positions(len(case.prompt), case.mm_inputs, 2)
     assert int(pos.max()) > int(pos[0, -1])  # the video's temporal positions pass the trailing text
     assert run(engine(tiny_vl_dir), [case]) == [hf_generate(hf, case, N)]
