@@ -30,6 +30,7 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
         probs = sorted_logits.softmax(-1)
         # drop a token when the mass before it already reaches top_p (the first is always kept)
         drop = (probs.cumsum(-1) - probs) >= top_p
+        drop[0] = False  # even when top_p rounds to 0 in float32 (a subnormal top_p)
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     return logits
 
@@ -62,7 +63,8 @@ def sample(
     logprobs: list[TokenLogprob | None] = [None] * len(tokens)
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     if want:
-        lp = torch.log_softmax(logits[want], dim=-1).cpu()
+        # Clamped so a -inf (a logit ~1e38 below the max) still serialises as a JSON number.
+        lp = torch.log_softmax(logits[want], dim=-1).clamp_min(torch.finfo(torch.float32).min).cpu()
         for row, i in zip(lp, want, strict=True):
             n = params[i].logprobs or 0
             top = torch.topk(row, n) if n else None

@@ -6,7 +6,11 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+MAX_TOKENS_LIMIT = (1 << 31) - 1  # beyond any max_model_len; the real bound is the prompt's room
+MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 256
 
 
 class _Part(BaseModel):
@@ -80,12 +84,19 @@ class ChatCompletionRequest(BaseModel):
 
     model: str
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    # Sampling fields are bounded here, each error naming its field (a 400 with ``param``); the
+    # engine re-checks (SamplingParams.validate) and treats temperature < 1e-5 as greedy.
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=-1, le=1 << 31)
     seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 63)
+    # Accepted for OpenAI compatibility at their neutral value only: the engine applies no penalties
+    # and no logit bias, and silently ignoring them would change what the client asked for.
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = Field(None, max_length=300)
     stop: str | list[str] | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -95,11 +106,32 @@ class ChatCompletionRequest(BaseModel):
     ignore_eos: bool = False  # extension, as in vLLM: generate exactly max_tokens
     user: str | None = None
 
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _neutral_penalty(cls, v: float | None, info: ValidationInfo) -> float | None:
+        if v:
+            raise ValueError(f"{info.field_name} other than 0 is not supported by this server")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v:
+            raise ValueError("logit_bias is not supported by this server")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(
+                f"at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} characters"
+            )
+        return v
+
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
-        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        if len(stops) > 4 or any(not s or len(s) > 256 for s in stops):
-            raise ValueError("stop: at most 4 non-empty strings of at most 256 characters")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
         return self

@@ -178,6 +178,8 @@ def test_sampler_is_finite_for_extreme_logits_and_temperatures() -> None:
         p = SamplingParams(temperature=t, top_p=0.5 if t > 1 else 1.0)
         tokens, _ = sample(huge, [p], [gen])
         assert tokens == [0], t
+    # A subnormal top_p is 0 in float32: the nucleus still keeps the most likely token.
+    assert sample(huge, [SamplingParams(temperature=1.0, top_p=5e-324)], [gen])[0] == [0]
     tie = torch.tensor([[1.0, 5.0, 5.0 - 1e-6, -2.0]])
     assert sample(tie, [SamplingParams(temperature=1e-300)], [gen])[0] == [1]
 
