@@ -85,6 +85,12 @@ def require_container(data: bytes, allowed: tuple[str, ...], kind: str, label: s
     return found
 
 
+# Nested opens take two roads in FFmpeg: ``io_open`` (hls, dash, mov drefs) meets the hook below; a
+# demuxer that opens a sub-context itself (concat) meets the protocol whitelist, which names no real
+# protocol. Neither road is reachable from the allow-listed demuxers; this is defence in depth.
+SAFE_CONTAINER_OPTIONS = {"protocol_whitelist": "memory_only_no_protocol", "enable_drefs": "0"}
+
+
 def _refuse_nested_open(url: str, flags: int, options: dict[str, Any]) -> Any:
     """PyAV's ``io_open`` hook: a demuxer asked to open another URL (playlist, reference). Never."""
     raise URLNotAllowed(f"media tried to open {url!r}; containers may not reference other files or URLs")
@@ -98,9 +104,7 @@ def open_container(data: bytes, container: str) -> Any:
         io.BytesIO(data),
         mode="r",
         format=DEMUXERS[container],
-        # Nested opens take two roads in FFmpeg: ``io_open`` (hls, dash, mov drefs) meets the hook; a
-        # demuxer that opens a sub-context itself (concat) meets the protocol whitelist, which names
-        # no real protocol. Neither road is reachable from the allow-listed demuxers; this is depth.
-        container_options={"protocol_whitelist": "memory_only_no_protocol", "enable_drefs": "0"},
+        container_options=SAFE_CONTAINER_OPTIONS,
         io_open=_refuse_nested_open,
+        metadata_errors="replace",  # a title in another charset is no reason to refuse the media
     )
