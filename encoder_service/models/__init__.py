@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from encoder_service.models.common import EncoderModel
+from encoder_service.models.qwen2_5_vl_vision import Qwen25VLVisionEncoder
 from encoder_service.models.qwen2_audio_encoder import Qwen2AudioEncoder
 from encoder_service.models.qwen2_vl_vision import Qwen2VLVisionEncoder
 from encoder_service.models.weights import CheckpointReader, read_config
@@ -15,6 +16,7 @@ from encoder_service.tp.parallel import TPContext
 # config.json model_type -> tower class
 ENCODERS: dict[str, type[EncoderModel]] = {
     "qwen2_vl": Qwen2VLVisionEncoder,
+    "qwen2_5_vl": Qwen25VLVisionEncoder,
     "qwen2_audio": Qwen2AudioEncoder,
 }
 

@@ -76,3 +76,41 @@ class ParallelMLP(nn.Module):
 def load_layer_norm(norm: nn.LayerNorm, reader: CheckpointReader, name: str) -> None:
     norm.weight.data = reader.get(f"{name}.weight")
     norm.bias.data = reader.get(f"{name}.bias")
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / rms(x)``, computed in float32 and cast back before the weight (as HF's Qwen2 norms)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def load(self, reader: CheckpointReader, name: str) -> None:
+        self.weight.data = reader.get(f"{name}.weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class GatedParallelMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))``: gate and up column-parallel over the same units, down row-parallel."""
+
+    def __init__(self, dim: int, hidden: int, act: str, tp: TPContext, bias: bool = True) -> None:
+        super().__init__()
+        self.rows = unit_rows(hidden, tp, "MLP intermediate_size")
+        self.gate_proj = ColumnParallelLinear(dim, len(self.rows), bias=bias)
+        self.up_proj = ColumnParallelLinear(dim, len(self.rows), bias=bias)
+        self.down_proj = RowParallelLinear(len(self.rows), dim, tp, bias=bias)
+        self.act = activation(act)
+
+    def load(self, reader: CheckpointReader, name: str) -> None:
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            w, b = reader.get(f"{name}.{proj}.weight"), reader.get_optional(f"{name}.{proj}.bias")
+            getattr(self, proj).load(w, b, self.rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

@@ -46,6 +46,33 @@ def vision_positions(grids: list[tuple[int, int, int]], merge: int) -> torch.Ten
     return torch.cat(out)
 
 
+def item_grid(item: EncoderInput, merge: int, tower: str) -> tuple[int, int, int]:
+    """The item's patch grid ``(t, h, w)`` from its tensors, checked against the spatial merge."""
+    if item.modality not in _KEYS:
+        raise ValueError(f"{tower}'s vision tower cannot encode {item.modality!r} item {item.mm_hash}")
+    grid = item.tensors[_KEYS[item.modality][1]]
+    t, h, w = (int(v) for v in torch.as_tensor(grid).reshape(-1, 3)[0].tolist())
+    if h % merge or w % merge:
+        raise ValueError(f"item {item.mm_hash}: grid {t}x{h}x{w} is not a multiple of the merge size")
+    return t, h, w
+
+
+def packed_pixels(
+    items: list[EncoderInput], grids: list[tuple[int, int, int]], patch_dim: int
+) -> torch.Tensor:
+    """Every item's flattened patches, concatenated in order: ``[sum(t*h*w), patch_dim]``."""
+    pixels = []
+    for it, (t, h, w) in zip(items, grids, strict=True):
+        pv = torch.as_tensor(it.tensors[_KEYS[it.modality][0]])
+        if pv.shape != (t * h * w, patch_dim):
+            raise ValueError(
+                f"item {it.mm_hash}: pixel tensor {tuple(pv.shape)} does not match grid "
+                f"{t}x{h}x{w} with {patch_dim} values per patch"
+            )
+        pixels.append(pv)
+    return torch.cat(pixels)
+
+
 class VisionRotary(nn.Module):
     """Axial rope: head_dim/4 frequencies for h and the same for w, concatenated, then doubled."""
 
@@ -77,15 +104,23 @@ class VisionAttention(nn.Module):
         self.qkv.load(reader.get(f"{name}.qkv.weight"), reader.get(f"{name}.qkv.bias"), self.qkv_rows)
         self.proj.load(reader.get(f"{name}.proj.weight"), reader.get(f"{name}.proj.bias"), self.proj_cols)
 
-    def forward(
-        self, x: torch.Tensor, runs: list[tuple[int, int]], rope: tuple[torch.Tensor, torch.Tensor]
-    ) -> torch.Tensor:
+    def qkv_rope(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's heads of q, k (rotated, in float32 then cast back, as HF does) and v: ``[N, h, d]``."""
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.local_heads, self.head_dim).unbind(1)
         cos, sin = rope
         dtype = q.dtype
         q = (q.float() * cos + rotate_half(q.float()) * sin).to(dtype)
         k = (k.float() * cos + rotate_half(k.float()) * sin).to(dtype)
+        return q, k, v
+
+    def forward(
+        self, x: torch.Tensor, runs: list[tuple[int, int]], rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_rope(x, rope)
         out = torch.empty_like(q)
         start = 0
         for num_segments, seg_len in runs:  # equal-length segments of a run attend in one batched call
@@ -172,34 +207,17 @@ class Qwen2VLVisionEncoder(EncoderModel):
             block.load(reader, f"{p}blocks.{i}")
         self.merger.load(reader, f"{p}merger")
 
-    def _grid(self, item: EncoderInput) -> tuple[int, int, int]:
-        if item.modality not in _KEYS:
-            raise ValueError(f"Qwen2-VL's vision tower cannot encode {item.modality!r} item {item.mm_hash}")
-        grid = item.tensors[_KEYS[item.modality][1]]
-        t, h, w = (int(v) for v in torch.as_tensor(grid).reshape(-1, 3)[0].tolist())
-        if h % self.merge or w % self.merge:
-            raise ValueError(f"item {item.mm_hash}: grid {t}x{h}x{w} is not a multiple of the merge size")
-        return t, h, w
-
     def num_embeds(self, item: EncoderInput) -> int:
-        t, h, w = self._grid(item)
+        t, h, w = item_grid(item, self.merge, "Qwen2-VL")
         return t * h * w // self.merge**2
 
     def encode(self, items: list[EncoderInput]) -> list[torch.Tensor]:
         if not items:
             return []
         device, dtype = self.patch_embed.weight.device, self.patch_embed.weight.dtype
-        grids = [self._grid(it) for it in items]
-        pixels = []
-        for it, (t, h, w) in zip(items, grids, strict=True):
-            pv = torch.as_tensor(it.tensors[_KEYS[it.modality][0]])
-            if pv.shape != (t * h * w, self.patch_dim):
-                raise ValueError(
-                    f"item {it.mm_hash}: pixel tensor {tuple(pv.shape)} does not match grid "
-                    f"{t}x{h}x{w} with {self.patch_dim} values per patch"
-                )
-            pixels.append(pv)
-        x = self.patch_embed(torch.cat(pixels).to(device=device, dtype=dtype))
+        grids = [item_grid(it, self.merge, "Qwen2-VL") for it in items]
+        pixels = packed_pixels(items, grids, self.patch_dim)
+        x = self.patch_embed(pixels.to(device=device, dtype=dtype))
         rope = self.rotary(vision_positions(grids, self.merge), device)
         runs = [(t, h * w) for t, h, w in grids]
         for block in self.blocks:
