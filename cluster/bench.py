@@ -12,13 +12,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from cluster.bench_client import fetch_counters, make_client, run_requests
+from cluster.bench_procs import CLOCK_TICKS_PER_S
+from cluster.bench_profile import Profiler, ScenarioProfile, process_costs, profile_table
 from cluster.bench_stats import (
     RequestResult,
     ScenarioStats,
@@ -39,6 +43,8 @@ class BenchReport:
     header: dict[str, Any]
     rows: list[ScenarioStats] = field(default_factory=list)
     requests: dict[str, list[RequestResult]] = field(default_factory=dict)
+    profiles: list[ScenarioProfile] = field(default_factory=list)
+    profile_notes: list[str] = field(default_factory=list)
 
     @property
     def failed(self) -> int:
@@ -63,6 +69,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=None, help="run id: media seeds and uuids (default: random)")
     p.add_argument("--timeout", type=float, default=300.0, help="per-request timeout, seconds")
     p.add_argument("--json", type=Path, help="write the raw numbers (rows and every request) here")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="CPU-ms per request by process of the app (read from /proc before and after each scenario)",
+    )
     args = p.parse_args(argv)
     if args.num_requests < 1 or args.concurrency < 1 or args.max_tokens < 1:
         p.error("--num-requests, --concurrency and --max-tokens must be >= 1")
@@ -104,17 +115,37 @@ def stop_embedded() -> None:
     ray.shutdown()
 
 
-async def run_benchmark(base_url: str, wl: WorkloadConfig, args: argparse.Namespace) -> BenchReport:
+def make_profiler(args: argparse.Namespace, base_url: str) -> Profiler:
+    """The embedded app's processes hang under this one; a running server is found by its port."""
+    if args.base_url is None:
+        prof = Profiler(os.getpid(), own_kind="bench client + Ray driver")
+    else:
+        port = urlsplit(base_url).port or (443 if base_url.startswith("https") else 80)
+        prof = Profiler.for_server(port)
+    prof.connect_ray()
+    for note in prof.notes:
+        log(f"profile: {note}")
+    return prof
+
+
+async def run_benchmark(
+    base_url: str, wl: WorkloadConfig, args: argparse.Namespace, profiler: Profiler | None = None
+) -> BenchReport:
     client = make_client(base_url, args.timeout)
     await warm_up(client, wl, args.max_tokens)
     report = BenchReport(header=run_header(base_url, wl, args))
     for scenario in build_scenarios(wl):
         before = await fetch_counters(base_url)
+        cpu_before = profiler.snapshot() if profiler else {}
         results, duration = await run_requests(client, scenario.requests, args.concurrency, args.max_tokens)
+        cpu_after = profiler.snapshot() if profiler else {}
         server = counter_deltas(before, await fetch_counters(base_url))
         report.requests[scenario.name] = results
         report.rows += scenario_rows(scenario, results, duration, server)
+        if profiler:
+            report.profiles.append(scenario_profile(report.rows, scenario.name, cpu_before, cpu_after))
         log_scenario(scenario, results, duration)
+    report.profile_notes = profiler.notes if profiler else []
     await client.close()
     return report
 
@@ -125,6 +156,19 @@ async def warm_up(client: Any, wl: WorkloadConfig, max_tokens: int) -> None:
     errors = [r.error for r in results if not r.ok]
     if errors:
         raise SystemExit(f"warm-up requests failed: {errors}")
+
+
+def scenario_profile(
+    rows: list[ScenarioStats], name: str, before: dict[int, Any], after: dict[int, Any]
+) -> ScenarioProfile:
+    row = next(r for r in rows if r.name == name)
+    return ScenarioProfile(
+        name=name,
+        requests=row.completed,
+        request_throughput=row.request_throughput,
+        ttft_p50_s=row.ttft.p50 if row.ttft else None,
+        costs=process_costs(before, after, CLOCK_TICKS_PER_S),
+    )
 
 
 def scenario_rows(
@@ -157,18 +201,20 @@ def run_header(base_url: str, wl: WorkloadConfig, args: argparse.Namespace) -> d
 def render(report: BenchReport) -> str:
     h = report.header
     setup = ", ".join(f"{k}={v}" for k, v in h.items())
-    return "\n\n".join(
-        [
-            "## mmserve serving benchmark",
-            setup,
-            "### Latency (ms) and throughput per scenario",
-            latency_table(report.rows),
-            f"### Ratios to `{BASELINE}` (< 1: lower than text only)",
-            ratio_table(report.rows, BASELINE),
-            "### Claims (ratio row / vs; < 1: the row is faster)",
-            comparison_table(report.rows, COMPARISONS),
-        ]
-    )
+    parts = [
+        "## mmserve serving benchmark",
+        setup,
+        "### Latency (ms) and throughput per scenario",
+        latency_table(report.rows),
+        f"### Ratios to `{BASELINE}` (< 1: lower than text only)",
+        ratio_table(report.rows, BASELINE),
+        "### Claims (ratio row / vs; < 1: the row is faster)",
+        comparison_table(report.rows, COMPARISONS),
+    ]
+    if report.profiles:
+        parts += ["### CPU-ms per completed request, by process (user + sys)", profile_table(report.profiles)]
+        parts += [f"note: {n}" for n in report.profile_notes]
+    return "\n\n".join(parts)
 
 
 def to_json(report: BenchReport) -> dict[str, Any]:
@@ -177,6 +223,8 @@ def to_json(report: BenchReport) -> dict[str, Any]:
         "rows": [{**asdict(r), "prefix_hit_rate": r.prefix_hit_rate} for r in report.rows],
         "comparisons": [{**asdict(c), "ratios": comparison_ratios(report.rows, c)} for c in COMPARISONS],
         "requests": {k: [{**asdict(r), "tpot_s": r.tpot_s} for r in rs] for k, rs in report.requests.items()},
+        "profile": [p.to_json() for p in report.profiles],
+        "profile_notes": report.profile_notes,
     }
 
 
@@ -196,10 +244,11 @@ def main(argv: list[str] | None = None) -> int:
     wl = workload_config(args)
     base_url = args.base_url or start_embedded(args)
     try:
-        report = asyncio.run(run_benchmark(base_url, wl, args))
+        profiler = make_profiler(args, base_url) if args.profile else None
+        report = asyncio.run(run_benchmark(base_url, wl, args, profiler))
     finally:
-        if args.base_url is None:
-            stop_embedded()
+        if args.base_url is None or args.profile:
+            stop_embedded()  # the embedded app, or only our connection to the server's Ray
     print(render(report), flush=True)
     if args.json:
         args.json.write_text(json.dumps(to_json(report), indent=2))

@@ -1,0 +1,308 @@
+"""CPU time per request by process of the app: the benchmark's ``--profile``.
+
+Before and after each scenario the benchmark reads the CPU time (user + sys, every thread) of every
+process of the app's Ray cluster (``cluster.bench_procs``) and of itself; the difference, summed over
+the processes of one kind (the replicas of one deployment, the shards of the cache index, ...) and
+divided by the requests the scenario completed, is that kind's CPU-ms per request. A process's kind
+comes from its Ray actor class (Ray's state API, or the GCS actor table when the dashboard has no
+state API) and otherwise from its title: Ray names an actor's worker ``ray::ClassName``.
+
+Caveats, by construction: CPU a process spent and then exited with during the scenario is lost; a
+process started during it counts with all of its CPU time; idle background work (health checks,
+metrics) lands in whatever scenario it falls in.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+from typing import Any
+
+from cluster.bench_procs import (
+    ProcInfo,
+    cluster_members,
+    find_raylet,
+    gcs_address,
+    list_procs,
+    pid_listening_on,
+)
+from cluster.bench_stats import fmt_num, markdown_table
+
+BENCH_CLIENT = "bench client"
+DRIVER = "driver"
+IDLE_WORKERS = "idle Ray workers"
+
+# Actor classes (Ray's own) under a plainer name; a Serve replica is named after its deployment.
+CLASS_KINDS = {
+    "ProxyActor": "Serve proxy",
+    "ServeController": "Serve controller",
+    "DashboardAgent": "dashboard agent",
+    "RuntimeEnvAgent": "runtime-env agent",
+    "IDLE": IDLE_WORKERS,
+}
+# Non-actor processes, by a fragment of the program's path (first match wins).
+PROGRAM_KINDS = (
+    ("gcs_server", "GCS server"),
+    ("dashboard/agent.py", "dashboard agent"),
+    ("dashboard/dashboard.py", "dashboard"),
+    ("runtime_env/agent/main.py", "runtime-env agent"),
+    ("log_monitor.py", "log monitor"),
+    ("autoscaler/_private/monitor.py", "autoscaler monitor"),
+    ("workers/default_worker.py", IDLE_WORKERS),  # a worker before it becomes an actor
+)
+
+
+def class_kind(actor_class: str) -> str:
+    """``ServeReplica:mmserve:LLMServer-m`` -> ``LLMServer-m``; ``CacheIndexShard.commit`` -> ``CacheIndexShard``."""
+    name = actor_class.removeprefix("ray::").strip()
+    if name.startswith("ServeReplica:"):
+        return name.split(":", 2)[2] if name.count(":") >= 2 else name
+    name = name.split(".", 1)[0].split("(", 1)[0]
+    return CLASS_KINDS.get(name, name)
+
+
+def process_kind(title: str, actor_class: str | None = None) -> str:
+    """The kind a process counts under: its actor class if known, else what its title says."""
+    if actor_class:
+        return class_kind(actor_class)
+    words = title.split()
+    if not words:
+        return "unknown"
+    if words[0].startswith("ray::"):
+        return class_kind(words[0])
+    if words[0] == "raylet" or words[0].endswith("/raylet"):
+        return "raylet"
+    head = " ".join(words[:3])
+    for fragment, kind in PROGRAM_KINDS:
+        if fragment in head:
+            return kind
+    return program_name(words)
+
+
+def program_name(words: Sequence[str]) -> str:
+    """``python -m pkg.mod ...`` -> ``pkg.mod``; ``python x/y.py`` -> ``y.py``; ``VLLM::EngineCore`` as is."""
+    prog = PurePosixPath(words[0]).name
+    if not prog.startswith("python"):
+        return prog
+    args = list(words[1:])
+    while args and args[0].startswith("-"):
+        flag = args.pop(0)
+        if flag == "-m" and args:
+            return args[0]
+    return PurePosixPath(args[0]).name if args else prog
+
+
+# -- before/after arithmetic (pure) -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProcSample:
+    """A process's CPU time at one instant and the kind it counts under."""
+
+    pid: int
+    start_ticks: int
+    cpu_ticks: int
+    kind: str
+    title: str
+
+
+@dataclass(frozen=True)
+class ProcessCost:
+    pid: int
+    kind: str
+    title: str
+    cpu_ms: float
+
+
+def process_costs(
+    before: Mapping[int, ProcSample], after: Mapping[int, ProcSample], ticks_per_s: float
+) -> list[ProcessCost]:
+    """CPU spent between two snapshots by every process alive at the second; a pid whose start time
+    changed is a new process and counts in full."""
+    costs = []
+    for pid, a in after.items():
+        b = before.get(pid)
+        base = b.cpu_ticks if b is not None and b.start_ticks == a.start_ticks else 0
+        costs.append(ProcessCost(pid, a.kind, a.title, (a.cpu_ticks - base) * 1000 / ticks_per_s))
+    return costs
+
+
+@dataclass(frozen=True)
+class KindCost:
+    kind: str
+    processes: int
+    cpu_ms: float
+
+
+def by_kind(costs: Sequence[ProcessCost]) -> list[KindCost]:
+    """Costs summed per kind, most expensive first."""
+    totals: dict[str, list[float]] = {}
+    for c in costs:
+        totals.setdefault(c.kind, []).append(c.cpu_ms)
+    rows = [KindCost(k, len(v), sum(v)) for k, v in totals.items()]
+    return sorted(rows, key=lambda r: (-r.cpu_ms, r.kind))
+
+
+def per_request(cpu_ms: float, requests: int) -> float | None:
+    return cpu_ms / requests if requests > 0 else None
+
+
+@dataclass
+class ScenarioProfile:
+    """One scenario's CPU bill beside its throughput and latency."""
+
+    name: str
+    requests: int  # completed requests: the divisor
+    request_throughput: float
+    ttft_p50_s: float | None
+    costs: list[ProcessCost] = field(default_factory=list)
+
+    def kinds(self) -> list[KindCost]:
+        return by_kind(self.costs)
+
+    @property
+    def total_ms(self) -> float:
+        return sum(c.cpu_ms for c in self.costs)
+
+    def to_json(self) -> dict[str, Any]:
+        kinds = self.kinds()
+        return {
+            "scenario": self.name,
+            "requests": self.requests,
+            "request_throughput": self.request_throughput,
+            "ttft_p50_s": self.ttft_p50_s,
+            "cpu_ms_total": self.total_ms,
+            "cpu_ms_per_request": {k.kind: per_request(k.cpu_ms, self.requests) for k in kinds},
+            "cpu_ms_per_request_total": per_request(self.total_ms, self.requests),
+            "processes_per_kind": {k.kind: k.processes for k in kinds},
+            "processes": [c.__dict__ for c in sorted(self.costs, key=lambda c: -c.cpu_ms)],
+        }
+
+
+def profile_table(profiles: Sequence[ScenarioProfile]) -> str:
+    """Kinds down, scenarios across: CPU-ms per completed request; req/s and TTFT p50 on top."""
+    totals: dict[str, float] = {}
+    count: dict[str, int] = {}
+    for p in profiles:
+        for k in p.kinds():
+            totals[k.kind] = totals.get(k.kind, 0.0) + k.cpu_ms
+            count[k.kind] = max(count.get(k.kind, 0), k.processes)
+    kinds = sorted(totals, key=lambda k: (-totals[k], k))
+    headers = ["CPU-ms per request", *(p.name for p in profiles)]
+    rows = [
+        ["req/s", *(fmt_num(p.request_throughput) for p in profiles)],
+        [
+            "TTFT p50 (ms)",
+            *(fmt_num(None if p.ttft_p50_s is None else p.ttft_p50_s * 1000, 1) for p in profiles),
+        ],
+        ["**total**", *(f"**{fmt_num(per_request(p.total_ms, p.requests), 1)}**" for p in profiles)],
+    ]
+    for kind in kinds:
+        label = kind if count[kind] == 1 else f"{kind} (×{count[kind]})"
+        rows.append([label, *(fmt_num(_kind_per_request(p, kind), 1) for p in profiles)])
+    return markdown_table(headers, rows)
+
+
+def _kind_per_request(p: ScenarioProfile, kind: str) -> float | None:
+    ms = sum(c.cpu_ms for c in p.costs if c.kind == kind)
+    return per_request(ms, p.requests)
+
+
+# -- finding the app's processes (I/O) ----------------------------------------------------------------
+
+
+class Profiler:
+    """Snapshots of the CPU time of the app's processes and of the benchmark's own process."""
+
+    def __init__(self, anchor_pid: int | None, own_kind: str = BENCH_CLIENT) -> None:
+        """``anchor_pid``: a process of the app (a driver that started its Ray, or a worker such as the
+        HTTP proxy); None profiles every Ray process of the machine by title."""
+        self.anchor_pid = anchor_pid
+        self.own_kind = own_kind
+        self.actor_classes: dict[int, str] = {}
+        self.notes: list[str] = []
+
+    @classmethod
+    def for_server(cls, port: int) -> Profiler:
+        """The app answering on ``port`` here: found by the socket listening on it (the Serve proxy)."""
+        pid = pid_listening_on(port)
+        prof = cls(pid)
+        if pid is None:
+            prof.notes.append(
+                f"no process of this machine listens on port {port}: profiling every Ray process by title"
+            )
+        return prof
+
+    def connect_ray(self) -> None:
+        """Learn pid -> actor class from Ray's state, connecting to the app's cluster if not connected."""
+        try:
+            import ray
+
+            if not ray.is_initialized():
+                ray.init(address=self._gcs_address() or "auto", logging_level="ERROR", log_to_driver=False)
+            self.actor_classes = actor_classes()
+        except Exception as e:  # the profile still works from process titles
+            self.notes.append(
+                f"could not read Ray's actor table ({type(e).__name__}: {e}); kinds come from process titles"
+            )
+
+    def _gcs_address(self) -> str | None:
+        procs = list_procs()
+        raylet = find_raylet(procs, self.anchor_pid) if self.anchor_pid is not None else None
+        return gcs_address(procs[raylet].title) if raylet is not None else None
+
+    def snapshot(self) -> dict[int, ProcSample]:
+        procs = list_procs()
+        me = os.getpid()
+        pids, driver = self._app_pids(procs)
+        out = {pid: self._sample(procs[pid], driver) for pid in pids if pid != me}
+        if me in procs:
+            out[me] = _sample(procs[me], self.own_kind)
+        return out
+
+    def _app_pids(self, procs: dict[int, ProcInfo]) -> tuple[set[int], int | None]:
+        raylet = find_raylet(procs, self.anchor_pid) if self.anchor_pid is not None else None
+        if raylet is None:
+            return {p.pid for p in procs.values() if _is_ray_process(p.title)}, None
+        return cluster_members(procs, raylet), procs[raylet].ppid
+
+    def _sample(self, p: ProcInfo, driver: int | None) -> ProcSample:
+        kind = DRIVER if p.pid == driver else process_kind(p.title, self.actor_classes.get(p.pid))
+        return _sample(p, kind)
+
+
+def _sample(p: ProcInfo, kind: str) -> ProcSample:
+    return ProcSample(p.pid, p.start_ticks, p.cpu_ticks, kind, p.title[:200])
+
+
+def _is_ray_process(title: str) -> bool:
+    kind = process_kind(title)
+    return title.startswith("ray::") or kind == "raylet" or any(kind == k for _, k in PROGRAM_KINDS)
+
+
+def actor_classes() -> dict[int, str]:
+    """pid -> class name of every live actor of the connected cluster: Ray's state API when the
+    dashboard serves it, else the GCS actor table (what a cluster started without a dashboard has)."""
+    try:
+        from ray.util.state import list_actors
+
+        actors = list_actors(
+            filters=[("state", "=", "ALIVE")], limit=10_000, detail=True, raise_on_missing_output=False
+        )
+        return {int(a.pid): a.class_name for a in actors if a.pid}
+    except Exception:
+        from ray._private import state
+
+        table = state.actors()
+        return {
+            int(a["Pid"]): a["ActorClassName"]
+            for a in table.values()
+            if a.get("State") == "ALIVE" and a.get("Pid")
+        }
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
