@@ -82,12 +82,16 @@ def read_local_file(
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY)
     except OSError as e:
         raise InvalidMediaInput(f"{label}: cannot read local file {shown!r}: {e.strerror}", item=item) from e
-    with open(fd, "rb", closefd=True) as f:
-        info = os.fstat(f.fileno())
+    try:
+        info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise URLNotAllowed(f"{label}: local path {shown!r} is not a regular file", item=item)
         if info.st_size > limits.max_bytes:
             raise _too_large(label, info.st_size, limits, item)
+    except BaseException:
+        os.close(fd)
+        raise
+    with open(fd, "rb", closefd=True) as f:
         try:
             data = f.read(limits.max_bytes + 1)
         except OSError as e:
