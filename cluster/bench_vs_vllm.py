@@ -1,0 +1,269 @@
+"""mmserve against vLLM 0.32 (CPU), one server after the other, same model directory, same load from
+vLLM's own client: ``python -m cluster.bench_vs_vllm``.
+
+For each server: start it on 127.0.0.1, wait for ``/health``, run one unmeasured warm-up pass, then
+``vllm bench serve`` (``--backend openai-chat``, streaming, ``ignore_eos``, temperature 0) for every
+load: 1 image of 64-224 px + 64 random text tokens and 16 output tokens (``random-mm``) at 128 requests
+and concurrency 32 and at 48 requests and concurrency 1, and the same lengths text only (``random``)
+at concurrency 32; stop it. Every load uses the same seed on both servers, so both see the same
+requests. Around every load it reads the CPU time of each process of the server's tree (``/proc``) and
+reports CPU-ms per completed request. Needs the peer venv: ``../shared/tools/peer_vllm/setup.sh``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cluster.bench_procs import CLOCK_TICKS_PER_S
+from cluster.bench_profile import ScenarioProfile, process_costs, profile_table
+from cluster.bench_servers import ServerProcess
+from cluster.bench_stats import fmt_num, markdown_table, ratio
+
+REPO = Path(__file__).resolve().parents[1]
+BUCKETS = "{(64, 64, 1): 0.25, (112, 112, 1): 0.25, (168, 168, 1): 0.25, (224, 224, 1): 0.25}"
+QUIET_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+
+
+@dataclass(frozen=True)
+class Load:
+    name: str
+    dataset: str  # "random-mm" (one image per request) | "random" (text only)
+    num_prompts: int
+    concurrency: int
+
+
+LOADS = [
+    Load("image, 128 req, c=32", "random-mm", 128, 32),
+    Load("image, 48 req, c=1", "random-mm", 48, 1),
+    Load("text, 128 req, c=32", "random", 128, 32),
+]
+WARMUP = Load("warm-up", "random-mm", 32, 32)
+
+
+def bench_argv(args: argparse.Namespace, load: Load, base_url: str, seed: int, result: Path) -> list[str]:
+    """``vllm bench serve`` as ``run_bench_against.sh`` of the peer folder runs it, for one load."""
+    argv = [str(args.vllm_venv / "bin/python"), str(args.peer_dir / "vllm_cli.py"), "bench", "serve"]
+    argv += ["--backend", "openai-chat", "--base-url", base_url, "--endpoint", "/v1/chat/completions"]
+    argv += ["--model", args.served_name, "--tokenizer", str(args.model_dir), "--dataset-name", load.dataset]
+    argv += ["--num-prompts", str(load.num_prompts), "--max-concurrency", str(load.concurrency)]
+    argv += ["--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len)]
+    argv += ["--random-range-ratio", "0.0"]
+    if load.dataset == "random-mm":
+        argv += ["--random-mm-base-items-per-request", "1", "--random-mm-num-mm-items-range-ratio", "0"]
+        argv += [
+            "--random-mm-limit-mm-per-prompt",
+            '{"image": 1, "video": 0}',
+            "--random-mm-bucket-config",
+            BUCKETS,
+        ]
+    argv += [
+        "--request-rate",
+        "inf",
+        "--seed",
+        str(seed),
+        "--temperature",
+        "0",
+        "--num-warmups",
+        "1",
+        "--ignore-eos",
+    ]
+    argv += ["--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99"]
+    argv += ["--ready-check-timeout-sec", "60", "--disable-tqdm", "--save-result"]
+    argv += ["--result-dir", str(result.parent), "--result-filename", result.name]
+    return argv
+
+
+def make_servers(args: argparse.Namespace) -> dict[str, ServerProcess]:
+    common = ["--host", "127.0.0.1"]
+    vllm_env = {**QUIET_ENV, "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    iomp = args.vllm_venv / "lib/libiomp5.so"
+    if TCMALLOC.exists() and iomp.exists():  # as vLLM's CPU docs ask (~30 % more throughput here)
+        vllm_env["LD_PRELOAD"] = f"{TCMALLOC}:{iomp}"
+    py, cli = str(args.vllm_venv / "bin/python"), str(args.peer_dir / "vllm_cli.py")
+    vllm_argv = [py, cli, "serve", str(args.model_dir), "--served-model-name", args.served_name, *common]
+    vllm_argv += ["--port", str(args.vllm_port), "--max-model-len", "4096", "--dtype", "float32"]
+    vllm = ServerProcess("vLLM", vllm_argv, args.vllm_port, args.out_dir / "vllm-serve.log", env=vllm_env)
+    mm_argv = [sys.executable, "-m", "cluster.cli", "serve", "--model", str(args.model_dir)]
+    mm_argv += ["--model-name", args.served_name, *common, "--port", str(args.mmserve_port)]
+    mm_env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    log_path = args.out_dir / "mmserve-serve.log"
+    mmserve = ServerProcess(
+        "mmserve", mm_argv, args.mmserve_port, log_path, env=mm_env, cwd=args.mmserve_root
+    )
+    return {"vllm": vllm, "mmserve": mmserve}
+
+
+@dataclass
+class LoadResult:
+    server: str
+    load: Load
+    metrics: dict[str, Any]
+    profile: ScenarioProfile
+
+
+def run_load(args: argparse.Namespace, server: ServerProcess, load: Load, seed: int) -> LoadResult:
+    result = args.out_dir / f"{server.name}-{load.dataset}-c{load.concurrency}-n{load.num_prompts}.json"
+    argv = bench_argv(args, load, server.base_url, seed, result)
+    log_path = result.with_suffix(".log")
+    before = server.snapshot()
+    with log_path.open("wb") as out:
+        rc = subprocess.call(argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **QUIET_ENV})
+    after = server.snapshot()
+    if rc != 0 or not result.exists():
+        raise RuntimeError(f"vllm bench serve failed ({rc}) for {server.name} / {load.name}; see {log_path}")
+    metrics = json.loads(result.read_text())
+    profile = ScenarioProfile(
+        name=load.name,
+        requests=int(metrics["completed"]),
+        request_throughput=float(metrics["request_throughput"]),
+        ttft_p50_s=float(metrics["median_ttft_ms"]) / 1000,
+        costs=process_costs(before, after, CLOCK_TICKS_PER_S),
+    )
+    log(
+        f"{server.name} / {load.name}: {metrics['completed']} ok, {metrics.get('failed', 0)} failed, "
+        f"{metrics['request_throughput']:.1f} req/s, mean TTFT {metrics['mean_ttft_ms']:.0f} ms"
+    )
+    return LoadResult(server.name, load, metrics, profile)
+
+
+def run_server(args: argparse.Namespace, server: ServerProcess) -> list[LoadResult]:
+    log(f"starting {server.name}: {' '.join(server.argv)}")
+    server.start()
+    try:
+        log(f"{server.name} healthy after {server.wait_healthy(args.startup_timeout):.0f} s")
+        run_load(args, server, WARMUP, seed=1000)
+        return [run_load(args, server, load, seed=args.seed) for load in LOADS]
+    finally:
+        server.stop()
+        left = server.leftovers()
+        log(f"{server.name} stopped" + (f"; still alive: {left}" if left else ""))
+
+
+# -- the tables (pure) --------------------------------------------------------------------------------
+
+COLUMNS = [
+    ("req/s", "request_throughput", 1.0),
+    ("mean TTFT ms", "mean_ttft_ms", 1.0),
+    ("mean TPOT ms", "mean_tpot_ms", 1.0),
+    ("ITL p50 ms", "median_itl_ms", 1.0),
+]
+
+
+def cpu_per_request(r: LoadResult) -> float | None:
+    return r.profile.total_ms / r.profile.requests if r.profile.requests else None
+
+
+def comparison_table(results: list[LoadResult]) -> str:
+    """One row per load: each metric for vLLM, mmserve and mmserve / vLLM."""
+    by = {(r.server, r.load.name): r for r in results}
+    headers = ["load"]
+    for label, _, _ in [*COLUMNS, ("CPU-ms/req", "", 1.0)]:
+        headers += [f"{label} vLLM", "mmserve", "ratio"]
+    rows = []
+    for load in LOADS:
+        v, m = by.get(("vLLM", load.name)), by.get(("mmserve", load.name))
+        row = [load.name]
+        for _, key, _ in COLUMNS:
+            a = float(v.metrics[key]) if v else None
+            b = float(m.metrics[key]) if m else None
+            row += [fmt_num(a, 1), fmt_num(b, 1), fmt_num(ratio(b, a))]
+        a, b = (cpu_per_request(v) if v else None), (cpu_per_request(m) if m else None)
+        row += [fmt_num(a, 1), fmt_num(b, 1), fmt_num(ratio(b, a))]
+        rows.append(row)
+    return markdown_table(headers, rows)
+
+
+def render(results: list[LoadResult], header: str) -> str:
+    parts = ["## mmserve vs vLLM (`vllm bench serve`, same model dir, one after the other)", header]
+    parts.append(comparison_table(results))
+    for server in ("mmserve", "vLLM"):
+        profiles = [r.profile for r in results if r.server == server]
+        if profiles:
+            parts += [f"### {server}: CPU-ms per completed request, by process", profile_table(profiles)]
+    return "\n\n".join(parts)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m cluster.bench_vs_vllm", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-dir", type=Path, default=Path("/tmp/peer_vllm/tiny-qwen2-vl"))
+    p.add_argument("--served-name", default="tiny-qwen2-vl")
+    p.add_argument("--peer-dir", type=Path, default=REPO.parent / "shared/tools/peer_vllm")
+    p.add_argument("--vllm-venv", type=Path, default=Path("/tmp/peer_vllm/venv"))
+    p.add_argument("--mmserve-root", type=Path, default=REPO, help="checkout whose `cluster.cli serve` runs")
+    p.add_argument("--vllm-port", type=int, default=8711)
+    p.add_argument("--mmserve-port", type=int, default=8712)
+    p.add_argument("--servers", default="vllm,mmserve", help="which, in order (comma-separated)")
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--startup-timeout", type=float, default=600)
+    p.add_argument(
+        "--out-dir", type=Path, default=Path("/tmp/bench_vs_vllm") / time.strftime("%Y%m%d-%H%M%S")
+    )
+    p.add_argument("--json", type=Path, help="write every load's metrics and CPU profile here")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    for need in (
+        args.vllm_venv / "bin/python",
+        args.peer_dir / "vllm_cli.py",
+        args.model_dir / "config.json",
+    ):
+        if not need.exists():
+            raise SystemExit(f"{need} is missing: run {args.peer_dir}/setup.sh first")
+    servers = make_servers(args)
+    order = [s.strip() for s in args.servers.split(",") if s.strip()]
+    unknown = [s for s in order if s not in servers]
+    if unknown:
+        raise SystemExit(f"--servers: unknown {unknown}; choose from {sorted(servers)}")
+    load_avg = os.getloadavg()
+    results: list[LoadResult] = []
+    for name in order:
+        results += run_server(args, servers[name])
+    header = (
+        f"model_dir={args.model_dir}, input_len={args.input_len}, output_len={args.output_len}, seed={args.seed}, "
+        f"cores={os.cpu_count()}, load average at start {load_avg[0]:.2f}, at end {os.getloadavg()[0]:.2f}"
+    )
+    print(render(results, header), flush=True)
+    if args.json:
+        rows = [
+            {
+                "server": r.server,
+                "load": r.load.__dict__,
+                "metrics": _slim(r.metrics),
+                "profile": r.profile.to_json(),
+            }
+            for r in results
+        ]
+        args.json.write_text(json.dumps({"header": header, "results": rows}, indent=2))
+        log(f"raw numbers written to {args.json}")
+    return 0
+
+
+def _slim(metrics: dict[str, Any]) -> dict[str, Any]:
+    """The result JSON without its per-request arrays."""
+    return {k: v for k, v in metrics.items() if not isinstance(v, list)}
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
