@@ -8,6 +8,7 @@ from typing import Any
 
 from encoder_service.media.limits import MediaLimits
 from encoder_service.processors.base import FamilyProcessor, ProcessedItem
+from encoder_service.processors.qwen2_5_vl import Qwen25VLFamily
 from encoder_service.processors.qwen2_audio import Qwen2AudioFamily, audio_num_embeds
 from encoder_service.processors.qwen2_vl import Qwen2VLFamily
 
@@ -16,6 +17,7 @@ __all__ = [
     "ProcessedItem",
     "Qwen2AudioFamily",
     "Qwen2VLFamily",
+    "Qwen25VLFamily",
     "audio_num_embeds",
     "load_family_processor",
 ]
@@ -29,6 +31,10 @@ def load_family_processor(model_dir: str | Path, limits: MediaLimits) -> FamilyP
     hf: Any = AutoProcessor.from_pretrained(str(model_dir), use_fast=True)
     if model_type == "qwen2_vl":
         return Qwen2VLFamily(hf, limits)
+    if model_type == "qwen2_5_vl":
+        return Qwen25VLFamily(hf, limits)
     if model_type == "qwen2_audio":
         return Qwen2AudioFamily(hf)
-    raise ValueError(f"unsupported model_type {model_type!r}: mmserve knows qwen2_vl and qwen2_audio")
+    raise ValueError(
+        f"unsupported model_type {model_type!r}: mmserve knows qwen2_vl, qwen2_5_vl and qwen2_audio"
+    )
