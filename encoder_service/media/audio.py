@@ -68,6 +68,10 @@ class _MonoSink:
         self.samples += block.size
         self._check(self.frames, self.samples)
         mono = np.ascontiguousarray(block.mean(axis=1), dtype=np.float32)
+        if not np.isfinite(mono).all():  # float PCM may carry NaN/inf: poison for every feature after
+            raise MediaDecodeError(
+                f"{self.label}: audio holds non-finite samples (NaN or inf)", item=self.item
+            )
         if self._stream is not None:
             mono = self._stream.resample_chunk(mono, last=False)
         self.parts.append(mono)

@@ -7,10 +7,12 @@ The exceptions below are the real classes the decoders raise (PyAV, soundfile, l
 from __future__ import annotations
 
 import asyncio
+import io
 import struct
 
 import av
 import librosa
+import numpy as np
 import pytest
 import soundfile as sf
 from PIL import UnidentifiedImageError
@@ -99,3 +101,13 @@ def test_truncated_media_is_a_4xx_naming_the_item(modality, data):
         decode_media(modality, FetchedMedia(data, "bytes"), MediaLimits(), item=7)
     assert 400 <= e.value.status_code < 500 and e.value.item == 7
     assert e.value.message.startswith(f"{modality} 7: ")
+
+
+def test_float_audio_with_non_finite_samples_is_422():
+    buf = io.BytesIO()
+    wave = np.zeros(1600, np.float32)
+    wave[100] = np.nan
+    sf.write(buf, wave, 16000, format="WAV", subtype="FLOAT")
+    with pytest.raises(MediaDecodeError, match="non-finite") as e:
+        decode_media("audio", FetchedMedia(buf.getvalue(), "bytes"), MediaLimits(), item=1)
+    assert e.value.status_code == 422 and e.value.item == 1
