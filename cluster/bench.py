@@ -15,6 +15,7 @@ import json
 import os
 import random
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from urllib.parse import urlsplit
 
 from cluster.bench_client import fetch_counters, make_client, run_requests
 from cluster.bench_procs import CLOCK_TICKS_PER_S
-from cluster.bench_profile import Profiler, ScenarioProfile, process_costs, profile_table
+from cluster.bench_profile import IdleProfile, Profiler, ScenarioProfile, process_costs, profile_table
 from cluster.bench_stats import (
     RequestResult,
     ScenarioStats,
@@ -45,6 +46,7 @@ class BenchReport:
     requests: dict[str, list[RequestResult]] = field(default_factory=dict)
     profiles: list[ScenarioProfile] = field(default_factory=list)
     profile_notes: list[str] = field(default_factory=list)
+    idle: IdleProfile | None = None
 
     @property
     def failed(self) -> int:
@@ -73,6 +75,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--profile",
         action="store_true",
         help="CPU-ms per request by process of the app (read from /proc before and after each scenario)",
+    )
+    p.add_argument(
+        "--profile-idle",
+        type=float,
+        default=5.0,
+        help="with --profile: seconds of idle background to measure first",
     )
     args = p.parse_args(argv)
     if args.num_requests < 1 or args.concurrency < 1 or args.max_tokens < 1:
@@ -134,6 +142,8 @@ async def run_benchmark(
     client = make_client(base_url, args.timeout)
     await warm_up(client, wl, args.max_tokens)
     report = BenchReport(header=run_header(base_url, wl, args))
+    if profiler and args.profile_idle > 0:
+        report.idle = await measure_idle(profiler, args.profile_idle)
     for scenario in build_scenarios(wl):
         before = await fetch_counters(base_url)
         cpu_before = profiler.snapshot() if profiler else {}
@@ -156,6 +166,14 @@ async def warm_up(client: Any, wl: WorkloadConfig, max_tokens: int) -> None:
     errors = [r.error for r in results if not r.ok]
     if errors:
         raise SystemExit(f"warm-up requests failed: {errors}")
+
+
+async def measure_idle(profiler: Profiler, seconds: float) -> IdleProfile:
+    before = profiler.snapshot()
+    t0 = time.perf_counter()
+    await asyncio.sleep(seconds)
+    after = profiler.snapshot()
+    return IdleProfile(time.perf_counter() - t0, process_costs(before, after, CLOCK_TICKS_PER_S))
 
 
 def scenario_profile(
@@ -212,7 +230,10 @@ def render(report: BenchReport) -> str:
         comparison_table(report.rows, COMPARISONS),
     ]
     if report.profiles:
-        parts += ["### CPU-ms per completed request, by process (user + sys)", profile_table(report.profiles)]
+        parts += [
+            "### CPU-ms per completed request, by process (user + sys)",
+            profile_table(report.profiles, report.idle),
+        ]
         parts += [f"note: {n}" for n in report.profile_notes]
     return "\n\n".join(parts)
 
@@ -225,6 +246,7 @@ def to_json(report: BenchReport) -> dict[str, Any]:
         "requests": {k: [{**asdict(r), "tpot_s": r.tpot_s} for r in rs] for k, rs in report.requests.items()},
         "profile": [p.to_json() for p in report.profiles],
         "profile_notes": report.profile_notes,
+        "profile_idle": report.idle.to_json() if report.idle else None,
     }
 
 

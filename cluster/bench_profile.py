@@ -182,8 +182,25 @@ class ScenarioProfile:
         }
 
 
-def profile_table(profiles: Sequence[ScenarioProfile]) -> str:
-    """Kinds down, scenarios across: CPU-ms per completed request; req/s and TTFT p50 on top."""
+@dataclass
+class IdleProfile:
+    """What the app burns with no request in flight: the background every scenario's bill includes."""
+
+    seconds: float
+    costs: list[ProcessCost] = field(default_factory=list)
+
+    def ms_per_s(self, kind: str | None = None) -> float | None:
+        ms = sum(c.cpu_ms for c in self.costs if kind is None or c.kind == kind)
+        return ms / self.seconds if self.seconds > 0 else None
+
+    def to_json(self) -> dict[str, Any]:
+        per_s = {k.kind: k.cpu_ms / self.seconds for k in by_kind(self.costs)} if self.seconds > 0 else {}
+        return {"seconds": self.seconds, "cpu_ms_per_s": per_s}
+
+
+def profile_table(profiles: Sequence[ScenarioProfile], idle: IdleProfile | None = None) -> str:
+    """Kinds down, scenarios across: CPU-ms per completed request; req/s and TTFT p50 on top; with
+    ``idle``, a last column of CPU-ms per second with nothing in flight."""
     totals: dict[str, float] = {}
     count: dict[str, int] = {}
     for p in profiles:
@@ -203,6 +220,13 @@ def profile_table(profiles: Sequence[ScenarioProfile]) -> str:
     for kind in kinds:
         label = kind if count[kind] == 1 else f"{kind} (×{count[kind]})"
         rows.append([label, *(fmt_num(_kind_per_request(p, kind), 1) for p in profiles)])
+    if idle is not None:
+        headers.append(f"idle CPU-ms/s ({idle.seconds:.0f} s)")
+        rows[0].append("")
+        rows[1].append("")
+        rows[2].append(f"**{fmt_num(idle.ms_per_s(), 1)}**")
+        for row, kind in zip(rows[3:], kinds, strict=True):
+            row.append(fmt_num(idle.ms_per_s(kind), 1))
     return markdown_table(headers, rows)
 
 

@@ -23,6 +23,7 @@ from cluster.bench_procs import (
 )
 from cluster.bench_profile import (
     IDLE_WORKERS,
+    IdleProfile,
     ProcessCost,
     ProcSample,
     ScenarioProfile,
@@ -202,3 +203,15 @@ def test_pid_listening_on_finds_this_process_for_a_loopback_socket() -> None:
         port = s.getsockname()[1]
         assert pid_listening_on(port) == os.getpid()
     assert pid_listening_on(port) is None
+
+
+def test_idle_column_is_cpu_ms_per_second() -> None:
+    costs = [ProcessCost(1, "Ingress", "", 400.0), ProcessCost(2, "Serve controller", "", 10.0)]
+    run = ScenarioProfile("text", requests=4, request_throughput=2.0, ttft_p50_s=0.01, costs=costs)
+    idle = IdleProfile(seconds=5.0, costs=[ProcessCost(2, "Serve controller", "", 30.0)])
+    lines = profile_table([run], idle).splitlines()
+    assert lines[0] == "| CPU-ms per request | text | idle CPU-ms/s (5 s) |"
+    assert lines[4] == "| **total** | **102.5** | **6.0** |"  # 410 ms / 4 requests; 30 ms / 5 s
+    assert lines[5] == "| Ingress | 100.0 | 0.0 |"
+    assert lines[6] == "| Serve controller | 2.5 | 6.0 |"
+    assert idle.to_json() == {"seconds": 5.0, "cpu_ms_per_s": {"Serve controller": 6.0}}
