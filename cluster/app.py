@@ -1,8 +1,7 @@
 """``build_app(config)``: the Ray Serve application — ingress plus, per model, three pools.
 
-  Ingress ─┬─▶ Preprocessor-<model>  (CPU)
-           ├─▶ EncoderPool-<model>   (GPU; request router: fewest queued embeddings)
-           └─▶ LLMServer-<model>     (GPU; request router: prefix-cache affinity)
+  Ingress ─┬─▶ Preprocessor-<model>  (CPU) ──▶ EncoderPool-<model>  (GPU; router: fewest queued embeddings)
+           └─▶ LLMServer-<model>     (GPU; router: prefix-cache affinity; tokens back on output channels)
   plus the model's shared encoder-cache index: named Ray actors, sharded by mm_hash.
 
 ``app_builder(args)`` is the import path for ``serve run`` / ``serve deploy`` configs:
@@ -81,13 +80,12 @@ def encoder_placement(model: ModelConfig) -> dict[str, Any]:
     }
 
 
-def _preprocessor(model: ModelConfig, cache_dir: str) -> Any:
+def _preprocessor(model: ModelConfig, cache_dir: str, encoder: Any) -> Any:
     from encoder_service.deployment import PreprocessorServer
 
     class Preprocessor(PreprocessorServer):
-        def __init__(self, model_json: dict[str, Any], cache_dir: str) -> None:
+        def __init__(self, model_json: dict[str, Any], cache_dir: str, encoder: Any) -> None:
             from encoder_service.media.limits import MediaLimits
-            from router.deployment import cache_index_args
 
             m = ModelConfig.model_validate(model_json)
             model_dir = resolve_model_dir(m, cache_dir)
@@ -100,11 +98,12 @@ def _preprocessor(model: ModelConfig, cache_dir: str) -> Any:
                 cache_name_prefix=prefix,
                 cache_num_shards=shards,
                 cache_capacity=capacity,
+                encoder=encoder,
                 model_name=m.name,
             )
 
     opts = deployment_options(model.preprocess.deployment, f"Preprocessor-{model.name}")
-    return serve.deployment(Preprocessor).options(**opts).bind(model.model_dump(), cache_dir)
+    return serve.deployment(Preprocessor).options(**opts).bind(model.model_dump(), cache_dir, encoder)
 
 
 def _encoder_pool(model: ModelConfig, cache_dir: str) -> Any:
@@ -113,8 +112,6 @@ def _encoder_pool(model: ModelConfig, cache_dir: str) -> Any:
 
     class EncoderPool(EncoderPoolServer):
         def __init__(self, model_json: dict[str, Any], cache_dir: str) -> None:
-            from router.deployment import cache_index_args, open_cache_index
-
             m = ModelConfig.model_validate(model_json)
             model_dir = resolve_model_dir(m, cache_dir)
             compute_budget, _ = encoder_budgets(m, model_dir)
@@ -172,19 +169,72 @@ def _llm_server(model: ModelConfig, cache_dir: str) -> Any:
     return serve.deployment(LLMPool).options(**opts).bind(model.model_dump(), cache_dir)
 
 
-def build_app(config: AppConfig) -> serve.Application:
-    from router.deployment import IngressServer
+def open_cache_index(name_prefix: str, num_shards: int, capacity: int) -> Any:
+    """The model's shared encoder-cache index: detached named actors, created by whoever comes first."""
+    from encoder_service.cache_index import create_cache_index
 
-    pools = {
-        m.name: {
-            "preprocess": _preprocessor(m, config.models_cache_dir),
-            "encoder": _encoder_pool(m, config.models_cache_dir),
+    return create_cache_index(num_shards, capacity, name_prefix, detached=True, namespace="mmserve")
+
+
+def cache_index_args(m: ModelConfig) -> tuple[str, int, int]:
+    """(name prefix, shards, capacity in embeddings) of a model's shared encoder cache."""
+    _, cache_size = encoder_budgets(m)
+    return (f"mmserve-encoder-cache-{m.name}", m.encoder.cache_index_shards, cache_size)
+
+
+def model_modalities(model_dir: str) -> list[str]:
+    import json
+    from pathlib import Path
+
+    model_type = json.loads((Path(model_dir) / "config.json").read_text())["model_type"]
+    return {"qwen2_vl": ["image", "video"], "qwen2_audio": ["audio"]}.get(model_type, [])
+
+
+def _ingress(config: AppConfig, pools: dict[str, dict[str, Any]]) -> Any:
+    from router.deployment import HTTPOptions, IngressModel, IngressServer
+    from router.messages import MessageLimits
+
+    class Ingress(IngressServer):
+        # @serve.ingress made the parent's __init__ async: a subclass must await it.
+        async def __init__(self, config_json: dict[str, Any], pools: dict[str, dict[str, Any]]) -> None:  # type: ignore[misc]
+            cfg = AppConfig.model_validate(config_json)
+            models = []
+            for m in cfg.models:
+                model_dir = resolve_model_dir(m, cfg.models_cache_dir)
+                limits = MessageLimits(
+                    max_messages=cfg.ingress.max_messages,
+                    max_content_parts=cfg.ingress.max_content_parts,
+                    max_media_bytes=m.preprocess.media.max_bytes,
+                    limit_mm_per_prompt=dict(m.preprocess.limit_mm_per_prompt),
+                )
+                models.append(
+                    IngressModel(
+                        m.name,
+                        model_dir,
+                        m.llm.block_size,
+                        m.llm.max_model_len,
+                        limits,
+                        model_modalities(model_dir),
+                        open_cache_index(*cache_index_args(m)),
+                    )
+                )
+            http = HTTPOptions(cfg.ingress.http_mode, cfg.host, cfg.port, cfg.ingress.max_request_bytes)
+            await super().__init__(models, pools, http)  # type: ignore[misc]
+
+    opts = deployment_options(config.ingress.deployment, "Ingress")
+    return serve.deployment(Ingress).options(**opts).bind(config.model_dump(), pools)
+
+
+def build_app(config: AppConfig) -> serve.Application:
+    pools = {}
+    for m in config.models:
+        encoder = _encoder_pool(m, config.models_cache_dir)
+        pools[m.name] = {
+            "preprocess": _preprocessor(m, config.models_cache_dir, encoder),
+            "encoder": encoder,
             "llm": _llm_server(m, config.models_cache_dir),
         }
-        for m in config.models
-    }
-    opts = deployment_options(config.ingress.deployment, "Ingress")
-    return serve.deployment(IngressServer).options(**opts).bind(config.model_dump(), pools)
+    return _ingress(config, pools)
 
 
 def app_builder(args: dict[str, Any]) -> serve.Application:

@@ -150,6 +150,11 @@ class ModelConfig(_Strict):
 
 
 class IngressConfig(_Strict):
+    http_mode: Literal["proxy", "direct"] = Field(
+        "proxy",
+        description="proxy: HTTP through Serve's proxy (what a Kubernetes Service targets); direct: each "
+        "ingress replica serves HTTP itself on host:port (SO_REUSEPORT), no proxy — `mmserve serve`'s default",
+    )
     max_request_bytes: int = Field(64 * 1024 * 1024, ge=1)
     max_messages: int = Field(256, ge=1)
     max_content_parts: int = Field(64, ge=1)

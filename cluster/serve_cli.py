@@ -28,6 +28,12 @@ def add_serve_command(sub: Any) -> None:
     p.add_argument("--mm-encoder-tp-mode", choices=["weights", "data"], default=None)
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs for the embedded Ray")
     p.add_argument(
+        "--http-mode",
+        choices=["direct", "proxy"],
+        default=None,
+        help="direct (default here): the ingress replicas serve HTTP themselves; proxy: through Serve's proxy",
+    )
+    p.add_argument(
         "--metrics-export-port",
         type=int,
         default=None,
@@ -51,6 +57,10 @@ def config_from_args(args: argparse.Namespace) -> AppConfig:
         data["host"] = args.host
     if args.port:
         data["port"] = args.port
+    if args.http_mode:
+        data["ingress"]["http_mode"] = args.http_mode
+    elif "http_mode" not in cfg.ingress.model_fields_set:
+        data["ingress"]["http_mode"] = "direct"  # one machine: no proxy hop
     for m in data["models"]:
         for key in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "dtype"):
             if getattr(args, key) is not None:
@@ -82,7 +92,9 @@ def start(
     if not ray.is_initialized():
         extra = {} if metrics_export_port is None else {"_metrics_export_port": metrics_export_port}
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace="mmserve", **extra)
-    serve.start(proxy_location="HeadOnly", http_options={"host": cfg.host, "port": cfg.port})
+    # Direct HTTP: the ingress replicas listen on host:port themselves; Serve starts no proxy.
+    proxy = "Disabled" if cfg.ingress.http_mode == "direct" else "HeadOnly"
+    serve.start(proxy_location=proxy, http_options={"host": cfg.host, "port": cfg.port})
     return serve.run(build_app(cfg), name="mmserve", route_prefix="/", blocking=blocking)
 
 

@@ -33,7 +33,7 @@ from encoder_service.encoder_cache import EncoderCacheBooks
 from encoder_service.errors import EncoderCacheBusy, EncoderCacheFull
 from encoder_service.types import EmbeddingMeta
 
-HIT, COMPUTE, RELEASED = "hit", "compute", "released"
+HIT, COMPUTE, RELEASED, WAIT = "hit", "compute", "released", "wait"
 MAX_RELEASED_IDS = 65536  # request ids remembered as released, per shard (ids are never reused)
 MAX_DOOMED_REFS = 4096  # refs invalidated before their commit arrived, remembered per shard
 
@@ -78,6 +78,51 @@ class CacheIndexShard:
             meta = self.books.lookup(h, count=False)  # a peek: get_or_reserve counts the decision
             if meta is not None:
                 out[h] = (meta.to_msgpack(), self.refs[h])
+        return out
+
+    async def pin_committed(self, request_id: str, hashes: list[str]) -> dict[str, tuple[bytes, list[Any]]]:
+        """Pin for ``request_id`` and return the committed entries among ``hashes`` (each counts as a
+        hit); the others are not counted here: ``acquire`` decides them once they are processed."""
+        out: dict[str, tuple[bytes, list[Any]]] = {}
+        if request_id in self._released:
+            return out
+        for h in hashes:
+            entry = self.books.entries.get(h)
+            if entry is not None and entry.meta is not None:
+                self.books.pin(request_id, h)
+                self.books.hits += 1
+                out[h] = (entry.meta.to_msgpack(), self.refs[h])
+        return out
+
+    async def acquire(self, request_id: str, wanted: list[tuple[str, int]]) -> dict[str, tuple[str, Any]]:
+        """Without waiting, for each ``(mm_hash, num_embeds)``: ``("hit", (meta, [ref]))`` pinned,
+        ``("compute", None)`` reserved for ``request_id``, or ``("wait", None)`` (another request is
+        computing it: ask ``get_or_reserve`` after computing yours, so no two requests wait on each
+        other). A request released already gets ``("released", None)`` for everything."""
+        out: dict[str, tuple[str, Any]] = {}
+        async with self._changed:
+            for mm_hash, num_embeds in wanted:
+                if request_id in self._released:
+                    out[mm_hash] = (RELEASED, None)
+                    continue
+                entry = self.books.entries.get(mm_hash)
+                if entry is not None and entry.meta is not None:
+                    self.books.pin(request_id, mm_hash)
+                    self.books.hits += 1
+                    out[mm_hash] = (HIT, (entry.meta.to_msgpack(), self.refs[mm_hash]))
+                elif entry is not None:
+                    out[mm_hash] = (WAIT, None)
+                else:
+                    try:
+                        reserved = self.books.try_allocate(request_id, mm_hash, num_embeds)
+                    except EncoderCacheFull as e:
+                        raise ValueError(str(e)) from e
+                    if reserved:
+                        self._drop_freed()
+                        self.books.misses += 1
+                        out[mm_hash] = (COMPUTE, None)
+                    else:  # every entry is pinned right now: wait for space like get_or_reserve
+                        out[mm_hash] = (WAIT, None)
         return out
 
     async def get_or_reserve(self, request_id: str, mm_hash: str, num_embeds: int) -> tuple[str, Any]:
@@ -221,6 +266,47 @@ class EncoderCacheClient:
         answers = await asyncio.gather(*(self.shards[s].peek_meta.remote(hs) for s, hs in groups.items()))
         return {h: EmbeddingMeta.from_msgpack(m) for ans in answers for h, m in ans.items()}
 
+    def _groups(self, hashes: Iterable[str]) -> dict[int, list[str]]:
+        groups: dict[int, list[str]] = {}
+        for h in dict.fromkeys(hashes):
+            groups.setdefault(shard_of(h, len(self.shards)), []).append(h)
+        return groups
+
+    async def pin_committed(self, request_id: str, hashes: list[str]) -> dict[str, tuple[EmbeddingMeta, Any]]:
+        """The committed entries among ``hashes``, pinned for ``request_id``: one call per shard."""
+        groups = self._groups(hashes)
+        answers = await asyncio.gather(
+            *(self.shards[s].pin_committed.remote(request_id, hs) for s, hs in groups.items())
+        )
+        return {h: (EmbeddingMeta.from_msgpack(m), ref[0]) for ans in answers for h, (m, ref) in ans.items()}
+
+    async def acquire(
+        self, request_id: str, wanted: Mapping[str, int]
+    ) -> dict[str, tuple[str, tuple[EmbeddingMeta, Any] | None]]:
+        """``CacheIndexShard.acquire`` over every shard (one call each); raises ``EncoderCacheFull``."""
+        groups: dict[int, list[tuple[str, int]]] = {}
+        for h, n in wanted.items():
+            groups.setdefault(shard_of(h, len(self.shards)), []).append((h, n))
+        try:
+            answers = await asyncio.gather(
+                *(self.shards[s].acquire.remote(request_id, items) for s, items in groups.items())
+            )
+        except Exception as e:
+            cause = getattr(e, "cause", None) or e
+            if isinstance(cause, ValueError):
+                raise EncoderCacheFull(str(cause)) from e
+            raise
+        out: dict[str, tuple[str, tuple[EmbeddingMeta, Any] | None]] = {}
+        for ans in answers:
+            for h, (kind, payload) in ans.items():
+                if kind == RELEASED:
+                    raise RequestReleased(f"request {request_id} was released while acquiring {h[:16]}")
+                out[h] = (
+                    kind,
+                    None if payload is None else (EmbeddingMeta.from_msgpack(payload[0]), payload[1][0]),
+                )
+        return out
+
     async def get_or_reserve(
         self, request_id: str, mm_hash: str, num_embeds: int
     ) -> tuple[str, tuple[EmbeddingMeta, Any] | None]:
@@ -274,9 +360,11 @@ class EncoderCacheClient:
         answers = await asyncio.gather(*(self.shards[s].holding.remote(g) for s, g in groups.items()))
         return [h for held in answers for h in held]
 
-    async def release(self, request_id: str) -> None:
-        """Unpin everything ``request_id`` holds (prefill done, failure, disconnect) on every shard."""
-        await asyncio.gather(*(s.release.remote(request_id) for s in self.shards))
+    async def release(self, request_id: str, hashes: Iterable[str] | None = None) -> None:
+        """Unpin everything ``request_id`` holds (prefill done, failure, disconnect): on the shards of
+        ``hashes`` when the caller knows which it touched, else on every shard."""
+        shards = self.shards if hashes is None else [self.shards[s] for s in self._groups(hashes)]
+        await asyncio.gather(*(s.release.remote(request_id) for s in shards))
 
     async def stats(self) -> dict[str, Any]:
         per_shard = await asyncio.gather(*(s.stats.remote() for s in self.shards))

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
+from encoder_service.encoder_queue import EncoderQueue
+from encoder_service.metrics import EncoderMetrics
 from encoder_service.owned_embeddings import OwnedEmbeddings
+from encoder_service.prepared import PreparedRequest
 from encoder_service.types import EmbeddingMeta, EncodeBatch, EncodedItem, EncoderInput
 
 logger = logging.getLogger("mmserve.encoder")
@@ -31,7 +33,12 @@ logger = logging.getLogger("mmserve.encoder")
 @dataclass
 class _Queued:
     item: EncoderInput
+    request_id: str
     future: asyncio.Future[Any]
+
+    @property
+    def num_embeds(self) -> int:
+        return self.item.num_embeds
 
 
 class EncoderPoolServer:
@@ -52,7 +59,7 @@ class EncoderPoolServer:
         model_name: str = "",
         cache: Any = None,
     ) -> None:
-        self._cache = cache  # EncoderCacheClient: invalidated on shutdown for the objects this replica owns
+        self._cache = cache  # EncoderCacheClient: outputs are committed to it; invalidated on shutdown
         self._owned = OwnedEmbeddings(cache)
         self._sweeper: asyncio.Task[None] | None = None
         self.max_num_encoder_input_tokens = max_num_encoder_input_tokens
@@ -78,26 +85,28 @@ class EncoderPoolServer:
                 resources=resources_per_rank,
             )
             self.hidden_size = self._group.hidden_size
-        self._queue: deque[_Queued] = deque()
-        self._queued_embeds = 0
+        self._queue: EncoderQueue[_Queued] = EncoderQueue(
+            max_num_encoder_input_tokens, lambda q: q.future.done()
+        )
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
-        self._metrics = _EncoderMetrics(model_name)
+        self._metrics = EncoderMetrics(model_name)
+
+    @property
+    def _queued_embeds(self) -> int:
+        return self._queue.queued_embeds
 
     async def encode(self, batch: EncodeBatch) -> list[EncodedItem]:
-        """Embed ``batch.inputs``; returns refs into the object store, in order."""
+        """Embed ``batch.inputs``, commit each to the shared cache under ``batch.request_id``'s
+        reservation, and return their metadata and refs, in order."""
         self._ensure_started()
         assert self._wakeup is not None
         loop = asyncio.get_running_loop()
-        queued = [_Queued(item, loop.create_future()) for item in batch.inputs]
+        queued = [_Queued(item, batch.request_id, loop.create_future()) for item in batch.inputs]
         for q in queued:
-            if q.item.num_embeds > self.max_num_encoder_input_tokens:
-                raise ValueError(
-                    f"{q.item.modality} item {q.item.mm_hash[:12]} needs {q.item.num_embeds} embeddings, more than "
-                    f"max_num_encoder_input_tokens={self.max_num_encoder_input_tokens}"
-                )
-        self._queue.extend(queued)
-        self._queued_embeds += batch.num_embeds
+            self._queue.check(q, f"{q.item.modality} item {q.item.mm_hash[:12]}")
+        for q in queued:
+            self._queue.push(q)
         self._metrics.queued.set(self._queued_embeds)
         self._wakeup.set()
         return list(await asyncio.gather(*(q.future for q in queued)))
@@ -109,64 +118,58 @@ class EncoderPoolServer:
         if self._sweeper is None or self._sweeper.done():
             self._sweeper = asyncio.get_running_loop().create_task(self._owned.sweep_forever())
 
-    def _next_step(self) -> list[_Queued]:
-        """FIFO items up to the compute budget (the first item always goes, it was checked to fit)."""
-        step: list[_Queued] = []
-        total = 0
-        while self._queue and (
-            not step or total + self._queue[0].item.num_embeds <= self.max_num_encoder_input_tokens
-        ):
-            q = self._queue.popleft()
-            if q.future.done():  # the caller was cancelled
-                self._queued_embeds -= q.item.num_embeds
-                continue
-            step.append(q)
-            total += q.item.num_embeds
-        return step
-
     async def _encode(self, items: list[EncoderInput]) -> list[Any]:
         if self._group is not None:
             return list(await self._group.encode_async(items))
         return list(await asyncio.to_thread(self._runner.encode, items))
 
     async def _run(self) -> None:
-        import ray
-
         assert self._wakeup is not None
         while True:
-            step = self._next_step()
+            step = self._queue.next_step()
             if not step:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            items = [q.item for q in step]
             try:
-                outputs = await self._encode(items)
-            except Exception as e:
-                logger.exception("encoder step failed for %s", [i.mm_hash for i in items])
-                outputs = [e] * len(items)
-            for q, out in zip(step, outputs, strict=True):
-                self._queued_embeds -= q.item.num_embeds
-                if q.future.done():
-                    continue
-                if isinstance(out, Exception):
-                    q.future.set_exception(out)
-                    continue
-                tensor = out.detach().contiguous().cpu()
-                meta = EmbeddingMeta(
-                    mm_hash=q.item.mm_hash,
-                    modality=q.item.modality,
-                    num_embeds=int(tensor.shape[0]),
-                    hidden_size=int(tensor.shape[1]),
-                    dtype=str(tensor.dtype).removeprefix("torch."),
-                    grid_thw=q.item.grid_thw,
-                )
-                ref = ray.put(tensor)  # Ray 2.60 has no _owner=: this replica owns it
-                self._owned.add(meta.mm_hash, ref)
-                q.future.set_result(EncodedItem(meta, [ref]))
-            self._metrics.items.inc(len(step))
-            self._metrics.embeddings.inc(sum(i.num_embeds for i in items))
-            self._metrics.queued.set(self._queued_embeds)
+                await self._run_step(step)
+            except Exception as e:  # a failing step fails its own items only; the loop goes on
+                logger.exception("encoder step failed for %s", [q.item.mm_hash for q in step])
+                for q in step:
+                    if not q.future.done():
+                        q.future.set_exception(e)
+            finally:
+                self._queue.done(step)
+                self._metrics.queued.set(self._queued_embeds)
+
+    async def _run_step(self, step: list[_Queued]) -> None:
+        import ray
+
+        items = [q.item for q in step]
+        outputs = await self._encode(items)
+        done: list[tuple[_Queued, EncodedItem]] = []
+        for q, out in zip(step, outputs, strict=True):
+            tensor = out.detach().contiguous().cpu()
+            meta = EmbeddingMeta(
+                mm_hash=q.item.mm_hash,
+                modality=q.item.modality,
+                num_embeds=int(tensor.shape[0]),
+                hidden_size=int(tensor.shape[1]),
+                dtype=str(tensor.dtype).removeprefix("torch."),
+                grid_thw=q.item.grid_thw,
+            )
+            ref = ray.put(tensor)  # Ray 2.60 has no _owner=: this replica owns it
+            self._owned.add(meta.mm_hash, ref)
+            done.append((q, EncodedItem(meta, [ref])))
+        if self._cache is not None:  # the caller's reservation becomes a pinned, committed entry
+            await asyncio.gather(
+                *(self._cache.commit(e.meta.mm_hash, e.meta, e.ref[0], q.request_id) for q, e in done)
+            )
+        for q, e in done:
+            if not q.future.done():
+                q.future.set_result(e)
+        self._metrics.items.inc(len(step))
+        self._metrics.embeddings.inc(sum(i.num_embeds for i in items))
 
     async def invalidate_owned(self) -> int:
         """Drop the cache entries that hold this replica's objects; the number dropped. Never raises."""
@@ -195,22 +198,19 @@ class EncoderPoolServer:
     def stats(self) -> dict[str, Any]:
         return {"queued_embeddings": self._queued_embeds, "queued_items": len(self._queue)}
 
-
-class _EncoderMetrics:
-    def __init__(self, model: str) -> None:
-        from ray.serve import metrics
-
-        tags = {"model": model}
-        self.queued = metrics.Gauge("mmserve_encoder_queued_embeddings", "embeddings waiting", ("model",))
-        self.queued.set_default_tags(dict(tags))
-        self.items = metrics.Counter("mmserve_encoder_items", "media items encoded", ("model",))
-        self.items.set_default_tags(dict(tags))
-        self.embeddings = metrics.Counter("mmserve_encoder_embeddings", "embeddings computed", ("model",))
-        self.embeddings.set_default_tags(dict(tags))
+    def check_health(self) -> None:
+        task = self._task
+        if task is not None and task.done():
+            why = "cancelled" if task.cancelled() else repr(task.exception())
+            raise RuntimeError(f"encoder loop died: {why}")
 
 
 class PreprocessorServer:
-    """CPU pool replica: fetch, decode, hash, look up the shared encoder cache, process the misses."""
+    """CPU pool replica: fetch, decode, hash, pin cache hits, process and encode the misses.
+
+    ``prepare`` is the router's one call per media request (encoder_service/prepare.py); the encoder
+    pool is called from here, next to the cache, and its outputs come back as pinned refs.
+    """
 
     def __init__(
         self,
@@ -222,9 +222,11 @@ class PreprocessorServer:
         cache_name_prefix: str,
         cache_num_shards: int,
         cache_capacity: int,
+        encoder: Any = None,
         model_name: str = "",
     ) -> None:
         from encoder_service.cache_index import create_cache_index
+        from encoder_service.prepare import RequestPreparer
         from encoder_service.processing import Preprocessor
 
         self.preprocessor = Preprocessor(
@@ -233,6 +235,16 @@ class PreprocessorServer:
         self.cache = create_cache_index(
             cache_num_shards, cache_capacity, cache_name_prefix, detached=True, namespace="mmserve"
         )
+        self.encoder = encoder  # DeploymentHandle of the model's EncoderPool
+        self.preparer = RequestPreparer(self.preprocessor, self.cache, self._encode)
+
+    async def _encode(self, batch: EncodeBatch) -> list[EncodedItem]:
+        if self.encoder is None:
+            raise RuntimeError("this preprocessor has no encoder pool to send misses to")
+        return list(await self.encoder.encode.remote(batch))
+
+    async def prepare(self, request_id: str, messages: list[dict[str, Any]]) -> PreparedRequest:
+        return await self.preparer.prepare(request_id, messages)
 
     async def preprocess(self, messages: list[dict[str, Any]], use_cache: bool = True) -> Any:
         lookup = self.cache.lookup_meta if use_cache else None

@@ -54,6 +54,7 @@ class LLMRequestSpec:
     sampling_params: SamplingParams
     mm_items: Sequence[EmbeddingRef] = ()
     block_hashes: Sequence[Any] = field(default=(), compare=False)  # for the replica router only
+    ingress_id: str = ""  # whose output channel carries this request's tokens
 
     def __reduce__(self) -> tuple[Any, ...]:
         fields = {
@@ -62,6 +63,7 @@ class LLMRequestSpec:
             "sampling_params": self.sampling_params.to_wire(),
             "mm_items": [m.to_wire() for m in self.mm_items],
             "block_hashes": [bytes(h) for h in self.block_hashes],
+            "ingress_id": self.ingress_id,
         }
         refs = [m.ref for m in self.mm_items]
         return (_spec_from_bytes, (pack("LLMRequestSpec", fields), refs))
@@ -77,4 +79,23 @@ def _spec_from_bytes(raw: bytes, refs: list[list[Any]]) -> LLMRequestSpec:
         sampling_params=SamplingParams.from_wire(d["sampling_params"]),
         mm_items=[EmbeddingRef.from_wire(m, r) for m, r in zip(d["mm_items"], refs, strict=True)],
         block_hashes=list(d["block_hashes"]),
+        ingress_id=str(d.get("ingress_id", "")),
     )
+
+
+@dataclass(frozen=True)
+class SubmitReply:
+    """Where a submitted request's outputs will come from: this replica's output channel."""
+
+    replica_id: str
+    channel_id: str
+
+
+@dataclass(frozen=True)
+class ReplicaTarget:
+    """A call meant for one replica (``target_replica``: read by the LLM pool's request router):
+    connecting to an output channel, or aborting requests there."""
+
+    target_replica: str
+    channel_id: str = ""
+    request_ids: tuple[str, ...] = ()

@@ -1,8 +1,17 @@
-"""The Ingress Serve deployment: FastAPI routes over ChatService, one Orchestrator per model."""
+"""The Ingress Serve deployment: OpenAI routes over ChatService, one Orchestrator per model.
 
-import json
+HTTP arrives either through Serve's proxy (``@serve.ingress``: the mode for clusters whose load
+balancer targets the proxy) or directly (``http_mode="direct"``: the replica runs its own server on
+the user's port, see http_server.py). cluster/app.py builds the ``IngressModel`` list; nothing here
+reads the app config.
+"""
+
+from __future__ import annotations
+
+import asyncio
 import logging
-from pathlib import Path
+from collections.abc import Awaitable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -10,8 +19,11 @@ from fastapi.responses import JSONResponse, Response
 from ray import serve
 
 from router.errors import APIError, from_exception
+from router.http_server import DirectHTTPServer
 from router.ingress import ChatService, ServedModel
+from router.llm_client import LLMClient
 from router.messages import MessageLimits
+from router.metrics import IngressMetrics
 from router.orchestrator import ModelHandles, Orchestrator
 
 logger = logging.getLogger("mmserve.ingress")
@@ -24,63 +36,58 @@ async def _api_error(request: Request, exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers())
 
 
-def model_modalities(model_dir: str) -> list[str]:
-    model_type = json.loads((Path(model_dir) / "config.json").read_text())["model_type"]
-    return {"qwen2_vl": ["image", "video"], "qwen2_audio": ["audio"]}.get(model_type, [])
+@dataclass(frozen=True)
+class IngressModel:
+    """What the ingress needs to serve one model (built by cluster/app.py from the AppConfig)."""
+
+    name: str
+    model_dir: str
+    block_size: int
+    max_model_len: int
+    limits: MessageLimits
+    modalities: list[str]
+    cache: Any  # EncoderCacheClient of the model's shared encoder cache
 
 
-class _IngressMetrics:
-    def __init__(self) -> None:
-        from ray.serve import metrics
-
-        buckets = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
-        self.ttft = metrics.Histogram("mmserve_ttft_seconds", "time to first token", buckets, ("model",))
-        self.tpot = metrics.Histogram(
-            "mmserve_time_per_output_token_seconds", "end-to-end time / output tokens", buckets, ("model",)
-        )
-        self.e2e = metrics.Histogram("mmserve_e2e_latency_seconds", "request latency", buckets, ("model",))
-        self.rejected = metrics.Counter("mmserve_requests_rejected", "requests refused", ("model", "reason"))
+@dataclass(frozen=True)
+class HTTPOptions:
+    mode: str  # "direct" | "proxy"
+    host: str
+    port: int
+    max_request_bytes: int
 
 
 @serve.ingress(fastapi_app)
 class IngressServer:
-    def __init__(self, config: dict[str, Any], pools: dict[str, dict[str, Any]]) -> None:
+    def __init__(
+        self, models: list[IngressModel], pools: dict[str, dict[str, Any]], http: HTTPOptions
+    ) -> None:
         from transformers import AutoTokenizer
 
-        from cluster.config import AppConfig
-        from cluster.model_dirs import resolve_model_dir
-        from router.deployment import cache_index_args, open_cache_index
-
-        cfg = AppConfig.model_validate(config)
-        self.metrics = _IngressMetrics()
+        self.metrics = IngressMetrics()
         self.encoder_items_dispatched: dict[str, int] = {}
-        models: dict[str, ServedModel] = {}
         self.caches: dict[str, Any] = {}
-        for m in cfg.models:
-            model_dir = resolve_model_dir(m, cfg.models_cache_dir)
-            cache = open_cache_index(*cache_index_args(m))
-            self.caches[m.name] = cache
-            handles = ModelHandles(
-                pools[m.name]["preprocess"], pools[m.name]["encoder"], pools[m.name]["llm"], cache
-            )
+        served: dict[str, ServedModel] = {}
+        for m in models:
+            self.caches[m.name] = m.cache
             self.encoder_items_dispatched[m.name] = 0
+            handles = ModelHandles(pools[m.name]["preprocess"], LLMClient(pools[m.name]["llm"]), m.cache)
             orch = Orchestrator(
                 handles,
-                AutoTokenizer.from_pretrained(model_dir),
-                m.llm.block_size,
-                m.llm.max_model_len,
+                AutoTokenizer.from_pretrained(m.model_dir),
+                m.block_size,
+                m.max_model_len,
                 on_encoder_run=self._counter(m.name),
             )
-            limits = MessageLimits(
-                max_messages=cfg.ingress.max_messages,
-                max_content_parts=cfg.ingress.max_content_parts,
-                max_media_bytes=m.preprocess.media.max_bytes,
-                limit_mm_per_prompt=dict(m.preprocess.limit_mm_per_prompt),
-            )
-            models[m.name] = ServedModel(
-                m.name, orch, limits, m.llm.max_model_len, model_modalities(model_dir)
-            )
-        self.service = ChatService(models, cfg.ingress.max_request_bytes, self.metrics)
+            served[m.name] = ServedModel(m.name, orch, m.limits, m.max_model_len, m.modalities)
+        self.service = ChatService(served, http.max_request_bytes, self.metrics)
+        self.http: DirectHTTPServer | None = None
+        if http.mode == "direct":
+            # Imported here: this class is pickled by value (``@serve.ingress`` wraps it), and its
+            # methods see only the module globals captured then.
+            from router.deployment import build_direct_app
+
+            self.http = DirectHTTPServer(build_direct_app(self), http.host, http.port)
 
     def _counter(self, model: str) -> Any:
         def bump(n: int) -> None:
@@ -118,20 +125,43 @@ class IngressServer:
             }
         return JSONResponse(out)
 
+    def check_health(self) -> None:
+        if self.http is not None:
+            self.http.check()
 
-def open_cache_index(name_prefix: str, num_shards: int, capacity: int) -> Any:
-    """The model's shared encoder-cache index: detached named actors, created by whoever comes first."""
-    from encoder_service.cache_index import create_cache_index
+    def __del__(self) -> Awaitable[None] | None:
+        """Serve's graceful shutdown awaits what this returns on the replica's loop (a plain ``def``:
+        the garbage collector calls ``__del__`` too, where a coroutine would only warn)."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return None
+        http = getattr(self, "http", None)
+        return http.shutdown() if http is not None else None
 
-    return create_cache_index(num_shards, capacity, name_prefix, detached=True, namespace="mmserve")
 
+def build_direct_app(server: IngressServer) -> FastAPI:
+    """The same routes as ``fastapi_app``, bound to one replica, for the direct HTTP server."""
+    app = FastAPI(title="mmserve", version="0.1.0")
+    app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
 
-def cache_index_args(m: Any) -> tuple[str, int, int]:
-    """(name prefix, shards, capacity in embeddings) of a model's shared encoder cache."""
-    from cluster.budgets import encoder_budgets
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await server.chat_completions(request)
 
-    _, cache_size = encoder_budgets(m)
-    return (f"mmserve-encoder-cache-{m.name}", m.encoder.cache_index_shards, cache_size)
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        return await server.list_models()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return await server.health()
+
+    @app.get("/stats")
+    async def stats() -> JSONResponse:
+        return await server.stats()
+
+    return app
 
 
 def _server_error(e: BaseException) -> APIError:

@@ -122,13 +122,13 @@ class ChatService:
         start: float,
     ) -> Response:
         orch = model.orchestrator
-        prompt_ids, mm_items, release = await orch.prepare(request_id, chat)
+        prepared = await orch.prepare(request_id, chat)
         try:
-            params = to_sampling_params(req, len(prompt_ids), model.max_model_len)
+            params = to_sampling_params(req, len(prepared.prompt_token_ids), model.max_model_len)
         except BaseException:
-            await release()
+            await orch.release(prepared)
             raise
-        stream = orch.stream_prepared(request_id, prompt_ids, mm_items, params, release)
+        stream = orch.stream(request_id, prepared, params)
         detok = IncrementalDetokenizer(orch.decode, stop=req.stop_strings)
         first = await _first_or_error(stream)
         if self.metrics is not None:

@@ -41,6 +41,18 @@ class NormalizedChat:
     def count(self, modality: Modality) -> int:
         return sum(1 for m in self.media if m.modality == modality)
 
+    @property
+    def text_chars(self) -> int:
+        """Characters of text in the chat (what templating and tokenizing cost grows with)."""
+        n = 0
+        for m in self.messages:
+            content = m["content"]
+            if isinstance(content, str):
+                n += len(content)
+            else:
+                n += sum(len(p.get("text", "")) for p in content if p.get("type") == "text")
+        return n
+
 
 def _media_from_part(part: Any, where: str, max_bytes: int) -> MediaRef:
     if isinstance(part, ImagePart):

@@ -1,14 +1,18 @@
-"""One chat request's journey through a model's pools, as seen from the ingress.
+"""One chat request's journey through a model's pools, as seen from the ingress: two calls.
 
-  text only:  tokenize ─────────────────────────────────────────────▶ LLM replica (prefix affinity)
-  media:      preprocess ─▶ cache: hit / reserve+encode / wait ─▶ LLM replica ─▶ release pins
+  text only:  tokenize (off the event loop when long) ──────────────▶ LLM submit ─┐
+  media:      Preprocessor.prepare (hash, pin hits, process + encode   ─▶ LLM submit ─┤
+              misses next to the cache; pinned refs back)                             │
+                                                   tokens ◀── output channel, one message per step
 
-Pins on encoder-cache entries are taken before the LLM is called and released when its first
-output arrives (the prefill consumed the embeddings), or when anything fails or the client leaves.
+Pins on encoder-cache entries are held by the request from ``prepare`` until the LLM replica has
+fetched the embeddings (``submit`` returned), then released on the shards the request touched; on
+any failure or when the client leaves they are released at once.
 
-Lost embeddings (the encoder replica that owns them died): the LLM replica refuses the request
-before it enters the engine with ``EmbeddingsLost``; those entries are invalidated, re-encoded once
-under the same pins' request id, and the LLM is called again. A second loss is a 503.
+Lost embeddings (the encoder replica that owns them died): ``submit`` raises ``EmbeddingsLost``
+before the request enters the engine; those entries are invalidated (only while they still hold the
+refs we sent), the request is prepared again under a fresh pin id (a miss now: re-encoded once),
+and submitted again. A second loss is a 503.
 """
 
 from __future__ import annotations
@@ -17,30 +21,56 @@ import asyncio
 import logging
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from encoder_service.cache_index import ref_id
-from encoder_service.deployment import EncodeBatch, EncodedItem
-from encoder_service.types import EncoderInput, PreprocessedRequest
-from llm_service.deployment import EmbeddingRef, EmbeddingsLost, LLMRequestSpec
+from encoder_service.prepared import PreparedRequest
+from llm_service.embeddings import EmbeddingsLost
 from llm_service.outputs import RequestOutput
 from llm_service.prefix_hash import compute_block_hashes
+from llm_service.request_spec import EmbeddingRef, LLMRequestSpec, SubmitReply
 from llm_service.sampling_params import SamplingParams
 from router.errors import APIError, bad_request, find_cause
+from router.llm_client import LLMClient
 from router.messages import NormalizedChat, text_only_messages
 
 logger = logging.getLogger("mmserve.router")
 
 MAX_REPLAY_RECORDS = 4096
+INLINE_TOKENIZE_CHARS = 16_384  # longer text-only prompts are templated and tokenized off the loop
+
+
+class PreprocessPool(Protocol):
+    """The preprocessor pool as the router calls it (a Serve DeploymentHandle in production)."""
+
+    @property
+    def prepare(self) -> Any: ...
+
+
+class CachePins(Protocol):
+    """The shared encoder cache as the router uses it (encoder_service.cache_index.EncoderCacheClient)."""
+
+    async def release(self, request_id: str, hashes: list[str] | None = None) -> None: ...
+
+    async def invalidate(self, mm_hashes: list[str], ref_ids: dict[str, str] | None = None) -> list[str]: ...
 
 
 @dataclass
 class ModelHandles:
-    preprocess: Any  # DeploymentHandle of PreprocessorServer
-    encoder: Any  # DeploymentHandle of EncoderPoolServer
-    llm: Any  # DeploymentHandle of LLMServer
-    cache: Any  # encoder_service.cache_index.EncoderCacheClient
+    preprocess: PreprocessPool
+    llm: LLMClient
+    cache: CachePins
+
+
+@dataclass
+class Prepared:
+    """A request ready for the LLM: prompt ids, and its items' embedding refs pinned by ``pin_id``."""
+
+    prompt_token_ids: list[int]
+    mm_items: list[EmbeddingRef]
+    pin_id: str = ""
+    mm_hashes: tuple[str, ...] = ()
 
 
 class Orchestrator:
@@ -57,12 +87,13 @@ class Orchestrator:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self._on_encoder_run = on_encoder_run or (lambda n: None)
-        self._messages: dict[str, Any] = {}  # request id -> normalised messages, while pins are held
+        self._messages: dict[str, Any] = {}  # request id -> normalised messages, while it may re-prepare
         # request id -> PreprocessedRequest.to_log(), until forget(); bounded, in case a response is
         # dropped before its body starts (then nothing calls forget()).
         self._replay: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._background: set[asyncio.Task[None]] = set()
 
-    def tokenize_text_chat(self, chat: NormalizedChat) -> list[int]:
+    def _tokenize_sync(self, chat: NormalizedChat) -> list[int]:
         ids = self.tokenizer.apply_chat_template(
             text_only_messages(chat), add_generation_prompt=True, tokenize=True
         )
@@ -70,93 +101,67 @@ class Orchestrator:
             ids = ids["input_ids"]
         return list(ids)
 
-    async def prepare(
-        self, request_id: str, chat: NormalizedChat
-    ) -> tuple[list[int], list[EmbeddingRef], Any]:
-        """Prompt ids and embedding refs for the LLM; the returned release() must be called once."""
+    async def tokenize_text_chat(self, chat: NormalizedChat) -> list[int]:
+        """Short prompts inline (a thread hop costs more than they do); long ones on a worker thread."""
+        if chat.text_chars <= INLINE_TOKENIZE_CHARS:
+            return self._tokenize_sync(chat)
+        return await asyncio.to_thread(self._tokenize_sync, chat)
+
+    async def prepare(self, request_id: str, chat: NormalizedChat) -> Prepared:
+        """Prompt ids and pinned embedding refs; ``release(prepared)`` must follow (stream does it)."""
         if not chat.has_media:
-            return self.tokenize_text_chat(chat), [], _noop
+            return Prepared(await self.tokenize_text_chat(chat), [])
         self._messages[request_id] = chat.messages
-        try:
-            pre: PreprocessedRequest = await self.h.preprocess.preprocess.remote(chat.messages)
-        except BaseException:
-            self._messages.pop(request_id, None)
-            raise
-        self._replay[request_id] = pre.to_log()
-        while len(self._replay) > MAX_REPLAY_RECORDS:
-            self._replay.popitem(last=False)
-        if len(pre.prompt_token_ids) >= self.max_model_len:
-            self._messages.pop(request_id, None)
+        prepared = await self._prepare_media(request_id, request_id)
+        if len(prepared.prompt_token_ids) >= self.max_model_len:
+            await self.release(prepared)
             raise bad_request(
-                f"the prompt has {len(pre.prompt_token_ids)} tokens with its media expanded; "
+                f"the prompt has {len(prepared.prompt_token_ids)} tokens with its media expanded; "
                 f"max_model_len is {self.max_model_len}",
                 code="prompt_too_long",
                 param="messages",
             )
+        return prepared
+
+    async def _prepare_media(self, request_id: str, pin_id: str) -> Prepared:
         try:
-            refs = await self._embeddings_for(request_id, pre)
+            pre: PreparedRequest = await self.h.preprocess.prepare.remote(pin_id, self._messages[request_id])
         except BaseException:
-            await self._release(request_id)
+            self._messages.pop(request_id, None)
             raise
-        return pre.prompt_token_ids, refs, lambda: self._release(request_id)
-
-    async def _embeddings_for(self, request_id: str, pre: PreprocessedRequest) -> list[EmbeddingRef]:
-        """Each distinct item concurrently: a cache hit (pinned), or reserve + encode + commit.
-
-        Items are sent to the encoder one call each, as soon as they are reserved: the encoder replica
-        batches across calls under its budget, and no request holds a reservation while it waits
-        for another request's item (which could deadlock two requests on each other's images).
-        """
-        firsts: dict[str, Any] = {}
-        for item in pre.items:
-            firsts.setdefault(item.mm_hash, item)
-        tasks = [asyncio.ensure_future(self._one_item(request_id, pre, it)) for it in firsts.values()]
-        try:
-            results = await asyncio.gather(*tasks)
-        except BaseException:  # one item failed (or the client left): stop encoding the others
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
-        found = dict(zip(firsts, results, strict=True))
-        return [
+        self._replay[request_id] = pre.log
+        while len(self._replay) > MAX_REPLAY_RECORDS:
+            self._replay.popitem(last=False)
+        if pre.num_encoded:
+            self._on_encoder_run(pre.num_encoded)
+        items = [
             EmbeddingRef(
-                ref=[found[it.mm_hash][1]],
-                offset=it.placeholder.offset,
-                length=it.placeholder.length,
+                ref=list(it.ref),
+                offset=it.offset,
+                length=it.length,
                 mm_hash=it.mm_hash,
                 modality=it.modality,
                 grid_thw=it.grid_thw,
             )
             for it in pre.items
         ]
+        return Prepared(list(pre.prompt_token_ids), items, pin_id, tuple(pre.mm_hashes))
 
-    async def _one_item(self, request_id: str, pre: PreprocessedRequest, item: Any) -> tuple[Any, Any]:
-        cache = self.h.cache
-        kind, payload = await cache.get_or_reserve(request_id, item.mm_hash, item.num_embeds)
-        if kind == "hit":
-            return payload
-        enc = item.encoder_input
-        if enc is None:  # evicted after the preprocessor saw it as a hit: process it now
-            enc = await self._reprocess(request_id, item.index)
-        encoded: list[EncodedItem] = await self.h.encoder.encode.remote(EncodeBatch(request_id, [enc]))
-        self._on_encoder_run(len(encoded))
-        out = encoded[0]
-        await cache.commit(out.meta.mm_hash, out.meta, out.ref[0], request_id)
-        return out.meta, out.ref[0]
-
-    async def _reprocess(self, request_id: str, index: int) -> EncoderInput:
-        pre = await self.h.preprocess.preprocess.remote(self._messages[request_id], use_cache=False)
-        enc = pre.items[index].encoder_input
-        assert enc is not None
-        return enc
-
-    async def _release(self, request_id: str) -> None:
-        self._messages.pop(request_id, None)
+    async def release(self, prepared: Prepared) -> None:
+        if not prepared.pin_id:
+            return
         try:
-            await self.h.cache.release(request_id)
+            await self.h.cache.release(prepared.pin_id, list(prepared.mm_hashes))
         except Exception:  # never let cleanup mask the original error
-            logger.exception("releasing encoder-cache pins of %s failed", request_id)
+            logger.exception("releasing encoder-cache pins of %s failed", prepared.pin_id)
+
+    def _release_soon(self, prepared: Prepared) -> None:
+        """Release in the background: the first token need not wait for the cache shards."""
+        if not prepared.pin_id:
+            return
+        task = asyncio.get_running_loop().create_task(self.release(prepared))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def replay(self, request_id: str) -> dict[str, Any] | None:
         """The preprocessed request's replay facts (mm_hashes, placeholders, metadata), if it got that far."""
@@ -165,59 +170,54 @@ class Orchestrator:
     def forget(self, request_id: str) -> None:
         """The request is over (answered or failed and logged): drop its replay facts."""
         self._replay.pop(request_id, None)
+        self._messages.pop(request_id, None)
 
     def decode(self, token_ids: Any) -> str:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
 
-    async def stream_prepared(
-        self,
-        request_id: str,
-        prompt_ids: list[int],
-        mm_items: list[EmbeddingRef],
-        params: SamplingParams,
-        release: Callable[[], Awaitable[None]],
+    async def stream(
+        self, request_id: str, prepared: Prepared, params: SamplingParams
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream the LLM's outputs; pins are released at the first output or on any exit."""
-        released = False
-        stream = None
+        """Submit to the LLM pool and yield the request's outputs; pins are released once submitted."""
+        reply: SubmitReply | None = None
         try:
-            stream, first = await self._first_output(request_id, prompt_ids, mm_items, params)
-            if first is None:
-                return
-            released = True
-            await release()
-            yield first
-            async for out in stream:
-                yield out
+            prepared, reply = await self._submit(request_id, prepared, params)
         finally:
-            if stream is not None:
-                stream.cancel()
-            if not released:
-                await release()
+            if reply is not None:
+                self._release_soon(prepared)
+            else:
+                await asyncio.shield(self.release(prepared))
+            self._messages.pop(request_id, None)
+        outs = self.h.llm.outputs(request_id, reply)
+        try:
+            async for out in outs:
+                if out.finish_reason == "error":
+                    raise APIError(500, f"generation failed: {out.error}", code="generation_error")
+                yield out
+        finally:  # a caller that stops early aborts the request on its replica now, not at GC
+            await outs.aclose()
 
-    async def _first_output(
-        self, request_id: str, prompt_ids: list[int], mm_items: list[EmbeddingRef], params: SamplingParams
-    ) -> tuple[Any, RequestOutput | None]:
-        """Call the LLM and wait for its first output, re-encoding lost embeddings once."""
-        hashes = compute_block_hashes(
-            prompt_ids, [(m.offset, m.length, m.mm_hash) for m in mm_items], self.block_size
-        )
+    async def _submit(
+        self, request_id: str, prepared: Prepared, params: SamplingParams
+    ) -> tuple[Prepared, SubmitReply]:
+        """Submit, re-encoding lost embeddings once; returns what was submitted and where."""
         for attempt in (1, 2):
-            spec = LLMRequestSpec(request_id, prompt_ids, params, mm_items, hashes)
-            stream = self.h.llm.options(stream=True).generate.remote(spec)
+            items = prepared.mm_items
+            hashes = compute_block_hashes(
+                prepared.prompt_token_ids, [(m.offset, m.length, m.mm_hash) for m in items], self.block_size
+            )
+            spec = LLMRequestSpec(request_id, prepared.prompt_token_ids, params, items, hashes)
             try:
-                return stream, await stream.__anext__()
-            except StopAsyncIteration:
-                return stream, None
+                return prepared, await self.h.llm.submit(spec)
             except BaseException as e:
-                stream.cancel()
                 lost = find_cause(e, EmbeddingsLost, "mm_hashes")
                 if lost is None:
                     raise
-                await self._invalidate(request_id, lost.mm_hashes, mm_items, attempt)
+                await self._invalidate(request_id, lost.mm_hashes, items, attempt)
                 if attempt == 2:
                     raise _lost_twice(lost.mm_hashes) from e
-                mm_items = await self._reencode(request_id, mm_items, lost.mm_hashes)
+                await self.release(prepared)
+                prepared = await self._prepare_media(request_id, f"{request_id}#retry")
         raise AssertionError("unreachable: the second attempt returns or raises")
 
     async def _invalidate(
@@ -230,24 +230,6 @@ class Orchestrator:
         sent = {m.mm_hash: ref_id(m.ref[0]) for m in mm_items if m.mm_hash in lost}
         await self.h.cache.invalidate(lost, sent)
 
-    async def _reencode(
-        self, request_id: str, mm_items: list[EmbeddingRef], lost: list[str]
-    ) -> list[EmbeddingRef]:
-        """Fresh refs for the lost items; the others keep theirs (and their pins).
-
-        A new preprocess pass gives the lost items their encoder inputs back (the index no longer
-        lists them; the processor cache may still hold their tensors, else they are processed
-        again); each is then a cache hit (someone re-encoded it already) or reserved and encoded.
-        """
-        pre: PreprocessedRequest = await self.h.preprocess.preprocess.remote(self._messages[request_id])
-        firsts: dict[str, Any] = {}
-        for item in pre.items:
-            firsts.setdefault(item.mm_hash, item)
-        wanted = list(dict.fromkeys(lost))
-        found = await asyncio.gather(*(self._one_item(request_id, pre, firsts[h]) for h in wanted))
-        fresh = {h: ref for h, (_, ref) in zip(wanted, found, strict=True)}
-        return [replace(m, ref=[fresh[m.mm_hash]]) if m.mm_hash in fresh else m for m in mm_items]
-
 
 def _lost_twice(mm_hashes: list[str]) -> APIError:
     return APIError(
@@ -259,5 +241,4 @@ def _lost_twice(mm_hashes: list[str]) -> APIError:
     )
 
 
-async def _noop() -> None:
-    await asyncio.sleep(0)
+Release = Callable[[], Awaitable[None]]

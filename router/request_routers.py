@@ -7,6 +7,8 @@ The decisions themselves are the pure functions in router.prefix_affinity.
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,7 +42,7 @@ class _InFlight:
             self.by_replica[replica] = max(0.0, self.by_replica.get(replica, 0.0) - amount)
 
 
-class _LoadAwareRouter(FIFOMixin, RequestRouter):
+class _LoadAwareRouter(RequestRouter):
     """Shared machinery: exact in-flight amounts per replica, and an ordering hook ``_rank``."""
 
     def initialize_state(self, **kwargs: Any) -> None:
@@ -80,8 +82,8 @@ class _LoadAwareRouter(FIFOMixin, RequestRouter):
         self._inflight.by_replica.pop(replica_id, None)
 
 
-class LeastQueuedEmbeddingsRouter(_LoadAwareRouter):
-    """Encoder pool: the replica with the fewest embeddings waiting to be computed."""
+class LeastQueuedEmbeddingsRouter(FIFOMixin, _LoadAwareRouter):
+    """Encoder pool: the replica with the fewest embeddings waiting to be computed (oldest request first)."""
 
     def _reported(self, replica: RunningReplica) -> float:
         return float(replica.routing_stats.get("queued_embeddings", 0.0))
@@ -90,27 +92,68 @@ class LeastQueuedEmbeddingsRouter(_LoadAwareRouter):
         return float(_request_arg(pending_request, "num_embeds", 0))
 
 
+class _RecentRoutes:
+    """Requests routed to each replica in the last ``window_s``: a submit returns at once, so the
+    load of what it started shows only in the replica's next routing stats; until then, count it."""
+
+    def __init__(self, window_s: float = 1.5) -> None:
+        self.window_s = window_s
+        self._at: dict[ReplicaID, deque[float]] = {}
+
+    def add(self, replica: ReplicaID, now: float | None = None) -> None:
+        self._at.setdefault(replica, deque()).append(time.monotonic() if now is None else now)
+
+    def count(self, replica: ReplicaID, now: float | None = None) -> int:
+        q = self._at.get(replica)
+        if not q:
+            return 0
+        cutoff = (time.monotonic() if now is None else now) - self.window_s
+        while q and q[0] < cutoff:
+            q.popleft()
+        return len(q)
+
+    def drop(self, replica: ReplicaID) -> None:
+        self._at.pop(replica, None)
+
+
 class PrefixAffinityRouter(_LoadAwareRouter):
-    """LLM pool: longest cached prefix of the request's block hashes, balanced against load."""
+    """LLM pool: longest cached prefix of the request's block hashes, balanced against load.
+
+    A call that names ``target_replica`` (output channels, aborts) goes to that replica; if it is
+    gone, anywhere (the replica that gets it answers "unknown channel", an abort is a no-op). No
+    FIFOMixin here: it hands a chosen replica to the oldest pending request, whatever that one's
+    own choice was, which would break both affinity and targeting.
+    """
 
     def initialize_state(self, **kwargs: Any) -> None:
         super().initialize_state(**kwargs)
         self._index = PrefixAffinityIndex()
+        self._recent = _RecentRoutes()
 
     def _reported(self, replica: RunningReplica) -> float:
         stats = replica.routing_stats
-        return float(stats.get("num_running", 0)) + float(stats.get("num_waiting", 0))
+        running = float(stats.get("num_running", 0)) + float(stats.get("num_waiting", 0))
+        return running + self._recent.count(replica.replica_id)
 
     def _amount(self, pending_request: PendingRequest) -> float:
-        return 1.0
+        return 0.0 if _request_arg(pending_request, "target_replica", "") else 1.0
 
     def _rank(self, pending_request: PendingRequest | None, load: dict[ReplicaID, float]) -> list[ReplicaID]:
+        target = _request_arg(pending_request, "target_replica", "")
+        if target:
+            for rid in load:
+                if rid.unique_id == target:
+                    return [rid]
+            return least_loaded(load)
         return self._index.choose(list(_request_arg(pending_request, "block_hashes", ())), load)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        self._index.record(replica_id, list(_request_arg(pending_request, "block_hashes", ())))
+        if not _request_arg(pending_request, "target_replica", ""):
+            self._index.record(replica_id, list(_request_arg(pending_request, "block_hashes", ())))
+            self._recent.add(replica_id)
         super().on_request_routed(pending_request, replica_id, result)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._index.remove_replica(replica_id)
+        self._recent.drop(replica_id)

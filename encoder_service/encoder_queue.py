@@ -1,0 +1,65 @@
+"""The encoder replica's step policy: a FIFO of items from every request, cut into steps under the
+compute budget. Pure Python (no torch, no Ray): ``EncoderPoolServer`` only drives it.
+
+    push(entry) ──▶ [ FIFO of entries, queued_embeds counted ] ──next_step()──▶ ≤ budget per step
+
+A step takes entries in arrival order until the next would overflow ``max_num_encoder_input_tokens``
+(the first always goes: admission checked it fits), so many small requests share a step and one
+huge request cannot hold the rest for longer than one step. Entries whose caller left are skipped.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Generic, Protocol, TypeVar
+
+
+class HasNumEmbeds(Protocol):
+    @property
+    def num_embeds(self) -> int: ...
+
+
+T = TypeVar("T", bound=HasNumEmbeds)
+
+
+class EncoderQueue(Generic[T]):
+    def __init__(self, max_num_encoder_input_tokens: int, is_cancelled: Callable[[T], bool]) -> None:
+        if max_num_encoder_input_tokens <= 0:
+            raise ValueError("max_num_encoder_input_tokens must be positive")
+        self.budget = max_num_encoder_input_tokens
+        self._is_cancelled = is_cancelled
+        self._fifo: deque[T] = deque()
+        self.queued_embeds = 0  # waiting in the FIFO plus taken by the step being computed
+
+    def __len__(self) -> int:
+        return len(self._fifo)
+
+    def check(self, entry: T, what: str) -> None:
+        """Admission: an item larger than one step can never be encoded."""
+        if entry.num_embeds > self.budget:
+            raise ValueError(
+                f"{what} needs {entry.num_embeds} embeddings, more than "
+                f"max_num_encoder_input_tokens={self.budget}"
+            )
+
+    def push(self, entry: T) -> None:
+        self._fifo.append(entry)
+        self.queued_embeds += entry.num_embeds
+
+    def next_step(self) -> list[T]:
+        """Entries for the next step, oldest first, within the budget; cancelled ones are dropped."""
+        step: list[T] = []
+        total = 0
+        while self._fifo and (not step or total + self._fifo[0].num_embeds <= self.budget):
+            entry = self._fifo.popleft()
+            if self._is_cancelled(entry):
+                self.queued_embeds -= entry.num_embeds
+                continue
+            step.append(entry)
+            total += entry.num_embeds
+        return step
+
+    def done(self, step: list[T]) -> None:
+        """The step was computed (or failed): its embeddings are no longer queued."""
+        self.queued_embeds -= sum(e.num_embeds for e in step)

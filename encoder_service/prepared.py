@@ -1,0 +1,55 @@
+"""What the preprocessor pool hands the router for one media request: prompt ids ready for the LLM and,
+per item, where it sits and the ObjectRef of its embeddings (pinned in the shared cache for the
+request until the router releases it).
+
+The wire form is derived from the dataclass fields (adding a field cannot drop it on one side);
+ObjectRefs travel beside the msgpack bytes so Ray keeps counting them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from encoder_service.types import Modality
+from encoder_service.wire import grid_from_wire, pack, plain, unpack
+
+
+@dataclass(frozen=True)
+class PreparedItem:
+    mm_hash: str
+    modality: Modality
+    offset: int
+    length: int
+    grid_thw: tuple[int, int, int] | None = None
+    ref: list[Any] = field(default_factory=list, compare=False)  # [ObjectRef], not in the msgpack
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    prompt_token_ids: list[int]
+    items: list[PreparedItem]
+    num_encoded: int  # items this request sent to an encoder (the rest were cache hits)
+    log: dict[str, Any]  # PreprocessedRequest.to_log(): what a failure's log line replays
+
+    @property
+    def mm_hashes(self) -> list[str]:
+        return list(dict.fromkeys(it.mm_hash for it in self.items))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        items = [{k: v for k, v in asdict(it).items() if k != "ref"} for it in self.items]
+        record = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "items"}
+        raw = pack("PreparedRequest", plain({**record, "items": items}))
+        return (_prepared_from_bytes, (raw, [it.ref for it in self.items]))
+
+
+def _prepared_from_bytes(raw: bytes, refs: list[list[Any]]) -> PreparedRequest:
+    d = unpack("PreparedRequest", raw)
+    if len(refs) != len(d["items"]):
+        raise ValueError(f"PreparedRequest carries {len(d['items'])} items but {len(refs)} refs")
+    items = [
+        PreparedItem(**{**it, "grid_thw": grid_from_wire(it["grid_thw"]), "ref": list(ref)})
+        for it, ref in zip(d["items"], refs, strict=True)
+    ]
+    record = {f.name: d[f.name] for f in fields(PreparedRequest) if f.name != "items"}
+    return PreparedRequest(**{**record, "items": items})

@@ -1,0 +1,59 @@
+"""Embeddings a request refers to, fetched from the object store before the engine sees it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from llm_service.multimodal import MultiModalInput
+from llm_service.request_spec import EmbeddingRef
+
+
+class EmbeddingsLost(Exception):
+    """Embeddings the request refers to are gone from the object store: their owner (the encoder
+    replica that computed them) died, or the fetch timed out. Raised before the request reaches the
+    engine, so it holds no KV blocks; the router invalidates ``mm_hashes`` and re-encodes them.
+    """
+
+    status_code = 503
+    code = "embeddings_lost"
+
+    def __init__(self, mm_hashes: Sequence[str], detail: str = "") -> None:
+        self.mm_hashes = list(mm_hashes)
+        self.detail = detail
+        names = ", ".join(h[:16] for h in self.mm_hashes)
+        super().__init__(f"embeddings of {len(self.mm_hashes)} item(s) are lost ({names}): {detail}")
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]  # keeps the fields across pickling (Ray)
+        return (type(self), (self.mm_hashes, self.detail))
+
+
+def is_lost_object(exc: BaseException) -> bool:
+    """Ray's ways of saying an object cannot be fetched any more (OwnerDiedError, ObjectFreedError,
+    ObjectFetchTimedOutError, ObjectReconstructionFailedError all subclass ObjectLostError)."""
+    from ray.exceptions import ObjectLostError
+
+    return isinstance(exc, ObjectLostError | TimeoutError)
+
+
+async def resolve_embeddings(
+    items: Sequence[EmbeddingRef], fetch: Callable[[Any], Any]
+) -> list[MultiModalInput]:
+    """Fetch each item's embeddings (from the object store) into MultiModalInputs.
+
+    Raises ``EmbeddingsLost`` naming every item whose object is lost (not just the first one).
+    """
+    tensors = await asyncio.gather(*(fetch(it.ref[0]) for it in items), return_exceptions=True)
+    errors = [t for t in tensors if isinstance(t, BaseException)]
+    if other := [e for e in errors if not is_lost_object(e)]:
+        raise other[0]
+    if errors:
+        lost = [it.mm_hash for it, t in zip(items, tensors, strict=True) if isinstance(t, BaseException)]
+        raise EmbeddingsLost(list(dict.fromkeys(lost)), type(errors[0]).__name__) from errors[0]
+    return [
+        MultiModalInput(
+            embeddings=t, offset=it.offset, mm_hash=it.mm_hash, modality=it.modality, grid_thw=it.grid_thw
+        )
+        for it, t in zip(items, tensors, strict=True)
+    ]

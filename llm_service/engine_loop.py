@@ -1,0 +1,179 @@
+"""``EngineLoop``: drives one engine on a worker thread, for async callers on the replica's loop.
+
+The engine is not thread-safe, so every engine call happens on one worker thread: callers only
+enqueue adds and aborts; the loop applies them between steps, runs ``step()``, and hands each
+step's outputs to ``on_outputs`` (all of them at once: the output channels and metrics) and to the
+per-request queues of ``stream()`` callers. Errors of one request (a rejected add) go to that
+request only: its queue, or ``on_error`` for requests submitted without one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from llm_service.multimodal import MultiModalInput
+from llm_service.outputs import RequestOutput
+from llm_service.sampling_params import SamplingParams
+
+logger = logging.getLogger("mmserve.llm")
+
+_Add = tuple[str, list[int], SamplingParams, list[MultiModalInput]]  # request id, prompt, params, media
+OnOutputs = Callable[[list[RequestOutput]], None]
+OnError = Callable[[str, BaseException], None]
+
+
+class EngineLoop:
+    """Drives an engine on one thread; async callers submit requests or stream them one by one."""
+
+    def __init__(
+        self, engine: Any, on_outputs: OnOutputs | None = None, on_error: OnError | None = None
+    ) -> None:
+        self.engine = engine
+        self._on_outputs = on_outputs or (lambda outs: None)  # every step's outputs, listened to or not
+        self._on_error = on_error or (lambda rid, e: None)
+        self._lock = threading.Lock()
+        # Adds and aborts (a bare request id) in arrival order: a stream cancelled before the loop
+        # picked up its add must be added, then aborted, never the other way round.
+        self._pending: list[_Add | str] = []
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._live: set[str] = set()  # submitted and not yet finished or aborted
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.last_stats: Any = None
+
+    @property
+    def task(self) -> asyncio.Task[None] | None:
+        return self._task
+
+    def _ensure_started(self) -> None:
+        if self._task is None or self._task.done():
+            self._wakeup = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        mm_inputs: list[MultiModalInput],
+    ) -> None:
+        """Queue a request; its outputs reach ``on_outputs``, a rejection ``on_error``."""
+        self._ensure_started()
+        assert self._wakeup is not None
+        if request_id in self._live:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        self._live.add(request_id)
+        with self._lock:
+            self._pending.append((request_id, prompt_token_ids, params, mm_inputs))
+        self._wakeup.set()
+
+    async def stream(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        mm_inputs: list[MultiModalInput],
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit and yield this request's outputs; leaving early aborts it."""
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        if request_id in self._queues:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        self._queues[request_id] = queue
+        finished = False
+        try:
+            self.submit(request_id, prompt_token_ids, params, mm_inputs)
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:  # the caller went away (disconnect, cancellation): free its KV blocks
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        if request_id not in self._live:
+            return
+        self._live.discard(request_id)
+        with self._lock:
+            self._pending.append(request_id)
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    def _step_once(self) -> tuple[list[RequestOutput], list[tuple[str, BaseException]]]:
+        """Runs on the worker thread: apply queued adds/aborts, then one engine step."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        errors: list[tuple[str, BaseException]] = []
+        for op in pending:
+            if isinstance(op, str):
+                self.engine.abort(op)
+                continue
+            rid, ids, params, mm = op
+            try:
+                self.engine.add_request(rid, ids, params, mm)
+            except Exception as e:  # RequestRejected and friends go back to that caller only
+                errors.append((rid, e))
+        outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+        self.last_stats = self.engine.stats()
+        return outputs, errors
+
+    def _has_pending(self) -> bool:
+        with self._lock:
+            return bool(self._pending)
+
+    async def _run(self) -> None:
+        try:
+            await self._loop_forever()
+        except BaseException as e:  # the loop is gone: no request may wait on it forever
+            if not isinstance(e, asyncio.CancelledError):
+                logger.exception("engine loop died")
+            err = e if isinstance(e, Exception) else RuntimeError("engine loop stopped")
+            for rid in list(self._live):
+                self._error(rid, err)
+            raise
+
+    def _error(self, rid: str, err: BaseException) -> None:
+        self._live.discard(rid)
+        if (q := self._queues.get(rid)) is not None:
+            q.put_nowait(err)
+        else:
+            self._on_error(rid, err)
+
+    async def _loop_forever(self) -> None:
+        assert self._wakeup is not None
+        while True:
+            if not self.engine.has_unfinished_requests() and not self._has_pending():
+                await self._wakeup.wait()
+                self._wakeup.clear()
+                continue
+            try:
+                outputs, errors = await asyncio.to_thread(self._step_once)
+            except Exception as e:  # an engine bug: fail every request rather than hang them
+                logger.exception("engine step failed")
+                for rid in list(self._live):
+                    self._error(rid, e)
+                    with self._lock:
+                        self._pending.append(rid)
+                continue
+            for rid, err in errors:
+                self._error(rid, err)
+            for out in outputs:
+                if out.finished:
+                    self._live.discard(out.request_id)
+            try:
+                self._on_outputs(outputs)
+            except Exception:  # metrics must never stop the loop that every stream waits on
+                logger.exception("on_outputs callback failed")
+            for out in outputs:
+                if (oq := self._queues.get(out.request_id)) is not None:
+                    oq.put_nowait(out)

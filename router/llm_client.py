@@ -1,0 +1,150 @@
+"""The ingress end of the LLM pool's output channels (llm_service/output_channels.py).
+
+``LLMClient.stream(spec)`` submits a request (a unary call, routed by prefix affinity) and yields
+its outputs as they arrive on the channel of the replica that took it. One reader task per open
+channel receives each engine step's outputs for every request of this ingress on that replica as
+one message and fans them out to the requests' queues. If a channel breaks (the replica died),
+every request still waiting on it gets ``ChannelLost``; a request whose caller leaves is aborted on
+its replica with a targeted ``abort`` call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from llm_service.output_channels import ChannelBatch
+from llm_service.outputs import RequestOutput
+from llm_service.request_spec import LLMRequestSpec, ReplicaTarget, SubmitReply
+
+logger = logging.getLogger("mmserve.router")
+
+_Item = RequestOutput | BaseException
+
+
+class ChannelLost(RuntimeError):
+    """The LLM replica's output channel broke before the request finished (the replica died)."""
+
+    status_code = 503
+    code = "llm_replica_lost"
+
+
+@dataclass
+class _Reader:
+    replica_id: str
+    channel_id: str
+    requests: set[str] = field(default_factory=set)
+    task: asyncio.Task[None] | None = None
+
+
+class LLMClient:
+    """Per ingress replica and model: submits to the LLM pool, reads its output channels."""
+
+    def __init__(self, handle: Any, ingress_id: str | None = None, connect_timeout_s: float = 30.0) -> None:
+        self.handle = handle
+        self.ingress_id = ingress_id or f"ingress-{uuid.uuid4().hex[:12]}"
+        self.connect_timeout_s = connect_timeout_s
+        self._queues: dict[str, asyncio.Queue[_Item]] = {}
+        self._readers: dict[str, _Reader] = {}  # channel id -> reader
+
+    def __len__(self) -> int:
+        return len(self._queues)
+
+    async def submit(self, spec: LLMRequestSpec) -> SubmitReply:
+        """Queue ``spec`` on a replica; its outputs go to ``self.outputs(request_id)``."""
+        spec = _with_ingress(spec, self.ingress_id)
+        self._queues[spec.request_id] = asyncio.Queue()
+        try:
+            reply: SubmitReply = await self.handle.submit.remote(spec)
+        except BaseException:
+            self._queues.pop(spec.request_id, None)
+            raise
+        reader = self._readers.get(reply.channel_id)
+        if reader is None:
+            reader = _Reader(reply.replica_id, reply.channel_id)
+            self._readers[reply.channel_id] = reader
+            reader.task = asyncio.get_running_loop().create_task(self._read(reader))
+        reader.requests.add(spec.request_id)
+        return reply
+
+    async def outputs(self, request_id: str, reply: SubmitReply) -> AsyncGenerator[RequestOutput, None]:
+        """The submitted request's outputs; leaving before the last aborts it on its replica."""
+        queue = self._queues[request_id]
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            reader = self._readers.get(reply.channel_id)
+            if reader is not None:
+                reader.requests.discard(request_id)
+            if not finished:
+                self._abort(reply.replica_id, request_id)
+
+    async def stream(self, spec: LLMRequestSpec) -> AsyncIterator[RequestOutput]:
+        reply = await self.submit(spec)
+        async for out in self.outputs(spec.request_id, reply):
+            yield out
+
+    def _abort(self, replica_id: str, request_id: str) -> None:
+        target = ReplicaTarget(replica_id, request_ids=(request_id,))
+        try:
+            self.handle.abort.remote(target)  # fire and forget: its response is not awaited
+        except Exception:  # the replica is gone: nothing to abort
+            logger.debug("abort of %s on %s not sent", request_id, replica_id, exc_info=True)
+
+    async def _read(self, reader: _Reader) -> None:
+        target = ReplicaTarget(reader.replica_id, channel_id=reader.channel_id)
+        error: BaseException | None = None
+        try:
+            stream = self.handle.options(stream=True).channel.remote(target)
+            hello: ChannelBatch = await asyncio.wait_for(stream.__anext__(), self.connect_timeout_s)
+            if hello.replica_id != reader.replica_id:
+                raise ChannelLost(f"channel {reader.channel_id} reached {hello.replica_id}")
+            self._dispatch(hello)
+            async for batch in stream:
+                self._dispatch(batch)
+        except asyncio.CancelledError:
+            error = ChannelLost("the ingress is shutting down")
+            raise
+        except BaseException as e:
+            logger.warning("output channel %s broke: %r", reader.channel_id, e)
+            error = ChannelLost(f"the LLM replica {reader.replica_id} stopped sending: {e}")
+        finally:
+            self._readers.pop(reader.channel_id, None)
+            # Requests still open on a closed channel never get another output: fail them.
+            why = error or ChannelLost(f"output channel {reader.channel_id} closed early")
+            for rid in reader.requests:
+                if (q := self._queues.get(rid)) is not None:
+                    q.put_nowait(why)
+
+    def _dispatch(self, batch: ChannelBatch) -> None:
+        for out in batch.outputs:
+            if (q := self._queues.get(out.request_id)) is not None:
+                q.put_nowait(out)
+        for rid, err in batch.errors:
+            if (q := self._queues.get(rid)) is not None:
+                q.put_nowait(err)
+
+    async def close(self) -> None:
+        for reader in list(self._readers.values()):
+            if reader.task is not None:
+                reader.task.cancel()
+
+
+def _with_ingress(spec: LLMRequestSpec, ingress_id: str) -> LLMRequestSpec:
+    from dataclasses import replace
+
+    return replace(spec, ingress_id=ingress_id)
