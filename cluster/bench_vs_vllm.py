@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.bench_procs import CLOCK_TICKS_PER_S
-from cluster.bench_profile import ScenarioProfile, process_costs, profile_table
+from cluster.bench_profile import IdleProfile, ScenarioProfile, process_costs, profile_table
 from cluster.bench_servers import ServerProcess
 from cluster.bench_stats import fmt_num, markdown_table, ratio
 
@@ -140,17 +140,27 @@ def run_load(args: argparse.Namespace, server: ServerProcess, load: Load, seed: 
     return LoadResult(server.name, load, metrics, profile)
 
 
-def run_server(args: argparse.Namespace, server: ServerProcess) -> list[LoadResult]:
+def run_server(args: argparse.Namespace, server: ServerProcess) -> tuple[list[LoadResult], IdleProfile]:
     log(f"starting {server.name}: {' '.join(server.argv)}")
     server.start()
     try:
         log(f"{server.name} healthy after {server.wait_healthy(args.startup_timeout):.0f} s")
         run_load(args, server, WARMUP, seed=1000)
-        return [run_load(args, server, load, seed=args.seed) for load in LOADS]
+        idle = measure_idle(server, args.idle_seconds)
+        return [run_load(args, server, load, seed=args.seed) for load in LOADS], idle
     finally:
         server.stop()
         left = server.leftovers()
         log(f"{server.name} stopped" + (f"; still alive: {left}" if left else ""))
+
+
+def measure_idle(server: ServerProcess, seconds: float) -> IdleProfile:
+    """The server's background CPU with nothing in flight (health checks, metrics, autoscaling)."""
+    before = server.snapshot()
+    t0 = time.monotonic()
+    time.sleep(seconds)
+    after = server.snapshot()
+    return IdleProfile(time.monotonic() - t0, process_costs(before, after, CLOCK_TICKS_PER_S))
 
 
 # -- the tables (pure) --------------------------------------------------------------------------------
@@ -187,13 +197,14 @@ def comparison_table(results: list[LoadResult]) -> str:
     return markdown_table(headers, rows)
 
 
-def render(results: list[LoadResult], header: str) -> str:
+def render(results: list[LoadResult], idles: dict[str, IdleProfile], header: str) -> str:
     parts = ["## mmserve vs vLLM (`vllm bench serve`, same model dir, one after the other)", header]
     parts.append(comparison_table(results))
     for server in ("mmserve", "vLLM"):
         profiles = [r.profile for r in results if r.server == server]
         if profiles:
-            parts += [f"### {server}: CPU-ms per completed request, by process", profile_table(profiles)]
+            table = profile_table(profiles, idles.get(server))
+            parts += [f"### {server}: CPU-ms per completed request, by process", table]
     return "\n\n".join(parts)
 
 
@@ -210,6 +221,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--idle-seconds", type=float, default=5.0, help="idle background measured after the warm-up"
+    )
     p.add_argument("--startup-timeout", type=float, default=600)
     p.add_argument(
         "--out-dir", type=Path, default=Path("/tmp/bench_vs_vllm") / time.strftime("%Y%m%d-%H%M%S")
@@ -234,13 +248,15 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--servers: unknown {unknown}; choose from {sorted(servers)}")
     load_avg = os.getloadavg()
     results: list[LoadResult] = []
+    idles: dict[str, IdleProfile] = {}
     for name in order:
-        results += run_server(args, servers[name])
+        server_results, idles[servers[name].name] = run_server(args, servers[name])
+        results += server_results
     header = (
         f"model_dir={args.model_dir}, input_len={args.input_len}, output_len={args.output_len}, seed={args.seed}, "
         f"cores={os.cpu_count()}, load average at start {load_avg[0]:.2f}, at end {os.getloadavg()[0]:.2f}"
     )
-    print(render(results, header), flush=True)
+    print(render(results, idles, header), flush=True)
     if args.json:
         rows = [
             {
@@ -251,7 +267,12 @@ def main(argv: list[str] | None = None) -> int:
             }
             for r in results
         ]
-        args.json.write_text(json.dumps({"header": header, "results": rows}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {"header": header, "results": rows, "idle": {k: v.to_json() for k, v in idles.items()}},
+                indent=2,
+            )
+        )
         log(f"raw numbers written to {args.json}")
     return 0
 

@@ -215,3 +215,43 @@ def test_idle_column_is_cpu_ms_per_second() -> None:
     assert lines[5] == "| Ingress | 100.0 | 0.0 |"
     assert lines[6] == "| Serve controller | 2.5 | 6.0 |"
     assert idle.to_json() == {"seconds": 5.0, "cpu_ms_per_s": {"Serve controller": 6.0}}
+
+
+def test_vs_vllm_bench_argv_matches_the_peer_script_flags() -> None:
+    import argparse
+    from pathlib import Path
+
+    from cluster.bench_vs_vllm import LOADS, bench_argv
+
+    args = argparse.Namespace(
+        vllm_venv=Path("/v"),
+        peer_dir=Path("/p"),
+        served_name="m",
+        model_dir=Path("/d"),
+        input_len=64,
+        output_len=16,
+    )
+    image = bench_argv(args, LOADS[0], "http://127.0.0.1:9", 0, Path("/r/x.json"))
+    opts = dict(zip(image[4::2], image[5::2], strict=False))  # after: python vllm_cli.py bench serve
+    assert image[:4] == ["/v/bin/python", "/p/vllm_cli.py", "bench", "serve"]
+    assert opts["--dataset-name"] == "random-mm" and opts["--num-prompts"] == "128"
+    assert opts["--max-concurrency"] == "32" and opts["--random-output-len"] == "16"
+    assert opts["--random-mm-bucket-config"].startswith("{(64, 64, 1): 0.25")
+    assert "--ignore-eos" in image and image[-4:] == ["--result-dir", "/r", "--result-filename", "x.json"]
+    text = bench_argv(args, LOADS[2], "http://127.0.0.1:9", 0, Path("/r/y.json"))
+    assert "random" in text and not any(a.startswith("--random-mm") for a in text)
+
+
+def test_vs_vllm_table_puts_mmserve_over_vllm() -> None:
+    from cluster.bench_vs_vllm import LOADS, LoadResult, comparison_table
+
+    def result(server: str, rps: float, ttft: float, cpu_ms: float) -> LoadResult:
+        m = {"request_throughput": rps, "mean_ttft_ms": ttft, "mean_tpot_ms": 4.0, "median_itl_ms": 2.0}
+        prof = ScenarioProfile(LOADS[0].name, 10, rps, None, [ProcessCost(1, "x", "", cpu_ms)])
+        return LoadResult(server, LOADS[0], m, prof)
+
+    lines = comparison_table([result("vLLM", 64.0, 200.0, 270.0), result("mmserve", 16.0, 1000.0, 1000.0)])
+    cells = [c.strip() for c in lines.splitlines()[2].strip("|").split("|")]
+    assert cells[:7] == [LOADS[0].name, "64.0", "16.0", "0.25", "200.0", "1000.0", "5.00"]
+    assert cells[-3:] == ["27.0", "100.0", "3.70"]  # CPU-ms per request: 270/10, 1000/10
+    assert lines.splitlines()[3].startswith(f"| {LOADS[1].name} | - | - | - |")  # a load not run
