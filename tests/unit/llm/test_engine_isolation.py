@@ -222,3 +222,22 @@ def test_extreme_seeds_are_accepted() -> None:
     for seed in (-(1 << 63), (1 << 64) - 1, 0):
         SamplingParams(seed=seed, temperature=1.0).validate()
         torch.Generator().manual_seed(seed)
+
+
+def test_an_errored_output_and_its_exception_cross_processes() -> None:
+    import pickle
+
+    from llm_service.errors import RequestFailed
+    from llm_service.outputs import RequestOutput
+
+    out = RequestOutput("r", [], None, True, "error", 7, 4, error="NaN logits")
+    assert pickle.loads(pickle.dumps(out)) == out
+    plain = RequestOutput("r", [3], None, False, None, 7, 4)
+    assert pickle.loads(pickle.dumps(plain)).error is None
+    err = pickle.loads(pickle.dumps(RequestFailed("r", "NaN logits")))
+    assert (err.request_id, err.message, err.status_code, err.code) == (
+        "r",
+        "NaN logits",
+        500,
+        "request_failed",
+    )
