@@ -31,6 +31,7 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     cache_dir = tmp_path_factory.mktemp("models")
     cfg = default_config().model_dump()
     cfg.update(port=PORT, models_cache_dir=str(cache_dir))
+    cfg["ingress"]["http_mode"] = "direct"  # what `mmserve serve` runs (the multi-node test covers the proxy)
     for m in cfg["models"]:
         m["preprocess"]["media"]["allow_private_addresses"] = True  # the test's HTTP server is on loopback
         m["preprocess"]["limit_mm_per_prompt"] = {"image": 2, "video": 1, "audio": 1}

@@ -79,7 +79,7 @@ def test_zzz_graceful_encoder_shutdown_invalidates_what_it_owns(client: OpenAI) 
     from ray import serve
 
     from cluster.config import default_config
-    from router.deployment import cache_index_args, open_cache_index
+    from cluster.app import cache_index_args, open_cache_index
 
     png = make_image_bytes(42, 70, seed=405)
     ask(client, VL, [{"type": "image_url", "image_url": {"url": data_url(png, "image/png")}}])

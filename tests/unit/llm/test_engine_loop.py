@@ -11,7 +11,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from llm_service.deployment import EngineLoop
+from llm_service.engine_loop import EngineLoop
 from llm_service.kv_cache_manager import KVCacheManager
 from llm_service.outputs import EngineStats, RequestOutput
 from llm_service.sampling_params import SamplingParams

@@ -1,8 +1,9 @@
-"""Orchestrator recovery from lost embeddings, without Ray: the real cache client and shard run
-in-process behind a ``.remote`` shim; the LLM fake runs the real ``resolve_embeddings`` and raises
-what Ray would deliver (a pickled ``EmbeddingsLost`` inside a ``RayTaskError``).
+"""Orchestrator recovery from lost embeddings, without Ray: the real cache client and shard and the
+real ``RequestPreparer`` run in-process behind a ``.remote`` shim; the encoder fake commits its
+outputs to the index as the real one does; the LLM fake runs the real ``resolve_embeddings`` in
+``submit`` and raises what Ray would deliver (a pickled ``EmbeddingsLost`` inside a ``RayTaskError``).
 
-Every scenario checks the books at the end: no pin left, release called exactly once per request.
+Every scenario checks the books at the end: no pin left.
 """
 
 from __future__ import annotations
@@ -19,18 +20,21 @@ import pytest
 from ray.exceptions import OwnerDiedError, RayTaskError
 
 from encoder_service.cache_index import CacheIndexShard, EncoderCacheClient
-from encoder_service.deployment import EncodeBatch, EncodedItem
 from encoder_service.hashing import compute_mm_hash
+from encoder_service.prepare import RequestPreparer
 from encoder_service.types import (
     EmbeddingMeta,
+    EncodeBatch,
+    EncodedItem,
     EncoderInput,
     MediaRef,
     MultiModalItem,
     PlaceholderRange,
     PreprocessedRequest,
 )
-from llm_service.deployment import EmbeddingsLost, LLMRequestSpec, resolve_embeddings
+from llm_service.embeddings import EmbeddingsLost, resolve_embeddings
 from llm_service.outputs import RequestOutput
+from llm_service.request_spec import EmbeddingRef, LLMRequestSpec, SubmitReply
 from llm_service.sampling_params import SamplingParams
 from router.errors import APIError
 from router.messages import NormalizedChat
@@ -71,12 +75,11 @@ class World:
 
 
 class FakePreprocess:
-    def __init__(self, cache: EncoderCacheClient) -> None:
-        self.cache = cache
+    """The Preprocessor's contract: hash, ask ``lookup`` which items are cached, process the rest."""
 
-    async def preprocess(self, messages: list[dict[str, Any]], use_cache: bool = True) -> PreprocessedRequest:
+    async def preprocess(self, messages: list[dict[str, Any]], lookup: Any = None) -> PreprocessedRequest:
         hashes = [p["hash"] for p in messages[0]["content"]]
-        found = await self.cache.lookup_meta(hashes) if use_cache else {}
+        found = await lookup(hashes) if lookup is not None else {}
         items = [
             MultiModalItem(
                 index=i,
@@ -93,8 +96,11 @@ class FakePreprocess:
 
 
 class FakeEncoder:
-    def __init__(self, world: World) -> None:
+    """Encodes (a name stands for the tensor) and commits to the index, as EncoderPoolServer does."""
+
+    def __init__(self, world: World, cache: EncoderCacheClient) -> None:
         self.w = world
+        self.cache = cache
 
     async def encode(self, batch: EncodeBatch) -> list[EncodedItem]:
         out = []
@@ -102,39 +108,23 @@ class FakeEncoder:
             self.w.encoded.append(inp.mm_hash)
             meta = EmbeddingMeta(inp.mm_hash, "image", inp.num_embeds, 8, "float32", inp.grid_thw)
             out.append(EncodedItem(meta, [FakeRef(self.w.owner)]))
+        for e in out:
+            await self.cache.commit(e.meta.mm_hash, e.meta, e.ref[0], batch.request_id)
         if self.w.die_after_encode:
             self.w.dead.add(self.w.owner)
         return out
 
 
-class FakeStream:
-    def __init__(self, gen: AsyncIterator[RequestOutput]) -> None:
-        self.gen = gen
-        self.cancelled = False
-
-    def __aiter__(self) -> FakeStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        return await self.gen.__anext__()
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-
 class FakeLLM:
+    """The LLMClient surface: ``submit`` fetches the embeddings (real ``resolve_embeddings``)."""
+
     def __init__(self, world: World) -> None:
         self.w = world
-        self.streams: list[FakeStream] = []
+        self.submits = 0
 
-    def options(self, **_: Any) -> SimpleNamespace:
-        return SimpleNamespace(generate=SimpleNamespace(remote=self._start))
+    async def submit(self, spec: LLMRequestSpec) -> SubmitReply:
+        self.submits += 1
 
-    def _start(self, spec: LLMRequestSpec) -> FakeStream:
-        self.streams.append(FakeStream(self._generate(spec)))
-        return self.streams[-1]
-
-    async def _generate(self, spec: LLMRequestSpec) -> AsyncIterator[RequestOutput]:
         async def fetch(ref: FakeRef) -> str:
             if ref.owner in self.w.dead:
                 raise OwnerDiedError(ref.hex(), None, "")
@@ -143,15 +133,21 @@ class FakeLLM:
         try:
             await resolve_embeddings(spec.mm_items, fetch)
         except EmbeddingsLost as e:  # what the router's handle raises: pickled, wrapped
-            wrapped = RayTaskError("generate", "Traceback", pickle.loads(pickle.dumps(e)))
+            wrapped = RayTaskError("submit", "Traceback", pickle.loads(pickle.dumps(e)))
             raise wrapped.as_instanceof_cause() from None
         self.w.admitted.append(spec)
-        yield RequestOutput(spec.request_id, [7], None, True, "length", len(spec.prompt_token_ids), 0)
+        return SubmitReply("llm-0", "ch-0")
+
+    async def outputs(self, request_id: str, reply: SubmitReply) -> AsyncIterator[RequestOutput]:
+        spec = next(s for s in self.w.admitted if s.request_id == request_id)
+        yield RequestOutput(request_id, [7], None, True, "length", len(spec.prompt_token_ids), 0)
 
 
-def _build(world: World) -> tuple[Orchestrator, EncoderCacheClient]:
-    cache = EncoderCacheClient([_Remote(CacheIndexShard(100, wait_timeout_s=1.0))])
-    handles = ModelHandles(_Remote(FakePreprocess(cache)), _Remote(FakeEncoder(world)), FakeLLM(world), cache)
+def _build(world: World, cache: EncoderCacheClient | None = None, encoder: Any = None) -> tuple[Orchestrator, EncoderCacheClient]:
+    cache = cache or EncoderCacheClient([_Remote(CacheIndexShard(100, wait_timeout_s=1.0))])
+    encoder = encoder or FakeEncoder(world, cache)
+    preparer = RequestPreparer(FakePreprocess(), cache, encoder.encode)
+    handles = ModelHandles(_Remote(preparer), FakeLLM(world), cache)  # type: ignore[arg-type]
     return Orchestrator(handles, tokenizer=None, block_size=4), cache
 
 
@@ -162,19 +158,15 @@ def _chat(*hashes: str) -> NormalizedChat:
     )
 
 
-async def _prepare(orch: Orchestrator, rid: str, *hashes: str) -> tuple[Any, list[int]]:
-    prompt, refs, release = await orch.prepare(rid, _chat(*hashes))
-    calls = [0]
-
-    async def counted() -> None:
-        calls[0] += 1
-        await release()
-
-    return orch.stream_prepared(rid, prompt, refs, SamplingParams(max_tokens=1), counted), calls
+async def _prepare(orch: Orchestrator, rid: str, *hashes: str) -> Any:
+    prepared = await orch.prepare(rid, _chat(*hashes))
+    return orch.stream(rid, prepared, SamplingParams(max_tokens=1))
 
 
 async def _finish(stream: Any) -> list[RequestOutput]:
-    return [out async for out in stream]
+    outs = [out async for out in stream]
+    await asyncio.sleep(0.01)  # pins are released in the background once the LLM took the request
+    return outs
 
 
 def test_lost_hit_is_invalidated_reencoded_and_served() -> None:
@@ -182,12 +174,12 @@ def test_lost_hit_is_invalidated_reencoded_and_served() -> None:
 
     async def scenario() -> dict[str, Any]:
         orch, cache = _build(world)
-        stream, released = await _prepare(orch, "a", H1)
-        assert len(await _finish(stream)) == 1 and released == [1]
+        stream = await _prepare(orch, "a", H1)
+        assert len(await _finish(stream)) == 1
         world.dead.add("enc-1")  # the replica that encoded H1 dies; the index still lists H1
         world.owner = "enc-2"
-        stream, released = await _prepare(orch, "b", H1)
-        assert len(await _finish(stream)) == 1 and released == [1]
+        stream = await _prepare(orch, "b", H1)
+        assert len(await _finish(stream)) == 1
         return await cache.stats()
 
     stats = asyncio.run(scenario())
@@ -200,19 +192,19 @@ def test_lost_hit_is_invalidated_reencoded_and_served() -> None:
 def test_a_second_loss_is_a_503_and_no_pin_leaks() -> None:
     world = World(die_after_encode=True)  # every replica dies right after encoding
 
-    async def scenario() -> tuple[APIError, dict[str, Any], list[int], list[FakeStream]]:
+    async def scenario() -> tuple[APIError, dict[str, Any], int]:
         orch, cache = _build(world)
-        stream, released = await _prepare(orch, "a", H1, H2)
+        stream = await _prepare(orch, "a", H1, H2)
         with pytest.raises(APIError) as e:
             await _finish(stream)
-        return e.value, await cache.stats(), released, orch.h.llm.streams
+        return e.value, await cache.stats(), orch.h.llm.submits  # type: ignore[attr-defined]
 
-    err, stats, released, streams = asyncio.run(scenario())
+    err, stats, submits = asyncio.run(scenario())
     assert err.status_code == 503 and err.code == "embeddings_lost" and "lost twice" in err.message
     assert err.headers() == {"Retry-After": "1"}
-    assert released == [1] and world.admitted == []  # never reached the engine
+    assert world.admitted == []  # never reached the engine
     assert sorted(world.encoded) == sorted([H1, H2, H1, H2])  # both items lost, both redone once
-    assert len(streams) == 2 and all(s.cancelled for s in streams)
+    assert submits == 2
     assert stats["pinned"] == 0 and stats["entries"] == 0 and stats["used"] == 0
     assert stats["invalidations"] == 4
 
@@ -224,15 +216,14 @@ def test_other_requests_pinning_the_lost_entry_recover_without_a_second_encode()
 
     async def scenario() -> dict[str, Any]:
         orch, cache = _build(world)
-        await _finish((await _prepare(orch, "a", H1))[0])
+        await _finish(await _prepare(orch, "a", H1))
         world.dead.add("enc-1")
         world.owner = "enc-2"
-        b, b_released = await _prepare(orch, "b", H1, H2)
-        c, c_released = await _prepare(orch, "c", H1)  # pins the same dead entry
+        b = await _prepare(orch, "b", H1, H2)
+        c = await _prepare(orch, "c", H1)  # pins the same dead entry
         assert (await cache.stats())["pinned"] == 2
         await _finish(b)
         await _finish(c)
-        assert b_released == [1] and c_released == [1]
         return await cache.stats()
 
     stats = asyncio.run(scenario())
@@ -246,26 +237,24 @@ def test_other_requests_pinning_the_lost_entry_recover_without_a_second_encode()
 def test_other_llm_errors_pass_through_and_release_once() -> None:
     world = World()
 
-    async def scenario() -> tuple[list[int], dict[str, Any]]:
+    async def scenario() -> dict[str, Any]:
         orch, cache = _build(world)
-        stream, released = await _prepare(orch, "a", H1)
+        stream = await _prepare(orch, "a", H1)
 
-        async def broken(spec: LLMRequestSpec) -> AsyncIterator[RequestOutput]:
+        async def broken(spec: LLMRequestSpec) -> SubmitReply:
             raise ValueError("bad sampling params")
-            yield  # pragma: no cover
 
-        orch.h.llm._generate = broken
+        orch.h.llm.submit = broken  # type: ignore[method-assign]
+        assert (await cache.stats())["pinned"] == 1
         with pytest.raises(ValueError, match="bad sampling"):
             await _finish(stream)
-        return released, await cache.stats()
+        return await cache.stats()
 
-    released, stats = asyncio.run(scenario())
-    assert released == [1] and stats["pinned"] == 0 and stats["invalidations"] == 0
+    stats = asyncio.run(scenario())
+    assert stats["pinned"] == 0 and stats["invalidations"] == 0
 
 
 def test_resolve_embeddings_names_every_lost_item_and_prefers_other_errors() -> None:
-    from llm_service.deployment import EmbeddingRef
-
     items = [EmbeddingRef([FakeRef(o)], 0, N, h, "image") for o, h in (("dead", H1), ("ok", H2))]
 
     async def lost_or_ok(ref: FakeRef) -> str:
