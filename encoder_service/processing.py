@@ -17,16 +17,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from encoder_service.errors import InvalidMediaInput, MMCacheMiss, TooManyItems
+from encoder_service.errors import (
+    InvalidMediaInput,
+    MediaDecodeError,
+    MediaError,
+    MMCacheMiss,
+    TooManyItems,
+)
 from encoder_service.hashing import compute_mm_hash
 from encoder_service.media.fetch import FetchedMedia, fetch_media_bytes
-from encoder_service.media.image import image_header
+from encoder_service.media.image import decode_image_scaled, image_header
 from encoder_service.media.limits import MediaLimits
 from encoder_service.media.loader import decode_media
 from encoder_service.media.pinned_client import PinnedClient
 from encoder_service.media.url_safety import Resolver, resolve_host
 from encoder_service.processor_cache import ProcessorCache
-from encoder_service.processors import FamilyProcessor, load_family_processor
+from encoder_service.processors import FamilyProcessor, ProcessedItem, load_family_processor
 from encoder_service.types import (
     MODALITIES,
     EmbeddingMeta,
@@ -140,7 +146,18 @@ class Preprocessor:
     def preprocess_sync(
         self, messages: list[dict[str, Any]], lookup: Lookup | None = None
     ) -> PreprocessedRequest:
-        return asyncio.run(self.preprocess(messages, lookup))
+        """``preprocess`` for callers without an event loop.
+
+        The coroutine hands its result out through a list: Python 3.11's ``asyncio.run`` formats the
+        main task's repr (result included, so every tensor's repr) twice on the way out, which cost
+        more than the HF processor itself for a 720p image."""
+        box: list[PreprocessedRequest] = []
+
+        async def run() -> None:
+            box.append(await self.preprocess(messages, lookup))
+
+        asyncio.run(run())
+        return box[0]
 
     def _collect(self, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[_Item]]:
         """Media parts in prompt order (their index is the item index) and the messages the template sees."""
@@ -184,8 +201,12 @@ class Preprocessor:
         it.fetched = await fetch_media_bytes(
             ref, self.limits, item=it.index, client=self._http, resolver=self._resolver
         )
-        if ref.modality == "image":  # header-only pixel check, also for items the cache will serve
-            image_header(it.fetched.data, self.limits, item=it.index, label=f"image {it.index}")
+        if ref.modality == "image":  # header-only checks, also for items the cache will serve
+            header = image_header(it.fetched.data, self.limits, item=it.index, label=f"image {it.index}")
+            try:
+                self.family.check_image_size(*header.size)
+            except ValueError as e:
+                raise MediaDecodeError(f"image {it.index}: {e}", item=it.index) from e
 
     async def _lookup(self, lookup: Lookup | None, items: list[_Item]) -> dict[str, EmbeddingMeta]:
         if lookup is None or not items:
@@ -204,19 +225,41 @@ class Preprocessor:
             it.metadata = {"source": "processor_cache"}
             return
         assert it.fetched is not None
-        loaded = decode_media(
-            modality,
-            it.fetched,
-            self.limits,
-            item=it.index,
-            sampling_rate=self.family.sampling_rate or 16000,
-            frame_multiple=self.family.frame_multiple,
-        )
-        self.num_processor_calls += 1
-        out = self.family.process(modality, loaded.value)
-        it.num_embeds, it.grid_thw, it.metadata = out.num_embeds, out.grid_thw, loaded.metadata
+        label = f"{modality} {it.index}"
+        try:
+            if modality == "image":
+                out, it.metadata = self._process_image(it.fetched, it.index)
+            else:
+                loaded = decode_media(
+                    modality,
+                    it.fetched,
+                    self.limits,
+                    item=it.index,
+                    sampling_rate=self.family.sampling_rate or 16000,
+                    frame_multiple=self.family.frame_multiple,
+                )
+                self.num_processor_calls += 1
+                out, it.metadata = self.family.process(modality, loaded.value), loaded.metadata
+        except MediaError:
+            raise
+        except Exception as e:  # a decoder or HF processor refusing this item's data: the client's 422
+            raise MediaDecodeError(f"{label}: {type(e).__name__}: {str(e)[:200]}", item=it.index) from e
+        it.num_embeds, it.grid_thw = out.num_embeds, out.grid_thw
         it.encoder_input = EncoderInput(it.mm_hash, modality, out.num_embeds, out.grid_thw, out.tensors)
         self.processor_cache.put(it.encoder_input)
+
+    def _process_image(self, fetched: FetchedMedia, index: int) -> tuple[ProcessedItem, dict[str, Any]]:
+        """Decode (at reduced scale when the processor shrinks the image that much anyway) and process."""
+        label = f"image {index}"
+        header = image_header(fetched.data, self.limits, item=index, label=label)
+        min_size = self.family.image_decode_size(*header.size)
+        decoded = decode_image_scaled(fetched.data, self.limits, min_size=min_size, item=index, label=label)
+        self.num_processor_calls += 1
+        out = self.family.process_image(decoded)
+        meta = {"source": fetched.source, "num_bytes": len(fetched.data), **decoded.metadata()}
+        if decoded.reduced:
+            meta["decoded_size"] = list(decoded.image.size)
+        return out, meta
 
     def _tokenize(self, template_messages: list[dict[str, Any]], items: list[_Item]) -> PreprocessedRequest:
         hf = self.family.hf

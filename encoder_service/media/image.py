@@ -1,15 +1,45 @@
-"""Image bytes → RGB ``PIL.Image``, with the pixel limit checked from the header before decoding."""
+"""Image bytes → RGB ``PIL.Image``: an allow-list of formats, the pixel limit checked from the header
+before any pixel is decoded, and every decoder failure turned into a 4xx naming the item.
+
+    bytes ──open (header only, allowed formats)──▶ size ≤ max_pixels? ──▶ [JPEG: draft at 1/2..1/8
+          scale when the processor shrinks at least that much] ──load──▶ RGB
+
+``decode_image`` returns the full-size image (what HF's own processors see); ``decode_image_scaled``
+may return a JPEG decoded at reduced scale (libjpeg's DCT scaling), never smaller than ``min_size``,
+with the original size kept beside it so the processor's resize target stays the same.
+"""
 
 from __future__ import annotations
 
 import io
-import warnings
+from dataclasses import dataclass
 from typing import Any
 
 from PIL import Image, UnidentifiedImageError
 
-from encoder_service.errors import MediaDecodeError, MediaTooLarge, UnsupportedMediaType
+from encoder_service.errors import MediaDecodeError, MediaError, MediaTooLarge, UnsupportedMediaType
 from encoder_service.media.limits import MediaLimits
+
+# Pillow guesses among every plugin it has (PPM, IM, SGI, DDS, PSD, EPS, ...); a hostile body picks the
+# least-tested one. Only these are opened; GIF and WEBP give their first frame.
+ALLOWED_IMAGE_FORMATS: tuple[str, ...] = ("JPEG", "PNG", "WEBP", "GIF", "BMP")
+
+
+@dataclass(frozen=True)
+class DecodedImage:
+    """An RGB image and the size its header declared (``image`` is smaller after a JPEG draft decode)."""
+
+    image: Image.Image
+    width: int
+    height: int
+    format: str | None
+
+    @property
+    def reduced(self) -> bool:
+        return self.image.size != (self.width, self.height)
+
+    def metadata(self) -> dict[str, Any]:
+        return {"width": self.width, "height": self.height, "format": self.format}
 
 
 def image_header(
@@ -17,17 +47,21 @@ def image_header(
 ) -> Image.Image:
     """Open lazily (header only) and refuse more than ``max_pixels`` before any pixel is decoded."""
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(data))
+        img = Image.open(io.BytesIO(data), formats=ALLOWED_IMAGE_FORMATS)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         # PIL's own guard fires in open() for headers far above its default; ours is the stricter one.
         raise MediaTooLarge(
             f"{label}: pixel count exceeds max_pixels={limits.max_pixels} ({e})", item=item
         ) from e
     except UnidentifiedImageError as e:
-        raise UnsupportedMediaType(f"{label}: not a recognised image format", item=item) from e
+        raise UnsupportedMediaType(
+            f"{label}: not an image in an accepted format ({', '.join(ALLOWED_IMAGE_FORMATS)})", item=item
+        ) from e
+    except Exception as e:  # a plugin's parser failing on a hostile header: OSError, ValueError, ...
+        raise MediaDecodeError(f"{label}: image header does not parse ({_describe(e)})", item=item) from e
     width, height = img.size
+    if width < 1 or height < 1:
+        raise MediaDecodeError(f"{label}: image has no pixels ({width}x{height})", item=item)
     if width * height > limits.max_pixels:
         raise MediaTooLarge(
             f"{label}: {width * height} pixels ({width}x{height}) exceeds max_pixels={limits.max_pixels}",
@@ -36,14 +70,39 @@ def image_header(
     return img
 
 
+def decode_image_scaled(
+    data: bytes,
+    limits: MediaLimits,
+    *,
+    min_size: tuple[int, int] | None = None,
+    item: int | None = None,
+    label: str = "image",
+) -> DecodedImage:
+    """Decode to RGB; a JPEG is decoded at 1/2, 1/4 or 1/8 scale when that still gives ≥ ``min_size``
+    (width, height) pixels. ``None`` decodes at full size."""
+    img = image_header(data, limits, item=item, label=label)
+    width, height = img.size
+    fmt = img.format
+    try:
+        if min_size is not None and fmt == "JPEG":
+            img.draft(None, min_size)  # picks the largest DCT scale whose output is still ≥ min_size
+        img.load()
+        rgb = img if img.mode == "RGB" else img.convert("RGB")
+    except MediaError:
+        raise
+    except Exception as e:  # third-party decoders raise any type on hostile bytes; all mean "does not decode"
+        raise MediaDecodeError(f"{label}: image data does not decode ({_describe(e)})", item=item) from e
+    return DecodedImage(rgb, width, height, fmt)
+
+
 def decode_image(
     data: bytes, limits: MediaLimits, *, item: int | None = None, label: str = "image"
 ) -> tuple[Image.Image, dict[str, Any]]:
-    img = image_header(data, limits, item=item, label=label)
-    fmt = img.format
-    try:
-        img.load()
-        rgb = img.convert("RGB")
-    except (OSError, ValueError, SyntaxError) as e:
-        raise MediaDecodeError(f"{label}: image data does not decode ({e})", item=item) from e
-    return rgb, {"width": rgb.width, "height": rgb.height, "format": fmt}
+    """Full-size RGB image and its metadata (width, height, format)."""
+    decoded = decode_image_scaled(data, limits, item=item, label=label)
+    return decoded.image, decoded.metadata()
+
+
+def _describe(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text[:200]}" if text else type(e).__name__

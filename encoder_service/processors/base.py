@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from encoder_service.media.image import DecodedImage
 from encoder_service.types import Modality
 
 
@@ -55,3 +56,19 @@ class FamilyProcessor(ABC):
     @abstractmethod
     def process(self, modality: Modality, value: Any) -> ProcessedItem:
         """Run the HF processor on one decoded item."""
+
+    def check_image_size(self, width: int, height: int) -> None:
+        """Raise ``ValueError`` (a message a client can act on) for a size the processor refuses."""
+        return None
+
+    def image_decode_size(self, width: int, height: int) -> tuple[int, int] | None:
+        """The least (width, height) an image of this size needs to be decoded at for ``process_image``
+        (a JPEG may then be decoded at reduced scale); None: decode at full size."""
+        return None
+
+    def process_image(self, image: DecodedImage) -> ProcessedItem:
+        """``process("image", ...)`` for an image that may have been decoded at reduced scale: the
+        output's grid is the one its ORIGINAL size gets. The default only takes full-size images."""
+        if image.reduced:
+            raise ValueError(f"{type(self).__name__} cannot process a reduced-scale decode")
+        return self.process("image", image.image)
