@@ -128,9 +128,10 @@ class LLMEngine:
                     sampled.update(result)
         if alone and len(named) + len(alone) == len(sched.chunks):
             raise first  # every request that is not named fails alone too: not one request's fault
-        for rid, msg in alone.items():
+        faults = {**named, **alone}
+        for rid, msg in faults.items():
             logger.warning("request %s failed in an engine step (the others went on): %s", rid, msg)
-        return sampled, {**named, **alone}
+        return sampled, faults
 
     def _attempt(self, chunks: list[ScheduledChunk], rng: dict[str, Any]) -> Sampled | Exception:
         self.runner.restore_rng_states(SchedulerOutput(chunks), rng)
