@@ -1,4 +1,7 @@
-"""Model-family adapters over HF processors (placeholders, hash kwargs, per-item processing)."""
+"""Model-family adapters over HF processors (placeholders, hash kwargs, per-item processing).
+
+Which adapter a model gets is the family registry's answer (``encoder_service/families.py``).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from encoder_service.families import encoder_family
 from encoder_service.media.limits import MediaLimits
 from encoder_service.processors.base import FamilyProcessor, ProcessedItem
 from encoder_service.processors.qwen2_5_vl import Qwen25VLFamily
@@ -20,7 +24,13 @@ __all__ = [
     "Qwen25VLFamily",
     "audio_num_embeds",
     "load_family_processor",
+    "qwen2_audio_processor",
 ]
+
+
+def qwen2_audio_processor(hf_processor: Any, limits: MediaLimits) -> FamilyProcessor:
+    """The registry's (hf_processor, limits) factory for Qwen2-Audio (its adapter takes no limits)."""
+    return Qwen2AudioFamily(hf_processor)
 
 
 def load_family_processor(model_dir: str | Path, limits: MediaLimits) -> FamilyProcessor:
@@ -28,13 +38,7 @@ def load_family_processor(model_dir: str | Path, limits: MediaLimits) -> FamilyP
     from transformers import AutoProcessor
 
     model_type = json.loads((Path(model_dir) / "config.json").read_text())["model_type"]
+    family = encoder_family(model_type, str(model_dir))
     hf: Any = AutoProcessor.from_pretrained(str(model_dir), use_fast=True)
-    if model_type == "qwen2_vl":
-        return Qwen2VLFamily(hf, limits)
-    if model_type == "qwen2_5_vl":
-        return Qwen25VLFamily(hf, limits)
-    if model_type == "qwen2_audio":
-        return Qwen2AudioFamily(hf)
-    raise ValueError(
-        f"unsupported model_type {model_type!r}: mmserve knows qwen2_vl, qwen2_5_vl and qwen2_audio"
-    )
+    adapter: FamilyProcessor = family.processor_factory()(hf, limits)
+    return adapter

@@ -1,0 +1,144 @@
+"""Model families on the encoder side, keyed by HF ``model_type``: one entry per family.
+
+An entry names the family (what ``mmserve make-tiny-model --family`` and the config's ``tiny`` use),
+its modalities, its processor adapter and its tower, and how many embeddings its largest item can
+become. Pure data: no torch or transformers import, so config validation, budgets and the router can
+read family facts cheaply; the adapter and tower classes are imported from their ``module:attr`` paths
+only when a model is loaded.
+
+Adding a family: its adapter (``processors/<family>.py``), its tower (``models/<family>_*.py``) and one
+line here; on the LLM side one line in ``llm_service/models/families.py``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from encoder_service.types import Modality
+
+TINY_MAX_PIXELS = 28 * 28 * 1024  # the tiny models' processor cap (cluster/tiny_model)
+WHISPER_MAX_EMBEDS = 750  # 30 s padded: 3000 mel frames -> 1500 after the conv -> 750 after pooling
+
+
+class MediaSizeLimits(Protocol):
+    """The media limits an item's size depends on (``MediaLimits`` or the config's ``MediaLimitsConfig``)."""
+
+    max_pixels: int
+    max_video_pixels_per_frame: int
+    max_video_frames: int
+
+
+LargestItem = Callable[[Mapping[str, Any], MediaSizeLimits], int]
+
+
+def max_resized_units(pixel_limit: int, min_pixels: int, max_pixels: int, side: int) -> int:
+    """The most ``side x side`` units Qwen2-VL's ``smart_resize`` gives an image of at most
+    ``pixel_limit`` pixels (aspect ratio at most 200, as it requires). An upper bound that is tight
+    where it matters: each side rounds to the nearest multiple of ``side``, so the area can exceed
+    ``pixel_limit`` (434x552 = 239,568 pixels becomes 448x560 = 320 units of 28x28, not 306)."""
+    unit, half = side * side, side // 2
+    balanced = math.isqrt(pixel_limit // 200)  # where w = 200 h meets w = pixel_limit / h
+    rounded = 0  # no rescale: a side of n units is between n * side - half and n * side + half pixels
+    for a in range(1, (pixel_limit // (side - half) + half) // side + 1):
+        lo, hi = a * side - half, a * side + half
+        heights = {lo, hi, min(max(balanced, lo), hi)}
+        widest = max(min(pixel_limit // h, 200 * h) if 200 * (pixel_limit // h) >= h else 0 for h in heights)
+        rounded = max(rounded, a * ((widest + half) // side))
+        if rounded * unit > max_pixels:  # past the cap: the answer no longer depends on larger a
+            break
+    units = min(rounded, max_pixels // unit)
+    if rounded * unit > max_pixels:  # some admitted image is scaled down to <= max_pixels (a side >= 1 unit)
+        units = max(units, max_pixels // unit, math.isqrt(200 * max_pixels) // side)
+    scaled_up = int(min_pixels / unit + 14.2 * math.sqrt(min_pixels) / side + 1)  # images under min_pixels
+    return max(units, scaled_up)
+
+
+def vision_largest_item(processor_config: Mapping[str, Any], limits: MediaSizeLimits) -> int:
+    """Qwen2-VL-style patching: one embedding per ``(patch * merge)^2`` pixels after ``smart_resize``,
+    ``temporal_patch`` frames per temporal step. ``processor_config``: the model's
+    ``processor_config.json`` ({}: the tiny models' defaults)."""
+
+    def units(sub: str, pixel_limit: int) -> tuple[int, int]:
+        cfg = processor_config.get(sub) or {}
+        size = cfg.get("size") or {}
+        side = int(cfg.get("patch_size", 14)) * int(cfg.get("merge_size", 2))
+        lo, hi = int(size.get("shortest_edge", 56 * 56)), int(size.get("longest_edge", TINY_MAX_PIXELS))
+        return max_resized_units(pixel_limit, lo, hi, side), int(cfg.get("temporal_patch_size", 2))
+
+    per_image, _ = units("image_processor", limits.max_pixels)
+    per_frame, temporal = units("video_processor", limits.max_video_pixels_per_frame)
+    return max(per_image, math.ceil(limits.max_video_frames / temporal) * per_frame)
+
+
+def whisper_largest_item(processor_config: Mapping[str, Any], limits: MediaSizeLimits) -> int:
+    return WHISPER_MAX_EMBEDS
+
+
+@dataclass(frozen=True)
+class EncoderFamily:
+    name: str  # user-facing family name: the tiny generator's --family, the config's `tiny`
+    modalities: tuple[Modality, ...]
+    processor: str  # "module:attr" of a callable (hf_processor, media_limits) -> FamilyProcessor
+    tower: str  # "module:attr" of the EncoderModel subclass
+    largest_item: LargestItem  # embeddings of the largest item the limits admit (before max_model_len)
+
+    def processor_factory(self) -> Any:
+        return _resolve(self.processor)
+
+    def tower_class(self) -> Any:
+        return _resolve(self.tower)
+
+
+def _resolve(path: str) -> Any:
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+ENCODER_FAMILIES: dict[str, EncoderFamily] = {
+    "qwen2_vl": EncoderFamily(
+        "qwen2-vl",
+        ("image", "video"),
+        "encoder_service.processors.qwen2_vl:Qwen2VLFamily",
+        "encoder_service.models.qwen2_vl_vision:Qwen2VLVisionEncoder",
+        vision_largest_item,
+    ),
+    "qwen2_5_vl": EncoderFamily(
+        "qwen2.5-vl",
+        ("image", "video"),
+        "encoder_service.processors.qwen2_5_vl:Qwen25VLFamily",
+        "encoder_service.models.qwen2_5_vl_vision:Qwen25VLVisionEncoder",
+        vision_largest_item,
+    ),
+    "qwen2_audio": EncoderFamily(
+        "qwen2-audio",
+        ("audio",),
+        "encoder_service.processors:qwen2_audio_processor",
+        "encoder_service.models.qwen2_audio_encoder:Qwen2AudioEncoder",
+        whisper_largest_item,
+    ),
+}
+
+FAMILY_NAMES: tuple[str, ...] = tuple(f.name for f in ENCODER_FAMILIES.values())
+
+
+def encoder_family(model_type: str | None, where: str = "") -> EncoderFamily:
+    family = ENCODER_FAMILIES.get(model_type or "")
+    if family is None:
+        prefix = f"{where}: " if where else ""
+        raise ValueError(
+            f"{prefix}model_type {model_type!r} is not a supported family; "
+            f"supported: {', '.join(ENCODER_FAMILIES)}"
+        )
+    return family
+
+
+def model_type_of(name: str) -> str:
+    """The HF model_type of the family called ``name`` (e.g. "qwen2.5-vl" -> "qwen2_5_vl")."""
+    for model_type, family in ENCODER_FAMILIES.items():
+        if family.name == name:
+            return model_type
+    raise ValueError(f"unknown model family {name!r}; choose one of {', '.join(FAMILY_NAMES)}")

@@ -1,0 +1,78 @@
+"""The family registries (encoder side, LLM side, tiny generator) agree, and every entry resolves."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cluster.tiny_model import FAMILIES
+from encoder_service.families import (
+    ENCODER_FAMILIES,
+    FAMILY_NAMES,
+    encoder_family,
+    max_resized_units,
+    model_type_of,
+    vision_largest_item,
+)
+from encoder_service.media import MediaLimits
+from encoder_service.models.common import EncoderModel
+from llm_service.models import DECODER_FAMILIES
+from tests.unit.qwen2_5_vl_dir import tiny_qwen2_5_vl_dir
+
+
+def test_sides_agree() -> None:
+    assert set(FAMILY_NAMES) == set(FAMILIES)
+    for model_type, enc in ENCODER_FAMILIES.items():
+        dec = DECODER_FAMILIES[model_type]
+        assert dec.modalities == enc.modalities, model_type
+        assert model_type_of(enc.name) == model_type
+    assert DECODER_FAMILIES["qwen2_5_vl"].position_scheme == "mrope_abs_time"
+    assert DECODER_FAMILIES["qwen2_vl"].position_scheme == "mrope"
+    assert DECODER_FAMILIES["qwen2_audio"].position_scheme == "rope"
+
+
+@pytest.mark.parametrize("model_type", sorted(ENCODER_FAMILIES))
+def test_entries_resolve(model_type: str) -> None:
+    fam = ENCODER_FAMILIES[model_type]
+    tower = fam.tower_class()
+    assert issubclass(tower, EncoderModel)
+    assert (tower.family, tuple(tower.modalities)) == (fam.name, fam.modalities)
+    assert callable(fam.processor_factory())
+
+
+def test_unknown_family_is_named() -> None:
+    with pytest.raises(ValueError, match="model_type 'llava' is not a supported family"):
+        encoder_family("llava", "/models/x")
+    with pytest.raises(ValueError, match="unknown model family 'gemma3'"):
+        model_type_of("gemma3")
+
+
+def test_largest_image_bound_against_hf_smart_resize() -> None:
+    """Every admitted size's HF unit count stays under the bound, and some size reaches it."""
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+    for limit in (240_000, 28 * 28 * 50, 1_000_000):
+        bound = max_resized_units(limit, 56 * 56, 28 * 28 * 1024, 28)
+        most = 0
+        for h in range(14, 1500):
+            for w in {min(limit // h, 200 * h), *(limit // h - d for d in range(0, 28, 3))}:
+                if w >= 14 and w * h <= limit and max(w, h) <= 200 * min(w, h):
+                    rh, rw = smart_resize(h, w, 28, 56 * 56, 28 * 28 * 1024)
+                    most = max(most, rh * rw // 784)
+        assert most <= bound, (limit, most, bound)
+        assert most >= bound * 0.9, (limit, most, bound)
+    assert smart_resize(552, 434, 28, 56 * 56, 28 * 28 * 1024) == (560, 448)  # 320 units from 239,568 pixels
+    assert max_resized_units(240_000, 56 * 56, 28 * 28 * 1024, 28) == 408  # 42x5698 -> 56x5712: 2x204 units
+
+
+def test_largest_vision_item_uses_processor_caps() -> None:
+    model_dir: Path = tiny_qwen2_5_vl_dir()
+    proc_cfg = json.loads((model_dir / "processor_config.json").read_text())
+    # no pixel limit below the processor's cap (28*28*1024): the cap decides
+    assert vision_largest_item(proc_cfg, MediaLimits(max_video_frames=0)) == 1024
+    # video: frames / temporal patch * per-frame embeddings (56x56 frames: 2x2 units, with rounding 4)
+    video = MediaLimits(max_pixels=28 * 28, max_video_frames=8, max_video_pixels_per_frame=56 * 56)
+    per_frame = max_resized_units(56 * 56, 56 * 56, 28 * 28 * 1024, 28)
+    assert vision_largest_item(proc_cfg, video) == 8 // 2 * per_frame
