@@ -44,7 +44,7 @@ def _is_mpegts(data: bytes) -> bool:
         marks = range(start, min(len(data), start + 3 * size), size)
         if len(marks) >= 2 and all(data[i] == 0x47 for i in marks):
             return True
-    return len(data) >= 1 and data[0] == 0x47 and len(data) < _TS_PACKET * 2
+    return False
 
 
 def _is_mp3(data: bytes) -> bool:

@@ -3,7 +3,7 @@
 Audio: samples = rate x channels x seconds, counted as blocks decode (the header may hide the length);
 memory stays at the mono output. Video: each decoded frame's size is checked, pixels are summed over
 every decoded frame, and a stream that switches resolution is scaled to one size as it decodes.
-Peak memory is measured in a fresh interpreter (``ru_maxrss``) where the decoder's own C allocations
+Peak memory is measured in a fresh interpreter (``VmHWM``) where the decoder's own C allocations
 matter, and with ``tracemalloc`` (numpy's buffers are traced) elsewhere.
 """
 
@@ -56,29 +56,47 @@ def test_high_rate_multichannel_flac_refused_with_small_peak(hide_length):
     assert _traced_peak(run) < 16 * 2**20  # the old decoder held ~600 MB of float32 samples
 
 
-def test_flac_bomb_rss_stays_bounded_in_a_fresh_process():
+def _rss_growth_mb(data: bytes, modality: str, limits: str, tmp_path) -> int:
+    """Decode ``data`` in a fresh interpreter that only reads it from a file (making it would raise the
+    peak first); the growth of its peak RSS in MB while decoding. The decode must be refused."""
+    path = tmp_path / "item.bin"
+    path.write_bytes(data)
     script = textwrap.dedent(
-        """
-        import resource, sys
+        f"""
+        import sys
         from encoder_service.errors import MediaTooLarge
         from encoder_service.media import MediaLimits
         from encoder_service.media.fetch import FetchedMedia
         from encoder_service.media.loader import decode_media
-        from tests.unit.encoder.test_media_samples import flac_bomb
-        data = flac_bomb(hide_length=True)
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        import av, soundfile, soxr  # loaded before the baseline, as in a serving process
+        def peak_kb():  # VmHWM: this process image's peak RSS (ru_maxrss carries the parent's over exec)
+            line = [ln for ln in open("/proc/self/status") if ln.startswith("VmHWM:")][0]
+            return int(line.split()[1])
+        data = open({str(path)!r}, "rb").read()
+        before = peak_kb()
         try:
-            decode_media("audio", FetchedMedia(data, "bytes"), MediaLimits(), item=0)
+            decode_media("{modality}", FetchedMedia(data, "bytes"), {limits}, item=0)
         except MediaTooLarge:
             pass
         else:
             sys.exit("not refused")
-        print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+        print((peak_kb() - before) // 1024)
         """
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert int(out.stdout.strip()) < 64  # MB of RSS growth while decoding (was ~700 MB)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def test_flac_bomb_rss_stays_bounded_in_a_fresh_process(tmp_path):
+    growth = _rss_growth_mb(flac_bomb(hide_length=True), "audio", "MediaLimits()", tmp_path)
+    assert growth < 64  # was ~700 MB
+
+
+def test_4k_switch_rss_stays_bounded_in_a_fresh_process(tmp_path):
+    # FFmpeg's own max_pixels refuses the 4K picture before its buffers exist
+    data = encode_video([(64, 64, 4), (3840, 2160, 8)])
+    assert _rss_growth_mb(data, "video", "MediaLimits(video_num_frames=12)", tmp_path) < 48  # 109 unlimited
 
 
 def test_budget_is_rate_times_channels_times_seconds():

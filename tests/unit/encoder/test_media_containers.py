@@ -158,3 +158,15 @@ def test_wav_holding_another_codec_still_decodes_or_is_a_media_error():
             assert 400 <= e.status_code < 500
             continue
         assert np.corrcoef(got.value[: len(signal)], signal[: len(got.value)])[0, 1] > 0.95
+
+
+def test_sniffing_needs_the_real_signature():
+    assert sniff_container(b"GIF89a" + b"\0" * 100) is None  # one 0x47 byte is not MPEG-TS
+    assert sniff_container(b"RIFF\0\0\0\0WAVE") == "wav" and sniff_container(b"RIFF\0\0\0\0AVI ") == "avi"
+    assert sniff_container(b"RIFF\0\0\0\0WEBP") is None
+    assert sniff_container(b"\0\0\0\x18ftypisom") == "mp4" and sniff_container(b"\0\0\0\x18ftyp"[:6]) is None
+    ts = bytearray(188 * 3)
+    ts[0] = ts[188] = ts[376] = 0x47
+    assert sniff_container(bytes(ts)) == "mpegts" and sniff_container(bytes(ts[:100])) is None
+    assert sniff_container(b"ID3\x04\0\0") == "mp3" and sniff_container(b"\xff\xfb\x90\x64") == "mp3"
+    assert sniff_container(b"\xff\xe0\0\0") is None  # frame sync with the reserved layer bits
