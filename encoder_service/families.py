@@ -13,9 +13,11 @@ line here; on the LLM side one line in ``llm_service/models/families.py``.
 from __future__ import annotations
 
 import importlib
+import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from encoder_service.types import Modality
@@ -142,3 +144,23 @@ def model_type_of(name: str) -> str:
         if family.name == name:
             return model_type
     raise ValueError(f"unknown model family {name!r}; choose one of {', '.join(FAMILY_NAMES)}")
+
+
+def largest_item_embeds(
+    model_dir: str | Path | None, family_name: str | None, limits: MediaSizeLimits
+) -> int:
+    """Embeddings of the largest item ``limits`` admit for a model: its directory's ``config.json`` and
+    ``processor_config.json`` when given, else the tiny generator's ``family_name`` defaults.
+    (What ``cluster/budgets.py`` needs, before capping at ``max_model_len``.)"""
+    processor_config: dict[str, Any] = {}
+    if model_dir is not None:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        family = encoder_family(config.get("model_type"), str(model_dir))
+        proc_path = Path(model_dir) / "processor_config.json"
+        if proc_path.exists():
+            processor_config = json.loads(proc_path.read_text())
+    elif family_name is not None:
+        family = ENCODER_FAMILIES[model_type_of(family_name)]
+    else:
+        raise ValueError("largest_item_embeds needs a model directory or a tiny family name")
+    return family.largest_item(processor_config, limits)

@@ -12,6 +12,7 @@ from encoder_service.families import (
     ENCODER_FAMILIES,
     FAMILY_NAMES,
     encoder_family,
+    largest_item_embeds,
     max_resized_units,
     model_type_of,
     vision_largest_item,
@@ -76,3 +77,13 @@ def test_largest_vision_item_uses_processor_caps() -> None:
     video = MediaLimits(max_pixels=28 * 28, max_video_frames=8, max_video_pixels_per_frame=56 * 56)
     per_frame = max_resized_units(56 * 56, 56 * 56, 28 * 28 * 1024, 28)
     assert vision_largest_item(proc_cfg, video) == 8 // 2 * per_frame
+
+
+def test_largest_item_by_model_dir_and_by_tiny_name(tiny_audio_dir: Path) -> None:
+    limits = MediaLimits(max_pixels=240_000, max_video_frames=0)
+    model_dir = tiny_qwen2_5_vl_dir()
+    assert largest_item_embeds(model_dir, None, limits) == 408
+    assert largest_item_embeds(None, "qwen2.5-vl", limits) == 408  # the tiny processor's defaults
+    assert largest_item_embeds(tiny_audio_dir, None, limits) == 750
+    with pytest.raises(ValueError, match="needs a model directory"):
+        largest_item_embeds(None, None, limits)
