@@ -7,6 +7,7 @@ really claims 655,350 Hz x 8 channels), so the tests using them cannot pass vacu
 
 from __future__ import annotations
 
+import functools
 import io
 
 import av
@@ -47,6 +48,13 @@ def encode_video(
 ) -> bytes:
     """Frames of flat grey ``10 + 20 * i`` at 4 fps; several ``(w, h, frames)`` segments are encoded
     separately and concatenated (MPEG-TS allows that), so the resolution switches between them."""
+    return _encode_video(tuple(segments), container, codec, title)
+
+
+@functools.cache
+def _encode_video(
+    segments: tuple[tuple[int, int, int], ...], container: str, codec: str, title: bytes | None
+) -> bytes:
     parts, start, offset = [], 0, 0.0
     for w, h, n in segments:
         parts.append(_encode_segment(w, h, n, start, container, codec, offset or None))
@@ -72,6 +80,7 @@ def encode_audio(fmt: str, codec: str, *, rate: int, seconds: float) -> tuple[by
     return buf.getvalue(), signal
 
 
+@functools.cache
 def flac_bomb(
     rate: int = 655_350, channels: int = 8, seconds: float = 29.0, *, hide_length: bool = False
 ) -> bytes:
