@@ -41,7 +41,7 @@ def max_resized_units(pixel_limit: int, min_pixels: int, max_pixels: int, side: 
     """The most ``side x side`` units Qwen2-VL's ``smart_resize`` gives an image of at most
     ``pixel_limit`` pixels (aspect ratio at most 200, as it requires). An upper bound that is tight
     where it matters: each side rounds to the nearest multiple of ``side``, so the area can exceed
-    ``pixel_limit`` (434x552 = 239,568 pixels becomes 448x560 = 320 units of 28x28, not 306)."""
+    ``pixel_limit`` (434x552 = 239,568 pixels becomes 448x560 = 320 units of 28x28, over ceil(P/784) = 307)."""
     unit, half = side * side, side // 2
     balanced = math.isqrt(pixel_limit // 200)  # where w = 200 h meets w = pixel_limit / h
     rounded = 0  # no rescale: a side of n units is between n * side - half and n * side + half pixels
