@@ -103,7 +103,8 @@ class LLMServer:
         ):
             yield out
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, target: ReplicaTarget | None = None) -> dict[str, Any]:
+        """Engine counters; ``target`` (a ``ReplicaTarget``) routes the call to one replica."""
         s = self.loop.last_stats or self.engine.stats()
         return {
             "num_running": s.num_running,
@@ -115,6 +116,7 @@ class LLMServer:
             "prefix_query_tokens": s.prefix_query_tokens,
             "num_preemptions": s.num_preemptions,
             "output_channels": len(self.channels),
+            "replica_id": self.replica_id,
         }
 
     def record_routing_stats(self) -> dict[str, Any]:

@@ -145,6 +145,7 @@ class OutputChannels:
             yield ChannelBatch(replica_id=self.replica_id)  # hello: the ingress knows where it landed
             while True:
                 if ch.pending:
+                    ch.wakeup.clear()  # what woke us is in this batch
                     batch, ch.pending = ch.pending, ChannelBatch()
                     yield batch
                     continue

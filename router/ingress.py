@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -103,6 +104,7 @@ class ChatService:
             )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         orch = model.orchestrator
+        watcher = asyncio.ensure_future(_cancel_on_disconnect(request, asyncio.current_task()))
         try:
             return await self._answer(req, model, request_id, chat, start)
         except Exception as e:
@@ -112,6 +114,8 @@ class ChatService:
         except BaseException:  # the client left: nothing failed on our side
             orch.forget(request_id)
             raise
+        finally:  # a streamed response watches for the disconnect itself from here on
+            watcher.cancel()
 
     async def _answer(
         self,
@@ -266,6 +270,18 @@ def _usage(last: RequestOutput, completion_tokens: int) -> Usage:
         total_tokens=last.num_prompt_tokens + completion_tokens,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=last.num_cached_tokens),
     )
+
+
+async def _cancel_on_disconnect(request: Request, task: asyncio.Task[Any] | None) -> None:
+    """Cancel ``task`` when the client hangs up before the response starts (no polling: the body was
+    read, so the next ASGI message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            if task is not None:
+                task.cancel()
+            return
+        await asyncio.sleep(0.1)  # a server that answers with empty body chunks must not spin us
 
 
 async def _first_or_error(stream: AsyncGenerator[RequestOutput, None]) -> RequestOutput:

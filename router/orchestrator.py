@@ -27,6 +27,7 @@ from typing import Any, Protocol
 from encoder_service.cache_index import ref_id
 from encoder_service.prepared import PreparedRequest
 from llm_service.embeddings import EmbeddingsLost
+from llm_service.errors import RequestFailed
 from llm_service.outputs import RequestOutput
 from llm_service.prefix_hash import compute_block_hashes
 from llm_service.request_spec import EmbeddingRef, LLMRequestSpec, SubmitReply
@@ -128,6 +129,9 @@ class Orchestrator:
             pre: PreparedRequest = await self.h.preprocess.prepare.remote(pin_id, self._messages[request_id])
         except BaseException:
             self._messages.pop(request_id, None)
+            # The preprocessor may still be running (a cancel need not reach it) or have pinned
+            # before failing: release on every shard. Final there: its later pins are refused.
+            await asyncio.shield(self.release(Prepared([], [], pin_id)))
             raise
         self._replay[request_id] = pre.log
         while len(self._replay) > MAX_REPLAY_RECORDS:
@@ -151,7 +155,7 @@ class Orchestrator:
         if not prepared.pin_id:
             return
         try:
-            await self.h.cache.release(prepared.pin_id, list(prepared.mm_hashes))
+            await self.h.cache.release(prepared.pin_id, list(prepared.mm_hashes) or None)
         except Exception:  # never let cleanup mask the original error
             logger.exception("releasing encoder-cache pins of %s failed", prepared.pin_id)
 
@@ -191,8 +195,8 @@ class Orchestrator:
         outs = self.h.llm.outputs(request_id, reply)
         try:
             async for out in outs:
-                if out.finish_reason == "error":
-                    raise APIError(500, f"generation failed: {out.error}", code="generation_error")
+                if out.finish_reason == "error":  # this request failed alone in an engine step
+                    raise RequestFailed(request_id, out.error or "unknown error")
                 yield out
         finally:  # a caller that stops early aborts the request on its replica now, not at GC
             await outs.aclose()

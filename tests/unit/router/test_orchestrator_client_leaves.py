@@ -89,3 +89,31 @@ def test_client_leaving_while_waiting_for_another_requests_encode_leaves_no_pin(
     stats = asyncio.run(scenario())
     assert world.encoded == [H1]
     assert stats["entries"] == 1 and stats["pinned"] == 0
+
+
+def test_two_requests_with_crossed_items_never_deadlock_and_encode_each_once() -> None:
+    """A wants (H1, H2), B wants (H2, H1), concurrently, the encoder held until both asked: one
+    reserves and encodes, the other waits for commits it does not hold a reservation against
+    (reservations are taken without waiting, own items encoded before waiting for anyone else's), so
+    both finish and each item is encoded once."""
+    from tests.unit.router.test_orchestrator_lost_embeddings import H2
+
+    world = World()
+
+    async def scenario() -> dict[str, Any]:
+        shard = CacheIndexShard(100, wait_timeout_s=5.0)
+        cache = EncoderCacheClient([_RayActor(shard)])
+        encoder = GatedEncoder(world, cache)
+        orch, _ = _build(world, cache, encoder)
+        a = asyncio.create_task(_prepare(orch, "a", H1, H2))
+        b = asyncio.create_task(_prepare(orch, "b", H2, H1))
+        await _until(lambda: shard.books.num_pinned >= 2, "both reservations")
+        encoder.gate.set()
+        streams = await asyncio.wait_for(asyncio.gather(a, b), 5)
+        for s in streams:
+            assert len(await _finish(s)) == 1
+        return await cache.stats()
+
+    stats = asyncio.run(scenario())
+    assert sorted(world.encoded) == sorted([H1, H2])
+    assert stats["pinned"] == 0 and stats["hits"] + stats["misses"] == 4
