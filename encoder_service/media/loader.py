@@ -40,8 +40,12 @@ def decode_media(
     item: int | None = None,
     sampling_rate: int = 16000,
     frame_multiple: int = 1,
+    max_frame_pixels: int | None = None,
 ) -> LoadedMedia:
     """Decode already-fetched bytes, enforcing the modality's limits.
+
+    ``max_frame_pixels`` (video): scale frames down to about that many pixels while decoding (the
+    processor's own maximum); None keeps the clip's size.
 
     This is where every decoder exception on client bytes becomes a 4xx ``MediaError`` naming the item
     (``errors.decoding``): the decoders themselves raise only their limit and format errors.
@@ -54,7 +58,12 @@ def decode_media(
             value, meta = decode_image(fetched.data, limits, item=item, label=label)
         elif modality == "video":
             value, meta = decode_video(
-                fetched.data, limits, frame_multiple=frame_multiple, item=item, label=label
+                fetched.data,
+                limits,
+                frame_multiple=frame_multiple,
+                item=item,
+                label=label,
+                max_frame_pixels=max_frame_pixels,
             )
         elif modality == "audio":
             value, meta = decode_audio(fetched.data, limits, sampling_rate, item=item, label=label)

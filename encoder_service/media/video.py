@@ -46,6 +46,14 @@ def _frame_too_large(label: str, w: int, h: int, limits: MediaLimits, item: int 
     )
 
 
+def target_frame_size(width: int, height: int, max_pixels: int | None) -> tuple[int, int]:
+    """``(width, height)`` scaled down, aspect kept, to at most ``max_pixels`` (None: unchanged)."""
+    if max_pixels is None or width * height <= max_pixels:
+        return width, height
+    scale = math.sqrt(max_pixels / (width * height))
+    return max(1, math.floor(width * scale)), max(1, math.floor(height * scale))
+
+
 def _seconds(container: Any, stream: Any, rate: float) -> float:
     if stream.duration is not None and stream.time_base is not None:
         return float(stream.duration * stream.time_base)
@@ -61,8 +69,14 @@ def decode_video(
     frame_multiple: int = 1,
     item: int | None = None,
     label: str = "video",
+    max_frame_pixels: int | None = None,
 ) -> tuple[np.ndarray, dict[str, Any]]:
-    """Decoder exceptions are left to ``loader.decode_media``'s one mapping (``errors.decoding``)."""
+    """Decoder exceptions are left to ``loader.decode_media``'s one mapping (``errors.decoding``).
+
+    ``max_frame_pixels``: what the processor keeps of a frame (e.g. Qwen2-VL video's ``max_pixels``);
+    larger frames are scaled down to about that many pixels (area filter) as they are decoded, so the
+    sampled array never holds more than the processor will use. None keeps the clip's own size.
+    """
     fmt = require_container(data, VIDEO_CONTAINERS, "video", label, item)
     with open_container(data, fmt) as container:
         if not container.streams.video:
@@ -84,7 +98,8 @@ def decode_video(
                 f"{label}: sampling {want} frames exceeds max_video_frames={limits.max_video_frames}",
                 item=item,
             )
-        picked = _FrameSampler(sample_frame_indices(total, want), limits, item, label).run(stream, container)
+        sampler = _FrameSampler(sample_frame_indices(total, want), limits, item, label, max_frame_pixels)
+        picked = sampler.run(stream, container)
         name = container.format.name
     height, width = picked.shape[1:3]
     meta = {
@@ -105,8 +120,16 @@ class _FrameSampler:
     fewer frames than its header promised, missing picks repeat the last decoded pick.
     """
 
-    def __init__(self, indices: list[int], limits: MediaLimits, item: int | None, label: str) -> None:
+    def __init__(
+        self,
+        indices: list[int],
+        limits: MediaLimits,
+        item: int | None,
+        label: str,
+        max_frame_pixels: int | None = None,
+    ) -> None:
         self.indices, self.limits, self.item, self.label = indices, limits, item, label
+        self.max_frame_pixels = max_frame_pixels
         self.slots: dict[int, list[int]] = {}
         for pos, i in enumerate(indices):
             self.slots.setdefault(i, []).append(pos)
@@ -148,10 +171,12 @@ class _FrameSampler:
 
     def _keep(self, i: int, frame: Any) -> None:
         if self.out is None:
-            self.out = np.empty((len(self.indices), frame.height, frame.width, 3), np.uint8)
+            w, h = target_frame_size(frame.width, frame.height, self.max_frame_pixels)
+            self.out = np.empty((len(self.indices), h, w, 3), np.uint8)
         h, w = self.out.shape[1:3]
-        if (frame.width, frame.height) != (w, h):  # resolution changed mid-stream: scale as decoded
-            frame = frame.reformat(width=w, height=h, format="rgb24")
+        if (frame.width, frame.height) != (w, h):  # resolution changed mid-stream, or downscaled
+            # to RGB first, then an area filter in RGB (scaling in YUV blurs chroma differently)
+            frame = frame.reformat(format="rgb24").reformat(width=w, height=h, interpolation="AREA")
         rgb = frame.to_ndarray(format="rgb24")
         for pos in self.slots[i]:
             self.out[pos] = rgb

@@ -19,11 +19,13 @@ import librosa
 import numpy as np
 import pytest
 import soundfile as sf
+from PIL import Image
 
 from encoder_service.errors import MediaTooLarge
 from encoder_service.media import MediaLimits
 from encoder_service.media.fetch import FetchedMedia
 from encoder_service.media.loader import decode_media
+from tests.media import make_video_bytes
 from tests.unit.encoder.test_media_samples import encode_video, flac_bomb
 
 
@@ -169,3 +171,16 @@ def test_header_frame_size_still_checked_first():
     data = encode_video([(640, 480, 2)])
     with pytest.raises(MediaTooLarge, match="640x480"):
         _decode("video", data, MediaLimits(max_video_pixels_per_frame=320 * 240))
+
+
+def test_frames_scaled_to_what_the_processor_keeps_while_decoding():
+    data = make_video_bytes(320, 240, num_frames=4, fps=4)
+    limits = MediaLimits(video_num_frames=4)
+    full = _decode("video", data, limits).value
+    small = decode_media("video", FetchedMedia(data, "bytes"), limits, item=4, max_frame_pixels=160 * 120)
+    assert small.value.shape == (4, 120, 160, 3) and small.metadata["width"] == 160
+    # independent reference: PIL's box filter on the full-size frames
+    ref = np.stack([np.asarray(Image.fromarray(f).resize((160, 120), Image.BOX)) for f in full])
+    assert np.abs(ref.astype(int) - small.value).mean() < 1.0
+    unchanged = decode_media("video", FetchedMedia(data, "bytes"), limits, item=4, max_frame_pixels=320 * 240)
+    assert np.array_equal(unchanged.value, full)
