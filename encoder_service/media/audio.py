@@ -19,7 +19,7 @@ from encoder_service.errors import MediaDecodeError, MediaTooLarge, UnsupportedM
 from encoder_service.media.containers import AUDIO_CONTAINERS, open_container, require_container
 from encoder_service.media.limits import MediaLimits
 
-_BLOCK = 1 << 15  # frames per soundfile read
+_BLOCK_SAMPLES = 1 << 17  # samples (frames x channels) per soundfile read: 512 KB of float32
 # what libsndfile calls each accepted container
 _SF_FORMATS = {"wav": ("WAV", "WAVEX", "RF64"), "flac": ("FLAC",), "ogg": ("OGG",), "mp3": ("MP3",)}
 
@@ -108,7 +108,8 @@ def decode_audio(
             if snd.format not in _SF_FORMATS[fmt]:
                 raise UnsupportedMediaType(f"{label}: {snd.format} data inside a {fmt} container", item=item)
             sink.start(snd.samplerate, snd.channels, snd.frames)
-            for block in snd.blocks(blocksize=_BLOCK, dtype="float32", always_2d=True):
+            frames_per_block = max(64, _BLOCK_SAMPLES // snd.channels)  # 1,024 channels stay small
+            for block in snd.blocks(blocksize=frames_per_block, dtype="float32", always_2d=True):
                 sink.push(block)
             name = snd.format
     wave = sink.finish()

@@ -184,3 +184,17 @@ def test_frames_scaled_to_what_the_processor_keeps_while_decoding():
     assert np.abs(ref.astype(int) - small.value).mean() < 1.0
     unchanged = decode_media("video", FetchedMedia(data, "bytes"), limits, item=4, max_frame_pixels=320 * 240)
     assert np.array_equal(unchanged.value, full)
+
+
+def test_many_channels_read_in_small_blocks():
+    # 1,024 channels of u8 PCM: each sample read becomes 4 bytes of float32; the block is sized in
+    # samples, so the traced peak stays near the input and the output, not 4x the input per block
+    buf = io.BytesIO()
+    sf.write(buf, np.zeros((2000, 1024), np.float32), 8000, format="WAV", subtype="PCM_U8")
+    data = buf.getvalue()
+
+    def run():
+        got = _decode("audio", data, MediaLimits())
+        assert got.value.shape == (4000,) and np.abs(got.value).max() < 1e-2
+
+    assert _traced_peak(run) < 4 * 2**20  # the u8 input alone is 2 MB; float32 of it all is 8 MB
