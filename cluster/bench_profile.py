@@ -83,7 +83,7 @@ def process_kind(title: str, actor_class: str | None = None) -> str:
 
 
 def program_name(words: Sequence[str]) -> str:
-    """``python -m pkg.mod ...`` -> ``pkg.mod``; ``python x/y.py`` -> ``y.py``; ``VLLM::EngineCore`` as is."""
+    """``python -m pkg.mod`` -> ``pkg.mod``; ``python x/y.py`` -> ``y.py``; ``python -c ...`` -> ``python -c``."""
     prog = PurePosixPath(words[0]).name
     if not prog.startswith("python"):
         return prog
@@ -92,6 +92,8 @@ def program_name(words: Sequence[str]) -> str:
         flag = args.pop(0)
         if flag == "-m" and args:
             return args[0]
+        if flag == "-c":  # e.g. multiprocessing's resource tracker
+            return f"{prog} -c"
     return PurePosixPath(args[0]).name if args else prog
 
 

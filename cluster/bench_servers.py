@@ -26,6 +26,7 @@ class ServerProcess:
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)
     cwd: Path | None = None
+    root_kind: str = DRIVER  # what the started process itself is called in the profile
     popen: subprocess.Popen[bytes] | None = None
     seen: dict[int, int] = field(default_factory=dict)  # pid -> start ticks of every process of its tree
 
@@ -81,14 +82,14 @@ class ServerProcess:
         return tree
 
     def snapshot(self) -> dict[int, ProcSample]:
-        """CPU time of every process of the server's tree, by kind (the started process is the ``driver``)."""
+        """CPU time of every process of the server's tree, by kind (the started process as ``root_kind``)."""
         root = self.popen.pid if self.popen else -1
         return {
             pid: ProcSample(
                 pid,
                 p.start_ticks,
                 p.cpu_ticks,
-                DRIVER if pid == root else process_kind(p.title),
+                self.root_kind if pid == root else process_kind(p.title),
                 p.title[:200],
             )
             for pid, p in self.tree().items()

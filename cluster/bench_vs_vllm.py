@@ -96,13 +96,20 @@ def make_servers(args: argparse.Namespace) -> dict[str, ServerProcess]:
     py, cli = str(args.vllm_venv / "bin/python"), str(args.peer_dir / "vllm_cli.py")
     vllm_argv = [py, cli, "serve", str(args.model_dir), "--served-model-name", args.served_name, *common]
     vllm_argv += ["--port", str(args.vllm_port), "--max-model-len", "4096", "--dtype", "float32"]
-    vllm = ServerProcess("vLLM", vllm_argv, args.vllm_port, args.out_dir / "vllm-serve.log", env=vllm_env)
+    vllm_log = args.out_dir / "vllm-serve.log"
+    vllm = ServerProcess("vLLM", vllm_argv, args.vllm_port, vllm_log, env=vllm_env, root_kind="API server")
     mm_argv = [sys.executable, "-m", "cluster.cli", "serve", "--model", str(args.model_dir)]
     mm_argv += ["--model-name", args.served_name, *common, "--port", str(args.mmserve_port)]
     mm_env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     log_path = args.out_dir / "mmserve-serve.log"
     mmserve = ServerProcess(
-        "mmserve", mm_argv, args.mmserve_port, log_path, env=mm_env, cwd=args.mmserve_root
+        "mmserve",
+        mm_argv,
+        args.mmserve_port,
+        log_path,
+        env=mm_env,
+        cwd=args.mmserve_root,
+        root_kind="Ray driver",
     )
     return {"vllm": vllm, "mmserve": mmserve}
 

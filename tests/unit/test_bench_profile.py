@@ -64,6 +64,7 @@ TITLES = [
     (f"{PY} -m cluster.cli serve --model /tmp/m", "cluster.cli"),
     ("/tmp/peer_vllm/venv/bin/python /x/vllm_cli.py serve /tmp/m", "vllm_cli.py"),
     ("VLLM::EngineCore", "VLLM::EngineCore"),
+    ("/v/bin/python -B -c from multiprocessing.resource_tracker import main;main(5)", "python -c"),
 ]
 
 
