@@ -31,6 +31,7 @@ def deployment_options(
         "name": name,
         "ray_actor_options": opts.ray_actor_options(),
         "max_ongoing_requests": opts.max_ongoing_requests,
+        "logging_config": {"enable_access_log": opts.access_log},
     }
     if opts.num_replicas is not None:
         out["num_replicas"] = opts.num_replicas

@@ -68,6 +68,9 @@ class DeploymentOptions(_Strict):
     num_replicas: int | None = Field(None, ge=1, description="fixed replica count; omit to autoscale")
     autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
     max_ongoing_requests: int = Field(64, ge=1)
+    access_log: bool = Field(
+        False, description="Serve's per-request log line in the replica's log (costs CPU per request)"
+    )
     num_cpus: float = Field(0.1, ge=0)
     num_gpus: float = Field(0.0, ge=0)
     resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources")

@@ -1,0 +1,110 @@
+"""500 mixed requests at once leave nothing behind: the object store holds what it held before (no
+embedding ref kept by a finished request), no encoder-cache pin, no KV block, no running request,
+no open output channel. Every media item is sent once before the baseline, so afterwards the cache
+legitimately holds exactly what it held then."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+import pytest
+from openai import AsyncOpenAI
+
+from tests.integration.e2e.common import AUDIO, PORT, VL, data_url, wait_for
+from tests.integration.e2e.test_leaks_and_metrics import _encoder_cache, _llm_stats
+from tests.media import make_image_bytes, make_wav_bytes
+
+pytestmark = pytest.mark.usefixtures("app")
+
+NUM_REQUESTS = 500
+CONCURRENCY = 16
+IMAGES = [make_image_bytes(40 + 8 * i, 48, seed=900 + i) for i in range(6)]
+CLIPS = [make_wav_bytes(0.5 + 0.25 * i, seed=950 + i) for i in range(2)]
+
+
+def _request(i: int) -> dict[str, Any]:
+    kind = i % 5
+    if kind == 0:
+        return {"model": VL, "messages": [{"role": "user", "content": f"text request {i}"}]}
+    if kind in (1, 2):
+        content = [
+            {"type": "image_url", "image_url": {"url": data_url(IMAGES[i % len(IMAGES)], "image/png")}},
+            {"type": "text", "text": f"image request {i}"},
+        ]
+        return {"model": VL, "messages": [{"role": "user", "content": content}]}
+    if kind == 3:  # two images in one request
+        content = [
+            {"type": "image_url", "image_url": {"url": data_url(IMAGES[i % 6], "image/png")}},
+            {"type": "image_url", "image_url": {"url": data_url(IMAGES[(i + 1) % 6], "image/png")}},
+            {"type": "text", "text": "compare"},
+        ]
+        return {"model": VL, "messages": [{"role": "user", "content": content}]}
+    audio = {"type": "audio_url", "audio_url": {"url": data_url(CLIPS[i % len(CLIPS)], "audio/wav")}}
+    return {
+        "model": AUDIO,
+        "messages": [{"role": "user", "content": [audio, {"type": "text", "text": "hear"}]}],
+    }
+
+
+async def _send(client: AsyncOpenAI, i: int) -> int:
+    body = _request(i)
+    max_tokens = random.Random(i).choice([1, 4, 8, 16])
+    if i % 2:
+        stream = await client.chat.completions.create(
+            **body, max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
+        n = 0
+        async for chunk in stream:
+            if chunk.usage is not None:
+                n = chunk.usage.completion_tokens
+        return n
+    resp = await client.chat.completions.create(**body, max_tokens=max_tokens, temperature=0)
+    return resp.usage.completion_tokens
+
+
+async def _run(indices: list[int]) -> list[int]:
+    client = AsyncOpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="unused", timeout=300, max_retries=0)
+    gate = asyncio.Semaphore(CONCURRENCY)
+
+    async def one(i: int) -> int:
+        async with gate:
+            return await _send(client, i)
+
+    try:
+        return list(await asyncio.gather(*(one(i) for i in indices)))
+    finally:
+        await client.close()
+
+
+def _plasma_objects() -> set[str]:
+    """Ids of the objects in the object store that some worker still references."""
+    from ray.util.state import list_objects
+
+    objects = list_objects(limit=100_000, raise_on_missing_output=False)
+    return {o.object_id for o in objects if o.reference_type != "ACTOR_HANDLE" and (o.object_size or 0) > 0}
+
+
+def _quiet() -> bool:
+    channels_closed = _llm_stats(VL)["output_channels"] == 0 and _llm_stats(AUDIO)["output_channels"] == 0
+    held = any(
+        s["num_running"] or s["num_waiting"] or s["num_free_blocks"] != s["num_total_blocks"]
+        for s in (_llm_stats(VL), _llm_stats(AUDIO))
+    )
+    pinned = _encoder_cache(VL)["pinned"] + _encoder_cache(AUDIO)["pinned"]
+    return channels_closed and not held and pinned == 0
+
+
+def test_500_mixed_requests_leave_the_object_store_pins_and_kv_at_baseline() -> None:
+    asyncio.run(_run(list(range(10))))  # every image and clip once: the cache holds them from now on
+    wait_for(_quiet, 60, "the warm-up to settle")
+    baseline = _plasma_objects()
+    cache_before = (_encoder_cache(VL)["entries"], _encoder_cache(AUDIO)["entries"])
+
+    tokens = asyncio.run(_run(list(range(10, 10 + NUM_REQUESTS))))
+    assert all(n >= 1 for n in tokens)
+
+    wait_for(_quiet, 60, "every request, pin, KV block and output channel to be released")
+    assert (_encoder_cache(VL)["entries"], _encoder_cache(AUDIO)["entries"]) == cache_before
+    wait_for(lambda: _plasma_objects() <= baseline, 60, "the object store to return to its baseline")
