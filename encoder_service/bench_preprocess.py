@@ -38,11 +38,11 @@ from encoder_service.media.limits import MediaLimits
 from encoder_service.processing import Preprocessor
 from encoder_service.types import MediaRef
 
-KINDS: tuple[tuple[str, int, int, str], ...] = (
-    ("720p JPEG", 1280, 720, "JPEG"),
-    ("12 MP JPEG", 4032, 3024, "JPEG"),
-    ("224 px PNG", 224, 224, "PNG"),
-)
+KINDS: dict[str, tuple[str, int, int, str]] = {  # --kinds key: (label, width, height, format)
+    "720p": ("720p JPEG", 1280, 720, "JPEG"),
+    "12mp": ("12 MP JPEG", 4032, 3024, "JPEG"),
+    "224png": ("224 px PNG", 224, 224, "PNG"),
+}
 
 
 def _decode(data: bytes) -> Image.Image:
@@ -104,18 +104,26 @@ def measure(
     return {name: (statistics.median(cpu[name]), statistics.median(wall[name])) for name in rows}
 
 
-def main() -> None:
-    from cluster.tiny_model import make_tiny_model
-
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "--model-dir", type=Path, help="a Qwen2-VL model directory (default: generate the tiny one)"
     )
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--seconds", type=float, default=0.4, help="time per row per round")
+    ap.add_argument("--seconds", type=float, default=0.4, help="CPU seconds per row per round")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
-    args = ap.parse_args()
+    ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS), help="image kinds to run")
+    args = ap.parse_args(argv)
+    threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
+    try:
+        _run(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace) -> None:
+    from cluster.tiny_model import make_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp, asyncio.Runner() as runner:
         model_dir = args.model_dir or make_tiny_model(Path(tmp) / "model", "qwen2-vl")
@@ -125,7 +133,7 @@ def main() -> None:
         print(
             f"{'image':<12} {'path':<34} {'img/s/core':>10} {'CPU ms/img':>10} {'wall ms':>8} {'vs HF PIL':>9}"
         )
-        for label, width, height, fmt in KINDS:
+        for label, width, height, fmt in (KINDS[k] for k in args.kinds):
             data = make_image_bytes(width, height, fmt=fmt)
             result = measure(_rows(model_dir, data, fmt, runner), args.rounds, args.seconds)
             base = result["HF PIL processor"][0]
