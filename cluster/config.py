@@ -93,6 +93,14 @@ class MediaLimitsConfig(_Strict):
     video_num_frames: int | None = Field(None, ge=1, description="sample exactly this many frames")
     video_fps: float = Field(2.0, gt=0, description="sample frames at this rate when num_frames is unset")
     max_audio_seconds: float = Field(30.0, gt=0)
+    max_audio_samples_per_second: int = Field(
+        384_000,
+        ge=1,
+        description="decoded samples (rate x channels) per second of audio, checked while decoding",
+    )
+    max_video_decoded_pixels: int = Field(
+        1920 * 1080 * 4096, ge=1, description="pixels summed over every decoded video frame"
+    )
     fetch_timeout_s: float = Field(10.0, gt=0)
     allowed_domains: list[str] | None = None
     allow_private_addresses: bool = False

@@ -14,14 +14,14 @@ from openai import AsyncOpenAI
 
 from tests.integration.e2e.common import AUDIO, PORT, VL, data_url, wait_for
 from tests.integration.e2e.test_leaks_and_metrics import _encoder_cache, _llm_stats
-from tests.media import make_image_bytes, make_wav_bytes
+from tests.media import make_audio_bytes, make_image_bytes
 
 pytestmark = pytest.mark.usefixtures("app")
 
 NUM_REQUESTS = 500
 CONCURRENCY = 16
 IMAGES = [make_image_bytes(40 + 8 * i, 48, seed=900 + i) for i in range(6)]
-CLIPS = [make_wav_bytes(0.5 + 0.25 * i, seed=950 + i) for i in range(2)]
+CLIPS = [make_audio_bytes(0.5 + 0.25 * i, seed=950 + i) for i in range(2)]
 
 
 def _request(i: int) -> dict[str, Any]:
