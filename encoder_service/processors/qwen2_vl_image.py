@@ -2,7 +2,7 @@
 without its detours.
 
 HF: PIL ─np.array─▶ HWC ─contiguous─▶ CHW ─resize (uint8, bicubic AA)─▶ float ─(x-m)/s─▶ patchify (copy)
-here: PIL ─np.asarray─▶ HWC seen as CHW (no copy) ─resize (same kernel)─▶ float ─(x-m)/s─▶ patchify
+here: PIL's own memory seen as CHW (no copy) ─resize (same kernel)─▶ float ─(x-m)/s─▶ patchify
 
 The same torch ops run on the same values (resize on uint8, ``sub_`` then ``div_`` by the fused constants),
 so every float is identical; what goes is the channel-first copy, the validation and grouping layers,
@@ -12,17 +12,13 @@ from the ORIGINAL size, so a JPEG decoded at reduced scale (draft) lands on the 
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-# ``np.asarray(pil_image)`` is a read-only view of a fresh buffer that only this module reads; copying it
-# to make it writable would cost a pass over the image for nothing, so torch's one-time warning goes.
-warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+from encoder_service.processors.pil_view import rgb_view
 
 
 @dataclass(frozen=True)
@@ -81,16 +77,14 @@ class Qwen2VLImageTransform:
         """``pixel_values`` [patches, 3*T*P*P] and ``image_grid_thw`` [1, 3] for one RGB ``PIL.Image``.
 
         ``source_size`` is the size the image had before a reduced-scale decode (default: its own)."""
-        arr = np.asarray(rgb)  # HWC uint8; a read-only view of a fresh buffer
-        if arr.ndim != 3 or arr.shape[2] != 3 or arr.dtype != np.uint8:
-            raise ValueError(f"expected an RGB uint8 image, got shape {arr.shape} dtype {arr.dtype}")
-        width, height = source_size or (arr.shape[1], arr.shape[0])
-        tw, th = self.target_size(width, height)
-        x = _chw_view(arr)
+        x, keepalive = rgb_view(rgb)  # [1, 3 or 4, H, W] uint8 over the image's own memory
+        tw, th = self.target_size(*(source_size or rgb.size))
         if (th, tw) != tuple(x.shape[-2:]):
+            # Channels are independent: resizing Pillow's padding channel too costs nothing extra.
             x = F.interpolate(x, size=[th, tw], mode="bicubic", align_corners=False, antialias=True)
-        x = x[0].to(torch.float32)
-        x.sub_(self.mean.view(-1, 1, 1)).div_(self.std.view(-1, 1, 1))
+        # uint8 - float32 computes in float32: the floats of HF's ``to(float32)`` then ``sub_``, one pass fewer.
+        x = torch.sub(x[0, :3], self.mean.view(-1, 1, 1)).div_(self.std.view(-1, 1, 1))
+        del keepalive  # the uint8 view is not read past this point
         return {"pixel_values": self._patchify(x), "image_grid_thw": self._grid(th, tw)}
 
     def _grid(self, th: int, tw: int) -> torch.Tensor:
@@ -115,8 +109,3 @@ def smart_target_size(
 
     h, w = smart_resize(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
     return int(w), int(h)
-
-
-def _chw_view(arr: np.ndarray) -> torch.Tensor:
-    """[1, 3, H, W] over the HWC buffer (channels-last strides; torch's uint8 resize kernel takes it as is)."""
-    return torch.from_numpy(arr).permute(2, 0, 1).unsqueeze(0)

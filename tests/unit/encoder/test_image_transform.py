@@ -151,5 +151,5 @@ def test_unsupported_processor_settings_fall_back_to_hf(tiny_vl_dir):
 def test_transform_refuses_non_rgb_arrays(vl):
     transform = vl.family.image_transform
     assert transform is not None
-    with pytest.raises(ValueError, match="RGB uint8"):
+    with pytest.raises(ValueError, match="expected an RGB image"):
         transform(Image.fromarray(np.zeros((8, 8), dtype=np.uint8)))
