@@ -40,9 +40,11 @@ def compute_mm_hash(
     *,
     data: bytes | None = None,
     uuid: str | None = None,
-    processor_kwargs: dict[str, Any] | None = None,
+    processor_kwargs: dict[str, Any] | bytes | None = None,
 ) -> str:
-    """Hex digest identifying one item's encoder output. A ``uuid`` replaces ``data`` as the content."""
+    """Hex digest identifying one item's encoder output. A ``uuid`` replaces ``data`` as the content.
+
+    ``processor_kwargs`` may be given already canonical (``canonical_kwargs``'s bytes): the same digest."""
     if uuid is None and data is None:
         raise ValueError("compute_mm_hash needs data or uuid")
     h = blake3.blake3()
@@ -52,7 +54,7 @@ def compute_mm_hash(
         model_id.encode(),
         modality.encode(),
         content,
-        canonical_kwargs(processor_kwargs or {}),
+        processor_kwargs if isinstance(processor_kwargs, bytes) else canonical_kwargs(processor_kwargs or {}),
     ):
         h.update(len(part).to_bytes(8, "little"))
         h.update(part)

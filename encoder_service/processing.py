@@ -11,11 +11,14 @@ cache entry. Only misses carry an ``EncoderInput``.
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from PIL import Image
 
 from encoder_service.errors import (
     InvalidMediaInput,
@@ -24,9 +27,9 @@ from encoder_service.errors import (
     MMCacheMiss,
     TooManyItems,
 )
-from encoder_service.hashing import compute_mm_hash
+from encoder_service.hashing import canonical_kwargs, compute_mm_hash
 from encoder_service.media.fetch import FetchedMedia, fetch_media_bytes
-from encoder_service.media.image import decode_image_scaled, image_header
+from encoder_service.media.image import decode_opened, image_header
 from encoder_service.media.limits import MediaLimits
 from encoder_service.media.loader import decode_media
 from encoder_service.media.pinned_client import PinnedClient
@@ -57,6 +60,7 @@ class _Item:
     grid_thw: tuple[int, int, int] | None = None
     encoder_input: EncoderInput | None = None
     metadata: dict[str, Any] | None = None
+    header: Image.Image | None = None  # an image opened (header only) and checked by ``_fetch``
 
 
 class Preprocessor:
@@ -86,6 +90,7 @@ class Preprocessor:
         self.num_processor_calls = 0  # HF processor invocations, for tests and metrics
         self._resolver = resolver
         self._http = http_client
+        self._kwargs_bytes: dict[Modality, tuple[dict[str, Any], bytes]] = {}
 
     # ---- family facts the router and engine need -----------------------------------------------------
     @property
@@ -105,9 +110,19 @@ class Preprocessor:
         return self.family.modalities
 
     def mm_hash(self, modality: Modality, *, data: bytes | None = None, uuid: str | None = None) -> str:
+        """Over the item's ORIGINAL bytes (or uuid) and every processor setting that changes its encoding."""
         return compute_mm_hash(
-            self.model_id, modality, data=data, uuid=uuid, processor_kwargs=self.family.hash_kwargs(modality)
+            self.model_id, modality, data=data, uuid=uuid, processor_kwargs=self._hash_kwargs_bytes(modality)
         )
+
+    def _hash_kwargs_bytes(self, modality: Modality) -> bytes:
+        """The canonical JSON of the family's hash kwargs, re-encoded only when a setting changed."""
+        kwargs = self.family.hash_kwargs(modality)
+        cached = self._kwargs_bytes.get(modality)
+        if cached is None or cached[0] != kwargs:
+            cached = (copy.deepcopy(kwargs), canonical_kwargs(kwargs))
+            self._kwargs_bytes[modality] = cached
+        return cached[1]
 
     # ---- the pipeline --------------------------------------------------------------------------------
     async def preprocess(
@@ -202,9 +217,9 @@ class Preprocessor:
             ref, self.limits, item=it.index, client=self._http, resolver=self._resolver
         )
         if ref.modality == "image":  # header-only checks, also for items the cache will serve
-            header = image_header(it.fetched.data, self.limits, item=it.index, label=f"image {it.index}")
+            it.header = image_header(it.fetched.data, self.limits, item=it.index, label=f"image {it.index}")
             try:
-                self.family.check_image_size(*header.size)
+                self.family.check_image_size(*it.header.size)
             except ValueError as e:
                 raise MediaDecodeError(f"image {it.index}: {e}", item=it.index) from e
 
@@ -228,7 +243,7 @@ class Preprocessor:
         label = f"{modality} {it.index}"
         try:
             if modality == "image":
-                out, it.metadata = self._process_image(it.fetched, it.index)
+                out, it.metadata = self._process_image(it)
             else:
                 loaded = decode_media(
                     modality,
@@ -248,15 +263,15 @@ class Preprocessor:
         it.encoder_input = EncoderInput(it.mm_hash, modality, out.num_embeds, out.grid_thw, out.tensors)
         self.processor_cache.put(it.encoder_input)
 
-    def _process_image(self, fetched: FetchedMedia, index: int) -> tuple[ProcessedItem, dict[str, Any]]:
+    def _process_image(self, it: _Item) -> tuple[ProcessedItem, dict[str, Any]]:
         """Decode (at reduced scale when the processor shrinks the image that much anyway) and process."""
-        label = f"image {index}"
-        header = image_header(fetched.data, self.limits, item=index, label=label)
+        assert it.fetched is not None and it.header is not None
+        header, it.header = it.header, None  # opened and checked by ``_fetch``; decoded once, here
         min_size = self.family.image_decode_size(*header.size)
-        decoded = decode_image_scaled(fetched.data, self.limits, min_size=min_size, item=index, label=label)
+        decoded = decode_opened(header, min_size=min_size, item=it.index, label=f"image {it.index}")
         self.num_processor_calls += 1
         out = self.family.process_image(decoded)
-        meta = {"source": fetched.source, "num_bytes": len(fetched.data), **decoded.metadata()}
+        meta = {"source": it.fetched.source, "num_bytes": len(it.fetched.data), **decoded.metadata()}
         if decoded.reduced:
             meta["decoded_size"] = list(decoded.image.size)
         return out, meta

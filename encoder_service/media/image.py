@@ -80,7 +80,18 @@ def decode_image_scaled(
 ) -> DecodedImage:
     """Decode to RGB; a JPEG is decoded at 1/2, 1/4 or 1/8 scale when that still gives ≥ ``min_size``
     (width, height) pixels. ``None`` decodes at full size."""
-    img = image_header(data, limits, item=item, label=label)
+    header = image_header(data, limits, item=item, label=label)
+    return decode_opened(header, min_size=min_size, item=item, label=label)
+
+
+def decode_opened(
+    img: Image.Image,
+    *,
+    min_size: tuple[int, int] | None = None,
+    item: int | None = None,
+    label: str = "image",
+) -> DecodedImage:
+    """``decode_image_scaled`` for an image ``image_header`` already opened (and checked); call once."""
     width, height = img.size
     fmt = img.format
     try:
