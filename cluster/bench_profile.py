@@ -14,6 +14,7 @@ metrics) lands in whatever scenario it falls in.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -263,12 +264,25 @@ class Profiler:
         return prof
 
     def connect_ray(self) -> None:
-        """Learn pid -> actor class from Ray's state, connecting to the app's cluster if not connected."""
+        """Learn pid -> actor class from Ray's state, connecting to the app's cluster if not connected:
+        only to a GCS on a loopback address, and with Ray kept on loopback (never ``address="auto"``,
+        which may pick another cluster of this machine)."""
         try:
+            if "ray" not in sys.modules:
+                # Ray otherwise swaps 127.0.0.1 for the machine's routable address (read at import).
+                os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+                # A local cluster started by ray.init() (``mmserve serve``) has token auth on by default;
+                # Ray then finds the token where that ray.init() left it.
+                os.environ.setdefault("RAY_AUTH_MODE", "token")
             import ray
 
             if not ray.is_initialized():
-                ray.init(address=self._gcs_address() or "auto", logging_level="ERROR", log_to_driver=False)
+                address = self._gcs_address()
+                refusal = loopback_refusal(address, os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"))
+                if refusal:
+                    self.notes.append(f"not connecting to Ray: {refusal}; kinds come from process titles")
+                    return
+                ray.init(address=address, logging_level="ERROR", log_to_driver=False)
             self.actor_classes = actor_classes()
         except Exception as e:  # the profile still works from process titles
             self.notes.append(
@@ -298,6 +312,22 @@ class Profiler:
     def _sample(self, p: ProcInfo, driver: int | None) -> ProcSample:
         kind = DRIVER if p.pid == driver else process_kind(p.title, self.actor_classes.get(p.pid))
         return _sample(p, kind)
+
+
+def loopback_refusal(gcs: str | None, enable_clusters_env: str | None) -> str | None:
+    """Why the benchmark must not connect a Ray driver to ``gcs`` (None: it may)."""
+    if gcs is None:
+        return "found no raylet of the app on this machine, hence no GCS address"
+    host = gcs.rsplit(":", 1)[0].strip("[]")
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if not loopback:
+        return f"the app's GCS is at {gcs}, not on loopback"
+    if enable_clusters_env != "0":
+        return "Ray was imported before RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 was set: it would leave loopback"
+    return None
 
 
 def _sample(p: ProcInfo, kind: str) -> ProcSample:

@@ -256,3 +256,13 @@ def test_vs_vllm_table_puts_mmserve_over_vllm() -> None:
     assert cells[:7] == [LOADS[0].name, "64.0", "16.0", "0.25", "200.0", "1000.0", "5.00"]
     assert cells[-3:] == ["27.0", "100.0", "3.70"]  # CPU-ms per request: 270/10, 1000/10
     assert lines.splitlines()[3].startswith(f"| {LOADS[1].name} | - | - | - |")  # a load not run
+
+
+def test_ray_is_joined_only_on_loopback() -> None:
+    from cluster.bench_profile import loopback_refusal
+
+    assert loopback_refusal("127.0.0.1:39867", "0") is None
+    assert loopback_refusal("[::1]:6379", "0") is None
+    assert "not on loopback" in (loopback_refusal("192.0.2.2:39867", "0") or "")
+    assert "no raylet" in (loopback_refusal(None, "0") or "")
+    assert "leave loopback" in (loopback_refusal("127.0.0.1:39867", None) or "")
