@@ -50,6 +50,7 @@ class ServerProcess:
                 env={**os.environ, **self.env},
                 cwd=self.cwd,
                 start_new_session=True,
+                preexec_fn=_default_sigint,
             )
 
     def wait_healthy(self, timeout_s: float) -> float:
@@ -119,6 +120,12 @@ class ServerProcess:
         """The pids of our tree still alive (same start time: not a later process reusing the pid)."""
         alive = list_procs(self.seen)
         return [pid for pid, p in alive.items() if p.start_ticks == self.seen[pid]]
+
+
+def _default_sigint() -> None:
+    """In the child before exec: a runner started in the background (``cmd &``) has SIGINT ignored, and
+    the server would inherit that and never see the Ctrl-C that shuts it down cleanly."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def http_status(url: str, timeout_s: float = 5.0) -> int | None:
