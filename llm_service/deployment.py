@@ -62,8 +62,9 @@ class LLMServer:
         for rid in request_ids:
             self.loop.abort(rid)
 
-    async def submit(self, spec: LLMRequestSpec) -> SubmitReply:
-        """Fetch the request's embeddings and queue it; its outputs go to ``spec.ingress_id``'s channel.
+    async def submit(self, spec: LLMRequestSpec) -> AsyncIterator[SubmitReply]:
+        """Fetch the request's embeddings and queue it; yield where its outputs go (``spec.ingress_id``'s
+        channel), then stay open until it is done. Cancelled before that (its client left): aborted.
 
         Raises ``EmbeddingsLost`` (before the engine sees the request) if an embedding cannot be
         fetched: its encoder replica died, or the fetch took longer than the timeout.
@@ -73,13 +74,17 @@ class LLMServer:
             return await asyncio.wait_for(ref, self.embedding_fetch_timeout_s)
 
         mm_inputs = await resolve_embeddings(spec.mm_items, fetch) if spec.mm_items else []
-        channel_id = self.channels.register(spec.ingress_id, spec.request_id)
+        rid = spec.request_id
+        channel_id = self.channels.register(spec.ingress_id, rid)
+        done = self.channels.done(rid)
         try:
-            self.loop.submit(spec.request_id, list(spec.prompt_token_ids), spec.sampling_params, mm_inputs)
-        except BaseException:
-            self.channels.forget(spec.request_id)
-            raise
-        return SubmitReply(self.replica_id, channel_id)
+            self.loop.submit(rid, list(spec.prompt_token_ids), spec.sampling_params, mm_inputs)
+            yield SubmitReply(self.replica_id, channel_id)
+            await done
+        finally:
+            if not done.done():  # the caller went away: stop generating, free its KV blocks
+                self.channels.forget(rid)
+                self.loop.abort(rid)
 
     async def channel(self, target: ReplicaTarget) -> AsyncIterator[ChannelBatch]:
         """Stream one output channel (``submit`` named it); it ends when the channel closes."""

@@ -1,6 +1,8 @@
 """Output channels: one message per engine step per ingress replica, not one per token per request.
 
-An ingress replica submits requests to an LLM replica with short unary calls; their outputs flow
+An ingress replica submits each request to an LLM replica with a call that answers at once with
+the channel to read and then stays open, silent, until the request is done (so Serve's routing and
+load counts see the request for its whole life, and cancelling the call aborts it); the outputs flow
 back over one long-lived stream per (ingress, LLM replica) pair — the channel. Each engine step
 appends its outputs to the channels of their requests, and each channel sends everything it
 holds as one ``ChannelBatch`` (vLLM's API server / engine core split does the same with one
@@ -86,6 +88,7 @@ class OutputChannels:
         self._channels: dict[str, _Channel] = {}
         self._open: dict[str, str] = {}  # ingress id -> its open channel id
         self._by_request: dict[str, _Channel] = {}
+        self._done: dict[str, asyncio.Future[None]] = {}
 
     def __len__(self) -> int:
         return len(self._channels)
@@ -100,7 +103,16 @@ class OutputChannels:
             self._open[ingress_id] = ch.channel_id
         ch.active.add(request_id)
         self._by_request[request_id] = ch
+        self._done[request_id] = asyncio.get_running_loop().create_future()
         return ch.channel_id
+
+    def done(self, request_id: str) -> asyncio.Future[None]:
+        """Resolves when the request's last output or error is queued on its channel (or it is dropped)."""
+        fut = self._done.get(request_id)
+        if fut is None:
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_result(None)
+        return fut
 
     def deliver(self, outputs: list[RequestOutput]) -> None:
         """One engine step's outputs, each to its request's channel."""
@@ -134,6 +146,9 @@ class OutputChannels:
     def _finish(self, ch: _Channel, request_id: str) -> None:
         ch.active.discard(request_id)
         self._by_request.pop(request_id, None)
+        fut = self._done.pop(request_id, None)
+        if fut is not None and not fut.done():
+            fut.set_result(None)
 
     async def stream(self, channel_id: str) -> AsyncIterator[ChannelBatch]:
         """The channel's batches until it closes; orphans its requests if the reader goes away."""
@@ -169,8 +184,7 @@ class OutputChannels:
             del self._open[ch.ingress_id]
         orphans = sorted(ch.active)
         for rid in orphans:
-            self._by_request.pop(rid, None)
-        ch.active.clear()
+            self._finish(ch, rid)
         if orphans:
             self._on_orphaned(orphans)
 

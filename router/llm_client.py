@@ -5,7 +5,7 @@ its outputs as they arrive on the channel of the replica that took it. One reade
 channel receives each engine step's outputs for every request of this ingress on that replica as
 one message and fans them out to the requests' queues. If a channel breaks (the replica died),
 every request still waiting on it gets ``ChannelLost``; a request whose caller leaves is aborted on
-its replica with a targeted ``abort`` call.
+its replica by cancelling its submit call, which stays open until the request is done.
 """
 
 from __future__ import annotations
@@ -50,25 +50,35 @@ class LLMClient:
         self.connect_timeout_s = connect_timeout_s
         self._queues: dict[str, asyncio.Queue[_Item]] = {}
         self._readers: dict[str, _Reader] = {}  # channel id -> reader
+        self._calls: dict[str, Any] = {}  # request id -> its open submit call
+        self._tasks: set[asyncio.Task[None]] = set()
 
     def __len__(self) -> int:
         return len(self._queues)
 
     async def submit(self, spec: LLMRequestSpec) -> SubmitReply:
-        """Queue ``spec`` on a replica; its outputs go to ``self.outputs(request_id)``."""
+        """Queue ``spec`` on a replica; its outputs go to ``self.outputs(request_id, reply)``.
+
+        The submit call stays open on the replica until the request is done (Serve counts it as
+        ongoing there, for routing and autoscaling); ``outputs`` closes it, or cancels it to abort.
+        """
         spec = _with_ingress(spec, self.ingress_id)
-        self._queues[spec.request_id] = asyncio.Queue()
+        rid = spec.request_id
+        self._queues[rid] = asyncio.Queue()
+        call = self.handle.options(stream=True).submit.remote(spec)
         try:
-            reply: SubmitReply = await self.handle.submit.remote(spec)
+            reply: SubmitReply = await call.__anext__()
         except BaseException:
-            self._queues.pop(spec.request_id, None)
+            self._queues.pop(rid, None)
+            call.cancel()
             raise
+        self._calls[rid] = call
         reader = self._readers.get(reply.channel_id)
         if reader is None:
             reader = _Reader(reply.replica_id, reply.channel_id)
             self._readers[reply.channel_id] = reader
             reader.task = asyncio.get_running_loop().create_task(self._read(reader))
-        reader.requests.add(spec.request_id)
+        reader.requests.add(rid)
         return reply
 
     async def outputs(self, request_id: str, reply: SubmitReply) -> AsyncGenerator[RequestOutput, None]:
@@ -90,20 +100,22 @@ class LLMClient:
             reader = self._readers.get(reply.channel_id)
             if reader is not None:
                 reader.requests.discard(request_id)
-            if not finished:
-                self._abort(reply.replica_id, request_id)
+            call = self._calls.pop(request_id, None)
+            if call is not None:
+                if finished:  # the replica ends the call on its own now: collect its end
+                    self._background(_drain(call))
+                else:  # cancelling the open submit call aborts the request on its replica
+                    call.cancel()
+
+    def _background(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def stream(self, spec: LLMRequestSpec) -> AsyncIterator[RequestOutput]:
         reply = await self.submit(spec)
         async for out in self.outputs(spec.request_id, reply):
             yield out
-
-    def _abort(self, replica_id: str, request_id: str) -> None:
-        target = ReplicaTarget(replica_id, request_ids=(request_id,))
-        try:
-            self.handle.abort.remote(target)  # fire and forget: its response is not awaited
-        except Exception:  # the replica is gone: nothing to abort
-            logger.debug("abort of %s on %s not sent", request_id, replica_id, exc_info=True)
 
     async def _read(self, reader: _Reader) -> None:
         target = ReplicaTarget(reader.replica_id, channel_id=reader.channel_id)
@@ -142,6 +154,14 @@ class LLMClient:
         for reader in list(self._readers.values()):
             if reader.task is not None:
                 reader.task.cancel()
+
+
+async def _drain(call: Any) -> None:
+    try:
+        async for _ in call:
+            pass
+    except Exception:  # the request is answered already; its call's end changes nothing
+        logger.debug("submit call ended with an error after its request finished", exc_info=True)
 
 
 def _with_ingress(spec: LLMRequestSpec, ingress_id: str) -> LLMRequestSpec:

@@ -7,8 +7,6 @@ The decisions themselves are the pure functions in router.prefix_affinity.
 
 from __future__ import annotations
 
-import time
-from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -92,30 +90,6 @@ class LeastQueuedEmbeddingsRouter(FIFOMixin, _LoadAwareRouter):
         return float(_request_arg(pending_request, "num_embeds", 0))
 
 
-class _RecentRoutes:
-    """Requests routed to each replica in the last ``window_s``: a submit returns at once, so the
-    load of what it started shows only in the replica's next routing stats; until then, count it."""
-
-    def __init__(self, window_s: float = 1.5) -> None:
-        self.window_s = window_s
-        self._at: dict[ReplicaID, deque[float]] = {}
-
-    def add(self, replica: ReplicaID, now: float | None = None) -> None:
-        self._at.setdefault(replica, deque()).append(time.monotonic() if now is None else now)
-
-    def count(self, replica: ReplicaID, now: float | None = None) -> int:
-        q = self._at.get(replica)
-        if not q:
-            return 0
-        cutoff = (time.monotonic() if now is None else now) - self.window_s
-        while q and q[0] < cutoff:
-            q.popleft()
-        return len(q)
-
-    def drop(self, replica: ReplicaID) -> None:
-        self._at.pop(replica, None)
-
-
 class PrefixAffinityRouter(_LoadAwareRouter):
     """LLM pool: longest cached prefix of the request's block hashes, balanced against load.
 
@@ -128,12 +102,10 @@ class PrefixAffinityRouter(_LoadAwareRouter):
     def initialize_state(self, **kwargs: Any) -> None:
         super().initialize_state(**kwargs)
         self._index = PrefixAffinityIndex()
-        self._recent = _RecentRoutes()
 
     def _reported(self, replica: RunningReplica) -> float:
         stats = replica.routing_stats
-        running = float(stats.get("num_running", 0)) + float(stats.get("num_waiting", 0))
-        return running + self._recent.count(replica.replica_id)
+        return float(stats.get("num_running", 0)) + float(stats.get("num_waiting", 0))
 
     def _amount(self, pending_request: PendingRequest) -> float:
         return 0.0 if _request_arg(pending_request, "target_replica", "") else 1.0
@@ -150,10 +122,8 @@ class PrefixAffinityRouter(_LoadAwareRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         if not _request_arg(pending_request, "target_replica", ""):
             self._index.record(replica_id, list(_request_arg(pending_request, "block_hashes", ())))
-            self._recent.add(replica_id)
         super().on_request_routed(pending_request, replica_id, result)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._index.remove_replica(replica_id)
-        self._recent.drop(replica_id)

@@ -51,15 +51,13 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 
 def _replica_stats() -> dict[str, dict[str, Any]]:
     """Each LLM replica's own counters, asked of it by name (the router honours ``target_replica``)."""
+    import ray
     from ray import serve
-    from ray.util.state import list_actors
 
     from llm_service.request_spec import ReplicaTarget
 
-    actors = list_actors(
-        filters=[("class_name", "=", f"ServeReplica:mmserve:{LLM}"), ("state", "=", "ALIVE")]
-    )
-    ids = [a.name.rsplit("#", 1)[-1] for a in actors]
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+    ids = [n.rsplit("#", 1)[-1] for n in names if n.startswith(f"SERVE_REPLICA::mmserve#{LLM}#")]
     handle = serve.get_deployment_handle(LLM, app_name="mmserve")
     stats = {rid: handle.stats.remote(ReplicaTarget(rid)).result(timeout_s=30) for rid in ids}
     for rid, s in stats.items():
