@@ -23,7 +23,8 @@ from urllib.parse import urlsplit
 
 from cluster.bench_client import fetch_counters, make_client, run_requests
 from cluster.bench_procs import CLOCK_TICKS_PER_S
-from cluster.bench_profile import IdleProfile, Profiler, ScenarioProfile, process_costs, profile_table
+from cluster.bench_profile import IdleProfile, ScenarioProfile, process_costs, profile_table
+from cluster.bench_profiler import Profiler
 from cluster.bench_stats import (
     RequestResult,
     ScenarioStats,

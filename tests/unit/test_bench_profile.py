@@ -259,7 +259,7 @@ def test_vs_vllm_table_puts_mmserve_over_vllm() -> None:
 
 
 def test_ray_is_joined_only_on_loopback() -> None:
-    from cluster.bench_profile import loopback_refusal
+    from cluster.bench_profiler import loopback_refusal
 
     assert loopback_refusal("127.0.0.1:39867", "0") is None
     assert loopback_refusal("[::1]:6379", "0") is None
