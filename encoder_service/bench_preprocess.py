@@ -7,6 +7,7 @@ Rows per image kind (a 720p JPEG, a 12 MP JPEG photo, a 224 px PNG):
   HF PIL processor       ``Qwen2VLImageProcessorPil`` on the decoded image (decode not included)
   HF torchvision proc.   ``Qwen2VLImageProcessor`` (torchvision backend) on the decoded image
   decode + HF tv proc.   both of the above: the best HF path from bytes
+  decode + mmserve path  header checks, (draft) decode and mmserve's Qwen2-VL transform, in this thread
   mmserve preprocess     ``Preprocessor.preprocess``: data URL in, ``PreprocessedRequest`` out (base64,
                          mm_hash, header checks, decode, pixel values, chat template, tokens), processor
                          cache off, awaited on one long-lived event loop as the Serve replica does
@@ -34,6 +35,7 @@ import torch
 from PIL import Image
 
 from cluster.bench_media import make_image_bytes
+from encoder_service.media.image import decode_opened, image_header
 from encoder_service.media.limits import MediaLimits
 from encoder_service.processing import Preprocessor
 from encoder_service.types import MediaRef
@@ -49,6 +51,13 @@ def _decode(data: bytes) -> Image.Image:
     img = Image.open(io.BytesIO(data))
     img.load()
     return img if img.mode == "RGB" else img.convert("RGB")
+
+
+def _image_path(pre: Preprocessor, data: bytes) -> Any:
+    """What ``Preprocessor`` does to a miss after fetching: header, (draft) decode, pixel values."""
+    header = image_header(data, pre.limits)
+    decoded = decode_opened(header, min_size=pre.family.image_decode_size(*header.size))
+    return pre.family.process_image(decoded)
 
 
 def _rows(model_dir: Path, data: bytes, fmt: str, runner: asyncio.Runner) -> dict[str, Callable[[], Any]]:
@@ -78,6 +87,7 @@ def _rows(model_dir: Path, data: bytes, fmt: str, runner: asyncio.Runner) -> dic
         "HF PIL processor": lambda: pil_proc(images=[decoded], return_tensors="pt"),
         "HF torchvision processor": lambda: tv_proc(images=[decoded], return_tensors="pt"),
         "decode + HF torchvision": lambda: tv_proc(images=[_decode(data)], return_tensors="pt"),
+        "decode + mmserve image path": lambda: _image_path(pre, data),
         "mmserve Preprocessor.preprocess": lambda: runner.run(preprocess_once()),
     }
 

@@ -15,13 +15,14 @@ import io
 from dataclasses import dataclass
 from typing import Any
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, JpegImagePlugin, UnidentifiedImageError
 
 from encoder_service.errors import MediaDecodeError, MediaError, MediaTooLarge, UnsupportedMediaType
 from encoder_service.media.limits import MediaLimits
 
 # Pillow guesses among every plugin it has (PPM, IM, SGI, DDS, PSD, EPS, ...); a hostile body picks the
-# least-tested one. Only these are opened; GIF and WEBP give their first frame.
+# least-tested one. Only these are opened; GIF and WEBP give their first frame, and a JPEG with more
+# pictures (MPO, as some cameras write) its first picture.
 ALLOWED_IMAGE_FORMATS: tuple[str, ...] = ("JPEG", "PNG", "WEBP", "GIF", "BMP")
 
 
@@ -95,7 +96,7 @@ def decode_opened(
     width, height = img.size
     fmt = img.format
     try:
-        if min_size is not None and fmt == "JPEG":
+        if min_size is not None and isinstance(img, JpegImagePlugin.JpegImageFile):  # JPEG and MPO
             img.draft(None, min_size)  # picks the largest DCT scale whose output is still ≥ min_size
         img.load()
         rgb = img if img.mode == "RGB" else img.convert("RGB")

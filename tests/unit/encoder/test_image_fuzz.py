@@ -44,11 +44,19 @@ def _animated_gif() -> bytes:
     return buf.getvalue()
 
 
+def _mpo() -> bytes:
+    pictures = [Image.fromarray(make_image_array(11, 9, seed)) for seed in (1, 2)]
+    buf = io.BytesIO()
+    pictures[0].save(buf, "MPO", save_all=True, append_images=pictures[1:])
+    return buf.getvalue()
+
+
 SEEDS: list[bytes] = [
     _seed("JPEG", "RGB", quality=70),
     _seed("JPEG", "L"),
     _seed("JPEG", "RGB", progressive=True),
     _seed("JPEG", "CMYK"),
+    _mpo(),
     _seed("PNG", "RGB"),
     _seed("PNG", "RGBA"),
     _seed("PNG", "P"),
@@ -123,7 +131,7 @@ def _check(pre: Preprocessor, data: bytes) -> None:
 def test_seeds_decode(vl):
     for data in SEEDS:
         decoded = decode_image_scaled(data, LIMITS)
-        assert decoded.format in ALLOWED_IMAGE_FORMATS and decoded.image.mode == "RGB"
+        assert decoded.format in (*ALLOWED_IMAGE_FORMATS, "MPO") and decoded.image.mode == "RGB"
         _check(vl, data)
 
 

@@ -112,6 +112,19 @@ def test_draft_decode_keeps_hf_grid_and_close_pixels(vl, hf_tv, w, h):
     assert levels.max() <= 16
 
 
+def test_mpo_is_a_jpeg_first_picture_and_drafts(vl):
+    """Some cameras write MPO (a JPEG with more pictures after it): Pillow reports it as MPO."""
+    first, second = (Image.fromarray(make_image_array(2600, 1500, s)) for s in (1, 2))
+    buf = io.BytesIO()
+    first.save(buf, "MPO", save_all=True, append_images=[second])
+    decoded = decode_image_scaled(buf.getvalue(), LIMITS, min_size=(1176, 672))
+    assert decoded.format == "MPO" and decoded.reduced and decoded.image.size == (1300, 750)
+    full = decode_image_scaled(buf.getvalue(), LIMITS)
+    assert np.array_equal(
+        np.asarray(full.image), np.asarray(Image.open(io.BytesIO(buf.getvalue())).convert("RGB"))
+    )
+
+
 def test_draft_only_where_it_shrinks_and_only_for_jpeg(vl):
     assert vl.family.image_decode_size(1280, 720) == (1176, 672)  # HF smart_resize target
     png = decode_image_scaled(_encode(2600, 1500, "PNG"), LIMITS, min_size=(1176, 672))
