@@ -6,6 +6,11 @@
 
 An item the encoder cache holds is never decoded nor processed: its length and grid come from the
 cache entry. Only misses carry an ``EncoderInput``.
+
+Images: the header is opened and checked once (formats, pixels, the processor's size rules) before
+any lookup; a miss is decoded from that same opened file — a JPEG at reduced scale when the processor
+shrinks it ≥ 2× anyway — and goes through the family's own fast transform (HF's floats, fewer copies).
+Bad bytes are the client's 4xx naming the item (see ``_decoded_or_422``).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from PIL import Image
 
@@ -239,26 +244,26 @@ class Preprocessor:
             it.encoder_input, it.num_embeds, it.grid_thw = hit, hit.num_embeds, hit.grid_thw
             it.metadata = {"source": "processor_cache"}
             return
-        assert it.fetched is not None
-        label = f"{modality} {it.index}"
-        try:
-            if modality == "image":
-                out, it.metadata = self._process_image(it)
-            else:
-                loaded = decode_media(
+        fetched = it.fetched
+        assert fetched is not None
+        if modality == "image":
+            out, it.metadata = self._process_image(it)
+        else:
+            loaded = _decoded_or_422(
+                lambda: decode_media(
                     modality,
-                    it.fetched,
+                    fetched,
                     self.limits,
                     item=it.index,
                     sampling_rate=self.family.sampling_rate or 16000,
                     frame_multiple=self.family.frame_multiple,
-                )
-                self.num_processor_calls += 1
-                out, it.metadata = self.family.process(modality, loaded.value), loaded.metadata
-        except MediaError:
-            raise
-        except Exception as e:  # a decoder or HF processor refusing this item's data: the client's 422
-            raise MediaDecodeError(f"{label}: {type(e).__name__}: {str(e)[:200]}", item=it.index) from e
+                ),
+                f"{modality} {it.index}",
+                it.index,
+            )
+            self.num_processor_calls += 1
+            out = _processed_or_422(lambda: self.family.process(modality, loaded.value), modality, it.index)
+            it.metadata = loaded.metadata
         it.num_embeds, it.grid_thw = out.num_embeds, out.grid_thw
         it.encoder_input = EncoderInput(it.mm_hash, modality, out.num_embeds, out.grid_thw, out.tensors)
         self.processor_cache.put(it.encoder_input)
@@ -270,7 +275,7 @@ class Preprocessor:
         min_size = self.family.image_decode_size(*header.size)
         decoded = decode_opened(header, min_size=min_size, item=it.index, label=f"image {it.index}")
         self.num_processor_calls += 1
-        out = self.family.process_image(decoded)
+        out = _processed_or_422(lambda: self.family.process_image(decoded), "image", it.index)
         meta = {"source": it.fetched.source, "num_bytes": len(it.fetched.data), **decoded.metadata()}
         if decoded.reduced:
             meta["decoded_size"] = list(decoded.image.size)
@@ -314,3 +319,30 @@ class Preprocessor:
             m: self.family.log_kwargs(m) for m in sorted({it.ref.modality for it in items})
         }
         return PreprocessedRequest(out_ids, mm_items, kwargs)
+
+
+# How decoder and processor failures reach the client, in one place: a decoder fed the client's bytes
+# may raise anything (OSError, ValueError, struct.error, ...), and any of it means "these bytes do not
+# decode": 422 naming the item. HF processors refuse data they cannot take with ValueError: 422 too.
+# Anything else a processor raises is our bug and stays a 500.
+T = TypeVar("T")
+
+
+def _decoded_or_422(decode: Callable[[], T], label: str, index: int) -> T:
+    try:
+        return decode()
+    except (MediaError, MemoryError):
+        raise
+    except Exception as e:
+        raise MediaDecodeError(
+            f"{label}: does not decode ({type(e).__name__}: {str(e)[:200]})", item=index
+        ) from e
+
+
+def _processed_or_422(process: Callable[[], ProcessedItem], modality: str, index: int) -> ProcessedItem:
+    try:
+        return process()
+    except ValueError as e:
+        raise MediaDecodeError(
+            f"{modality} {index}: the processor refused it ({str(e)[:200]})", item=index
+        ) from e
