@@ -8,6 +8,9 @@ and concurrency 32 and at 48 requests and concurrency 1, and the same lengths te
 at concurrency 32; stop it. Every load uses the same seed on both servers, so both see the same
 requests. Around every load it reads the CPU time of each process of the server's tree (``/proc``) and
 reports CPU-ms per completed request. Needs the peer venv: ``../shared/tools/peer_vllm/setup.sh``.
+
+``--mmserve-baseline DIR`` also runs mmserve from another checkout (e.g. ``git archive <commit> | tar -x
+-C DIR``), so a change is measured before and after in one run, under the same conditions.
 """
 
 from __future__ import annotations
@@ -18,14 +21,12 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from cluster.bench_procs import CLOCK_TICKS_PER_S
-from cluster.bench_profile import IdleProfile, ScenarioProfile, process_costs, profile_table
+from cluster.bench_profile import IdleProfile, ScenarioProfile, process_costs
 from cluster.bench_servers import ServerProcess
-from cluster.bench_stats import fmt_num, markdown_table, ratio
+from cluster.bench_vs_report import LOADS, WARMUP, Load, LoadResult, render, results_json
 
 REPO = Path(__file__).resolve().parents[1]
 BUCKETS = "{(64, 64, 1): 0.25, (112, 112, 1): 0.25, (168, 168, 1): 0.25, (224, 224, 1): 0.25}"
@@ -36,22 +37,6 @@ QUIET_ENV = {
     "DO_NOT_TRACK": "1",
 }
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
-
-
-@dataclass(frozen=True)
-class Load:
-    name: str
-    dataset: str  # "random-mm" (one image per request) | "random" (text only)
-    num_prompts: int
-    concurrency: int
-
-
-LOADS = [
-    Load("image, 128 req, c=32", "random-mm", 128, 32),
-    Load("image, 48 req, c=1", "random-mm", 48, 1),
-    Load("text, 128 req, c=32", "random", 128, 32),
-]
-WARMUP = Load("warm-up", "random-mm", 32, 32)
 
 
 def bench_argv(args: argparse.Namespace, load: Load, base_url: str, seed: int, result: Path) -> list[str]:
@@ -98,28 +83,20 @@ def make_servers(args: argparse.Namespace) -> dict[str, ServerProcess]:
     vllm_argv += ["--port", str(args.vllm_port), "--max-model-len", "4096", "--dtype", "float32"]
     vllm_log = args.out_dir / "vllm-serve.log"
     vllm = ServerProcess("vLLM", vllm_argv, args.vllm_port, vllm_log, env=vllm_env, root_kind="API server")
-    mm_argv = [sys.executable, "-m", "cluster.cli", "serve", "--model", str(args.model_dir)]
-    mm_argv += ["--model-name", args.served_name, *common, "--port", str(args.mmserve_port)]
-    mm_env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    log_path = args.out_dir / "mmserve-serve.log"
-    mmserve = ServerProcess(
-        "mmserve",
-        mm_argv,
-        args.mmserve_port,
-        log_path,
-        env=mm_env,
-        cwd=args.mmserve_root,
-        root_kind="Ray driver",
-    )
-    return {"vllm": vllm, "mmserve": mmserve}
+    servers = {"vllm": vllm, "mmserve": mmserve_server(args, "mmserve", args.mmserve_root, args.mmserve_port)}
+    if args.mmserve_baseline is not None:
+        base = args.mmserve_baseline
+        servers["baseline"] = mmserve_server(args, "mmserve@baseline", base, args.baseline_port)
+    return servers
 
 
-@dataclass
-class LoadResult:
-    server: str
-    load: Load
-    metrics: dict[str, Any]
-    profile: ScenarioProfile
+def mmserve_server(args: argparse.Namespace, name: str, root: Path, port: int) -> ServerProcess:
+    """``mmserve serve`` of the checkout at ``root`` (its own ``cluster`` package, this venv)."""
+    argv = [sys.executable, "-m", "cluster.cli", "serve", "--model", str(args.model_dir)]
+    argv += ["--model-name", args.served_name, "--host", "127.0.0.1", "--port", str(port)]
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    log_path = args.out_dir / f"{name}-serve.log"
+    return ServerProcess(name, argv, port, log_path, env=env, cwd=root, root_kind="Ray driver")
 
 
 def run_load(args: argparse.Namespace, server: ServerProcess, load: Load, seed: int) -> LoadResult:
@@ -170,51 +147,6 @@ def measure_idle(server: ServerProcess, seconds: float) -> IdleProfile:
     return IdleProfile(time.monotonic() - t0, process_costs(before, after, CLOCK_TICKS_PER_S))
 
 
-# -- the tables (pure) --------------------------------------------------------------------------------
-
-COLUMNS = [
-    ("req/s", "request_throughput", 1.0),
-    ("mean TTFT ms", "mean_ttft_ms", 1.0),
-    ("mean TPOT ms", "mean_tpot_ms", 1.0),
-    ("ITL p50 ms", "median_itl_ms", 1.0),
-]
-
-
-def cpu_per_request(r: LoadResult) -> float | None:
-    return r.profile.total_ms / r.profile.requests if r.profile.requests else None
-
-
-def comparison_table(results: list[LoadResult]) -> str:
-    """One row per load: each metric for vLLM, mmserve and mmserve / vLLM."""
-    by = {(r.server, r.load.name): r for r in results}
-    headers = ["load"]
-    for label, _, _ in [*COLUMNS, ("CPU-ms/req", "", 1.0)]:
-        headers += [f"{label} vLLM", "mmserve", "ratio"]
-    rows = []
-    for load in LOADS:
-        v, m = by.get(("vLLM", load.name)), by.get(("mmserve", load.name))
-        row = [load.name]
-        for _, key, _ in COLUMNS:
-            a = float(v.metrics[key]) if v else None
-            b = float(m.metrics[key]) if m else None
-            row += [fmt_num(a, 1), fmt_num(b, 1), fmt_num(ratio(b, a))]
-        a, b = (cpu_per_request(v) if v else None), (cpu_per_request(m) if m else None)
-        row += [fmt_num(a, 1), fmt_num(b, 1), fmt_num(ratio(b, a))]
-        rows.append(row)
-    return markdown_table(headers, rows)
-
-
-def render(results: list[LoadResult], idles: dict[str, IdleProfile], header: str) -> str:
-    parts = ["## mmserve vs vLLM (`vllm bench serve`, same model dir, one after the other)", header]
-    parts.append(comparison_table(results))
-    for server in ("mmserve", "vLLM"):
-        profiles = [r.profile for r in results if r.server == server]
-        if profiles:
-            table = profile_table(profiles, idles.get(server))
-            parts += [f"### {server}: CPU-ms per completed request, by process", table]
-    return "\n\n".join(parts)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m cluster.bench_vs_vllm", description=__doc__.split("\n\n")[0])
     p.add_argument("--model-dir", type=Path, default=Path("/tmp/peer_vllm/tiny-qwen2-vl"))
@@ -224,7 +156,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mmserve-root", type=Path, default=REPO, help="checkout whose `cluster.cli serve` runs")
     p.add_argument("--vllm-port", type=int, default=8711)
     p.add_argument("--mmserve-port", type=int, default=8712)
-    p.add_argument("--servers", default="vllm,mmserve", help="which, in order (comma-separated)")
+    p.add_argument(
+        "--mmserve-baseline", type=Path, help="also run mmserve from this checkout, as `mmserve@baseline`"
+    )
+    p.add_argument("--baseline-port", type=int, default=8713)
+    p.add_argument(
+        "--servers",
+        default="vllm,baseline,mmserve",
+        help="which, in order (comma-separated; baseline if given)",
+    )
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
@@ -250,43 +190,27 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"{need} is missing: run {args.peer_dir}/setup.sh first")
     servers = make_servers(args)
     order = [s.strip() for s in args.servers.split(",") if s.strip()]
+    if args.mmserve_baseline is None and "baseline" in order and args.servers == "vllm,baseline,mmserve":
+        order.remove("baseline")  # the default order names it; only --mmserve-baseline adds it
     unknown = [s for s in order if s not in servers]
     if unknown:
-        raise SystemExit(f"--servers: unknown {unknown}; choose from {sorted(servers)}")
+        raise SystemExit(f"--servers: unknown or not configured {unknown}; have {sorted(servers)}")
     load_avg = os.getloadavg()
     results: list[LoadResult] = []
     idles: dict[str, IdleProfile] = {}
-    for name in order:
-        server_results, idles[servers[name].name] = run_server(args, servers[name])
+    for key in order:
+        server_results, idles[servers[key].name] = run_server(args, servers[key])
         results += server_results
     header = (
         f"model_dir={args.model_dir}, input_len={args.input_len}, output_len={args.output_len}, seed={args.seed}, "
         f"cores={os.cpu_count()}, load average at start {load_avg[0]:.2f}, at end {os.getloadavg()[0]:.2f}"
     )
-    print(render(results, idles, header), flush=True)
+    names = [servers[k].name for k in order]
+    print(render(results, idles, names, header), flush=True)
     if args.json:
-        rows = [
-            {
-                "server": r.server,
-                "load": r.load.__dict__,
-                "metrics": _slim(r.metrics),
-                "profile": r.profile.to_json(),
-            }
-            for r in results
-        ]
-        args.json.write_text(
-            json.dumps(
-                {"header": header, "results": rows, "idle": {k: v.to_json() for k, v in idles.items()}},
-                indent=2,
-            )
-        )
+        args.json.write_text(json.dumps(results_json(results, idles, header), indent=2))
         log(f"raw numbers written to {args.json}")
     return 0
-
-
-def _slim(metrics: dict[str, Any]) -> dict[str, Any]:
-    """The result JSON without its per-request arrays."""
-    return {k: v for k, v in metrics.items() if not isinstance(v, list)}
 
 
 def log(msg: str) -> None:

@@ -222,7 +222,8 @@ def test_vs_vllm_bench_argv_matches_the_peer_script_flags() -> None:
     import argparse
     from pathlib import Path
 
-    from cluster.bench_vs_vllm import LOADS, bench_argv
+    from cluster.bench_vs_report import LOADS
+    from cluster.bench_vs_vllm import bench_argv
 
     args = argparse.Namespace(
         vllm_venv=Path("/v"),
@@ -243,19 +244,47 @@ def test_vs_vllm_bench_argv_matches_the_peer_script_flags() -> None:
     assert "random" in text and not any(a.startswith("--random-mm") for a in text)
 
 
-def test_vs_vllm_table_puts_mmserve_over_vllm() -> None:
-    from cluster.bench_vs_vllm import LOADS, LoadResult, comparison_table
+def test_vs_vllm_table_gives_each_server_its_ratio_to_vllm() -> None:
+    from cluster.bench_vs_report import LOADS, LoadResult, comparison_table
 
     def result(server: str, rps: float, ttft: float, cpu_ms: float) -> LoadResult:
         m = {"request_throughput": rps, "mean_ttft_ms": ttft, "mean_tpot_ms": 4.0, "median_itl_ms": 2.0}
         prof = ScenarioProfile(LOADS[0].name, 10, rps, None, [ProcessCost(1, "x", "", cpu_ms)])
         return LoadResult(server, LOADS[0], m, prof)
 
-    lines = comparison_table([result("vLLM", 64.0, 200.0, 270.0), result("mmserve", 16.0, 1000.0, 1000.0)])
-    cells = [c.strip() for c in lines.splitlines()[2].strip("|").split("|")]
-    assert cells[:7] == [LOADS[0].name, "64.0", "16.0", "0.25", "200.0", "1000.0", "5.00"]
-    assert cells[-3:] == ["27.0", "100.0", "3.70"]  # CPU-ms per request: 270/10, 1000/10
-    assert lines.splitlines()[3].startswith(f"| {LOADS[1].name} | - | - | - |")  # a load not run
+    results = [result("vLLM", 64.0, 200.0, 270.0), result("mmserve", 16.0, 1000.0, 1000.0)]
+    lines = comparison_table(results, ["vLLM", "mmserve@baseline", "mmserve"]).splitlines()
+    assert lines[0].startswith("| load | server | req/s | ×vLLM | mean TTFT ms | ×vLLM |")
+
+    def cells(line: str) -> list[str]:
+        return [c.strip() for c in line.strip("|").split("|")]
+
+    tpot_itl = ["4.0", "1.00", "2.0", "1.00"]
+    assert cells(lines[2]) == [
+        LOADS[0].name,
+        "vLLM",
+        "64.0",
+        "1.00",
+        "200.0",
+        "1.00",
+        *tpot_itl,
+        "27.0",
+        "1.00",
+    ]
+    assert cells(lines[3])[2:] == ["-"] * 10  # the baseline was not run
+    # mmserve: 16/64 req/s, 1000/200 ms TTFT, CPU-ms per request 1000/10 over 270/10
+    assert cells(lines[4]) == [
+        LOADS[0].name,
+        "mmserve",
+        "16.0",
+        "0.25",
+        "1000.0",
+        "5.00",
+        *tpot_itl,
+        "100.0",
+        "3.70",
+    ]
+    assert len(lines) == 2 + 3 * len(LOADS)
 
 
 def test_ray_is_joined_only_on_loopback() -> None:

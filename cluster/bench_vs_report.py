@@ -1,0 +1,108 @@
+"""The loads of ``cluster.bench_vs_vllm`` and its tables (pure: no processes, no I/O)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from cluster.bench_profile import IdleProfile, ScenarioProfile, profile_table
+from cluster.bench_stats import fmt_num, markdown_table, ratio
+
+REFERENCE = "vLLM"
+
+
+@dataclass(frozen=True)
+class Load:
+    name: str
+    dataset: str  # "random-mm" (one image per request) | "random" (text only)
+    num_prompts: int
+    concurrency: int
+
+
+LOADS = [
+    Load("image, 128 req, c=32", "random-mm", 128, 32),
+    Load("image, 48 req, c=1", "random-mm", 48, 1),
+    Load("text, 128 req, c=32", "random", 128, 32),
+]
+WARMUP = Load("warm-up", "random-mm", 32, 32)
+
+
+@dataclass
+class LoadResult:
+    server: str
+    load: Load
+    metrics: dict[str, Any]  # the result JSON of `vllm bench serve`
+    profile: ScenarioProfile
+
+    @property
+    def cpu_ms_per_request(self) -> float | None:
+        return self.profile.total_ms / self.profile.requests if self.profile.requests else None
+
+    def value(self, key: str) -> float | None:
+        if key == "cpu_ms_per_request":
+            return self.cpu_ms_per_request
+        v = self.metrics.get(key)
+        return None if v is None else float(v)
+
+
+# (column label, key of the result JSON, or "cpu_ms_per_request")
+COLUMNS = [
+    ("req/s", "request_throughput"),
+    ("mean TTFT ms", "mean_ttft_ms"),
+    ("mean TPOT ms", "mean_tpot_ms"),
+    ("ITL p50 ms", "median_itl_ms"),
+    ("CPU-ms/req", "cpu_ms_per_request"),
+]
+
+
+def comparison_table(results: Sequence[LoadResult], servers: Sequence[str]) -> str:
+    """One row per load and server: each metric and its ratio to vLLM's on the same load."""
+    by = {(r.server, r.load.name): r for r in results}
+    headers = ["load", "server"]
+    for label, _ in COLUMNS:
+        headers += [label, f"×{REFERENCE}"]
+    rows = []
+    for load in LOADS:
+        ref = by.get((REFERENCE, load.name))
+        for server in servers:
+            r = by.get((server, load.name))
+            row = [load.name, server]
+            for _, key in COLUMNS:
+                v = r.value(key) if r else None
+                row += [fmt_num(v, 1), fmt_num(ratio(v, ref.value(key) if ref else None))]
+            rows.append(row)
+    return markdown_table(headers, rows)
+
+
+def render(
+    results: Sequence[LoadResult], idles: dict[str, IdleProfile], servers: Sequence[str], header: str
+) -> str:
+    parts = ["## mmserve vs vLLM (`vllm bench serve`, same model dir, one server after the other)", header]
+    parts.append(comparison_table(results, servers))
+    for server in servers:
+        profiles = [r.profile for r in results if r.server == server]
+        if profiles:
+            parts += [
+                f"### {server}: CPU-ms per completed request, by process",
+                profile_table(profiles, idles.get(server)),
+            ]
+    return "\n\n".join(parts)
+
+
+def results_json(results: Sequence[LoadResult], idles: dict[str, IdleProfile], header: str) -> dict[str, Any]:
+    rows = [
+        {
+            "server": r.server,
+            "load": r.load.__dict__,
+            "metrics": _slim(r.metrics),
+            "profile": r.profile.to_json(),
+        }
+        for r in results
+    ]
+    return {"header": header, "results": rows, "idle": {k: v.to_json() for k, v in idles.items()}}
+
+
+def _slim(metrics: dict[str, Any]) -> dict[str, Any]:
+    """The result JSON without its per-request arrays."""
+    return {k: v for k, v in metrics.items() if not isinstance(v, list)}
