@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from encoder_service.errors import MMCacheMiss, TooManyItems
+from encoder_service.errors import MediaError, MMCacheMiss, TooManyItems
 from encoder_service.media import MediaLimits
 from encoder_service.media.video import decode_video
 from encoder_service.processing import Preprocessor
@@ -208,3 +208,20 @@ def test_family_facts(vl):
         "video": tok.convert_tokens_to_ids("<|video_pad|>"),
     }
     assert vl.uses_mrope and vl.family.frame_multiple == 2
+
+
+@pytest.mark.parametrize(
+    ("kind", "body"),
+    [
+        ("video", b"\x00\x00\x00\x18ftypmp42" + bytes(range(256)) * 4),
+        ("video", make_video_bytes(64, 48, num_frames=4, fps=4)[:300]),
+        ("audio", b"RIFF\x24\x00\x00\x00WAVEfmt " + b"\xff" * 64),
+        ("audio", make_audio_bytes(0.5)[:30]),
+    ],
+)
+def test_undecodable_video_and_audio_are_4xx_naming_the_item(vl, audio, kind, body):
+    pre = vl if kind == "video" else audio
+    msgs = [{"role": "user", "content": [{"type": kind, "media": MediaRef(kind, data=body)}]}]
+    with pytest.raises(MediaError) as e:
+        pre.preprocess_sync(msgs)
+    assert 400 <= e.value.status_code < 500 and e.value.item == 0 and f"{kind} 0" in e.value.message
