@@ -111,7 +111,10 @@ def start_embedded(args: argparse.Namespace) -> str:
     from cluster.serve_cli import start
 
     cfg = AppConfig.from_yaml(args.config) if args.config else default_config()
-    cfg = AppConfig.model_validate({**cfg.model_dump(), "host": "127.0.0.1", "port": args.port})
+    data = {**cfg.model_dump(), "host": "127.0.0.1", "port": args.port}
+    if "http_mode" not in cfg.ingress.model_fields_set:
+        data["ingress"]["http_mode"] = "direct"  # what `mmserve serve` runs
+    cfg = AppConfig.model_validate(data)
     log(f"starting the app on an embedded Ray (port {args.port}) ...")
     start(cfg, num_cpus=args.num_cpus)
     return f"http://127.0.0.1:{args.port}/v1"
