@@ -74,7 +74,9 @@ class ChatService:
                 )
         try:
             payload = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except RecursionError as e:  # nested deeper than the parser's stack
+            raise bad_request("request body is nested too deeply") from e
+        except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, an integer over 4300 digits
             raise bad_request(f"request body is not valid JSON: {e}") from e
         try:
             return ChatCompletionRequest.model_validate(payload)

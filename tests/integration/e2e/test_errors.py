@@ -69,3 +69,22 @@ def test_unknown_model_and_bad_params() -> None:
         c.chat.completions.create(model=VL, messages=[{"role": "user", "content": "x"}], max_tokens=100000)
     body: Any = e.value.body
     assert "max_model_len" in body["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        (b'{"model": "x", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
+        (b'{"model": "x", "max_tokens": ' + b"9" * 5000 + b', "messages": []}', "not valid JSON"),
+    ],
+    ids=["deep-nesting", "5000-digit-integer"],
+)
+def test_hostile_json_bodies_are_400(body: bytes, needle: str) -> None:
+    r = httpx.post(
+        f"http://127.0.0.1:{PORT}/v1/chat/completions",
+        content=body,
+        headers={"Content-Type": "application/json"},
+        timeout=60,
+    )
+    assert r.status_code == 400, r.text
+    assert needle in r.json()["error"]["message"]
