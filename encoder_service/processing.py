@@ -10,7 +10,7 @@ cache entry. Only misses carry an ``EncoderInput``.
 Images: the header is opened and checked once (formats, pixels, the processor's size rules) before
 any lookup; a miss is decoded from that same opened file — a JPEG at reduced scale when the processor
 shrinks it ≥ 2× anyway — and goes through the family's own fast transform (HF's floats, fewer copies).
-Bad bytes are the client's 4xx naming the item (see ``_decoded_or_422``).
+Bad bytes are the client's 4xx naming the item (``errors.decoding``, ``_processed_or_422``).
 """
 
 from __future__ import annotations
@@ -21,14 +21,13 @@ import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from PIL import Image
 
 from encoder_service.errors import (
     InvalidMediaInput,
     MediaDecodeError,
-    MediaError,
     MMCacheMiss,
     TooManyItems,
 )
@@ -249,17 +248,13 @@ class Preprocessor:
         if modality == "image":
             out, it.metadata = self._process_image(it)
         else:
-            loaded = _decoded_or_422(
-                lambda: decode_media(
-                    modality,
-                    fetched,
-                    self.limits,
-                    item=it.index,
-                    sampling_rate=self.family.sampling_rate or 16000,
-                    frame_multiple=self.family.frame_multiple,
-                ),
-                f"{modality} {it.index}",
-                it.index,
+            loaded = decode_media(  # maps every decoder exception to a 4xx naming the item
+                modality,
+                fetched,
+                self.limits,
+                item=it.index,
+                sampling_rate=self.family.sampling_rate or 16000,
+                frame_multiple=self.family.frame_multiple,
             )
             self.num_processor_calls += 1
             out = _processed_or_422(lambda: self.family.process(modality, loaded.value), modality, it.index)
@@ -321,25 +316,10 @@ class Preprocessor:
         return PreprocessedRequest(out_ids, mm_items, kwargs)
 
 
-# How decoder and processor failures reach the client, in one place: a decoder fed the client's bytes
-# may raise anything (OSError, ValueError, struct.error, ...), and any of it means "these bytes do not
-# decode": 422 naming the item. HF processors refuse data they cannot take with ValueError: 422 too.
-# Anything else a processor raises is our bug and stays a 500.
-T = TypeVar("T")
-
-
-def _decoded_or_422(decode: Callable[[], T], label: str, index: int) -> T:
-    try:
-        return decode()
-    except (MediaError, MemoryError):
-        raise
-    except Exception as e:
-        raise MediaDecodeError(
-            f"{label}: does not decode ({type(e).__name__}: {str(e)[:200]})", item=index
-        ) from e
-
-
 def _processed_or_422(process: Callable[[], ProcessedItem], modality: str, index: int) -> ProcessedItem:
+    """HF processors refuse data they cannot take (sizes, aspect ratios, channels) with ``ValueError``:
+    the client's 422 naming the item. Decoders' exceptions are mapped where they decode
+    (``errors.decoding``); anything else a processor raises is our bug and stays a 500."""
     try:
         return process()
     except ValueError as e:

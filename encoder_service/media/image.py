@@ -17,7 +17,13 @@ from typing import Any
 
 from PIL import Image, JpegImagePlugin, UnidentifiedImageError
 
-from encoder_service.errors import MediaDecodeError, MediaError, MediaTooLarge, UnsupportedMediaType
+from encoder_service.errors import (
+    MediaDecodeError,
+    MediaTooLarge,
+    UnsupportedMediaType,
+    decoder_error,
+    decoding,
+)
 from encoder_service.media.limits import MediaLimits
 
 # Pillow guesses among every plugin it has (PPM, IM, SGI, DDS, PSD, EPS, ...); a hostile body picks the
@@ -59,7 +65,7 @@ def image_header(
             f"{label}: not an image in an accepted format ({', '.join(ALLOWED_IMAGE_FORMATS)})", item=item
         ) from e
     except Exception as e:  # a plugin's parser failing on a hostile header: OSError, ValueError, ...
-        raise MediaDecodeError(f"{label}: image header does not parse ({_describe(e)})", item=item) from e
+        raise decoder_error(e, label, item) from e
     width, height = img.size
     if width < 1 or height < 1:
         raise MediaDecodeError(f"{label}: image has no pixels ({width}x{height})", item=item)
@@ -95,15 +101,11 @@ def decode_opened(
     """``decode_image_scaled`` for an image ``image_header`` already opened (and checked); call once."""
     width, height = img.size
     fmt = img.format
-    try:
+    with decoding(label, item):  # the one mapping of a decoder's exceptions to a 4xx (errors.py)
         if min_size is not None and isinstance(img, JpegImagePlugin.JpegImageFile):  # JPEG and MPO
             img.draft(None, min_size)  # picks the largest DCT scale whose output is still ≥ min_size
         img.load()
         rgb = img if img.mode == "RGB" else img.convert("RGB")
-    except MediaError:
-        raise
-    except Exception as e:  # third-party decoders raise any type on hostile bytes; all mean "does not decode"
-        raise MediaDecodeError(f"{label}: image data does not decode ({_describe(e)})", item=item) from e
     return DecodedImage(rgb, width, height, fmt)
 
 
@@ -113,8 +115,3 @@ def decode_image(
     """Full-size RGB image and its metadata (width, height, format)."""
     decoded = decode_image_scaled(data, limits, item=item, label=label)
     return decoded.image, decoded.metadata()
-
-
-def _describe(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text[:200]}" if text else type(e).__name__
