@@ -1,7 +1,16 @@
 """Qwen2-VL: images via ``Qwen2VLImageProcessor``, videos via ``Qwen2VLVideoProcessor``; M-RoPE.
 
-Images take ``Qwen2VLImageTransform`` (the same floats as HF's torchvision processor, several times
-faster) whenever the loaded processor's settings are the ones it replicates; otherwise HF's own call.
+Images take ``Qwen2VLImageTransform`` (the same floats as HF's torchvision processor, with fewer
+copies) whenever the loaded processor's settings are the ones it replicates; otherwise HF's own call.
+
+JPEG draft (``jpeg_draft``, on by default): when ``smart_resize`` shrinks a JPEG to half its size or
+less, libjpeg decodes it at 1/2, 1/4 or 1/8 scale (never below the target) and the transform resizes
+from there to the target computed from the ORIGINAL size, so the grid and the placeholder count are
+HF's. The pixels are not bit-identical: the DCT-domain downscale filters like a box where HF's bicubic
+antialias is wider; measured on photo-like JPEGs at quality 75-90 the difference is about 1 uint8
+level on average (p99 ≤ 4, max ≤ 10), under what the JPEG quantisation already put there
+(tests/unit/encoder/test_image_transform.py holds it to mean ≤ 1.5, p99 ≤ 6, max ≤ 16). The policy is
+part of the image mm_hash, so embeddings of one decode are never served for the other.
 """
 
 from __future__ import annotations
