@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from cluster.config import AppConfig, ModelConfig, default_config
+from cluster.serve_env import apply_serve_env
 
 
 def add_serve_command(sub: Any) -> None:
@@ -84,6 +85,8 @@ def start(
         # otherwise binds its GCS and raylet to the machine's routable address. Ray reads this flag
         # when it is first imported, hence before the import below.
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    if not _ray_running():
+        apply_serve_env()  # read by Serve's processes, which the embedded Ray starts below
     import ray
     from ray import serve
 
@@ -96,6 +99,14 @@ def start(
     proxy = "Disabled" if cfg.ingress.http_mode == "direct" else "HeadOnly"
     serve.start(proxy_location=proxy, http_options={"host": cfg.host, "port": cfg.port})
     return serve.run(build_app(cfg), name="mmserve", route_prefix="/", blocking=blocking)
+
+
+def _ray_running() -> bool:
+    if "ray" not in sys.modules:
+        return False
+    import ray
+
+    return bool(ray.is_initialized())
 
 
 def _is_loopback(host: str) -> bool:

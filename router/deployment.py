@@ -6,8 +6,8 @@ the user's port, see http_server.py). cluster/app.py builds the ``IngressModel``
 reads the app config.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations`` here: ``@serve.ingress`` pickles this class by value, and
+# FastAPI must resolve the routes' annotations (``request: Request``) as objects, not as strings.
 import asyncio
 import logging
 from collections.abc import Awaitable

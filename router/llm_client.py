@@ -38,6 +38,7 @@ class _Reader:
     replica_id: str
     channel_id: str
     requests: set[str] = field(default_factory=set)
+    aborted: set[str] = field(default_factory=set)  # orphans this reader already asked to abort
     task: asyncio.Task[None] | None = None
 
 
@@ -104,8 +105,16 @@ class LLMClient:
             if call is not None:
                 if finished:  # the replica ends the call on its own now: collect its end
                     self._background(_drain(call))
-                else:  # cancelling the open submit call aborts the request on its replica
-                    call.cancel()
+                else:  # abort on its replica: cancel the open submit call, and say so outright
+                    call.cancel()  # (a cancel need not reach the replica on every Serve transport)
+                    self._background(self._abort(reply, request_id))
+
+    async def _abort(self, reply: SubmitReply, request_id: str) -> None:
+        try:
+            target = ReplicaTarget(reply.replica_id, request_ids=(request_id,))
+            await asyncio.wait_for(self.handle.abort.remote(target), self.connect_timeout_s)
+        except Exception:  # the replica is gone: nothing left to abort there
+            logger.debug("abort of %s on %s failed", request_id, reply.replica_id, exc_info=True)
 
     def _background(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -125,9 +134,9 @@ class LLMClient:
             hello: ChannelBatch = await asyncio.wait_for(stream.__anext__(), self.connect_timeout_s)
             if hello.replica_id != reader.replica_id:
                 raise ChannelLost(f"channel {reader.channel_id} reached {hello.replica_id}")
-            self._dispatch(hello)
+            self._dispatch(hello, reader)
             async for batch in stream:
-                self._dispatch(batch)
+                self._dispatch(batch, reader)
         except asyncio.CancelledError:
             error = ChannelLost("the ingress is shutting down")
             raise
@@ -142,10 +151,16 @@ class LLMClient:
                 if (q := self._queues.get(rid)) is not None:
                     q.put_nowait(why)
 
-    def _dispatch(self, batch: ChannelBatch) -> None:
+    def _dispatch(self, batch: ChannelBatch, reader: _Reader) -> None:
+        orphans: set[str] = set()
         for out in batch.outputs:
             if (q := self._queues.get(out.request_id)) is not None:
                 q.put_nowait(out)
+            elif not out.finished:  # nobody reads it any more (its client left mid-submit): stop it
+                orphans.add(out.request_id)
+        for rid in orphans - reader.aborted:
+            reader.aborted.add(rid)
+            self._background(self._abort(SubmitReply(reader.replica_id, reader.channel_id), rid))
         for rid, err in batch.errors:
             if (q := self._queues.get(rid)) is not None:
                 q.put_nowait(err)

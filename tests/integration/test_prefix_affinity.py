@@ -30,6 +30,7 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 
     from cluster.config import AppConfig
     from cluster.serve_cli import start
+    from cluster.serve_env import apply_serve_env
 
     port = _free_port()
     model = {"name": MODEL, "tiny": "qwen2-vl", "llm": {"deployment": {"num_replicas": 2}}}
@@ -41,6 +42,7 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             "ingress": {"http_mode": "direct"},
         }
     )
+    apply_serve_env()  # what `mmserve serve` runs with, before Ray starts its processes
     ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="mmserve")
     start(cfg)
     client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120, max_retries=0)

@@ -27,6 +27,7 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 
     from cluster.config import AppConfig, default_config
     from cluster.serve_cli import start
+    from cluster.serve_env import apply_serve_env
 
     cache_dir = tmp_path_factory.mktemp("models")
     cfg = default_config().model_dump()
@@ -38,6 +39,7 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     # start() would call the same ray.init; here Ray's metrics agent also serves Prometheus text on a
     # known port, and workers push their metrics every second instead of every ten.
     metrics_port = _free_port()
+    apply_serve_env()  # what `mmserve serve` runs with, before Ray starts its processes
     ray.init(
         address="local",
         num_cpus=2,

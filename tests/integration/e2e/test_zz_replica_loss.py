@@ -78,8 +78,8 @@ def test_zzz_graceful_encoder_shutdown_invalidates_what_it_owns(client: OpenAI) 
     cache entries holding its objects. Deletes the app, so it runs last (the fixture then shuts down)."""
     from ray import serve
 
-    from cluster.config import default_config
     from cluster.app import cache_index_args, open_cache_index
+    from cluster.config import default_config
 
     png = make_image_bytes(42, 70, seed=405)
     ask(client, VL, [{"type": "image_url", "image_url": {"url": data_url(png, "image/png")}}])
