@@ -143,7 +143,9 @@ class FakeLLM:
         yield RequestOutput(request_id, [7], None, True, "length", len(spec.prompt_token_ids), 0)
 
 
-def _build(world: World, cache: EncoderCacheClient | None = None, encoder: Any = None) -> tuple[Orchestrator, EncoderCacheClient]:
+def _build(
+    world: World, cache: EncoderCacheClient | None = None, encoder: Any = None
+) -> tuple[Orchestrator, EncoderCacheClient]:
     cache = cache or EncoderCacheClient([_Remote(CacheIndexShard(100, wait_timeout_s=1.0))])
     encoder = encoder or FakeEncoder(world, cache)
     preparer = RequestPreparer(FakePreprocess(), cache, encoder.encode)
