@@ -184,11 +184,14 @@ def cache_index_args(m: ModelConfig) -> tuple[str, int, int]:
 
 
 def model_modalities(model_dir: str) -> list[str]:
+    """What the model's family takes (image, video, audio), from the family registry."""
     import json
     from pathlib import Path
 
+    from encoder_service.families import encoder_family
+
     model_type = json.loads((Path(model_dir) / "config.json").read_text())["model_type"]
-    return {"qwen2_vl": ["image", "video"], "qwen2_audio": ["audio"]}.get(model_type, [])
+    return list(encoder_family(model_type, model_dir).modalities)
 
 
 def _ingress(config: AppConfig, pools: dict[str, dict[str, Any]]) -> Any:

@@ -6,31 +6,18 @@ preprocessing limits allow, so an admitted item always fits one encoder step and
 
 from __future__ import annotations
 
-import json
-import math
-from pathlib import Path
-
 from cluster.config import ModelConfig
+from encoder_service.families import largest_item_embeds as family_largest_item
 
 
 def largest_item_embeds(model: ModelConfig, model_dir: str | None = None) -> int:
-    """The most embeddings one admitted item can become under this model's limits."""
-    limits = model.preprocess.media
-    family: str | None = model.tiny
-    max_pixels_cfg = 28 * 28 * 1024  # the tiny models' processor cap
-    if model_dir is not None:
-        cfg = json.loads((Path(model_dir) / "config.json").read_text())
-        family = {"qwen2_vl": "qwen2-vl", "qwen2_audio": "qwen2-audio"}.get(cfg.get("model_type"), family)
-        proc_path = Path(model_dir) / "processor_config.json"
-        if proc_path.exists():
-            size = json.loads(proc_path.read_text()).get("image_processor", {}).get("size", {})
-            max_pixels_cfg = int(size.get("longest_edge", max_pixels_cfg))
-    if family == "qwen2-audio":
-        return 750  # Whisper pads to 30 s: 3000 mel frames -> 1500 after the conv -> 750 after pooling
-    per_image = math.ceil(min(max_pixels_cfg, limits.max_pixels) / (28 * 28))
-    per_frame = math.ceil(min(max_pixels_cfg, limits.max_video_pixels_per_frame) / (28 * 28))
-    per_video = math.ceil(limits.max_video_frames / 2) * per_frame
-    return min(max(per_image, per_video), model.llm.max_model_len)
+    """The most embeddings one admitted item can become under this model's limits: the family's own
+    rule (``encoder_service.families``), from the model directory's configs when given, else the tiny
+    generator's defaults; never more than ``max_model_len``."""
+    if model_dir is None and model.tiny is None:
+        return model.llm.max_model_len  # a path model seen before its files are read: the safe bound
+    largest = family_largest_item(model_dir, model.tiny, model.preprocess.media)
+    return min(largest, model.llm.max_model_len)
 
 
 def encoder_budgets(model: ModelConfig, model_dir: str | None = None) -> tuple[int, int]:

@@ -29,9 +29,14 @@ WHISPER_MAX_EMBEDS = 750  # 30 s padded: 3000 mel frames -> 1500 after the conv 
 class MediaSizeLimits(Protocol):
     """The media limits an item's size depends on (``MediaLimits`` or the config's ``MediaLimitsConfig``)."""
 
-    max_pixels: int
-    max_video_pixels_per_frame: int
-    max_video_frames: int
+    @property
+    def max_pixels(self) -> int: ...
+
+    @property
+    def max_video_pixels_per_frame(self) -> int: ...
+
+    @property
+    def max_video_frames(self) -> int: ...
 
 
 LargestItem = Callable[[Mapping[str, Any], MediaSizeLimits], int]
