@@ -63,15 +63,6 @@ class CacheIndexShard:
         self._doomed: dict[str, None] = {}  # ref ids invalidated while their hash was reserved
         self._released: dict[str, None] = {}  # request ids released, oldest first (bounded)
 
-    async def peek_meta(self, hashes: list[str]) -> dict[str, bytes]:
-        """Metadata of the committed entries among ``hashes``; no ref leaves the shard, nothing counted."""
-        out = {}
-        for h in hashes:
-            meta = self.books.lookup(h, count=False)
-            if meta is not None:
-                out[h] = meta.to_msgpack()
-        return out
-
     async def lookup_many(self, hashes: list[str]) -> dict[str, tuple[bytes, list[Any]]]:
         out = {}
         for h in hashes:
@@ -252,19 +243,9 @@ class EncoderCacheClient:
         return self.shards[shard_of(mm_hash, len(self.shards))]
 
     async def lookup_many(self, hashes: list[str]) -> dict[str, tuple[EmbeddingMeta, Any]]:
-        groups: dict[int, list[str]] = {}
-        for h in dict.fromkeys(hashes):
-            groups.setdefault(shard_of(h, len(self.shards)), []).append(h)
+        groups = self._groups(hashes)
         answers = await asyncio.gather(*(self.shards[s].lookup_many.remote(hs) for s, hs in groups.items()))
         return {h: (EmbeddingMeta.from_msgpack(m), ref[0]) for ans in answers for h, (m, ref) in ans.items()}
-
-    async def lookup_meta(self, hashes: list[str]) -> dict[str, EmbeddingMeta]:
-        """The ``lookup`` the ``Preprocessor`` takes: which items are cached, without their refs."""
-        groups: dict[int, list[str]] = {}
-        for h in dict.fromkeys(hashes):
-            groups.setdefault(shard_of(h, len(self.shards)), []).append(h)
-        answers = await asyncio.gather(*(self.shards[s].peek_meta.remote(hs) for s, hs in groups.items()))
-        return {h: EmbeddingMeta.from_msgpack(m) for ans in answers for h, m in ans.items()}
 
     def _groups(self, hashes: Iterable[str]) -> dict[int, list[str]]:
         groups: dict[int, list[str]] = {}

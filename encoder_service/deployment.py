@@ -246,10 +246,6 @@ class PreprocessorServer:
     async def prepare(self, request_id: str, messages: list[dict[str, Any]]) -> PreparedRequest:
         return await self.preparer.prepare(request_id, messages)
 
-    async def preprocess(self, messages: list[dict[str, Any]], use_cache: bool = True) -> Any:
-        lookup = self.cache.lookup_meta if use_cache else None
-        return await self.preprocessor.preprocess(messages, lookup)
-
     def stats(self) -> dict[str, Any]:
         return {
             "processor_calls": self.preprocessor.num_processor_calls,

@@ -96,18 +96,6 @@ class LLMServer:
             self.channels.forget(rid)
             self.loop.abort(rid)
 
-    async def generate(self, spec: LLMRequestSpec) -> AsyncIterator[RequestOutput]:
-        """One request's outputs as its own stream (no channel): for callers outside the ingress."""
-
-        async def fetch(ref: Any) -> Any:
-            return await asyncio.wait_for(ref, self.embedding_fetch_timeout_s)
-
-        mm_inputs = await resolve_embeddings(spec.mm_items, fetch) if spec.mm_items else []
-        async for out in self.loop.stream(
-            spec.request_id, list(spec.prompt_token_ids), spec.sampling_params, mm_inputs
-        ):
-            yield out
-
     def stats(self, target: ReplicaTarget | None = None) -> dict[str, Any]:
         """Engine counters; ``target`` (a ``ReplicaTarget``) routes the call to one replica."""
         s = self.loop.last_stats or self.engine.stats()

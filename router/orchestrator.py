@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -243,6 +243,3 @@ def _lost_twice(mm_hashes: list[str]) -> APIError:
         code="embeddings_lost",
         retry_after_s=1,
     )
-
-
-Release = Callable[[], Awaitable[None]]

@@ -4,7 +4,6 @@ the openai client) and checked against transformers' ``generate`` on the same we
 from __future__ import annotations
 
 import base64
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,16 +12,11 @@ import pytest
 from openai import OpenAI
 
 from tests.hf_oracle import hf_generate
+from tests.integration.local_app import start_local_app
 from tests.media import make_image_array, make_image_bytes
 
 MODEL = "tiny-qwen2.5-vl"
 MAX_TOKENS = 8
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -30,24 +24,9 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     import ray
     from ray import serve
 
-    from cluster.config import AppConfig
-    from cluster.serve_cli import start
-    from cluster.serve_env import apply_serve_env
-
-    port = _free_port()
     cache_dir = tmp_path_factory.mktemp("models")
-    cfg = AppConfig.model_validate(
-        {
-            "models": [{"name": MODEL, "tiny": "qwen2.5-vl"}],
-            "port": port,
-            "models_cache_dir": str(cache_dir),
-            "ingress": {"http_mode": "direct"},
-        }
-    )
-    apply_serve_env()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="mmserve")
-    start(cfg)
-    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120, max_retries=0)
+    model = {"name": MODEL, "tiny": "qwen2.5-vl"}
+    client = start_local_app({"models": [model], "models_cache_dir": str(cache_dir)})
     yield {"client": client, "dir": Path(cache_dir) / "tiny-qwen2.5-vl"}
     serve.shutdown()
     ray.shutdown()

@@ -4,7 +4,6 @@ conversations spread over both. Real Ray Serve, real HTTP, the openai client."""
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -12,15 +11,11 @@ from typing import Any
 import pytest
 from openai import OpenAI
 
+from tests.integration.local_app import start_local_app
+
 MODEL = "tiny-qwen2-vl"
 LLM = f"LLMServer-{MODEL}"
 CONVERSATIONS = 16
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -28,24 +23,9 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     import ray
     from ray import serve
 
-    from cluster.config import AppConfig
-    from cluster.serve_cli import start
-    from cluster.serve_env import apply_serve_env
-
-    port = _free_port()
     model = {"name": MODEL, "tiny": "qwen2-vl", "llm": {"deployment": {"num_replicas": 2}}}
-    cfg = AppConfig.model_validate(
-        {
-            "models": [model],
-            "port": port,
-            "models_cache_dir": str(tmp_path_factory.mktemp("models")),
-            "ingress": {"http_mode": "direct"},
-        }
-    )
-    apply_serve_env()  # what `mmserve serve` runs with, before Ray starts its processes
-    ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="mmserve")
-    start(cfg)
-    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120, max_retries=0)
+    cache_dir = str(tmp_path_factory.mktemp("models"))
+    client = start_local_app({"models": [model], "models_cache_dir": cache_dir})
     yield {"client": client}
     serve.shutdown()
     ray.shutdown()
