@@ -40,6 +40,42 @@ class SchedulerOutput:
         return sum(c.num_tokens for c in self.chunks)
 
 
+class WaitingQueueFull(RuntimeError):
+    """The engine's waiting queue is at its bound: the client gets 503 with Retry-After at once."""
+
+    status_code = 503
+    code = "overloaded"
+    retry_after_s = 1
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]  # keeps the message across pickling (Ray)
+        return (type(self), self.args)
+
+
+@dataclass(frozen=True)
+class WaitingBound:
+    """How much may wait for admission to the running batch: requests and their prompt tokens.
+
+    A request arriving at an empty queue is always taken (however long its prompt), so no valid
+    request is refused forever.
+    """
+
+    max_requests: int | None = None
+    max_tokens: int | None = None
+
+    def check(self, num_waiting: int, waiting_tokens: int, new_tokens: int) -> None:
+        if num_waiting == 0:
+            return
+        if self.max_requests is not None and num_waiting >= self.max_requests:
+            raise WaitingQueueFull(
+                f"{num_waiting} requests are waiting (max_waiting_requests={self.max_requests})"
+            )
+        if self.max_tokens is not None and waiting_tokens + new_tokens > self.max_tokens:
+            raise WaitingQueueFull(
+                f"{waiting_tokens} prompt tokens are waiting and this request adds {new_tokens} "
+                f"(max_waiting_tokens={self.max_tokens})"
+            )
+
+
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         self.kv = kv
