@@ -157,6 +157,7 @@ class EncoderPoolServer:
                 hidden_size=int(tensor.shape[1]),
                 dtype=str(tensor.dtype).removeprefix("torch."),
                 grid_thw=q.item.grid_thw,
+                second_per_grid_ts=q.item.second_per_grid_ts,
             )
             ref = ray.put(tensor)  # Ray 2.60 has no _owner=: this replica owns it
             self._owned.add(meta.mm_hash, ref)

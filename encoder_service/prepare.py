@@ -84,6 +84,7 @@ class RequestPreparer:
                 it.placeholder.length,
                 it.grid_thw,
                 [refs[it.mm_hash]],
+                second_per_grid_ts=it.second_per_grid_ts,
             )
             for it in pre.items
         ]

@@ -23,6 +23,7 @@ class PreparedItem:
     length: int
     grid_thw: tuple[int, int, int] | None = None
     ref: list[Any] = field(default_factory=list, compare=False)  # [ObjectRef], not in the msgpack
+    second_per_grid_ts: float | None = None  # a video's seconds per temporal patch (Qwen2.5-VL positions)
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,7 @@ class _Item:
     grid_thw: tuple[int, int, int] | None = None
     encoder_input: EncoderInput | None = None
     metadata: dict[str, Any] | None = None
+    second_per_grid_ts: float | None = None  # from the decode (or the cache entry); video positions
     header: Image.Image | None = None  # an image opened (header only) and checked by ``_fetch``
 
 
@@ -144,6 +145,7 @@ class Preprocessor:
             meta = cached.get(it.mm_hash)
             if meta is not None:
                 it.num_embeds, it.grid_thw = meta.num_embeds, meta.grid_thw
+                it.second_per_grid_ts = meta.second_per_grid_ts
                 it.metadata = {"source": "encoder_cache"}
             elif it.fetched is None:
                 raise MMCacheMiss(
@@ -160,6 +162,7 @@ class Preprocessor:
             if first is not None and first is not it:
                 it.num_embeds, it.grid_thw = first.num_embeds, first.grid_thw
                 it.encoder_input, it.metadata = first.encoder_input, first.metadata
+                it.second_per_grid_ts = first.second_per_grid_ts
         return self._tokenize(template_messages, items)
 
     def preprocess_sync(
@@ -241,6 +244,7 @@ class Preprocessor:
         hit = self.processor_cache.get(it.mm_hash)
         if hit is not None:
             it.encoder_input, it.num_embeds, it.grid_thw = hit, hit.num_embeds, hit.grid_thw
+            it.second_per_grid_ts = hit.second_per_grid_ts
             it.metadata = {"source": "processor_cache"}
             return
         fetched = it.fetched
@@ -258,9 +262,12 @@ class Preprocessor:
             )
             self.num_processor_calls += 1
             out = _processed_or_422(lambda: self.family.process(modality, loaded.value), modality, it.index)
-            it.metadata = loaded.metadata
+            it.metadata = {**loaded.metadata, **self.family.item_metadata(modality, loaded.metadata)}
+            it.second_per_grid_ts = it.metadata.get("second_per_grid_ts")
         it.num_embeds, it.grid_thw = out.num_embeds, out.grid_thw
-        it.encoder_input = EncoderInput(it.mm_hash, modality, out.num_embeds, out.grid_thw, out.tensors)
+        it.encoder_input = EncoderInput(
+            it.mm_hash, modality, out.num_embeds, out.grid_thw, out.tensors, it.second_per_grid_ts
+        )
         self.processor_cache.put(it.encoder_input)
 
     def _process_image(self, it: _Item) -> tuple[ProcessedItem, dict[str, Any]]:
@@ -307,6 +314,7 @@ class Preprocessor:
                 grid_thw=it.grid_thw,
                 metadata=dict(it.metadata or {}),
                 encoder_input=it.encoder_input,
+                second_per_grid_ts=it.second_per_grid_ts,
             )
             for it in items
         ]

@@ -63,6 +63,7 @@ class EncoderInput:
     num_embeds: int
     grid_thw: tuple[int, int, int] | None
     tensors: dict[str, Any] = field(default_factory=dict)
+    second_per_grid_ts: float | None = None  # a video's seconds per temporal patch (Qwen2.5-VL positions)
 
     def to_wire(self, buffers: list[Any]) -> dict[str, Any]:
         return {
@@ -71,6 +72,7 @@ class EncoderInput:
             "num_embeds": self.num_embeds,
             "grid_thw": grid_to_wire(self.grid_thw),
             "tensors": {k: pack_tensor(t, buffers) for k, t in self.tensors.items()},
+            "second_per_grid_ts": self.second_per_grid_ts,
         }
 
     @classmethod
@@ -81,6 +83,7 @@ class EncoderInput:
             num_embeds=int(d["num_embeds"]),
             grid_thw=grid_from_wire(d["grid_thw"]),
             tensors={k: unpack_tensor(t, buffers) for k, t in d["tensors"].items()},
+            second_per_grid_ts=d.get("second_per_grid_ts"),
         )
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -99,6 +102,7 @@ class MultiModalItem:
     grid_thw: tuple[int, int, int] | None
     metadata: dict[str, Any]  # parsed facts for logs: width/height, frames, seconds, source kind
     encoder_input: EncoderInput | None = None
+    second_per_grid_ts: float | None = None  # what the LLM's positions need beyond the grid (video)
 
     @property
     def num_embeds(self) -> int:
@@ -114,6 +118,7 @@ class MultiModalItem:
             "grid_thw": grid_to_wire(self.grid_thw),
             "metadata": plain(self.metadata),
             "encoder_input": self.encoder_input.to_wire(buffers) if self.encoder_input else None,
+            "second_per_grid_ts": self.second_per_grid_ts,
         }
 
     @classmethod
@@ -127,6 +132,7 @@ class MultiModalItem:
             grid_thw=grid_from_wire(d["grid_thw"]),
             metadata=dict(d["metadata"]),
             encoder_input=EncoderInput.from_wire(enc, buffers) if enc is not None else None,
+            second_per_grid_ts=d.get("second_per_grid_ts"),
         )
 
 
@@ -175,19 +181,20 @@ class EmbeddingMeta:
     hidden_size: int
     dtype: str
     grid_thw: tuple[int, int, int] | None = None
+    second_per_grid_ts: float | None = None  # cache hits carry it to the LLM's positions
 
     def to_msgpack(self) -> bytes:
-        return pack(
-            "EmbeddingMeta",
-            {
-                "mm_hash": self.mm_hash,
-                "modality": self.modality,
-                "num_embeds": self.num_embeds,
-                "hidden_size": self.hidden_size,
-                "dtype": self.dtype,
-                "grid_thw": grid_to_wire(self.grid_thw),
-            },
-        )
+        fields: dict[str, Any] = {
+            "mm_hash": self.mm_hash,
+            "modality": self.modality,
+            "num_embeds": self.num_embeds,
+            "hidden_size": self.hidden_size,
+            "dtype": self.dtype,
+            "grid_thw": grid_to_wire(self.grid_thw),
+        }
+        if self.second_per_grid_ts is not None:  # optional: absent on images, audio, Qwen2-VL
+            fields["second_per_grid_ts"] = self.second_per_grid_ts
+        return pack("EmbeddingMeta", fields)
 
     @classmethod
     def from_msgpack(cls, raw: bytes) -> EmbeddingMeta:
@@ -199,6 +206,7 @@ class EmbeddingMeta:
             hidden_size=int(d["hidden_size"]),
             dtype=d["dtype"],
             grid_thw=grid_from_wire(d["grid_thw"]),
+            second_per_grid_ts=d.get("second_per_grid_ts"),
         )
 
     def __reduce__(self) -> tuple[Any, ...]:

@@ -53,7 +53,12 @@ async def resolve_embeddings(
         raise EmbeddingsLost(list(dict.fromkeys(lost)), type(errors[0]).__name__) from errors[0]
     return [
         MultiModalInput(
-            embeddings=t, offset=it.offset, mm_hash=it.mm_hash, modality=it.modality, grid_thw=it.grid_thw
+            embeddings=t,
+            offset=it.offset,
+            mm_hash=it.mm_hash,
+            modality=it.modality,
+            grid_thw=it.grid_thw,
+            second_per_grid_ts=it.second_per_grid_ts,
         )
         for it, t in zip(items, tensors, strict=True)
     ]

@@ -23,6 +23,7 @@ class EmbeddingRef:
     mm_hash: str
     modality: str
     grid_thw: tuple[int, int, int] | None = None
+    second_per_grid_ts: float | None = None  # a video's seconds per temporal patch (Qwen2.5-VL positions)
 
     def to_wire(self) -> dict[str, Any]:
         grid = list(self.grid_thw) if self.grid_thw else None
@@ -32,6 +33,7 @@ class EmbeddingRef:
             "mm_hash": self.mm_hash,
             "modality": self.modality,
             "grid_thw": grid,
+            "second_per_grid_ts": self.second_per_grid_ts,
         }
 
     @classmethod
@@ -44,6 +46,7 @@ class EmbeddingRef:
             mm_hash=d["mm_hash"],
             modality=d["modality"],
             grid_thw=(int(grid[0]), int(grid[1]), int(grid[2])) if grid else None,
+            second_per_grid_ts=d.get("second_per_grid_ts"),
         )
 
 
@@ -55,6 +58,7 @@ class LLMRequestSpec:
     mm_items: Sequence[EmbeddingRef] = ()
     block_hashes: Sequence[Any] = field(default=(), compare=False)  # for the replica router only
     ingress_id: str = ""  # whose output channel carries this request's tokens
+    cache_salt: str | None = None  # prefix-cache salt: enters the first block's hash only
 
     def __reduce__(self) -> tuple[Any, ...]:
         fields = {
@@ -64,6 +68,7 @@ class LLMRequestSpec:
             "mm_items": [m.to_wire() for m in self.mm_items],
             "block_hashes": [bytes(h) for h in self.block_hashes],
             "ingress_id": self.ingress_id,
+            "cache_salt": self.cache_salt,
         }
         refs = [m.ref for m in self.mm_items]
         return (_spec_from_bytes, (pack("LLMRequestSpec", fields), refs))
@@ -80,6 +85,7 @@ def _spec_from_bytes(raw: bytes, refs: list[list[Any]]) -> LLMRequestSpec:
         mm_items=[EmbeddingRef.from_wire(m, r) for m, r in zip(d["mm_items"], refs, strict=True)],
         block_hashes=list(d["block_hashes"]),
         ingress_id=str(d.get("ingress_id", "")),
+        cache_salt=d.get("cache_salt"),
     )
 
 

@@ -146,6 +146,7 @@ class Orchestrator:
                 mm_hash=it.mm_hash,
                 modality=it.modality,
                 grid_thw=it.grid_thw,
+                second_per_grid_ts=it.second_per_grid_ts,
             )
             for it in pre.items
         ]

@@ -57,6 +57,11 @@ class FamilyProcessor(ABC):
     def process(self, modality: Modality, value: Any) -> ProcessedItem:
         """Run the HF processor on one decoded item."""
 
+    def item_metadata(self, modality: Modality, media_metadata: Any) -> dict[str, Any]:
+        """Facts the LLM's positions need beyond the grid, from the decode's metadata (Qwen2.5-VL: a
+        video's ``second_per_grid_ts``). The default: none."""
+        return {}
+
     def check_image_size(self, width: int, height: int) -> None:
         """Raise ``ValueError`` (a message a client can act on) for a size the processor refuses."""
         return None

@@ -61,10 +61,12 @@ def test_preprocess_encode_generate_equals_hf(model_dir: Path) -> None:
     for item in out.items:
         assert item.encoder_input is not None
         (emb,) = runner.encode([item.encoder_input])
-        spgt = pre.family.item_metadata(item.modality, item.metadata).get("second_per_grid_ts")
+        assert item.encoder_input.second_per_grid_ts == item.second_per_grid_ts  # what the cache keeps
+        spgt = item.second_per_grid_ts  # the preprocessor's hand-off, as the app carries it
         mm.append(
             MultiModalInput(emb, item.placeholder.offset, item.mm_hash, item.modality, item.grid_thw, spgt)
         )
+    assert mm[0].second_per_grid_ts is None
     assert mm[1].second_per_grid_ts == pytest.approx(2 * 3 / 4)  # 2 frames a temporal patch, 3 s, 4 frames
     engine = LLMEngine(EngineConfig(model=str(model_dir), block_size=4, num_kv_blocks=256))
     (ours,) = engine.generate([GenerateRequest(out.prompt_token_ids, SamplingParams(max_tokens=N), mm)])

@@ -1,0 +1,106 @@
+"""A Qwen2.5-VL video's ``second_per_grid_ts`` travels preprocessor → encoder input (processor cache) →
+cache entry (``EmbeddingMeta``) → prepared item → ``EmbeddingRef`` → ``MultiModalInput``, over every
+wire form on the way, and a cache hit (no decode) carries the value the miss computed."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import pytest
+
+from encoder_service.media import MediaLimits
+from encoder_service.prepared import PreparedItem, PreparedRequest
+from encoder_service.processing import Preprocessor
+from encoder_service.types import EmbeddingMeta, MediaRef, PreprocessedRequest
+from llm_service.embeddings import resolve_embeddings
+from llm_service.request_spec import EmbeddingRef, LLMRequestSpec
+from llm_service.sampling_params import SamplingParams
+from tests.media import make_video_bytes
+from tests.unit.qwen2_5_vl_dir import tiny_qwen2_5_vl_dir
+
+LIMITS = MediaLimits(video_fps=1.0)  # 3 s at 8 fps: 3 frames kept -> 4 (a multiple of 2)
+SPGT = 2 * 3 / 4  # frames per temporal patch / (kept frames per second of clip)
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    return tiny_qwen2_5_vl_dir()
+
+
+def _messages(video: bytes) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "video", "media": MediaRef("video", data=video)}]}]
+
+
+def test_miss_then_hit_carry_second_per_grid_ts(model_dir: Path) -> None:
+    import asyncio
+
+    import torch
+
+    video = make_video_bytes(84, 56, num_frames=24, fps=8, seed=4)
+    pre = Preprocessor(model_dir, LIMITS, {"video": 1})
+    miss = pickle.loads(pickle.dumps(pre.preprocess_sync(_messages(video))))
+    assert isinstance(miss, PreprocessedRequest)
+    (item,) = miss.items
+    assert item.second_per_grid_ts == pytest.approx(SPGT)
+    assert item.encoder_input is not None and item.encoder_input.second_per_grid_ts == pytest.approx(SPGT)
+
+    # The encoder replica's cache entry, read back by a preprocessor on another build of the record.
+    meta = pickle.loads(
+        pickle.dumps(EmbeddingMeta(item.mm_hash, "video", item.num_embeds, 8, "float32", item.grid_thw, SPGT))
+    )
+    fresh = Preprocessor(model_dir, LIMITS, {"video": 1})  # no processor cache: a hit must not decode
+    hit = fresh.preprocess_sync(_messages(video), lambda hashes: {h: meta for h in hashes})
+    assert fresh.num_processor_calls == 0
+    (hit_item,) = hit.items
+    assert hit_item.encoder_input is None and hit_item.second_per_grid_ts == pytest.approx(SPGT)
+
+    prepared = PreparedRequest(
+        hit.prompt_token_ids,
+        [
+            PreparedItem(
+                hit_item.mm_hash,
+                "video",
+                hit_item.placeholder.offset,
+                hit_item.placeholder.length,
+                hit_item.grid_thw,
+                ["ref"],
+                hit_item.second_per_grid_ts,
+            )
+        ],
+        0,
+        {},
+    )
+    (p_item,) = pickle.loads(pickle.dumps(prepared)).items
+    assert p_item.second_per_grid_ts == pytest.approx(SPGT)
+    ref = EmbeddingRef(
+        ["ref"],
+        p_item.offset,
+        p_item.length,
+        p_item.mm_hash,
+        "video",
+        p_item.grid_thw,
+        p_item.second_per_grid_ts,
+    )
+    spec = pickle.loads(
+        pickle.dumps(LLMRequestSpec("r", prepared.prompt_token_ids, SamplingParams(max_tokens=1), [ref]))
+    )
+    (e_ref,) = spec.mm_items
+    assert e_ref.second_per_grid_ts == pytest.approx(SPGT)
+
+    async def fetch(_: object) -> torch.Tensor:
+        return torch.zeros(p_item.length, 8)
+
+    (mm,) = asyncio.run(resolve_embeddings([e_ref], fetch))
+    assert mm.second_per_grid_ts == pytest.approx(SPGT) and mm.grid_thw == item.grid_thw
+
+
+def test_images_have_none(model_dir: Path) -> None:
+    from tests.media import make_image_bytes
+
+    pre = Preprocessor(model_dir, LIMITS, {"image": 1})
+    msgs = [
+        {"role": "user", "content": [{"type": "image", "media": MediaRef("image", data=make_image_bytes())}]}
+    ]
+    (item,) = pre.preprocess_sync(msgs).items
+    assert item.second_per_grid_ts is None
