@@ -1,10 +1,18 @@
-"""Families beyond the default pair, served over HTTP by the whole app (`tiny: <family>` in the config,
-the openai client) and checked against transformers' ``generate`` on the same weights."""
+"""Families beyond the default pair, served over HTTP by ONE app (`tiny: <family>` in its config, the
+openai client) and checked against transformers' ``generate`` on the same weights.
+
+Every family runs with the same small engine (``ENGINE``): 16-token prefill chunks, so a prompt's
+chunks cut through its images; 4-token KV blocks; a KV pool too small for the concurrent burst, so
+some requests are preempted and recomputed. A family is one line in ``FAMILIES``; every test runs
+for each (parametrized), in one Ray start.
+"""
 
 from __future__ import annotations
 
 import base64
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,10 +21,40 @@ from openai import OpenAI
 
 from tests.hf_oracle import hf_generate
 from tests.integration.local_app import start_local_app
-from tests.media import make_image_array, make_image_bytes
+from tests.media import make_image_array, make_image_bytes, make_video_bytes
 
-MODEL = "tiny-qwen2.5-vl"
+
+@dataclass(frozen=True)
+class Family:
+    tiny: str  # the config's `tiny` (the tiny generator's --family)
+    video: bool  # the family takes video
+
+    @property
+    def model(self) -> str:
+        return f"tiny-{self.tiny}"
+
+
+FAMILIES = [Family("qwen2.5-vl", video=True)]
 MAX_TOKENS = 8
+VIDEO_FPS = 1.0  # not the default 2: positions depend on the per-video second_per_grid_ts
+ENGINE = {
+    "max_model_len": 160,
+    "block_size": 4,
+    "max_num_batched_tokens": 16,  # the least the config allows: prefill chunks cut through items
+    "num_kv_blocks": 40,  # 160 tokens: one long request fits, the burst below does not
+}
+
+
+def _model_config(f: Family) -> dict[str, Any]:
+    return {
+        "name": f.model,
+        "tiny": f.tiny,
+        "llm": ENGINE,
+        "preprocess": {
+            "limit_mm_per_prompt": {"image": 4, "video": 1} if f.video else {"image": 4},
+            "media": {"video_fps": VIDEO_FPS},
+        },
+    }
 
 
 @pytest.fixture(scope="module")
@@ -25,45 +63,109 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     from ray import serve
 
     cache_dir = tmp_path_factory.mktemp("models")
-    model = {"name": MODEL, "tiny": "qwen2.5-vl"}
-    client = start_local_app({"models": [model], "models_cache_dir": str(cache_dir)})
-    yield {"client": client, "dir": Path(cache_dir) / "tiny-qwen2.5-vl"}
+    models = [_model_config(f) for f in FAMILIES]
+    client = start_local_app({"models": models, "models_cache_dir": str(cache_dir)})
+    yield {"client": client, "cache_dir": Path(cache_dir)}
     serve.shutdown()
     ray.shutdown()
 
 
-def _ask(client: OpenAI, content: Any) -> str:
+def _ask(client: OpenAI, model: str, content: Any, max_tokens: int = MAX_TOKENS) -> tuple[str, int]:
+    """The answer and its prompt tokens served from the prefix cache."""
     r = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=MAX_TOKENS, temperature=0
+        model=model, messages=[{"role": "user", "content": content}], max_tokens=max_tokens, temperature=0
     )
-    return str(r.choices[0].message.content)
+    details = r.usage.prompt_tokens_details if r.usage else None
+    return str(r.choices[0].message.content), int(getattr(details, "cached_tokens", 0) or 0)
 
 
-def test_qwen2_5_vl_text_and_images_equal_hf(app: dict[str, Any]) -> None:
+def _image(w: int, h: int, seed: int) -> tuple[dict[str, Any], Any]:
+    """An image content part (PNG data URL) and the same image for transformers."""
     from PIL import Image
 
-    client, model_dir = app["client"], app["dir"]
-    assert _ask(client, "hello there, tell me more") == hf_generate(
-        model_dir, [{"role": "user", "content": "hello there, tell me more"}], MAX_TOKENS
+    url = "data:image/png;base64," + base64.b64encode(make_image_bytes(w, h, seed=seed)).decode()
+    return {"type": "image_url", "image_url": {"url": url}}, Image.fromarray(
+        make_image_array(w, h, seed=seed)
     )
-    sizes = [(96, 64, 31), (56, 120, 32)]
-    urls = [
-        "data:image/png;base64," + base64.b64encode(make_image_bytes(w, h, seed=s)).decode()
-        for w, h, s in sizes
-    ]
-    images = [Image.fromarray(make_image_array(w, h, seed=s)) for w, h, s in sizes]
+
+
+def _hf(
+    f: Family, app: dict[str, Any], n_images: int, text: str, max_tokens: int = MAX_TOKENS, **media: Any
+) -> str:
+    content: list[dict[str, Any]] = [{"type": "image"} for _ in range(n_images)]
+    if "videos" in media:
+        content.append({"type": "video"})
+    content.append({"type": "text", "text": text})
+    model_dir = app["cache_dir"] / f.model
+    return hf_generate(model_dir, [{"role": "user", "content": content}], max_tokens, **media)
+
+
+def _llm_stats(f: Family) -> dict[str, Any]:
+    from ray import serve
+
+    handle = serve.get_deployment_handle(f"LLMServer-{f.model}", app_name="mmserve")
+    return dict(handle.stats.remote().result(timeout_s=30))
+
+
+@pytest.mark.parametrize("f", FAMILIES, ids=lambda f: f.tiny)
+def test_text_and_images_equal_hf(app: dict[str, Any], f: Family) -> None:
+    client, model_dir = app["client"], app["cache_dir"] / f.model
+    text = "hello there, tell me more"
+    assert _ask(client, f.model, text)[0] == hf_generate(
+        model_dir, [{"role": "user", "content": text}], MAX_TOKENS
+    )
+    parts, images = zip(*(_image(w, h, s) for w, h, s in [(96, 64, 31), (56, 120, 32)]), strict=True)
     for n in (1, 2):
-        served = _ask(
-            client,
-            [
-                *({"type": "image_url", "image_url": {"url": u}} for u in urls[:n]),
-                {"type": "text", "text": "Compare."},
-            ],
-        )
-        hf_messages = [
-            {
-                "role": "user",
-                "content": [*({"type": "image"} for _ in range(n)), {"type": "text", "text": "Compare."}],
-            }
-        ]
-        assert served == hf_generate(model_dir, hf_messages, MAX_TOKENS, images=images[:n]), n
+        served, _ = _ask(client, f.model, [*parts[:n], {"type": "text", "text": "Compare."}])
+        assert served == _hf(f, app, n, "Compare.", images=list(images[:n])), n
+
+
+@pytest.mark.parametrize("f", FAMILIES, ids=lambda f: f.tiny)
+def test_chunks_through_an_image_and_prefix_hit_equal_hf(app: dict[str, Any], f: Family) -> None:
+    """A 224x224 image is 64 embeddings: 16-token chunks cut through it. Asked again, the prompt's
+    full blocks come from the prefix cache (and the embeddings from the encoder cache)."""
+    part, image = _image(224, 224, 40)
+    content = [part, {"type": "text", "text": "What is in it?"}]
+    expected = _hf(f, app, 1, "What is in it?", images=[image])
+    first, cached_first = _ask(client := app["client"], f.model, content)
+    assert first == expected
+    assert cached_first < 20  # at most the system prompt's blocks, cached by earlier requests
+    again, cached_again = _ask(client, f.model, content)
+    assert again == expected and cached_again >= cached_first + 64
+
+
+@pytest.mark.parametrize("f", [f for f in FAMILIES if f.video], ids=lambda f: f.tiny)
+def test_video_at_non_default_fps_equals_hf(app: dict[str, Any], f: Family) -> None:
+    import numpy as np
+    from transformers.video_utils import VideoMetadata
+
+    from encoder_service.media import MediaLimits
+    from encoder_service.media.video import decode_video, sample_frame_indices
+
+    mp4 = make_video_bytes(84, 56, num_frames=24, fps=8, seed=4)  # 3 s: 4 frames kept at 1 fps
+    url = "data:video/mp4;base64," + base64.b64encode(mp4).decode()
+    served, _ = _ask(
+        app["client"],
+        f.model,
+        [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": "what?"}],
+    )
+    frames, meta = decode_video(mp4, MediaLimits(video_fps=VIDEO_FPS), frame_multiple=2)
+    indices = sample_frame_indices(meta["total_frames"], meta["sampled_frames"])
+    hf_meta = VideoMetadata(total_num_frames=meta["total_frames"], fps=8.0, frames_indices=indices)
+    assert served == _hf(f, app, 0, "what?", videos=[np.asarray(frames)], video_metadata=[hf_meta])
+
+
+@pytest.mark.parametrize("f", FAMILIES, ids=lambda f: f.tiny)
+def test_preempted_burst_equals_hf(app: dict[str, Any], f: Family) -> None:
+    """Four concurrent requests of about 100 prompt tokens + 40 generated on a 160-token KV pool: two
+    cannot run at once, so requests are preempted (their KV freed) and recomputed; every answer still
+    equals transformers'."""
+    before = _llm_stats(f)["num_preemptions"]
+    n = 40
+    cases = [((224 - 28 * (i % 2), 224, 60 + i), f"Describe picture {i}.") for i in range(4)]
+    asks = [[_image(*size)[0], {"type": "text", "text": text}] for size, text in cases]
+    with ThreadPoolExecutor(len(asks)) as pool:
+        served = list(pool.map(lambda c: _ask(app["client"], f.model, c, n)[0], asks))
+    assert _llm_stats(f)["num_preemptions"] > before
+    for (size, text), got in zip(cases, served, strict=True):
+        assert got == _hf(f, app, 1, text, n, images=[_image(*size)[1]]), size
