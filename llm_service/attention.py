@@ -6,26 +6,58 @@ kernel can replace it without touching the models.
 
 KV cache layout per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``; token ``p`` of a
 request lives in slot ``block_table[p // block_size] * block_size + p % block_size``.
+
+Which keys a query at position ``q`` sees (``k`` over the sequence's context)::
+
+    causal            k <= q
+    + spans           or (q and k in the same bidirectional span: Gemma 3's image soft tokens)
+    + sliding window  and k > q - window      (local layers only; ``forward(..., sliding_window=W)``)
+
+A bidirectional span must lie whole inside the context of any chunk that queries it (the scheduler
+never ends a chunk inside one), so an image token sees every token of its image, as in transformers'
+``token_type_ids`` masks. Blocks that fall out of every layer's window stay allocated.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+Span = tuple[int, int]  # (offset, length) of tokens that attend each other in both directions
+
 
 @dataclass
 class SeqAttention:
-    """One sequence of the batch: query rows ``[q_start, q_start + q_len)`` attend its first
-    ``context_slots.numel()`` tokens (the new ones included), causally."""
+    """One sequence of the batch: query rows ``[q_start, q_start + q_len)`` (positions ``[pos_start,
+    pos_start + q_len)``) attend its first ``context_slots.numel()`` tokens (the new ones included),
+    causally, and both ways inside each of ``spans``."""
 
     q_start: int
     q_len: int
     context_slots: torch.Tensor  # [ctx_len] long
     mask: torch.Tensor | None  # [q_len, ctx_len] bool, None when every query sees the whole context
+    pos_start: int = 0
+    spans: tuple[Span, ...] = ()
+    _window_masks: dict[int, torch.Tensor | None] = field(default_factory=dict, repr=False)
+
+    def mask_for(self, sliding_window: int | None) -> torch.Tensor | None:
+        """The full-attention mask, or the one of a local layer seeing ``sliding_window`` tokens."""
+        if sliding_window is None:
+            return self.mask
+        if sliding_window not in self._window_masks:
+            ctx = self.context_slots.numel()
+            if ctx <= sliding_window:  # the window covers the whole context
+                self._window_masks[sliding_window] = self.mask
+            else:
+                device = self.context_slots.device
+                k_pos = torch.arange(ctx, device=device)
+                q_pos = torch.arange(self.pos_start, self.pos_start + self.q_len, device=device)
+                near = k_pos[None, :] > q_pos[:, None] - sliding_window
+                self._window_masks[sliding_window] = near if self.mask is None else near & self.mask
+        return self._window_masks[sliding_window]
 
 
 @dataclass
@@ -43,31 +75,42 @@ class PagedAttention(Protocol):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,  # a local layer: each query sees its last W positions
     ) -> torch.Tensor: ...  # [T, num_heads, head_dim]
 
 
 def build_metadata(
-    chunks: list[tuple[int, int, list[int]]], block_size: int, device: torch.device
+    chunks: list[tuple[int, int, list[int]]],
+    block_size: int,
+    device: torch.device,
+    spans: list[list[Span]] | None = None,
 ) -> AttentionMetadata:
-    """``chunks``: per sequence ``(start, num_tokens, block_table)``, in batch order."""
+    """``chunks``: per sequence ``(start, num_tokens, block_table)``, in batch order; ``spans``: per
+    sequence, its bidirectional spans (None: causal everywhere)."""
     slot_parts, seqs, q_start = [], [], 0
-    for start, n, table in chunks:
+    for i, (start, n, table) in enumerate(chunks):
         end = start + n
         bt = torch.tensor(table, dtype=torch.long)
         pos = torch.arange(end, dtype=torch.long)
         slots = bt[pos // block_size] * block_size + pos % block_size
         slot_parts.append(slots[start:])
+        live = tuple((o, ln) for o, ln in (spans[i] if spans else ()) if o < end and o + ln > start)
         mask = None
         if n > 1:
             q_pos = torch.arange(start, end, dtype=torch.long)
-            mask = (pos[None, :] <= q_pos[:, None]).to(device)
-        seqs.append(SeqAttention(q_start, n, slots.to(device), mask))
+            mask = pos[None, :] <= q_pos[:, None]
+            for o, ln in live:
+                assert o + ln <= end, f"chunk [{start}, {end}) ends inside bidirectional span [{o}, {o + ln})"
+                both = (q_pos[:, None] >= o) & (q_pos[:, None] < o + ln) & (pos[None, :] >= o)
+                mask |= both & (pos[None, :] < o + ln)
+            mask = mask.to(device)
+        seqs.append(SeqAttention(q_start, n, slots.to(device), mask, start, live))
         q_start += n
     return AttentionMetadata(torch.cat(slot_parts).to(device), seqs)
 
 
 class TorchPagedAttention:
-    def forward(self, q, k, v, kv_cache, meta, scale):  # type: ignore[no-untyped-def]
+    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window=None):  # type: ignore[no-untyped-def]
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         k_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)
         v_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
@@ -78,6 +121,7 @@ class TorchPagedAttention:
             qq = q[s.q_start : s.q_start + s.q_len].transpose(0, 1)[None]
             kk = k_flat[s.context_slots].transpose(0, 1)[None]
             vv = v_flat[s.context_slots].transpose(0, 1)[None]
-            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=s.mask, scale=scale, enable_gqa=True)
+            mask = s.mask_for(sliding_window)
+            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale, enable_gqa=True)
             out[s.q_start : s.q_start + s.q_len] = o[0].transpose(0, 1)
         return out

@@ -8,7 +8,7 @@ import torch
 
 from llm_service.attention import TorchPagedAttention, build_metadata
 from llm_service.config import EngineConfig
-from llm_service.errors import RequestFaults
+from llm_service.errors import RequestFaults, RequestRejected
 from llm_service.kv_cache_manager import cdiv
 from llm_service.models import build_decoder, load_text_config
 from llm_service.models.weights import load_weights
@@ -82,9 +82,22 @@ class ModelRunner:
                 req.num_prompt_tokens, mm_inputs, cfg.spatial_merge_size, cfg.tokens_per_second
             )
             state["mrope"], state["delta"] = pos.to(self.device), delta
+        if getattr(self.model, "bidirectional_mm", False):
+            req.attention_spans = [(m.offset, m.length) for m in mm_inputs if m.modality == "image"]
+            self._check_spans_fit(req)
         seed = req.sampling_params.seed
         if seed is not None:
             state["generator"] = torch.Generator(device=self.device).manual_seed(seed)
+
+    def _check_spans_fit(self, req: Request) -> None:
+        budget = self.config.max_num_batched_tokens
+        for offset, length in req.attention_spans:
+            if length > budget:
+                raise RequestRejected(
+                    "bad_mm_input",
+                    f"image at offset {offset} is {length} tokens, which attend each other both ways and "
+                    f"so must be computed in one step; max_num_batched_tokens is {budget}",
+                )
 
     def _positions(self, req: Request, start: int, end: int) -> torch.Tensor:
         if not self.model.uses_mrope:
@@ -119,7 +132,10 @@ class ModelRunner:
             [self._positions(c.request, c.start, c.start + c.num_tokens) for c in chunks], dim=-1
         )
         meta = build_metadata(
-            [(c.start, c.num_tokens, c.block_table) for c in chunks], self.config.block_size, self.device
+            [(c.start, c.num_tokens, c.block_table) for c in chunks],
+            self.config.block_size,
+            self.device,
+            [c.request.attention_spans for c in chunks],
         )
         hidden = self.model(embeds, positions, self.kv_caches, meta)
         _check_finite(chunks, hidden)

@@ -4,7 +4,8 @@ Each step gives every running request its next tokens — the rest of its prompt
 budget) or one decode token — then admits waiting requests FCFS while budget, ``max_num_seqs`` and
 blocks allow. When a running request cannot get a block, the most recently admitted request is
 preempted: its blocks go back to the pool and it returns to the front of the waiting queue, to be
-recomputed later from whatever prefix the cache still holds.
+recomputed later from whatever prefix the cache still holds. A chunk never ends inside a request's
+bidirectional span (``chunk_size``): the chunk stops before it and the span goes whole into a later one.
 """
 
 from __future__ import annotations
@@ -76,6 +77,18 @@ class WaitingBound:
             )
 
 
+def chunk_size(req: Request, start: int, budget: int) -> int:
+    """How many of ``req``'s tokens from ``start`` to compute under ``budget``: all that remain, or as
+    many as fit, ended before a bidirectional span (``req.attention_spans``) it would cut in two —
+    an image whose tokens attend each other both ways is computed in one chunk. 0: not this step."""
+    n = min(req.num_tokens - start, budget)
+    end = start + n
+    for offset, length in req.attention_spans:
+        if offset < end < offset + length:
+            return max(offset - start, 0)
+    return n
+
+
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         self.kv = kv
@@ -114,7 +127,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = chunk_size(req, req.num_computed_tokens, budget)
+            if n == 0:  # its next tokens start a bidirectional span the budget left cannot hold
+                i += 1
+                continue
             while not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -135,8 +151,8 @@ class Scheduler:
             req = self.waiting[0]
             hits = self.kv.get_computed_blocks(req)
             num_computed = len(hits) * self.kv.block_size
-            n = min(req.num_tokens - num_computed, budget)
-            if not self.kv.allocate_slots(req, n, hits):
+            n = chunk_size(req, num_computed, budget)
+            if n == 0 or not self.kv.allocate_slots(req, n, hits):
                 break
             self.waiting.popleft()
             self.kv.record_prefix_query(req.num_tokens, num_computed)

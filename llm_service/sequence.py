@@ -45,6 +45,9 @@ class Request:
     mm_spans: list[MMItemSpan] = field(default_factory=list)
     mm_inputs: Any = ()
     runner_state: dict[str, Any] = field(default_factory=dict)
+    # (offset, length) of prompt tokens that attend each other both ways (Gemma 3's images): the
+    # scheduler never ends a chunk inside one; set by the model runner.
+    attention_spans: list[tuple[int, int]] = field(default_factory=list)
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

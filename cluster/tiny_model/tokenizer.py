@@ -66,18 +66,24 @@ def load_corpus() -> str:
     return resources.files("cluster").joinpath("data/corpus.txt").read_text(encoding="utf-8")
 
 
-def train_tokenizer(vocab_size: int, chat_template: str) -> PreTrainedTokenizerFast:
-    """Train a byte-level BPE on the shipped corpus. Deterministic: same corpus and size, same vocab."""
+def train_bpe(vocab_size: int, special_tokens: list[str]) -> Tokenizer:
+    """A byte-level BPE trained on the shipped corpus, ``special_tokens`` first. Deterministic."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(load_corpus().splitlines(keepends=True), trainer=trainer)
+    return tok
+
+
+def train_tokenizer(vocab_size: int, chat_template: str) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE on the shipped corpus. Deterministic: same corpus and size, same vocab."""
+    tok = train_bpe(vocab_size, SPECIAL_TOKENS)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=None,

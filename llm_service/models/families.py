@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llm_service.attention import PagedAttention
+from llm_service.models.gemma3 import Gemma3ForCausalLM, Gemma3TextConfig
 from llm_service.models.qwen2 import PositionScheme, Qwen2ForCausalLM, TextConfig
 
 
@@ -19,6 +20,7 @@ class DecoderFamily:
     decoder: type[Qwen2ForCausalLM]
     position_scheme: PositionScheme  # rope: 1-D; mrope: Qwen2-VL; mrope_abs_time: Qwen2.5-VL videos
     modalities: tuple[str, ...]  # what the family's prompts may carry embeddings for
+    config: type[TextConfig] = TextConfig  # reads the decoder's facts from config.json
 
 
 DECODER_FAMILIES: dict[str, DecoderFamily] = {
@@ -26,6 +28,7 @@ DECODER_FAMILIES: dict[str, DecoderFamily] = {
     "qwen2_audio": DecoderFamily(Qwen2ForCausalLM, "rope", ("audio",)),
     "qwen2_vl": DecoderFamily(Qwen2ForCausalLM, "mrope", ("image", "video")),
     "qwen2_5_vl": DecoderFamily(Qwen2ForCausalLM, "mrope_abs_time", ("image", "video")),
+    "gemma3": DecoderFamily(Gemma3ForCausalLM, "rope", ("image",), Gemma3TextConfig),
 }
 
 
@@ -49,7 +52,7 @@ def load_text_config(model_dir: str | Path) -> TextConfig:
     """The decoder's config from the model directory's ``config.json``, per its family's scheme."""
     cfg = _read_config(model_dir)
     family = decoder_family(str(cfg.get("model_type", "qwen2")), model_dir)
-    return TextConfig.from_hf_config(model_dir, cfg, family.position_scheme)
+    return family.config.from_hf_config(model_dir, cfg, family.position_scheme)
 
 
 def build_decoder(cfg: TextConfig, backend: PagedAttention) -> Qwen2ForCausalLM:
