@@ -85,6 +85,12 @@ def whisper_largest_item(processor_config: Mapping[str, Any], limits: MediaSizeL
     return WHISPER_MAX_EMBEDS
 
 
+def gemma3_largest_item(processor_config: Mapping[str, Any], limits: MediaSizeLimits) -> int:
+    """Every Gemma 3 image is resized to one square size: ``image_seq_length`` soft tokens
+    (256 in the released checkpoints; {}: the tiny model's 16)."""
+    return int(processor_config.get("image_seq_length", 16 if not processor_config else 256))
+
+
 @dataclass(frozen=True)
 class EncoderFamily:
     name: str  # user-facing family name: the tiny generator's --family, the config's `tiny`
@@ -119,6 +125,13 @@ ENCODER_FAMILIES: dict[str, EncoderFamily] = {
         "encoder_service.processors.qwen2_5_vl:Qwen25VLFamily",
         "encoder_service.models.qwen2_5_vl_vision:Qwen25VLVisionEncoder",
         vision_largest_item,
+    ),
+    "gemma3": EncoderFamily(
+        "gemma3",
+        ("image",),
+        "encoder_service.processors.gemma3:Gemma3Family",
+        "encoder_service.models.gemma3_vision:Gemma3VisionEncoder",
+        gemma3_largest_item,
     ),
     "qwen2_audio": EncoderFamily(
         "qwen2-audio",

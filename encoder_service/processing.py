@@ -286,6 +286,7 @@ class Preprocessor:
     def _tokenize(self, template_messages: list[dict[str, Any]], items: list[_Item]) -> PreprocessedRequest:
         hf = self.family.hf
         text = hf.apply_chat_template(template_messages, add_generation_prompt=True, tokenize=False)
+        text = self.family.prompt_text(text)
         ids = list(self.family.tokenizer(text)["input_ids"])
         queues = {m: [it for it in items if it.ref.modality == m] for m in self.family.modalities}
         by_token = {tid: m for m, tid in self.family.placeholder_token_ids.items()}

@@ -1,4 +1,5 @@
-"""Write a complete, loadable HF model directory for a tiny random-weight Qwen2-VL, Qwen2.5-VL or Qwen2-Audio.
+"""Write a complete, loadable HF model directory for a tiny random-weight Qwen2-VL, Qwen2.5-VL, Qwen2-Audio
+or Gemma 3.
 
 Same flags give byte-identical files: the tokenizer is trained on the shipped corpus and every weight
 is drawn from a generator seeded by ``seed`` and the parameter's name, in a fixed order.
@@ -16,9 +17,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from cluster.tiny_model.gemma3 import build_gemma3, gemma3_tokenizer, save_gemma3_processor
 from cluster.tiny_model.tokenizer import QWEN2_AUDIO_CHAT_TEMPLATE, QWEN2_VL_CHAT_TEMPLATE, train_tokenizer
 
-FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen2-audio")
+FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen2-audio", "gemma3")
 VL_FAMILIES = ("qwen2-vl", "qwen2.5-vl")
 
 
@@ -191,7 +193,12 @@ def _build_qwen2_audio(size: ModelSize, tok):  # type: ignore[no-untyped-def]
     return config, Qwen2AudioForConditionalGeneration
 
 
-_BUILDERS = {"qwen2-vl": _build_qwen2_vl, "qwen2.5-vl": _build_qwen2_5_vl, "qwen2-audio": _build_qwen2_audio}
+_BUILDERS = {
+    "qwen2-vl": _build_qwen2_vl,
+    "qwen2.5-vl": _build_qwen2_5_vl,
+    "qwen2-audio": _build_qwen2_audio,
+    "gemma3": build_gemma3,
+}
 
 
 def _init_weights(model: torch.nn.Module, seed: int, norm_jitter: float = 0.0) -> None:
@@ -220,6 +227,9 @@ def _init_weights(model: torch.nn.Module, seed: int, norm_jitter: float = 0.0) -
 
 
 def _save_processor(family: str, out: Path, tok) -> None:  # type: ignore[no-untyped-def]
+    if family == "gemma3":
+        save_gemma3_processor(str(out), tok)
+        return
     if family in VL_FAMILIES:
         from transformers import (
             Qwen2_5_VLProcessor,
@@ -260,16 +270,23 @@ def make_tiny_model(out_dir: str | Path, family: str, size: ModelSize | None = N
         raise ValueError("vision_hidden_size must divide by vision_num_heads")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    template = QWEN2_VL_CHAT_TEMPLATE if family in VL_FAMILIES else QWEN2_AUDIO_CHAT_TEMPLATE
-    tok = train_tokenizer(size.vocab_size, template)
+    if family == "gemma3":
+        tok = gemma3_tokenizer(size.vocab_size)
+    else:
+        template = QWEN2_VL_CHAT_TEMPLATE if family in VL_FAMILIES else QWEN2_AUDIO_CHAT_TEMPLATE
+        tok = train_tokenizer(size.vocab_size, template)
     build = _BUILDERS[family]
     config, model_cls = build(size, tok)
     model = model_cls(config)
-    _init_weights(model, size.seed, norm_jitter=0.1 if family == "qwen2.5-vl" else 0.0)
+    _init_weights(model, size.seed, norm_jitter=0.1 if family in ("qwen2.5-vl", "gemma3") else 0.0)
     model.eval()
     config.save_pretrained(str(out))
     model.generation_config.save_pretrained(str(out))
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    state, seen = {}, set()
+    for k, v in model.state_dict().items():  # a tied lm_head is saved once, as its embedding (HF's way)
+        if v.data_ptr() not in seen:
+            seen.add(v.data_ptr())
+            state[k] = v.detach().contiguous()
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     _save_processor(family, out, tok)
     (out / "mmserve_tiny.json").write_text(

@@ -62,6 +62,11 @@ class FamilyProcessor(ABC):
         video's ``second_per_grid_ts``). The default: none."""
         return {}
 
+    def prompt_text(self, text: str) -> str:
+        """The templated prompt as the HF processor tokenizes it, one placeholder token per item
+        (Gemma 3 widens each image marker into its start/soft/end tokens). The default: as is."""
+        return text
+
     def check_image_size(self, width: int, height: int) -> None:
         """Raise ``ValueError`` (a message a client can act on) for a size the processor refuses."""
         return None

@@ -46,8 +46,8 @@ def test_entries_resolve(model_type: str) -> None:
 def test_unknown_family_is_named() -> None:
     with pytest.raises(ValueError, match="model_type 'llava' is not a supported family"):
         encoder_family("llava", "/models/x")
-    with pytest.raises(ValueError, match="unknown model family 'gemma3'"):
-        model_type_of("gemma3")
+    with pytest.raises(ValueError, match="unknown model family 'llava-next'"):
+        model_type_of("llava-next")
 
 
 def test_largest_image_bound_against_hf_smart_resize() -> None:
