@@ -16,7 +16,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from cluster.autoscaling_policy import ENCODER_POLICY, LLM_POLICY
-from cluster.budgets import encoder_budgets
+from cluster.budgets import encoder_budgets, largest_item_embeds
 from cluster.config import AppConfig, DeploymentOptions, ModelConfig
 from cluster.model_dirs import resolve_model_dir
 
@@ -90,7 +90,7 @@ def _preprocessor(model: ModelConfig, cache_dir: str, encoder: Any) -> Any:
 
             m = ModelConfig.model_validate(model_json)
             model_dir = resolve_model_dir(m, cache_dir)
-            prefix, shards, capacity = cache_index_args(m)
+            prefix, shards, capacity, largest = cache_index_args(m)
             super().__init__(
                 model_dir,
                 limits=MediaLimits(**m.preprocess.media.model_dump()),
@@ -99,6 +99,7 @@ def _preprocessor(model: ModelConfig, cache_dir: str, encoder: Any) -> Any:
                 cache_name_prefix=prefix,
                 cache_num_shards=shards,
                 cache_capacity=capacity,
+                cache_largest_item=largest,
                 encoder=encoder,
                 model_name=m.name,
             )
@@ -170,17 +171,26 @@ def _llm_server(model: ModelConfig, cache_dir: str) -> Any:
     return serve.deployment(LLMPool).options(**opts).bind(model.model_dump(), cache_dir)
 
 
-def open_cache_index(name_prefix: str, num_shards: int, capacity: int) -> Any:
-    """The model's shared encoder-cache index: detached named actors, created by whoever comes first."""
+def open_cache_index(name_prefix: str, num_shards: int, capacity: int, largest_item: int = 0) -> Any:
+    """The model's shared encoder-cache index: detached named actors, created by whoever comes first
+    (every creator passes the same ``cache_index_args``, so whoever it is sizes them alike)."""
     from encoder_service.cache_index import create_cache_index
 
-    return create_cache_index(num_shards, capacity, name_prefix, detached=True, namespace="mmserve")
+    return create_cache_index(
+        num_shards, capacity, name_prefix, detached=True, namespace="mmserve", largest_item=largest_item
+    )
 
 
-def cache_index_args(m: ModelConfig) -> tuple[str, int, int]:
-    """(name prefix, shards, capacity in embeddings) of a model's shared encoder cache."""
+def cache_index_args(m: ModelConfig) -> tuple[str, int, int, int]:
+    """(name prefix, shards, capacity in embeddings, largest admitted item) of a model's shared
+    encoder cache: the one place it is sized. Each shard holds at least the largest item."""
     _, cache_size = encoder_budgets(m)
-    return (f"mmserve-encoder-cache-{m.name}", m.encoder.cache_index_shards, cache_size)
+    return (
+        f"mmserve-encoder-cache-{m.name}",
+        m.encoder.cache_index_shards,
+        cache_size,
+        largest_item_embeds(m),
+    )
 
 
 def model_modalities(model_dir: str) -> list[str]:

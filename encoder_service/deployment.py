@@ -162,10 +162,8 @@ class EncoderPoolServer:
             ref = ray.put(tensor)  # Ray 2.60 has no _owner=: this replica owns it
             self._owned.add(meta.mm_hash, ref)
             done.append((q, EncodedItem(meta, [ref])))
-        if self._cache is not None:  # the caller's reservation becomes a pinned, committed entry
-            await asyncio.gather(
-                *(self._cache.commit(e.meta.mm_hash, e.meta, e.ref[0], q.request_id) for q, e in done)
-            )
+        if self._cache is not None:  # the callers' reservations become committed entries
+            await self._cache.commit_many([(e.meta, e.ref[0], q.request_id) for q, e in done])
         for q, e in done:
             if not q.future.done():
                 q.future.set_result(e)
@@ -210,7 +208,7 @@ class PreprocessorServer:
     """CPU pool replica: fetch, decode, hash, pin cache hits, process and encode the misses.
 
     ``prepare`` is the router's one call per media request (encoder_service/prepare.py); the encoder
-    pool is called from here, next to the cache, and its outputs come back as pinned refs.
+    pool is called from here, next to the cache, and its outputs come back as refs.
     """
 
     def __init__(
@@ -223,6 +221,7 @@ class PreprocessorServer:
         cache_name_prefix: str,
         cache_num_shards: int,
         cache_capacity: int,
+        cache_largest_item: int = 0,
         encoder: Any = None,
         model_name: str = "",
     ) -> None:
@@ -234,7 +233,12 @@ class PreprocessorServer:
             model_dir, limits, limit_mm_per_prompt, processor_cache_bytes, model_id=model_name or None
         )
         self.cache = create_cache_index(
-            cache_num_shards, cache_capacity, cache_name_prefix, detached=True, namespace="mmserve"
+            cache_num_shards,
+            cache_capacity,
+            cache_name_prefix,
+            detached=True,
+            namespace="mmserve",
+            largest_item=cache_largest_item,
         )
         self.encoder = encoder  # DeploymentHandle of the model's EncoderPool
         self.preparer = RequestPreparer(self.preprocessor, self.cache, self._encode)

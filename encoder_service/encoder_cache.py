@@ -1,33 +1,41 @@
-"""Encoder-cache books: which embeddings the cache holds, who pins them, what to evict. No tensors.
+"""Encoder-cache books: which embeddings the cache holds, who is computing which, what to evict.
+No tensors.
 
-Capacity is counted in embeddings (``encoder_cache_size``). An entry is created by ``try_allocate``
-(reserved, pinned by the computing request), filled by ``commit`` and pinned by every request that
-uses it. Unpinned entries wait in an LRU and are evicted oldest first, only when an allocation needs
-their space; evicted hashes queue in ``take_freed()`` for whoever holds the tensors.
+Capacity is counted in embeddings (``encoder_cache_size``) and charged when an entry is committed.
+A miss is answered with a *reservation* held by the computing request under a lease; ``commit`` fills
+it. Requests that use a committed entry do not pin it: they hold the entry's ObjectRef themselves
+from the lookup on, so the object outlives an eviction for as long as they need it (the owning
+encoder replica keeps a strong ref for a grace period after eviction, ``owned_embeddings``). The
+cache bounds what it keeps for reuse; what running requests hold is bounded by admission.
 
-    entries ─┬─ pinned (pins non-empty): never evicted
-             └─ freeable (pins empty, committed): LRU order, evicted on demand
-    a reservation (meta None) whose pins all go away is dropped at once: its compute failed.
-    a committed entry whose tensor is lost (its owner died) is dropped by ``invalidate``, pins and all.
+    entries ─┬─ reserved (meta None): held by one request until its commit, its release, or its
+             │                        lease runs out (a dead holder frees it; live ones renew)
+             └─ committed: LRU order, evicted oldest first when a commit needs their space
+    a committed entry whose tensor is lost (its owner died) is dropped by ``invalidate``.
 
-Modelled on vLLM's EncoderCacheManager. Pure Python: no torch, no Ray.
+Modelled on vLLM's EncoderCacheManager, without its per-request pins: here the embeddings live in
+Ray's object store, which counts references for us. Pure Python: no torch, no Ray.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from encoder_service.errors import EncoderCacheFull
 from encoder_service.types import EmbeddingMeta
 
+HIT, COMPUTE, WAIT = "hit", "compute", "wait"
+DEFAULT_LEASE_S = 15.0
+
 
 @dataclass
 class CacheEntry:
-    num_embeds: int
+    num_embeds: int = 0  # charged at commit; 0 while reserved
     meta: EmbeddingMeta | None = None  # None while reserved and not yet committed
-    pins: set[str] = field(default_factory=set)
+    holder: str | None = None  # the request computing it, while reserved
+    lease_until: float = 0.0  # the reservation is freeable after this time (monotonic seconds)
 
     @property
     def committed(self) -> bool:
@@ -35,19 +43,23 @@ class CacheEntry:
 
 
 class EncoderCacheBooks:
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, lease_s: float = DEFAULT_LEASE_S) -> None:
         if capacity <= 0:
             raise ValueError("encoder cache capacity must be positive")
+        if lease_s <= 0:
+            raise ValueError("reservation lease must be positive")
         self.capacity = capacity
+        self.lease_s = lease_s
         self.entries: dict[str, CacheEntry] = {}
-        self._freeable: OrderedDict[str, int] = OrderedDict()  # unpinned committed hashes, oldest first
-        self._by_request: dict[str, dict[str, None]] = {}  # request -> its hashes, in pin order
+        self._lru: OrderedDict[str, int] = OrderedDict()  # committed hashes, least recently used first
+        self._by_request: dict[str, dict[str, None]] = {}  # request -> the hashes it reserved
         self._freed: list[str] = []
         self.used = 0
         self.hits = 0
         self.misses = 0
         self.evictions = 0
         self.invalidations = 0
+        self.expired = 0
 
     # ---- queries -------------------------------------------------------------------------------------
     @property
@@ -55,123 +67,109 @@ class EncoderCacheBooks:
         return self.capacity - self.used
 
     @property
-    def num_freeable(self) -> int:
-        """Embeddings that could be freed right now by evicting every unpinned entry."""
-        return sum(self._freeable.values())
-
-    @property
-    def num_pinned(self) -> int:
-        return sum(1 for e in self.entries.values() if e.pins)
+    def num_reserved(self) -> int:
+        return sum(1 for e in self.entries.values() if e.meta is None)
 
     def lookup(self, mm_hash: str, count: bool = True) -> EmbeddingMeta | None:
-        """The committed entry's metadata; a hit refreshes its LRU position. ``count=False`` for a peek
-        that is not the decision (the preprocessor's, before the router reserves), so each item is
-        counted once as a hit or a miss."""
+        """The committed entry's metadata; a hit refreshes its LRU position. ``count=False`` for a peek."""
         entry = self.entries.get(mm_hash)
         if entry is None or entry.meta is None:
             self.misses += count
             return None
         self.hits += count
-        if mm_hash in self._freeable:
-            self._freeable.move_to_end(mm_hash)
+        self._lru.move_to_end(mm_hash)
         return entry.meta
 
     def is_reserved(self, mm_hash: str) -> bool:
         entry = self.entries.get(mm_hash)
         return entry is not None and entry.meta is None
 
-    def can_allocate(self, num_embeds: int) -> bool:
-        return num_embeds <= self.num_free + self.num_freeable
+    def holder(self, mm_hash: str) -> str | None:
+        entry = self.entries.get(mm_hash)
+        return None if entry is None else entry.holder
+
+    def lease_deadline(self, mm_hash: str) -> float | None:
+        entry = self.entries.get(mm_hash)
+        return None if entry is None or entry.committed else entry.lease_until
 
     # ---- mutations -----------------------------------------------------------------------------------
-    def try_allocate(self, request_id: str, mm_hash: str, num_embeds: int) -> bool:
-        """Reserve ``num_embeds`` for ``mm_hash`` pinned by ``request_id``; False if space can't be made now.
+    def lookup_or_reserve(self, request_id: str, mm_hash: str, now: float) -> str:
+        """``"hit"`` (counted, LRU refreshed), ``"compute"`` (reserved for ``request_id`` until
+        ``now + lease_s``; also when it already holds it) or ``"wait"`` (another live request holds
+        the reservation). An expired reservation is taken over."""
+        entry = self.entries.get(mm_hash)
+        if entry is not None and entry.meta is not None:
+            self.hits += 1
+            self._lru.move_to_end(mm_hash)
+            return HIT
+        if entry is not None and entry.holder != request_id and entry.lease_until > now:
+            return WAIT
+        if entry is not None and entry.holder != request_id:
+            self._drop_reservation(mm_hash, expired=True)
+            entry = None
+        if entry is None:
+            self.entries[mm_hash] = CacheEntry(holder=request_id, lease_until=now + self.lease_s)
+            self._by_request.setdefault(request_id, {})[mm_hash] = None
+            self.misses += 1
+        else:
+            entry.lease_until = now + self.lease_s
+        return COMPUTE
 
-        An existing entry (committed or reserved) is pinned instead. Raises ``EncoderCacheFull`` for an
-        item larger than the whole cache, which no amount of waiting can fit.
-        """
-        if num_embeds > self.capacity:
-            raise EncoderCacheFull(
-                f"item {mm_hash[:16]} needs {num_embeds} embeddings, more than encoder_cache_size={self.capacity}"
-            )
-        if mm_hash in self.entries:
-            self.pin(request_id, mm_hash)
-            return True
-        if not self.can_allocate(num_embeds):
-            return False
-        while self.num_free < num_embeds:
-            self._evict_oldest()
-        self.entries[mm_hash] = CacheEntry(num_embeds)
-        self.used += num_embeds
-        self.pin(request_id, mm_hash)
-        return True
+    def renew(self, request_id: str, now: float) -> int:
+        """Extend every reservation ``request_id`` holds; how many it holds."""
+        held = self._by_request.get(request_id, {})
+        for h in held:
+            self.entries[h].lease_until = now + self.lease_s
+        return len(held)
+
+    def expire(self, now: float) -> list[str]:
+        """Drop reservations whose lease ran out (their holder died or hung); the hashes dropped."""
+        gone = [h for h, e in self.entries.items() if e.meta is None and e.lease_until <= now]
+        for h in gone:
+            self._drop_reservation(h, expired=True)
+        return gone
 
     def commit(self, mm_hash: str, meta: EmbeddingMeta) -> None:
+        """Fill a reservation, evicting the least recently used entries to fit it."""
         entry = self.entries.get(mm_hash)
         if entry is None:
-            raise KeyError(f"commit of {mm_hash}: no reservation (released or never allocated)")
-        if meta.num_embeds != entry.num_embeds:
-            raise ValueError(
-                f"commit of {mm_hash}: {meta.num_embeds} embeddings, reserved {entry.num_embeds}"
+            raise KeyError(f"commit of {mm_hash}: no reservation (released, expired or never made)")
+        if entry.committed:
+            raise KeyError(f"commit of {mm_hash}: committed already")
+        if meta.num_embeds > self.capacity:
+            raise EncoderCacheFull(
+                f"item {mm_hash[:16]} has {meta.num_embeds} embeddings, more than the cache shard's "
+                f"capacity of {self.capacity}"
             )
-        entry.meta = meta
-        if not entry.pins:
-            self._freeable[mm_hash] = entry.num_embeds
+        while self.num_free < meta.num_embeds:
+            self._evict_oldest()
+        self._forget_holder(mm_hash, entry)
+        entry.meta, entry.num_embeds = meta, meta.num_embeds
+        self.used += meta.num_embeds
+        self._lru[mm_hash] = meta.num_embeds
 
-    def pin(self, request_id: str, mm_hash: str) -> None:
-        entry = self.entries[mm_hash]
-        entry.pins.add(request_id)
-        self._freeable.pop(mm_hash, None)
-        self._by_request.setdefault(request_id, {})[mm_hash] = None
+    def release(self, request_id: str) -> list[str]:
+        """Drop every reservation ``request_id`` still holds (its compute failed or its client left)."""
+        held = list(self._by_request.get(request_id, {}))
+        for h in held:
+            self._drop_reservation(h)
+        return held
 
-    def release(self, request_id: str, mm_hash: str | None = None) -> list[str]:
-        """Unpin one item, or every item of the request. Returns the hashes whose reservation was dropped."""
-        held = self._by_request.get(request_id, {})
-        hashes = [mm_hash] if mm_hash is not None else list(held)
-        dropped = []
-        for h in hashes:
-            held.pop(h, None)
-            entry = self.entries.get(h)
-            if entry is None or request_id not in entry.pins:
-                continue
-            entry.pins.discard(request_id)
-            if entry.pins:
-                continue
-            if entry.committed:
-                self._freeable[h] = entry.num_embeds
-            else:  # the computing request failed before committing
-                del self.entries[h]
-                self.used -= entry.num_embeds
-                dropped.append(h)
-        if not held:
-            self._by_request.pop(request_id, None)
-        return dropped
+    def cancel(self, mm_hash: str) -> None:
+        """Drop one reservation (its result will not be cached)."""
+        if self.is_reserved(mm_hash):
+            self._drop_reservation(mm_hash)
 
     def invalidate(self, mm_hash: str) -> bool:
-        """Drop a committed entry whose tensor is lost, pinned or not; its space is free at once.
-
-        Pins held by other running requests go with it. Those requests already hold the same lost
-        ref: their LLM call fails on it and they recover by themselves (invalidate, re-encode). Their
-        pins are forgotten with the entry, so their later ``release`` is a no-op for this hash: it
-        never unpins a newer entry computed under the same hash unless they pinned that one too.
-        Not counted as an eviction and not queued in ``take_freed``: the caller drops the ref itself.
-
-        A reservation (not committed) is left alone and False is returned: its computing request
-        will commit a fresh tensor, or release and drop it.
-        """
+        """Drop a committed entry whose tensor is lost; its space is free at once. Not an eviction and
+        not queued in ``take_freed``: the caller drops the ref itself. A reservation is left alone
+        (False): its computing request will commit a fresh tensor, or release and drop it."""
         entry = self.entries.get(mm_hash)
         if entry is None or not entry.committed:
             return False
         del self.entries[mm_hash]
-        self._freeable.pop(mm_hash, None)
+        del self._lru[mm_hash]
         self.used -= entry.num_embeds
-        for request_id in entry.pins:
-            held = self._by_request.get(request_id)
-            if held is None:
-                continue
-            held.pop(mm_hash, None)
-            if not held:
-                del self._by_request[request_id]
         self.invalidations += 1
         return True
 
@@ -181,19 +179,35 @@ class EncoderCacheBooks:
         return freed
 
     def _evict_oldest(self) -> None:
-        mm_hash, size = self._freeable.popitem(last=False)
+        mm_hash, size = self._lru.popitem(last=False)
         del self.entries[mm_hash]
         self.used -= size
         self.evictions += 1
         self._freed.append(mm_hash)
+
+    def _drop_reservation(self, mm_hash: str, expired: bool = False) -> None:
+        entry = self.entries.pop(mm_hash)
+        self._forget_holder(mm_hash, entry)
+        self.expired += expired
+
+    def _forget_holder(self, mm_hash: str, entry: CacheEntry) -> None:
+        if entry.holder is None:
+            return
+        held = self._by_request.get(entry.holder)
+        if held is not None:
+            held.pop(mm_hash, None)
+            if not held:
+                del self._by_request[entry.holder]
+        entry.holder = None
 
     def stats(self) -> dict[str, Any]:
         return {
             "capacity": self.capacity,
             "used": self.used,
             "entries": len(self.entries),
-            "pinned": self.num_pinned,
+            "reserved": self.num_reserved,
             "hits": self.hits,
             "misses": self.misses,
             "evictions": self.evictions,
+            "expired": self.expired,
         }

@@ -126,6 +126,13 @@ ENCODER_FAMILIES: dict[str, EncoderFamily] = {
         "encoder_service.models.qwen2_5_vl_vision:Qwen25VLVisionEncoder",
         vision_largest_item,
     ),
+    "qwen3_vl": EncoderFamily(
+        "qwen3-vl",
+        ("image",),  # video: per-frame timestamp runs are not built yet (processors/qwen3_vl.py)
+        "encoder_service.processors.qwen3_vl:Qwen3VLFamily",
+        "encoder_service.models.qwen3_vl_vision:Qwen3VLVisionEncoder",
+        vision_largest_item,
+    ),
     "gemma3": EncoderFamily(
         "gemma3",
         ("image",),

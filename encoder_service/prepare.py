@@ -1,31 +1,34 @@
 """One media request's way to its embeddings, taken in the preprocessor pool, next to the cache:
 
-    preprocess ──lookup──▶ pin_committed (hits pinned: one call per shard touched)
-        │ process the misses only
+    preprocess ──lookup──▶ lookup_or_reserve (one call per shard touched): per item
+        │                    hit (its ref) / compute (reserved for us, leased) / wait (another
+        │                    request computes it)
+        │ process the non-hits only
         ▼
-    acquire (one call per shard: hit / reserve / wait)
-        ├─ reserved ──▶ encoder pool (one call for all of them; the encoder commits to the index)
-        └─ wait ──────▶ get_or_reserve after our own encodes (no request waits while holding a
-                        reservation another one waits for, so two requests never deadlock)
+    compute ──▶ encoder pool (one call for all of them; the encoder commits to the index)
+    wait ─────▶ get_or_reserve after our own encodes (no request waits while holding a
+                reservation another one waits for, so two requests never deadlock)
 
-The router gets prompt ids and, per item, a pinned ObjectRef: one round trip instead of five. On any
-failure (or when the caller leaves) the request's pins and reservations are released here.
+The router gets prompt ids and, per item, the ObjectRef of its embeddings: one round trip. Nothing is
+pinned: the request holds its refs itself. While it holds reservations it renews their lease; on any
+failure (or when the caller leaves) they are released here.
 No Ray import: the cache client and the encoder call are injected (deployment.py wires them).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
+from encoder_service.encoder_cache import COMPUTE, DEFAULT_LEASE_S, HIT
+from encoder_service.errors import EncoderCacheFull
 from encoder_service.prepared import PreparedItem, PreparedRequest
 from encoder_service.types import EmbeddingMeta, EncodeBatch, EncodedItem, MultiModalItem, PreprocessedRequest
 
 logger = logging.getLogger("mmserve.encoder")
-
-HIT, COMPUTE, WAIT = "hit", "compute", "wait"
 
 Found = tuple[EmbeddingMeta, Any]  # metadata, ObjectRef
 Encode = Callable[[EncodeBatch], Awaitable[list[EncodedItem]]]
@@ -34,15 +37,16 @@ Encode = Callable[[EncodeBatch], Awaitable[list[EncodedItem]]]
 class CacheIndex(Protocol):
     """What preparing needs of the shared encoder cache (encoder_service.cache_index.EncoderCacheClient)."""
 
-    async def pin_committed(self, request_id: str, hashes: list[str]) -> dict[str, Found]: ...
+    @property
+    def shard_capacity(self) -> int | None: ...
 
-    async def acquire(
-        self, request_id: str, wanted: Mapping[str, int]
+    async def lookup_or_reserve(
+        self, request_id: str, hashes: list[str]
     ) -> dict[str, tuple[str, Found | None]]: ...
 
-    async def get_or_reserve(
-        self, request_id: str, mm_hash: str, num_embeds: int
-    ) -> tuple[str, Found | None]: ...
+    async def get_or_reserve(self, request_id: str, mm_hash: str) -> tuple[str, Found | None]: ...
+
+    async def renew(self, request_id: str, hashes: list[str]) -> None: ...
 
     async def release(self, request_id: str, hashes: list[str] | None = None) -> None: ...
 
@@ -52,29 +56,34 @@ class Preprocess(Protocol):
 
 
 class RequestPreparer:
-    def __init__(self, preprocessor: Preprocess, cache: CacheIndex, encode: Encode) -> None:
+    def __init__(
+        self, preprocessor: Preprocess, cache: CacheIndex, encode: Encode, lease_s: float = DEFAULT_LEASE_S
+    ) -> None:
         self.preprocessor = preprocessor
         self.cache = cache
         self.encode = encode
+        self.renew_every_s = lease_s / 3
 
     async def prepare(self, request_id: str, messages: list[dict[str, Any]]) -> PreparedRequest:
-        """Prompt ids and pinned embeddings for every media item of ``messages``, pins held by
-        ``request_id`` (the router releases them once the LLM replica holds the embeddings)."""
+        """Prompt ids and embedding refs for every media item of ``messages``."""
         hits: dict[str, Found] = {}
+        kinds: dict[str, str] = {}  # the non-hits: compute (reserved for us) or wait
 
         async def lookup(hashes: list[str]) -> dict[str, EmbeddingMeta]:
-            found = await self.cache.pin_committed(request_id, hashes)
-            hits.update(found)
-            return {h: meta for h, (meta, _) in found.items()}
+            for h, (kind, found) in (await self.cache.lookup_or_reserve(request_id, hashes)).items():
+                if kind == HIT and found is not None:
+                    hits[h] = found
+                else:
+                    kinds[h] = kind
+            return {h: meta for h, (meta, _) in hits.items()}
 
-        touched: list[str] = []
         try:
-            pre = await self.preprocessor.preprocess(messages, lookup)
-            touched = list(dict.fromkeys(it.mm_hash for it in pre.items))
-            refs, num_encoded = await self._embeddings(request_id, pre, hits)
+            async with self._renewing(request_id, kinds):
+                pre = await self.preprocessor.preprocess(messages, lookup)
+                refs, num_encoded = await self._embeddings(request_id, pre, hits, kinds)
         except BaseException:
-            # Shielded: a cancelled caller must still give back what it pinned or reserved.
-            await asyncio.shield(self._release(request_id, touched or list(hits)))
+            if kinds:  # shielded: a cancelled caller must still give back what it reserved
+                await asyncio.shield(self._release(request_id, list(kinds)))
             raise
         items = [
             PreparedItem(
@@ -90,39 +99,60 @@ class RequestPreparer:
         ]
         return PreparedRequest(list(pre.prompt_token_ids), items, num_encoded, pre.to_log())
 
+    @contextlib.asynccontextmanager
+    async def _renewing(self, request_id: str, held: dict[str, str]) -> AsyncIterator[None]:
+        """Renew the lease of what ``request_id`` reserved while it prepares (only a slow request
+        ever gets that far: the first renewal is ``lease_s / 3`` in)."""
+
+        async def renew_forever() -> None:
+            while True:
+                await asyncio.sleep(self.renew_every_s)
+                reserved = [h for h, kind in held.items() if kind == COMPUTE]
+                if reserved:
+                    try:
+                        await self.cache.renew(request_id, reserved)
+                    except Exception as e:  # the lease may run out: another request then computes it too
+                        logger.warning("renewing the reservations of %s failed: %r", request_id, e)
+
+        task = asyncio.get_running_loop().create_task(renew_forever())
+        try:
+            yield
+        finally:
+            task.cancel()
+
     async def _release(self, request_id: str, hashes: list[str]) -> None:
         try:
             await self.cache.release(request_id, hashes or None)
         except Exception:
-            logger.exception("releasing encoder-cache pins of %s failed", request_id)
+            logger.exception("releasing the encoder-cache reservations of %s failed", request_id)
 
     async def _embeddings(
-        self, request_id: str, pre: PreprocessedRequest, hits: dict[str, Found]
+        self, request_id: str, pre: PreprocessedRequest, hits: dict[str, Found], kinds: dict[str, str]
     ) -> tuple[dict[str, Any], int]:
         refs = {h: ref for h, (_, ref) in hits.items()}
-        todo: dict[str, MultiModalItem] = {}
+        compute: dict[str, MultiModalItem] = {}
+        wait: dict[str, MultiModalItem] = {}
+        capacity = self.cache.shard_capacity
         for it in pre.items:
-            if it.mm_hash not in refs:
-                todo.setdefault(it.mm_hash, it)
-        if not todo:
-            return refs, 0
-        answers = await self.cache.acquire(request_id, {h: it.num_embeds for h, it in todo.items()})
-        compute: list[MultiModalItem] = []
-        wait: list[MultiModalItem] = []
-        for h, (kind, found) in answers.items():
-            if kind == HIT and found is not None:
-                refs[h] = found[1]
-            else:
-                (compute if kind == COMPUTE else wait).append(todo[h])
-        num_encoded = await self._encode(request_id, compute, refs)
-        for retry in await asyncio.gather(*(self._wait(request_id, it, refs) for it in wait)):
+            if it.mm_hash in refs:
+                continue
+            if capacity is not None and it.num_embeds > capacity:
+                raise EncoderCacheFull(
+                    f"{it.modality} {it.index}: {it.num_embeds} embeddings, more than an encoder-cache "
+                    f"shard holds ({capacity}); raise encoder_cache_size or lower the media limits",
+                    item=it.index,
+                )
+            (compute if kinds.get(it.mm_hash) == COMPUTE else wait).setdefault(it.mm_hash, it)
+        num_encoded = await self._encode(request_id, list(compute.values()), refs)
+        for retry in await asyncio.gather(*(self._wait(request_id, it, refs) for it in wait.values())):
             if retry is not None:
+                kinds[retry.mm_hash] = COMPUTE
                 num_encoded += await self._encode(request_id, [retry], refs)
         return refs, num_encoded
 
     async def _wait(self, request_id: str, it: MultiModalItem, refs: dict[str, Any]) -> MultiModalItem | None:
-        """Another request was computing ``it``: its result (pinned), or ``it`` back if we must compute."""
-        kind, found = await self.cache.get_or_reserve(request_id, it.mm_hash, it.num_embeds)
+        """Another request was computing ``it``: its result, or ``it`` back if we must compute it."""
+        kind, found = await self.cache.get_or_reserve(request_id, it.mm_hash)
         if kind == HIT and found is not None:
             refs[it.mm_hash] = found[1]
             return None

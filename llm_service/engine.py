@@ -30,6 +30,8 @@ class LLMEngine:
         self.config = config
         self.runner = ModelRunner(config)
         self.hidden_size: int = self.runner.text_config.hidden_size
+        # Width of an item's embedding rows: hidden_size, or more when they carry DeepStack levels.
+        self.mm_row_width: int = getattr(self.runner.model, "mm_row_width", self.hidden_size)
         self.vocab_size: int = self.runner.text_config.vocab_size
         self.eos_token_ids: tuple[int, ...] = self.runner.text_config.eos_token_ids
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -229,10 +231,10 @@ class LLMEngine:
             name = f"{m.modality} item {i} (mm_hash={m.mm_hash!r}, offset={m.offset})"
             if m.modality not in MODALITIES:
                 raise RequestRejected("bad_mm_input", f"{name}: unknown modality {m.modality!r}")
-            if m.embeddings.dim() != 2 or m.embeddings.shape[1] != self.hidden_size:
+            if m.embeddings.dim() != 2 or m.embeddings.shape[1] != self.mm_row_width:
                 raise RequestRejected(
                     "bad_mm_input",
-                    f"{name}: embeddings have shape {tuple(m.embeddings.shape)}, expected [n, {self.hidden_size}]",
+                    f"{name}: embeddings have shape {tuple(m.embeddings.shape)}, expected [n, {self.mm_row_width}]",
                 )
             if m.length == 0 or m.offset < 0 or m.end > num_tokens:
                 raise RequestRejected(

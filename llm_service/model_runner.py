@@ -115,6 +115,9 @@ class ModelRunner:
         end = start + chunk.num_tokens
         ids = torch.tensor(req.all_token_ids[start:end], device=self.device)
         emb = self.model.embed_tokens(ids)
+        width = getattr(self.model, "mm_row_width", emb.shape[1])
+        if width > emb.shape[1]:  # DeepStack (Qwen3-VL): an item's levels ride after its main columns
+            emb = torch.cat([emb, emb.new_zeros(emb.shape[0], width - emb.shape[1])], dim=1)
         for offset, length, embeds in req.runner_state.get("mm", ()):
             lo, hi = max(start, offset), min(end, offset + length)
             if lo < hi:  # a chunk may hold only a slice of the item

@@ -129,11 +129,7 @@ class ChatService:
     ) -> Response:
         orch = model.orchestrator
         prepared = await orch.prepare(request_id, chat)
-        try:
-            params = to_sampling_params(req, len(prepared.prompt_token_ids), model.max_model_len)
-        except BaseException:
-            await orch.release(prepared)
-            raise
+        params = to_sampling_params(req, len(prepared.prompt_token_ids), model.max_model_len)
         stream = orch.stream(request_id, prepared, params)
         detok = IncrementalDetokenizer(orch.decode, stop=req.stop_strings)
         first = await _first_or_error(stream)

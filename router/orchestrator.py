@@ -1,17 +1,18 @@
 """One chat request's journey through a model's pools, as seen from the ingress: two calls.
 
   text only:  tokenize (off the event loop when long) ──────────────▶ LLM submit ─┐
-  media:      Preprocessor.prepare (hash, pin hits, process + encode   ─▶ LLM submit ─┤
-              misses next to the cache; pinned refs back)                             │
+  media:      Preprocessor.prepare (hash, look up, process + encode    ─▶ LLM submit ─┤
+              misses next to the cache; refs back)                                    │
                                                    tokens ◀── output channel, one message per step
 
-Pins on encoder-cache entries are held by the request from ``prepare`` until the LLM replica has
-fetched the embeddings (``submit`` returned), then released on the shards the request touched; on
-any failure or when the client leaves they are released at once.
+A prepared request holds nothing in the encoder cache: it holds its embeddings' refs itself (Ray
+keeps the objects alive for it), and its reservations were committed before ``prepare`` returned.
+If ``prepare`` fails or the client leaves during it, the request id's reservations are released on
+every shard (final there: a reservation arriving later is refused).
 
 Lost embeddings (the encoder replica that owns them died): ``submit`` raises ``EmbeddingsLost``
 before the request enters the engine; those entries are invalidated (only while they still hold the
-refs we sent), the request is prepared again under a fresh pin id (a miss now: re-encoded once),
+refs we sent), the request is prepared again under a fresh request id (a miss now: re-encoded once),
 and submitted again. A second loss is a 503.
 """
 
@@ -49,7 +50,7 @@ class PreprocessPool(Protocol):
     def prepare(self) -> Any: ...
 
 
-class CachePins(Protocol):
+class CacheIndex(Protocol):
     """The shared encoder cache as the router uses it (encoder_service.cache_index.EncoderCacheClient)."""
 
     async def release(self, request_id: str, hashes: list[str] | None = None) -> None: ...
@@ -61,17 +62,15 @@ class CachePins(Protocol):
 class ModelHandles:
     preprocess: PreprocessPool
     llm: LLMClient
-    cache: CachePins
+    cache: CacheIndex
 
 
 @dataclass
 class Prepared:
-    """A request ready for the LLM: prompt ids, and its items' embedding refs pinned by ``pin_id``."""
+    """A request ready for the LLM: prompt ids, and its items' embedding refs."""
 
     prompt_token_ids: list[int]
     mm_items: list[EmbeddingRef]
-    pin_id: str = ""
-    mm_hashes: tuple[str, ...] = ()
 
 
 class Orchestrator:
@@ -92,7 +91,6 @@ class Orchestrator:
         # request id -> PreprocessedRequest.to_log(), until forget(); bounded, in case a response is
         # dropped before its body starts (then nothing calls forget()).
         self._replay: OrderedDict[str, dict[str, Any]] = OrderedDict()
-        self._background: set[asyncio.Task[None]] = set()
 
     def _tokenize_sync(self, chat: NormalizedChat) -> list[int]:
         ids = self.tokenizer.apply_chat_template(
@@ -109,13 +107,12 @@ class Orchestrator:
         return await asyncio.to_thread(self._tokenize_sync, chat)
 
     async def prepare(self, request_id: str, chat: NormalizedChat) -> Prepared:
-        """Prompt ids and pinned embedding refs; ``release(prepared)`` must follow (stream does it)."""
+        """Prompt ids and embedding refs."""
         if not chat.has_media:
             return Prepared(await self.tokenize_text_chat(chat), [])
         self._messages[request_id] = chat.messages
         prepared = await self._prepare_media(request_id, request_id)
         if len(prepared.prompt_token_ids) >= self.max_model_len:
-            await self.release(prepared)
             raise bad_request(
                 f"the prompt has {len(prepared.prompt_token_ids)} tokens with its media expanded; "
                 f"max_model_len is {self.max_model_len}",
@@ -124,14 +121,16 @@ class Orchestrator:
             )
         return prepared
 
-    async def _prepare_media(self, request_id: str, pin_id: str) -> Prepared:
+    async def _prepare_media(self, request_id: str, attempt_id: str) -> Prepared:
         try:
-            pre: PreparedRequest = await self.h.preprocess.prepare.remote(pin_id, self._messages[request_id])
+            pre: PreparedRequest = await self.h.preprocess.prepare.remote(
+                attempt_id, self._messages[request_id]
+            )
         except BaseException:
             self._messages.pop(request_id, None)
-            # The preprocessor may still be running (a cancel need not reach it) or have pinned
-            # before failing: release on every shard. Final there: its later pins are refused.
-            await asyncio.shield(self.release(Prepared([], [], pin_id)))
+            # The preprocessor may still be running (a cancel need not reach it): release on every
+            # shard. Final there: its later reservations are refused.
+            await asyncio.shield(self._release(attempt_id))
             raise
         self._replay[request_id] = pre.log
         while len(self._replay) > MAX_REPLAY_RECORDS:
@@ -150,23 +149,13 @@ class Orchestrator:
             )
             for it in pre.items
         ]
-        return Prepared(list(pre.prompt_token_ids), items, pin_id, tuple(pre.mm_hashes))
+        return Prepared(list(pre.prompt_token_ids), items)
 
-    async def release(self, prepared: Prepared) -> None:
-        if not prepared.pin_id:
-            return
+    async def _release(self, attempt_id: str) -> None:
         try:
-            await self.h.cache.release(prepared.pin_id, list(prepared.mm_hashes) or None)
+            await self.h.cache.release(attempt_id)
         except Exception:  # never let cleanup mask the original error
-            logger.exception("releasing encoder-cache pins of %s failed", prepared.pin_id)
-
-    def _release_soon(self, prepared: Prepared) -> None:
-        """Release in the background: the first token need not wait for the cache shards."""
-        if not prepared.pin_id:
-            return
-        task = asyncio.get_running_loop().create_task(self.release(prepared))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+            logger.exception("releasing the encoder-cache reservations of %s failed", attempt_id)
 
     def replay(self, request_id: str) -> dict[str, Any] | None:
         """The preprocessed request's replay facts (mm_hashes, placeholders, metadata), if it got that far."""
@@ -183,15 +172,10 @@ class Orchestrator:
     async def stream(
         self, request_id: str, prepared: Prepared, params: SamplingParams
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Submit to the LLM pool and yield the request's outputs; pins are released once submitted."""
-        reply: SubmitReply | None = None
+        """Submit to the LLM pool and yield the request's outputs."""
         try:
-            prepared, reply = await self._submit(request_id, prepared, params)
+            reply = await self._submit(request_id, prepared, params)
         finally:
-            if reply is not None:
-                self._release_soon(prepared)
-            else:
-                await asyncio.shield(self.release(prepared))
             self._messages.pop(request_id, None)
         outs = self.h.llm.outputs(request_id, reply)
         try:
@@ -202,10 +186,8 @@ class Orchestrator:
         finally:  # a caller that stops early aborts the request on its replica now, not at GC
             await outs.aclose()
 
-    async def _submit(
-        self, request_id: str, prepared: Prepared, params: SamplingParams
-    ) -> tuple[Prepared, SubmitReply]:
-        """Submit, re-encoding lost embeddings once; returns what was submitted and where."""
+    async def _submit(self, request_id: str, prepared: Prepared, params: SamplingParams) -> SubmitReply:
+        """Submit, re-encoding lost embeddings once; returns where it went."""
         for attempt in (1, 2):
             items = prepared.mm_items
             hashes = compute_block_hashes(
@@ -213,7 +195,7 @@ class Orchestrator:
             )
             spec = LLMRequestSpec(request_id, prepared.prompt_token_ids, params, items, hashes)
             try:
-                return prepared, await self.h.llm.submit(spec)
+                return await self.h.llm.submit(spec)
             except BaseException as e:
                 lost = find_cause(e, EmbeddingsLost, "mm_hashes")
                 if lost is None:
@@ -221,7 +203,6 @@ class Orchestrator:
                 await self._invalidate(request_id, lost.mm_hashes, items, attempt)
                 if attempt == 2:
                     raise _lost_twice(lost.mm_hashes) from e
-                await self.release(prepared)
                 prepared = await self._prepare_media(request_id, f"{request_id}#retry")
         raise AssertionError("unreachable: the second attempt returns or raises")
 

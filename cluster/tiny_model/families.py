@@ -18,10 +18,11 @@ import torch
 from safetensors.torch import save_file
 
 from cluster.tiny_model.gemma3 import build_gemma3, gemma3_tokenizer, save_gemma3_processor
+from cluster.tiny_model.qwen3_vl import build_qwen3_vl, save_qwen3_vl_processor
 from cluster.tiny_model.tokenizer import QWEN2_AUDIO_CHAT_TEMPLATE, QWEN2_VL_CHAT_TEMPLATE, train_tokenizer
 
-FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen2-audio", "gemma3")
-VL_FAMILIES = ("qwen2-vl", "qwen2.5-vl")
+FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen2-audio", "gemma3", "qwen3-vl")
+VL_FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")
 
 
 @dataclass(frozen=True)
@@ -197,6 +198,7 @@ _BUILDERS = {
     "qwen2-vl": _build_qwen2_vl,
     "qwen2.5-vl": _build_qwen2_5_vl,
     "qwen2-audio": _build_qwen2_audio,
+    "qwen3-vl": build_qwen3_vl,
     "gemma3": build_gemma3,
 }
 
@@ -227,6 +229,9 @@ def _init_weights(model: torch.nn.Module, seed: int, norm_jitter: float = 0.0) -
 
 
 def _save_processor(family: str, out: Path, tok) -> None:  # type: ignore[no-untyped-def]
+    if family == "qwen3-vl":
+        save_qwen3_vl_processor(str(out), tok, QWEN2_VL_CHAT_TEMPLATE)
+        return
     if family == "gemma3":
         save_gemma3_processor(str(out), tok)
         return
@@ -278,7 +283,7 @@ def make_tiny_model(out_dir: str | Path, family: str, size: ModelSize | None = N
     build = _BUILDERS[family]
     config, model_cls = build(size, tok)
     model = model_cls(config)
-    _init_weights(model, size.seed, norm_jitter=0.1 if family in ("qwen2.5-vl", "gemma3") else 0.0)
+    _init_weights(model, size.seed, norm_jitter=0.1 if family in ("qwen2.5-vl", "gemma3", "qwen3-vl") else 0.0)
     model.eval()
     config.save_pretrained(str(out))
     model.generation_config.save_pretrained(str(out))

@@ -1,4 +1,5 @@
-"""The shared encoder cache on Ray: single-flight compute, cross-process visibility, release unpins."""
+"""The shared encoder cache on Ray: single-flight compute, cross-process visibility, eviction at commit,
+leases, invalidation, shard sizing and shard recovery."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import numpy as np
 import pytest
 import ray
 
-from encoder_service.cache_index import COMPUTE, HIT, EncoderCacheClient, create_cache_index, ref_id
-from encoder_service.errors import EncoderCacheBusy, EncoderCacheFull
+from encoder_service.cache_index import COMPUTE, HIT, WAIT, EncoderCacheClient, create_cache_index, ref_id
+from encoder_service.errors import EncoderCacheBusy
 from encoder_service.hashing import compute_mm_hash
 from encoder_service.types import EmbeddingMeta
 
@@ -50,13 +51,15 @@ def test_single_flight_and_cross_process_lookup(ray_session):
     h = _hash(1)
 
     async def scenario():
-        tasks = [asyncio.ensure_future(client.get_or_reserve(f"r{i}", h, 4)) for i in range(12)]
-        done, waiters = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        first = await client.lookup_or_reserve("r0", [h])
+        assert first[h][0] == COMPUTE
+        again = await client.lookup_or_reserve("r1", [h])
+        assert again[h][0] == WAIT  # r0 computes it
+        waiters = [asyncio.ensure_future(client.get_or_reserve(f"r{i}", h)) for i in range(1, 12)]
         await asyncio.sleep(0.3)
-        assert len(done) == 1 and next(iter(done)).result()[0] == COMPUTE
         assert not any(w.done() for w in waiters)  # they wait for the commit, they don't compute
         ref = ray.put(np.full((4, 4), 2.0, dtype=np.float32))
-        await client.commit(h, _meta(h, 4), ref)
+        assert await client.commit(h, _meta(h, 4), ref, "r0")
         hits = await asyncio.gather(*waiters)
         assert all(
             kind == HIT and payload is not None and payload[0].num_embeds == 4 for kind, payload in hits
@@ -65,123 +68,148 @@ def test_single_flight_and_cross_process_lookup(ray_session):
         return await client.stats()
 
     stats = asyncio.run(scenario())
-    assert stats["pinned"] == 1 and stats["entries"] == 1
+    assert stats["reserved"] == 0 and stats["entries"] == 1 and stats["used"] == 4
     assert ray.get(_lookup_elsewhere.remote(client, h)) == (4, 32.0)
     assert ray.get(_lookup_elsewhere.remote(client, _hash(2))) is None
 
-    async def release_all():
-        for i in range(12):
-            await client.release(f"r{i}")
-        return await client.stats()
 
-    after = asyncio.run(release_all())
-    assert after["pinned"] == 0 and after["entries"] == 1  # unpinned, kept until space is needed
-
-
-def test_failed_compute_hands_over_and_eviction_when_needed(ray_session):
+def test_failed_compute_hands_over_and_commit_evicts_when_needed(ray_session):
     client = create_cache_index(1, 10, name_prefix=f"t-{uuid.uuid4().hex[:6]}", wait_timeout_s=1.0)
     h, other = _hash(10), _hash(11)
 
     async def scenario():
-        assert (await client.get_or_reserve("a", h, 6))[0] == COMPUTE
-        waiter = asyncio.ensure_future(client.get_or_reserve("b", h, 6))
+        assert (await client.lookup_or_reserve("a", [h]))[h][0] == COMPUTE
+        waiter = asyncio.ensure_future(client.get_or_reserve("b", h))
         await asyncio.sleep(0.1)
         await client.release("a")  # "a" failed before committing: "b" takes over the compute
         assert (await waiter)[0] == COMPUTE
-        await client.commit(h, _meta(h, 6), ray.put(np.zeros(3)))
-        # all 6 pinned by "b", 4 free: a 5-embedding item waits, then times out with a clear error
-        with pytest.raises(EncoderCacheBusy, match="pinned"):
-            await client.get_or_reserve("c", other, 5)
-        with pytest.raises(EncoderCacheFull, match="encoder_cache_size=10"):
-            await client.get_or_reserve("c", other, 11)
-        await client.release("b")
-        assert (await client.get_or_reserve("c", other, 5))[0] == COMPUTE  # evicts h now
+        assert await client.commit(h, _meta(h, 6), ray.put(np.zeros(3)), "b")
+        assert (await client.lookup_or_reserve("c", [other]))[other][0] == COMPUTE
+        assert await client.commit(other, _meta(other, 5), ray.put(np.zeros(3)), "c")  # evicts h
         assert await client.lookup_many([h]) == {}
+        # a reservation whose holder never commits (hung) makes its waiters give up, clearly
+        lone = _hash(12)
+        assert (await client.lookup_or_reserve("d", [lone]))[lone][0] == COMPUTE
+        await client.renew("d", [lone])
+        with pytest.raises(EncoderCacheBusy, match="did not commit"):
+            await client.get_or_reserve("e", lone)
+        await client.release("d")
         return await client.stats()
 
     stats = asyncio.run(scenario())
-    assert stats["evictions"] == 1 and stats["entries"] == 1
+    assert stats["evictions"] == 1 and stats["entries"] == 1 and stats["reserved"] == 0
 
 
-def test_invalidate_turns_a_pinned_hit_into_compute_and_returns_capacity(ray_session):
+def test_invalidate_turns_a_hit_into_compute_and_returns_capacity(ray_session):
     client = create_cache_index(2, 14, name_prefix=f"t-{uuid.uuid4().hex[:6]}", wait_timeout_s=5.0)
     h, other = _hash(20), _hash(21)  # two shards of capacity 7 each, or one of 14: h and other fit apart
 
     async def scenario():
-        assert (await client.get_or_reserve("a", h, 7))[0] == COMPUTE
+        assert (await client.lookup_or_reserve("a", [h]))[h][0] == COMPUTE
         lost = ray.put(np.ones((7, 4), dtype=np.float32))
-        await client.commit(h, _meta(h, 7), lost)
-        hit = await client.get_or_reserve("b", h, 7)
-        assert hit[0] == HIT and ref_id(_ref_of(hit)) == ref_id(lost)  # "a" and "b" both pin the entry
+        await client.commit(h, _meta(h, 7), lost, "a")
+        hit = (await client.lookup_or_reserve("b", [h]))[h]
+        assert hit[0] == HIT and ref_id(_ref_of(hit)) == ref_id(lost)
         stale = ray.put(np.zeros(1))
         assert await client.invalidate([h], {h: ref_id(stale)}) == []  # it holds another ref: kept
         assert (await client.stats())["entries"] == 1
         assert await client.invalidate([h], {h: ref_id(lost)}) == [h]
         stats = await client.stats()
-        assert stats["invalidations"] == 1 and stats["entries"] == 0
-        assert stats["used"] == 0 and stats["pinned"] == 0  # capacity back, both pins gone with it
+        assert stats["invalidations"] == 1 and stats["entries"] == 0 and stats["used"] == 0
         assert await client.lookup_many([h]) == {}
-        assert (await client.get_or_reserve("c", h, 7))[0] == COMPUTE  # a miss now: compute again
-        await client.release("a")  # the invalidated pins: no-ops, "c"'s reservation stays
-        await client.release("b")
-        stats = await client.stats()
-        assert stats["pinned"] == 1 and stats["used"] == 7
-        await client.commit(h, _meta(h, 7), ray.put(np.full((7, 4), 3.0, dtype=np.float32)))
+        assert (await client.lookup_or_reserve("c", [h]))[h][0] == COMPUTE  # a miss now: compute again
+        await client.commit(h, _meta(h, 7), ray.put(np.full((7, 4), 3.0, dtype=np.float32)), "c")
         assert await client.invalidate([h, other]) == [h]  # unconditional; other was never there
-        await client.release("c")
         return await client.stats()
 
     stats = asyncio.run(scenario())
-    assert stats["entries"] == 0 and stats["used"] == 0 and stats["pinned"] == 0
+    assert stats["entries"] == 0 and stats["used"] == 0 and stats["reserved"] == 0
     assert stats["invalidations"] == 2
 
 
-def test_invalidate_wakes_a_request_waiting_for_space(ray_session):
-    client = create_cache_index(1, 10, name_prefix=f"t-{uuid.uuid4().hex[:6]}", wait_timeout_s=5.0)
-    h, other = _hash(30), _hash(31)
-
-    async def scenario():
-        assert (await client.get_or_reserve("a", h, 6))[0] == COMPUTE
-        ref = ray.put(np.zeros(6))
-        await client.commit(h, _meta(h, 6), ref)
-        waiter = asyncio.ensure_future(client.get_or_reserve("b", other, 5))  # 4 free, h pinned
-        await asyncio.sleep(0.3)
-        assert not waiter.done()
-        await client.invalidate([h], {h: ref_id(ref)})
-        assert (await asyncio.wait_for(waiter, 2.0))[0] == COMPUTE
-        await client.release("a")
-        await client.release("b")
-        return await client.stats()
-
-    stats = asyncio.run(scenario())
-    assert stats == {**stats, "entries": 0, "used": 0, "pinned": 0, "evictions": 0, "invalidations": 1}
-
-
 def test_invalidate_before_the_commit_dooms_that_ref(ray_session):
-    """The owner shuts down between ``encode`` returning and the router's commit: the commit of the
-    doomed ref drops the entry, and a waiting request takes over the compute."""
+    """The owner shuts down between ``encode`` returning and its commit: the commit of the doomed
+    ref drops the entry, and a waiting request takes over the compute."""
     client = create_cache_index(1, 10, name_prefix=f"t-{uuid.uuid4().hex[:6]}", wait_timeout_s=5.0)
     h = _hash(40)
 
     async def scenario():
-        assert (await client.get_or_reserve("a", h, 4))[0] == COMPUTE
+        assert (await client.lookup_or_reserve("a", [h]))[h][0] == COMPUTE
         doomed = ray.put(np.zeros(4))
         assert await client.invalidate([h], {h: ref_id(doomed)}) == []  # only reserved so far
-        waiter = asyncio.ensure_future(client.get_or_reserve("b", h, 4))
+        waiter = asyncio.ensure_future(client.get_or_reserve("b", h))
         await asyncio.sleep(0.2)
-        assert not await client.commit(h, _meta(h, 4), doomed)
+        assert not await client.commit(h, _meta(h, 4), doomed, "a")
         assert (await asyncio.wait_for(waiter, 2.0))[0] == COMPUTE
         assert await client.lookup_many([h]) == {}
         fresh = ray.put(np.ones(4))
-        assert await client.commit(h, _meta(h, 4), fresh)
-        hit = await client.get_or_reserve("c", h, 4)
+        assert await client.commit(h, _meta(h, 4), fresh, "b")
+        hit = await client.get_or_reserve("c", h)
         assert hit[0] == HIT and ref_id(_ref_of(hit)) == ref_id(fresh)
-        for r in "abc":
-            await client.release(r)
         return await client.stats()
 
     stats = asyncio.run(scenario())
-    assert stats["entries"] == 1 and stats["pinned"] == 0 and stats["used"] == 4
+    assert stats["entries"] == 1 and stats["reserved"] == 0 and stats["used"] == 4
+
+
+def test_each_shard_holds_the_largest_admitted_item(ray_session):
+    """Capacity 100 over 4 shards would be 25 each; the largest admitted item (60) must still fit
+    whichever shard its hash lands on."""
+    client = create_cache_index(4, 100, name_prefix=f"t-{uuid.uuid4().hex[:6]}", largest_item=60)
+    assert client.shard_capacity == 60
+    hashes = [_hash(100 + i) for i in range(8)]  # spread over the shards
+
+    async def scenario():
+        answers = await client.lookup_or_reserve("r", hashes)
+        assert {kind for kind, _ in answers.values()} == {COMPUTE}
+        done = await client.commit_many([(_meta(h, 60), ray.put(np.zeros(1)), "r") for h in hashes])
+        return done, await client.stats()
+
+    done, stats = asyncio.run(scenario())
+    assert all(done) and stats["capacity"] == 240 and stats["reserved"] == 0
+    assert {s["entries"] for s in stats["shards"]} == {1}  # each shard keeps its newest one
+
+
+def test_a_dead_shard_comes_back_empty_whether_ray_restarts_it_or_not(ray_session):
+    """Killed as a crash (Ray restarts it) and killed for good (the client re-creates it by name):
+    either way its entries are misses, nothing of the old incarnation is reserved, and the call that
+    found it dead is retried once on the new one."""
+    client = create_cache_index(
+        1, 100, name_prefix=f"t-{uuid.uuid4().hex[:6]}", detached=True, namespace="mmserve-test"
+    )
+    h, g = _hash(200), _hash(201)
+
+    async def fill(rid: str, key: str) -> None:
+        assert (await client.lookup_or_reserve(rid, [key]))[key][0] == COMPUTE
+        assert await client.commit(key, _meta(key, 4), ray.put(np.zeros(4)), rid)
+
+    async def until_empty() -> None:  # ray.kill returns before the shard is dead
+        for _ in range(300):
+            if (await client.stats())["entries"] == 0:
+                return
+            await asyncio.sleep(0.1)
+        raise AssertionError("the shard did not come back empty")
+
+    async def scenario():
+        await fill("a", h)
+        assert (await client.lookup_or_reserve("held", [g]))[g][0] == COMPUTE  # its holder "dies" too
+        ray.kill(client.shards[0], no_restart=False)  # a crash: Ray restarts it
+        await until_empty()
+        first = await client.lookup_or_reserve("b", [h, g])
+        assert {k for k, _ in first.values()} == {COMPUTE}  # both misses on the new incarnation
+        after_restart = await client.stats()
+        ray.kill(client.shards[0])  # gone for good: the client re-creates it by name
+        await until_empty()
+        again = await client.lookup_or_reserve("c", [h])
+        return after_restart, again, await client.stats()
+
+    try:
+        after_restart, again, stats = asyncio.run(scenario())
+    finally:
+        ray.kill(client.shards[0])
+    assert after_restart["entries"] == 2 and after_restart["reserved"] == 2  # b's own reservations
+    assert again[h][0] == COMPUTE
+    assert again[h][0] == COMPUTE and stats["entries"] == 1 and stats["capacity"] == 100
 
 
 def test_encoder_replica_shutdown_invalidates_only_what_it_still_owns(ray_session, tiny_vl_dir):
@@ -204,25 +232,24 @@ def test_encoder_replica_shutdown_invalidates_only_what_it_still_owns(ray_sessio
 
     async def scenario():
         for it in items:
-            assert (await client.get_or_reserve("r", it.mm_hash, it.num_embeds))[0] == COMPUTE
+            assert (await client.get_or_reserve("r", it.mm_hash))[0] == COMPUTE
             assert it.encoder_input is not None
             (out,) = await server.encode(EncodeBatch("r", [it.encoder_input]))
-            assert await client.commit(it.mm_hash, out.meta, out.ref[0])
-        await client.get_or_reserve("r", elsewhere, 3)  # another replica's entry
+            assert out.meta.mm_hash == it.mm_hash  # the server committed it itself
+        await client.get_or_reserve("r", elsewhere)  # another replica's entry
         await client.commit(elsewhere, _meta(elsewhere, 3), ray.put(np.zeros(3)))
         # `moved` was lost once and re-encoded by another replica: its entry holds another ref now
         (_, ref) = (await client.lookup_many([moved]))[moved]
         assert await client.invalidate([moved], {moved: ref_id(ref)}) == [moved]
-        assert (await client.get_or_reserve("s", moved, items[1].num_embeds))[0] == COMPUTE
+        assert (await client.get_or_reserve("s", moved))[0] == COMPUTE
         await client.commit(
             moved, EmbeddingMeta(moved, "image", items[1].num_embeds, 4, "float32"), ray.put(0)
         )
-        await client.release("r")
-        await client.release("s")
         shutdown = server.__del__()
         assert shutdown is not None
         assert await shutdown == 1
-        assert server.__del__() is None  # nothing owned any more: a later GC call is a no-op
+        later = server.__del__()  # nothing owned any more: a later call drops nothing
+        assert later is None or await later == 0
         return await client.lookup_many([kept, moved, elsewhere]), await client.stats()
 
     found, stats = asyncio.run(scenario())

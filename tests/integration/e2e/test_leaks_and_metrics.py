@@ -1,4 +1,4 @@
-"""A client that leaves holds nothing (no running request, KV block or cache pin), and the Prometheus
+"""A client that leaves holds nothing (no running request, KV block or cache reservation), and the Prometheus
 metrics Ray exports carry real values."""
 
 from __future__ import annotations
@@ -50,13 +50,13 @@ def _encoder_cache(model: str = VL) -> dict[str, Any]:
 
 
 def _nothing_held() -> bool:
-    """The LLM replica runs and queues nothing, every KV block is free, no encoder-cache entry is pinned."""
+    """The LLM replica runs and queues nothing, every KV block is free, no encoder-cache entry is reserved."""
     s = _llm_stats()
     return (
         s["num_running"] == 0
         and s["num_waiting"] == 0
         and s["num_free_blocks"] == s["num_total_blocks"]
-        and _encoder_cache()["pinned"] == 0
+        and _encoder_cache()["reserved"] == 0
     )
 
 
@@ -138,7 +138,7 @@ def test_metrics_report_real_values(client: OpenAI, app: dict[str, Any]) -> None
 
 def test_streamed_client_disconnect_aborts_the_generation(client: OpenAI, app: dict[str, Any]) -> None:
     """A client reads a few chunks of a long generation about a fresh image and hangs up: the engine
-    drops the request (its KV blocks all free again) long before max_tokens, and no pin is left."""
+    drops the request (its KV blocks all free again) long before max_tokens, and no reservation is left."""
     before = _metric(app, GENERATED, VL)
     stream = client.chat.completions.create(
         model=VL,
@@ -157,7 +157,7 @@ def test_streamed_client_disconnect_aborts_the_generation(client: OpenAI, app: d
     assert mid["num_running"] == 1 and mid["num_free_blocks"] < mid["num_total_blocks"]  # still generating
     stream.close()  # closes the HTTP connection mid-stream
 
-    wait_for(_nothing_held, 20.0, "the LLM replica to drop the abandoned stream and the pins to go")
+    wait_for(_nothing_held, 20.0, "the LLM replica to drop the abandoned stream and the reservations to go")
     generated = _tokens_generated_since(client, app, before, seen)
     assert generated < LONG // 4, generated
 
@@ -168,7 +168,7 @@ def test_non_streamed_client_timeout_aborts_the_generation(
 ) -> None:
     """A plain request about a fresh image whose client gives up (read timeout) on a long generation:
     same guarantees. After 0.05 s it is mostly gone before the first token (preprocessing or
-    encoding, pins held), after 0.5 s mid-generation."""
+    encoding, reservations held), after 0.5 s mid-generation."""
     before = _metric(app, GENERATED, VL)
     impatient = OpenAI(
         base_url=f"http://127.0.0.1:{PORT}/v1", api_key="unused", timeout=timeout_s, max_retries=0
@@ -183,6 +183,6 @@ def test_non_streamed_client_timeout_aborts_the_generation(
         )
     impatient.close()
 
-    wait_for(_nothing_held, 20.0, "the LLM replica to drop the abandoned request and the pins to go")
+    wait_for(_nothing_held, 20.0, "the LLM replica to drop the abandoned request and the reservations to go")
     generated = _tokens_generated_since(client, app, before)
     assert generated < LONG // 4, generated

@@ -1,5 +1,5 @@
 """500 mixed requests at once leave nothing behind: the cluster references the objects it did before
-(no embedding ref kept by a finished request: Ray counts them on every hop), no encoder-cache pin, no KV block, no running request,
+(no embedding ref kept by a finished request: Ray counts them on every hop), no encoder-cache reservation, no KV block, no running request,
 no open output channel. Every media item is sent once before the baseline, so afterwards the cache
 legitimately holds exactly what it held then."""
 
@@ -110,11 +110,11 @@ def _quiet() -> bool:
         s["num_running"] or s["num_waiting"] or s["num_free_blocks"] != s["num_total_blocks"]
         for s in (_llm_stats(VL), _llm_stats(AUDIO))
     )
-    pinned = _encoder_cache(VL)["pinned"] + _encoder_cache(AUDIO)["pinned"]
-    return channels_closed and not held and pinned == 0
+    reserved = _encoder_cache(VL)["reserved"] + _encoder_cache(AUDIO)["reserved"]
+    return channels_closed and not held and reserved == 0
 
 
-def test_500_mixed_requests_leave_the_object_store_pins_and_kv_at_baseline() -> None:
+def test_500_mixed_requests_leave_the_object_store_reservations_and_kv_at_baseline() -> None:
     asyncio.run(_run(list(range(30))))  # every image and clip: the cache holds them from now on
     wait_for(_quiet, 60, "the warm-up to settle")
     baseline = _referenced_objects()
@@ -123,7 +123,7 @@ def test_500_mixed_requests_leave_the_object_store_pins_and_kv_at_baseline() -> 
     tokens = asyncio.run(_run(list(range(30, 30 + NUM_REQUESTS))))
     assert all(n >= 1 for n in tokens)
 
-    wait_for(_quiet, 60, "every request, pin, KV block and output channel to be released")
+    wait_for(_quiet, 60, "every request, reservation, KV block and output channel to be released")
     assert (_encoder_cache(VL)["entries"], _encoder_cache(AUDIO)["entries"]) == cache_before
     # A ref kept per request (what pickling refs outside Ray does) would leave one or more for each of
     # the ~300 media requests; Serve's own bookkeeping (long polls, metrics, handles) holds a few

@@ -70,7 +70,7 @@ def test_zz_embeddings_lost_with_their_encoder_replica_are_encoded_again(
     after = stats()
     assert after["encoder_items_dispatched"] - before["encoder_items_dispatched"] == 1  # encoded again
     assert after["encoder_cache"]["invalidations"] - before["encoder_cache"]["invalidations"] == 1
-    assert after["encoder_cache"]["pinned"] == 0
+    assert after["encoder_cache"]["reserved"] == 0
 
 
 def test_zzz_graceful_encoder_shutdown_invalidates_what_it_owns(client: OpenAI) -> None:
@@ -89,4 +89,4 @@ def test_zzz_graceful_encoder_shutdown_invalidates_what_it_owns(client: OpenAI) 
     after = asyncio.run(open_cache_index(*cache_index_args(model)).stats())
     dropped = after["invalidations"] - before["invalidations"]
     assert dropped >= 1  # at least the image just encoded
-    assert before["entries"] - after["entries"] == dropped and after["pinned"] == 0
+    assert before["entries"] - after["entries"] == dropped and after["reserved"] == 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from encoder_service.encoder_cache import EncoderCacheBooks
+from encoder_service.encoder_cache import COMPUTE, HIT, WAIT, EncoderCacheBooks
 from encoder_service.errors import EncoderCacheFull
 from encoder_service.processor_cache import ProcessorCache
 from encoder_service.types import EmbeddingMeta, EncoderInput
@@ -15,52 +15,43 @@ def _meta(h: str, n: int) -> EmbeddingMeta:
     return EmbeddingMeta(h, "image", n, 8, "float32", (1, 2, 2))
 
 
-def _fill(books: EncoderCacheBooks, req: str, h: str, n: int) -> None:
-    assert books.try_allocate(req, h, n)
+def _fill(books: EncoderCacheBooks, req: str, h: str, n: int, now: float = 0.0) -> None:
+    assert books.lookup_or_reserve(req, h, now) == COMPUTE
     books.commit(h, _meta(h, n))
 
 
-def test_pinned_entries_are_never_evicted():
-    books = EncoderCacheBooks(10)
-    _fill(books, "r1", "a", 6)
-    assert not books.try_allocate("r2", "b", 5)  # a is pinned: no space can be made
-    assert books.entries.keys() == {"a"} and books.evictions == 0
-    books.release("r1")
-    assert books.try_allocate("r2", "b", 5)
-    assert books.take_freed() == ["a"] and books.evictions == 1
-
-
-def test_eviction_oldest_first_and_only_when_needed():
+def test_commit_evicts_least_recently_used_first_and_only_when_needed():
     books = EncoderCacheBooks(10)
     for h in "abc":
         _fill(books, "r", h, 3)
-    books.release("r")
-    assert books.lookup("a") is not None  # a is now the most recently used
-    assert books.try_allocate("s", "d", 1)  # 1 free embedding: no eviction
+    assert books.lookup_or_reserve("s", "a", 0.0) == HIT  # a is now the most recently used
+    _fill(books, "s", "d", 1)  # 1 free embedding: no eviction
     assert books.evictions == 0 and books.take_freed() == []
-    assert books.try_allocate("s", "e", 4)  # needs 4: evict b (3) then c (3), not a
+    _fill(books, "s", "e", 4)  # needs 4: evict b (3) then c (3), not a
     assert books.take_freed() == ["b", "c"] and set(books.entries) == {"a", "d", "e"}
     assert books.used == 3 + 1 + 4
 
 
-def test_existing_entry_is_pinned_not_duplicated_and_too_large_refused():
+def test_reservations_are_single_flight_cost_nothing_until_commit_and_too_large_refused():
     books = EncoderCacheBooks(10)
-    _fill(books, "r1", "a", 4)
-    assert books.try_allocate("r2", "a", 4)
-    assert books.used == 4 and books.entries["a"].pins == {"r1", "r2"}
-    books.release("r1", "a")
-    assert books.num_pinned == 1
-    with pytest.raises(EncoderCacheFull, match="encoder_cache_size=10") as e:
-        books.try_allocate("r3", "big", 11)
+    assert books.lookup_or_reserve("r1", "a", 0.0) == COMPUTE
+    assert books.lookup_or_reserve("r2", "a", 1.0) == WAIT  # r1 computes it
+    assert books.lookup_or_reserve("r1", "a", 1.0) == COMPUTE  # asked again by its holder
+    assert books.used == 0 and books.num_reserved == 1 and books.holder("a") == "r1"
+    books.commit("a", _meta("a", 4))
+    assert books.lookup_or_reserve("r2", "a", 2.0) == HIT and books.used == 4 and books.num_reserved == 0
+    assert books.lookup_or_reserve("r3", "big", 2.0) == COMPUTE
+    with pytest.raises(EncoderCacheFull, match="capacity of 10") as e:
+        books.commit("big", _meta("big", 11))
     assert e.value.status_code == 400
 
 
-def test_failed_reservation_is_dropped_and_counters():
+def test_released_reservation_is_dropped_and_counters():
     books = EncoderCacheBooks(10)
-    assert books.try_allocate("r1", "a", 7)
+    assert books.lookup_or_reserve("r1", "a", 0.0) == COMPUTE
     assert books.lookup("a") is None  # reserved, not committed: a miss
     assert books.release("r1") == ["a"]
-    assert books.used == 0 and "a" not in books.entries and books.take_freed() == []
+    assert "a" not in books.entries and books.take_freed() == []
     _fill(books, "r2", "b", 2)
     books.lookup("b")
     assert books.lookup("b", count=False) is not None and books.lookup("zz", count=False) is None  # peeks
@@ -68,13 +59,29 @@ def test_failed_reservation_is_dropped_and_counters():
         "capacity": 10,
         "used": 2,
         "entries": 1,
-        "pinned": 1,
+        "reserved": 0,
         "hits": 1,
-        "misses": 1,
+        "misses": 3,
         "evictions": 0,
+        "expired": 0,
     }
     with pytest.raises(KeyError):
         books.commit("a", _meta("a", 7))
+
+
+def test_a_dead_holders_reservation_expires_and_a_live_one_renews():
+    books = EncoderCacheBooks(10, lease_s=5.0)
+    assert books.lookup_or_reserve("dead", "a", 0.0) == COMPUTE
+    assert books.lookup_or_reserve("live", "b", 0.0) == COMPUTE
+    assert books.renew("live", 4.0) == 1  # b now runs until 9.0
+    assert books.lookup_or_reserve("other", "a", 4.9) == WAIT
+    assert books.lookup_or_reserve("other", "a", 5.0) == COMPUTE  # taken over at the lease's end
+    assert books.holder("a") == "other" and books.expired == 1
+    assert books.release("dead") == []  # nothing left to the dead holder
+    assert books.expire(8.9) == [] and books.expire(9.0) == ["b"]
+    assert books.release("live") == [] and books.renew("live", 9.0) == 0
+    with pytest.raises(KeyError):
+        books.commit("b", _meta("b", 2))  # the expired holder's late commit finds nothing
 
 
 def _inp(h: str, nbytes: int) -> EncoderInput:

@@ -1,4 +1,4 @@
-"""A client that leaves while its request is being prepared must leave no encoder-cache pin.
+"""A client that leaves while its request is being prepared must leave no encoder-cache reservation.
 
 The cache shard runs in-process behind a shim that behaves like a Ray actor handle: each call runs
 on its own, in submission order, and a caller that stops awaiting it (cancelled) does not stop it.
@@ -59,9 +59,9 @@ async def _until(condition: Any, what: str) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_client_leaving_while_waiting_for_another_requests_encode_leaves_no_pin() -> None:
+def test_client_leaving_while_waiting_for_another_requests_encode_leaves_no_reservation() -> None:
     """A encodes H1 (reserved, encoder busy); B wants H1 too and waits in the shard for A's commit.
-    B's client leaves (the ingress task is cancelled): B releases its pins, but its waiting
+    B's client leaves (the ingress task is cancelled): B releases its reservations, but its waiting
     get_or_reserve runs on in the shard, as a Ray actor call does."""
     world = World()
 
@@ -73,7 +73,7 @@ def test_client_leaving_while_waiting_for_another_requests_encode_leaves_no_pin(
         orch, _ = _build(world, cache, encoder)
 
         a = asyncio.create_task(_prepare(orch, "a", H1))
-        await _until(lambda: shard.books.num_pinned == 1, "A's reservation")
+        await _until(lambda: shard.books.num_reserved == 1, "A's reservation")
         b = asyncio.create_task(_prepare(orch, "b", H1))
         await _until(
             lambda: any(name == "get_or_reserve" and args[0] == "b" for name, args, _ in actor.calls),
@@ -88,7 +88,7 @@ def test_client_leaving_while_waiting_for_another_requests_encode_leaves_no_pin(
 
     stats = asyncio.run(scenario())
     assert world.encoded == [H1]
-    assert stats["entries"] == 1 and stats["pinned"] == 0
+    assert stats["entries"] == 1 and stats["reserved"] == 0
 
 
 def test_two_requests_with_crossed_items_never_deadlock_and_encode_each_once() -> None:
@@ -107,7 +107,7 @@ def test_two_requests_with_crossed_items_never_deadlock_and_encode_each_once() -
         orch, _ = _build(world, cache, encoder)
         a = asyncio.create_task(_prepare(orch, "a", H1, H2))
         b = asyncio.create_task(_prepare(orch, "b", H2, H1))
-        await _until(lambda: shard.books.num_pinned >= 2, "both reservations")
+        await _until(lambda: shard.books.num_reserved >= 2, "both reservations")
         encoder.gate.set()
         streams = await asyncio.wait_for(asyncio.gather(a, b), 5)
         for s in streams:
@@ -116,4 +116,4 @@ def test_two_requests_with_crossed_items_never_deadlock_and_encode_each_once() -
 
     stats = asyncio.run(scenario())
     assert sorted(world.encoded) == sorted([H1, H2])
-    assert stats["pinned"] == 0 and stats["hits"] + stats["misses"] == 4
+    assert stats["reserved"] == 0 and stats["hits"] + stats["misses"] == 4

@@ -3,7 +3,7 @@ real ``RequestPreparer`` run in-process behind a ``.remote`` shim; the encoder f
 outputs to the index as the real one does; the LLM fake runs the real ``resolve_embeddings`` in
 ``submit`` and raises what Ray would deliver (a pickled ``EmbeddingsLost`` inside a ``RayTaskError``).
 
-Every scenario checks the books at the end: no pin left.
+Every scenario checks the books at the end: no reservation left.
 """
 
 from __future__ import annotations
@@ -167,7 +167,6 @@ async def _prepare(orch: Orchestrator, rid: str, *hashes: str) -> Any:
 
 async def _finish(stream: Any) -> list[RequestOutput]:
     outs = [out async for out in stream]
-    await asyncio.sleep(0.01)  # pins are released in the background once the LLM took the request
     return outs
 
 
@@ -188,10 +187,10 @@ def test_lost_hit_is_invalidated_reencoded_and_served() -> None:
     assert world.encoded == [H1, H1]  # encoded again, on the live replica
     assert [s.mm_items[0].ref[0].owner for s in world.admitted] == ["enc-1", "enc-2"]
     assert stats["invalidations"] == 1 and stats["entries"] == 1 and stats["used"] == N
-    assert stats["pinned"] == 0
+    assert stats["reserved"] == 0
 
 
-def test_a_second_loss_is_a_503_and_no_pin_leaks() -> None:
+def test_a_second_loss_is_a_503_and_no_reservation_leaks() -> None:
     world = World(die_after_encode=True)  # every replica dies right after encoding
 
     async def scenario() -> tuple[APIError, dict[str, Any], int]:
@@ -207,11 +206,11 @@ def test_a_second_loss_is_a_503_and_no_pin_leaks() -> None:
     assert world.admitted == []  # never reached the engine
     assert sorted(world.encoded) == sorted([H1, H2, H1, H2])  # both items lost, both redone once
     assert submits == 2
-    assert stats["pinned"] == 0 and stats["entries"] == 0 and stats["used"] == 0
+    assert stats["reserved"] == 0 and stats["entries"] == 0 and stats["used"] == 0
     assert stats["invalidations"] == 4
 
 
-def test_other_requests_pinning_the_lost_entry_recover_without_a_second_encode() -> None:
+def test_other_requests_holding_the_lost_ref_recover_without_a_second_encode() -> None:
     """B and C both hold the dead H1 ref; B invalidates and re-encodes; C's own invalidation must not
     drop B's fresh entry (it holds another ref now), so C is served from it. H2 is never lost."""
     world = World()
@@ -222,8 +221,8 @@ def test_other_requests_pinning_the_lost_entry_recover_without_a_second_encode()
         world.dead.add("enc-1")
         world.owner = "enc-2"
         b = await _prepare(orch, "b", H1, H2)
-        c = await _prepare(orch, "c", H1)  # pins the same dead entry
-        assert (await cache.stats())["pinned"] == 2
+        c = await _prepare(orch, "c", H1)  # holds the same dead ref
+        assert (await cache.stats())["reserved"] == 0  # a prepared request holds nothing in the index
         await _finish(b)
         await _finish(c)
         return await cache.stats()
@@ -233,10 +232,10 @@ def test_other_requests_pinning_the_lost_entry_recover_without_a_second_encode()
     b_spec, c_spec = world.admitted[1:]
     assert [m.ref[0].owner for m in b_spec.mm_items] == ["enc-2", "enc-2"]
     assert c_spec.mm_items[0].ref[0] == b_spec.mm_items[0].ref[0]
-    assert stats["invalidations"] == 1 and stats["entries"] == 2 and stats["pinned"] == 0
+    assert stats["invalidations"] == 1 and stats["entries"] == 2 and stats["reserved"] == 0
 
 
-def test_other_llm_errors_pass_through_and_release_once() -> None:
+def test_other_llm_errors_pass_through_and_leave_nothing_held() -> None:
     world = World()
 
     async def scenario() -> dict[str, Any]:
@@ -247,13 +246,13 @@ def test_other_llm_errors_pass_through_and_release_once() -> None:
             raise ValueError("bad sampling params")
 
         orch.h.llm.submit = broken  # type: ignore[method-assign]
-        assert (await cache.stats())["pinned"] == 1
+        assert (await cache.stats())["reserved"] == 0
         with pytest.raises(ValueError, match="bad sampling"):
             await _finish(stream)
         return await cache.stats()
 
     stats = asyncio.run(scenario())
-    assert stats["pinned"] == 0 and stats["invalidations"] == 0
+    assert stats["reserved"] == 0 and stats["invalidations"] == 0
 
 
 def test_resolve_embeddings_names_every_lost_item_and_prefers_other_errors() -> None:

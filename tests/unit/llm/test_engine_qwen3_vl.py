@@ -1,0 +1,184 @@
+"""LLMEngine vs transformers on the tiny Qwen3-VL: greedy outputs must agree token for token.
+
+Each image's rows are what HF feeds its language model: the merged embeddings at the image's
+positions, then every DeepStack level's rows for those positions (HF's ``deepstack_visual_embeds``
+over its visual mask), i.e. the row layout the encoder tower emits. Under test: the Qwen3 decoder,
+interleaved M-RoPE, and DeepStack under chunking, preemption and prefix-cache hits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from PIL import Image
+
+from llm_service.config import EngineConfig
+from llm_service.engine import LLMEngine
+from llm_service.multimodal import MultiModalInput
+from llm_service.outputs import GenerateRequest
+from llm_service.sampling_params import SamplingParams
+from tests.media import make_image_array
+from tests.unit.llm.hf_ref import RefCase, build_case, hf_generate
+from tests.unit.qwen3_vl_dir import tiny_qwen3_vl_dir
+
+N = 12
+IMG = "<|vision_start|><|image_pad|><|vision_end|>"
+GREEDY = SamplingParams(max_tokens=N)
+HIDDEN, LEVELS = 64, 2
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    return tiny_qwen3_vl_dir()
+
+
+@pytest.fixture(scope="module")
+def vl(model_dir: Path) -> tuple[Any, Any]:
+    from transformers import AutoProcessor, Qwen3VLForConditionalGeneration
+
+    torch.set_num_threads(1)
+    proc = AutoProcessor.from_pretrained(model_dir)
+    hf = Qwen3VLForConditionalGeneration.from_pretrained(model_dir).eval()
+    return hf, proc
+
+
+def image(w: int, h: int, seed: int) -> Image.Image:
+    return Image.fromarray(make_image_array(w, h, seed))
+
+
+def deepstack_rows(hf: Any, inputs: dict[str, Any]) -> tuple[list[int], list[torch.Tensor]]:
+    """HF's visual positions and its DeepStack levels ``[num_visual, hidden]`` over them."""
+    seen: dict[str, Any] = {}
+
+    def hook(_mod, _args, kwargs):  # type: ignore[no-untyped-def]
+        seen.update(mask=kwargs["visual_pos_masks"], levels=kwargs["deepstack_visual_embeds"])
+
+    handle = hf.model.language_model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            hf(**inputs)
+    finally:
+        handle.remove()
+    positions = seen["mask"][0].nonzero()[:, 0].tolist()
+    return positions, [level.detach().clone() for level in seen["levels"]]
+
+
+def case_of(hf: Any, proc: Any, text: str, mm_hashes: list[str] | None = None, **media: Any) -> RefCase:
+    case = build_case(hf, proc, text, mm_hashes, **media)
+    if not case.mm_inputs:
+        return case
+    positions, levels = deepstack_rows(hf, case.hf_inputs)
+    row_of = {p: i for i, p in enumerate(positions)}
+    items = []
+    for m in case.mm_inputs:
+        rows = [row_of[p] for p in range(m.offset, m.end)]
+        full = torch.cat([m.embeddings, *(level[rows] for level in levels)], dim=-1)
+        items.append(MultiModalInput(full, m.offset, m.mm_hash, m.modality, m.grid_thw))
+    return RefCase(case.prompt, items, case.hf_inputs)
+
+
+def engine(model_dir: Path, **kw: Any) -> LLMEngine:
+    kw.setdefault("block_size", 4)
+    kw.setdefault("num_kv_blocks", 256)
+    return LLMEngine(EngineConfig(model=str(model_dir), **kw))
+
+
+def run(eng: LLMEngine, cases: list[RefCase]) -> list[list[int]]:
+    outs = eng.generate([GenerateRequest(c.prompt, GREEDY, c.mm_inputs) for c in cases])
+    return [o.token_ids for o in outs]
+
+
+def assert_all_free(eng: LLMEngine) -> None:
+    st = eng.stats()
+    assert not eng.has_unfinished_requests()
+    assert st.num_free_blocks == st.num_total_blocks and st.kv_usage == 0.0
+
+
+def test_family_facts(model_dir: Path) -> None:
+    eng = engine(model_dir)
+    cfg = eng.runner.text_config
+    assert (cfg.model_type, cfg.mrope_section, cfg.head_dim) == ("qwen3_vl", (4, 2, 2), 16)
+    assert eng.runner.model.deepstack_levels == LEVELS and eng.mm_row_width == HIDDEN * (1 + LEVELS)
+
+
+def test_interleaved_mrope_layout(model_dir: Path) -> None:
+    """Frequencies 1, 4 take the height row and 2, 5 the width row (sections [4, 2, 2] of 8)."""
+    rotary = engine(model_dir).runner.model.rotary
+    pos = torch.tensor([[100], [2000], [30000]])
+    cos, _ = rotary(pos, torch.float32)
+    rows = torch.tensor([100, 2000, 30000, 100, 2000, 30000, 100, 100], dtype=torch.float32)
+    expected = (rows * rotary.inv_freq).cos()
+    torch.testing.assert_close(cos[0], torch.cat([expected, expected]))
+
+
+def test_text_only(vl, model_dir) -> None:
+    hf, proc = vl
+    case = case_of(hf, proc, "the quick brown fox jumps over the lazy dog")
+    assert run(engine(model_dir), [case]) == [hf_generate(hf, case, N)]
+
+
+def test_one_image_and_deepstack_matters(vl, model_dir) -> None:
+    hf, proc = vl
+    case = case_of(hf, proc, f"describe {IMG} please", images=[image(300, 200, 1)])
+    (item,) = case.mm_inputs
+    assert item.grid_thw == (1, 12, 18) and item.embeddings.shape == (54, HIDDEN * (1 + LEVELS))
+    expected = hf_generate(hf, case, N)
+    assert run(engine(model_dir), [case]) == [expected]
+    flat = item.embeddings.clone()
+    flat[:, HIDDEN:] = 0  # the same image without its DeepStack levels answers otherwise
+    plain = RefCase(case.prompt, [MultiModalInput(flat, item.offset, "no-ds", "image", item.grid_thw)], {})
+    assert run(engine(model_dir), [plain]) != [expected]
+
+
+def test_two_images(vl, model_dir) -> None:
+    hf, proc = vl
+    case = case_of(hf, proc, f"a {IMG} and b {IMG} compare", images=[image(64, 64, 2), image(96, 128, 3)])
+    assert len(case.mm_inputs) == 2
+    assert run(engine(model_dir), [case]) == [hf_generate(hf, case, N)]
+
+
+def test_chunked_prefill_cuts_through_images(vl, model_dir) -> None:
+    hf, proc = vl
+    case = case_of(hf, proc, f"a {IMG} and b {IMG} compare", images=[image(300, 200, 4), image(96, 128, 5)])
+    first = case.mm_inputs[0]
+    eng = engine(model_dir, max_num_batched_tokens=16)
+    assert any(first.offset < k * 16 < first.end for k in range(1, 10))  # a chunk boundary inside
+    assert run(eng, [case]) == [hf_generate(hf, case, N)]
+    assert_all_free(eng)
+
+
+def test_preemption_small_pool(vl, model_dir) -> None:
+    hf, proc = vl
+    cases = [
+        case_of(
+            hf, proc, f"picture {i} {IMG} tell me", [f"img-{i}"], images=[image(128, 96 + 32 * i, 10 + i)]
+        )
+        for i in range(3)
+    ]
+    eng = engine(model_dir, num_kv_blocks=24, block_size=4)
+    assert run(eng, cases) == [hf_generate(hf, c, N) for c in cases]
+    assert eng.stats().num_preemptions > 0
+    assert_all_free(eng)
+
+
+def test_prefix_hit_ends_inside_the_image(vl, model_dir) -> None:
+    """The second request finds its prefix cached up to a block boundary inside the image: the rest
+    of the image is recomputed, and only those positions get their DeepStack rows."""
+    hf, proc = vl
+    case = case_of(hf, proc, f"look {IMG}", ["img-A"], images=[image(300, 200, 6)])
+    (item,) = case.mm_inputs
+    n = len(case.prompt)
+    bs = next(b for b in range(4, 64) if item.offset < (n - 1) // b * b < item.end)
+    eng = engine(model_dir, block_size=bs)
+    expected = hf_generate(hf, case, N)
+    (a,) = eng.generate([GenerateRequest(case.prompt, GREEDY, case.mm_inputs)])
+    assert a.token_ids == expected and a.num_cached_tokens == 0
+    (b,) = eng.generate([GenerateRequest(case.prompt, GREEDY, case.mm_inputs)])
+    assert item.offset < b.num_cached_tokens < item.end
+    assert b.token_ids == expected
+    other = case_of(hf, proc, f"look {IMG}", ["img-B"], images=[image(300, 200, 7)])
+    (c,) = eng.generate([GenerateRequest(other.prompt, GREEDY, other.mm_inputs)])
+    assert c.token_ids == hf_generate(hf, other, N)
