@@ -7,8 +7,9 @@ borrower protocol lost track of such nested refs (the reader got ``ReferenceCoun
 "object already deleted", with the cache entry still present). So the owner itself keeps a strong
 ref to everything it put until the index no longer holds it::
 
-    put ──▶ held here ──sweep: index still holds this ref (or its commit is pending)?──▶ keep
-                      └─────────────────────────────── no (evicted, invalidated) ──────▶ drop
+    put ──▶ held here ──sweep: index still holds this ref (its commit pending, or evicted less
+                      │         than the index's grace period ago: requests may hold it)?──▶ keep
+                      └─────────────────────────────── no (evicted long ago, invalidated) ──▶ drop
 
 A sweep runs every ``sweep_interval_s``; between sweeps the extra object-store use is what was
 evicted meanwhile. ``max_held`` bounds it if the index cannot be reached (the oldest fall back to
