@@ -78,6 +78,9 @@ def from_exception(exc: BaseException) -> APIError | None:
     while exc is not None and seen < 5:
         if isinstance(exc, APIError):
             return exc
+        infra = _infrastructure_error(exc)
+        if infra is not None:
+            return infra
         status = getattr(exc, "status_code", None)
         code = getattr(exc, "code", None)
         if isinstance(status, int) and isinstance(code, str) and 400 <= status < 600:
@@ -88,4 +91,35 @@ def from_exception(exc: BaseException) -> APIError | None:
         cause = getattr(exc, "cause", None) or exc.__cause__
         exc = cause  # type: ignore[assignment]
         seen += 1
+    return None
+
+
+# Ray and Serve failures a client can retry, matched by class name anywhere in the MRO (Ray's
+# RayTaskError dual classes subclass the cause's class): no Ray import here.
+_BACKPRESSURE = {"BackPressureError", "RayServeBackPressureError"}
+_REPLICA_LOST = {
+    "ActorDiedError",
+    "ActorUnavailableError",
+    "RayActorError",
+    "NodeDiedError",
+    "WorkerCrashedError",
+}
+
+
+def _infrastructure_error(exc: BaseException) -> APIError | None:
+    names = {c.__name__ for c in type(exc).__mro__}
+    if names & _BACKPRESSURE:
+        return APIError(
+            503,
+            "the server is at capacity (a pool's queue is full); retry later",
+            code="overloaded",
+            retry_after_s=1,
+        )
+    if names & _REPLICA_LOST:
+        return APIError(
+            503,
+            f"a replica serving this request died ({type(exc).__name__}); retry shortly",
+            code="replica_lost",
+            retry_after_s=1,
+        )
     return None
