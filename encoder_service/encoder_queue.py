@@ -6,6 +6,9 @@ compute budget. Pure Python (no torch, no Ray): ``EncoderPoolServer`` only drive
 A step takes entries in arrival order until the next would overflow ``max_num_encoder_input_tokens``
 (the first always goes: admission checked it fits), so many small requests share a step and one
 huge request cannot hold the rest for longer than one step. Entries whose caller left are skipped.
+
+The FIFO is bounded in embeddings (``max_queued_embeds``): ``admit`` refuses a request's items at once
+(``EncoderOverloaded``, a 503 with Retry-After) when they would overflow it, unless the FIFO is empty.
 """
 
 from __future__ import annotations
@@ -23,11 +26,30 @@ class HasNumEmbeds(Protocol):
 T = TypeVar("T", bound=HasNumEmbeds)
 
 
+class EncoderOverloaded(RuntimeError):
+    """The encoder replica's FIFO is full: the client gets 503 with Retry-After at once."""
+
+    status_code = 503
+    code = "overloaded"
+    retry_after_s = 1
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]  # keeps the message across pickling (Ray)
+        return (type(self), self.args)
+
+
 class EncoderQueue(Generic[T]):
-    def __init__(self, max_num_encoder_input_tokens: int, is_cancelled: Callable[[T], bool]) -> None:
+    def __init__(
+        self,
+        max_num_encoder_input_tokens: int,
+        is_cancelled: Callable[[T], bool],
+        max_queued_embeds: int | None = None,
+    ) -> None:
         if max_num_encoder_input_tokens <= 0:
             raise ValueError("max_num_encoder_input_tokens must be positive")
+        if max_queued_embeds is not None and max_queued_embeds <= 0:
+            raise ValueError("max_queued_embeds must be positive")
         self.budget = max_num_encoder_input_tokens
+        self.max_queued_embeds = max_queued_embeds
         self._is_cancelled = is_cancelled
         self._fifo: deque[T] = deque()
         self.queued_embeds = 0  # waiting in the FIFO plus taken by the step being computed
@@ -41,6 +63,16 @@ class EncoderQueue(Generic[T]):
             raise ValueError(
                 f"{what} needs {entry.num_embeds} embeddings, more than "
                 f"max_num_encoder_input_tokens={self.budget}"
+            )
+
+    def admit(self, entries: list[T]) -> None:
+        """Bound: refuse ``entries`` (one request's items) if they would overflow the FIFO."""
+        more = sum(e.num_embeds for e in entries)
+        bound = self.max_queued_embeds
+        if bound is not None and self.queued_embeds and self.queued_embeds + more > bound:
+            raise EncoderOverloaded(
+                f"the encoder queue holds {self.queued_embeds} embeddings; {more} more would pass "
+                f"max_queued_embeddings={bound}"
             )
 
     def push(self, entry: T) -> None:

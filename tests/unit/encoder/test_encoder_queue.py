@@ -40,3 +40,20 @@ def test_an_item_larger_than_a_step_is_refused_at_admission() -> None:
         ValueError, match="image 3 needs 9 embeddings, more than max_num_encoder_input_tokens=8"
     ):
         q.check(E("x", 9), "image 3")
+
+
+def test_fifo_bound_refuses_a_request_that_would_overflow_it_unless_empty() -> None:
+    from encoder_service.encoder_queue import EncoderOverloaded
+
+    q: EncoderQueue[E] = EncoderQueue(100, lambda e: False, max_queued_embeds=150)
+    q.admit([E("x", 120), E("x", 80)])  # empty FIFO: taken whatever its size
+    for e in (E("x", 120), E("x", 80)):
+        q.push(e)
+    with pytest.raises(EncoderOverloaded) as err:
+        q.admit([E("x", 1)])
+    assert err.value.status_code == 503 and "max_queued_embeddings=150" in str(err.value)
+    step = q.next_step()
+    q.done(step)  # 120 computed: 80 left
+    q.admit([E("x", 70)])
+    with pytest.raises(EncoderOverloaded):
+        q.admit([E("x", 71)])
