@@ -57,10 +57,11 @@ class DirectHTTPServer:
             why = "cancelled" if self.task.cancelled() else repr(self.task.exception())
             raise RuntimeError(f"the HTTP server on {self.host}:{self.port} stopped: {why}")
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop accepting connections, let responses in flight finish (up to ``timeout_s``), stop."""
         self._server.should_exit = True
         try:
-            await asyncio.wait_for(asyncio.shield(self.task), 10)
+            await asyncio.wait_for(asyncio.shield(self.task), timeout_s)
         except Exception:
             self.task.cancel()
         self._sock.close()
