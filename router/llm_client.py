@@ -6,6 +6,11 @@ channel receives each engine step's outputs for every request of this ingress on
 one message and fans them out to the requests' queues. If a channel breaks (the replica died),
 every request still waiting on it gets ``ChannelLost``; a request whose caller leaves is aborted on
 its replica by cancelling its submit call, which stays open until the request is done.
+
+Replica death: a request that got nothing from the dead replica yet (its submit failed with the
+actor gone, or its channel broke before its first output) is submitted again — Serve routes it to a
+live replica, or to the dead one's successor — for up to ``reroute_timeout_s``; a request that was
+already streaming fails with ``ChannelLost`` (a 503 on the stream, never a hang).
 """
 
 from __future__ import annotations
@@ -45,10 +50,19 @@ class _Reader:
 class LLMClient:
     """Per ingress replica and model: submits to the LLM pool, reads its output channels."""
 
-    def __init__(self, handle: Any, ingress_id: str | None = None, connect_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        handle: Any,
+        ingress_id: str | None = None,
+        connect_timeout_s: float = 30.0,
+        reroute_timeout_s: float = 30.0,
+    ) -> None:
         self.handle = handle
         self.ingress_id = ingress_id or f"ingress-{uuid.uuid4().hex[:12]}"
         self.connect_timeout_s = connect_timeout_s
+        self.reroute_timeout_s = reroute_timeout_s
+        self._specs: dict[str, LLMRequestSpec] = {}  # submitted, no output yet: may be submitted again
+        self.rerouted = 0
         self._queues: dict[str, asyncio.Queue[_Item]] = {}
         self._readers: dict[str, _Reader] = {}  # channel id -> reader
         self._calls: dict[str, Any] = {}  # request id -> its open submit call
@@ -66,13 +80,35 @@ class LLMClient:
         spec = _with_ingress(spec, self.ingress_id)
         rid = spec.request_id
         self._queues[rid] = asyncio.Queue()
-        call = self.handle.options(stream=True).submit.remote(spec)
         try:
-            reply: SubmitReply = await call.__anext__()
+            reply, call = await self._submit_rerouting(spec)
         except BaseException:
             self._queues.pop(rid, None)
-            call.cancel()
             raise
+        self._specs[rid] = spec
+        self._attach(rid, reply, call)
+        return reply
+
+    async def _submit_rerouting(self, spec: LLMRequestSpec) -> tuple[SubmitReply, Any]:
+        """One submit call, sent again while the replica it reached turns out dead."""
+        deadline = asyncio.get_running_loop().time() + self.reroute_timeout_s
+        attempt = 0
+        while True:
+            call = self.handle.options(stream=True).submit.remote(spec)
+            try:
+                return await call.__anext__(), call
+            except BaseException as e:
+                call.cancel()
+                attempt += 1
+                if not _replica_gone(e) or asyncio.get_running_loop().time() > deadline:
+                    raise
+                logger.warning(
+                    "LLM replica lost before %s started (%r); routing it again", spec.request_id, e
+                )
+                self.rerouted += 1
+                await asyncio.sleep(min(0.1 * attempt, 1.0))
+
+    def _attach(self, rid: str, reply: SubmitReply, call: Any) -> None:
         self._calls[rid] = call
         reader = self._readers.get(reply.channel_id)
         if reader is None:
@@ -80,6 +116,23 @@ class LLMClient:
             self._readers[reply.channel_id] = reader
             reader.task = asyncio.get_running_loop().create_task(self._read(reader))
         reader.requests.add(rid)
+
+    async def _reroute(self, request_id: str, old: SubmitReply) -> SubmitReply | None:
+        """The channel of a request with no output yet broke: submit it again; None if it may not be."""
+        spec = self._specs.pop(request_id, None)
+        if spec is None:
+            return None
+        if (reader := self._readers.get(old.channel_id)) is not None:
+            reader.requests.discard(request_id)
+        if (call := self._calls.pop(request_id, None)) is not None:
+            call.cancel()
+        logger.warning(
+            "LLM replica %s lost before %s produced output; routing it again", old.replica_id, request_id
+        )
+        self.rerouted += 1
+        reply, call = await self._submit_rerouting(spec)
+        self._specs[request_id] = spec
+        self._attach(request_id, reply, call)
         return reply
 
     async def outputs(self, request_id: str, reply: SubmitReply) -> AsyncGenerator[RequestOutput, None]:
@@ -90,14 +143,19 @@ class LLMClient:
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
+                    if isinstance(item, ChannelLost) and (new := await self._reroute(request_id, reply)):
+                        reply = new
+                        continue
                     finished = True
                     raise item
+                self._specs.pop(request_id, None)  # it started: never submitted twice from here on
                 yield item
                 if item.finished:
                     finished = True
                     return
         finally:
             self._queues.pop(request_id, None)
+            self._specs.pop(request_id, None)
             reader = self._readers.get(reply.channel_id)
             if reader is not None:
                 reader.requests.discard(request_id)
@@ -177,6 +235,12 @@ async def _drain(call: Any) -> None:
             pass
     except Exception:  # the request is answered already; its call's end changes nothing
         logger.debug("submit call ended with an error after its request finished", exc_info=True)
+
+
+def _replica_gone(e: BaseException) -> bool:
+    """The call's replica died (Ray actor errors, matched by name: Ray stays out of this module)."""
+    names = {c.__name__ for c in type(e).__mro__}
+    return bool(names & {"ActorDiedError", "ActorUnavailableError", "RayActorError"})
 
 
 def _with_ingress(spec: LLMRequestSpec, ingress_id: str) -> LLMRequestSpec:
