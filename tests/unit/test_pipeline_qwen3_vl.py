@@ -1,0 +1,72 @@
+"""Qwen3-VL through mmserve's own pieces, no Ray: preprocessor (our image transform at patch 16,
+mean/std 0.5) -> encoder runner (our tower: main + DeepStack rows) -> LLMEngine (our Qwen3 decoder,
+DeepStack added in its first layers), against transformers' processor + generate. Greedy tokens agree."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from encoder_service.processing import Preprocessor
+from encoder_service.runner import EncoderRunner
+from encoder_service.types import MediaRef
+from llm_service.config import EngineConfig
+from llm_service.engine import LLMEngine
+from llm_service.multimodal import MultiModalInput
+from llm_service.outputs import GenerateRequest
+from llm_service.sampling_params import SamplingParams
+from tests.media import make_image_bytes
+from tests.unit.qwen3_vl_dir import tiny_qwen3_vl_dir
+
+N = 10
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    return tiny_qwen3_vl_dir()
+
+
+def test_preprocess_encode_generate_equals_hf(model_dir: Path) -> None:
+    from transformers import Qwen3VLForConditionalGeneration
+
+    torch.set_num_threads(1)
+    images = [make_image_bytes(300, 200, seed=3), make_image_bytes(96, 160, seed=4)]
+    content = [
+        {"type": "image", "media": MediaRef("image", data=images[0])},
+        {"type": "text", "text": "and then"},
+        {"type": "image", "media": MediaRef("image", data=images[1])},
+        {"type": "text", "text": "what changed?"},
+    ]
+    pre = Preprocessor(model_dir, limit_mm_per_prompt={"image": 2})
+    out = pre.preprocess_sync([{"role": "user", "content": content}])
+    runner = EncoderRunner(model_dir, device="cpu")
+    mm = []
+    for item in out.items:
+        assert item.encoder_input is not None
+        (rows,) = runner.encode([item.encoder_input])
+        assert rows.shape == (item.num_embeds, 64 * 3)  # main + 2 DeepStack levels
+        mm.append(MultiModalInput(rows, item.placeholder.offset, item.mm_hash, item.modality, item.grid_thw))
+    engine = LLMEngine(EngineConfig(model=str(model_dir), block_size=4, num_kv_blocks=256))
+    (ours,) = engine.generate([GenerateRequest(out.prompt_token_ids, SamplingParams(max_tokens=N), mm)])
+
+    hf = Qwen3VLForConditionalGeneration.from_pretrained(model_dir).eval()
+    proc = pre.family.hf
+    hf_content = [{"type": "image"}, {"type": "text", "text": "and then"}, {"type": "image"}]
+    hf_content.append({"type": "text", "text": "what changed?"})
+    text = proc.apply_chat_template([{"role": "user", "content": hf_content}], add_generation_prompt=True)
+    pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
+    inputs = proc(text=[text], images=pil, return_tensors="pt")
+    assert inputs["input_ids"][0].tolist() == out.prompt_token_ids
+    for item, grid in zip(out.items, inputs["image_grid_thw"].tolist(), strict=True):
+        assert item.grid_thw == tuple(grid)
+    ours_pixels = torch.cat(
+        [it.encoder_input.tensors["pixel_values"] for it in out.items if it.encoder_input]
+    )
+    torch.testing.assert_close(ours_pixels, inputs["pixel_values"], atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        ref = hf.generate(**inputs, max_new_tokens=N, do_sample=False)[0, len(out.prompt_token_ids) :]
+    assert ours.token_ids == ref.tolist()
