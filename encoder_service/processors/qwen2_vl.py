@@ -29,7 +29,7 @@ _DRAFT_POLICY = "jpeg-dct-scaling-to-target-v1"
 
 
 class Qwen2VLFamily(FamilyProcessor):
-    modalities = ("image", "video")
+    modalities: tuple[Modality, ...] = ("image", "video")
     placeholder_tokens: ClassVar[dict[Modality, str]] = {"image": "<|image_pad|>", "video": "<|video_pad|>"}
     uses_mrope = True
 

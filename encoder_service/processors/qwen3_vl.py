@@ -11,4 +11,4 @@ from encoder_service.types import Modality
 
 
 class Qwen3VLFamily(Qwen2VLFamily):
-    modalities: tuple[Modality, ...] = ("image",)
+    modalities = ("image",)
