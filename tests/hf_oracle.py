@@ -14,21 +14,13 @@ def hf_generate(model_dir: Path, messages: list[dict[str, Any]], max_new_tokens:
     """Its processor, its chat template and ``generate(do_sample=False)``; the new text only."""
     import json
 
-    from transformers import (
-        AutoProcessor,
-        Qwen2_5_VLForConditionalGeneration,
-        Qwen2AudioForConditionalGeneration,
-        Qwen2VLForConditionalGeneration,
-    )
+    import transformers
+    from transformers import AutoProcessor
 
     key = str(model_dir)
     if key not in _LOADED:
-        model_type = json.loads((Path(model_dir) / "config.json").read_text())["model_type"]
-        cls = {
-            "qwen2_vl": Qwen2VLForConditionalGeneration,
-            "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
-            "qwen2_audio": Qwen2AudioForConditionalGeneration,
-        }[model_type]
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        cls = getattr(transformers, config["architectures"][0])  # the class the checkpoint names
         _LOADED[key] = (AutoProcessor.from_pretrained(model_dir), cls.from_pretrained(model_dir).eval())
     proc, model = _LOADED[key]
     text = proc.apply_chat_template(messages, add_generation_prompt=True)

@@ -87,3 +87,26 @@ def test_largest_item_by_model_dir_and_by_tiny_name(tiny_audio_dir: Path) -> Non
     assert largest_item_embeds(tiny_audio_dir, None, limits) == 750
     with pytest.raises(ValueError, match="needs a model directory"):
         largest_item_embeds(None, None, limits)
+
+
+def test_config_and_chart_name_every_family() -> None:
+    """The config's `tiny` Literal and the Helm chart's enum list exactly the registry's families."""
+    from typing import get_args
+
+    from cluster.config import ModelConfig
+
+    literal = ModelConfig.model_fields["tiny"].annotation
+    names = {a for arg in get_args(literal) for a in get_args(arg)}
+    assert names == set(FAMILY_NAMES)
+    schema = json.loads((Path(__file__).parents[2] / "helm/mmserve/values.schema.json").read_text())
+
+    def enums(node: object) -> list[list[str]]:
+        if isinstance(node, dict):
+            found = [node["enum"]] if "qwen2-vl" in node.get("enum", []) else []
+            return found + [e for v in node.values() for e in enums(v)]
+        if isinstance(node, list):
+            return [e for v in node for e in enums(v)]
+        return []
+
+    (tiny_enum,) = enums(schema)
+    assert set(tiny_enum) == set(FAMILY_NAMES)
