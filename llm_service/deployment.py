@@ -78,7 +78,9 @@ class LLMServer:
         channel_id = self.channels.register(spec.ingress_id, rid)
         done = self.channels.done(rid)
         try:
-            self.loop.submit(rid, list(spec.prompt_token_ids), spec.sampling_params, mm_inputs)
+            self.loop.submit(
+                rid, list(spec.prompt_token_ids), spec.sampling_params, mm_inputs, cache_salt=spec.cache_salt
+            )
             yield SubmitReply(self.replica_id, channel_id)
             await done
         finally:

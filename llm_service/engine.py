@@ -45,8 +45,10 @@ class LLMEngine:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         mm_inputs: Sequence[MultiModalInput] = (),
+        cache_salt: str | None = None,
     ) -> None:
-        """Queue a request; raise RequestRejected if it can never be served."""
+        """Queue a request; raise RequestRejected if it can never be served. ``cache_salt``: its
+        prefix-cache blocks are shared only with requests of the same salt."""
         if request_id in self.scheduler.requests:
             raise RequestRejected(
                 "duplicate_request_id", f"request id {request_id!r} is already in the engine"
@@ -65,6 +67,7 @@ class LLMEngine:
             stop_token_ids=frozenset(stop),
             max_model_len=self.config.max_model_len,
             mm_spans=[(m.offset, m.length, m.mm_hash) for m in items],
+            cache_salt=cache_salt,
         )
         self.runner.prepare_request(req, items)
         self.scheduler.add_request(req)

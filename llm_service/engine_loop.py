@@ -21,7 +21,8 @@ from llm_service.sampling_params import SamplingParams
 
 logger = logging.getLogger("mmserve.llm")
 
-_Add = tuple[str, list[int], SamplingParams, list[MultiModalInput]]  # request id, prompt, params, media
+# request id, prompt, params, media, cache salt
+_Add = tuple[str, list[int], SamplingParams, list[MultiModalInput], str | None]
 OnOutputs = Callable[[list[RequestOutput]], None]
 OnError = Callable[[str, BaseException], None]
 
@@ -60,6 +61,7 @@ class EngineLoop:
         prompt_token_ids: list[int],
         params: SamplingParams,
         mm_inputs: list[MultiModalInput],
+        cache_salt: str | None = None,
     ) -> None:
         """Queue a request; its outputs reach ``on_outputs``, a rejection ``on_error``."""
         self._ensure_started()
@@ -68,7 +70,7 @@ class EngineLoop:
             raise ValueError(f"duplicate request id {request_id!r}")
         self._live.add(request_id)
         with self._lock:
-            self._pending.append((request_id, prompt_token_ids, params, mm_inputs))
+            self._pending.append((request_id, prompt_token_ids, params, mm_inputs, cache_salt))
         self._wakeup.set()
 
     async def stream(
@@ -118,9 +120,9 @@ class EngineLoop:
             if isinstance(op, str):
                 self.engine.abort(op)
                 continue
-            rid, ids, params, mm = op
+            rid, ids, params, mm, salt = op
             try:
-                self.engine.add_request(rid, ids, params, mm)
+                self.engine.add_request(rid, ids, params, mm, cache_salt=salt)
             except Exception as e:  # RequestRejected and friends go back to that caller only
                 errors.append((rid, e))
         outputs = self.engine.step() if self.engine.has_unfinished_requests() else []

@@ -120,11 +120,12 @@ class KVCacheManager:
                     self.block_size,
                     start_block=have,
                     parent=parent,
+                    cache_salt=req.cache_salt,
                 )
             )
 
     def _key(self, req: Request, tokens: list[int], i: int) -> BlockKey:
         s = i * self.block_size
         parent = req.block_hashes[i - 1] if i else None
-        extra = block_extra_keys(s, self.block_size, req.mm_spans)
+        extra = block_extra_keys(s, self.block_size, req.mm_spans, req.cache_salt)
         return (parent, tuple(tokens[s : s + self.block_size]), extra)

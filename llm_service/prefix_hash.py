@@ -16,6 +16,12 @@ negative when the item starts inside the block::
 
 So the same placeholder ids with another image give another hash, and the same image at another
 offset inside a block gives another hash too. Hashes are 32-byte digests, stable across processes.
+
+``cache_salt`` (vLLM's name and semantics): a request's salt is one more extra key of its FIRST block
+only, ``("salt:" + cache_salt, 0)``. Every later hash chains the first, so two requests share cached
+blocks only when their salts are equal (or both absent), and a client cannot probe by timing which
+prefixes a request under another salt left in the cache. Extra-key strings are length-prefixed in
+the hash, so no salt can imitate a sequence of other keys.
 """
 
 from __future__ import annotations
@@ -25,16 +31,26 @@ from collections.abc import Sequence
 
 ExtraKey = tuple[str, int]
 MMItemSpan = tuple[int, int, str]  # (offset, length, mm_hash)
+SALT_KEY_PREFIX = "salt:"  # mm_hashes are hex digests: no media key starts with it
 
 
-def block_extra_keys(start: int, block_size: int, mm_items: Sequence[MMItemSpan]) -> tuple[ExtraKey, ...]:
-    """Extra keys of the block starting at ``start``: ``(mm_hash, start - offset)`` per overlapping item."""
+def salt_key(cache_salt: str) -> ExtraKey:
+    return (SALT_KEY_PREFIX + cache_salt, 0)
+
+
+def block_extra_keys(
+    start: int, block_size: int, mm_items: Sequence[MMItemSpan], cache_salt: str | None = None
+) -> tuple[ExtraKey, ...]:
+    """Extra keys of the block starting at ``start``: the salt first (block 0 only), then
+    ``(mm_hash, start - offset)`` per overlapping item."""
     end = start + block_size
     keys = [
         (mm_hash, start - offset)
         for offset, length, mm_hash in sorted(mm_items)
         if offset < end and offset + length > start
     ]
+    if cache_salt is not None and start == 0:
+        keys.insert(0, salt_key(cache_salt))
     return tuple(keys)
 
 
@@ -43,10 +59,11 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_keys: Seque
     h.update(parent or b"")
     h.update(b"|t")
     h.update(b"".join(int(t).to_bytes(4, "little", signed=True) for t in token_ids))
-    for mm_hash, rel in extra_keys:
+    for key, rel in extra_keys:
+        raw = key.encode()
         h.update(b"|m")
-        h.update(mm_hash.encode())
-        h.update(b":")
+        h.update(len(raw).to_bytes(4, "little"))
+        h.update(raw)
         h.update(int(rel).to_bytes(8, "little", signed=True))
     return h.digest()
 
@@ -58,16 +75,19 @@ def compute_block_hashes(
     *,
     start_block: int = 0,
     parent: bytes | None = None,
+    cache_salt: str | None = None,
 ) -> list[bytes]:
     """Hashes of the full blocks of ``token_ids``, one per full block (a partial tail block has none).
 
-    ``start_block``/``parent`` continue an existing chain (hashes of blocks ``start_block..``).
+    ``start_block``/``parent`` continue an existing chain (hashes of blocks ``start_block..``);
+    ``cache_salt`` enters block 0's extra keys.
     """
     if block_size <= 0:
         raise ValueError("block_size must be positive")
     hashes: list[bytes] = []
     for i in range(start_block, len(token_ids) // block_size):
         s = i * block_size
-        parent = hash_block(parent, token_ids[s : s + block_size], block_extra_keys(s, block_size, mm_items))
+        extra = block_extra_keys(s, block_size, mm_items, cache_salt)
+        parent = hash_block(parent, token_ids[s : s + block_size], extra)
         hashes.append(parent)
     return hashes

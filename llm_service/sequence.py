@@ -33,7 +33,8 @@ class Request:
     """Tokens are ``prompt_token_ids + output_token_ids``; the first ``num_computed_tokens`` of them
     have KV in the cache. A request is due a new sample when ``num_computed_tokens == num_tokens``.
 
-    ``mm_spans`` are the media items' ``(offset, length, mm_hash)``; ``mm_inputs`` and ``runner_state``
+    ``mm_spans`` are the media items' ``(offset, length, mm_hash)``; ``cache_salt`` separates its cached
+    prefix from other salts' (vLLM's semantics); ``mm_inputs`` and ``runner_state``
     are opaque here (tensors, positions, RNG) and belong to the model runner.
     """
 
@@ -43,6 +44,7 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()
     max_model_len: int = 1 << 30
     mm_spans: list[MMItemSpan] = field(default_factory=list)
+    cache_salt: str | None = None  # enters the first block's hash only (llm_service/prefix_hash.py)
     mm_inputs: Any = ()
     runner_state: dict[str, Any] = field(default_factory=dict)
     # (offset, length) of prompt tokens that attend each other both ways (Gemma 3's images): the

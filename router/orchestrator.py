@@ -170,11 +170,12 @@ class Orchestrator:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
 
     async def stream(
-        self, request_id: str, prepared: Prepared, params: SamplingParams
+        self, request_id: str, prepared: Prepared, params: SamplingParams, cache_salt: str | None = None
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Submit to the LLM pool and yield the request's outputs."""
+        """Submit to the LLM pool and yield the request's outputs. ``cache_salt`` enters the first KV
+        block's hash: the replica's prefix cache and the router's affinity keys both see it."""
         try:
-            reply = await self._submit(request_id, prepared, params)
+            reply = await self._submit(request_id, prepared, params, cache_salt)
         finally:
             self._messages.pop(request_id, None)
         outs = self.h.llm.outputs(request_id, reply)
@@ -186,14 +187,19 @@ class Orchestrator:
         finally:  # a caller that stops early aborts the request on its replica now, not at GC
             await outs.aclose()
 
-    async def _submit(self, request_id: str, prepared: Prepared, params: SamplingParams) -> SubmitReply:
+    async def _submit(
+        self, request_id: str, prepared: Prepared, params: SamplingParams, cache_salt: str | None = None
+    ) -> SubmitReply:
         """Submit, re-encoding lost embeddings once; returns where it went."""
         for attempt in (1, 2):
             items = prepared.mm_items
+            spans = [(m.offset, m.length, m.mm_hash) for m in items]
             hashes = compute_block_hashes(
-                prepared.prompt_token_ids, [(m.offset, m.length, m.mm_hash) for m in items], self.block_size
+                prepared.prompt_token_ids, spans, self.block_size, cache_salt=cache_salt
             )
-            spec = LLMRequestSpec(request_id, prepared.prompt_token_ids, params, items, hashes)
+            spec = LLMRequestSpec(
+                request_id, prepared.prompt_token_ids, params, items, hashes, cache_salt=cache_salt
+            )
             try:
                 return await self.h.llm.submit(spec)
             except BaseException as e:

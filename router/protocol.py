@@ -105,6 +105,9 @@ class ChatCompletionRequest(BaseModel):
     n: int = Field(1, ge=1, le=1, description="only n=1 is supported")
     ignore_eos: bool = False  # extension, as in vLLM: generate exactly max_tokens
     user: str | None = None
+    # vLLM's extension: the prefix cache shares blocks only among requests with the same salt (it
+    # enters the first block's hash); with API keys the tenant always enters it too (router/auth.py).
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod

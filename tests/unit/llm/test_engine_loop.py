@@ -33,7 +33,9 @@ class FakeEngine:
         self.gate.set()
         self.in_step = threading.Event()
 
-    def add_request(self, rid: str, ids: list[int], params: SamplingParams, mm: Any) -> None:
+    def add_request(
+        self, rid: str, ids: list[int], params: SamplingParams, mm: Any, cache_salt: str | None = None
+    ) -> None:
         self.scheduler.add_request(Request(rid, list(ids), params))
 
     def abort(self, rid: str) -> None:
