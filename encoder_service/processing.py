@@ -7,6 +7,10 @@
 An item the encoder cache holds is never decoded nor processed: its length and grid come from the
 cache entry. Only misses carry an ``EncoderInput``.
 
+mm_hashes name content only. A ``uuid`` is a name in the sender's tenant namespace
+(encoder_service/uuid_aliases.py): sent with bytes, it is pointed at their mm_hash; sent alone, it
+resolves to the mm_hash it was last pointed at by that tenant, and an unknown name is a 400.
+
 Images: the header is opened and checked once (formats, pixels, the processor's size rules) before
 any lookup; a miss is decoded from that same opened file — a JPEG at reduced scale when the processor
 shrinks it ≥ 2× anyway — and goes through the family's own fast transform (HF's floats, fewer copies).
@@ -31,7 +35,7 @@ from encoder_service.errors import (
     MMCacheMiss,
     TooManyItems,
 )
-from encoder_service.hashing import canonical_kwargs, compute_mm_hash
+from encoder_service.hashing import canonical_kwargs, compute_mm_hash, uuid_alias_key
 from encoder_service.media.fetch import FetchedMedia, fetch_media_bytes
 from encoder_service.media.image import decode_opened, image_header
 from encoder_service.media.limits import MediaLimits
@@ -50,6 +54,7 @@ from encoder_service.types import (
     PlaceholderRange,
     PreprocessedRequest,
 )
+from encoder_service.uuid_aliases import AliasStore, LocalAliases
 
 Lookup = Callable[[list[str]], "dict[str, EmbeddingMeta] | Awaitable[dict[str, EmbeddingMeta]]"]
 
@@ -81,6 +86,7 @@ class Preprocessor:
         model_id: str | None = None,
         resolver: Resolver = resolve_host,
         http_client: PinnedClient | None = None,
+        aliases: AliasStore | None = None,
     ) -> None:
         self.limits = limits or MediaLimits()
         self.family: FamilyProcessor = load_family_processor(model_dir, self.limits)
@@ -95,6 +101,7 @@ class Preprocessor:
         self.num_processor_calls = 0  # HF processor invocations, for tests and metrics
         self._resolver = resolver
         self._http = http_client
+        self.aliases: AliasStore = aliases or LocalAliases()  # uuid names; shared ones when serving
         self._kwargs_bytes: dict[Modality, tuple[dict[str, Any], bytes]] = {}
 
     # ---- family facts the router and engine need -----------------------------------------------------
@@ -114,11 +121,14 @@ class Preprocessor:
     def modalities(self) -> tuple[Modality, ...]:
         return self.family.modalities
 
-    def mm_hash(self, modality: Modality, *, data: bytes | None = None, uuid: str | None = None) -> str:
-        """Over the item's ORIGINAL bytes (or uuid) and every processor setting that changes its encoding."""
-        return compute_mm_hash(
-            self.model_id, modality, data=data, uuid=uuid, processor_kwargs=self._hash_kwargs_bytes(modality)
-        )
+    def mm_hash(self, modality: Modality, data: bytes) -> str:
+        """Over the item's ORIGINAL bytes and every processor setting that changes its encoding."""
+        return compute_mm_hash(self.model_id, modality, data, self._hash_kwargs_bytes(modality))
+
+    def uuid_key(self, ref: MediaRef) -> str:
+        """The key of ``ref``'s uuid in its sender's namespace."""
+        assert ref.uuid is not None
+        return uuid_alias_key(self.model_id, ref.modality, ref.tenant, ref.uuid)
 
     def _hash_kwargs_bytes(self, modality: Modality) -> bytes:
         """The canonical JSON of the family's hash kwargs, re-encoded only when a setting changed."""
@@ -136,24 +146,27 @@ class Preprocessor:
         template_messages, items = self._collect(messages)
         await asyncio.gather(*(self._fetch(it) for it in items))
         for it in items:
-            data = it.fetched.data if it.fetched is not None else None
-            it.mm_hash = self.mm_hash(it.ref.modality, data=data, uuid=it.ref.uuid)
+            if it.fetched is not None:
+                it.mm_hash = self.mm_hash(it.ref.modality, it.fetched.data)
+        await self._name_uuids(items)
         cached = await self._lookup(lookup, items)
         computed: dict[str, _Item] = {}
         misses = []
-        for it in items:
+        for it in sorted(items, key=lambda it: it.fetched is None):  # bytes first: a uuid alone may name them
             meta = cached.get(it.mm_hash)
             if meta is not None:
                 it.num_embeds, it.grid_thw = meta.num_embeds, meta.grid_thw
                 it.second_per_grid_ts = meta.second_per_grid_ts
                 it.metadata = {"source": "encoder_cache"}
+            elif it.mm_hash in computed:
+                continue  # filled in from the first item with these bytes, below
             elif it.fetched is None:
                 raise MMCacheMiss(
                     f"{it.ref.modality} {it.index}: uuid {it.ref.uuid!r} is not in the encoder cache; "
                     "send the media data with it",
                     item=it.index,
                 )
-            elif it.mm_hash not in computed:
+            else:
                 computed[it.mm_hash] = it
                 misses.append(it)
         await asyncio.gather(*(asyncio.to_thread(self._process, it) for it in misses))
@@ -229,6 +242,32 @@ class Preprocessor:
                 self.family.check_image_size(*it.header.size)
             except ValueError as e:
                 raise MediaDecodeError(f"image {it.index}: {e}", item=it.index) from e
+
+    async def _name_uuids(self, items: list[_Item]) -> None:
+        """Point each uuid sent with bytes at their mm_hash; resolve each uuid sent alone (the same
+        request's own bytes first). Both in the sender's namespace only."""
+        named = {self.uuid_key(it.ref): it.mm_hash for it in items if it.ref.uuid and it.fetched}
+        alone = {it.index: self.uuid_key(it.ref) for it in items if it.fetched is None}
+        wanted = [k for k in dict.fromkeys(alone.values()) if k not in named]
+        found: dict[str, str] = {}
+        if named and wanted:
+            _, found = await asyncio.gather(self.aliases.point(named), self.aliases.resolve(wanted))
+        elif named:
+            await self.aliases.point(named)
+        elif wanted:
+            found = await self.aliases.resolve(wanted)
+        found.update(named)
+        for it in items:
+            if it.fetched is not None:
+                continue
+            mm_hash = found.get(alone[it.index])
+            if mm_hash is None:
+                raise MMCacheMiss(
+                    f"{it.ref.modality} {it.index}: uuid {it.ref.uuid!r} is not in the encoder cache; "
+                    "send the media data with it",
+                    item=it.index,
+                )
+            it.mm_hash = mm_hash
 
     async def _lookup(self, lookup: Lookup | None, items: list[_Item]) -> dict[str, EmbeddingMeta]:
         if lookup is None or not items:

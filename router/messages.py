@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from encoder_service.types import MediaRef, Modality
@@ -88,8 +88,12 @@ def _media_from_part(part: Any, where: str, max_bytes: int) -> MediaRef:
     return ref
 
 
-def normalize_messages(messages: list[ChatMessage], limits: MessageLimits) -> NormalizedChat:
-    """OpenAI messages -> ``[{"role", "content": str | [{"type": "text"|modality, ...}]}]`` + media refs."""
+def normalize_messages(
+    messages: list[ChatMessage], limits: MessageLimits, tenant: str | None = None
+) -> NormalizedChat:
+    """OpenAI messages -> ``[{"role", "content": str | [{"type": "text"|modality, ...}]}]`` + media refs.
+
+    Each media ref carries ``tenant``: its ``uuid`` is a name in that tenant's namespace only."""
     if len(messages) > limits.max_messages:
         raise bad_request(f"too many messages: {len(messages)} > {limits.max_messages}", param="messages")
     out: list[dict[str, Any]] = []
@@ -111,6 +115,8 @@ def normalize_messages(messages: list[ChatMessage], limits: MessageLimits) -> No
             if role != "user":
                 raise bad_request(f"{where}: media is only accepted in user messages", param=where)
             ref = _media_from_part(part, f"{where} (media item {len(media)})", limits.max_media_bytes)
+            if tenant is not None:
+                ref = replace(ref, tenant=tenant)
             parts.append({"type": ref.modality, "media": ref})
             media.append(ref)
         out.append({"role": role, "content": parts})

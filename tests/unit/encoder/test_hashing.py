@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from encoder_service.hashing import compute_mm_hash
+from encoder_service.hashing import compute_mm_hash, uuid_alias_key
 from tests.media import make_image_bytes
 
 KW = {"size": {"shortest_edge": 3136, "longest_edge": 802816}, "patch_size": 14, "merge_size": 2}
@@ -48,10 +48,18 @@ def test_every_input_changes_the_hash():
     assert len({base, *variants}) == len(variants) + 1
 
 
-def test_uuid_replaces_content():
-    a = compute_mm_hash("m", "image", data=b"one", uuid="u1", processor_kwargs=KW)
-    b = compute_mm_hash("m", "image", data=b"two", uuid="u1", processor_kwargs=KW)
-    c = compute_mm_hash("m", "image", uuid="u1", processor_kwargs=KW)
-    assert a == b == c
-    assert compute_mm_hash("m", "image", uuid="u2", processor_kwargs=KW) != a
-    assert compute_mm_hash("m", "image", data=b"u1", processor_kwargs=KW) != a  # no collision with data
+def test_uuid_names_are_per_tenant_and_never_an_mm_hash():
+    """A uuid is a name in its tenant's namespace, not content: its key differs per tenant, per
+    model and modality, and from any content hash (the bytes of the uuid included)."""
+    keys = [
+        uuid_alias_key("m", "image", None, "cat"),
+        uuid_alias_key("m", "image", "a", "cat"),
+        uuid_alias_key("m", "image", "b", "cat"),
+        uuid_alias_key("m", "image", "a", "dog"),
+        uuid_alias_key("m", "video", "a", "cat"),
+        uuid_alias_key("m2", "image", "a", "cat"),
+        uuid_alias_key("m", "image", "", "cat"),  # an empty tenant name is not the open server's
+        compute_mm_hash("m", "image", data=b"cat"),
+    ]
+    assert len(set(keys)) == len(keys)
+    assert uuid_alias_key("m", "image", "a", "cat") == uuid_alias_key("m", "image", "a", "cat")

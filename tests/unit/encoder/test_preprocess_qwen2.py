@@ -162,8 +162,8 @@ def test_cache_hit_skips_processor_and_keeps_ids(vl):
     assert again.prompt_token_ids == first.prompt_token_ids
     assert again.items[0].encoder_input is None and again.items[0].grid_thw == it.grid_thw
     assert vl.num_processor_calls == calls and vl.processor_cache.stats()["hits"] == pcache["hits"]
-    # uuid only: served from the cache; miss names the item
-    by_uuid = vl.mm_hash("image", uuid="cat-1")
+    # uuid only: an unknown name is a miss naming the item; once sent with the bytes, the name
+    # resolves to their mm_hash and is served from the cache; an evicted entry is a miss again
     msgs_uuid = [
         {
             "role": "user",
@@ -173,11 +173,25 @@ def test_cache_hit_skips_processor_and_keeps_ids(vl):
             ],
         }
     ]
-    served = vl.preprocess_sync(msgs_uuid, lambda hs: {by_uuid: meta})
-    assert served.items[0].mm_hash == by_uuid and served.items[0].num_embeds == it.num_embeds
     with pytest.raises(MMCacheMiss) as e:
-        vl.preprocess_sync(msgs_uuid, lambda hs: {})
+        vl.preprocess_sync(msgs_uuid, lambda hs: {it.mm_hash: meta})
     assert e.value.status_code == 400 and e.value.item == 0 and "image 0" in str(e.value)
+    named = [
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "image",
+                    "media": MediaRef("image", data=msgs[0]["content"][0]["media"].data, uuid="cat-1"),
+                }
+            ],
+        }
+    ]
+    assert vl.preprocess_sync(named, lambda hs: {it.mm_hash: meta}).items[0].mm_hash == it.mm_hash
+    served = vl.preprocess_sync(msgs_uuid, lambda hs: {it.mm_hash: meta})
+    assert served.items[0].mm_hash == it.mm_hash and served.items[0].num_embeds == it.num_embeds
+    with pytest.raises(MMCacheMiss):
+        vl.preprocess_sync(msgs_uuid, lambda hs: {})
 
 
 def test_processor_cache_skips_repeat_work(vl):
