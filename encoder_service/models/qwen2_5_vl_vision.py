@@ -22,12 +22,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from encoder_service.models.common import EncoderModel, GatedParallelMLP, RMSNorm
+from encoder_service.models.common import GatedParallelMLP, RMSNorm
 from encoder_service.models.qwen2_vl_vision import (
     PatchMerger,
+    QwenVisionTower,
     VisionAttention,
     VisionRotary,
-    item_grid,
     packed_pixels,
     vision_positions,
 )
@@ -124,8 +124,9 @@ class RMSPatchMerger(PatchMerger):
         self.fc2.load(reader.get(f"{name}.mlp.2.weight"), reader.get(f"{name}.mlp.2.bias"), self.rows)
 
 
-class Qwen25VLVisionEncoder(EncoderModel):
+class Qwen25VLVisionEncoder(QwenVisionTower):
     family = "qwen2.5-vl"
+    label = "Qwen2.5-VL"
     modalities = ("image", "video")
 
     def __init__(self, config: dict, tp: TPContext) -> None:
@@ -152,22 +153,11 @@ class Qwen25VLVisionEncoder(EncoderModel):
         )
         self.merger = RMSPatchMerger(self.embed_dim, self.hidden_size, self.merge, tp)
 
-    def load_weights(self, reader: CheckpointReader) -> None:
-        p = reader.resolve_prefix("model.visual.", "visual.")
-        self.patch_embed.weight.data = reader.get(f"{p}patch_embed.proj.weight").reshape(self.embed_dim, -1)
-        for i, block in enumerate(self.blocks):
-            block.load(reader, f"{p}blocks.{i}")
-        self.merger.load(reader, f"{p}merger")
-
-    def num_embeds(self, item: EncoderInput) -> int:
-        t, h, w = item_grid(item, self.merge, "Qwen2.5-VL")
-        return t * h * w // self.merge**2
-
     def encode(self, items: list[EncoderInput]) -> list[torch.Tensor]:
         if not items:
             return []
         device, dtype = self.patch_embed.weight.device, self.patch_embed.weight.dtype
-        grids = [item_grid(it, self.merge, "Qwen2.5-VL") for it in items]
+        grids = self.grids(items)
         x = self.patch_embed(packed_pixels(items, grids, self.patch_dim).to(device=device, dtype=dtype))
         n, unit = x.shape[0], self.merge**2
         order, window_lengths = window_order(grids, self.merge, self.window_units)

@@ -177,8 +177,42 @@ class PatchMerger(nn.Module):
         return self.fc2(nn.functional.gelu(self.fc1(x)))
 
 
-class Qwen2VLVisionEncoder(EncoderModel):
+class QwenVisionTower(EncoderModel):
+    """What the Qwen-VL towers share: the Conv3d patch embedding as a Linear (stride = kernel), blocks,
+    a merger, checkpoint names under ``model.visual.`` / ``visual.``, and the item's grid check.
+    A family adds its extra weights in ``load_extra`` and its own ``encode``."""
+
+    label: str  # the family in messages ("Qwen2-VL")
+    embed_dim: int
+    merge: int
+    patch_embed: nn.Linear
+    blocks: nn.ModuleList
+    merger: nn.Module
+
+    def load_weights(self, reader: CheckpointReader) -> None:
+        p = reader.resolve_prefix("model.visual.", "visual.")
+        self.patch_embed.weight.data = reader.get(f"{p}patch_embed.proj.weight").reshape(self.embed_dim, -1)
+        if self.patch_embed.bias is not None:
+            self.patch_embed.bias.data = reader.get(f"{p}patch_embed.proj.bias")
+        for i, block in enumerate(self.blocks):
+            block.load(reader, f"{p}blocks.{i}")
+        self.merger.load(reader, f"{p}merger")
+        self.load_extra(reader, p)
+
+    def load_extra(self, reader: CheckpointReader, prefix: str) -> None:
+        """Weights beyond patch embedding, blocks and merger (``prefix``: the tower's, e.g. ``model.visual.``)."""
+
+    def grids(self, items: list[EncoderInput]) -> list[tuple[int, int, int]]:
+        return [item_grid(it, self.merge, self.label) for it in items]
+
+    def num_embeds(self, item: EncoderInput) -> int:
+        t, h, w = item_grid(item, self.merge, self.label)
+        return t * h * w // self.merge**2
+
+
+class Qwen2VLVisionEncoder(QwenVisionTower):
     family = "qwen2-vl"
+    label = "Qwen2-VL"
     modalities = ("image", "video")
 
     def __init__(self, config: dict, tp: TPContext) -> None:
@@ -200,22 +234,11 @@ class Qwen2VLVisionEncoder(EncoderModel):
         )
         self.merger = PatchMerger(self.embed_dim, self.hidden_size, self.merge, tp)
 
-    def load_weights(self, reader: CheckpointReader) -> None:
-        p = reader.resolve_prefix("model.visual.", "visual.")
-        self.patch_embed.weight.data = reader.get(f"{p}patch_embed.proj.weight").reshape(self.embed_dim, -1)
-        for i, block in enumerate(self.blocks):
-            block.load(reader, f"{p}blocks.{i}")
-        self.merger.load(reader, f"{p}merger")
-
-    def num_embeds(self, item: EncoderInput) -> int:
-        t, h, w = item_grid(item, self.merge, "Qwen2-VL")
-        return t * h * w // self.merge**2
-
     def encode(self, items: list[EncoderInput]) -> list[torch.Tensor]:
         if not items:
             return []
         device, dtype = self.patch_embed.weight.device, self.patch_embed.weight.dtype
-        grids = [item_grid(it, self.merge, "Qwen2-VL") for it in items]
+        grids = self.grids(items)
         pixels = packed_pixels(items, grids, self.patch_dim)
         x = self.patch_embed(pixels.to(device=device, dtype=dtype))
         rope = self.rotary(vision_positions(grids, self.merge), device)

@@ -22,11 +22,11 @@ import math
 import torch
 from torch import nn
 
-from encoder_service.models.common import EncoderModel, ParallelMLP, load_layer_norm
+from encoder_service.models.common import ParallelMLP, load_layer_norm
 from encoder_service.models.qwen2_vl_vision import (
+    QwenVisionTower,
     VisionAttention,
     VisionRotary,
-    item_grid,
     packed_pixels,
     vision_positions,
 )
@@ -112,8 +112,9 @@ class Qwen3PatchMerger(nn.Module):
         return self.fc2(nn.functional.gelu(self.fc1(x)))
 
 
-class Qwen3VLVisionEncoder(EncoderModel):
+class Qwen3VLVisionEncoder(QwenVisionTower):
     family = "qwen3-vl"
+    label = "Qwen3-VL"
     modalities = ("image",)  # the tower encodes video too; the adapter does not build its prompt yet
 
     def __init__(self, config: dict, tp: TPContext) -> None:
@@ -145,26 +146,16 @@ class Qwen3VLVisionEncoder(EncoderModel):
             for _ in self.deepstack_indexes
         )
 
-    def load_weights(self, reader: CheckpointReader) -> None:
-        p = reader.resolve_prefix("model.visual.", "visual.")
-        self.patch_embed.weight.data = reader.get(f"{p}patch_embed.proj.weight").reshape(self.embed_dim, -1)
-        self.patch_embed.bias.data = reader.get(f"{p}patch_embed.proj.bias")
-        self.pos_embed.data = reader.get(f"{p}pos_embed.weight")
-        for i, block in enumerate(self.blocks):
-            block.load(reader, f"{p}blocks.{i}")
-        self.merger.load(reader, f"{p}merger")
+    def load_extra(self, reader: CheckpointReader, prefix: str) -> None:
+        self.pos_embed.data = reader.get(f"{prefix}pos_embed.weight")
         for j, merger in enumerate(self.deepstack_mergers):
-            merger.load(reader, f"{p}deepstack_merger_list.{j}")
-
-    def num_embeds(self, item: EncoderInput) -> int:
-        t, h, w = item_grid(item, self.merge, "Qwen3-VL")
-        return t * h * w // self.merge**2
+            merger.load(reader, f"{prefix}deepstack_merger_list.{j}")
 
     def encode(self, items: list[EncoderInput]) -> list[torch.Tensor]:
         if not items:
             return []
         device, dtype = self.patch_embed.weight.device, self.patch_embed.weight.dtype
-        grids = [item_grid(it, self.merge, "Qwen3-VL") for it in items]
+        grids = self.grids(items)
         x = self.patch_embed(packed_pixels(items, grids, self.patch_dim).to(device=device, dtype=dtype))
         x = x + interpolated_positions(self.pos_embed, grids, self.merge)
         rope = self.rotary(vision_positions(grids, self.merge), device)
