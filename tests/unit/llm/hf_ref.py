@@ -11,7 +11,11 @@ from typing import Any
 
 import torch
 
+from llm_service.config import EngineConfig
+from llm_service.engine import LLMEngine
 from llm_service.multimodal import MultiModalInput
+from llm_service.outputs import GenerateRequest
+from llm_service.sampling_params import SamplingParams
 
 
 @dataclass
@@ -83,3 +87,48 @@ def hf_generate(hf: Any, case: RefCase, n: int) -> list[int]:
     with torch.no_grad():
         out = hf.generate(**case.hf_inputs, max_new_tokens=n, do_sample=False)
     return out[0, len(case.prompt) :].tolist()
+
+
+# ---- what every engine-vs-transformers test module needs -------------------------------------------
+N = 12  # new tokens per answer
+IMG = "<|vision_start|><|image_pad|><|vision_end|>"  # a Qwen-VL image in the prompt text
+VID = "<|vision_start|><|video_pad|><|vision_end|>"
+GREEDY = SamplingParams(max_tokens=N)  # stops at EOS like HF generate
+
+
+def hf_model(model_dir: Any) -> tuple[Any, Any]:
+    """transformers' model (the class the checkpoint's ``architectures`` names) and its processor."""
+    import json
+    from pathlib import Path
+
+    import transformers
+
+    torch.set_num_threads(1)
+    arch = json.loads((Path(model_dir) / "config.json").read_text())["architectures"][0]
+    proc = transformers.AutoProcessor.from_pretrained(model_dir)
+    return getattr(transformers, arch).from_pretrained(model_dir).eval(), proc
+
+
+def image(w: int, h: int, seed: int) -> Any:
+    from PIL import Image
+
+    from tests.media import make_image_array
+
+    return Image.fromarray(make_image_array(w, h, seed))
+
+
+def engine(model_dir: Any, **kw: Any) -> LLMEngine:
+    kw.setdefault("block_size", 4)
+    kw.setdefault("num_kv_blocks", 256)
+    return LLMEngine(EngineConfig(model=str(model_dir), **kw))
+
+
+def run(eng: LLMEngine, cases: list[RefCase], params: SamplingParams = GREEDY) -> list[list[int]]:
+    outs = eng.generate([GenerateRequest(c.prompt, params, c.mm_inputs) for c in cases])
+    return [o.token_ids for o in outs]
+
+
+def assert_all_free(eng: LLMEngine) -> None:
+    st = eng.stats()
+    assert not eng.has_unfinished_requests()
+    assert st.num_free_blocks == st.num_total_blocks and st.kv_usage == 0.0

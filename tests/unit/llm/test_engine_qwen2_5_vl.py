@@ -13,21 +13,26 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
-from llm_service.config import EngineConfig
-from llm_service.engine import LLMEngine
 from llm_service.mrope import prompt_mrope_positions
 from llm_service.outputs import GenerateRequest
 from llm_service.sampling_params import SamplingParams
 from tests.media import make_image_array
-from tests.unit.llm.hf_ref import RefCase, build_case, hf_generate
+from tests.unit.llm.hf_ref import (
+    GREEDY,
+    IMG,
+    VID,
+    N,
+    RefCase,
+    assert_all_free,
+    build_case,
+    engine,
+    hf_generate,
+    hf_model,
+    image,
+    run,
+)
 from tests.unit.qwen2_5_vl_dir import tiny_qwen2_5_vl_dir
-
-N = 12
-IMG = "<|vision_start|><|image_pad|><|vision_end|>"
-VID = "<|vision_start|><|video_pad|><|vision_end|>"
-GREEDY = SamplingParams(max_tokens=N)
 
 
 @pytest.fixture(scope="module")
@@ -37,16 +42,7 @@ def model_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def vl(model_dir: Path) -> tuple[Any, Any]:
-    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
-
-    torch.set_num_threads(1)
-    proc = AutoProcessor.from_pretrained(model_dir)
-    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir).eval()
-    return hf, proc
-
-
-def image(w: int, h: int, seed: int) -> Image.Image:
-    return Image.fromarray(make_image_array(w, h, seed))
+    return hf_model(model_dir)
 
 
 def video_case(hf: Any, proc: Any, text: str, num_frames: int, fps: float, seed: int = 10) -> RefCase:
@@ -67,23 +63,6 @@ def video_case(hf: Any, proc: Any, text: str, num_frames: int, fps: float, seed:
         for m in case.mm_inputs
     ]
     return RefCase(case.prompt, items, case.hf_inputs)
-
-
-def engine(model_dir: Path, **kw: Any) -> LLMEngine:
-    kw.setdefault("block_size", 4)
-    kw.setdefault("num_kv_blocks", 256)
-    return LLMEngine(EngineConfig(model=str(model_dir), **kw))
-
-
-def run(eng: LLMEngine, cases: list[RefCase], params: SamplingParams = GREEDY) -> list[list[int]]:
-    outs = eng.generate([GenerateRequest(c.prompt, params, c.mm_inputs) for c in cases])
-    return [o.token_ids for o in outs]
-
-
-def assert_all_free(eng: LLMEngine) -> None:
-    st = eng.stats()
-    assert not eng.has_unfinished_requests()
-    assert st.num_free_blocks == st.num_total_blocks and st.kv_usage == 0.0
 
 
 def test_family_facts(model_dir: Path) -> None:

@@ -13,20 +13,24 @@ from typing import Any
 
 import pytest
 import torch
-from PIL import Image
 
-from llm_service.config import EngineConfig
-from llm_service.engine import LLMEngine
 from llm_service.multimodal import MultiModalInput
 from llm_service.outputs import GenerateRequest
-from llm_service.sampling_params import SamplingParams
-from tests.media import make_image_array
-from tests.unit.llm.hf_ref import RefCase, build_case, hf_generate
+from tests.unit.llm.hf_ref import (
+    GREEDY,
+    IMG,
+    N,
+    RefCase,
+    assert_all_free,
+    build_case,
+    engine,
+    hf_generate,
+    hf_model,
+    image,
+    run,
+)
 from tests.unit.qwen3_vl_dir import tiny_qwen3_vl_dir
 
-N = 12
-IMG = "<|vision_start|><|image_pad|><|vision_end|>"
-GREEDY = SamplingParams(max_tokens=N)
 HIDDEN, LEVELS = 64, 2
 
 
@@ -37,16 +41,7 @@ def model_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def vl(model_dir: Path) -> tuple[Any, Any]:
-    from transformers import AutoProcessor, Qwen3VLForConditionalGeneration
-
-    torch.set_num_threads(1)
-    proc = AutoProcessor.from_pretrained(model_dir)
-    hf = Qwen3VLForConditionalGeneration.from_pretrained(model_dir).eval()
-    return hf, proc
-
-
-def image(w: int, h: int, seed: int) -> Image.Image:
-    return Image.fromarray(make_image_array(w, h, seed))
+    return hf_model(model_dir)
 
 
 def deepstack_rows(hf: Any, inputs: dict[str, Any]) -> tuple[list[int], list[torch.Tensor]]:
@@ -78,23 +73,6 @@ def case_of(hf: Any, proc: Any, text: str, mm_hashes: list[str] | None = None, *
         full = torch.cat([m.embeddings, *(level[rows] for level in levels)], dim=-1)
         items.append(MultiModalInput(full, m.offset, m.mm_hash, m.modality, m.grid_thw))
     return RefCase(case.prompt, items, case.hf_inputs)
-
-
-def engine(model_dir: Path, **kw: Any) -> LLMEngine:
-    kw.setdefault("block_size", 4)
-    kw.setdefault("num_kv_blocks", 256)
-    return LLMEngine(EngineConfig(model=str(model_dir), **kw))
-
-
-def run(eng: LLMEngine, cases: list[RefCase]) -> list[list[int]]:
-    outs = eng.generate([GenerateRequest(c.prompt, GREEDY, c.mm_inputs) for c in cases])
-    return [o.token_ids for o in outs]
-
-
-def assert_all_free(eng: LLMEngine) -> None:
-    st = eng.stats()
-    assert not eng.has_unfinished_requests()
-    assert st.num_free_blocks == st.num_total_blocks and st.kv_usage == 0.0
 
 
 def test_family_facts(model_dir: Path) -> None:

@@ -8,51 +8,30 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
-from llm_service.config import EngineConfig
-from llm_service.engine import LLMEngine
 from llm_service.errors import RequestRejected
 from llm_service.outputs import GenerateRequest
 from llm_service.sampling_params import SamplingParams
 from tests.media import make_image_array
-from tests.unit.llm.hf_ref import RefCase, build_case, hf_generate
-
-N = 12
-IMG = "<|vision_start|><|image_pad|><|vision_end|>"
-VID = "<|vision_start|><|video_pad|><|vision_end|>"
-GREEDY = SamplingParams(max_tokens=N)  # stops at EOS like HF generate
+from tests.unit.llm.hf_ref import (
+    GREEDY,
+    IMG,
+    VID,
+    N,
+    RefCase,
+    assert_all_free,
+    build_case,
+    engine,
+    hf_generate,
+    hf_model,
+    image,
+    run,
+)
 
 
 @pytest.fixture(scope="module")
 def vl(tiny_vl_dir: Path) -> tuple[Any, Any]:
-    from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
-
-    torch.set_num_threads(1)
-    proc = AutoProcessor.from_pretrained(tiny_vl_dir)
-    hf = Qwen2VLForConditionalGeneration.from_pretrained(tiny_vl_dir).eval()
-    return hf, proc
-
-
-def image(w: int, h: int, seed: int) -> Image.Image:
-    return Image.fromarray(make_image_array(w, h, seed))
-
-
-def engine(model_dir: Path, **kw: Any) -> LLMEngine:
-    kw.setdefault("block_size", 4)
-    kw.setdefault("num_kv_blocks", 256)
-    return LLMEngine(EngineConfig(model=str(model_dir), **kw))
-
-
-def run(eng: LLMEngine, cases: list[RefCase], params: SamplingParams = GREEDY) -> list[list[int]]:
-    outs = eng.generate([GenerateRequest(c.prompt, params, c.mm_inputs) for c in cases])
-    return [o.token_ids for o in outs]
-
-
-def assert_all_free(eng: LLMEngine) -> None:
-    st = eng.stats()
-    assert not eng.has_unfinished_requests()
-    assert st.num_free_blocks == st.num_total_blocks and st.kv_usage == 0.0
+    return hf_model(tiny_vl_dir)
 
 
 def test_text_only(vl, tiny_vl_dir) -> None:
