@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 
 from cluster.tiny_model.gemma3 import build_gemma3, gemma3_tokenizer, save_gemma3_processor
 from cluster.tiny_model.qwen3_vl import build_qwen3_vl, save_qwen3_vl_processor
+from cluster.tiny_model.qwen_vl import qwen_token_ids, qwen_vl_config
 from cluster.tiny_model.tokenizer import QWEN2_AUDIO_CHAT_TEMPLATE, QWEN2_VL_CHAT_TEMPLATE, train_tokenizer
 
 FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen2-audio", "gemma3", "qwen3-vl")
@@ -86,7 +87,7 @@ def _text_config(size: ModelSize, bos: int, eos: int, pad: int) -> dict:
 def _build_qwen2_vl(size: ModelSize, tok):  # type: ignore[no-untyped-def]
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
-    ids = {t: tok.convert_tokens_to_ids(t) for t in tok.all_special_tokens}
+    ids = qwen_token_ids(tok)
     text = _text_config(size, ids["<|endoftext|>"], ids["<|im_end|>"], ids["<|endoftext|>"])
     head_dim = size.hidden_size // size.num_heads
     text["rope_parameters"] = {
@@ -105,19 +106,7 @@ def _build_qwen2_vl(size: ModelSize, tok):  # type: ignore[no-untyped-def]
         "spatial_merge_size": 2,
         "temporal_patch_size": 2,
     }
-    config = Qwen2VLConfig(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-        bos_token_id=text["bos_token_id"],
-        eos_token_id=text["eos_token_id"],
-        pad_token_id=text["pad_token_id"],
-        tie_word_embeddings=False,
-    )
-    config.architectures = ["Qwen2VLForConditionalGeneration"]
+    config = qwen_vl_config(Qwen2VLConfig, "Qwen2VLForConditionalGeneration", text, vision, tok)
     return config, Qwen2VLForConditionalGeneration
 
 
@@ -129,7 +118,7 @@ def _fullatt_block_indexes(depth: int) -> list[int]:
 def _build_qwen2_5_vl(size: ModelSize, tok):  # type: ignore[no-untyped-def]
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    ids = {t: tok.convert_tokens_to_ids(t) for t in tok.all_special_tokens}
+    ids = qwen_token_ids(tok)
     text = _text_config(size, ids["<|endoftext|>"], ids["<|im_end|>"], ids["<|endoftext|>"])
     head_dim = size.hidden_size // size.num_heads
     text["rope_parameters"] = {
@@ -152,25 +141,14 @@ def _build_qwen2_5_vl(size: ModelSize, tok):  # type: ignore[no-untyped-def]
         "fullatt_block_indexes": _fullatt_block_indexes(size.vision_depth),
         "tokens_per_second": 2,  # the released checkpoints' value (transformers' default is 4)
     }
-    config = Qwen2_5_VLConfig(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
-    )
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        setattr(config, key, text[key])
-    config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    config = qwen_vl_config(Qwen2_5_VLConfig, "Qwen2_5_VLForConditionalGeneration", text, vision, tok)
     return config, Qwen2_5_VLForConditionalGeneration
 
 
 def _build_qwen2_audio(size: ModelSize, tok):  # type: ignore[no-untyped-def]
     from transformers import Qwen2AudioConfig, Qwen2AudioForConditionalGeneration
 
-    ids = {t: tok.convert_tokens_to_ids(t) for t in tok.all_special_tokens}
+    ids = qwen_token_ids(tok)
     text = _text_config(size, ids["<|endoftext|>"], ids["<|im_end|>"], ids["<|endoftext|>"])
     text["model_type"] = "qwen2"
     text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1000000.0}

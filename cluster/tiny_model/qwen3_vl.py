@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from cluster.tiny_model.qwen_vl import qwen_token_ids, qwen_vl_config
+
 POSITION_TABLE_SIDE = 6  # 36 learned positions: images of 4..32 patches a side interpolate them
 TINY_PIXELS = {"min_pixels": 64 * 64, "max_pixels": 32 * 32 * 1024}  # <= 1024 embeddings an image
 
@@ -27,7 +29,7 @@ def interleaved_mrope_section(head_dim: int) -> list[int]:
 def build_qwen3_vl(size: Any, tok: Any) -> tuple[Any, Any]:
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-    ids = {t: tok.convert_tokens_to_ids(t) for t in tok.all_special_tokens}
+    ids = qwen_token_ids(tok)
     head_dim = size.hidden_size // size.num_heads
     text = {
         "vocab_size": size.vocab_size,
@@ -64,18 +66,7 @@ def build_qwen3_vl(size: Any, tok: Any) -> tuple[Any, Any]:
         "num_position_embeddings": POSITION_TABLE_SIDE**2,
         "deepstack_visual_indexes": deepstack_indexes(size.vision_depth),
     }
-    config = Qwen3VLConfig(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
-    )
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        setattr(config, key, text[key])
-    config.architectures = ["Qwen3VLForConditionalGeneration"]
+    config = qwen_vl_config(Qwen3VLConfig, "Qwen3VLForConditionalGeneration", text, vision, tok)
     return config, Qwen3VLForConditionalGeneration
 
 
