@@ -103,6 +103,10 @@ def _preprocessor(model: ModelConfig, cache_dir: str, encoder: Any) -> Any:
                 encoder=encoder,
                 model_name=m.name,
             )
+            from encoder_service.uuid_aliases import open_uuid_aliases
+
+            # uuid names, shared by every preprocessor replica of the model (encoder_service/uuid_aliases.py)
+            self.preprocessor.aliases = open_uuid_aliases(f"mmserve-uuid-aliases-{m.name}")
 
     opts = deployment_options(model.preprocess.deployment, f"Preprocessor-{model.name}")
     return serve.deployment(Preprocessor).options(**opts).bind(model.model_dump(), cache_dir, encoder)
@@ -232,11 +236,31 @@ def _ingress(config: AppConfig, pools: dict[str, dict[str, Any]]) -> Any:
                         open_cache_index(*cache_index_args(m)),
                     )
                 )
-            http = HTTPOptions(cfg.ingress.http_mode, cfg.host, cfg.port, cfg.ingress.max_request_bytes)
-            await super().__init__(models, pools, http)  # type: ignore[misc]
+            ing = cfg.ingress
+            http = HTTPOptions(
+                ing.http_mode,
+                cfg.host,
+                cfg.port,
+                ing.max_request_bytes,
+                max_json_values=ing.max_json_values,
+                request_timeout_s=ing.request_timeout_s,
+            )
+            await super().__init__(models, pools, http, keys=ingress_keys(cfg))  # type: ignore[misc]
 
     opts = deployment_options(config.ingress.deployment, "Ingress")
     return serve.deployment(Ingress).options(**opts).bind(config.model_dump(), pools)
+
+
+def ingress_keys(cfg: AppConfig) -> Any:
+    """The ingress replica's ``KeyRing``: ``ingress.api_key`` (or ``MMSERVE_API_KEY`` where the replica
+    runs) and ``ingress.api_keys_file`` (read here, on the replica's node: e.g. a mounted Secret)."""
+    import os
+
+    from router.auth import API_KEY_ENV, KeyRing
+
+    ing = cfg.ingress
+    api_key = ing.api_key.get_secret_value() if ing.api_key is not None else os.environ.get(API_KEY_ENV)
+    return KeyRing.from_sources(api_key or None, ing.api_keys_file)
 
 
 def build_app(config: AppConfig) -> serve.Application:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 
 class _Strict(BaseModel):
@@ -171,7 +171,20 @@ class IngressConfig(_Strict):
     max_request_bytes: int = Field(64 * 1024 * 1024, ge=1)
     max_messages: int = Field(256, ge=1)
     max_content_parts: int = Field(64, ge=1)
-    request_timeout_s: float = Field(300.0, gt=0)
+    max_json_values: int = Field(
+        16_384,
+        ge=16,
+        description="array elements + object members a request body may hold (counted before parsing)",
+    )
+    request_timeout_s: float = Field(
+        300.0, gt=0, description="end to end per request; past it a 504 and its pins and KV blocks are freed"
+    )
+    api_key: SecretStr | None = Field(
+        None, description="one API key (tenant `default`), as `vllm serve --api-key`; also MMSERVE_API_KEY"
+    )
+    api_keys_file: str | None = Field(
+        None, description="YAML/JSON mapping API key -> tenant name, read by each ingress replica at start"
+    )
     deployment: DeploymentOptions = Field(default_factory=DeploymentOptions)
 
 

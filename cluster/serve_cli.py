@@ -35,6 +35,16 @@ def add_serve_command(sub: Any) -> None:
         help="direct (default here): the ingress replicas serve HTTP themselves; proxy: through Serve's proxy",
     )
     p.add_argument(
+        "--api-key",
+        default=None,
+        help="require this key (Authorization: Bearer KEY; tenant `default`); default: $MMSERVE_API_KEY",
+    )
+    p.add_argument(
+        "--api-keys-file",
+        default=None,
+        help="YAML/JSON mapping API key -> tenant name: each tenant has its own uuids and prefix cache",
+    )
+    p.add_argument(
         "--metrics-export-port",
         type=int,
         default=None,
@@ -58,6 +68,17 @@ def config_from_args(args: argparse.Namespace) -> AppConfig:
         data["host"] = args.host
     if args.port:
         data["port"] = args.port
+    api_key = getattr(args, "api_key", None) or os.environ.get("MMSERVE_API_KEY")
+    if api_key:
+        data["ingress"]["api_key"] = api_key
+    if getattr(args, "api_keys_file", None):
+        from pathlib import Path
+
+        from router.auth import load_keys_file
+
+        keys_file = str(Path(args.api_keys_file).resolve())  # replicas do not run in this directory
+        load_keys_file(keys_file)  # fail here, with the reason, rather than in every ingress replica
+        data["ingress"]["api_keys_file"] = keys_file
     if args.http_mode:
         data["ingress"]["http_mode"] = args.http_mode
     elif "http_mode" not in cfg.ingress.model_fields_set:

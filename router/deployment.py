@@ -18,9 +18,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from ray import serve
 
+from router.auth import KeyRing
 from router.errors import APIError, from_exception
 from router.http_server import DirectHTTPServer
 from router.ingress import ChatService, ServedModel
+from router.json_limits import DEFAULT_MAX_JSON_VALUES
 from router.llm_client import LLMClient
 from router.messages import MessageLimits
 from router.metrics import IngressMetrics
@@ -55,14 +57,22 @@ class HTTPOptions:
     host: str
     port: int
     max_request_bytes: int
+    max_json_values: int = DEFAULT_MAX_JSON_VALUES
+    request_timeout_s: float | None = None  # end to end, router/deadline.py
 
 
 @serve.ingress(fastapi_app)
 class IngressServer:
     def __init__(
-        self, models: list[IngressModel], pools: dict[str, dict[str, Any]], http: HTTPOptions
+        self,
+        models: list[IngressModel],
+        pools: dict[str, dict[str, Any]],
+        http: HTTPOptions,
+        keys: KeyRing | None = None,
     ) -> None:
         from transformers import AutoTokenizer
+
+        self.keys = keys or KeyRing()  # API keys -> tenants; every route but /health checks them
 
         self.metrics = IngressMetrics()
         self.encoder_items_dispatched: dict[str, int] = {}
@@ -80,7 +90,13 @@ class IngressServer:
                 on_encoder_run=self._counter(m.name),
             )
             served[m.name] = ServedModel(m.name, orch, m.limits, m.max_model_len, m.modalities)
-        self.service = ChatService(served, http.max_request_bytes, self.metrics)
+        self.service = ChatService(
+            served,
+            http.max_request_bytes,
+            self.metrics,
+            max_json_values=http.max_json_values,
+            request_timeout_s=http.request_timeout_s,
+        )
         self.http: DirectHTTPServer | None = None
         if http.mode == "direct":
             # Imported here: this class is pickled by value (``@serve.ingress`` wraps it), and its
@@ -98,7 +114,8 @@ class IngressServer:
     @fastapi_app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         try:
-            return await self.service.chat(request)
+            tenant = self.keys.authenticate(request.headers.get("authorization"))
+            return await self.service.chat(request, tenant)
         except Exception as e:
             api = from_exception(e) or _server_error(e)
             if api.status_code >= 500 and api.code == "internal_error":
@@ -107,7 +124,8 @@ class IngressServer:
             return JSONResponse(api.body(), status_code=api.status_code, headers=api.headers())
 
     @fastapi_app.get("/v1/models")
-    async def list_models(self) -> JSONResponse:
+    async def list_models(self, request: Request) -> JSONResponse:
+        self.keys.authenticate(request.headers.get("authorization"))
         return JSONResponse(self.service.model_list().model_dump())
 
     @fastapi_app.get("/health")
@@ -115,8 +133,9 @@ class IngressServer:
         return JSONResponse({"status": "ok"})
 
     @fastapi_app.get("/stats")
-    async def stats(self) -> JSONResponse:
+    async def stats(self, request: Request) -> JSONResponse:
         """Operator view: encoder-cache counters and encoder items dispatched, per model."""
+        self.keys.authenticate(request.headers.get("authorization"))
         out = {}
         for name, cache in self.caches.items():
             out[name] = {
@@ -150,16 +169,16 @@ def build_direct_app(server: IngressServer) -> FastAPI:
         return await server.chat_completions(request)
 
     @app.get("/v1/models")
-    async def list_models() -> JSONResponse:
-        return await server.list_models()
+    async def list_models(request: Request) -> JSONResponse:
+        return await server.list_models(request)
 
     @app.get("/health")
     async def health() -> JSONResponse:
         return await server.health()
 
     @app.get("/stats")
-    async def stats() -> JSONResponse:
-        return await server.stats()
+    async def stats(request: Request) -> JSONResponse:
+        return await server.stats(request)
 
     return app
 

@@ -16,8 +16,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from llm_service.outputs import RequestOutput
+from router.auth import effective_cache_salt
+from router.deadline import Deadline
 from router.detokenizer import IncrementalDetokenizer
 from router.errors import APIError, bad_request, from_exception
+from router.json_limits import DEFAULT_MAX_JSON_VALUES, check_json_values
 from router.messages import MessageLimits, NormalizedChat, normalize_messages
 from router.orchestrator import Orchestrator
 from router.protocol import (
@@ -54,9 +57,19 @@ class ServedModel:
 class ChatService:
     """Request handling independent of Serve (the deployment class below only wires it)."""
 
-    def __init__(self, models: dict[str, ServedModel], max_request_bytes: int, metrics: Any = None) -> None:
+    def __init__(
+        self,
+        models: dict[str, ServedModel],
+        max_request_bytes: int,
+        metrics: Any = None,
+        *,
+        max_json_values: int = DEFAULT_MAX_JSON_VALUES,
+        request_timeout_s: float | None = None,
+    ) -> None:
         self.models = models
         self.max_request_bytes = max_request_bytes
+        self.max_json_values = max_json_values
+        self.request_timeout_s = request_timeout_s
         self.metrics = metrics
 
     async def read_request(self, request: Request) -> ChatCompletionRequest:
@@ -72,6 +85,7 @@ class ChatService:
                 raise APIError(
                     413, f"request body exceeds {self.max_request_bytes} bytes", code="request_too_large"
                 )
+        await check_json_values(body, self.max_json_values)  # what it parses into is bounded too
         try:
             payload = json.loads(body)
         except RecursionError as e:  # nested deeper than the parser's stack
@@ -93,11 +107,13 @@ class ChatService:
             )
         return model
 
-    async def chat(self, request: Request) -> Response:
+    async def chat(self, request: Request, tenant: str | None = None) -> Response:
+        """One chat completion for ``tenant`` (router/auth.py; None: the server has no API keys)."""
         start = time.monotonic()
-        req = await self.read_request(request)
+        deadline = Deadline(self.request_timeout_s)
+        req = await deadline.run(self.read_request(request))
         model = self.model_for(req.model)
-        chat = normalize_messages(req.messages, model.limits)
+        chat = normalize_messages(req.messages, model.limits, tenant)
         unsupported = {m.modality for m in chat.media} - set(model.modalities)
         if unsupported:
             raise bad_request(
@@ -108,7 +124,8 @@ class ChatService:
         orch = model.orchestrator
         watcher = asyncio.ensure_future(_cancel_on_disconnect(request, asyncio.current_task()))
         try:
-            return await self._answer(req, model, request_id, chat, start)
+            salt = effective_cache_salt(tenant, req.cache_salt)
+            return await deadline.run(self._answer(req, model, request_id, chat, start, deadline, salt))
         except Exception as e:
             self._log_failure(orch, request_id, chat, e)
             orch.forget(request_id)
@@ -126,11 +143,13 @@ class ChatService:
         request_id: str,
         chat: NormalizedChat,
         start: float,
+        deadline: Deadline,
+        cache_salt: str | None = None,
     ) -> Response:
         orch = model.orchestrator
         prepared = await orch.prepare(request_id, chat)
         params = to_sampling_params(req, len(prepared.prompt_token_ids), model.max_model_len)
-        stream = orch.stream(request_id, prepared, params)
+        stream = deadline.stream(orch.stream(request_id, prepared, params, cache_salt))
         detok = IncrementalDetokenizer(orch.decode, stop=req.stop_strings)
         first = await _first_or_error(stream)
         if self.metrics is not None:

@@ -79,3 +79,20 @@ autoscaling:
 {{- define "mmserve.markerStartParam" -}}
 {{ printf "\"{\\\"%s\\\": 1}\"" . | squote }}
 {{- end -}}
+
+{{/* The API keys Secret (auth.apiKeysSecret), mounted read-only in every Ray pod: the ingress replica
+     may run on any of them. Both render nothing when auth is off. */}}
+{{- define "mmserve.authVolume" -}}
+{{- if .Values.auth.apiKeysSecret }}
+volumes:
+  - name: mmserve-api-keys
+    secret: {secretName: {{ .Values.auth.apiKeysSecret | quote }}}
+{{- end }}
+{{- end -}}
+
+{{- define "mmserve.authMount" -}}
+{{- if .Values.auth.apiKeysSecret }}
+volumeMounts:
+  - {name: mmserve-api-keys, mountPath: /etc/mmserve/auth, readOnly: true}
+{{- end }}
+{{- end -}}

@@ -40,6 +40,9 @@ applications:
           llm: {{ toJson $llm }}
 {{- end }}
       ingress:
+        {{- if .Values.auth.apiKeysSecret }}
+        api_keys_file: {{ printf "/etc/mmserve/auth/%s" .Values.auth.apiKeysSecretKey | toJson }}
+        {{- end }}
         deployment:
 {{ include "mmserve.deployment" (dict "name" "ingress" "pool" $p.ingress) | indent 10 }}
 {{- end -}}

@@ -1,0 +1,69 @@
+"""The parsed size of a request body is bounded before it is parsed (router/json_limits.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import tracemalloc
+
+import pytest
+from starlette.requests import Request
+
+from router.errors import APIError
+from router.ingress import ChatService
+from router.json_limits import check_json_values, count_values
+
+
+@pytest.mark.parametrize(
+    ("doc", "n"),
+    [
+        ({}, 2),  # "{" + 1
+        ({"a": 1, "b": [1, 2, 3]}, 6),  # 3 commas + 2 brackets + 1
+        ({"s": 'a,b,[c]{d}\\",', "t": ["x,y"]}, 4),  # commas and brackets inside strings do not count
+        ([[], [[]], {}], 8),
+    ],
+)
+def test_count_values_is_exact_outside_strings(doc: object, n: int) -> None:
+    assert count_values(json.dumps(doc).encode()) == n
+
+
+def _request(body: bytes) -> Request:
+    sent = False
+
+    async def receive() -> dict[str, object]:
+        nonlocal sent
+        if sent:
+            return {"type": "http.disconnect"}
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    scope = {"type": "http", "method": "POST", "path": "/", "headers": [], "query_string": b""}
+    return Request(scope, receive)
+
+
+def test_a_body_of_many_small_parts_is_refused_before_it_is_parsed() -> None:
+    parts = [{"type": "text", "text": ""}] * 280_000  # ~7 MB
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": parts}]}).encode()
+    service = ChatService({}, 64 << 20)
+    tracemalloc.start()
+    try:
+        with pytest.raises(APIError) as e:
+            asyncio.run(service.read_request(_request(body)))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert e.value.status_code == 400 and e.value.code == "request_too_complex"
+    assert "max_json_values" in e.value.message
+    assert peak < 3 * len(body), f"peak {peak / 1e6:.1f} MB for a {len(body) / 1e6:.1f} MB body"
+
+
+def test_ordinary_bodies_pass() -> None:
+    image = "data:image/png;base64," + base64.b64encode(bytes(3_000_000)).decode()
+    prose = "Hello, world; [a], {b}, " * 20_000  # commas in text only
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}}]}] * 4
+    messages += [{"role": "user", "content": prose}]
+    body = json.dumps({"model": "m", "messages": messages, "stop": ["a", "b"]}).encode()
+    asyncio.run(check_json_values(body, 256))
+    req = asyncio.run(ChatService({}, 64 << 20).read_request(_request(body)))
+    assert len(req.messages) == 5
