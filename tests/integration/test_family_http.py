@@ -41,6 +41,7 @@ class Family:
 
 FAMILIES = [
     Family("qwen2.5-vl", video=True),
+    Family("qwen3-vl", video=False, embeds_224=49),  # patch 16: 224 px -> 14x14 patches -> 7x7
     Family("gemma3", video=False, embeds_224=16, burst_images=4, max_num_batched_tokens=24),
 ]
 MAX_TOKENS = 8
