@@ -1,7 +1,8 @@
 """Prefix-cache-aware choice of an LLM replica (pure logic; the Ray adapter is request_routers.py).
 
 The router keeps an approximate map of which replica has seen which KV block hashes (the same
-chained hashes, mm_hash extra keys included, that the engine computes — llm_service.prefix_hash).
+chained hashes, mm_hash extra keys and the request's cache salt included, that the engine computes —
+llm_service.prefix_hash), so a request is never steered toward blocks its salt cannot hit.
 A request goes to the replica holding the longest prefix of its block hashes, unless that replica
 is much busier than the least-loaded one, in which case load wins (as in SGLang's cache-aware router).
 """
