@@ -7,7 +7,6 @@ the same adapter. Images only for now: its processor writes each video frame as 
 from __future__ import annotations
 
 from encoder_service.processors.qwen2_vl import Qwen2VLFamily
-from encoder_service.types import Modality
 
 
 class Qwen3VLFamily(Qwen2VLFamily):
