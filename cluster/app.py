@@ -31,6 +31,8 @@ def deployment_options(
         "name": name,
         "ray_actor_options": opts.ray_actor_options(),
         "max_ongoing_requests": opts.max_ongoing_requests,
+        "max_queued_requests": opts.max_queued_requests,
+        "graceful_shutdown_timeout_s": opts.graceful_shutdown_timeout_s,
         "logging_config": {"enable_access_log": opts.access_log},
     }
     if opts.num_replicas is not None:
@@ -134,6 +136,7 @@ def _encoder_pool(model: ModelConfig, cache_dir: str) -> Any:
                 resources_per_rank=dict(d.resources),
                 model_name=m.name,
                 cache=open_cache_index(*cache_index_args(m)),
+                max_queued_embeddings=m.encoder.max_queued_embeddings or 16 * compute_budget,
             )
 
     opts = deployment_options(model.encoder.deployment, f"EncoderPool-{model.name}", ENCODER_POLICY)
@@ -166,7 +169,13 @@ def _llm_server(model: ModelConfig, cache_dir: str) -> Any:
                 max_num_batched_tokens=llm.max_num_batched_tokens,
                 enable_prefix_caching=llm.enable_prefix_caching,
             )
-            super().__init__(engine_config, m.name, embedding_fetch_timeout_s=llm.embedding_fetch_timeout_s)
+            super().__init__(
+                engine_config,
+                m.name,
+                embedding_fetch_timeout_s=llm.embedding_fetch_timeout_s,
+                max_waiting_requests=llm.max_waiting_requests,
+                max_waiting_tokens=llm.max_waiting_tokens or 32 * llm.max_num_batched_tokens,
+            )
 
     opts = deployment_options(model.llm.deployment, f"LLMServer-{model.name}", LLM_POLICY)
     opts["request_router_config"] = RequestRouterConfig(
@@ -209,6 +218,7 @@ def model_modalities(model_dir: str) -> list[str]:
 
 
 def _ingress(config: AppConfig, pools: dict[str, dict[str, Any]]) -> Any:
+    from router.admission import AdmissionLimits
     from router.deployment import HTTPOptions, IngressModel, IngressServer
     from router.messages import MessageLimits
 
@@ -242,10 +252,19 @@ def _ingress(config: AppConfig, pools: dict[str, dict[str, Any]]) -> Any:
                 cfg.host,
                 cfg.port,
                 ing.max_request_bytes,
+                ing.deployment.graceful_shutdown_timeout_s,
                 max_json_values=ing.max_json_values,
                 request_timeout_s=ing.request_timeout_s,
             )
-            await super().__init__(models, pools, http, keys=ingress_keys(cfg))  # type: ignore[misc]
+            a = ing.admission
+            admission = AdmissionLimits(
+                a.max_concurrent_requests,
+                a.max_concurrent_cost,
+                dict(a.media_cost),
+                a.text_chars_per_cost,
+                a.retry_after_s,
+            )
+            await super().__init__(models, pools, http, admission, keys=ingress_keys(cfg))  # type: ignore[misc]
 
     opts = deployment_options(config.ingress.deployment, "Ingress")
     return serve.deployment(Ingress).options(**opts).bind(config.model_dump(), pools)

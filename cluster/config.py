@@ -68,6 +68,15 @@ class DeploymentOptions(_Strict):
     num_replicas: int | None = Field(None, ge=1, description="fixed replica count; omit to autoscale")
     autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
     max_ongoing_requests: int = Field(64, ge=1)
+    max_queued_requests: int = Field(
+        256,
+        ge=-1,
+        description="calls a caller's handle queues for this pool beyond max_ongoing_requests per replica; "
+        "past it Serve refuses at once (BackPressureError, a 503 with Retry-After); -1: unbounded",
+    )
+    graceful_shutdown_timeout_s: float = Field(
+        30.0, gt=0, description="scale-down/redeploy/shutdown: how long a replica may finish in-flight work"
+    )
     access_log: bool = Field(
         False, description="Serve's per-request log line in the replica's log (costs CPU per request)"
     )
@@ -120,6 +129,14 @@ class LLMConfig(_Strict):
     embedding_fetch_timeout_s: float = Field(
         60.0, gt=0, description="an embedding not fetched from the object store by then counts as lost"
     )
+    max_waiting_requests: int = Field(
+        256, ge=1, description="requests queued in one replica's engine, not yet running; more: 503"
+    )
+    max_waiting_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="prompt tokens queued in one replica's engine; default 32 x max_num_batched_tokens",
+    )
     deployment: DeploymentOptions = Field(default_factory=DeploymentOptions)
 
 
@@ -135,6 +152,9 @@ class EncoderConfig(_Strict):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     cache_index_shards: int = Field(2, ge=1)
+    max_queued_embeddings: int | None = Field(
+        None, ge=1, description="embeddings one replica's FIFO holds; more: 503; default 16 x the step budget"
+    )
     deployment: DeploymentOptions = Field(default_factory=DeploymentOptions)
 
 
@@ -162,6 +182,20 @@ class ModelConfig(_Strict):
         return self
 
 
+class AdmissionConfig(_Strict):
+    """Per ingress replica: what it takes in at once, by count and by cost (router/admission.py).
+
+    A request costs 1, plus ``media_cost`` per media item, plus 1 per ``text_chars_per_cost``
+    characters of text; past either bound the client gets 503 ``overloaded`` with ``Retry-After``.
+    """
+
+    max_concurrent_requests: int = Field(256, ge=1)
+    max_concurrent_cost: int = Field(1024, ge=1)
+    media_cost: dict[str, int] = Field(default_factory=lambda: {"image": 4, "video": 16, "audio": 4})
+    text_chars_per_cost: int = Field(4096, ge=1)
+    retry_after_s: int = Field(1, ge=1)
+
+
 class IngressConfig(_Strict):
     http_mode: Literal["proxy", "direct"] = Field(
         "proxy",
@@ -185,6 +219,7 @@ class IngressConfig(_Strict):
     api_keys_file: str | None = Field(
         None, description="YAML/JSON mapping API key -> tenant name, read by each ingress replica at start"
     )
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     deployment: DeploymentOptions = Field(default_factory=DeploymentOptions)
 
 

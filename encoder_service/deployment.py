@@ -29,6 +29,10 @@ from encoder_service.types import EmbeddingMeta, EncodeBatch, EncodedItem, Encod
 
 logger = logging.getLogger("mmserve.encoder")
 
+DRAIN_TIMEOUT_S = 25.0  # under Serve's graceful_shutdown_timeout_s (30 s by default)
+ENCODE_ATTEMPTS = 3  # an encoder replica that dies mid-step: its items go to another (or its successor)
+_REPLICA_GONE = ("ActorDiedError", "ActorUnavailableError", "RayActorError")
+
 
 @dataclass
 class _Queued:
@@ -58,6 +62,7 @@ class EncoderPoolServer:
         resources_per_rank: dict[str, float] | None = None,
         model_name: str = "",
         cache: Any = None,
+        max_queued_embeddings: int | None = None,
     ) -> None:
         self._cache = cache  # EncoderCacheClient: outputs are committed to it; invalidated on shutdown
         self._owned = OwnedEmbeddings(cache)
@@ -86,7 +91,7 @@ class EncoderPoolServer:
             )
             self.hidden_size = self._group.hidden_size
         self._queue: EncoderQueue[_Queued] = EncoderQueue(
-            max_num_encoder_input_tokens, lambda q: q.future.done()
+            max_num_encoder_input_tokens, lambda q: q.future.done(), max_queued_embeddings
         )
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -105,6 +110,7 @@ class EncoderPoolServer:
         queued = [_Queued(item, batch.request_id, loop.create_future()) for item in batch.inputs]
         for q in queued:
             self._queue.check(q, f"{q.item.modality} item {q.item.mm_hash[:12]}")
+        self._queue.admit(queued)
         for q in queued:
             self._queue.push(q)
         self._metrics.queued.set(self._queued_embeds)
@@ -174,8 +180,25 @@ class EncoderPoolServer:
         """Drop the cache entries that hold this replica's objects; the number dropped. Never raises."""
         return await self._owned.invalidate_all()
 
+    async def drain(self, timeout_s: float = DRAIN_TIMEOUT_S) -> bool:
+        """Wait until every queued item is computed (their callers are waiting); False on timeout."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self._queue.queued_embeds > 0 and self._task is not None and not self._task.done():
+            if asyncio.get_running_loop().time() > deadline:
+                logger.warning("encoder drain timed out with %d embeddings queued", self._queued_embeds)
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+    async def _shutdown(self) -> int:
+        await self.drain()
+        if self._cache is None or not len(self._owned):
+            return 0
+        return await self.invalidate_owned()
+
     def __del__(self) -> Awaitable[int] | None:
-        """Serve's graceful-shutdown hook: it awaits the coroutine returned here on the replica's loop.
+        """Serve's graceful-shutdown hook: it awaits the coroutine returned here on the replica's loop:
+        finish the FIFO (scale-down, redeploy, ``serve.shutdown``), then drop the entries we own.
 
         A plain ``def`` on purpose: the garbage collector also calls ``__del__``, where a coroutine
         would only warn. Outside a running event loop (GC, interpreter exit) it does nothing.
@@ -184,9 +207,9 @@ class EncoderPoolServer:
             asyncio.get_running_loop()
         except RuntimeError:
             return None
-        if getattr(self, "_cache", None) is None or not len(getattr(self, "_owned", ())):
+        if getattr(self, "_queue", None) is None:
             return None
-        return self.invalidate_owned()
+        return self._shutdown()
 
     def record_routing_stats(self) -> dict[str, Any]:
         return {"queued_embeddings": self._queued_embeds}
@@ -244,9 +267,27 @@ class PreprocessorServer:
         self.preparer = RequestPreparer(self.preprocessor, self.cache, self._encode)
 
     async def _encode(self, batch: EncodeBatch) -> list[EncodedItem]:
+        """Encode on the pool; if the replica dies mid-step, send the batch again (Serve routes it to
+        a live replica, or waits for the successor). The reservations are still this request's, so
+        the new replica commits them; an item the dead one committed keeps its entry (a later reader
+        finds its object lost and re-encodes it)."""
         if self.encoder is None:
             raise RuntimeError("this preprocessor has no encoder pool to send misses to")
-        return list(await self.encoder.encode.remote(batch))
+        for attempt in range(1, ENCODE_ATTEMPTS + 1):
+            try:
+                return list(await self.encoder.encode.remote(batch))
+            except Exception as e:
+                names = {c.__name__ for c in type(e).__mro__}
+                if attempt == ENCODE_ATTEMPTS or not names.intersection(_REPLICA_GONE):
+                    raise
+                logger.warning(
+                    "encoder replica lost while encoding %d item(s) of %s (%s); sending them again",
+                    len(batch.inputs),
+                    batch.request_id,
+                    type(e).__name__,
+                )
+                await asyncio.sleep(0.2 * attempt)
+        raise AssertionError("unreachable")
 
     async def prepare(self, request_id: str, messages: list[dict[str, Any]]) -> PreparedRequest:
         return await self.preparer.prepare(request_id, messages)

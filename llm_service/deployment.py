@@ -20,6 +20,7 @@ from llm_service.metrics import LLMMetrics
 from llm_service.output_channels import ChannelBatch, OutputChannels
 from llm_service.outputs import RequestOutput
 from llm_service.request_spec import LLMRequestSpec, ReplicaTarget, SubmitReply
+from llm_service.scheduler import WaitingBound
 
 
 def _replica_id() -> str:
@@ -41,6 +42,8 @@ class LLMServer:
         engine_cls: Any = None,
         embedding_fetch_timeout_s: float = 60.0,
         channel_linger_s: float = 5.0,
+        max_waiting_requests: int | None = None,
+        max_waiting_tokens: int | None = None,
     ) -> None:
         if engine_cls is None:
             from llm_service.engine import LLMEngine
@@ -51,7 +54,12 @@ class LLMServer:
         self.engine = engine_cls(engine_config)
         self._metrics = LLMMetrics(model_name)
         self.channels = OutputChannels(self.replica_id, self._abort_all, linger_s=channel_linger_s)
-        self.loop = EngineLoop(self.engine, on_outputs=self._on_outputs, on_error=self.channels.fail)
+        self.loop = EngineLoop(
+            self.engine,
+            on_outputs=self._on_outputs,
+            on_error=self.channels.fail,
+            waiting_bound=WaitingBound(max_waiting_requests, max_waiting_tokens),
+        )
         self.embedding_fetch_timeout_s = embedding_fetch_timeout_s
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
@@ -67,8 +75,10 @@ class LLMServer:
         channel), then stay open until it is done. Cancelled before that (its client left): aborted.
 
         Raises ``EmbeddingsLost`` (before the engine sees the request) if an embedding cannot be
-        fetched: its encoder replica died, or the fetch took longer than the timeout.
+        fetched: its encoder replica died, or the fetch took longer than the timeout; and
+        ``WaitingQueueFull`` at once, before any fetch, if the engine's waiting queue is at its bound.
         """
+        self.loop.check_capacity(len(spec.prompt_token_ids))
 
         async def fetch(ref: Any) -> Any:
             return await asyncio.wait_for(ref, self.embedding_fetch_timeout_s)

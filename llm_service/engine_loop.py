@@ -18,6 +18,7 @@ from typing import Any
 from llm_service.multimodal import MultiModalInput
 from llm_service.outputs import RequestOutput
 from llm_service.sampling_params import SamplingParams
+from llm_service.scheduler import WaitingBound
 
 logger = logging.getLogger("mmserve.llm")
 
@@ -31,9 +32,18 @@ class EngineLoop:
     """Drives an engine on one thread; async callers submit requests or stream them one by one."""
 
     def __init__(
-        self, engine: Any, on_outputs: OnOutputs | None = None, on_error: OnError | None = None
+        self,
+        engine: Any,
+        on_outputs: OnOutputs | None = None,
+        on_error: OnError | None = None,
+        waiting_bound: WaitingBound | None = None,
     ) -> None:
         self.engine = engine
+        self.waiting_bound = waiting_bound or WaitingBound()
+        # Requests (and prompt tokens) not yet running: queued adds plus the scheduler's waiting
+        # queue as of the last step. Written under the lock; read by ``check_capacity``.
+        self._waiting = (0, 0)
+        self._pending_adds = (0, 0)
         self._on_outputs = on_outputs or (lambda outs: None)  # every step's outputs, listened to or not
         self._on_error = on_error or (lambda rid, e: None)
         self._lock = threading.Lock()
@@ -45,6 +55,13 @@ class EngineLoop:
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self.last_stats: Any = None
+
+    def check_capacity(self, num_prompt_tokens: int) -> None:
+        """Raise ``WaitingQueueFull`` now if a request of this size would overflow the waiting bound."""
+        with self._lock:
+            n = self._waiting[0] + self._pending_adds[0]
+            tokens = self._waiting[1] + self._pending_adds[1]
+        self.waiting_bound.check(n, tokens, num_prompt_tokens)
 
     @property
     def task(self) -> asyncio.Task[None] | None:
@@ -71,6 +88,8 @@ class EngineLoop:
         self._live.add(request_id)
         with self._lock:
             self._pending.append((request_id, prompt_token_ids, params, mm_inputs, cache_salt))
+            n, tokens = self._pending_adds
+            self._pending_adds = (n + 1, tokens + len(prompt_token_ids))
         self._wakeup.set()
 
     async def stream(
@@ -115,6 +134,7 @@ class EngineLoop:
         """Runs on the worker thread: apply queued adds/aborts, then one engine step."""
         with self._lock:
             pending, self._pending = self._pending, []
+            self._pending_adds = (0, 0)
         errors: list[tuple[str, BaseException]] = []
         for op in pending:
             if isinstance(op, str):
@@ -127,6 +147,9 @@ class EngineLoop:
                 errors.append((rid, e))
         outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
         self.last_stats = self.engine.stats()
+        waiting = getattr(getattr(self.engine, "scheduler", None), "waiting", ())
+        with self._lock:
+            self._waiting = (len(waiting), sum(r.num_tokens - r.num_computed_tokens for r in waiting))
         return outputs, errors
 
     def _has_pending(self) -> bool:

@@ -8,9 +8,7 @@ reads the app config.
 
 # No ``from __future__ import annotations`` here: ``@serve.ingress`` pickles this class by value, and
 # FastAPI must resolve the routes' annotations (``request: Request``) as objects, not as strings.
-import asyncio
 import logging
-from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from ray import serve
 
+from router.admission import AdmissionController, AdmissionLimits
 from router.auth import KeyRing
 from router.errors import APIError, from_exception
 from router.http_server import DirectHTTPServer
@@ -57,6 +56,7 @@ class HTTPOptions:
     host: str
     port: int
     max_request_bytes: int
+    drain_timeout_s: float = 30.0  # shutdown: how long in-flight HTTP responses may take to finish
     max_json_values: int = DEFAULT_MAX_JSON_VALUES
     request_timeout_s: float | None = None  # end to end, router/deadline.py
 
@@ -68,6 +68,7 @@ class IngressServer:
         models: list[IngressModel],
         pools: dict[str, dict[str, Any]],
         http: HTTPOptions,
+        admission: AdmissionLimits | None = None,
         keys: KeyRing | None = None,
     ) -> None:
         from transformers import AutoTokenizer
@@ -90,13 +91,16 @@ class IngressServer:
                 on_encoder_run=self._counter(m.name),
             )
             served[m.name] = ServedModel(m.name, orch, m.limits, m.max_model_len, m.modalities)
+        self.admission = AdmissionController(admission or AdmissionLimits())
         self.service = ChatService(
             served,
             http.max_request_bytes,
             self.metrics,
+            self.admission,
             max_json_values=http.max_json_values,
             request_timeout_s=http.request_timeout_s,
         )
+        self.drain_timeout_s = http.drain_timeout_s
         self.http: DirectHTTPServer | None = None
         if http.mode == "direct":
             # Imported here: this class is pickled by value (``@serve.ingress`` wraps it), and its
@@ -130,6 +134,8 @@ class IngressServer:
 
     @fastapi_app.get("/health")
     async def health(self) -> JSONResponse:
+        if self.admission.closed:  # draining: load balancers stop sending here
+            return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @fastapi_app.get("/stats")
@@ -148,15 +154,18 @@ class IngressServer:
         if self.http is not None:
             self.http.check()
 
-    def __del__(self) -> Awaitable[None] | None:
-        """Serve's graceful shutdown awaits what this returns on the replica's loop (a plain ``def``:
-        the garbage collector calls ``__del__`` too, where a coroutine would only warn)."""
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return None
+    async def __del__(self) -> None:
+        """Serve's graceful shutdown (scale-down, redeploy, ``serve.shutdown``): refuse new requests
+        (503 ``shutting_down``; /health answers 503), stop accepting connections, let the responses in
+        flight finish (up to the pool's ``graceful_shutdown_timeout_s``). An ``async def`` on purpose:
+        ``@serve.ingress``'s wrapper awaits a coroutine function but drops what a plain ``def`` returns.
+        """
+        admission = getattr(self, "admission", None)
+        if admission is not None:
+            admission.close()
         http = getattr(self, "http", None)
-        return http.shutdown() if http is not None else None
+        if http is not None:
+            await http.shutdown(getattr(self, "drain_timeout_s", 10.0))
 
 
 def build_direct_app(server: IngressServer) -> FastAPI:

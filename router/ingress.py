@@ -7,7 +7,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+import weakref
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from llm_service.outputs import RequestOutput
+from router.admission import AdmissionController, AdmissionLimits, Ticket
 from router.auth import effective_cache_salt
 from router.deadline import Deadline
 from router.detokenizer import IncrementalDetokenizer
@@ -62,6 +64,7 @@ class ChatService:
         models: dict[str, ServedModel],
         max_request_bytes: int,
         metrics: Any = None,
+        admission: AdmissionController | None = None,
         *,
         max_json_values: int = DEFAULT_MAX_JSON_VALUES,
         request_timeout_s: float | None = None,
@@ -71,6 +74,7 @@ class ChatService:
         self.max_json_values = max_json_values
         self.request_timeout_s = request_timeout_s
         self.metrics = metrics
+        self.admission = admission or AdmissionController(AdmissionLimits())
 
     async def read_request(self, request: Request) -> ChatCompletionRequest:
         declared = request.headers.get("content-length")
@@ -120,12 +124,16 @@ class ChatService:
                 f"model {model.name!r} does not accept {', '.join(sorted(unsupported))} input",
                 code="unsupported_modality",
             )
+        # Bounded work in flight, refused at once past it (router/admission.py): before any other work.
+        ticket = self.admission.admit(self.admission.cost((m.modality for m in chat.media), chat.text_chars))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         orch = model.orchestrator
         watcher = asyncio.ensure_future(_cancel_on_disconnect(request, asyncio.current_task()))
+        response: Response | None = None
         try:
             salt = effective_cache_salt(tenant, req.cache_salt)
-            return await deadline.run(self._answer(req, model, request_id, chat, start, deadline, salt))
+            response = await deadline.run(self._answer(req, model, request_id, chat, start, deadline, salt))
+            return response
         except Exception as e:
             self._log_failure(orch, request_id, chat, e)
             orch.forget(request_id)
@@ -135,6 +143,11 @@ class ChatService:
             raise
         finally:  # a streamed response watches for the disconnect itself from here on
             watcher.cancel()
+            if isinstance(response, StreamingResponse):  # released when its body ends (or is dropped)
+                response.body_iterator = _release_after(response.body_iterator, self.admission, ticket)
+                weakref.finalize(response.body_iterator, self.admission.release, ticket)
+            else:
+                self.admission.release(ticket)
 
     async def _answer(
         self,
@@ -287,6 +300,18 @@ def _usage(last: RequestOutput, completion_tokens: int) -> Usage:
         total_tokens=last.num_prompt_tokens + completion_tokens,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=last.num_cached_tokens),
     )
+
+
+async def _release_after(
+    body: AsyncIterable[Any], admission: AdmissionController, ticket: Ticket
+) -> AsyncIterator[Any]:
+    """``body``, then the admission ticket back: before the response's last (empty) chunk goes out, so a
+    client that saw the end may be admitted again at once."""
+    try:
+        async for chunk in body:
+            yield chunk
+    finally:
+        admission.release(ticket)
 
 
 async def _cancel_on_disconnect(request: Request, task: asyncio.Task[Any] | None) -> None:

@@ -68,6 +68,12 @@ num_cpus: {{ .pool.numCpus | toJson }}
 num_gpus: {{ .pool.numGpus | default 0 | toJson }}
 {{- end }}
 max_ongoing_requests: {{ .pool.maxOngoingRequests | default 64 | toJson }}
+{{- if hasKey .pool "maxQueuedRequests" }}
+max_queued_requests: {{ .pool.maxQueuedRequests | toJson }}
+{{- end }}
+{{- if hasKey .pool "gracefulShutdownTimeoutS" }}
+graceful_shutdown_timeout_s: {{ .pool.gracefulShutdownTimeoutS | toJson }}
+{{- end }}
 {{- with .resources }}
 resources: {{ toJson . }}
 {{- end }}
