@@ -26,6 +26,20 @@ from llm_service.attention import AttentionMetadata, PagedAttention
 from llm_service.models.qwen2 import PositionScheme, Qwen2ForCausalLM, TextConfig, rotate_half
 
 SLIDING, FULL = "sliding_attention", "full_attention"
+# transformers' Gemma3TextConfig defaults: released config.json files leave some of these out
+TEXT_DEFAULTS = {
+    "vocab_size": 262_208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "query_pre_attn_scalar": 256,
+    "rms_norm_eps": 1e-6,
+    "sliding_window": 4096,
+    "max_position_embeddings": 131_072,
+}
 
 
 @dataclass(frozen=True)
@@ -39,7 +53,7 @@ class Gemma3TextConfig(TextConfig):
 
     @classmethod
     def from_hf_config(cls, model_dir: str | Path, cfg: dict[str, Any], scheme: PositionScheme) -> TextConfig:
-        text: dict[str, Any] = cfg.get("text_config") or cfg
+        text: dict[str, Any] = {**TEXT_DEFAULTS, **(cfg.get("text_config") or cfg)}
         if text.get("attn_logit_softcapping") is not None:
             raise ValueError(f"{model_dir}: attn_logit_softcapping (Gemma 2) is not supported")
         if text.get("use_bidirectional_attention"):
