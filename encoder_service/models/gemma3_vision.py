@@ -25,6 +25,14 @@ from encoder_service.types import EncoderInput
 
 TOWER_PREFIXES = ("model.vision_tower.vision_model.", "vision_tower.vision_model.", "model.vision_tower.")
 PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
+SIGLIP_DEFAULTS = {
+    "hidden_size": 768,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "image_size": 224,
+    "patch_size": 16,
+}
 
 
 class SiglipAttention(nn.Module):
@@ -115,7 +123,9 @@ class Gemma3VisionEncoder(EncoderModel):
 
     def __init__(self, config: dict, tp: TPContext) -> None:
         super().__init__()
-        vc, text = config["vision_config"], config.get("text_config") or {}
+        # transformers' SiglipVisionConfig / Gemma3TextConfig defaults under what config.json sets
+        vc = {**SIGLIP_DEFAULTS, **config.get("vision_config", {})}
+        text = {"hidden_size": 2304, **(config.get("text_config") or {})}
         self.embed_dim = vc["hidden_size"]
         self.hidden_size = text["hidden_size"]
         self.image_size, self.patch = vc["image_size"], vc["patch_size"]
