@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import signal
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from cluster.config import AppConfig, ModelConfig, default_config
@@ -99,8 +101,10 @@ def start(
     num_cpus: int | None = None,
     blocking: bool = False,
     metrics_export_port: int | None = None,
+    on_ray_started: Callable[[], None] | None = None,
 ) -> Any:
-    """Start Ray (if needed) and the app; returns the ingress handle."""
+    """Start Ray (if needed) and the app; returns the ingress handle. ``on_ray_started`` runs between
+    the two (``mmserve serve`` takes SIGTERM back there from the handlers ``ray.init`` installs)."""
     if "ray" not in sys.modules and _is_loopback(cfg.host):
         # An embedded single-node Ray serving loopback keeps its own sockets on loopback too; Ray
         # otherwise binds its GCS and raylet to the machine's routable address. Ray reads this flag
@@ -116,6 +120,8 @@ def start(
     if not ray.is_initialized():
         extra = {} if metrics_export_port is None else {"_metrics_export_port": metrics_export_port}
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace="mmserve", **extra)
+    if on_ray_started is not None:
+        on_ray_started()
     # Direct HTTP: the ingress replicas listen on host:port themselves; Serve starts no proxy.
     proxy = "Disabled" if cfg.ingress.http_mode == "direct" else "HeadOnly"
     serve.start(proxy_location=proxy, http_options={"host": cfg.host, "port": cfg.port})
@@ -139,13 +145,60 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+class _Stop(Exception):
+    """SIGTERM or SIGINT arrived: drain and exit."""
+
+
+def _raise_stop(signum: int, frame: Any) -> None:
+    raise _Stop(signal.Signals(signum).name)
+
+
+def _take_signals() -> None:
+    signal.signal(signal.SIGTERM, _raise_stop)
+    signal.signal(signal.SIGINT, _raise_stop)
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
-    start(cfg, args.num_cpus, metrics_export_port=args.metrics_export_port)
-    names = ", ".join(m.name for m in cfg.models)
-    print(f"mmserve is serving {names} on http://{cfg.host}:{cfg.port}/v1 (Ctrl-C to stop)", flush=True)
+    # Installed before Ray starts, so no Ray or Serve process inherits them: SIGTERM (Kubernetes,
+    # systemd, docker stop) and Ctrl-C both drain instead of dying mid-request.
+    _take_signals()
     try:
+        # ray.init installs its own SIGTERM handlers (Python's sys.exit, the core worker's stack dump
+        # and abort): take SIGTERM back as soon as it returns.
+        start(cfg, args.num_cpus, metrics_export_port=args.metrics_export_port, on_ray_started=_take_signals)
+        names = ", ".join(m.name for m in cfg.models)
+        print(f"mmserve is serving {names} on http://{cfg.host}:{cfg.port}/v1 (Ctrl-C to stop)", flush=True)
         while True:
             time.sleep(3600)
-    except KeyboardInterrupt:
-        return 0
+    except _Stop as why:
+        print(f"mmserve: {why}: draining (in-flight requests finish, new ones get 503)", flush=True)
+    return drain()
+
+
+def drain() -> int:
+    """Stop taking requests, let those in flight finish, shut Serve and Ray down: 0 on success.
+
+    Deleting the app is graceful: each replica stops taking calls and gets its pool's
+    ``graceful_shutdown_timeout_s`` for the ones in flight (the LLM replica's open submit calls are its
+    requests, the encoder's encode calls its FIFO), then its ``__del__``: the ingress closes admission
+    and its direct HTTP server (no new connections, responses in flight finish), the encoder drains its
+    FIFO and drops the cache entries it owns. A second signal while draining is ignored.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    code = 0
+    try:
+        import ray
+        from ray import serve
+
+        if ray.is_initialized():
+            for name in list(serve.status().applications):
+                serve.delete(name)  # blocks until every replica finished (or timed out) and exited
+            serve.shutdown()
+            ray.shutdown()
+    except Exception as e:  # a failed drain is still an exit, but not a clean one
+        print(f"mmserve: shutdown failed: {e!r}", file=sys.stderr, flush=True)
+        code = 1
+    print("mmserve: stopped", flush=True)
+    return code
