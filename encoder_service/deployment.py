@@ -164,6 +164,7 @@ class EncoderPoolServer:
                 dtype=str(tensor.dtype).removeprefix("torch."),
                 grid_thw=q.item.grid_thw,
                 second_per_grid_ts=q.item.second_per_grid_ts,
+                frame_times=q.item.frame_times,
             )
             ref = ray.put(tensor)  # Ray 2.60 has no _owner=: this replica owns it
             self._owned.add(meta.mm_hash, ref)

@@ -128,7 +128,7 @@ ENCODER_FAMILIES: dict[str, EncoderFamily] = {
     ),
     "qwen3_vl": EncoderFamily(
         "qwen3-vl",
-        ("image",),  # video: per-frame timestamp runs are not built yet (processors/qwen3_vl.py)
+        ("image", "video"),
         "encoder_service.processors.qwen3_vl:Qwen3VLFamily",
         "encoder_service.models.qwen3_vl_vision:Qwen3VLVisionEncoder",
         vision_largest_item,

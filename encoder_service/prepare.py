@@ -94,6 +94,7 @@ class RequestPreparer:
                 it.grid_thw,
                 [refs[it.mm_hash]],
                 second_per_grid_ts=it.second_per_grid_ts,
+                rows=it.rows,
             )
             for it in pre.items
         ]
@@ -136,9 +137,11 @@ class RequestPreparer:
         for it in pre.items:
             if it.mm_hash in refs:
                 continue
-            if capacity is not None and it.num_embeds > capacity:
+            # A run of a several-run item (a Qwen3-VL video frame) is charged the whole item's rows.
+            rows = it.encoder_input.num_embeds if it.encoder_input is not None else it.num_embeds
+            if capacity is not None and rows > capacity:
                 raise EncoderCacheFull(
-                    f"{it.modality} {it.index}: {it.num_embeds} embeddings, more than an encoder-cache "
+                    f"{it.modality} {it.index}: {rows} embeddings, more than an encoder-cache "
                     f"shard holds ({capacity}); raise encoder_cache_size or lower the media limits",
                     item=it.index,
                 )

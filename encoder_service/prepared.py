@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from encoder_service.types import Modality
-from encoder_service.wire import grid_from_wire, pack, plain, unpack
+from encoder_service.wire import grid_from_wire, pack, plain, rows_from_wire, unpack
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,7 @@ class PreparedItem:
     grid_thw: tuple[int, int, int] | None = None
     ref: list[Any] = field(default_factory=list, compare=False)  # [ObjectRef], not in the msgpack
     second_per_grid_ts: float | None = None  # a video's seconds per temporal patch (Qwen2.5-VL positions)
+    rows: tuple[int, int] | None = None  # the rows of the embeddings this run takes (None: all)
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,14 @@ def _prepared_from_bytes(raw: bytes, refs: list[list[Any]]) -> PreparedRequest:
     if len(refs) != len(d["items"]):
         raise ValueError(f"PreparedRequest carries {len(d['items'])} items but {len(refs)} refs")
     items = [
-        PreparedItem(**{**it, "grid_thw": grid_from_wire(it["grid_thw"]), "ref": list(ref)})
+        PreparedItem(
+            **{
+                **it,
+                "grid_thw": grid_from_wire(it["grid_thw"]),
+                "rows": rows_from_wire(it.get("rows")),
+                "ref": list(ref),
+            }
+        )
         for it, ref in zip(d["items"], refs, strict=True)
     ]
     record = {f.name: d[f.name] for f in fields(PreparedRequest) if f.name != "items"}

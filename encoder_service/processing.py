@@ -70,6 +70,7 @@ class _Item:
     encoder_input: EncoderInput | None = None
     metadata: dict[str, Any] | None = None
     second_per_grid_ts: float | None = None  # from the decode (or the cache entry); video positions
+    frame_times: list[float] | None = None  # likewise: a Qwen3-VL video's prompt timestamps
     header: Image.Image | None = None  # an image opened (header only) and checked by ``_fetch``
 
 
@@ -156,7 +157,7 @@ class Preprocessor:
             meta = cached.get(it.mm_hash)
             if meta is not None:
                 it.num_embeds, it.grid_thw = meta.num_embeds, meta.grid_thw
-                it.second_per_grid_ts = meta.second_per_grid_ts
+                it.second_per_grid_ts, it.frame_times = meta.second_per_grid_ts, meta.frame_times
                 it.metadata = {"source": "encoder_cache"}
             elif it.mm_hash in computed:
                 continue  # filled in from the first item with these bytes, below
@@ -175,7 +176,7 @@ class Preprocessor:
             if first is not None and first is not it:
                 it.num_embeds, it.grid_thw = first.num_embeds, first.grid_thw
                 it.encoder_input, it.metadata = first.encoder_input, first.metadata
-                it.second_per_grid_ts = first.second_per_grid_ts
+                it.second_per_grid_ts, it.frame_times = first.second_per_grid_ts, first.frame_times
         return self._tokenize(template_messages, items)
 
     def preprocess_sync(
@@ -283,7 +284,7 @@ class Preprocessor:
         hit = self.processor_cache.get(it.mm_hash)
         if hit is not None:
             it.encoder_input, it.num_embeds, it.grid_thw = hit, hit.num_embeds, hit.grid_thw
-            it.second_per_grid_ts = hit.second_per_grid_ts
+            it.second_per_grid_ts, it.frame_times = hit.second_per_grid_ts, hit.frame_times
             it.metadata = {"source": "processor_cache"}
             return
         fetched = it.fetched
@@ -303,9 +304,16 @@ class Preprocessor:
             out = _processed_or_422(lambda: self.family.process(modality, loaded.value), modality, it.index)
             it.metadata = {**loaded.metadata, **self.family.item_metadata(modality, loaded.metadata)}
             it.second_per_grid_ts = it.metadata.get("second_per_grid_ts")
+            it.frame_times = it.metadata.get("frame_times")
         it.num_embeds, it.grid_thw = out.num_embeds, out.grid_thw
         it.encoder_input = EncoderInput(
-            it.mm_hash, modality, out.num_embeds, out.grid_thw, out.tensors, it.second_per_grid_ts
+            it.mm_hash,
+            modality,
+            out.num_embeds,
+            out.grid_thw,
+            out.tensors,
+            it.second_per_grid_ts,
+            it.frame_times,
         )
         self.processor_cache.put(it.encoder_input)
 
@@ -330,7 +338,7 @@ class Preprocessor:
         queues = {m: [it for it in items if it.ref.modality == m] for m in self.family.modalities}
         by_token = {tid: m for m, tid in self.family.placeholder_token_ids.items()}
         out_ids: list[int] = []
-        ranges: dict[int, PlaceholderRange] = {}
+        runs: dict[int, list[PlaceholderRange]] = {}
         for tid in ids:
             modality = by_token.get(tid)
             if modality is None:
@@ -339,29 +347,63 @@ class Preprocessor:
             if not queues[modality]:
                 raise InvalidMediaInput(f"prompt has more {modality} placeholders than {modality} items")
             it = queues[modality].pop(0)
-            ranges[it.index] = PlaceholderRange(len(out_ids), it.num_embeds)
-            out_ids.extend([tid] * it.num_embeds)
-        if any(queues.values()) or len(ranges) != len(items):
+            expansion = self.family.expand_placeholder(modality, tid, it.num_embeds, it.frame_times)
+            runs[it.index] = _placeholder_runs(expansion, tid, len(out_ids))
+            out_ids.extend(expansion)
+        if any(queues.values()) or len(runs) != len(items):
             raise InvalidMediaInput(
                 "the chat template dropped a media placeholder (text contains special tokens?)"
             )
-        mm_items = [
-            MultiModalItem(
-                index=it.index,
-                mm_hash=it.mm_hash,
-                modality=it.ref.modality,
-                placeholder=ranges[it.index],
-                grid_thw=it.grid_thw,
-                metadata=dict(it.metadata or {}),
-                encoder_input=it.encoder_input,
-                second_per_grid_ts=it.second_per_grid_ts,
-            )
-            for it in items
-        ]
+        mm_items = [mm for it in items for mm in _items_of(it, runs[it.index])]
         kwargs: dict[str, Any] = {
             m: self.family.log_kwargs(m) for m in sorted({it.ref.modality for it in items})
         }
         return PreprocessedRequest(out_ids, mm_items, kwargs)
+
+
+def _placeholder_runs(expansion: list[int], token_id: int, start: int) -> list[PlaceholderRange]:
+    """The maximal runs of ``token_id`` in ``expansion``, placed at prompt offset ``start``."""
+    out: list[PlaceholderRange] = []
+    for i, tid in enumerate(expansion):
+        if tid != token_id:
+            continue
+        if out and out[-1].end == start + i:
+            out[-1] = PlaceholderRange(out[-1].offset, out[-1].length + 1)
+        else:
+            out.append(PlaceholderRange(start + i, 1))
+    return out
+
+
+def _items_of(it: _Item, runs: list[PlaceholderRange]) -> list[MultiModalItem]:
+    """One record per placeholder run. An item of several runs (a Qwen3-VL video: one per temporal
+    patch) gives each run its rows of the item's embeddings and its own ``(1, h, w)`` grid; they
+    share the mm_hash, and only the first carries the encoder input (the item is encoded once)."""
+    if len(runs) > 1 and (
+        it.grid_thw is None or it.grid_thw[0] % len(runs) or sum(r.length for r in runs) != it.num_embeds
+    ):
+        raise RuntimeError(
+            f"{it.ref.modality} {it.index}: {len(runs)} placeholder runs do not split its grid"
+        )
+    grid = it.grid_thw
+    if len(runs) > 1 and grid is not None:
+        grid = (grid[0] // len(runs), grid[1], grid[2])
+    out, row = [], 0
+    for i, run in enumerate(runs):
+        out.append(
+            MultiModalItem(
+                index=it.index,
+                mm_hash=it.mm_hash,
+                modality=it.ref.modality,
+                placeholder=run,
+                grid_thw=grid,
+                metadata=dict(it.metadata or {}),
+                encoder_input=it.encoder_input if i == 0 else None,
+                second_per_grid_ts=it.second_per_grid_ts,
+                rows=(row, row + run.length) if len(runs) > 1 else None,
+            )
+        )
+        row += run.length
+    return out
 
 
 def _processed_or_422(process: Callable[[], ProcessedItem], modality: str, index: int) -> ProcessedItem:

@@ -17,6 +17,7 @@ from encoder_service.wire import (
     pack,
     pack_tensor,
     plain,
+    rows_from_wire,
     unpack,
     unpack_tensor,
 )
@@ -65,6 +66,7 @@ class EncoderInput:
     grid_thw: tuple[int, int, int] | None
     tensors: dict[str, Any] = field(default_factory=dict)
     second_per_grid_ts: float | None = None  # a video's seconds per temporal patch (Qwen2.5-VL positions)
+    frame_times: list[float] | None = None  # seconds of each temporal patch (Qwen3-VL's prompt timestamps)
 
     def to_wire(self, buffers: list[Any]) -> dict[str, Any]:
         return {
@@ -74,6 +76,7 @@ class EncoderInput:
             "grid_thw": grid_to_wire(self.grid_thw),
             "tensors": {k: pack_tensor(t, buffers) for k, t in self.tensors.items()},
             "second_per_grid_ts": self.second_per_grid_ts,
+            "frame_times": self.frame_times,
         }
 
     @classmethod
@@ -85,6 +88,7 @@ class EncoderInput:
             grid_thw=grid_from_wire(d["grid_thw"]),
             tensors={k: unpack_tensor(t, buffers) for k, t in d["tensors"].items()},
             second_per_grid_ts=d.get("second_per_grid_ts"),
+            frame_times=d.get("frame_times"),
         )
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -104,6 +108,9 @@ class MultiModalItem:
     metadata: dict[str, Any]  # parsed facts for logs: width/height, frames, seconds, source kind
     encoder_input: EncoderInput | None = None
     second_per_grid_ts: float | None = None  # what the LLM's positions need beyond the grid (video)
+    # One run of an item whose placeholder is several runs (a Qwen3-VL video: one run per temporal
+    # patch, timestamps between them): the rows of the item's embeddings this run takes.
+    rows: tuple[int, int] | None = None
 
     @property
     def num_embeds(self) -> int:
@@ -120,6 +127,7 @@ class MultiModalItem:
             "metadata": plain(self.metadata),
             "encoder_input": self.encoder_input.to_wire(buffers) if self.encoder_input else None,
             "second_per_grid_ts": self.second_per_grid_ts,
+            "rows": list(self.rows) if self.rows else None,
         }
 
     @classmethod
@@ -134,6 +142,7 @@ class MultiModalItem:
             metadata=dict(d["metadata"]),
             encoder_input=EncoderInput.from_wire(enc, buffers) if enc is not None else None,
             second_per_grid_ts=d.get("second_per_grid_ts"),
+            rows=rows_from_wire(d.get("rows")),
         )
 
 
@@ -183,6 +192,7 @@ class EmbeddingMeta:
     dtype: str
     grid_thw: tuple[int, int, int] | None = None
     second_per_grid_ts: float | None = None  # cache hits carry it to the LLM's positions
+    frame_times: list[float] | None = None  # cache hits carry a Qwen3-VL video's prompt timestamps
 
     def to_msgpack(self) -> bytes:
         fields: dict[str, Any] = {
@@ -195,6 +205,8 @@ class EmbeddingMeta:
         }
         if self.second_per_grid_ts is not None:  # optional: absent on images, audio, Qwen2-VL
             fields["second_per_grid_ts"] = self.second_per_grid_ts
+        if self.frame_times is not None:  # optional: Qwen3-VL videos only
+            fields["frame_times"] = list(self.frame_times)
         return pack("EmbeddingMeta", fields)
 
     @classmethod
@@ -208,6 +220,7 @@ class EmbeddingMeta:
             dtype=d["dtype"],
             grid_thw=grid_from_wire(d["grid_thw"]),
             second_per_grid_ts=d.get("second_per_grid_ts"),
+            frame_times=d.get("frame_times"),
         )
 
     def __reduce__(self) -> tuple[Any, ...]:

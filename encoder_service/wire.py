@@ -91,3 +91,7 @@ def grid_to_wire(grid: tuple[int, int, int] | None) -> list[int] | None:
 
 def grid_from_wire(grid: list[int] | None) -> tuple[int, int, int] | None:
     return (int(grid[0]), int(grid[1]), int(grid[2])) if grid else None
+
+
+def rows_from_wire(rows: list[int] | None) -> tuple[int, int] | None:
+    return (int(rows[0]), int(rows[1])) if rows else None

@@ -53,7 +53,7 @@ async def resolve_embeddings(
         raise EmbeddingsLost(list(dict.fromkeys(lost)), type(errors[0]).__name__) from errors[0]
     return [
         MultiModalInput(
-            embeddings=t,
+            embeddings=_take_rows(t, it.rows),
             offset=it.offset,
             mm_hash=it.mm_hash,
             modality=it.modality,
@@ -62,3 +62,8 @@ async def resolve_embeddings(
         )
         for it, t in zip(items, tensors, strict=True)
     ]
+
+
+def _take_rows(tensor: Any, rows: tuple[int, int] | None) -> Any:
+    """The rows of a fetched tensor one placeholder run takes (a Qwen3-VL video frame); None: all."""
+    return tensor[rows[0] : rows[1]] if rows else tensor

@@ -24,6 +24,7 @@ class EmbeddingRef:
     modality: str
     grid_thw: tuple[int, int, int] | None = None
     second_per_grid_ts: float | None = None  # a video's seconds per temporal patch (Qwen2.5-VL positions)
+    rows: tuple[int, int] | None = None  # the rows of the fetched tensor this item takes (None: all)
 
     def to_wire(self) -> dict[str, Any]:
         grid = list(self.grid_thw) if self.grid_thw else None
@@ -34,6 +35,7 @@ class EmbeddingRef:
             "modality": self.modality,
             "grid_thw": grid,
             "second_per_grid_ts": self.second_per_grid_ts,
+            "rows": list(self.rows) if self.rows else None,
         }
 
     @classmethod
@@ -47,6 +49,7 @@ class EmbeddingRef:
             modality=d["modality"],
             grid_thw=(int(grid[0]), int(grid[1]), int(grid[2])) if grid else None,
             second_per_grid_ts=d.get("second_per_grid_ts"),
+            rows=(int(d["rows"][0]), int(d["rows"][1])) if d.get("rows") else None,
         )
 
 

@@ -146,6 +146,7 @@ class Orchestrator:
                 modality=it.modality,
                 grid_thw=it.grid_thw,
                 second_per_grid_ts=it.second_per_grid_ts,
+                rows=it.rows,
             )
             for it in pre.items
         ]

@@ -108,6 +108,7 @@ def decode_video(
         "seconds": round(seconds, 3),
         "total_frames": total,
         "sampled_frames": int(picked.shape[0]),
+        "fps": rate,  # the stream's frame rate (Qwen3-VL's prompt timestamps are index / fps)
         "format": name,
     }
     return picked, meta

@@ -115,7 +115,7 @@ class Qwen3PatchMerger(nn.Module):
 class Qwen3VLVisionEncoder(QwenVisionTower):
     family = "qwen3-vl"
     label = "Qwen3-VL"
-    modalities = ("image",)  # the tower encodes video too; the adapter does not build its prompt yet
+    modalities = ("image", "video")
 
     def __init__(self, config: dict, tp: TPContext) -> None:
         super().__init__()

@@ -67,6 +67,13 @@ class FamilyProcessor(ABC):
         (Gemma 3 widens each image marker into its start/soft/end tokens). The default: as is."""
         return text
 
+    def expand_placeholder(
+        self, modality: Modality, token_id: int, num_embeds: int, frame_times: list[float] | None
+    ) -> list[int]:
+        """The prompt ids one item's placeholder token becomes; its embeddings fill the runs of
+        ``token_id`` in order. The default: ``num_embeds`` placeholders in one run."""
+        return [token_id] * num_embeds
+
     def check_image_size(self, width: int, height: int) -> None:
         """Raise ``ValueError`` (a message a client can act on) for a size the processor refuses."""
         return None

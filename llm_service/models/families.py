@@ -30,7 +30,7 @@ DECODER_FAMILIES: dict[str, DecoderFamily] = {
     "qwen2_vl": DecoderFamily(Qwen2ForCausalLM, "mrope", ("image", "video")),
     "qwen2_5_vl": DecoderFamily(Qwen2ForCausalLM, "mrope_abs_time", ("image", "video")),
     "gemma3": DecoderFamily(Gemma3ForCausalLM, "rope", ("image",), Gemma3TextConfig),
-    "qwen3_vl": DecoderFamily(Qwen3VLForCausalLM, "mrope", ("image",), Qwen3VLTextConfig),
+    "qwen3_vl": DecoderFamily(Qwen3VLForCausalLM, "mrope", ("image", "video"), Qwen3VLTextConfig),
 }
 
 

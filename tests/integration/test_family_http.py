@@ -41,7 +41,7 @@ class Family:
 
 FAMILIES = [
     Family("qwen2.5-vl", video=True),
-    Family("qwen3-vl", video=False, embeds_224=49),  # patch 16: 224 px -> 14x14 patches -> 7x7
+    Family("qwen3-vl", video=True, embeds_224=49),  # patch 16: 224 px -> 14x14 patches -> 7x7
     Family("gemma3", video=False, embeds_224=16, burst_images=4, max_num_batched_tokens=24),
 ]
 MAX_TOKENS = 8
@@ -162,7 +162,8 @@ def test_video_at_non_default_fps_equals_hf(app: dict[str, Any], f: Family) -> N
     frames, meta = decode_video(mp4, MediaLimits(video_fps=VIDEO_FPS), frame_multiple=2)
     indices = sample_frame_indices(meta["total_frames"], meta["sampled_frames"])
     hf_meta = VideoMetadata(total_num_frames=meta["total_frames"], fps=8.0, frames_indices=indices)
-    assert served == _hf(f, app, 0, "what?", videos=[np.asarray(frames)], video_metadata=[hf_meta])
+    videos = {"videos": [np.asarray(frames)], "video_metadata": [hf_meta], "do_sample_frames": False}
+    assert served == _hf(f, app, 0, "what?", **videos)  # Qwen3-VL: timestamped runs, one per patch
 
 
 @pytest.mark.parametrize("f", FAMILIES, ids=lambda f: f.tiny)

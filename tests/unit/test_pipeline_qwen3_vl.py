@@ -70,3 +70,57 @@ def test_preprocess_encode_generate_equals_hf(model_dir: Path) -> None:
     with torch.no_grad():
         ref = hf.generate(**inputs, max_new_tokens=N, do_sample=False)[0, len(out.prompt_token_ids) :]
     assert ours.token_ids == ref.tolist()
+
+
+def test_video_runs_through_the_pipeline_equal_hf(model_dir: Path) -> None:
+    """A video at 1 fps: the preprocessor writes HF's timestamped runs (one per temporal patch), the
+    tower encodes the clip once, each run takes its rows; greedy tokens equal HF's."""
+    import numpy as np
+    from transformers import Qwen3VLForConditionalGeneration
+    from transformers.video_utils import VideoMetadata
+
+    from encoder_service.media import MediaLimits
+    from encoder_service.media.video import decode_video, sample_frame_indices
+    from tests.media import make_video_bytes
+
+    torch.set_num_threads(1)
+    limits = MediaLimits(video_fps=1.0)
+    video = make_video_bytes(84, 56, num_frames=40, fps=8, seed=4)  # 5 s: 5 frames kept -> 6, 3 runs
+    content = [
+        {"type": "video", "media": MediaRef("video", data=video)},
+        {"type": "text", "text": "what happens?"},
+    ]
+    pre = Preprocessor(model_dir, limits, {"video": 1})
+    out = pre.preprocess_sync([{"role": "user", "content": content}])
+    assert [(it.grid_thw, it.rows) for it in out.items] == [((1, 4, 6), (6 * i, 6 * i + 6)) for i in range(3)]
+    first = out.items[0].encoder_input
+    assert first is not None and all(it.encoder_input is None for it in out.items[1:])
+    (rows,) = EncoderRunner(model_dir, device="cpu").encode([first])
+    mm = [
+        MultiModalInput(
+            rows[it.rows[0] : it.rows[1]], it.placeholder.offset, it.mm_hash, "video", it.grid_thw
+        )
+        for it in out.items
+        if it.rows is not None
+    ]
+    engine = LLMEngine(EngineConfig(model=str(model_dir), block_size=4, num_kv_blocks=256))
+    (ours,) = engine.generate([GenerateRequest(out.prompt_token_ids, SamplingParams(max_tokens=N), mm)])
+
+    frames, meta = decode_video(video, limits, frame_multiple=2)
+    indices = sample_frame_indices(meta["total_frames"], meta["sampled_frames"])
+    hf_meta = VideoMetadata(total_num_frames=meta["total_frames"], fps=8.0, frames_indices=indices)
+    proc = pre.family.hf
+    hf_content = [{"type": "video"}, {"type": "text", "text": "what happens?"}]
+    text = proc.apply_chat_template([{"role": "user", "content": hf_content}], add_generation_prompt=True)
+    inputs = proc(
+        text=[text],
+        videos=[np.asarray(frames)],
+        video_metadata=[hf_meta],
+        do_sample_frames=False,
+        return_tensors="pt",
+    )
+    assert inputs["input_ids"][0].tolist() == out.prompt_token_ids
+    hf = Qwen3VLForConditionalGeneration.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        ref = hf.generate(**inputs, max_new_tokens=N, do_sample=False)[0, len(out.prompt_token_ids) :]
+    assert ours.token_ids == ref.tolist()

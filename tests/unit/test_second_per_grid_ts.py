@@ -104,3 +104,36 @@ def test_images_have_none(model_dir: Path) -> None:
     ]
     (item,) = pre.preprocess_sync(msgs).items
     assert item.second_per_grid_ts is None
+
+
+def test_run_rows_cross_every_wire_form() -> None:
+    """A run of a several-run item (a Qwen3-VL video frame) names its rows of the one cached tensor;
+    they survive the prepared request and the LLM spec, and the LLM side takes exactly those rows."""
+    import asyncio
+
+    import torch
+
+    from encoder_service.types import MultiModalItem, PlaceholderRange, PreprocessedRequest
+
+    item = MultiModalItem(0, "h", "video", PlaceholderRange(30, 6), (1, 4, 6), {}, rows=(6, 12))
+    back = pickle.loads(pickle.dumps(PreprocessedRequest([1] * 40, [item], {})))
+    assert back.items[0].rows == (6, 12)
+    prepared = PreparedRequest(
+        [1] * 40, [PreparedItem("h", "video", 30, 6, (1, 4, 6), ["r"], rows=(6, 12))], 0, {}
+    )
+    (p_item,) = pickle.loads(pickle.dumps(prepared)).items
+    assert p_item.rows == (6, 12)
+    ref = EmbeddingRef(["r"], 30, 6, "h", "video", (1, 4, 6), rows=p_item.rows)
+    (e_ref,) = pickle.loads(
+        pickle.dumps(LLMRequestSpec("r", [1] * 40, SamplingParams(max_tokens=1), [ref]))
+    ).mm_items
+    assert e_ref.rows == (6, 12)
+    whole = torch.arange(18.0)[:, None].expand(18, 4)
+
+    async def fetch(_: object) -> torch.Tensor:
+        return whole
+
+    (mm,) = asyncio.run(resolve_embeddings([e_ref], fetch))
+    assert mm.embeddings[:, 0].tolist() == list(range(6, 12))
+    meta = EmbeddingMeta("h", "video", 18, 4, "float32", (3, 4, 6), frame_times=[0.5, 1.5, 2.5])
+    assert pickle.loads(pickle.dumps(meta)).frame_times == [0.5, 1.5, 2.5]

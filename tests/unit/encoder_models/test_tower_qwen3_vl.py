@@ -74,7 +74,7 @@ def test_bilinear_taps_hand_computed() -> None:
 
 def test_family_and_row_width(runner: EncoderRunner) -> None:
     assert (runner.family, runner.hidden_size) == ("qwen3-vl", HIDDEN * (1 + LEVELS))
-    assert runner.modalities == ("image",)  # the tower encodes video (below); the adapter does not yet
+    assert runner.modalities == ("image", "video")
 
 
 def test_mixed_batch_matches_hf(model_dir: Path, hf: Any, runner: EncoderRunner) -> None:

@@ -11,11 +11,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from llm_service.multimodal import MultiModalInput
 from llm_service.outputs import GenerateRequest
+from tests.media import make_image_array
 from tests.unit.llm.hf_ref import (
     GREEDY,
     IMG,
@@ -23,11 +25,13 @@ from tests.unit.llm.hf_ref import (
     RefCase,
     assert_all_free,
     build_case,
+    capture_lm_inputs,
     engine,
     hf_generate,
     hf_model,
     image,
     run,
+    runs,
 )
 from tests.unit.qwen3_vl_dir import tiny_qwen3_vl_dir
 
@@ -61,10 +65,8 @@ def deepstack_rows(hf: Any, inputs: dict[str, Any]) -> tuple[list[int], list[tor
     return positions, [level.detach().clone() for level in seen["levels"]]
 
 
-def case_of(hf: Any, proc: Any, text: str, mm_hashes: list[str] | None = None, **media: Any) -> RefCase:
-    case = build_case(hf, proc, text, mm_hashes, **media)
-    if not case.mm_inputs:
-        return case
+def with_levels(hf: Any, case: RefCase) -> RefCase:
+    """``case`` with each item's DeepStack rows appended to its main embeddings."""
     positions, levels = deepstack_rows(hf, case.hf_inputs)
     row_of = {p: i for i, p in enumerate(positions)}
     items = []
@@ -73,6 +75,39 @@ def case_of(hf: Any, proc: Any, text: str, mm_hashes: list[str] | None = None, *
         full = torch.cat([m.embeddings, *(level[rows] for level in levels)], dim=-1)
         items.append(MultiModalInput(full, m.offset, m.mm_hash, m.modality, m.grid_thw))
     return RefCase(case.prompt, items, case.hf_inputs)
+
+
+def case_of(hf: Any, proc: Any, text: str, mm_hashes: list[str] | None = None, **media: Any) -> RefCase:
+    case = build_case(hf, proc, text, mm_hashes, **media)
+    return with_levels(hf, case) if case.mm_inputs else case
+
+
+def video_case(hf: Any, proc: Any, text: str, images: list[Any] | None = None) -> RefCase:
+    """A 6-frame clip at 3 fps plus optional images: HF writes the video as 3 timestamped runs, one per
+    temporal patch, each a ``(1, h, w)`` item here (as its ``get_rope_index`` splits the grid)."""
+    from transformers.video_utils import VideoMetadata
+
+    frames = np.stack([make_image_array(96, 64, 20 + i) for i in range(6)])
+    meta = VideoMetadata(total_num_frames=6, fps=3.0, frames_indices=list(range(6)))
+    media: dict[str, Any] = {"videos": [frames], "video_metadata": [meta], "do_sample_frames": False}
+    if images:
+        media["images"] = images
+    inputs = dict(proc(text=[text], return_tensors="pt", **media))
+    ids = inputs["input_ids"][0].tolist()
+    main = capture_lm_inputs(hf, inputs)
+    items = []
+    for i, grid in enumerate(inputs.get("image_grid_thw", [])):
+        off, n = runs(ids, hf.config.image_token_id)[i]
+        items.append(
+            MultiModalInput(main[off : off + n].clone(), off, f"image-{i}", "image", tuple(grid.tolist()))
+        )
+    t, h, w = inputs["video_grid_thw"][0].tolist()
+    video_runs = runs(ids, hf.config.video_token_id)
+    assert len(video_runs) == t == 3
+    for off, n in video_runs:
+        items.append(MultiModalInput(main[off : off + n].clone(), off, "video-0", "video", (1, h, w)))
+    items.sort(key=lambda m: m.offset)
+    return with_levels(hf, RefCase(ids, items, inputs))
 
 
 def test_family_facts(model_dir: Path) -> None:
@@ -160,3 +195,22 @@ def test_prefix_hit_ends_inside_the_image(vl, model_dir) -> None:
     other = case_of(hf, proc, f"look {IMG}", ["img-B"], images=[image(300, 200, 7)])
     (c,) = eng.generate([GenerateRequest(other.prompt, GREEDY, other.mm_inputs)])
     assert c.token_ids == hf_generate(hf, other, N)
+
+
+VID = "<|vision_start|><|video_pad|><|vision_end|>"
+
+
+def test_video_timestamped_runs(vl, model_dir) -> None:
+    hf, proc = vl
+    case = video_case(hf, proc, f"what happens {VID} here")
+    text = proc.tokenizer.decode(case.prompt)
+    assert "<0.2 seconds>" in text and "<0.8 seconds>" in text and "<1.5 seconds>" in text
+    assert run(engine(model_dir), [case]) == [hf_generate(hf, case, N)]
+
+
+def test_video_and_image_chunked(vl, model_dir) -> None:
+    hf, proc = vl
+    case = video_case(hf, proc, f"a {IMG} then {VID} compare", images=[image(300, 200, 8)])
+    eng = engine(model_dir, max_num_batched_tokens=16)
+    assert run(eng, [case]) == [hf_generate(hf, case, N)]
+    assert_all_free(eng)
