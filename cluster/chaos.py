@@ -327,10 +327,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         print(asyncio.run(amain(args)), flush=True)
-    finally:
+    finally:  # Serve first: its handles' long-poll threads would re-init Ray under ray.shutdown
         import ray
+        from ray import serve
 
         if ray.is_initialized():
+            serve.shutdown()
             ray.shutdown()
     return 0
 
