@@ -124,3 +124,30 @@ def test_video_runs_through_the_pipeline_equal_hf(model_dir: Path) -> None:
     with torch.no_grad():
         ref = hf.generate(**inputs, max_new_tokens=N, do_sample=False)[0, len(out.prompt_token_ids) :]
     assert ours.token_ids == ref.tolist()
+
+
+def test_video_cache_hit_builds_the_same_prompt(model_dir: Path) -> None:
+    """A hit is never decoded: the entry's grid and frame times alone rebuild the timestamped runs."""
+    import pickle
+
+    from encoder_service.media import MediaLimits
+    from encoder_service.types import EmbeddingMeta
+    from tests.media import make_video_bytes
+
+    limits = MediaLimits(video_fps=1.0)
+    video = make_video_bytes(84, 56, num_frames=40, fps=8, seed=5)
+    msgs = [{"role": "user", "content": [{"type": "video", "media": MediaRef("video", data=video)}]}]
+    miss = Preprocessor(model_dir, limits, {"video": 1}).preprocess_sync(msgs)
+    enc = miss.items[0].encoder_input
+    assert enc is not None and enc.frame_times is not None and len(enc.frame_times) == 3
+    meta = EmbeddingMeta(
+        enc.mm_hash, "video", enc.num_embeds, 192, "float32", enc.grid_thw, None, enc.frame_times
+    )
+    meta = pickle.loads(pickle.dumps(meta))  # as the cache index returns it
+    fresh = Preprocessor(model_dir, limits, {"video": 1})
+    hit = fresh.preprocess_sync(msgs, lambda hashes: {h: meta for h in hashes})
+    assert fresh.num_processor_calls == 0
+    assert hit.prompt_token_ids == miss.prompt_token_ids
+    assert [(i.placeholder, i.rows, i.grid_thw) for i in hit.items] == [
+        (i.placeholder, i.rows, i.grid_thw) for i in miss.items
+    ]
