@@ -105,10 +105,6 @@ def _preprocessor(model: ModelConfig, cache_dir: str, encoder: Any) -> Any:
                 encoder=encoder,
                 model_name=m.name,
             )
-            from encoder_service.uuid_aliases import open_uuid_aliases
-
-            # uuid names, shared by every preprocessor replica of the model (encoder_service/uuid_aliases.py)
-            self.preprocessor.aliases = open_uuid_aliases(f"mmserve-uuid-aliases-{m.name}")
 
     opts = deployment_options(model.preprocess.deployment, f"Preprocessor-{model.name}")
     return serve.deployment(Preprocessor).options(**opts).bind(model.model_dump(), cache_dir, encoder)

@@ -45,6 +45,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from encoder_service.encoder_cache import COMPUTE, DEFAULT_LEASE_S, HIT, WAIT, EncoderCacheBooks
 from encoder_service.errors import EncoderCacheBusy, EncoderCacheFull
 from encoder_service.types import EmbeddingMeta
+from encoder_service.uuid_aliases import MAX_ALIASES, UuidAliases
 
 logger = logging.getLogger("mmserve.encoder")
 
@@ -82,6 +83,7 @@ class CacheIndexShard:
         wait_timeout_s: float = 30.0,
         lease_s: float = DEFAULT_LEASE_S,
         evict_grace_s: float = EVICT_GRACE_S,
+        max_aliases: int = MAX_ALIASES,
     ) -> None:
         self.books = EncoderCacheBooks(capacity, lease_s)
         self.refs: dict[str, list[Any]] = {}  # mm_hash -> [ObjectRef]
@@ -91,6 +93,7 @@ class CacheIndexShard:
         self._doomed: dict[str, None] = {}  # ref ids invalidated while their hash was reserved
         self._released: dict[str, None] = {}  # request ids released, oldest first (bounded)
         self._recent: OrderedDict[str, tuple[str, float]] = OrderedDict()  # evicted -> (ref id, when)
+        self.aliases = UuidAliases(max_aliases)  # uuid names whose key hashes to this shard
 
     def _hit(self, mm_hash: str) -> Payload:
         meta = self.books.entries[mm_hash].meta
@@ -246,11 +249,21 @@ class CacheIndexShard:
         ):
             self._recent.popitem(last=False)
 
+    async def alias_resolve(self, keys: list[str]) -> dict[str, str]:
+        return self.aliases.resolve(keys)
+
+    async def alias_point(self, aliases: dict[str, str]) -> None:
+        self.aliases.point(aliases)
+
     async def stats(self) -> dict[str, Any]:
         async with self._changed:
             if self.books.expire(time.monotonic()):
                 self._changed.notify_all()
-        return {**self.books.stats(), "invalidations": self.books.invalidations}
+        return {
+            **self.books.stats(),
+            "invalidations": self.books.invalidations,
+            "uuid_names": len(self.aliases),
+        }
 
 
 @dataclass(frozen=True)
@@ -446,6 +459,18 @@ class EncoderCacheClient:
         when the caller knows which it touched, else on every shard. Final for that request id."""
         indexes = range(len(self.shards)) if hashes is None else list(self._groups(hashes))
         await asyncio.gather(*(self._call(s, "release", request_id) for s in indexes))
+
+    # ---- uuid names (encoder_service.uuid_aliases.AliasStore): each on the shard its key hashes to ----
+    async def resolve(self, keys: list[str]) -> dict[str, str]:
+        groups = self._groups(keys)
+        answers = await asyncio.gather(*(self._call(s, "alias_resolve", ks) for s, ks in groups.items()))
+        return {k: h for ans in answers for k, h in ans.items()}
+
+    async def point(self, aliases: Mapping[str, str]) -> None:
+        groups: dict[int, dict[str, str]] = {}
+        for key, mm_hash in aliases.items():
+            groups.setdefault(shard_of(key, len(self.shards)), {})[key] = mm_hash
+        await asyncio.gather(*(self._call(s, "alias_point", g) for s, g in groups.items()))
 
     async def stats(self) -> dict[str, Any]:
         per_shard = await asyncio.gather(*(self._call(s, "stats") for s in range(len(self.shards))))

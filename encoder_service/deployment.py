@@ -264,6 +264,7 @@ class PreprocessorServer:
             namespace="mmserve",
             largest_item=cache_largest_item,
         )
+        self.preprocessor.aliases = self.cache  # uuid names live in the cache shards (uuid_aliases.py)
         self.encoder = encoder  # DeploymentHandle of the model's EncoderPool
         self.preparer = RequestPreparer(self.preprocessor, self.cache, self._encode)
 

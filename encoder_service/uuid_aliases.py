@@ -8,15 +8,16 @@ So different bytes under a uuid already in use change only what that tenant's la
 get, never what a part with bytes gets, and never anything another tenant sees.
 
 ``UuidAliases`` keeps the books (a bounded LRU, pure Python); ``LocalAliases`` serves them in-process
-(one preprocessor, tests); ``open_uuid_aliases`` puts them in one named Ray actor per model, shared by
-every preprocessor replica, and ``RemoteAliases`` is its client.
+(one preprocessor, tests). Served, they live in the model's encoder-cache shards next to the entries
+they name (``cache_index``: each shard keeps the names whose key hashes to it, and the cache client is
+the preprocessor's ``AliasStore``), so they cost no process of their own.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Protocol
 
 MAX_ALIASES = 262_144  # names remembered per model (LRU); ~100 bytes each
 
@@ -69,51 +70,3 @@ class LocalAliases:
 
     async def point(self, aliases: Mapping[str, str]) -> None:
         self.books.point(aliases)
-
-
-class AliasActor:
-    """The Ray actor's body: the books behind two calls."""
-
-    def __init__(self, max_entries: int = MAX_ALIASES) -> None:
-        self.books = UuidAliases(max_entries)
-
-    def resolve(self, keys: list[str]) -> dict[str, str]:
-        return self.books.resolve(keys)
-
-    def point(self, aliases: dict[str, str]) -> None:
-        self.books.point(aliases)
-
-
-class RemoteAliases:
-    """``AliasStore`` over an ``AliasActor`` handle (picklable: holds the handle only)."""
-
-    def __init__(self, handle: Any) -> None:
-        self.handle = handle
-
-    async def resolve(self, keys: list[str]) -> dict[str, str]:
-        return dict(await self.handle.resolve.remote(keys))
-
-    async def point(self, aliases: Mapping[str, str]) -> None:
-        await self.handle.point.remote(dict(aliases))
-
-
-def open_uuid_aliases(name: str, max_entries: int = MAX_ALIASES, num_cpus: float = 0.01) -> RemoteAliases:
-    """The model's shared names: a detached named actor, created by whoever comes first."""
-    import ray
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    handle = (
-        ray.remote(AliasActor)
-        .options(
-            name=name,
-            namespace="mmserve",
-            get_if_exists=True,
-            lifetime="detached",
-            num_cpus=num_cpus,
-            max_restarts=-1,
-            # never inside the caller's placement group (see cache_index.create_cache_index)
-            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=None),
-        )
-        .remote(max_entries)
-    )
-    return RemoteAliases(handle)
