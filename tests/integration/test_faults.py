@@ -64,7 +64,12 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
                 {
                     "name": VL,
                     "tiny": "qwen2-vl",
-                    "llm": {"max_model_len": 2048, "num_kv_blocks": 512, "deployment": one},
+                    "llm": {
+                        "max_model_len": 2048,
+                        "num_kv_blocks": 512,
+                        "max_num_seqs": 2,
+                        "deployment": one,
+                    },
                     "encoder": {"deployment": one},
                     "preprocess": {"deployment": one},
                 }
@@ -162,6 +167,12 @@ async def _wait_replaced(deployment: str, victim: str, timeout_s: float = 60.0) 
         await asyncio.sleep(0.2)
 
 
+async def _llm_stats_async() -> dict[str, Any]:
+    from ray import serve
+
+    return dict(await serve.get_deployment_handle(f"LLMServer-{VL}", app_name="mmserve").stats.remote())
+
+
 def _llm_stats() -> dict[str, Any]:
     from ray import serve
 
@@ -185,13 +196,15 @@ def _assert_clean_failure(o: Outcome) -> None:
 
 
 def test_llm_replica_killed_mid_generation(app: dict[str, Any]) -> None:
-    """Streams in flight on the killed LLM replica end with an error event (no hang); requests sent
-    as it dies are routed again (to its successor) and equal HF."""
-    prompts = [f"Tell a long story number {i}." for i in range(3)]
-    late = ["What comes next?", "Count to three."]
+    """Two streams run on the LLM replica (max_num_seqs 2) and a third request waits in its queue when
+    it is killed: the streams end with an error event (no hang); the waiting one, which got nothing
+    yet, is submitted again to the successor and equals HF, as do requests sent as it dies."""
+    prompts = ["Tell a long story.", "Tell another long story."]
+    queued, late = "Which one waited?", ["What comes next?", "Count to three."]
+    expected_queued = _expected(app["dir"], queued)
     expected_late = [_expected(app["dir"], t) for t in late]
 
-    async def scenario() -> tuple[list[Outcome], list[Outcome]]:
+    async def scenario() -> tuple[list[Outcome], Outcome, list[Outcome]]:
         async with httpx.AsyncClient(base_url=app["url"]) as http:
             streaming = asyncio.Event()
             seen: set[int] = set()
@@ -209,16 +222,22 @@ def test_llm_replica_killed_mid_generation(app: dict[str, Any]) -> None:
                 for i, p in enumerate(prompts)
             ]
             await asyncio.wait_for(streaming.wait(), TIMEOUT_S)
+            waiting = asyncio.create_task(_send(http, queued))
+            deadline = time.monotonic() + TIMEOUT_S
+            while (await _llm_stats_async())["num_waiting"] < 1:
+                assert time.monotonic() < deadline and not waiting.done(), "the third request never queued"
+                await asyncio.sleep(0.05)
             victim = _kill_replica(f"LLMServer-{VL}")
             after = [asyncio.create_task(_send(http, t)) for t in late]
             killed = list(await asyncio.gather(*long_ones))
             rerouted = list(await asyncio.gather(*after))
             await _wait_replaced(f"LLMServer-{VL}", victim)
-            return killed, rerouted
+            return killed, await waiting, rerouted
 
-    killed, rerouted = asyncio.run(scenario())
+    killed, waited, rerouted = asyncio.run(scenario())
     for o in killed:  # in flight on the dead replica: a clean error event after some tokens
         assert o.status == 200 and o.chunks >= 1 and o.error == "llm_replica_lost", o
+    assert (waited.status, waited.error, waited.text) == (200, None, expected_queued), waited
     assert [o.text for o in rerouted] == expected_late, rerouted
 
 
