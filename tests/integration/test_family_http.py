@@ -59,6 +59,7 @@ def _model_config(f: Family) -> dict[str, Any]:
         "name": f.model,
         "tiny": f.tiny,
         "llm": {**ENGINE, "max_num_batched_tokens": f.max_num_batched_tokens},
+        "encoder": {"cache_index_shards": 1},  # one shard actor per model: a cheaper start
         "preprocess": {
             "limit_mm_per_prompt": {"image": 4, "video": 1} if f.video else {"image": 4},
             "media": {"video_fps": VIDEO_FPS},
