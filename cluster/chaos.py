@@ -271,7 +271,7 @@ def burst_row(b: BurstReport) -> list[str]:
 
 
 def render(faults: list[FaultReport], burst: BurstReport | None, held: dict[str, Any], per_item: str) -> str:
-    out = [markdown_table(FAULT_HEADERS, [fault_row(f) for f in faults])]
+    out = [markdown_table(FAULT_HEADERS, [fault_row(f) for f in faults])] if faults else []
     out += [f"- {f.target} error: {e}" for f in faults for e in f.errors]
     if burst is not None:
         out += ["", markdown_table(BURST_HEADERS, [burst_row(burst)])]
@@ -323,16 +323,25 @@ async def amain(args: argparse.Namespace) -> str:
     return render(faults, burst, held, per_item)
 
 
+async def run(args: argparse.Namespace) -> str:
+    """The whole run; Serve is shut down on the loop its handles live on (after the loop, their
+    long-poll threads find it closed and Ray's exit hangs)."""
+    from ray import serve
+
+    try:
+        return await amain(args)
+    finally:
+        await serve.shutdown_async()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        print(asyncio.run(amain(args)), flush=True)
-    finally:  # Serve first: its handles' long-poll threads would re-init Ray under ray.shutdown
+        print(asyncio.run(run(args)), flush=True)
+    finally:
         import ray
-        from ray import serve
 
         if ray.is_initialized():
-            serve.shutdown()
             ray.shutdown()
     return 0
 
