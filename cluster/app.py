@@ -170,7 +170,7 @@ def _llm_server(model: ModelConfig, cache_dir: str) -> Any:
                 m.name,
                 embedding_fetch_timeout_s=llm.embedding_fetch_timeout_s,
                 max_waiting_requests=llm.max_waiting_requests,
-                max_waiting_tokens=llm.max_waiting_tokens or 32 * llm.max_num_batched_tokens,
+                max_waiting_tokens=llm.max_waiting_tokens or llm.max_waiting_requests * llm.max_model_len,
             )
 
     opts = deployment_options(model.llm.deployment, f"LLMServer-{model.name}", LLM_POLICY)

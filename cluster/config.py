@@ -135,7 +135,7 @@ class LLMConfig(_Strict):
     max_waiting_tokens: int | None = Field(
         None,
         ge=1,
-        description="prompt tokens queued in one replica's engine; default 32 x max_num_batched_tokens",
+        description="prompt tokens queued in one replica's engine; default max_waiting_requests x max_model_len",
     )
     deployment: DeploymentOptions = Field(default_factory=DeploymentOptions)
 
