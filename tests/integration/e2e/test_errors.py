@@ -74,10 +74,11 @@ def test_unknown_model_and_bad_params() -> None:
 @pytest.mark.parametrize(
     ("body", "needle"),
     [
-        (b'{"model": "x", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
+        (b'{"model": "x", "messages": ' + b"[" * 5_000 + b"]" * 5_000 + b"}", "nested too deeply"),
+        (b'{"model": "x", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "JSON values"),
         (b'{"model": "x", "max_tokens": ' + b"9" * 5000 + b', "messages": []}', "not valid JSON"),
     ],
-    ids=["deep-nesting", "5000-digit-integer"],
+    ids=["deep-nesting", "too-many-values", "5000-digit-integer"],
 )
 def test_hostile_json_bodies_are_400(body: bytes, needle: str) -> None:
     r = httpx.post(
