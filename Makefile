@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stamp-$(shell sha256sum pyproject.toml | cut -c1-16)
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= --durations=25
 BENCH_ARGS ?=
 
 .PHONY: setup serve test lint bench
