@@ -16,7 +16,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from cluster.autoscaling_policy import ENCODER_POLICY, LLM_POLICY
-from cluster.budgets import encoder_budgets, largest_item_embeds
+from cluster.budgets import encoder_budgets, largest_item_embeds, row_units
 from cluster.config import AppConfig, DeploymentOptions, ModelConfig
 from cluster.model_dirs import resolve_model_dir
 
@@ -198,7 +198,7 @@ def cache_index_args(m: ModelConfig) -> tuple[str, int, int, int]:
         f"mmserve-encoder-cache-{m.name}",
         m.encoder.cache_index_shards,
         cache_size,
-        largest_item_embeds(m),
+        largest_item_embeds(m) * row_units(m),
     )
 
 

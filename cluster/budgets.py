@@ -6,8 +6,11 @@ preprocessing limits allow, so an admitted item always fits one encoder step and
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from cluster.config import ModelConfig
 from encoder_service.families import largest_item_embeds as family_largest_item
+from encoder_service.families import row_units as family_row_units
 
 
 def largest_item_embeds(model: ModelConfig, model_dir: str | None = None) -> int:
@@ -20,9 +23,24 @@ def largest_item_embeds(model: ModelConfig, model_dir: str | None = None) -> int
     return min(largest, model.llm.max_model_len)
 
 
+def row_units(model: ModelConfig, model_dir: str | None = None) -> int:
+    """LLM-width rows per encoder output row (1 + DeepStack levels for Qwen3-VL): the cache's charge
+    per embedding. From the model directory (given, or the config's path when it is on this node),
+    else the tiny generator's defaults; 1 when neither can be read."""
+    if model_dir is None and model.tiny is None:
+        path = Path(model.path or "")
+        model_dir = str(path) if (path / "config.json").is_file() else None
+        if model_dir is None:
+            return 1
+    return family_row_units(model_dir, model.tiny if model_dir is None else None)
+
+
 def encoder_budgets(model: ModelConfig, model_dir: str | None = None) -> tuple[int, int]:
-    """(max_num_encoder_input_tokens, encoder_cache_size) for this model."""
+    """(max_num_encoder_input_tokens, encoder_cache_size) for this model. The cache is counted in
+    LLM-width rows: an item costs its embeddings times ``row_units``."""
     largest = largest_item_embeds(model, model_dir)
+    units = row_units(model, model_dir)
     compute = max(model.encoder.max_num_encoder_input_tokens or model.llm.max_num_batched_tokens, largest)
-    cache = max(model.encoder.encoder_cache_size or model.llm.max_num_batched_tokens, largest)
+    default_cache = model.llm.max_num_batched_tokens * units
+    cache = max(model.encoder.encoder_cache_size or default_cache, largest * units)
     return compute, cache

@@ -90,6 +90,9 @@ class EncoderPoolServer:
                 resources=resources_per_rank,
             )
             self.hidden_size = self._group.hidden_size
+        from encoder_service.families import row_units
+
+        self.row_units = row_units(model_dir, None)  # what the cache charges per embedding
         self._queue: EncoderQueue[_Queued] = EncoderQueue(
             max_num_encoder_input_tokens, lambda q: q.future.done(), max_queued_embeddings
         )
@@ -164,6 +167,7 @@ class EncoderPoolServer:
                 dtype=str(tensor.dtype).removeprefix("torch."),
                 grid_thw=q.item.grid_thw,
                 second_per_grid_ts=q.item.second_per_grid_ts,
+                units=self.row_units,
                 frame_times=q.item.frame_times,
             )
             ref = ray.put(tensor)  # Ray 2.60 has no _owner=: this replica owns it

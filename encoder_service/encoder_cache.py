@@ -32,7 +32,7 @@ DEFAULT_LEASE_S = 15.0
 
 @dataclass
 class CacheEntry:
-    num_embeds: int = 0  # charged at commit; 0 while reserved
+    num_embeds: int = 0  # what it is charged (embeddings x units), at commit; 0 while reserved
     meta: EmbeddingMeta | None = None  # None while reserved and not yet committed
     holder: str | None = None  # the request computing it, while reserved
     lease_until: float = 0.0  # the reservation is freeable after this time (monotonic seconds)
@@ -130,23 +130,25 @@ class EncoderCacheBooks:
         return gone
 
     def commit(self, mm_hash: str, meta: EmbeddingMeta) -> None:
-        """Fill a reservation, evicting the least recently used entries to fit it."""
+        """Fill a reservation, evicting the least recently used entries to fit it (charged
+        ``meta.cache_charge``: its embeddings times the LLM-width rows each carries)."""
         entry = self.entries.get(mm_hash)
         if entry is None:
             raise KeyError(f"commit of {mm_hash}: no reservation (released, expired or never made)")
         if entry.committed:
             raise KeyError(f"commit of {mm_hash}: committed already")
-        if meta.num_embeds > self.capacity:
+        charge = meta.cache_charge
+        if charge > self.capacity:
             raise EncoderCacheFull(
-                f"item {mm_hash[:16]} has {meta.num_embeds} embeddings, more than the cache shard's "
+                f"item {mm_hash[:16]} needs {charge} embeddings of cache, more than the cache shard's "
                 f"capacity of {self.capacity}"
             )
-        while self.num_free < meta.num_embeds:
+        while self.num_free < charge:
             self._evict_oldest()
         self._forget_holder(mm_hash, entry)
-        entry.meta, entry.num_embeds = meta, meta.num_embeds
-        self.used += meta.num_embeds
-        self._lru[mm_hash] = meta.num_embeds
+        entry.meta, entry.num_embeds = meta, charge
+        self.used += charge
+        self._lru[mm_hash] = charge
 
     def release(self, request_id: str) -> list[str]:
         """Drop every reservation ``request_id`` still holds (its compute failed or its client left)."""

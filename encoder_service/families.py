@@ -98,6 +98,9 @@ class EncoderFamily:
     processor: str  # "module:attr" of a callable (hf_processor, media_limits) -> FamilyProcessor
     tower: str  # "module:attr" of the EncoderModel subclass
     largest_item: LargestItem  # embeddings of the largest item the limits admit (before max_model_len)
+    # How many LLM-width rows one output row is (config.json, or None for the tiny generator's
+    # defaults): 1 + DeepStack levels for Qwen3-VL, whose rows carry them beside the main embedding.
+    row_units: Callable[[Mapping[str, Any] | None], int] = lambda config: 1
 
     def processor_factory(self) -> Any:
         return _resolve(self.processor)
@@ -132,6 +135,7 @@ ENCODER_FAMILIES: dict[str, EncoderFamily] = {
         "encoder_service.processors.qwen3_vl:Qwen3VLFamily",
         "encoder_service.models.qwen3_vl_vision:Qwen3VLVisionEncoder",
         vision_largest_item,
+        lambda config: deepstack_row_units(config),
     ),
     "gemma3": EncoderFamily(
         "gemma3",
@@ -169,6 +173,28 @@ def model_type_of(name: str) -> str:
         if family.name == name:
             return model_type
     raise ValueError(f"unknown model family {name!r}; choose one of {', '.join(FAMILY_NAMES)}")
+
+
+TINY_QWEN3_VL_DEEPSTACK_LEVELS = 2  # cluster/tiny_model/qwen3_vl.py: deepstack_indexes (a test checks)
+
+
+def deepstack_row_units(config: Mapping[str, Any] | None) -> int:
+    """One Qwen3-VL output row: the main embedding plus one per DeepStack level, each LLM-width."""
+    if config is None:
+        return 1 + TINY_QWEN3_VL_DEEPSTACK_LEVELS
+    vision = config.get("vision_config") or {}
+    return 1 + len(vision.get("deepstack_visual_indexes", [8, 16, 24]))  # transformers' default
+
+
+def row_units(model_dir: str | Path | None, family_name: str | None) -> int:
+    """LLM-width rows per encoder output row for a model (its directory, else the tiny defaults): what
+    the encoder cache charges per embedding (``EmbeddingMeta.units``)."""
+    if model_dir is not None:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        return encoder_family(config.get("model_type"), str(model_dir)).row_units(config)
+    if family_name is not None:
+        return ENCODER_FAMILIES[model_type_of(family_name)].row_units(None)
+    return 1
 
 
 def largest_item_embeds(

@@ -193,6 +193,11 @@ class EmbeddingMeta:
     grid_thw: tuple[int, int, int] | None = None
     second_per_grid_ts: float | None = None  # cache hits carry it to the LLM's positions
     frame_times: list[float] | None = None  # cache hits carry a Qwen3-VL video's prompt timestamps
+    units: int = 1  # LLM-width rows per row (1 + DeepStack levels): the cache charges num_embeds x units
+
+    @property
+    def cache_charge(self) -> int:
+        return self.num_embeds * self.units
 
     def to_msgpack(self) -> bytes:
         fields: dict[str, Any] = {
@@ -207,6 +212,8 @@ class EmbeddingMeta:
             fields["second_per_grid_ts"] = self.second_per_grid_ts
         if self.frame_times is not None:  # optional: Qwen3-VL videos only
             fields["frame_times"] = list(self.frame_times)
+        if self.units != 1:  # optional: Qwen3-VL (DeepStack rows) only
+            fields["units"] = self.units
         return pack("EmbeddingMeta", fields)
 
     @classmethod
@@ -221,6 +228,7 @@ class EmbeddingMeta:
             grid_thw=grid_from_wire(d["grid_thw"]),
             second_per_grid_ts=d.get("second_per_grid_ts"),
             frame_times=d.get("frame_times"),
+            units=int(d.get("units", 1)),
         )
 
     def __reduce__(self) -> tuple[Any, ...]:
