@@ -183,7 +183,7 @@ def _llm_server(model: ModelConfig, cache_dir: str) -> Any:
 def open_cache_index(name_prefix: str, num_shards: int, capacity: int, largest_item: int = 0) -> Any:
     """The model's shared encoder-cache index: detached named actors, created by whoever comes first
     (every creator passes the same ``cache_index_args``, so whoever it is sizes them alike)."""
-    from encoder_service.cache_index import create_cache_index
+    from encoder_service.cache_client import create_cache_index
 
     return create_cache_index(
         num_shards, capacity, name_prefix, detached=True, namespace="mmserve", largest_item=largest_item

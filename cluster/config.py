@@ -211,7 +211,9 @@ class IngressConfig(_Strict):
         description="array elements + object members a request body may hold (counted before parsing)",
     )
     request_timeout_s: float = Field(
-        300.0, gt=0, description="end to end per request; past it a 504 and its pins and KV blocks are freed"
+        300.0,
+        gt=0,
+        description="end to end per request; past it a 504 and its reservations and KV blocks are freed",
     )
     api_key: SecretStr | None = Field(
         None, description="one API key (tenant `default`), as `vllm serve --api-key`; also MMSERVE_API_KEY"

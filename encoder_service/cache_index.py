@@ -1,6 +1,6 @@
 """The shared encoder cache: ``EncoderCacheBooks`` in N Ray actors sharded by mm_hash, tensors in Ray's
 object store. Every preprocessor, encoder and LLM replica on any node talks to the same shards
-through ``EncoderCacheClient``.
+through ``cache_client.EncoderCacheClient``.
 
 One call per shard per request on the way in: ``lookup_or_reserve`` answers each hash with a hit
 (meta and ref; the request keeps the ref itself, nothing is pinned), a reservation for this request
@@ -22,10 +22,7 @@ replica dies its entries' objects are lost. Two ways out of the index for such e
              A pair whose hash is still only reserved is remembered as doomed: the commit of that ref,
              which may arrive just after, drops the entry.
 
-A shard that dies is restarted by Ray (``max_restarts``) or, if it is gone for good, re-created by the
-first client that finds it dead; either way it comes back empty: its entries are misses, and no
-reservation of the old incarnation can be left behind. A call that failed on the dead shard is
-retried once on the new one.
+The client, shard creation and recovery are in ``cache_client.py``.
 """
 
 from __future__ import annotations
@@ -34,23 +31,16 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
-import ray
-from ray.exceptions import ActorDiedError, ActorUnavailableError
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-from encoder_service.encoder_cache import COMPUTE, DEFAULT_LEASE_S, HIT, WAIT, EncoderCacheBooks
-from encoder_service.errors import EncoderCacheBusy, EncoderCacheFull
+from encoder_service.encoder_cache import DEFAULT_LEASE_S, HIT, WAIT, EncoderCacheBooks
+from encoder_service.errors import EncoderCacheFull
 from encoder_service.types import EmbeddingMeta
 from encoder_service.uuid_aliases import MAX_ALIASES, UuidAliases
 
 logger = logging.getLogger("mmserve.encoder")
 
 RELEASED = "released"
-__all__ = ["COMPUTE", "HIT", "RELEASED", "WAIT", "EncoderCacheClient", "create_cache_index"]
 MAX_RELEASED_IDS = 65536  # request ids remembered as released, per shard (ids are never reused)
 MAX_DOOMED_REFS = 4096  # refs invalidated before their commit arrived, remembered per shard
 MAX_RECENT_EVICTED = 65536
@@ -264,235 +254,3 @@ class CacheIndexShard:
             "invalidations": self.books.invalidations,
             "uuid_names": len(self.aliases),
         }
-
-
-@dataclass(frozen=True)
-class ShardSpec:
-    """How to create (or find) the shards: a client re-creates a shard that died for good."""
-
-    name_prefix: str
-    capacity_per_shard: int
-    wait_timeout_s: float = 30.0
-    lease_s: float = DEFAULT_LEASE_S
-    detached: bool = False
-    namespace: str | None = None
-    num_cpus: float = 0.05
-
-    def create(self, index: int) -> Any:
-        opts: dict[str, Any] = {
-            "name": f"{self.name_prefix}-{index}",
-            "get_if_exists": True,
-            "num_cpus": self.num_cpus,
-            "max_concurrency": 1000,
-            "max_restarts": -1,  # a crashed shard comes back empty (its entries become misses)
-            # Never inside the caller's placement group: created from an encoder replica whose TP
-            # group has one, the shards would take its ranks' CPU and die with that replica.
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=None),
-        }
-        if self.detached:
-            opts["lifetime"] = "detached"
-        if self.namespace is not None:
-            opts["namespace"] = self.namespace
-        return (
-            ray.remote(CacheIndexShard)
-            .options(**opts)
-            .remote(self.capacity_per_shard, self.wait_timeout_s, self.lease_s)
-        )
-
-
-class EncoderCacheClient:
-    """Async client over the shard actors; cheap to build, picklable (actor handles and the spec)."""
-
-    def __init__(self, shard_actor_handles: list[Any], spec: ShardSpec | None = None) -> None:
-        if not shard_actor_handles:
-            raise ValueError("need at least one cache index shard")
-        self.shards = list(shard_actor_handles)
-        self.spec = spec
-
-    @property
-    def shard_capacity(self) -> int | None:
-        return None if self.spec is None else self.spec.capacity_per_shard
-
-    def shard(self, mm_hash: str) -> Any:
-        return self.shards[shard_of(mm_hash, len(self.shards))]
-
-    async def _call(self, index: int, method: str, *args: Any) -> Any:
-        """``shards[index].method(*args)``, once more on a new incarnation if the shard died."""
-        handle = self.shards[index]
-        try:
-            return await getattr(handle, method).remote(*args)
-        except (ActorDiedError, ActorUnavailableError) as e:
-            if self.spec is None:
-                raise
-            logger.warning(
-                "encoder-cache shard %d died (%s); retrying %s on a new one", index, type(e).__name__, method
-            )
-        await self._revive(index)
-        return await getattr(self.shards[index], method).remote(*args)
-
-    async def _revive(self, index: int, attempts: int = 20) -> None:
-        """Wait for Ray to restart the shard, or create it again if it is gone for good (by name:
-        every client that finds it dead ends up with the same new actor)."""
-        assert self.spec is not None
-        for attempt in range(attempts):
-            handle = self.spec.create(index)
-            try:
-                await asyncio.wait_for(handle.__ray_ready__.remote(), 10.0)
-            except (ActorDiedError, ActorUnavailableError, TimeoutError):
-                await asyncio.sleep(min(0.05 * 2**attempt, 1.0))  # its name is not free yet
-                continue
-            self.shards[index] = handle
-            return
-        raise EncoderCacheBusy(f"encoder cache shard {index} did not come back")
-
-    def _groups(self, hashes: Iterable[str]) -> dict[int, list[str]]:
-        groups: dict[int, list[str]] = {}
-        for h in dict.fromkeys(hashes):
-            groups.setdefault(shard_of(h, len(self.shards)), []).append(h)
-        return groups
-
-    async def lookup_many(self, hashes: list[str]) -> dict[str, tuple[EmbeddingMeta, Any]]:
-        groups = self._groups(hashes)
-        answers = await asyncio.gather(*(self._call(s, "lookup_many", hs) for s, hs in groups.items()))
-        return {h: (EmbeddingMeta.from_msgpack(m), ref[0]) for ans in answers for h, (m, ref) in ans.items()}
-
-    async def lookup_or_reserve(
-        self, request_id: str, hashes: list[str]
-    ) -> dict[str, tuple[str, tuple[EmbeddingMeta, Any] | None]]:
-        """``CacheIndexShard.lookup_or_reserve`` over the shards of ``hashes`` (one call each)."""
-        groups = self._groups(hashes)
-        answers = await asyncio.gather(
-            *(self._call(s, "lookup_or_reserve", request_id, hs) for s, hs in groups.items())
-        )
-        out: dict[str, tuple[str, tuple[EmbeddingMeta, Any] | None]] = {}
-        for ans in answers:
-            for h, (kind, payload) in ans.items():
-                if kind == RELEASED:
-                    raise RequestReleased(f"request {request_id} was released while looking up {h[:16]}")
-                out[h] = (
-                    kind,
-                    None if payload is None else (EmbeddingMeta.from_msgpack(payload[0]), payload[1][0]),
-                )
-        return out
-
-    async def get_or_reserve(
-        self, request_id: str, mm_hash: str
-    ) -> tuple[str, tuple[EmbeddingMeta, Any] | None]:
-        """``("hit", (meta, ref))`` or ``("compute", None)``; raises ``EncoderCacheBusy`` past the wait."""
-        try:
-            kind, payload = await self._call(
-                shard_of(mm_hash, len(self.shards)), "get_or_reserve", request_id, mm_hash
-            )
-        except Exception as e:  # Ray wraps actor errors; map ours back to MediaErrors
-            cause = getattr(e, "cause", None) or e
-            if isinstance(cause, TimeoutError):
-                raise EncoderCacheBusy(f"encoder cache: {cause}") from e
-            raise
-        if kind == HIT:
-            meta, ref = payload
-            return HIT, (EmbeddingMeta.from_msgpack(meta), ref[0])
-        if kind == RELEASED:
-            raise RequestReleased(f"request {request_id} was released while waiting for {mm_hash[:16]}")
-        return COMPUTE, None
-
-    async def renew(self, request_id: str, hashes: Iterable[str]) -> None:
-        await asyncio.gather(*(self._call(s, "renew", request_id) for s in self._groups(hashes)))
-
-    async def commit_many(self, commits: list[tuple[EmbeddingMeta, Any, str | None]]) -> list[bool]:
-        """Commit ``(meta, ref, reserving request id)`` items, one call per shard; per item whether it
-        is now cached (see ``CacheIndexShard.commit_many``)."""
-        groups: dict[int, list[int]] = {}
-        for i, (meta, _, _) in enumerate(commits):
-            groups.setdefault(shard_of(meta.mm_hash, len(self.shards)), []).append(i)
-        answers = await asyncio.gather(
-            *(
-                self._call(
-                    s,
-                    "commit_many",
-                    [
-                        (commits[i][0].mm_hash, commits[i][0].to_msgpack(), [commits[i][1]], commits[i][2])
-                        for i in idx
-                    ],
-                )
-                for s, idx in groups.items()
-            )
-        )
-        done = [False] * len(commits)
-        for idx, ans in zip(groups.values(), answers, strict=True):
-            for i, ok in zip(idx, ans, strict=True):
-                done[i] = bool(ok)
-        return done
-
-    async def commit(
-        self, mm_hash: str, meta: EmbeddingMeta, ref: Any, request_id: str | None = None
-    ) -> bool:
-        if meta.mm_hash != mm_hash:
-            raise ValueError(f"commit of {mm_hash[:16]} with the meta of {meta.mm_hash[:16]}")
-        return (await self.commit_many([(meta, ref, request_id)]))[0]
-
-    async def invalidate(
-        self, mm_hashes: Iterable[str], ref_ids: Mapping[str, str] | None = None
-    ) -> list[str]:
-        """Drop the committed entries of ``mm_hashes`` (their objects are lost); returns those dropped.
-
-        ``ref_ids`` (mm_hash -> ``ref_id`` of the ref the caller saw) makes it conditional: an entry
-        is only dropped while it still holds that ref.
-        """
-        groups: dict[int, dict[str, str | None]] = {}
-        for h in dict.fromkeys(mm_hashes):
-            rid = None if ref_ids is None else ref_ids.get(h)
-            groups.setdefault(shard_of(h, len(self.shards)), {})[h] = rid
-        answers = await asyncio.gather(*(self._call(s, "invalidate", g) for s, g in groups.items()))
-        return [h for dropped in answers for h in dropped]
-
-    async def holding(self, ref_ids: Mapping[str, str]) -> list[str]:
-        """Of ``{mm_hash: ref id}``, the hashes the index still holds with that ref (or whose commit
-        is still pending, or evicted within the grace period): what an owner must keep alive."""
-        groups: dict[int, dict[str, str]] = {}
-        for h, rid in ref_ids.items():
-            groups.setdefault(shard_of(h, len(self.shards)), {})[h] = rid
-        answers = await asyncio.gather(*(self._call(s, "holding", g) for s, g in groups.items()))
-        return [h for held in answers for h in held]
-
-    async def release(self, request_id: str, hashes: Iterable[str] | None = None) -> None:
-        """Drop the reservations ``request_id`` holds (failure, disconnect): on the shards of ``hashes``
-        when the caller knows which it touched, else on every shard. Final for that request id."""
-        indexes = range(len(self.shards)) if hashes is None else list(self._groups(hashes))
-        await asyncio.gather(*(self._call(s, "release", request_id) for s in indexes))
-
-    # ---- uuid names (encoder_service.uuid_aliases.AliasStore): each on the shard its key hashes to ----
-    async def resolve(self, keys: list[str]) -> dict[str, str]:
-        groups = self._groups(keys)
-        answers = await asyncio.gather(*(self._call(s, "alias_resolve", ks) for s, ks in groups.items()))
-        return {k: h for ans in answers for k, h in ans.items()}
-
-    async def point(self, aliases: Mapping[str, str]) -> None:
-        groups: dict[int, dict[str, str]] = {}
-        for key, mm_hash in aliases.items():
-            groups.setdefault(shard_of(key, len(self.shards)), {})[key] = mm_hash
-        await asyncio.gather(*(self._call(s, "alias_point", g) for s, g in groups.items()))
-
-    async def stats(self) -> dict[str, Any]:
-        per_shard = await asyncio.gather(*(self._call(s, "stats") for s in range(len(self.shards))))
-        total = {k: sum(int(d[k]) for d in per_shard) for k in per_shard[0]}
-        return {**total, "shards": per_shard}
-
-
-def create_cache_index(
-    num_shards: int,
-    capacity: int,
-    name_prefix: str = "mmserve-encoder-cache",
-    *,
-    detached: bool = False,
-    namespace: str | None = None,
-    num_cpus: float = 0.05,
-    wait_timeout_s: float = 30.0,
-    lease_s: float = DEFAULT_LEASE_S,
-    largest_item: int = 0,
-) -> EncoderCacheClient:
-    """Create (or get, if they exist) ``num_shards`` named actors. ``capacity`` is split evenly among
-    them, but each shard gets at least ``largest_item``: an item lives in one shard, so every item the
-    budgets admit must fit any shard."""
-    per_shard = max(1, -(-capacity // num_shards), largest_item)
-    spec = ShardSpec(name_prefix, per_shard, wait_timeout_s, lease_s, detached, namespace, num_cpus)
-    return EncoderCacheClient([spec.create(i) for i in range(num_shards)], spec)

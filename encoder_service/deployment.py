@@ -253,7 +253,7 @@ class PreprocessorServer:
         encoder: Any = None,
         model_name: str = "",
     ) -> None:
-        from encoder_service.cache_index import create_cache_index
+        from encoder_service.cache_client import create_cache_index
         from encoder_service.prepare import RequestPreparer
         from encoder_service.processing import Preprocessor
 

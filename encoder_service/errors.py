@@ -94,7 +94,7 @@ class TooManyItems(MediaError):
 
 
 class EncoderCacheFull(MediaError):
-    """An item larger than the whole encoder cache, or every entry pinned and no space can be made."""
+    """An item larger than an encoder-cache shard can hold."""
 
     status_code = 400
     code = "encoder_cache_full"
@@ -106,7 +106,7 @@ def item_name(modality: str, item: int | None) -> str:
 
 
 class EncoderCacheBusy(MediaError):
-    """Every cache entry is pinned by running requests and the wait for space ran out: retry later."""
+    """Another request's computation of the same item did not commit within the wait: retry later."""
 
     status_code = 503
     code = "encoder_cache_busy"

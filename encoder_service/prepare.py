@@ -35,7 +35,7 @@ Encode = Callable[[EncodeBatch], Awaitable[list[EncodedItem]]]
 
 
 class CacheIndex(Protocol):
-    """What preparing needs of the shared encoder cache (encoder_service.cache_index.EncoderCacheClient)."""
+    """What preparing needs of the shared encoder cache (encoder_service.cache_client.EncoderCacheClient)."""
 
     @property
     def shard_capacity(self) -> int | None: ...

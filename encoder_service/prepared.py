@@ -1,6 +1,6 @@
 """What the preprocessor pool hands the router for one media request: prompt ids ready for the LLM and,
-per item, where it sits and the ObjectRef of its embeddings (pinned in the shared cache for the
-request until the router releases it).
+per item, where it sits and the ObjectRef of its embeddings (the request holds it; nothing is pinned in
+the shared cache).
 
 The wire form is derived from the dataclass fields (adding a field cannot drop it on one side);
 ObjectRefs travel beside the msgpack bytes so Ray keeps counting them.
@@ -33,10 +33,6 @@ class PreparedRequest:
     items: list[PreparedItem]
     num_encoded: int  # items this request sent to an encoder (the rest were cache hits)
     log: dict[str, Any]  # PreprocessedRequest.to_log(): what a failure's log line replays
-
-    @property
-    def mm_hashes(self) -> list[str]:
-        return list(dict.fromkeys(it.mm_hash for it in self.items))
 
     def __reduce__(self) -> tuple[Any, ...]:
         items = [{k: v for k, v in asdict(it).items() if k != "ref"} for it in self.items]

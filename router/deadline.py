@@ -3,7 +3,7 @@
 The deadline starts when the ingress takes the request. Everything the request awaits runs under it:
 reading the body, preparing media (fetch, encode), waiting for the LLM, and every later output of a
 streamed answer. Past it, the awaited call is cancelled, which is the same path a client that hangs up
-takes: the orchestrator releases the request's encoder-cache pins and reservations and closing the
+takes: the request's encoder-cache reservations are released and closing the
 token stream aborts it on its LLM replica (KV blocks freed). The client gets a 504 ``request_timeout``,
 in-band as the last event of a stream that had started.
 

@@ -51,7 +51,7 @@ class PreprocessPool(Protocol):
 
 
 class CacheIndex(Protocol):
-    """The shared encoder cache as the router uses it (encoder_service.cache_index.EncoderCacheClient)."""
+    """The shared encoder cache as the router uses it (encoder_service.cache_client.EncoderCacheClient)."""
 
     async def release(self, request_id: str, hashes: list[str] | None = None) -> None: ...
 

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 import ray
 
-from encoder_service.cache_index import COMPUTE, HIT, WAIT, EncoderCacheClient, create_cache_index, ref_id
+from encoder_service.cache_client import EncoderCacheClient, create_cache_index
+from encoder_service.cache_index import ref_id
+from encoder_service.encoder_cache import COMPUTE, HIT, WAIT
 from encoder_service.errors import EncoderCacheBusy
 from encoder_service.hashing import compute_mm_hash
 from encoder_service.types import EmbeddingMeta

@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 from ray.exceptions import OwnerDiedError, RayTaskError
 
-from encoder_service.cache_index import CacheIndexShard, EncoderCacheClient
+from encoder_service.cache_client import EncoderCacheClient
+from encoder_service.cache_index import CacheIndexShard
 from encoder_service.hashing import compute_mm_hash
 from encoder_service.prepare import RequestPreparer
 from encoder_service.types import (
