@@ -15,17 +15,22 @@ import pytest
 import torch
 from PIL import Image
 
-from llm_service.config import EngineConfig
-from llm_service.engine import LLMEngine
 from llm_service.errors import RequestRejected
 from llm_service.outputs import GenerateRequest
 from llm_service.sampling_params import SamplingParams
 from tests.media import make_image_array
 from tests.unit.gemma3_dir import tiny_gemma3_dir
-from tests.unit.llm.hf_ref import RefCase, capture_lm_inputs, hf_generate, runs
-
-N = 12
-GREEDY = SamplingParams(max_tokens=N)
+from tests.unit.llm.hf_ref import (
+    GREEDY,
+    N,
+    RefCase,
+    assert_all_free,
+    capture_lm_inputs,
+    engine,
+    hf_generate,
+    run,
+    runs,
+)
 
 
 @pytest.fixture(scope="module")
@@ -71,23 +76,6 @@ def case(gemma: tuple[Any, Any], text: str, images: list[Image.Image] | None = N
             MultiModalInput(embeds[off : off + n].clone(), off, (hashes or {}).get(i, f"img-{i}"), "image")
         )
     return RefCase(ids, items, inputs)
-
-
-def engine(model_dir: Path, **kw: Any) -> LLMEngine:
-    kw.setdefault("block_size", 4)
-    kw.setdefault("num_kv_blocks", 256)
-    return LLMEngine(EngineConfig(model=str(model_dir), **kw))
-
-
-def run(eng: LLMEngine, cases: list[RefCase], params: SamplingParams = GREEDY) -> list[list[int]]:
-    outs = eng.generate([GenerateRequest(c.prompt, params, c.mm_inputs) for c in cases])
-    return [o.token_ids for o in outs]
-
-
-def assert_all_free(eng: LLMEngine) -> None:
-    st = eng.stats()
-    assert not eng.has_unfinished_requests()
-    assert st.num_free_blocks == st.num_total_blocks and st.kv_usage == 0.0
 
 
 def test_family_facts(model_dir: Path) -> None:
