@@ -136,6 +136,8 @@ class VisionAttention(nn.Module):
 
 
 class VisionBlock(nn.Module):
+    MLP_NAMES = ("fc1", "fc2")  # the checkpoint's names of the MLP's two layers
+
     def __init__(self, dim: int, num_heads: int, mlp_hidden: int, act: str, tp: TPContext) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
@@ -147,7 +149,8 @@ class VisionBlock(nn.Module):
         load_layer_norm(self.norm1, reader, f"{name}.norm1")
         load_layer_norm(self.norm2, reader, f"{name}.norm2")
         self.attn.load(reader, f"{name}.attn")
-        self.mlp.load(reader, f"{name}.mlp.fc1", f"{name}.mlp.fc2")
+        fc1, fc2 = self.MLP_NAMES
+        self.mlp.load(reader, f"{name}.mlp.{fc1}", f"{name}.mlp.{fc2}")
 
     def forward(
         self, x: torch.Tensor, runs: list[tuple[int, int]], rope: tuple[torch.Tensor, torch.Tensor]

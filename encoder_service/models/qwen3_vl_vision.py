@@ -22,10 +22,10 @@ import math
 import torch
 from torch import nn
 
-from encoder_service.models.common import ParallelMLP, load_layer_norm
+from encoder_service.models.common import load_layer_norm
 from encoder_service.models.qwen2_vl_vision import (
     QwenVisionTower,
-    VisionAttention,
+    VisionBlock,
     VisionRotary,
     packed_pixels,
     vision_positions,
@@ -64,25 +64,8 @@ def interpolated_positions(
     return torch.cat(out).to(table.dtype)
 
 
-class Qwen3VisionBlock(nn.Module):
-    def __init__(self, dim: int, num_heads: int, mlp_hidden: int, act: str, tp: TPContext) -> None:
-        super().__init__()
-        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
-        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
-        self.attn = VisionAttention(dim, num_heads, tp)
-        self.mlp = ParallelMLP(dim, mlp_hidden, act, tp)
-
-    def load(self, reader: CheckpointReader, name: str) -> None:
-        load_layer_norm(self.norm1, reader, f"{name}.norm1")
-        load_layer_norm(self.norm2, reader, f"{name}.norm2")
-        self.attn.load(reader, f"{name}.attn")
-        self.mlp.load(reader, f"{name}.mlp.linear_fc1", f"{name}.mlp.linear_fc2")
-
-    def forward(
-        self, x: torch.Tensor, runs: list[tuple[int, int]], rope: tuple[torch.Tensor, torch.Tensor]
-    ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), runs, rope)
-        return x + self.mlp(self.norm2(x))
+class Qwen3VisionBlock(VisionBlock):
+    MLP_NAMES = ("linear_fc1", "linear_fc2")
 
 
 class Qwen3PatchMerger(nn.Module):
