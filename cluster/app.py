@@ -2,6 +2,7 @@
 
   Ingress ─┬─▶ Preprocessor-<model>  (CPU) ──▶ EncoderPool-<model>  (GPU; router: fewest queued embeddings)
            └─▶ LLMServer-<model>     (GPU; router: prefix-cache affinity; tokens back on output channels)
+  or, with ``preprocess.placement: encoder``, two: the encoder replicas prepare (no Preprocessor pool).
   plus the model's shared encoder-cache index: named Ray actors, sharded by mm_hash.
 
 ``app_builder(args)`` is the import path for ``serve run`` / ``serve deploy`` configs:
@@ -88,16 +89,12 @@ def _preprocessor(model: ModelConfig, cache_dir: str, encoder: Any) -> Any:
 
     class Preprocessor(PreprocessorServer):
         def __init__(self, model_json: dict[str, Any], cache_dir: str, encoder: Any) -> None:
-            from encoder_service.media.limits import MediaLimits
-
             m = ModelConfig.model_validate(model_json)
             model_dir = resolve_model_dir(m, cache_dir)
             prefix, shards, capacity, largest = cache_index_args(m)
             super().__init__(
                 model_dir,
-                limits=MediaLimits(**m.preprocess.media.model_dump()),
-                limit_mm_per_prompt=dict(m.preprocess.limit_mm_per_prompt),
-                processor_cache_bytes=m.preprocess.processor_cache_bytes,
+                **preprocess_args(m),
                 cache_name_prefix=prefix,
                 cache_num_shards=shards,
                 cache_capacity=capacity,
@@ -110,11 +107,27 @@ def _preprocessor(model: ModelConfig, cache_dir: str, encoder: Any) -> Any:
     return serve.deployment(Preprocessor).options(**opts).bind(model.model_dump(), cache_dir, encoder)
 
 
+def preprocess_args(m: ModelConfig) -> dict[str, Any]:
+    """What preparing a model's requests takes from its config (a Preprocessor replica, or an encoder
+    replica under ``preprocess.placement: encoder``)."""
+    from encoder_service.media.limits import MediaLimits
+
+    return {
+        "limits": MediaLimits(**m.preprocess.media.model_dump()),
+        "limit_mm_per_prompt": dict(m.preprocess.limit_mm_per_prompt),
+        "processor_cache_bytes": m.preprocess.processor_cache_bytes,
+    }
+
+
 def _encoder_pool(model: ModelConfig, cache_dir: str) -> Any:
     from encoder_service.deployment import EncoderPoolServer
+    from encoder_service.preparing_encoder import PreparingEncoderServer
     from router.request_routers import LeastQueuedEmbeddingsRouter
 
-    class EncoderPool(EncoderPoolServer):
+    prepares = model.preprocess.placement == "encoder"
+    base: type[EncoderPoolServer] = PreparingEncoderServer if prepares else EncoderPoolServer
+
+    class EncoderPool(base):  # type: ignore[misc,valid-type]
         def __init__(self, model_json: dict[str, Any], cache_dir: str) -> None:
             m = ModelConfig.model_validate(model_json)
             model_dir = resolve_model_dir(m, cache_dir)
@@ -122,6 +135,7 @@ def _encoder_pool(model: ModelConfig, cache_dir: str) -> Any:
             d = m.encoder.deployment
             super().__init__(
                 model_dir,
+                **(preprocess_args(m) if m.preprocess.placement == "encoder" else {}),
                 tp_size=m.encoder.mm_encoder_tp_size,
                 tp_mode=m.encoder.mm_encoder_tp_mode,
                 dtype=m.encoder.dtype,
@@ -283,7 +297,10 @@ def build_app(config: AppConfig) -> serve.Application:
     for m in config.models:
         encoder = _encoder_pool(m, config.models_cache_dir)
         pools[m.name] = {
-            "preprocess": _preprocessor(m, config.models_cache_dir, encoder),
+            # placement "encoder": the encoder replicas answer `prepare` themselves (preparing_encoder.py)
+            "preprocess": encoder
+            if m.preprocess.placement == "encoder"
+            else _preprocessor(m, config.models_cache_dir, encoder),
             "encoder": encoder,
             "llm": _llm_server(m, config.models_cache_dir),
         }

@@ -159,6 +159,11 @@ class EncoderConfig(_Strict):
 
 
 class PreprocessConfig(_Strict):
+    placement: Literal["pool", "encoder"] = Field(
+        "pool",
+        description="pool: a Preprocessor deployment of its own (CPU nodes, scales apart from the encoder); "
+        "encoder: each encoder replica prepares the requests it is sent (one hop fewer; `mmserve serve`'s default)",
+    )
     limit_mm_per_prompt: dict[str, int] = Field(default_factory=lambda: {"image": 4, "video": 1, "audio": 2})
     processor_cache_bytes: int = Field(256 * 1024 * 1024, ge=0)
     media: MediaLimitsConfig = Field(default_factory=MediaLimitsConfig)

@@ -85,7 +85,11 @@ def config_from_args(args: argparse.Namespace) -> AppConfig:
         data["ingress"]["http_mode"] = args.http_mode
     elif "http_mode" not in cfg.ingress.model_fields_set:
         data["ingress"]["http_mode"] = "direct"  # one machine: no proxy hop
-    for m in data["models"]:
+    for m, model in zip(data["models"], cfg.models, strict=True):
+        if "placement" not in model.preprocess.model_fields_set:
+            m["preprocess"]["placement"] = (
+                "encoder"  # one machine: the encoder replica prepares, one hop fewer
+            )
         for key in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "dtype"):
             if getattr(args, key) is not None:
                 m["llm"][key] = getattr(args, key)

@@ -232,8 +232,36 @@ class EncoderPoolServer:
             raise RuntimeError(f"encoder loop died: {why}")
 
 
+def make_preparer(
+    model_dir: str,
+    *,
+    limits: Any,
+    limit_mm_per_prompt: dict[str, int],
+    processor_cache_bytes: int,
+    cache: Any,
+    encode: Any,
+    model_name: str = "",
+) -> Any:
+    """A ``RequestPreparer`` over this model's processor, the shared cache client and ``encode`` (the
+    encoder pool's handle, or an encoder replica's own FIFO when it prepares itself)."""
+    from encoder_service.prepare import RequestPreparer
+    from encoder_service.processing import Preprocessor
+
+    preprocessor = Preprocessor(
+        model_dir, limits, limit_mm_per_prompt, processor_cache_bytes, model_id=model_name or None
+    )
+    preprocessor.aliases = cache  # uuid names live in the cache shards (uuid_aliases.py)
+    return RequestPreparer(preprocessor, cache, encode)
+
+
+def preparer_stats(preparer: Any) -> dict[str, Any]:
+    pre = preparer.preprocessor
+    return {"processor_calls": pre.num_processor_calls, "processor_cache": pre.processor_cache.stats()}
+
+
 class PreprocessorServer:
-    """CPU pool replica: fetch, decode, hash, pin cache hits, process and encode the misses.
+    """CPU pool replica (``preprocess.placement: pool``): fetch, decode, hash, look up, process and
+    send the misses to the encoder pool.
 
     ``prepare`` is the router's one call per media request (encoder_service/prepare.py); the encoder
     pool is called from here, next to the cache, and its outputs come back as refs.
@@ -254,12 +282,7 @@ class PreprocessorServer:
         model_name: str = "",
     ) -> None:
         from encoder_service.cache_client import create_cache_index
-        from encoder_service.prepare import RequestPreparer
-        from encoder_service.processing import Preprocessor
 
-        self.preprocessor = Preprocessor(
-            model_dir, limits, limit_mm_per_prompt, processor_cache_bytes, model_id=model_name or None
-        )
         self.cache = create_cache_index(
             cache_num_shards,
             cache_capacity,
@@ -268,9 +291,17 @@ class PreprocessorServer:
             namespace="mmserve",
             largest_item=cache_largest_item,
         )
-        self.preprocessor.aliases = self.cache  # uuid names live in the cache shards (uuid_aliases.py)
         self.encoder = encoder  # DeploymentHandle of the model's EncoderPool
-        self.preparer = RequestPreparer(self.preprocessor, self.cache, self._encode)
+        self.preparer = make_preparer(
+            model_dir,
+            limits=limits,
+            limit_mm_per_prompt=limit_mm_per_prompt,
+            processor_cache_bytes=processor_cache_bytes,
+            cache=self.cache,
+            encode=self._encode,
+            model_name=model_name,
+        )
+        self.preprocessor = self.preparer.preprocessor
 
     async def _encode(self, batch: EncodeBatch) -> list[EncodedItem]:
         """Encode on the pool; if the replica dies mid-step, send the batch again (Serve routes it to
@@ -299,7 +330,4 @@ class PreprocessorServer:
         return await self.preparer.prepare(request_id, messages)
 
     def stats(self) -> dict[str, Any]:
-        return {
-            "processor_calls": self.preprocessor.num_processor_calls,
-            "processor_cache": self.preprocessor.processor_cache.stats(),
-        }
+        return preparer_stats(self.preparer)

@@ -1,0 +1,51 @@
+"""``PreparingEncoderServer``: an encoder replica that also prepares its media requests
+(``preprocess.placement: encoder``, what ``mmserve serve`` runs on one machine).
+
+    Ingress ──prepare──▶ EncoderPool replica: fetch, decode, hash, look up and reserve, process the
+                         misses, queue them on its own FIFO (shared with every request it serves),
+                         commit ──▶ prompt ids + refs back
+
+One Serve hop fewer per media request than a separate preprocessor pool (``placement: pool``): the
+pixels never cross a process, the embeddings' refs go straight from their owner to the ingress, and
+one Ray worker fewer runs. This is how vLLM's encoder-only instances work (the processor runs where the
+vision tower does). The price: preprocessing shares the encoder replica's CPUs and scales with the
+encoder pool, so a cluster whose GPU nodes are short of CPU keeps the separate pool.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from encoder_service.deployment import EncoderPoolServer, make_preparer, preparer_stats
+from encoder_service.prepared import PreparedRequest
+
+
+class PreparingEncoderServer(EncoderPoolServer):
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        limits: Any,
+        limit_mm_per_prompt: dict[str, int],
+        processor_cache_bytes: int,
+        **encoder: Any,
+    ) -> None:
+        super().__init__(model_dir, **encoder)
+        if self._cache is None:
+            raise ValueError("an encoder replica that prepares needs the shared cache index (cache=)")
+        self.preparer = make_preparer(
+            model_dir,
+            limits=limits,
+            limit_mm_per_prompt=limit_mm_per_prompt,
+            processor_cache_bytes=processor_cache_bytes,
+            cache=self._cache,
+            encode=self.encode,  # this replica's own FIFO: no hop, batched with every other request's items
+            model_name=self.model_name,
+        )
+
+    async def prepare(self, request_id: str, messages: list[dict[str, Any]]) -> PreparedRequest:
+        """The router's one call per media request (encoder_service/prepare.py)."""
+        return await self.preparer.prepare(request_id, messages)
+
+    def stats(self) -> dict[str, Any]:
+        return {**super().stats(), **preparer_stats(self.preparer)}
