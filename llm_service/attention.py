@@ -61,9 +61,37 @@ class SeqAttention:
 
 
 @dataclass
+class DecodeGroup:
+    """The batch's single-query sequences (decodes), attended in ONE padded SDPA call per layer
+    instead of one call each: their contexts are gathered into ``[B, max_ctx]`` slots, padded with
+    each row's first slot and masked out. A single query sees its whole context (causal, and any
+    bidirectional span it belongs to lies whole before it), so only padding and windows are masked."""
+
+    rows: torch.Tensor  # [B] long: their query rows in the batch
+    slots: torch.Tensor  # [B, max_ctx] long
+    valid: torch.Tensor  # [B, max_ctx] bool: inside the row's context
+    lengths: torch.Tensor  # [B] long: context lengths
+    _masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def mask_for(self, sliding_window: int | None) -> torch.Tensor:
+        """``[B, 1, 1, max_ctx]``: a local layer's query at position ``L - 1`` sees keys ``>= L - W``."""
+        if sliding_window not in self._masks:
+            m = self.valid
+            if sliding_window is not None:
+                k_pos = torch.arange(m.shape[1], device=m.device)
+                m = m & (k_pos[None, :] >= (self.lengths[:, None] - sliding_window))
+            self._masks[sliding_window] = m[:, None, None, :]
+        return self._masks[sliding_window]
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] long: where each new token's K/V is written
-    seqs: list[SeqAttention]
+    seqs: list[SeqAttention]  # attended one by one (prefill chunks; a lone decode)
+    decode: DecodeGroup | None = None  # two or more decodes, attended together
+
+
+MIN_DECODE_GROUP = 2  # one decode alone gains nothing from padding
 
 
 class PagedAttention(Protocol):
@@ -106,7 +134,28 @@ def build_metadata(
             mask = mask.to(device)
         seqs.append(SeqAttention(q_start, n, slots.to(device), mask, start, live))
         q_start += n
-    return AttentionMetadata(torch.cat(slot_parts).to(device), seqs)
+    decodes = [s for s in seqs if s.q_len == 1]
+    group = None
+    if len(decodes) >= MIN_DECODE_GROUP:
+        group = _decode_group(decodes, device)
+        seqs = [s for s in seqs if s.q_len != 1]
+    return AttentionMetadata(torch.cat(slot_parts).to(device), seqs, group)
+
+
+def _decode_group(decodes: list[SeqAttention], device: torch.device) -> DecodeGroup:
+    lengths = torch.tensor([s.context_slots.numel() for s in decodes], dtype=torch.long)
+    width = int(lengths.max())
+    valid = torch.arange(width)[None, :] < lengths[:, None]
+    slots = torch.stack(
+        [
+            torch.cat(
+                [s.context_slots.cpu(), s.context_slots[:1].cpu().expand(width - s.context_slots.numel())]
+            )
+            for s in decodes
+        ]
+    )
+    rows = torch.tensor([s.q_start for s in decodes], dtype=torch.long)
+    return DecodeGroup(rows.to(device), slots.to(device), valid.to(device), lengths.to(device))
 
 
 class TorchPagedAttention:
@@ -124,4 +173,12 @@ class TorchPagedAttention:
             mask = s.mask_for(sliding_window)
             o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale, enable_gqa=True)
             out[s.q_start : s.q_start + s.q_len] = o[0].transpose(0, 1)
+        if (g := meta.decode) is not None:
+            qq = q[g.rows][:, :, None, :]  # [B, heads, 1, dim]
+            kk = k_flat[g.slots].transpose(1, 2)  # [B, kv_heads, max_ctx, dim]
+            vv = v_flat[g.slots].transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                qq, kk, vv, attn_mask=g.mask_for(sliding_window), scale=scale, enable_gqa=True
+            )
+            out[g.rows] = o[:, :, 0, :]
         return out
