@@ -123,3 +123,9 @@ def _infrastructure_error(exc: BaseException) -> APIError | None:
             retry_after_s=1,
         )
     return None
+
+
+def replica_gone(e: BaseException) -> bool:
+    """The call's replica died (Ray actor errors, matched by name: Ray stays out of the router's logic)."""
+    names = {c.__name__ for c in type(e).__mro__}
+    return bool(names & {"ActorDiedError", "ActorUnavailableError", "RayActorError"})

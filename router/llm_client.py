@@ -25,6 +25,7 @@ from typing import Any
 from llm_service.output_channels import ChannelBatch
 from llm_service.outputs import RequestOutput
 from llm_service.request_spec import LLMRequestSpec, ReplicaTarget, SubmitReply
+from router.errors import replica_gone
 
 logger = logging.getLogger("mmserve.router")
 
@@ -100,7 +101,7 @@ class LLMClient:
             except BaseException as e:
                 call.cancel()
                 attempt += 1
-                if not _replica_gone(e) or asyncio.get_running_loop().time() > deadline:
+                if not replica_gone(e) or asyncio.get_running_loop().time() > deadline:
                     raise
                 logger.warning(
                     "LLM replica lost before %s started (%r); routing it again", spec.request_id, e
@@ -235,12 +236,6 @@ async def _drain(call: Any) -> None:
             pass
     except Exception:  # the request is answered already; its call's end changes nothing
         logger.debug("submit call ended with an error after its request finished", exc_info=True)
-
-
-def _replica_gone(e: BaseException) -> bool:
-    """The call's replica died (Ray actor errors, matched by name: Ray stays out of this module)."""
-    names = {c.__name__ for c in type(e).__mro__}
-    return bool(names & {"ActorDiedError", "ActorUnavailableError", "RayActorError"})
 
 
 def _with_ingress(spec: LLMRequestSpec, ingress_id: str) -> LLMRequestSpec:

@@ -1,14 +1,15 @@
 """One chat request's journey through a model's pools, as seen from the ingress: two calls.
 
   text only:  tokenize (off the event loop when long) ──────────────▶ LLM submit ─┐
-  media:      Preprocessor.prepare (hash, look up, process + encode    ─▶ LLM submit ─┤
-              misses next to the cache; refs back)                                    │
+  media:      prepare (an EncoderPool or Preprocessor replica: hash,  ─▶ LLM submit ─┤
+              look up, process + encode misses next to the cache; refs back)          │
                                                    tokens ◀── output channel, one message per step
 
 A prepared request holds nothing in the encoder cache: it holds its embeddings' refs itself (Ray
 keeps the objects alive for it), and its reservations were committed before ``prepare`` returned.
 If ``prepare`` fails or the client leaves during it, the request id's reservations are released on
-every shard (final there: a reservation arriving later is refused).
+every shard (final there: a reservation arriving later is refused). A ``prepare`` whose replica died
+is sent again under a fresh attempt id, up to ``PREPARE_ATTEMPTS`` times.
 
 Lost embeddings (the encoder replica that owns them died): ``submit`` raises ``EmbeddingsLost``
 before the request enters the engine; those entries are invalidated (only while they still hold the
@@ -33,13 +34,14 @@ from llm_service.outputs import RequestOutput
 from llm_service.prefix_hash import compute_block_hashes
 from llm_service.request_spec import EmbeddingRef, LLMRequestSpec, SubmitReply
 from llm_service.sampling_params import SamplingParams
-from router.errors import APIError, bad_request, find_cause
+from router.errors import APIError, bad_request, find_cause, replica_gone
 from router.llm_client import LLMClient
 from router.messages import NormalizedChat, text_only_messages
 
 logger = logging.getLogger("mmserve.router")
 
 MAX_REPLAY_RECORDS = 4096
+PREPARE_ATTEMPTS = 3  # a replica that dies while preparing a request: prepared again on another
 INLINE_TOKENIZE_CHARS = 16_384  # longer text-only prompts are templated and tokenized off the loop
 
 
@@ -122,16 +124,7 @@ class Orchestrator:
         return prepared
 
     async def _prepare_media(self, request_id: str, attempt_id: str) -> Prepared:
-        try:
-            pre: PreparedRequest = await self.h.preprocess.prepare.remote(
-                attempt_id, self._messages[request_id]
-            )
-        except BaseException:
-            self._messages.pop(request_id, None)
-            # The preprocessor may still be running (a cancel need not reach it): release on every
-            # shard. Final there: its later reservations are refused.
-            await asyncio.shield(self._release(attempt_id))
-            raise
+        pre = await self._prepare_call(request_id, attempt_id)
         self._replay[request_id] = pre.log
         while len(self._replay) > MAX_REPLAY_RECORDS:
             self._replay.popitem(last=False)
@@ -151,6 +144,31 @@ class Orchestrator:
             for it in pre.items
         ]
         return Prepared(list(pre.prompt_token_ids), items)
+
+    async def _prepare_call(self, request_id: str, attempt_id: str) -> PreparedRequest:
+        """One ``prepare`` call, sent again (under a fresh attempt id) while the replica preparing it
+        dies: Serve routes the next to a live replica or to the dead one's successor."""
+        for attempt in range(1, PREPARE_ATTEMPTS + 1):
+            aid = attempt_id if attempt == 1 else f"{attempt_id}#p{attempt}"
+            try:
+                pre: PreparedRequest = await self.h.preprocess.prepare.remote(aid, self._messages[request_id])
+                return pre
+            except BaseException as e:
+                # The replica may still be running (a cancel need not reach it): release on every
+                # shard. Final there: its later reservations are refused.
+                await asyncio.shield(self._release(aid))
+                if (
+                    attempt == PREPARE_ATTEMPTS
+                    or isinstance(e, asyncio.CancelledError)
+                    or not replica_gone(e)
+                ):
+                    self._messages.pop(request_id, None)
+                    raise
+                logger.warning(
+                    "replica preparing %s lost (%s); preparing it again", request_id, type(e).__name__
+                )
+                await asyncio.sleep(0.2 * attempt)
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     async def _release(self, attempt_id: str) -> None:
         try:

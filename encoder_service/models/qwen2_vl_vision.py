@@ -70,7 +70,7 @@ def packed_pixels(
                 f"{t}x{h}x{w} with {patch_dim} values per patch"
             )
         pixels.append(pv)
-    return torch.cat(pixels)
+    return pixels[0] if len(pixels) == 1 else torch.cat(pixels)  # read only: no copy for one item
 
 
 class VisionRotary(nn.Module):

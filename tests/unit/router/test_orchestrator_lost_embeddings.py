@@ -17,7 +17,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from ray.exceptions import OwnerDiedError, RayTaskError
+from ray.exceptions import ActorDiedError, OwnerDiedError, RayTaskError
 
 from encoder_service.cache_client import EncoderCacheClient
 from encoder_service.cache_index import CacheIndexShard
@@ -275,3 +275,55 @@ def test_resolve_embeddings_names_every_lost_item_and_prefers_other_errors() -> 
     assert pickle.loads(pickle.dumps(e.value)).mm_hashes == [H1]
     with pytest.raises(RuntimeError, match="object store bug"):
         asyncio.run(resolve_embeddings(items, lost_or_broken))
+
+
+class DyingPreparer:
+    """A preparing replica that dies (``ActorDiedError``) after reserving, for its first ``deaths`` calls."""
+
+    def __init__(
+        self, preparer: RequestPreparer, deaths: int, error: type[Exception] = ActorDiedError
+    ) -> None:
+        self.preparer, self.deaths, self.error, self.calls = preparer, deaths, error, []
+
+    async def prepare(self, request_id: str, messages: list[dict[str, Any]]) -> Any:
+        self.calls.append(request_id)
+        if len(self.calls) <= self.deaths:
+            hashes = [p["hash"] for p in messages[0]["content"]]
+            await self.preparer.cache.lookup_or_reserve(request_id, hashes)  # reserved, then the replica dies
+            raise self.error()
+        return await self.preparer.prepare(request_id, messages)
+
+
+@pytest.mark.parametrize("deaths", [1, 2])
+def test_a_prepare_whose_replica_dies_is_prepared_again_and_releases(deaths: int) -> None:
+    world = World()
+
+    async def scenario() -> tuple[DyingPreparer, dict[str, Any]]:
+        orch, cache = _build(world)
+        dying = DyingPreparer(orch.h.preprocess._obj, deaths)  # type: ignore[attr-defined]
+        orch.h.preprocess = _Remote(dying)  # type: ignore[assignment]
+        assert len(await _finish(await _prepare(orch, "a", H1))) == 1
+        return dying, await cache.stats()
+
+    dying, stats = asyncio.run(scenario())
+    assert dying.calls == ["a", "a#p2", "a#p3"][: deaths + 1]  # a fresh attempt id each time
+    assert world.encoded == [H1]  # the dead attempts' reservations were released, not waited out
+    assert stats["reserved"] == 0 and stats["entries"] == 1
+
+
+def test_a_prepare_that_fails_otherwise_or_dies_every_time_is_not_retried_forever() -> None:
+    world = World()
+
+    async def scenario(deaths: int, error: type[Exception]) -> tuple[DyingPreparer, dict[str, Any]]:
+        orch, cache = _build(world)
+        dying = DyingPreparer(orch.h.preprocess._obj, deaths, error)  # type: ignore[attr-defined]
+        orch.h.preprocess = _Remote(dying)  # type: ignore[assignment]
+        with pytest.raises(error):
+            await orch.prepare("a", _chat(H1))
+        return dying, await cache.stats()
+
+    dying, stats = asyncio.run(scenario(1, ValueError))
+    assert dying.calls == ["a"] and stats["reserved"] == 0
+    dying, stats = asyncio.run(scenario(10, ActorDiedError))
+    assert dying.calls == ["a", "a#p2", "a#p3"] and stats["reserved"] == 0
+    assert world.encoded == []
