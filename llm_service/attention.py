@@ -114,14 +114,34 @@ def build_metadata(
     spans: list[list[Span]] | None = None,
 ) -> AttentionMetadata:
     """``chunks``: per sequence ``(start, num_tokens, block_table)``, in batch order; ``spans``: per
-    sequence, its bidirectional spans (None: causal everywhere)."""
-    slot_parts, seqs, q_start = [], [], 0
+    sequence, its bidirectional spans (None: causal everywhere).
+
+    Single-token chunks (decodes) go into one ``DecodeGroup`` when there are two or more: their slots
+    are computed for all of them at once, not per sequence (per-step Python cost stays flat in B)."""
+    group = sum(1 for _, n, _ in chunks if n == 1) >= MIN_DECODE_GROUP
+    slots_out: list[torch.Tensor | list[int]] = []  # new tokens' slots, in batch order
+    seqs: list[SeqAttention] = []
+    dec_rows: list[int] = []
+    dec_tables: list[list[int]] = []
+    dec_lens: list[int] = []
+    q_start = 0
     for i, (start, n, table) in enumerate(chunks):
+        if n == 1 and group:
+            slot = table[start // block_size] * block_size + start % block_size
+            if slots_out and isinstance(slots_out[-1], list):
+                slots_out[-1].append(slot)
+            else:
+                slots_out.append([slot])
+            dec_rows.append(q_start)
+            dec_tables.append(table)
+            dec_lens.append(start + 1)
+            q_start += 1
+            continue
         end = start + n
         bt = torch.tensor(table, dtype=torch.long)
         pos = torch.arange(end, dtype=torch.long)
         slots = bt[pos // block_size] * block_size + pos % block_size
-        slot_parts.append(slots[start:])
+        slots_out.append(slots[start:])
         live = tuple((o, ln) for o, ln in (spans[i] if spans else ()) if o < end and o + ln > start)
         mask = None
         if n > 1:
@@ -134,28 +154,31 @@ def build_metadata(
             mask = mask.to(device)
         seqs.append(SeqAttention(q_start, n, slots.to(device), mask, start, live))
         q_start += n
-    decodes = [s for s in seqs if s.q_len == 1]
-    group = None
-    if len(decodes) >= MIN_DECODE_GROUP:
-        group = _decode_group(decodes, device)
-        seqs = [s for s in seqs if s.q_len != 1]
-    return AttentionMetadata(torch.cat(slot_parts).to(device), seqs, group)
-
-
-def _decode_group(decodes: list[SeqAttention], device: torch.device) -> DecodeGroup:
-    lengths = torch.tensor([s.context_slots.numel() for s in decodes], dtype=torch.long)
-    width = int(lengths.max())
-    valid = torch.arange(width)[None, :] < lengths[:, None]
-    slots = torch.stack(
-        [
-            torch.cat(
-                [s.context_slots.cpu(), s.context_slots[:1].cpu().expand(width - s.context_slots.numel())]
-            )
-            for s in decodes
-        ]
+    slot_mapping = torch.cat(
+        [p if isinstance(p, torch.Tensor) else torch.tensor(p, dtype=torch.long) for p in slots_out]
     )
-    rows = torch.tensor([s.q_start for s in decodes], dtype=torch.long)
-    return DecodeGroup(rows.to(device), slots.to(device), valid.to(device), lengths.to(device))
+    decode = _decode_group(dec_rows, dec_tables, dec_lens, block_size, device) if dec_rows else None
+    return AttentionMetadata(slot_mapping.to(device), seqs, decode)
+
+
+def _decode_group(
+    rows: list[int], tables: list[list[int]], lengths: list[int], block_size: int, device: torch.device
+) -> DecodeGroup:
+    """Every decode's context slots at once: block tables padded (with each row's first block) to a
+    ``[B, max_blocks]`` matrix, expanded to ``[B, max_ctx]`` slots."""
+    width = max(lengths)
+    max_blocks = -(-width // block_size)
+    bt = torch.tensor([t[:max_blocks] + [t[0]] * (max_blocks - len(t[:max_blocks])) for t in tables])
+    pos = torch.arange(width, dtype=torch.long)
+    slots = bt[:, pos // block_size] * block_size + pos % block_size
+    lens = torch.tensor(lengths, dtype=torch.long)
+    valid = pos[None, :] < lens[:, None]
+    return DecodeGroup(
+        torch.tensor(rows, dtype=torch.long, device=device),
+        slots.to(device),
+        valid.to(device),
+        lens.to(device),
+    )
 
 
 class TorchPagedAttention:

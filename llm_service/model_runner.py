@@ -110,18 +110,45 @@ class ModelRunner:
             parts.append(torch.arange(max(start, n), end, device=self.device).expand(3, -1) + state["delta"])
         return torch.cat(parts, dim=1)
 
-    def _embeds(self, chunk: ScheduledChunk) -> torch.Tensor:
-        req, start = chunk.request, chunk.start
-        end = start + chunk.num_tokens
-        ids = torch.tensor(req.all_token_ids[start:end], device=self.device)
-        emb = self.model.embed_tokens(ids)
+    def _positions_all(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """Every chunk's positions, in batch order; decode runs built from ints, not per-chunk tensors."""
+        if not self.model.uses_mrope:
+            flat = [p for c in chunks for p in range(c.start, c.start + c.num_tokens)]
+            return torch.tensor(flat, dtype=torch.long, device=self.device)
+        parts: list[torch.Tensor | list[int]] = []
+        for c in chunks:
+            req, start, end = c.request, c.start, c.start + c.num_tokens
+            if start < req.num_prompt_tokens:
+                parts.append(self._positions(req, start, end))
+                continue
+            delta = req.runner_state["delta"]  # past the prompt: text positions, shifted; all 3 axes alike
+            if not parts or not isinstance(parts[-1], list):
+                parts.append([])
+            parts[-1].extend(range(start + delta, end + delta))  # type: ignore[union-attr]
+        tensors = [
+            p
+            if isinstance(p, torch.Tensor)
+            else torch.tensor(p, dtype=torch.long, device=self.device).expand(3, -1)
+            for p in parts
+        ]
+        return torch.cat(tensors, dim=-1)
+
+    def _embeds_all(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """Every chunk's input rows, in batch order: one embedding lookup for the whole batch, then each
+        chunk's slices of its media items' embeddings written over their placeholder rows."""
+        ids = [t for c in chunks for t in _token_ids(c.request, c.start, c.start + c.num_tokens)]
+        emb = self.model.embed_tokens(torch.tensor(ids, dtype=torch.long, device=self.device))
         width = getattr(self.model, "mm_row_width", emb.shape[1])
         if width > emb.shape[1]:  # DeepStack (Qwen3-VL): an item's levels ride after its main columns
             emb = torch.cat([emb, emb.new_zeros(emb.shape[0], width - emb.shape[1])], dim=1)
-        for offset, length, embeds in req.runner_state.get("mm", ()):
-            lo, hi = max(start, offset), min(end, offset + length)
-            if lo < hi:  # a chunk may hold only a slice of the item
-                emb[lo - start : hi - start] = embeds[lo - offset : hi - offset]
+        row = 0
+        for c in chunks:
+            start, end = c.start, c.start + c.num_tokens
+            for offset, length, embeds in c.request.runner_state.get("mm", ()):
+                lo, hi = max(start, offset), min(end, offset + length)
+                if lo < hi:  # a chunk may hold only a slice of the item
+                    emb[row + lo - start : row + hi - start] = embeds[lo - offset : hi - offset]
+            row += c.num_tokens
         return emb
 
     @torch.inference_mode()
@@ -130,10 +157,8 @@ class ModelRunner:
         chunks = out.chunks
         if not chunks:
             return {}
-        embeds = torch.cat([self._embeds(c) for c in chunks])
-        positions = torch.cat(
-            [self._positions(c.request, c.start, c.start + c.num_tokens) for c in chunks], dim=-1
-        )
+        embeds = self._embeds_all(chunks)
+        positions = self._positions_all(chunks)
         meta = build_metadata(
             [(c.start, c.num_tokens, c.block_table) for c in chunks],
             self.config.block_size,
@@ -186,3 +211,13 @@ def _check_finite(chunks: list[ScheduledChunk], hidden: torch.Tensor) -> None:
     raise RequestFaults(
         {c.request.request_id: msg for c, p in zip(chunks, parts, strict=True) if bool(p.any())}
     )
+
+
+def _token_ids(req: Request, start: int, end: int) -> list[int]:
+    """``req.all_token_ids[start:end]`` without building the whole list (a decode reads one id)."""
+    n = len(req.prompt_token_ids)
+    if start >= n:
+        return req.output_token_ids[start - n : end - n]
+    if end <= n:
+        return req.prompt_token_ids[start:end]
+    return req.prompt_token_ids[start:] + req.output_token_ids[: end - n]
