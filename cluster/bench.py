@@ -108,12 +108,11 @@ def workload_config(args: argparse.Namespace) -> WorkloadConfig:
 def start_embedded(args: argparse.Namespace) -> str:
     """The whole app on an embedded local Ray, HTTP on 127.0.0.1 only; returns its base URL."""
     from cluster.config import AppConfig, default_config
-    from cluster.serve_cli import start
+    from cluster.serve_cli import one_machine_defaults, start
 
     cfg = AppConfig.from_yaml(args.config) if args.config else default_config()
     data = {**cfg.model_dump(), "host": "127.0.0.1", "port": args.port}
-    if "http_mode" not in cfg.ingress.model_fields_set:
-        data["ingress"]["http_mode"] = "direct"  # what `mmserve serve` runs
+    one_machine_defaults(cfg, data)  # what `mmserve serve` runs
     cfg = AppConfig.model_validate(data)
     log(f"starting the app on an embedded Ray (port {args.port}) ...")
     start(cfg, num_cpus=args.num_cpus)

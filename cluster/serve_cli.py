@@ -81,15 +81,10 @@ def config_from_args(args: argparse.Namespace) -> AppConfig:
         keys_file = str(Path(args.api_keys_file).resolve())  # replicas do not run in this directory
         load_keys_file(keys_file)  # fail here, with the reason, rather than in every ingress replica
         data["ingress"]["api_keys_file"] = keys_file
+    one_machine_defaults(cfg, data)
     if args.http_mode:
         data["ingress"]["http_mode"] = args.http_mode
-    elif "http_mode" not in cfg.ingress.model_fields_set:
-        data["ingress"]["http_mode"] = "direct"  # one machine: no proxy hop
-    for m, model in zip(data["models"], cfg.models, strict=True):
-        if "placement" not in model.preprocess.model_fields_set:
-            m["preprocess"]["placement"] = (
-                "encoder"  # one machine: the encoder replica prepares, one hop fewer
-            )
+    for m in data["models"]:
         for key in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "dtype"):
             if getattr(args, key) is not None:
                 m["llm"][key] = getattr(args, key)
@@ -98,6 +93,17 @@ def config_from_args(args: argparse.Namespace) -> AppConfig:
         if args.mm_encoder_tp_mode is not None:
             m["encoder"]["mm_encoder_tp_mode"] = args.mm_encoder_tp_mode
     return AppConfig.model_validate(data)
+
+
+def one_machine_defaults(cfg: AppConfig, data: dict[str, Any]) -> None:
+    """What one machine runs unless ``cfg`` says otherwise, written into ``data`` (``cfg``'s dump):
+    the ingress serves HTTP itself (no proxy hop) and the encoder replicas prepare their own requests
+    (no Preprocessor pool: one hop and one process fewer per media request)."""
+    if "http_mode" not in cfg.ingress.model_fields_set:
+        data["ingress"]["http_mode"] = "direct"
+    for m, model in zip(data["models"], cfg.models, strict=True):
+        if "placement" not in model.preprocess.model_fields_set:
+            m["preprocess"]["placement"] = "encoder"
 
 
 def start(
