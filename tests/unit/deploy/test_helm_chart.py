@@ -275,3 +275,15 @@ def test_policy_values_are_constructor_arguments() -> None:
     for pool, cls in (("encoder", EncoderQueuePolicy), ("llm", LLMLoadPolicy)):
         keys = {_snake(k) for k in schema[pool]["properties"]["policy"]["properties"]}
         assert keys and keys <= set(inspect.signature(cls).parameters), (pool, keys)
+
+
+def test_placement_reaches_the_app_and_only_its_two_values_pass() -> None:
+    vals = yaml.safe_load((CHART / "values.yaml").read_text())
+    vals["models"][0]["preprocess"] = {"placement": "encoder"}
+    (rs,) = _render(vals)["RayService"]
+    (cfg,) = validate_serve_config(yaml.safe_load(rs["spec"]["serveConfigV2"]))
+    assert cfg.models[0].preprocess.placement == "encoder"
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    vals["models"][0]["preprocess"] = {"placement": "elsewhere"}
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(vals, schema)
