@@ -47,6 +47,9 @@ class ShardSpec:
             "num_cpus": self.num_cpus,
             "max_concurrency": 1000,
             "max_restarts": -1,  # a crashed shard comes back empty (its entries become misses)
+            # Hot path (every media request calls a shard): no per-call task events to the GCS, as
+            # Serve does for its replicas (RAY_SERVE_ENABLE_TASK_EVENTS=0).
+            "enable_task_events": False,
             # Never inside the caller's placement group: created from an encoder replica whose TP
             # group has one, the shards would take its ranks' CPU and die with that replica.
             "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=None),
