@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from encoder_service.runner import EncoderRunner
-from encoder_service.tp.launch import free_port, init_tp_process_group
+from encoder_service.tp.launch import exit_spawned_rank, free_port, init_tp_process_group
 from encoder_service.types import EncoderInput
 
 
@@ -61,7 +61,7 @@ def _rank_main(
     seconds = time_encode(runner, items, repeats, sync=True)
     if rank == 0:
         (Path(work) / f"{mode}.txt").write_text(str(seconds))
-    dist.destroy_process_group()
+    exit_spawned_rank()
 
 
 def main() -> None:

@@ -29,7 +29,12 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from encoder_service.runner import EncoderRunner, TPMode
-from encoder_service.tp.launch import default_backend, free_port, init_tp_process_group
+from encoder_service.tp.launch import (
+    default_backend,
+    free_port,
+    init_tp_process_group,
+    leave_tp_process_group,
+)
 from encoder_service.types import EncoderInput
 
 # Bounds on each start-up step, so a group that cannot form fails (and Serve retries the replica)
@@ -87,10 +92,7 @@ class EncoderRankWorker:
         return [t.cpu() for t in out] if self.rank == 0 else None
 
     def stop(self) -> None:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_tp_process_group(barrier=False)  # a peer may be gone already
 
 
 class EncoderTPGroup:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import sys
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -35,3 +38,25 @@ def init_tp_process_group(
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )
+
+
+def leave_tp_process_group(barrier: bool = True) -> None:
+    """Leave the group: wait for every rank (``barrier``), then destroy it."""
+    if not dist.is_initialized():
+        return
+    if barrier:
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def exit_spawned_rank() -> NoReturn:
+    """End a rank process started by ``torch.multiprocessing.spawn`` once its results are on disk.
+
+    Leaves the group, then exits at once with status 0: left to the interpreter's teardown, a gloo
+    rank aborts now and then (SIGABRT, "terminate called without an active exception", from a C++
+    thread destroyed unjoined at exit) after its work is done, and spawn reports the rank failed.
+    """
+    leave_tp_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -9,7 +9,7 @@ import torch
 import torch.multiprocessing as mp
 
 from encoder_service.runner import EncoderRunner
-from encoder_service.tp.launch import free_port, init_tp_process_group
+from encoder_service.tp.launch import exit_spawned_rank, free_port, init_tp_process_group
 from tests.unit.encoder_models.inputs import audio_input, image_input, video_input
 
 pytestmark = pytest.mark.gpu
@@ -50,6 +50,7 @@ def _rank_main(rank: int, port: int, work: str, vl_dir: str) -> None:
         runner = EncoderRunner(vl_dir, device=f"cuda:{rank}", tp_rank=rank, tp_size=2, tp_mode=mode)  # type: ignore[arg-type]
         out[mode] = [t.cpu() for t in runner.encode(items)]
     torch.save(out, Path(work) / f"rank{rank}.pt")
+    exit_spawned_rank()
 
 
 def test_nccl_tp2_equals_tp1(tiny_vl_dir: Path, tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ import torch
 import torch.multiprocessing as mp
 
 from encoder_service.runner import EncoderRunner
-from encoder_service.tp.launch import free_port, init_tp_process_group
+from encoder_service.tp.launch import exit_spawned_rank, free_port, init_tp_process_group
 from encoder_service.types import EncoderInput
 
 ATOL, RTOL = 1e-5, 1e-5
@@ -27,6 +27,7 @@ def _rank_main(rank: int, port: int, work: str, model_dir: str) -> None:
         result[mode] = runner.encode(items)
         result[f"{mode}-params"] = sum(p.numel() for p in runner.model.parameters())
     torch.save(result, Path(work) / f"rank{rank}.pt")
+    exit_spawned_rank()
 
 
 def run_tp2(model_dir: Path, items: list[EncoderInput], work: Path) -> list[dict[str, Any]]:

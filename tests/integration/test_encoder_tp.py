@@ -11,7 +11,7 @@ import torch
 import torch.multiprocessing as mp
 
 from encoder_service.runner import EncoderRunner
-from encoder_service.tp.launch import free_port, init_tp_process_group
+from encoder_service.tp.launch import exit_spawned_rank, free_port, init_tp_process_group
 from tests.unit.encoder_models.inputs import audio_input, image_input, video_input
 
 ATOL, RTOL = 1e-5, 1e-5
@@ -37,6 +37,7 @@ def _rank_main(rank: int, port: int, work: str, vl_dir: str, audio_dir: str) -> 
             result[f"{name}-{mode}"] = runner.encode(batches[name])
             result[f"{name}-{mode}-params"] = sum(p.numel() for p in runner.model.parameters())
     torch.save(result, Path(work) / f"rank{rank}.pt")
+    exit_spawned_rank()
 
 
 @pytest.fixture(scope="module")
