@@ -21,6 +21,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from encoder_service.cache_index import RELEASED, CacheIndexShard, RequestReleased, shard_of
+from encoder_service.call_coalescing import CallCoalescer
 from encoder_service.encoder_cache import COMPUTE, DEFAULT_LEASE_S, HIT
 from encoder_service.errors import EncoderCacheBusy
 from encoder_service.types import EmbeddingMeta
@@ -73,6 +74,22 @@ class EncoderCacheClient:
             raise ValueError("need at least one cache index shard")
         self.shards = list(shard_actor_handles)
         self.spec = spec
+        self._lookups: dict[int, CallCoalescer[tuple[str, list[str]], dict[str, Any]]] = {}
+
+    def __reduce__(self) -> tuple[Any, ...]:  # a copy in another process starts with its own batches
+        return (EncoderCacheClient, (self.shards, self.spec))
+
+    def _lookup_batches(self, index: int) -> CallCoalescer[tuple[str, list[str]], dict[str, Any]]:
+        """Shard ``index``'s lookups: one ``lookup_or_reserve_batch`` in flight, the rest queued for
+        the next (encoder_service/call_coalescing.py)."""
+        if index not in self._lookups:
+
+            async def send(requests: list[tuple[str, list[str]]]) -> list[dict[str, Any]]:
+                answers: list[dict[str, Any]] = await self._call(index, "lookup_or_reserve_batch", requests)
+                return answers
+
+            self._lookups[index] = CallCoalescer(send)
+        return self._lookups[index]
 
     @property
     def shard_capacity(self) -> int | None:
@@ -124,10 +141,11 @@ class EncoderCacheClient:
     async def lookup_or_reserve(
         self, request_id: str, hashes: list[str]
     ) -> dict[str, tuple[str, tuple[EmbeddingMeta, Any] | None]]:
-        """``CacheIndexShard.lookup_or_reserve`` over the shards of ``hashes`` (one call each)."""
+        """``CacheIndexShard.lookup_or_reserve`` over the shards of ``hashes``: one call each, shared
+        with the lookups of other requests made while the shard's last one was in flight."""
         groups = self._groups(hashes)
         answers = await asyncio.gather(
-            *(self._call(s, "lookup_or_reserve", request_id, hs) for s, hs in groups.items())
+            *(self._lookup_batches(s)((request_id, hs)) for s, hs in groups.items())
         )
         out: dict[str, tuple[str, tuple[EmbeddingMeta, Any] | None]] = {}
         for ans in answers:

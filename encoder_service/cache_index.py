@@ -106,6 +106,13 @@ class CacheIndexShard:
             out[h] = (kind, self._hit(h) if kind == HIT else None)
         return out
 
+    async def lookup_or_reserve_batch(
+        self, requests: list[tuple[str, list[str]]]
+    ) -> list[dict[str, tuple[str, Any]]]:
+        """``lookup_or_reserve`` for each ``(request_id, hashes)``, in order: one call for the lookups
+        of many requests (the client coalesces those made while one is in flight)."""
+        return [await self.lookup_or_reserve(rid, hashes) for rid, hashes in requests]
+
     async def get_or_reserve(self, request_id: str, mm_hash: str) -> tuple[str, Any]:
         """Wait (bounded) while another live request computes ``mm_hash``; then ``("hit", ...)`` or
         ``("compute", None)`` (its computation failed or its lease ran out: ours now)."""
