@@ -84,6 +84,8 @@ class CacheIndexShard:
         self._released: dict[str, None] = {}  # request ids released, oldest first (bounded)
         self._recent: OrderedDict[str, tuple[str, float]] = OrderedDict()  # evicted -> (ref id, when)
         self.aliases = UuidAliases(max_aliases)  # uuid names whose key hashes to this shard
+        self.lookup_calls = 0  # lookup_or_reserve_batch calls, and the requests' lookups they carried
+        self.lookup_requests = 0
 
     def _hit(self, mm_hash: str) -> Payload:
         meta = self.books.entries[mm_hash].meta
@@ -111,6 +113,8 @@ class CacheIndexShard:
     ) -> list[dict[str, tuple[str, Any]]]:
         """``lookup_or_reserve`` for each ``(request_id, hashes)``, in order: one call for the lookups
         of many requests (the client coalesces those made while one is in flight)."""
+        self.lookup_calls += 1
+        self.lookup_requests += len(requests)
         return [await self.lookup_or_reserve(rid, hashes) for rid, hashes in requests]
 
     async def get_or_reserve(self, request_id: str, mm_hash: str) -> tuple[str, Any]:
@@ -260,4 +264,6 @@ class CacheIndexShard:
             **self.books.stats(),
             "invalidations": self.books.invalidations,
             "uuid_names": len(self.aliases),
+            "lookup_calls": self.lookup_calls,
+            "lookup_requests": self.lookup_requests,
         }
