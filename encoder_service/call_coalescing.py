@@ -33,13 +33,10 @@ class CallCoalescer(Generic[A, R]):
         self._send = send
         self._queued: list[tuple[A, asyncio.Future[R]]] = []
         self._sender: asyncio.Task[None] | None = None
-        self.batches = 0  # batches sent: calls / batches is the coalescing factor
-        self.calls = 0
 
     async def __call__(self, arg: A) -> R:
         future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
         self._queued.append((arg, future))
-        self.calls += 1
         if self._sender is None:
             self._sender = asyncio.get_running_loop().create_task(self._send_queued())
         return await future
@@ -48,7 +45,6 @@ class CallCoalescer(Generic[A, R]):
         try:
             while self._queued:
                 batch, self._queued = self._queued, []
-                self.batches += 1
                 try:
                     answers = await self._send([arg for arg, _ in batch])
                     if len(answers) != len(batch):
