@@ -98,6 +98,7 @@ class EncoderPoolServer:
         )
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
+        self._commits: set[asyncio.Task[None]] = set()  # index commits in flight
         self._metrics = EncoderMetrics(model_name)
 
     @property
@@ -174,12 +175,32 @@ class EncoderPoolServer:
             self._owned.add(meta.mm_hash, ref)
             done.append((q, EncodedItem(meta, [ref])))
         if self._cache is not None:  # the callers' reservations become committed entries
-            await self._cache.commit_many([(e.meta, e.ref[0], q.request_id) for q, e in done])
-        for q, e in done:
+            self._commit_soon([(e.meta, e.ref[0], q.request_id) for q, e in done])
+        for q, e in done:  # the callers hold the refs: they need not wait for the index
             if not q.future.done():
                 q.future.set_result(e)
         self._metrics.items.inc(len(step))
         self._metrics.embeddings.inc(sum(i.num_embeds for i in items))
+
+    def _commit_soon(self, commits: list[tuple[EmbeddingMeta, Any, str]]) -> None:
+        """Commit a step's outputs without holding up its callers or the next step.
+
+        Sent before the callers resume (the task starts before their futures' callbacks run), so a
+        lookup a caller makes afterwards reaches the shard after it. A commit that fails leaves the
+        reservations to their lease: a waiter takes the item over when it ends.
+        """
+
+        async def commit() -> None:
+            try:
+                await self._cache.commit_many(commits)
+            except Exception:
+                logger.exception(
+                    "committing %s to the encoder cache failed", [m.mm_hash for m, _, _ in commits]
+                )
+
+        task = asyncio.get_running_loop().create_task(commit())
+        self._commits.add(task)
+        task.add_done_callback(self._commits.discard)
 
     async def invalidate_owned(self) -> int:
         """Drop the cache entries that hold this replica's objects; the number dropped. Never raises."""
@@ -193,6 +214,10 @@ class EncoderPoolServer:
                 logger.warning("encoder drain timed out with %d embeddings queued", self._queued_embeds)
                 return False
             await asyncio.sleep(0.05)
+        if self._commits:  # entries of this replica's last steps still on their way to the index
+            await asyncio.wait(
+                set(self._commits), timeout=max(0.0, deadline - asyncio.get_running_loop().time())
+            )
         return True
 
     async def _shutdown(self) -> int:
