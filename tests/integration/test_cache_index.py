@@ -290,3 +290,38 @@ def test_shards_created_inside_a_placement_group_live_outside_it(ray_session) ->
     finally:
         for i in range(2):
             ray.kill(ray.get_actor(f"{prefix}-{i}", namespace="mmserve-test"))
+
+
+def test_a_commit_that_fails_still_answers_the_step_and_the_loop_goes_on(ray_session, tiny_vl_dir):
+    """Commits are off the callers' path: an index that refuses every commit costs the entry, not the
+    answer, and the next step runs."""
+    from encoder_service.deployment import EncodeBatch, EncoderPoolServer
+    from encoder_service.runner import EncoderRunner
+    from tests.unit.encoder_models.inputs import image_input
+
+    class RefusingIndex:
+        def __init__(self) -> None:
+            self.commits = 0
+
+        async def commit_many(self, commits: list[Any]) -> list[bool]:
+            self.commits += 1
+            raise RuntimeError("index down")
+
+        async def holding(self, ref_ids: dict[str, str]) -> list[str]:
+            return list(ref_ids)
+
+    index = RefusingIndex()
+    server = EncoderPoolServer(str(tiny_vl_dir), cache=index)
+    items = [image_input(tiny_vl_dir, 56, 56, seed=1), image_input(tiny_vl_dir, 84, 56, seed=2)]
+    expected = EncoderRunner(tiny_vl_dir, device="cpu").encode(items)
+
+    async def scenario() -> list[Any]:
+        outs = [(await server.encode(EncodeBatch(f"r{i}", [it])))[0] for i, it in enumerate(items)]
+        assert await server.drain(timeout_s=10)  # waits for the commits in flight too
+        return outs
+
+    outs = asyncio.run(scenario())
+    assert index.commits == 2  # each step tried to commit ...
+    for out, item, ref in zip(outs, items, expected, strict=True):  # ... and each caller got its answer
+        assert out.meta.mm_hash == item.mm_hash
+        np.testing.assert_allclose(ray.get(out.ref[0]).numpy(), ref.numpy(), rtol=1e-5, atol=1e-5)
