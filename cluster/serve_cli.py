@@ -99,8 +99,8 @@ def one_machine_defaults(cfg: AppConfig, data: dict[str, Any]) -> None:
     """What one machine runs unless ``cfg`` says otherwise, written into ``data`` (``cfg``'s dump):
     the ingress serves HTTP itself (no proxy hop), the encoder replicas prepare their own requests
     (no Preprocessor pool: one hop and one process fewer per media request), each model's encoder
-    cache is one shard (one process; every lookup made while one is in flight goes in the next
-    call), and a pool whose autoscaling bounds leave it one count runs that many replicas fixed."""
+    cache is one shard (one process fewer), and a pool whose autoscaling bounds leave it one count
+    runs that many replicas fixed."""
     if "http_mode" not in cfg.ingress.model_fields_set:
         data["ingress"]["http_mode"] = "direct"
     fixed_replica_counts(data["ingress"]["deployment"])
@@ -117,8 +117,9 @@ def fixed_replica_counts(deployment: dict[str, Any]) -> None:
     """``num_replicas: n`` for a pool autoscaled within ``[n, n]`` (``DeploymentOptions``' dump).
 
     Nothing can scale there, but with an ``autoscaling_config`` every handle and replica still pushes
-    its load to the Serve controller and the controller runs the policy on it: measured on this
-    machine at image c=32, the controller's 2.0 CPU-ms per request was the largest Ray cost left."""
+    its load to the Serve controller, which runs the policy on it. Measured at image c=32 (README,
+    "What one machine runs"): the idle background fell, the controller's ~2 CPU-ms per request did
+    not consistently (most of it is something else)."""
     a = deployment["autoscaling"]
     if deployment["num_replicas"] is None and a["min_replicas"] == a["max_replicas"] >= 1:
         deployment["num_replicas"] = a["min_replicas"]

@@ -207,7 +207,8 @@ class EncoderPoolServer:
         return await self._owned.invalidate_all()
 
     async def drain(self, timeout_s: float = DRAIN_TIMEOUT_S) -> bool:
-        """Wait until every queued item is computed (their callers are waiting); False on timeout."""
+        """Wait until every queued item is computed (their callers are waiting) and its index commit
+        has landed; False on timeout."""
         deadline = asyncio.get_running_loop().time() + timeout_s
         while self._queue.queued_embeds > 0 and self._task is not None and not self._task.done():
             if asyncio.get_running_loop().time() > deadline:
@@ -215,9 +216,12 @@ class EncoderPoolServer:
                 return False
             await asyncio.sleep(0.05)
         if self._commits:  # entries of this replica's last steps still on their way to the index
-            await asyncio.wait(
+            _, pending = await asyncio.wait(
                 set(self._commits), timeout=max(0.0, deadline - asyncio.get_running_loop().time())
             )
+            if pending:
+                logger.warning("encoder drain timed out with %d index commits in flight", len(pending))
+                return False
         return True
 
     async def _shutdown(self) -> int:
