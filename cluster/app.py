@@ -254,6 +254,7 @@ def _ingress(config: AppConfig, pools: dict[str, dict[str, Any]]) -> Any:
                         limits,
                         model_modalities(model_dir),
                         open_cache_index(*cache_index_args(m)),
+                        preprocess_args(m) if m.preprocess.hit_path else None,
                     )
                 )
             ing = cfg.ingress

@@ -164,6 +164,11 @@ class PreprocessConfig(_Strict):
         description="pool: a Preprocessor deployment of its own (CPU nodes, scales apart from the encoder); "
         "encoder: each encoder replica prepares the requests it is sent (one hop fewer; `mmserve serve`'s default)",
     )
+    hit_path: bool = Field(
+        True,
+        description="the ingress hashes inline media and looks it up itself: a request the encoder cache "
+        "holds whole skips the prepare hop (the ingress loads the model's processor for templating)",
+    )
     limit_mm_per_prompt: dict[str, int] = Field(default_factory=lambda: {"image": 4, "video": 1, "audio": 2})
     processor_cache_bytes: int = Field(256 * 1024 * 1024, ge=0)
     media: MediaLimitsConfig = Field(default_factory=MediaLimitsConfig)

@@ -24,7 +24,7 @@ from typing import Any
 from encoder_service.encoder_queue import EncoderQueue
 from encoder_service.metrics import EncoderMetrics
 from encoder_service.owned_embeddings import OwnedEmbeddings
-from encoder_service.prepared import PreparedRequest
+from encoder_service.prepared import LookedUp, PreparedRequest
 from encoder_service.types import EmbeddingMeta, EncodeBatch, EncodedItem, EncoderInput
 
 logger = logging.getLogger("mmserve.encoder")
@@ -355,8 +355,10 @@ class PreprocessorServer:
                 await asyncio.sleep(0.2 * attempt)
         raise AssertionError("unreachable")
 
-    async def prepare(self, request_id: str, messages: list[dict[str, Any]]) -> PreparedRequest:
-        return await self.preparer.prepare(request_id, messages)
+    async def prepare(
+        self, request_id: str, messages: list[dict[str, Any]], looked_up: LookedUp | None = None
+    ) -> PreparedRequest:
+        return await self.preparer.prepare(request_id, messages, looked_up)
 
     def stats(self) -> dict[str, Any]:
         return preparer_stats(self.preparer)

@@ -25,7 +25,8 @@ from typing import Any, Protocol
 
 from encoder_service.encoder_cache import COMPUTE, DEFAULT_LEASE_S, HIT
 from encoder_service.errors import EncoderCacheFull
-from encoder_service.prepared import PreparedItem, PreparedRequest
+from encoder_service.prepared import LookedUp, PreparedItem, PreparedRequest
+from encoder_service.processing import NeedsEncoding
 from encoder_service.types import EmbeddingMeta, EncodeBatch, EncodedItem, MultiModalItem, PreprocessedRequest
 
 logger = logging.getLogger("mmserve.encoder")
@@ -52,7 +53,14 @@ class CacheIndex(Protocol):
 
 
 class Preprocess(Protocol):
-    async def preprocess(self, messages: list[dict[str, Any]], lookup: Any = None) -> PreprocessedRequest: ...
+    async def preprocess(
+        self,
+        messages: list[dict[str, Any]],
+        lookup: Any = None,
+        *,
+        hashes: list[str] | None = None,
+        process: bool = True,
+    ) -> PreprocessedRequest: ...
 
 
 class RequestPreparer:
@@ -64,41 +72,65 @@ class RequestPreparer:
         self.encode = encode
         self.renew_every_s = lease_s / 3
 
-    async def prepare(self, request_id: str, messages: list[dict[str, Any]]) -> PreparedRequest:
-        """Prompt ids and embedding refs for every media item of ``messages``."""
-        hits: dict[str, Found] = {}
-        kinds: dict[str, str] = {}  # the non-hits: compute (reserved for us) or wait
+    def _lookup(
+        self, request_id: str, hits: dict[str, Found], kinds: dict[str, str], given: LookedUp | None
+    ) -> Callable[[list[str]], Awaitable[dict[str, EmbeddingMeta]]]:
+        """The preprocessor's lookup: reserve-or-hit per item, the answers ``given`` first."""
 
         async def lookup(hashes: list[str]) -> dict[str, EmbeddingMeta]:
-            for h, (kind, found) in (await self.cache.lookup_or_reserve(request_id, hashes)).items():
+            answers = {h: given.found[h] for h in hashes if h in given.found} if given else {}
+            todo = [h for h in hashes if h not in answers]
+            if todo:
+                answers.update(await self.cache.lookup_or_reserve(request_id, todo))
+            for h, (kind, found) in answers.items():
                 if kind == HIT and found is not None:
                     hits[h] = found
                 else:
                     kinds[h] = kind
             return {h: meta for h, (meta, _) in hits.items()}
 
+        return lookup
+
+    async def prepare(
+        self, request_id: str, messages: list[dict[str, Any]], looked_up: LookedUp | None = None
+    ) -> PreparedRequest:
+        """Prompt ids and embedding refs for every media item of ``messages``. ``looked_up``: what
+        the ingress's hit path found under ``request_id`` (its reservations are ours now)."""
+        hits: dict[str, Found] = {}
+        kinds: dict[str, str] = {}  # the non-hits: compute (reserved for us) or wait
+        lookup = self._lookup(request_id, hits, kinds, looked_up)
+        hashes = looked_up.hashes if looked_up is not None else None
         try:
             async with self._renewing(request_id, kinds):
-                pre = await self.preprocessor.preprocess(messages, lookup)
+                pre = await self.preprocessor.preprocess(messages, lookup, hashes=hashes)
                 refs, num_encoded = await self._embeddings(request_id, pre, hits, kinds)
         except BaseException:
             if kinds:  # shielded: a cancelled caller must still give back what it reserved
                 await asyncio.shield(self._release(request_id, list(kinds)))
             raise
-        items = [
-            PreparedItem(
-                it.mm_hash,
-                it.modality,
-                it.placeholder.offset,
-                it.placeholder.length,
-                it.grid_thw,
-                [refs[it.mm_hash]],
-                second_per_grid_ts=it.second_per_grid_ts,
-                rows=it.rows,
-            )
-            for it in pre.items
-        ]
-        return PreparedRequest(list(pre.prompt_token_ids), items, num_encoded, pre.to_log())
+        return _prepared(pre, refs, num_encoded)
+
+    async def prepare_hits(
+        self, request_id: str, messages: list[dict[str, Any]]
+    ) -> PreparedRequest | LookedUp:
+        """The ingress's hit path: hash, name and look up (reserving the misses) without decoding
+        anything. The prepared request when the cache holds every item; else what was found, for
+        ``prepare`` on a replica that processes and encodes. The reservations go with it: a caller
+        that fails before handing them on releases ``request_id`` itself."""
+        hits: dict[str, Found] = {}
+        kinds: dict[str, str] = {}
+        lookup = self._lookup(request_id, hits, kinds, None)
+        try:
+            pre = await self.preprocessor.preprocess(messages, lookup, process=False)
+        except NeedsEncoding as e:
+            found: dict[str, tuple[str, Any]] = {h: (HIT, f) for h, f in hits.items()}
+            found.update((h, (kind, None)) for h, kind in kinds.items())
+            return LookedUp(e.hashes, found)
+        except BaseException:
+            if kinds:
+                await asyncio.shield(self._release(request_id, list(kinds)))
+            raise
+        return _prepared(pre, {h: ref for h, (_, ref) in hits.items()}, 0)
 
     @contextlib.asynccontextmanager
     async def _renewing(self, request_id: str, held: dict[str, str]) -> AsyncIterator[None]:
@@ -173,3 +205,20 @@ class RequestPreparer:
         for out in encoded:
             refs[out.meta.mm_hash] = out.ref[0]
         return len(encoded)
+
+
+def _prepared(pre: PreprocessedRequest, refs: dict[str, Any], num_encoded: int) -> PreparedRequest:
+    items = [
+        PreparedItem(
+            it.mm_hash,
+            it.modality,
+            it.placeholder.offset,
+            it.placeholder.length,
+            it.grid_thw,
+            [refs[it.mm_hash]],
+            second_per_grid_ts=it.second_per_grid_ts,
+            rows=it.rows,
+        )
+        for it in pre.items
+    ]
+    return PreparedRequest(list(pre.prompt_token_ids), items, num_encoded, pre.to_log())

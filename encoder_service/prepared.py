@@ -58,3 +58,17 @@ def _prepared_from_bytes(raw: bytes, refs: list[list[Any]]) -> PreparedRequest:
     ]
     record = {f.name: d[f.name] for f in fields(PreparedRequest) if f.name != "items"}
     return PreparedRequest(**{**record, "items": items})
+
+
+@dataclass(frozen=True)
+class LookedUp:
+    """What the ingress's hit path found for a request it could not serve from the cache alone,
+    handed on to ``prepare`` so no item is hashed, named or looked up twice.
+
+    ``hashes``: every item's mm_hash, in order. ``found``: per mm_hash the shard's answer — ``hit``
+    with (meta, ObjectRef), ``compute`` (reserved under the request id, which ``prepare`` now holds
+    and must commit or release), or ``wait``. Pickled by Ray as it is, so its refs stay counted.
+    """
+
+    hashes: list[str]
+    found: dict[str, tuple[str, Any]]

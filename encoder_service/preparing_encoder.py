@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from encoder_service.deployment import EncoderPoolServer, make_preparer, preparer_stats
-from encoder_service.prepared import PreparedRequest
+from encoder_service.prepared import LookedUp, PreparedRequest
 
 
 class PreparingEncoderServer(EncoderPoolServer):
@@ -43,9 +43,11 @@ class PreparingEncoderServer(EncoderPoolServer):
             model_name=self.model_name,
         )
 
-    async def prepare(self, request_id: str, messages: list[dict[str, Any]]) -> PreparedRequest:
+    async def prepare(
+        self, request_id: str, messages: list[dict[str, Any]], looked_up: LookedUp | None = None
+    ) -> PreparedRequest:
         """The router's one call per media request (encoder_service/prepare.py)."""
-        return await self.preparer.prepare(request_id, messages)
+        return await self.preparer.prepare(request_id, messages, looked_up)
 
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), **preparer_stats(self.preparer)}

@@ -59,6 +59,14 @@ from encoder_service.uuid_aliases import AliasStore, LocalAliases
 Lookup = Callable[[list[str]], "dict[str, EmbeddingMeta] | Awaitable[dict[str, EmbeddingMeta]]"]
 
 
+class NeedsEncoding(Exception):
+    """``preprocess(process=False)`` met an item the encoder cache does not hold (not a client error)."""
+
+    def __init__(self, hashes: list[str]) -> None:
+        super().__init__(f"{len(hashes)} media item(s), some not in the encoder cache")
+        self.hashes = hashes  # every item's mm_hash, in order
+
+
 @dataclass
 class _Item:
     index: int
@@ -142,14 +150,27 @@ class Preprocessor:
 
     # ---- the pipeline --------------------------------------------------------------------------------
     async def preprocess(
-        self, messages: list[dict[str, Any]], lookup: Lookup | None = None
+        self,
+        messages: list[dict[str, Any]],
+        lookup: Lookup | None = None,
+        *,
+        hashes: list[str] | None = None,
+        process: bool = True,
     ) -> PreprocessedRequest:
+        """``hashes``: the items' mm_hashes, in order, computed and named already (by the ingress's
+        hit path). ``process=False``: raise ``NeedsEncoding`` instead of processing a miss."""
         template_messages, items = self._collect(messages)
         await asyncio.gather(*(self._fetch(it) for it in items))
-        for it in items:
-            if it.fetched is not None:
-                it.mm_hash = self.mm_hash(it.ref.modality, it.fetched.data)
-        await self._name_uuids(items)
+        if hashes is not None:
+            if len(hashes) != len(items):
+                raise RuntimeError(f"{len(hashes)} mm_hashes given for {len(items)} media items")
+            for it, mm_hash in zip(items, hashes, strict=True):
+                it.mm_hash = mm_hash
+        else:
+            for it in items:
+                if it.fetched is not None:
+                    it.mm_hash = self.mm_hash(it.ref.modality, it.fetched.data)
+            await self._name_uuids(items)
         cached = await self._lookup(lookup, items)
         computed: dict[str, _Item] = {}
         misses = []
@@ -170,6 +191,8 @@ class Preprocessor:
             else:
                 computed[it.mm_hash] = it
                 misses.append(it)
+        if misses and not process:
+            raise NeedsEncoding([it.mm_hash for it in items])
         await asyncio.gather(*(asyncio.to_thread(self._process, it) for it in misses))
         for it in items:
             first = computed.get(it.mm_hash)

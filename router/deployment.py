@@ -48,6 +48,7 @@ class IngressModel:
     limits: MessageLimits
     modalities: list[str]
     cache: Any  # EncoderCacheClient of the model's shared encoder cache
+    preprocess: dict[str, Any] | None = None  # cluster.app.preprocess_args: the hit path's; None: off
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,20 @@ class HTTPOptions:
     drain_timeout_s: float = 30.0  # shutdown: how long in-flight HTTP responses may take to finish
     max_json_values: int = DEFAULT_MAX_JSON_VALUES
     request_timeout_s: float | None = None  # end to end, router/deadline.py
+
+
+def _hit_path(m: IngressModel) -> Any:
+    """A ``RequestPreparer`` that never encodes: the Orchestrator's hit path (its misses go on to
+    ``prepare`` with what it looked up)."""
+    if m.preprocess is None:
+        return None
+    from encoder_service.deployment import make_preparer
+
+    async def no_encode(batch: Any) -> Any:
+        raise RuntimeError("the ingress's hit path encodes nothing")
+
+    args = {**m.preprocess, "processor_cache_bytes": 0}  # it processes nothing either
+    return make_preparer(m.model_dir, **args, cache=m.cache, encode=no_encode, model_name=m.name)
 
 
 @serve.ingress(fastapi_app)
@@ -78,11 +93,15 @@ class IngressServer:
         self.metrics = IngressMetrics()
         self.encoder_items_dispatched: dict[str, int] = {}
         self.caches: dict[str, Any] = {}
+        from router.deployment import _hit_path  # pickled by value: see build_direct_app below
+
         served: dict[str, ServedModel] = {}
         for m in models:
             self.caches[m.name] = m.cache
             self.encoder_items_dispatched[m.name] = 0
-            handles = ModelHandles(pools[m.name]["preprocess"], LLMClient(pools[m.name]["llm"]), m.cache)
+            handles = ModelHandles(
+                pools[m.name]["preprocess"], LLMClient(pools[m.name]["llm"]), m.cache, _hit_path(m)
+            )
             orch = Orchestrator(
                 handles,
                 AutoTokenizer.from_pretrained(m.model_dir),
@@ -147,6 +166,8 @@ class IngressServer:
             out[name] = {
                 "encoder_cache": await cache.stats(),
                 "encoder_items_dispatched": self.encoder_items_dispatched[name],
+                # this ingress replica's media requests prepared without the prepare hop
+                "hit_path_served": self.service.models[name].orchestrator.hit_path_served,
             }
         return JSONResponse(out)
 

@@ -27,14 +27,15 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from encoder_service.cache_index import ref_id
-from encoder_service.prepared import PreparedRequest
+from encoder_service.prepared import LookedUp, PreparedRequest
+from encoder_service.types import MediaRef
 from llm_service.embeddings import EmbeddingsLost
 from llm_service.errors import RequestFailed
 from llm_service.outputs import RequestOutput
 from llm_service.prefix_hash import compute_block_hashes
 from llm_service.request_spec import EmbeddingRef, LLMRequestSpec, SubmitReply
 from llm_service.sampling_params import SamplingParams
-from router.errors import APIError, bad_request, find_cause, replica_gone
+from router.errors import APIError, bad_request, find_cause, from_exception, replica_gone
 from router.llm_client import LLMClient
 from router.messages import NormalizedChat, text_only_messages
 
@@ -42,7 +43,10 @@ logger = logging.getLogger("mmserve.router")
 
 MAX_REPLAY_RECORDS = 4096
 PREPARE_ATTEMPTS = 3  # a replica that dies while preparing a request: prepared again on another
-INLINE_TOKENIZE_CHARS = 16_384  # longer text-only prompts are templated and tokenized off the loop
+INLINE_TOKENIZE_CHARS = 16_384
+HIT_PATH_MAX_CHARS = (
+    4 << 20
+)  # inline media past this is hashed by the preparing replica, off this loop  # longer text-only prompts are templated and tokenized off the loop
 
 
 class PreprocessPool(Protocol):
@@ -60,11 +64,20 @@ class CacheIndex(Protocol):
     async def invalidate(self, mm_hashes: list[str], ref_ids: dict[str, str] | None = None) -> list[str]: ...
 
 
+class HitPath(Protocol):
+    """Preparing at the ingress what the encoder cache holds whole (encoder_service.prepare.RequestPreparer)."""
+
+    async def prepare_hits(
+        self, request_id: str, messages: list[dict[str, Any]]
+    ) -> PreparedRequest | LookedUp: ...
+
+
 @dataclass
 class ModelHandles:
     preprocess: PreprocessPool
     llm: LLMClient
     cache: CacheIndex
+    hit_path: HitPath | None = None  # None: every media request goes to ``prepare``
 
 
 @dataclass
@@ -89,6 +102,7 @@ class Orchestrator:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self._on_encoder_run = on_encoder_run or (lambda n: None)
+        self.hit_path_served = 0  # media requests prepared at the ingress alone (all cache hits)
         self._messages: dict[str, Any] = {}  # request id -> normalised messages, while it may re-prepare
         # request id -> PreprocessedRequest.to_log(), until forget(); bounded, in case a response is
         # dropped before its body starts (then nothing calls forget()).
@@ -147,21 +161,33 @@ class Orchestrator:
 
     async def _prepare_call(self, request_id: str, attempt_id: str) -> PreparedRequest:
         """One ``prepare`` call, sent again (under a fresh attempt id) while the replica preparing it
-        dies: Serve routes the next to a live replica or to the dead one's successor."""
+        dies: Serve routes the next to a live replica or to the dead one's successor. The first
+        attempt tries the hit path here first (``hit_path``): a request whose every item the
+        encoder cache holds makes no call but the lookup."""
+        messages = self._messages[request_id]
+        use_hit_path = self.h.hit_path is not None and _inline_media(messages)
         for attempt in range(1, PREPARE_ATTEMPTS + 1):
             aid = attempt_id if attempt == 1 else f"{attempt_id}#p{attempt}"
+            from_hit_path = False
             try:
-                pre: PreparedRequest = await self.h.preprocess.prepare.remote(aid, self._messages[request_id])
+                looked_up = None
+                if use_hit_path and attempt == 1 and self.h.hit_path is not None:
+                    from_hit_path = True
+                    got = await self.h.hit_path.prepare_hits(aid, messages)
+                    if isinstance(got, PreparedRequest):
+                        self.hit_path_served += 1
+                        return got
+                    looked_up, from_hit_path = got, False
+                pre: PreparedRequest = await self.h.preprocess.prepare.remote(aid, messages, looked_up)
                 return pre
             except BaseException as e:
                 # The replica may still be running (a cancel need not reach it): release on every
                 # shard. Final there: its later reservations are refused.
                 await asyncio.shield(self._release(aid))
-                if (
-                    attempt == PREPARE_ATTEMPTS
-                    or isinstance(e, asyncio.CancelledError)
-                    or not replica_gone(e)
-                ):
+                # The hit path failing on our side (a cache shard restarting) costs the shortcut,
+                # not the request: the next attempt prepares it on a replica.
+                retry = replica_gone(e) or (from_hit_path and not _client_error(e))
+                if attempt == PREPARE_ATTEMPTS or isinstance(e, asyncio.CancelledError) or not retry:
                     self._messages.pop(request_id, None)
                     raise
                 logger.warning(
@@ -240,6 +266,33 @@ class Orchestrator:
         )
         sent = {m.mm_hash: ref_id(m.ref[0]) for m in mm_items if m.mm_hash in lost}
         await self.h.cache.invalidate(lost, sent)
+
+
+def _inline_media(messages: list[dict[str, Any]]) -> bool:
+    """Every media item carries its bytes inline (raw or a ``data:`` URL, at most
+    ``HIT_PATH_MAX_CHARS`` in all) or a uuid alone: what the hit path may hash on the ingress's loop.
+    Anything it would have to fetch goes to ``prepare``."""
+    total = 0
+    for msg in messages:
+        content = msg.get("content")
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            ref = part.get("media")
+            if not isinstance(ref, MediaRef):
+                continue
+            if ref.data is not None:
+                total += len(ref.data)
+            elif ref.url is not None:
+                if not ref.url.startswith("data:"):
+                    return False
+                total += len(ref.url)
+    return total <= HIT_PATH_MAX_CHARS
+
+
+def _client_error(e: BaseException) -> bool:
+    api = from_exception(e)
+    return api is not None and api.status_code < 500
 
 
 def _lost_twice(mm_hashes: list[str]) -> APIError:

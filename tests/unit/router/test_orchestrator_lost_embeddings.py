@@ -78,7 +78,9 @@ class World:
 class FakePreprocess:
     """The Preprocessor's contract: hash, ask ``lookup`` which items are cached, process the rest."""
 
-    async def preprocess(self, messages: list[dict[str, Any]], lookup: Any = None) -> PreprocessedRequest:
+    async def preprocess(
+        self, messages: list[dict[str, Any]], lookup: Any = None, *, hashes: Any = None, process: bool = True
+    ) -> PreprocessedRequest:
         hashes = [p["hash"] for p in messages[0]["content"]]
         found = await lookup(hashes) if lookup is not None else {}
         items = [

@@ -1,0 +1,248 @@
+"""The ingress's hit path (Orchestrator + ``RequestPreparer.prepare_hits``), without Ray: the real
+Preprocessor on the tiny Qwen2-VL, the real cache client and shard in-process behind a ``.remote``
+shim, and the real ``RequestPreparer`` standing in for the encoder replica's ``prepare`` (its encode
+fake commits to the index as the encoder does).
+
+What it must hold: a request the cache holds whole is prepared at the ingress alone, with exactly
+the prompt and items the replica would have made; any other is looked up once (the replica gets the
+answers and the reservations, and neither hashes nor looks up again); a client's bad input is its
+4xx from the hit path; a failing shard costs the shortcut, never the request; nothing stays reserved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import uuid
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from encoder_service.cache_client import EncoderCacheClient
+from encoder_service.cache_index import CacheIndexShard
+from encoder_service.media import MediaLimits
+from encoder_service.prepare import RequestPreparer
+from encoder_service.prepared import LookedUp
+from encoder_service.processing import Preprocessor
+from encoder_service.types import EmbeddingMeta, EncodeBatch, EncodedItem, MediaRef
+from router.errors import from_exception
+from router.messages import NormalizedChat
+from router.orchestrator import ModelHandles, Orchestrator
+from tests.media import make_image_bytes
+
+
+class _Remote:
+    """``handle.method.remote(...)`` -> the method's coroutine, as awaiting a Ray ref would give."""
+
+    def __init__(self, obj: Any) -> None:
+        self._obj = obj
+
+    def __getattr__(self, name: str) -> Any:
+        return SimpleNamespace(remote=getattr(self._obj, name))
+
+
+@dataclass
+class FakeRef:
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def hex(self) -> str:
+        return self.id
+
+
+class CountingShard(CacheIndexShard):
+    def __init__(self) -> None:
+        super().__init__(10_000, wait_timeout_s=1.0)
+        self.fail_lookups = 0  # the next n lookups raise (a shard restarting)
+
+    async def lookup_or_reserve_batch(self, requests: list[tuple[str, list[str]]]) -> list[dict[str, Any]]:
+        if self.fail_lookups:
+            self.fail_lookups -= 1
+            raise ConnectionError("shard restarting")
+        return await super().lookup_or_reserve_batch(requests)
+
+
+class EncoderReplica:
+    """The encoder replica's ``prepare``: the real RequestPreparer, encode committing to the index."""
+
+    def __init__(self, model_dir: str, cache: EncoderCacheClient) -> None:
+        self.cache = cache
+        self.preparer = RequestPreparer(_preprocessor(model_dir, cache), cache, self.encode)
+        self.prepare_calls: list[LookedUp | None] = []
+        self.encoded: list[str] = []
+
+    async def encode(self, batch: EncodeBatch) -> list[EncodedItem]:
+        out = []
+        for inp in batch.inputs:
+            self.encoded.append(inp.mm_hash)
+            meta = EmbeddingMeta(inp.mm_hash, inp.modality, inp.num_embeds, 8, "float32", inp.grid_thw)
+            out.append(EncodedItem(meta, [FakeRef()]))
+        await self.cache.commit_many([(e.meta, e.ref[0], batch.request_id) for e in out])
+        return out
+
+    async def prepare(
+        self, request_id: str, messages: list[dict[str, Any]], looked_up: LookedUp | None = None
+    ) -> Any:
+        self.prepare_calls.append(looked_up)
+        return await self.preparer.prepare(request_id, messages, looked_up)
+
+
+def _preprocessor(model_dir: str, cache: EncoderCacheClient) -> Preprocessor:
+    pre = Preprocessor(model_dir, MediaLimits(), {"image": 4}, 0)
+    pre.aliases = cache  # type: ignore[assignment]
+    return pre
+
+
+@dataclass
+class Setup:
+    orch: Orchestrator
+    shard: CountingShard
+    replica: EncoderReplica
+
+
+@pytest.fixture
+def setup(tiny_vl_dir: Any) -> Setup:
+    shard = CountingShard()
+    cache = EncoderCacheClient([_Remote(shard)])
+    replica = EncoderReplica(str(tiny_vl_dir), cache)
+
+    async def no_encode(batch: EncodeBatch) -> list[EncodedItem]:
+        raise AssertionError("the hit path must not encode")
+
+    hit_path = RequestPreparer(_preprocessor(str(tiny_vl_dir), cache), cache, no_encode)
+    handles = ModelHandles(_Remote(replica), None, cache, hit_path)  # type: ignore[arg-type]
+    return Setup(Orchestrator(handles, tokenizer=None, block_size=4), shard, replica)
+
+
+def _png(seed: int) -> str:
+    return "data:image/png;base64," + base64.b64encode(make_image_bytes(64, 48, seed=seed)).decode()
+
+
+def _chat(*refs: MediaRef) -> NormalizedChat:
+    content: list[dict[str, Any]] = [{"type": "image", "media": r} for r in refs]
+    content.append({"type": "text", "text": "What is it?"})
+    return NormalizedChat([{"role": "user", "content": content}], list(refs))
+
+
+def _image(seed: int | None = None, uuid_: str | None = None, url: str | None = None) -> MediaRef:
+    return MediaRef("image", url=url or (_png(seed) if seed is not None else None), uuid=uuid_)
+
+
+async def _nothing_reserved(shard: CountingShard) -> None:
+    stats = await shard.stats()
+    assert stats["reserved"] == 0, stats
+
+
+def _items(prepared: Any) -> list[tuple[Any, ...]]:
+    return [(m.offset, m.length, m.mm_hash, m.grid_thw, m.ref[0].hex()) for m in prepared.mm_items]
+
+
+def test_a_warm_request_is_prepared_at_the_ingress_exactly_as_the_replica_would(setup: Setup) -> None:
+    asyncio.run(_a_warm_request_is_prepared_at_the_ingress_exactly_as_the_replica_would(setup))
+
+
+async def _a_warm_request_is_prepared_at_the_ingress_exactly_as_the_replica_would(setup: Setup) -> None:
+    cold = await setup.orch.prepare("r1", _chat(_image(1)))
+    assert len(setup.replica.prepare_calls) == 1 and setup.orch.hit_path_served == 0
+    warm = await setup.orch.prepare("r2", _chat(_image(1)))
+    assert len(setup.replica.prepare_calls) == 1, "a request the cache holds whole makes no prepare call"
+    assert setup.orch.hit_path_served == 1
+    assert warm.prompt_token_ids == cold.prompt_token_ids
+    assert _items(warm) == _items(cold)
+    # The replica, asked directly, prepares the same prompt (the hit path is not a second implementation).
+    direct = await setup.replica.preparer.prepare("r3", _chat(_image(1)).messages)
+    assert direct.prompt_token_ids == warm.prompt_token_ids
+    await _nothing_reserved(setup.shard)
+
+
+def test_a_cold_request_is_looked_up_once_and_its_reservation_handed_on(setup: Setup) -> None:
+    asyncio.run(_a_cold_request_is_looked_up_once_and_its_reservation_handed_on(setup))
+
+
+async def _a_cold_request_is_looked_up_once_and_its_reservation_handed_on(setup: Setup) -> None:
+    await setup.orch.prepare("r1", _chat(_image(2)))
+    (looked_up,) = setup.replica.prepare_calls
+    assert looked_up is not None and len(looked_up.hashes) == 1
+    assert [kind for kind, _ in looked_up.found.values()] == ["compute"]
+    assert setup.shard.lookup_calls == 1, "the replica must not look the item up again"
+    assert setup.replica.encoded == looked_up.hashes
+    await _nothing_reserved(setup.shard)
+
+
+def test_a_partial_hit_hands_on_the_hit_and_encodes_only_the_miss(setup: Setup) -> None:
+    asyncio.run(_a_partial_hit_hands_on_the_hit_and_encodes_only_the_miss(setup))
+
+
+async def _a_partial_hit_hands_on_the_hit_and_encodes_only_the_miss(setup: Setup) -> None:
+    await setup.orch.prepare("r1", _chat(_image(3)))
+    setup.replica.encoded.clear()
+    prepared = await setup.orch.prepare("r2", _chat(_image(3), _image(4)))
+    looked_up = setup.replica.prepare_calls[-1]
+    assert looked_up is not None
+    assert sorted(kind for kind, _ in looked_up.found.values()) == ["compute", "hit"]
+    assert setup.replica.encoded == [looked_up.hashes[1]]
+    assert [m.mm_hash for m in prepared.mm_items] == looked_up.hashes
+    await _nothing_reserved(setup.shard)
+
+
+def test_a_uuid_alone_is_served_at_the_ingress_and_an_unknown_one_is_a_named_400(setup: Setup) -> None:
+    asyncio.run(_a_uuid_alone_is_served_at_the_ingress_and_an_unknown_one_is_a_named_400(setup))
+
+
+async def _a_uuid_alone_is_served_at_the_ingress_and_an_unknown_one_is_a_named_400(setup: Setup) -> None:
+    first = await setup.orch.prepare("r1", _chat(_image(5, uuid_="cat")))
+    by_name = await setup.orch.prepare("r2", _chat(_image(uuid_="cat")))
+    assert setup.orch.hit_path_served == 1 and len(setup.replica.prepare_calls) == 1
+    assert by_name.prompt_token_ids == first.prompt_token_ids
+    with pytest.raises(Exception) as e:
+        await setup.orch.prepare("r3", _chat(_image(uuid_="never-sent")))
+    api = from_exception(e.value)
+    assert api is not None and api.status_code == 400 and api.code == "mm_cache_miss"
+    assert "never-sent" in str(e.value)
+    assert len(setup.replica.prepare_calls) == 1, "a client's error is answered without the replica"
+    await _nothing_reserved(setup.shard)
+
+
+def test_bad_bytes_are_the_clients_4xx_naming_the_item(setup: Setup) -> None:
+    asyncio.run(_bad_bytes_are_the_clients_4xx_naming_the_item(setup))
+
+
+async def _bad_bytes_are_the_clients_4xx_naming_the_item(setup: Setup) -> None:
+    broken = "data:image/png;base64," + base64.b64encode(b"not a png at all").decode()
+    with pytest.raises(Exception) as e:
+        await setup.orch.prepare("r1", _chat(_image(6), MediaRef("image", url=broken)))
+    api = from_exception(e.value)
+    assert api is not None and 400 <= api.status_code < 500 and "image 1" in api.message
+    assert setup.replica.prepare_calls == []
+    await _nothing_reserved(setup.shard)
+
+
+def test_a_failing_shard_costs_the_shortcut_not_the_request(setup: Setup) -> None:
+    asyncio.run(_a_failing_shard_costs_the_shortcut_not_the_request(setup))
+
+
+async def _a_failing_shard_costs_the_shortcut_not_the_request(setup: Setup) -> None:
+    setup.shard.fail_lookups = 1
+    prepared = await setup.orch.prepare("r1", _chat(_image(7)))
+    (looked_up,) = setup.replica.prepare_calls
+    assert looked_up is None, "the replica prepares it from scratch, under a fresh attempt id"
+    assert len(prepared.mm_items) == 1 and setup.replica.encoded == [prepared.mm_items[0].mm_hash]
+    await _nothing_reserved(setup.shard)
+
+
+def test_media_it_would_have_to_fetch_goes_straight_to_prepare(setup: Setup) -> None:
+    asyncio.run(_media_it_would_have_to_fetch_goes_straight_to_prepare(setup))
+
+
+async def _media_it_would_have_to_fetch_goes_straight_to_prepare(setup: Setup) -> None:
+    calls: list[Any] = []
+
+    async def prepare(request_id: str, messages: Any, looked_up: Any = None) -> Any:
+        calls.append(looked_up)
+        raise RuntimeError("stop here: nothing is fetched in this test")
+
+    setup.orch.h.preprocess = SimpleNamespace(prepare=SimpleNamespace(remote=prepare))  # type: ignore[assignment]
+    with pytest.raises(RuntimeError, match="stop here"):
+        await setup.orch.prepare("r1", _chat(_image(8), _image(url="http://127.0.0.1:9/cat.png")))
+    assert calls == [None] and setup.shard.lookup_calls == 0
