@@ -255,6 +255,8 @@ def _ingress(config: AppConfig, pools: dict[str, dict[str, Any]]) -> Any:
                         model_modalities(model_dir),
                         open_cache_index(*cache_index_args(m)),
                         preprocess_args(m) if m.preprocess.hit_path else None,
+                        m.preprocess.hit_path_cache_entries,
+                        m.preprocess.hit_path_cache_ttl_s,
                     )
                 )
             ing = cfg.ingress

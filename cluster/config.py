@@ -169,6 +169,13 @@ class PreprocessConfig(_Strict):
         description="the ingress hashes inline media and looks it up itself: a request the encoder cache "
         "holds whole skips the prepare hop (the ingress loads the model's processor for templating)",
     )
+    hit_path_cache_entries: int = Field(
+        256,
+        ge=0,
+        description="the hit path's near cache: entries each ingress replica serves without asking the index "
+        "(it keeps their objects alive up to hit_path_cache_ttl_s); 0: always ask",
+    )
+    hit_path_cache_ttl_s: float = Field(30.0, ge=0)
     limit_mm_per_prompt: dict[str, int] = Field(default_factory=lambda: {"image": 4, "video": 1, "audio": 2})
     processor_cache_bytes: int = Field(256 * 1024 * 1024, ge=0)
     media: MediaLimitsConfig = Field(default_factory=MediaLimitsConfig)

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 from encoder_service.encoder_cache import COMPUTE, DEFAULT_LEASE_S, HIT
 from encoder_service.errors import EncoderCacheFull
+from encoder_service.near_cache import NearCache
 from encoder_service.prepared import LookedUp, PreparedItem, PreparedRequest
 from encoder_service.processing import NeedsEncoding
 from encoder_service.types import EmbeddingMeta, EncodeBatch, EncodedItem, MultiModalItem, PreprocessedRequest
@@ -65,12 +66,18 @@ class Preprocess(Protocol):
 
 class RequestPreparer:
     def __init__(
-        self, preprocessor: Preprocess, cache: CacheIndex, encode: Encode, lease_s: float = DEFAULT_LEASE_S
+        self,
+        preprocessor: Preprocess,
+        cache: CacheIndex,
+        encode: Encode,
+        lease_s: float = DEFAULT_LEASE_S,
+        near: NearCache | None = None,
     ) -> None:
         self.preprocessor = preprocessor
         self.cache = cache
         self.encode = encode
         self.renew_every_s = lease_s / 3
+        self.near = near  # the ingress's hit path: entries seen lately, asked before the index
 
     def _lookup(
         self, request_id: str, hits: dict[str, Found], kinds: dict[str, str], given: LookedUp | None
@@ -79,9 +86,18 @@ class RequestPreparer:
 
         async def lookup(hashes: list[str]) -> dict[str, EmbeddingMeta]:
             answers = {h: given.found[h] for h in hashes if h in given.found} if given else {}
+            if self.near is not None:
+                for h in hashes:
+                    if h not in answers and (near := self.near.get(h)) is not None:
+                        answers[h] = (HIT, near)
             todo = [h for h in hashes if h not in answers]
             if todo:
-                answers.update(await self.cache.lookup_or_reserve(request_id, todo))
+                asked = await self.cache.lookup_or_reserve(request_id, todo)
+                if self.near is not None:
+                    for kind, found in asked.values():
+                        if kind == HIT and found is not None:
+                            self.near.put(*found)
+                answers.update(asked)
             for h, (kind, found) in answers.items():
                 if kind == HIT and found is not None:
                     hits[h] = found
@@ -130,7 +146,21 @@ class RequestPreparer:
             if kinds:
                 await asyncio.shield(self._release(request_id, list(kinds)))
             raise
-        return _prepared(pre, {h: ref for h, (_, ref) in hits.items()}, 0)
+        return _prepared(pre, hits, 0)
+
+    def remember(self, prepared: PreparedRequest) -> None:
+        """What a ``prepare`` reply says the index holds now, for the hit path's next requests."""
+        if self.near is None:
+            return
+        refs = {it.mm_hash: it.ref[0] for it in prepared.items}
+        for meta in prepared.metas:
+            if meta.mm_hash in refs:
+                self.near.put(meta, refs[meta.mm_hash])
+
+    def forget(self, mm_hashes: list[str]) -> None:
+        """Their objects were lost: never serve them from the near cache again."""
+        if self.near is not None:
+            self.near.drop(mm_hashes)
 
     @contextlib.asynccontextmanager
     async def _renewing(self, request_id: str, held: dict[str, str]) -> AsyncIterator[None]:
@@ -161,8 +191,8 @@ class RequestPreparer:
 
     async def _embeddings(
         self, request_id: str, pre: PreprocessedRequest, hits: dict[str, Found], kinds: dict[str, str]
-    ) -> tuple[dict[str, Any], int]:
-        refs = {h: ref for h, (_, ref) in hits.items()}
+    ) -> tuple[dict[str, Found], int]:
+        refs = dict(hits)  # mm_hash -> (meta, ref), the encodes and waits added below
         compute: dict[str, MultiModalItem] = {}
         wait: dict[str, MultiModalItem] = {}
         capacity = self.cache.shard_capacity
@@ -185,15 +215,17 @@ class RequestPreparer:
                 num_encoded += await self._encode(request_id, [retry], refs)
         return refs, num_encoded
 
-    async def _wait(self, request_id: str, it: MultiModalItem, refs: dict[str, Any]) -> MultiModalItem | None:
+    async def _wait(
+        self, request_id: str, it: MultiModalItem, refs: dict[str, Found]
+    ) -> MultiModalItem | None:
         """Another request was computing ``it``: its result, or ``it`` back if we must compute it."""
         kind, found = await self.cache.get_or_reserve(request_id, it.mm_hash)
         if kind == HIT and found is not None:
-            refs[it.mm_hash] = found[1]
+            refs[it.mm_hash] = found
             return None
         return it
 
-    async def _encode(self, request_id: str, items: list[MultiModalItem], refs: dict[str, Any]) -> int:
+    async def _encode(self, request_id: str, items: list[MultiModalItem], refs: dict[str, Found]) -> int:
         if not items:
             return 0
         inputs = []
@@ -203,11 +235,11 @@ class RequestPreparer:
             inputs.append(it.encoder_input)
         encoded = await self.encode(EncodeBatch(request_id, inputs))
         for out in encoded:
-            refs[out.meta.mm_hash] = out.ref[0]
+            refs[out.meta.mm_hash] = (out.meta, out.ref[0])
         return len(encoded)
 
 
-def _prepared(pre: PreprocessedRequest, refs: dict[str, Any], num_encoded: int) -> PreparedRequest:
+def _prepared(pre: PreprocessedRequest, found: dict[str, Found], num_encoded: int) -> PreparedRequest:
     items = [
         PreparedItem(
             it.mm_hash,
@@ -215,10 +247,11 @@ def _prepared(pre: PreprocessedRequest, refs: dict[str, Any], num_encoded: int) 
             it.placeholder.offset,
             it.placeholder.length,
             it.grid_thw,
-            [refs[it.mm_hash]],
+            [found[it.mm_hash][1]],
             second_per_grid_ts=it.second_per_grid_ts,
             rows=it.rows,
         )
         for it in pre.items
     ]
-    return PreparedRequest(list(pre.prompt_token_ids), items, num_encoded, pre.to_log())
+    metas = [meta for meta, _ in found.values()]
+    return PreparedRequest(list(pre.prompt_token_ids), items, num_encoded, pre.to_log(), metas)

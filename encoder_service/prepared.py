@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from encoder_service.types import Modality
+from encoder_service.types import EmbeddingMeta, Modality
 from encoder_service.wire import grid_from_wire, pack, plain, rows_from_wire, unpack
 
 
@@ -33,11 +33,14 @@ class PreparedRequest:
     items: list[PreparedItem]
     num_encoded: int  # items this request sent to an encoder (the rest were cache hits)
     log: dict[str, Any]  # PreprocessedRequest.to_log(): what a failure's log line replays
+    # each distinct item's cache-entry metadata (hits and encodes): what the ingress's near cache keeps
+    metas: list[EmbeddingMeta] = field(default_factory=list)
 
     def __reduce__(self) -> tuple[Any, ...]:
         items = [{k: v for k, v in asdict(it).items() if k != "ref"} for it in self.items]
-        record = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "items"}
-        raw = pack("PreparedRequest", plain({**record, "items": items}))
+        record = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("items", "metas")}
+        metas = [m.to_msgpack() for m in self.metas]
+        raw = pack("PreparedRequest", {**plain({**record, "items": items}), "metas": metas})
         return (_prepared_from_bytes, (raw, [it.ref for it in self.items]))
 
 
@@ -56,8 +59,9 @@ def _prepared_from_bytes(raw: bytes, refs: list[list[Any]]) -> PreparedRequest:
         )
         for it, ref in zip(d["items"], refs, strict=True)
     ]
-    record = {f.name: d[f.name] for f in fields(PreparedRequest) if f.name != "items"}
-    return PreparedRequest(**{**record, "items": items})
+    record = {f.name: d[f.name] for f in fields(PreparedRequest) if f.name not in ("items", "metas")}
+    metas = [EmbeddingMeta.from_msgpack(m) for m in d.get("metas", [])]
+    return PreparedRequest(**{**record, "items": items, "metas": metas})
 
 
 @dataclass(frozen=True)

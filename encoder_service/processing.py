@@ -161,6 +161,7 @@ class Preprocessor:
         hit path). ``process=False``: raise ``NeedsEncoding`` instead of processing a miss."""
         template_messages, items = self._collect(messages)
         await asyncio.gather(*(self._fetch(it) for it in items))
+        pointing = None
         if hashes is not None:
             if len(hashes) != len(items):
                 raise RuntimeError(f"{len(hashes)} mm_hashes given for {len(items)} media items")
@@ -170,8 +171,21 @@ class Preprocessor:
             for it in items:
                 if it.fetched is not None:
                     it.mm_hash = self.mm_hash(it.ref.modality, it.fetched.data)
-            await self._name_uuids(items)
-        cached = await self._lookup(lookup, items)
+            pointing = await self._name_uuids(items)
+        if pointing is None:
+            cached = await self._lookup(lookup, items)
+        else:  # nothing waits on the pointing: it goes beside the lookup, not before it
+            cached, _ = await asyncio.gather(self._lookup(lookup, items), pointing)
+        return await self._finish(template_messages, items, cached, process)
+
+    async def _finish(
+        self,
+        template_messages: list[dict[str, Any]],
+        items: list[_Item],
+        cached: dict[str, EmbeddingMeta],
+        process: bool,
+    ) -> PreprocessedRequest:
+        """Fill each item from the cache's answer or process it; template and tokenize."""
         computed: dict[str, _Item] = {}
         misses = []
         for it in sorted(items, key=lambda it: it.fetched is None):  # bytes first: a uuid alone may name them
@@ -267,9 +281,10 @@ class Preprocessor:
             except ValueError as e:
                 raise MediaDecodeError(f"image {it.index}: {e}", item=it.index) from e
 
-    async def _name_uuids(self, items: list[_Item]) -> None:
+    async def _name_uuids(self, items: list[_Item]) -> Awaitable[None] | None:
         """Point each uuid sent with bytes at their mm_hash; resolve each uuid sent alone (the same
-        request's own bytes first). Both in the sender's namespace only."""
+        request's own bytes first). Both in the sender's namespace only. When nothing is resolved,
+        the pointing is returned unsent, for the caller to send beside its lookup."""
         named = {self.uuid_key(it.ref): it.mm_hash for it in items if it.ref.uuid and it.fetched}
         alone = {it.index: self.uuid_key(it.ref) for it in items if it.fetched is None}
         wanted = [k for k in dict.fromkeys(alone.values()) if k not in named]
@@ -277,7 +292,7 @@ class Preprocessor:
         if named and wanted:
             _, found = await asyncio.gather(self.aliases.point(named), self.aliases.resolve(wanted))
         elif named:
-            await self.aliases.point(named)
+            return self.aliases.point(named)
         elif wanted:
             found = await self.aliases.resolve(wanted)
         found.update(named)
@@ -292,6 +307,7 @@ class Preprocessor:
                     item=it.index,
                 )
             it.mm_hash = mm_hash
+        return None
 
     async def _lookup(self, lookup: Lookup | None, items: list[_Item]) -> dict[str, EmbeddingMeta]:
         if lookup is None or not items:

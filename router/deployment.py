@@ -49,6 +49,8 @@ class IngressModel:
     modalities: list[str]
     cache: Any  # EncoderCacheClient of the model's shared encoder cache
     preprocess: dict[str, Any] | None = None  # cluster.app.preprocess_args: the hit path's; None: off
+    near_cache_entries: int = 0  # the hit path's near cache (encoder_service/near_cache.py); 0: none
+    near_cache_ttl_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -72,8 +74,13 @@ def _hit_path(m: IngressModel) -> Any:
     async def no_encode(batch: Any) -> Any:
         raise RuntimeError("the ingress's hit path encodes nothing")
 
+    from encoder_service.near_cache import NearCache
+
     args = {**m.preprocess, "processor_cache_bytes": 0}  # it processes nothing either
-    return make_preparer(m.model_dir, **args, cache=m.cache, encode=no_encode, model_name=m.name)
+    preparer = make_preparer(m.model_dir, **args, cache=m.cache, encode=no_encode, model_name=m.name)
+    if m.near_cache_entries > 0:
+        preparer.near = NearCache(m.near_cache_entries, m.near_cache_ttl_s)
+    return preparer
 
 
 @serve.ingress(fastapi_app)
@@ -166,8 +173,9 @@ class IngressServer:
             out[name] = {
                 "encoder_cache": await cache.stats(),
                 "encoder_items_dispatched": self.encoder_items_dispatched[name],
-                # this ingress replica's media requests prepared without the prepare hop
-                "hit_path_served": self.service.models[name].orchestrator.hit_path_served,
+                # this ingress replica's hit path: media requests prepared without the prepare hop,
+                # and its near cache (entries, hits, misses)
+                **self.service.models[name].orchestrator.hit_path_stats(),
             }
         return JSONResponse(out)
 

@@ -71,6 +71,10 @@ class HitPath(Protocol):
         self, request_id: str, messages: list[dict[str, Any]]
     ) -> PreparedRequest | LookedUp: ...
 
+    def remember(self, prepared: PreparedRequest) -> None: ...
+
+    def forget(self, mm_hashes: list[str]) -> None: ...
+
 
 @dataclass
 class ModelHandles:
@@ -178,7 +182,10 @@ class Orchestrator:
                         self.hit_path_served += 1
                         return got
                     looked_up, from_hit_path = got, False
-                pre: PreparedRequest = await self.h.preprocess.prepare.remote(aid, messages, looked_up)
+                args = (aid, messages) if looked_up is None else (aid, messages, looked_up)
+                pre: PreparedRequest = await self.h.preprocess.prepare.remote(*args)
+                if self.h.hit_path is not None:
+                    self.h.hit_path.remember(pre)
                 return pre
             except BaseException as e:
                 # The replica may still be running (a cancel need not reach it): release on every
@@ -201,6 +208,10 @@ class Orchestrator:
             await self.h.cache.release(attempt_id)
         except Exception:  # never let cleanup mask the original error
             logger.exception("releasing the encoder-cache reservations of %s failed", attempt_id)
+
+    def hit_path_stats(self) -> dict[str, Any]:
+        near = getattr(self.h.hit_path, "near", None)
+        return {"hit_path_served": self.hit_path_served, "near_cache": near.stats() if near else None}
 
     def replay(self, request_id: str) -> dict[str, Any] | None:
         """The preprocessed request's replay facts (mm_hashes, placeholders, metadata), if it got that far."""
@@ -265,6 +276,8 @@ class Orchestrator:
             "request %s (attempt %d): embeddings lost for %s; invalidating", request_id, attempt, lost
         )
         sent = {m.mm_hash: ref_id(m.ref[0]) for m in mm_items if m.mm_hash in lost}
+        if self.h.hit_path is not None:
+            self.h.hit_path.forget(lost)
         await self.h.cache.invalidate(lost, sent)
 
 

@@ -23,6 +23,7 @@ import pytest
 from encoder_service.cache_client import EncoderCacheClient
 from encoder_service.cache_index import CacheIndexShard
 from encoder_service.media import MediaLimits
+from encoder_service.near_cache import NearCache
 from encoder_service.prepare import RequestPreparer
 from encoder_service.prepared import LookedUp
 from encoder_service.processing import Preprocessor
@@ -246,3 +247,53 @@ async def _media_it_would_have_to_fetch_goes_straight_to_prepare(setup: Setup) -
     with pytest.raises(RuntimeError, match="stop here"):
         await setup.orch.prepare("r1", _chat(_image(8), _image(url="http://127.0.0.1:9/cat.png")))
     assert calls == [None] and setup.shard.lookup_calls == 0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_near_cache_serves_what_a_prepare_just_made_until_its_ttl(setup: Setup) -> None:
+    asyncio.run(_near_cache_serves_until_ttl(setup))
+
+
+async def _near_cache_serves_until_ttl(setup: Setup) -> None:
+    clock = Clock()
+    hit_path = setup.orch.h.hit_path
+    assert isinstance(hit_path, RequestPreparer)
+    hit_path.near = NearCache(8, ttl_s=30.0, clock=clock)
+    cold = await setup.orch.prepare("r1", _chat(_image(11)))  # learnt from the prepare reply
+    calls = setup.shard.lookup_calls
+    warm = await setup.orch.prepare("r2", _chat(_image(11)))
+    assert setup.shard.lookup_calls == calls, "a near-cache hit asks no shard"
+    assert _items(warm) == _items(cold) and warm.prompt_token_ids == cold.prompt_token_ids
+    assert hit_path.near.stats()["hits"] == 1
+    clock.now = 31.0  # past the ttl: the index is asked again (and its hit remembered anew)
+    await setup.orch.prepare("r3", _chat(_image(11)))
+    assert setup.shard.lookup_calls == calls + 1
+    await setup.orch.prepare("r4", _chat(_image(11)))
+    assert setup.shard.lookup_calls == calls + 1
+    assert setup.orch.hit_path_served == 3 and len(setup.replica.prepare_calls) == 1
+    await _nothing_reserved(setup.shard)
+
+
+def test_lost_embeddings_are_dropped_from_the_near_cache(setup: Setup) -> None:
+    asyncio.run(_lost_embeddings_are_dropped(setup))
+
+
+async def _lost_embeddings_are_dropped(setup: Setup) -> None:
+    hit_path = setup.orch.h.hit_path
+    assert isinstance(hit_path, RequestPreparer)
+    hit_path.near = NearCache(8, ttl_s=30.0)
+    prepared = await setup.orch.prepare("r1", _chat(_image(12)))
+    (item,) = prepared.mm_items
+    assert len(hit_path.near) == 1
+    await setup.orch._invalidate("r1", [item.mm_hash], prepared.mm_items, attempt=1)
+    assert len(hit_path.near) == 0
+    again = await setup.orch.prepare("r2", _chat(_image(12)))  # the index dropped it too: re-encoded
+    assert len(setup.replica.prepare_calls) == 2 and again.mm_items[0].ref[0] != item.ref[0]
+    await _nothing_reserved(setup.shard)
