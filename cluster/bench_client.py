@@ -104,7 +104,9 @@ async def fetch_counters(base_url: str) -> dict[str, int] | None:
 
 
 def flatten_stats(body: dict[str, Any]) -> dict[str, int]:
-    """``{model: {"encoder_cache": {...}, "encoder_items_dispatched": n}}`` summed over models."""
+    """``{model: {"encoder_cache": {...}, "near_cache": {...}, "encoder_items_dispatched": n}}`` summed
+    over models; a hit is one on the shared index or on the ingress's near cache (which the index
+    never sees)."""
     totals = {
         "encoder_cache_hits": 0,
         "encoder_cache_misses": 0,
@@ -113,7 +115,8 @@ def flatten_stats(body: dict[str, Any]) -> dict[str, int]:
     }
     for model in body.values():
         cache = model.get("encoder_cache", {})
-        totals["encoder_cache_hits"] += int(cache.get("hits", 0))
+        near = model.get("near_cache") or {}
+        totals["encoder_cache_hits"] += int(cache.get("hits", 0)) + int(near.get("hits", 0))
         totals["encoder_cache_misses"] += int(cache.get("misses", 0))
         totals["encoder_cache_evictions"] += int(cache.get("evictions", 0))
         totals["encoder_items_dispatched"] += int(model.get("encoder_items_dispatched", 0))

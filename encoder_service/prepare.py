@@ -61,6 +61,7 @@ class Preprocess(Protocol):
         *,
         hashes: list[str] | None = None,
         process: bool = True,
+        deferred: list[asyncio.Task[None]] | None = None,
     ) -> PreprocessedRequest: ...
 
 
@@ -127,17 +128,21 @@ class RequestPreparer:
         return _prepared(pre, refs, num_encoded)
 
     async def prepare_hits(
-        self, request_id: str, messages: list[dict[str, Any]]
+        self,
+        request_id: str,
+        messages: list[dict[str, Any]],
+        deferred: list[asyncio.Task[None]] | None = None,
     ) -> PreparedRequest | LookedUp:
         """The ingress's hit path: hash, name and look up (reserving the misses) without decoding
         anything. The prepared request when the cache holds every item; else what was found, for
         ``prepare`` on a replica that processes and encodes. The reservations go with it: a caller
-        that fails before handing them on releases ``request_id`` itself."""
+        that fails before handing them on releases ``request_id`` itself. ``deferred``: see
+        ``Preprocessor.preprocess`` (the uuid pointing, for the caller to await before answering)."""
         hits: dict[str, Found] = {}
         kinds: dict[str, str] = {}
         lookup = self._lookup(request_id, hits, kinds, None)
         try:
-            pre = await self.preprocessor.preprocess(messages, lookup, process=False)
+            pre = await self.preprocessor.preprocess(messages, lookup, process=False, deferred=deferred)
         except NeedsEncoding as e:
             found: dict[str, tuple[str, Any]] = {h: (HIT, f) for h, f in hits.items()}
             found.update((h, (kind, None)) for h, kind in kinds.items())

@@ -156,9 +156,12 @@ class Preprocessor:
         *,
         hashes: list[str] | None = None,
         process: bool = True,
+        deferred: list[asyncio.Task[None]] | None = None,
     ) -> PreprocessedRequest:
         """``hashes``: the items' mm_hashes, in order, computed and named already (by the ingress's
-        hit path). ``process=False``: raise ``NeedsEncoding`` instead of processing a miss."""
+        hit path). ``process=False``: raise ``NeedsEncoding`` instead of processing a miss.
+        ``deferred``: pointing uuids at their bytes (which nothing here waits on) is started as a
+        task appended to it, for the caller to await before it answers, instead of awaited here."""
         template_messages, items = self._collect(messages)
         await asyncio.gather(*(self._fetch(it) for it in items))
         pointing = None
@@ -172,6 +175,9 @@ class Preprocessor:
                 if it.fetched is not None:
                     it.mm_hash = self.mm_hash(it.ref.modality, it.fetched.data)
             pointing = await self._name_uuids(items)
+        if pointing is not None and deferred is not None:
+            deferred.append(asyncio.ensure_future(pointing))
+            pointing = None
         if pointing is None:
             cached = await self._lookup(lookup, items)
         else:  # nothing waits on the pointing: it goes beside the lookup, not before it

@@ -43,10 +43,9 @@ logger = logging.getLogger("mmserve.router")
 
 MAX_REPLAY_RECORDS = 4096
 PREPARE_ATTEMPTS = 3  # a replica that dies while preparing a request: prepared again on another
-INLINE_TOKENIZE_CHARS = 16_384
-HIT_PATH_MAX_CHARS = (
-    4 << 20
-)  # inline media past this is hashed by the preparing replica, off this loop  # longer text-only prompts are templated and tokenized off the loop
+INLINE_TOKENIZE_CHARS = 16_384  # longer text-only prompts are templated and tokenized off the loop
+HIT_PATH_MAX_CHARS = 4 << 20  # inline media past this is hashed by the preparing replica, off this loop
+SETTLE_TIMEOUT_S = 5.0  # the most a deferred uuid pointing may hold a request's last output
 
 
 class PreprocessPool(Protocol):
@@ -68,7 +67,7 @@ class HitPath(Protocol):
     """Preparing at the ingress what the encoder cache holds whole (encoder_service.prepare.RequestPreparer)."""
 
     async def prepare_hits(
-        self, request_id: str, messages: list[dict[str, Any]]
+        self, request_id: str, messages: list[dict[str, Any]], deferred: list[asyncio.Task[None]]
     ) -> PreparedRequest | LookedUp: ...
 
     def remember(self, prepared: PreparedRequest) -> None: ...
@@ -107,7 +106,10 @@ class Orchestrator:
         self.max_model_len = max_model_len
         self._on_encoder_run = on_encoder_run or (lambda n: None)
         self.hit_path_served = 0  # media requests prepared at the ingress alone (all cache hits)
-        self._messages: dict[str, Any] = {}  # request id -> normalised messages, while it may re-prepare
+        self._messages: dict[str, Any] = {}
+        self._deferred: dict[
+            str, list[asyncio.Task[None]]
+        ] = {}  # work to finish before answering  # request id -> normalised messages, while it may re-prepare
         # request id -> PreprocessedRequest.to_log(), until forget(); bounded, in case a response is
         # dropped before its body starts (then nothing calls forget()).
         self._replay: OrderedDict[str, dict[str, Any]] = OrderedDict()
@@ -177,7 +179,11 @@ class Orchestrator:
                 looked_up = None
                 if use_hit_path and attempt == 1 and self.h.hit_path is not None:
                     from_hit_path = True
-                    got = await self.h.hit_path.prepare_hits(aid, messages)
+                    deferred: list[asyncio.Task[None]] = []
+                    try:
+                        got = await self.h.hit_path.prepare_hits(aid, messages, deferred)
+                    finally:
+                        self._defer(request_id, deferred)
                     if isinstance(got, PreparedRequest):
                         self.hit_path_served += 1
                         return got
@@ -213,6 +219,22 @@ class Orchestrator:
         near = getattr(self.h.hit_path, "near", None)
         return {"hit_path_served": self.hit_path_served, "near_cache": near.stats() if near else None}
 
+    def _defer(self, request_id: str, tasks: list[asyncio.Task[None]]) -> None:
+        """Work the hit path started that nothing waits on (pointing uuids at bytes): awaited before
+        the request's last output goes out, so a client that saw the answer finds it done."""
+        for task in tasks:
+            task.add_done_callback(_log_failure)
+            self._deferred.setdefault(request_id, []).append(task)
+
+    async def _settle(self, request_id: str) -> None:
+        tasks = self._deferred.pop(request_id, None)
+        if tasks:  # failures are logged by _log_failure; one that hangs does not hold the answer
+            _, pending = await asyncio.wait(tasks, timeout=SETTLE_TIMEOUT_S)
+            if pending:
+                logger.warning(
+                    "request %s answered with %d uuid pointing(s) unfinished", request_id, len(pending)
+                )
+
     def replay(self, request_id: str) -> dict[str, Any] | None:
         """The preprocessed request's replay facts (mm_hashes, placeholders, metadata), if it got that far."""
         return self._replay.get(request_id)
@@ -221,6 +243,7 @@ class Orchestrator:
         """The request is over (answered or failed and logged): drop its replay facts."""
         self._replay.pop(request_id, None)
         self._messages.pop(request_id, None)
+        self._deferred.pop(request_id, None)  # still running, if at all: their failures are logged
 
     def decode(self, token_ids: Any) -> str:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
@@ -239,6 +262,8 @@ class Orchestrator:
             async for out in outs:
                 if out.finish_reason == "error":  # this request failed alone in an engine step
                     raise RequestFailed(request_id, out.error or "unknown error")
+                if out.finished:
+                    await self._settle(request_id)
                 yield out
         finally:  # a caller that stops early aborts the request on its replica now, not at GC
             await outs.aclose()
@@ -301,6 +326,11 @@ def _inline_media(messages: list[dict[str, Any]]) -> bool:
                     return False
                 total += len(ref.url)
     return total <= HIT_PATH_MAX_CHARS
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and (e := task.exception()) is not None:
+        logger.warning("pointing media uuids at their bytes failed: %r", e)
 
 
 def _client_error(e: BaseException) -> bool:

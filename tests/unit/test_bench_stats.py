@@ -133,10 +133,14 @@ def test_latency_table_in_milliseconds_with_server_counters() -> None:
 def test_server_stats_are_summed_over_models() -> None:
     body = {
         "m1": {"encoder_cache": {"hits": 2, "misses": 1, "evictions": 0}, "encoder_items_dispatched": 1},
-        "m2": {"encoder_cache": {"hits": 1, "misses": 4, "evictions": 2}, "encoder_items_dispatched": 3},
+        "m2": {
+            "encoder_cache": {"hits": 1, "misses": 4, "evictions": 2},
+            "near_cache": {"entries": 1, "hits": 5, "misses": 2},  # the ingress's: hits the index never saw
+            "encoder_items_dispatched": 3,
+        },
     }
     assert flatten_stats(body) == {
-        "encoder_cache_hits": 3,
+        "encoder_cache_hits": 8,
         "encoder_cache_misses": 5,
         "encoder_cache_evictions": 2,
         "encoder_items_dispatched": 4,

@@ -28,6 +28,8 @@ from encoder_service.prepare import RequestPreparer
 from encoder_service.prepared import LookedUp
 from encoder_service.processing import Preprocessor
 from encoder_service.types import EmbeddingMeta, EncodeBatch, EncodedItem, MediaRef
+from llm_service.outputs import RequestOutput
+from llm_service.sampling_params import SamplingParams
 from router.errors import from_exception
 from router.messages import NormalizedChat
 from router.orchestrator import ModelHandles, Orchestrator
@@ -297,3 +299,42 @@ async def _lost_embeddings_are_dropped(setup: Setup) -> None:
     again = await setup.orch.prepare("r2", _chat(_image(12)))  # the index dropped it too: re-encoded
     assert len(setup.replica.prepare_calls) == 2 and again.mm_items[0].ref[0] != item.ref[0]
     await _nothing_reserved(setup.shard)
+
+
+class OneTokenLLM:
+    """The LLMClient surface: every request gets one finished output."""
+
+    async def submit(self, spec: Any) -> Any:
+        self.spec = spec
+        return SimpleNamespace(replica_id="llm-0", channel_id="ch-0")
+
+    async def outputs(self, request_id: str, reply: Any) -> Any:
+        yield RequestOutput(request_id, [7], None, True, "length", len(self.spec.prompt_token_ids), 0)
+
+
+def test_a_uuid_sent_with_bytes_is_pointed_before_the_answer_ends_not_before_it_starts(setup: Setup) -> None:
+    asyncio.run(_pointing_is_deferred_to_the_answer(setup))
+
+
+async def _pointing_is_deferred_to_the_answer(setup: Setup) -> None:
+    await setup.orch.prepare("r0", _chat(_image(13)))  # the bytes are in the cache; now name them
+    release = asyncio.Event()
+    shard_point = setup.shard.alias_point
+
+    async def slow_point(aliases: dict[str, str]) -> None:
+        await release.wait()
+        await shard_point(aliases)
+
+    setup.shard.alias_point = slow_point  # type: ignore[method-assign]
+    setup.orch.h.llm = OneTokenLLM()  # type: ignore[assignment]
+    prepared = await setup.orch.prepare("r1", _chat(_image(13, uuid_="dog")))  # did not wait for it
+    assert setup.orch.hit_path_served == 1
+    stream = setup.orch.stream("r1", prepared, SamplingParams(max_tokens=1))
+    last = asyncio.ensure_future(stream.__anext__())
+    await asyncio.sleep(0.05)
+    assert not last.done(), "the last output waits for the pointing"
+    release.set()
+    assert (await last).finished
+    await stream.aclose()
+    by_name = await setup.orch.prepare("r2", _chat(_image(uuid_="dog")))
+    assert by_name.prompt_token_ids == prepared.prompt_token_ids
