@@ -295,10 +295,11 @@ class Preprocessor:
         alone = {it.index: self.uuid_key(it.ref) for it in items if it.fetched is None}
         wanted = [k for k in dict.fromkeys(alone.values()) if k not in named]
         found: dict[str, str] = {}
+        pointing = None
         if named and wanted:
             _, found = await asyncio.gather(self.aliases.point(named), self.aliases.resolve(wanted))
-        elif named:
-            return self.aliases.point(named)
+        elif named:  # every name sent alone is one of these bytes': nothing to wait for
+            pointing = self.aliases.point(named)
         elif wanted:
             found = await self.aliases.resolve(wanted)
         found.update(named)
@@ -313,7 +314,7 @@ class Preprocessor:
                     item=it.index,
                 )
             it.mm_hash = mm_hash
-        return None
+        return pointing
 
     async def _lookup(self, lookup: Lookup | None, items: list[_Item]) -> dict[str, EmbeddingMeta]:
         if lookup is None or not items:

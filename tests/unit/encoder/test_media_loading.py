@@ -217,3 +217,29 @@ def test_redirect_rechecked_per_hop(server):
     # without allow_private_addresses the loopback server itself is refused
     err = _raises(URLNotAllowed, 403, "not allowed", _load, "image", MediaLimits(), url=f"{server}/img.png")
     assert "127.0.0.1" not in err.message.split("host", 1)[1].split("is not allowed", 1)[1]
+
+
+def test_a_large_data_url_is_decoded_off_the_event_loop_with_the_same_bytes_and_errors(monkeypatch):
+    import asyncio
+
+    from encoder_service.media import fetch
+
+    big = make_image_bytes(600, 400, seed=3)  # a noisy PNG: well past the thread threshold as base64
+    url = "data:image/png;base64," + base64.b64encode(big).decode()
+    assert len(url) > fetch.THREAD_DECODE_CHARS
+    threads = []
+    decode = fetch.decode_data_url
+
+    def spy(*args, **kwargs):
+        threads.append(threading.current_thread() is threading.main_thread())
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(fetch, "decode_data_url", spy)
+    got = asyncio.run(fetch.fetch_media_bytes(MediaRef("image", url=url), LOOP, item=0))
+    assert got.data == big and threads == [False]
+    small = MediaLimits(max_bytes=1000)
+    with pytest.raises(MediaTooLarge, match="image 0"):
+        asyncio.run(fetch.fetch_media_bytes(MediaRef("image", url=url), small, item=0))
+    short = "data:image/png;base64," + base64.b64encode(IMG).decode()
+    asyncio.run(fetch.fetch_media_bytes(MediaRef("image", url=short), LOOP, item=0))
+    assert threads == [False, False, True], "a short one is decoded inline"
