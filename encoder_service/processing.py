@@ -42,6 +42,7 @@ from encoder_service.media.limits import MediaLimits
 from encoder_service.media.loader import decode_media
 from encoder_service.media.pinned_client import PinnedClient
 from encoder_service.media.url_safety import Resolver, resolve_host
+from encoder_service.placeholders import expand_placeholders
 from encoder_service.processor_cache import ProcessorCache
 from encoder_service.processors import FamilyProcessor, ProcessedItem, load_family_processor
 from encoder_service.types import (
@@ -50,8 +51,6 @@ from encoder_service.types import (
     EncoderInput,
     MediaRef,
     Modality,
-    MultiModalItem,
-    PlaceholderRange,
     PreprocessedRequest,
 )
 from encoder_service.uuid_aliases import AliasStore, LocalAliases
@@ -381,75 +380,11 @@ class Preprocessor:
         text = hf.apply_chat_template(template_messages, add_generation_prompt=True, tokenize=False)
         text = self.family.prompt_text(text)
         ids = list(self.family.tokenizer(text)["input_ids"])
-        queues = {m: [it for it in items if it.ref.modality == m] for m in self.family.modalities}
-        by_token = {tid: m for m, tid in self.family.placeholder_token_ids.items()}
-        out_ids: list[int] = []
-        runs: dict[int, list[PlaceholderRange]] = {}
-        for tid in ids:
-            modality = by_token.get(tid)
-            if modality is None:
-                out_ids.append(tid)
-                continue
-            if not queues[modality]:
-                raise InvalidMediaInput(f"prompt has more {modality} placeholders than {modality} items")
-            it = queues[modality].pop(0)
-            expansion = self.family.expand_placeholder(modality, tid, it.num_embeds, it.frame_times)
-            runs[it.index] = _placeholder_runs(expansion, tid, len(out_ids))
-            out_ids.extend(expansion)
-        if any(queues.values()) or len(runs) != len(items):
-            raise InvalidMediaInput(
-                "the chat template dropped a media placeholder (text contains special tokens?)"
-            )
-        mm_items = [mm for it in items for mm in _items_of(it, runs[it.index])]
+        out_ids, mm_items = expand_placeholders(self.family, ids, items)
         kwargs: dict[str, Any] = {
             m: self.family.log_kwargs(m) for m in sorted({it.ref.modality for it in items})
         }
         return PreprocessedRequest(out_ids, mm_items, kwargs)
-
-
-def _placeholder_runs(expansion: list[int], token_id: int, start: int) -> list[PlaceholderRange]:
-    """The maximal runs of ``token_id`` in ``expansion``, placed at prompt offset ``start``."""
-    out: list[PlaceholderRange] = []
-    for i, tid in enumerate(expansion):
-        if tid != token_id:
-            continue
-        if out and out[-1].end == start + i:
-            out[-1] = PlaceholderRange(out[-1].offset, out[-1].length + 1)
-        else:
-            out.append(PlaceholderRange(start + i, 1))
-    return out
-
-
-def _items_of(it: _Item, runs: list[PlaceholderRange]) -> list[MultiModalItem]:
-    """One record per placeholder run. An item of several runs (a Qwen3-VL video: one per temporal
-    patch) gives each run its rows of the item's embeddings and its own ``(1, h, w)`` grid; they
-    share the mm_hash, and only the first carries the encoder input (the item is encoded once)."""
-    if len(runs) > 1 and (
-        it.grid_thw is None or it.grid_thw[0] % len(runs) or sum(r.length for r in runs) != it.num_embeds
-    ):
-        raise RuntimeError(
-            f"{it.ref.modality} {it.index}: {len(runs)} placeholder runs do not split its grid"
-        )
-    grid = it.grid_thw
-    if len(runs) > 1 and grid is not None:
-        grid = (grid[0] // len(runs), grid[1], grid[2])
-    out, row = [], 0
-    for i, run in enumerate(runs):
-        out.append(
-            MultiModalItem(
-                index=it.index,
-                mm_hash=it.mm_hash,
-                modality=it.ref.modality,
-                placeholder=run,
-                grid_thw=grid,
-                metadata=dict(it.metadata or {}),
-                encoder_input=it.encoder_input if i == 0 else None,
-                second_per_grid_ts=it.second_per_grid_ts,
-                rows=(row, row + run.length) if len(runs) > 1 else None,
-            )
-        )
-        row += run.length
-    return out
 
 
 def _processed_or_422(process: Callable[[], ProcessedItem], modality: str, index: int) -> ProcessedItem:
