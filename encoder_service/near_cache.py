@@ -6,8 +6,9 @@ chat re-sends its image every turn). It is filled from the shard's hit answers a
 replies (``PreparedRequest.metas``), keyed by mm_hash like the index (content, never a uuid name).
 
 What it may cost, and why it stays correct:
-  - It holds at most ``max_entries`` refs, each for at most ``ttl_s``: Ray keeps those objects alive
-    that long even if the index evicted them (the same as a request in flight holding its refs).
+  - It holds at most ``max_entries`` refs, each for at most ``ttl_s`` (plus the owner's sweep
+    period, ``purge``): Ray keeps those objects alive that long even if the index evicted them (the
+    same as a request in flight holding its refs).
   - An entry whose object was lost (its encoder replica died) fails the LLM's fetch with
     ``EmbeddingsLost``; the router drops it here (``drop``) and prepares the request again, as it
     does for a stale index entry.
@@ -68,6 +69,15 @@ class NearCache:
         self._entries[meta.mm_hash] = (meta, ref, self._clock() + self.ttl_s)
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
+
+    def purge(self) -> int:
+        """Forget every expired entry (their objects are released now, not at the next lookup of
+        the same item); how many went."""
+        now = self._clock()
+        expired = [h for h, (_, _, deadline) in self._entries.items() if deadline <= now]
+        for h in expired:
+            del self._entries[h]
+        return len(expired)
 
     def drop(self, mm_hashes: Iterable[str]) -> None:
         for h in mm_hashes:

@@ -153,14 +153,26 @@ class RequestPreparer:
             raise
         return _prepared(pre, hits, 0)
 
-    def remember(self, prepared: PreparedRequest) -> None:
-        """What a ``prepare`` reply says the index holds now, for the hit path's next requests."""
+    def remember(self, prepared: PreparedRequest, looked_up: LookedUp | None = None) -> None:
+        """What a ``prepare`` reply says the index holds now, for the hit path's next requests. The
+        items ``looked_up`` already answered as hits are not put again: the index did not see them
+        there (a near-cache hit must not renew its own TTL)."""
         if self.near is None:
             return
+        known = {h for h, (kind, _) in looked_up.found.items() if kind == HIT} if looked_up else set()
         refs = {it.mm_hash: it.ref[0] for it in prepared.items}
         for meta in prepared.metas:
-            if meta.mm_hash in refs:
+            if meta.mm_hash in refs and meta.mm_hash not in known:
                 self.near.put(meta, refs[meta.mm_hash])
+
+    def renewing(self, request_id: str, held: dict[str, str]) -> contextlib.AbstractAsyncContextManager[None]:
+        """Renew what ``request_id`` holds (``held``: mm_hash -> kind) while the caller waits."""
+        return self._renewing(request_id, held)
+
+    def sweep(self) -> None:
+        """Release the near cache's expired entries (the ingress calls it every few seconds)."""
+        if self.near is not None:
+            self.near.purge()
 
     def forget(self, mm_hashes: list[str]) -> None:
         """Their objects were lost: never serve them from the near cache again."""

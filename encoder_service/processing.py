@@ -55,6 +55,7 @@ from encoder_service.types import (
 )
 from encoder_service.uuid_aliases import AliasStore, LocalAliases
 
+INLINE_TEMPLATE_CHARS = 16_384  # prompts with more text are templated and tokenized on a worker thread
 Lookup = Callable[[list[str]], "dict[str, EmbeddingMeta] | Awaitable[dict[str, EmbeddingMeta]]"]
 
 
@@ -219,6 +220,8 @@ class Preprocessor:
                 it.num_embeds, it.grid_thw = first.num_embeds, first.grid_thw
                 it.encoder_input, it.metadata = first.encoder_input, first.metadata
                 it.second_per_grid_ts, it.frame_times = first.second_per_grid_ts, first.frame_times
+        if _text_chars(template_messages) > INLINE_TEMPLATE_CHARS:  # not on the caller's loop
+            return await asyncio.to_thread(self._tokenize, template_messages, items)
         return self._tokenize(template_messages, items)
 
     def preprocess_sync(
@@ -385,6 +388,14 @@ class Preprocessor:
             m: self.family.log_kwargs(m) for m in sorted({it.ref.modality for it in items})
         }
         return PreprocessedRequest(out_ids, mm_items, kwargs)
+
+
+def _text_chars(template_messages: list[dict[str, Any]]) -> int:
+    n = 0
+    for m in template_messages:
+        content = m["content"]
+        n += len(content) if isinstance(content, str) else sum(len(p.get("text", "")) for p in content)
+    return n
 
 
 def _processed_or_422(process: Callable[[], ProcessedItem], modality: str, index: int) -> ProcessedItem:

@@ -218,6 +218,7 @@ class ChatService:
         finally:  # a stop string ends it early: the LLM stops now, not when the generator is collected
             await stream.aclose()
         finish = "stop" if detok.stopped else last.finish_reason
+        await model.orchestrator.settle(request_id)
         self._observe_done(model.name, start, completion_tokens)
         resp = ChatCompletionResponse(
             id=request_id,
@@ -262,6 +263,8 @@ class ChatService:
                 text = detok.add(out.new_token_ids, final=out.finished)
                 finish = "stop" if detok.stopped else (out.finish_reason if out.finished else None)
                 lp = self._logprobs(model.orchestrator, out) if req.logprobs else None
+                if finish:  # a stop string ends it before the engine does: settle here too
+                    await model.orchestrator.settle(request_id)
                 if text or finish or lp:
                     yield chunk(Delta(content=text), finish, lp)
                 if finish:

@@ -20,6 +20,7 @@ and submitted again. A second loss is a 503.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable
@@ -45,6 +46,7 @@ MAX_REPLAY_RECORDS = 4096
 PREPARE_ATTEMPTS = 3  # a replica that dies while preparing a request: prepared again on another
 INLINE_TOKENIZE_CHARS = 16_384  # longer text-only prompts are templated and tokenized off the loop
 HIT_PATH_MAX_CHARS = 4 << 20  # inline media past this is hashed by the preparing replica, off this loop
+NEAR_SWEEP_S = 5.0  # how often the near cache's expired entries are released
 SETTLE_TIMEOUT_S = 5.0  # the most a deferred uuid pointing may hold a request's last output
 
 
@@ -70,7 +72,11 @@ class HitPath(Protocol):
         self, request_id: str, messages: list[dict[str, Any]], deferred: list[asyncio.Task[None]]
     ) -> PreparedRequest | LookedUp: ...
 
-    def remember(self, prepared: PreparedRequest) -> None: ...
+    def remember(self, prepared: PreparedRequest, looked_up: LookedUp | None = None) -> None: ...
+
+    def renewing(self, request_id: str, held: dict[str, str]) -> Any: ...
+
+    def sweep(self) -> None: ...
 
     def forget(self, mm_hashes: list[str]) -> None: ...
 
@@ -106,10 +112,9 @@ class Orchestrator:
         self.max_model_len = max_model_len
         self._on_encoder_run = on_encoder_run or (lambda n: None)
         self.hit_path_served = 0  # media requests prepared at the ingress alone (all cache hits)
-        self._messages: dict[str, Any] = {}
-        self._deferred: dict[
-            str, list[asyncio.Task[None]]
-        ] = {}  # work to finish before answering  # request id -> normalised messages, while it may re-prepare
+        self._messages: dict[str, Any] = {}  # request id -> normalised messages, while it may re-prepare
+        self._deferred: dict[str, list[asyncio.Task[None]]] = {}  # work to finish before answering
+        self._sweeper: asyncio.Task[None] | None = None  # the near cache's expiry (_ensure_sweeper)
         # request id -> PreprocessedRequest.to_log(), until forget(); bounded, in case a response is
         # dropped before its body starts (then nothing calls forget()).
         self._replay: OrderedDict[str, dict[str, Any]] = OrderedDict()
@@ -172,6 +177,8 @@ class Orchestrator:
         encoder cache holds makes no call but the lookup."""
         messages = self._messages[request_id]
         use_hit_path = self.h.hit_path is not None and _inline_media(messages)
+        if use_hit_path:
+            self._ensure_sweeper()
         for attempt in range(1, PREPARE_ATTEMPTS + 1):
             aid = attempt_id if attempt == 1 else f"{attempt_id}#p{attempt}"
             from_hit_path = False
@@ -188,10 +195,14 @@ class Orchestrator:
                         self.hit_path_served += 1
                         return got
                     looked_up, from_hit_path = got, False
-                args = (aid, messages) if looked_up is None else (aid, messages, looked_up)
-                pre: PreparedRequest = await self.h.preprocess.prepare.remote(*args)
+                if looked_up is None:
+                    pre: PreparedRequest = await self.h.preprocess.prepare.remote(aid, messages)
+                else:  # its reservations are ours until the replica takes them: renewed meanwhile
+                    assert self.h.hit_path is not None
+                    async with self.h.hit_path.renewing(aid, dict(_kinds(looked_up))):
+                        pre = await self.h.preprocess.prepare.remote(aid, messages, looked_up)
                 if self.h.hit_path is not None:
-                    self.h.hit_path.remember(pre)
+                    self.h.hit_path.remember(pre, looked_up)
                 return pre
             except BaseException as e:
                 # The replica may still be running (a cancel need not reach it): release on every
@@ -203,6 +214,9 @@ class Orchestrator:
                 if attempt == PREPARE_ATTEMPTS or isinstance(e, asyncio.CancelledError) or not retry:
                     self._messages.pop(request_id, None)
                     raise
+                if from_hit_path:
+                    logger.warning("hit path failed for %s (%r); preparing it on a replica", request_id, e)
+                    continue
                 logger.warning(
                     "replica preparing %s lost (%s); preparing it again", request_id, type(e).__name__
                 )
@@ -219,15 +233,42 @@ class Orchestrator:
         near = getattr(self.h.hit_path, "near", None)
         return {"hit_path_served": self.hit_path_served, "near_cache": near.stats() if near else None}
 
+    def _ensure_sweeper(self) -> None:
+        """Every ``NEAR_SWEEP_S``, the hit path's near cache lets go of its expired entries."""
+        if self._sweeper is not None and not self._sweeper.done():
+            return
+
+        async def sweep_forever() -> None:
+            while True:
+                await asyncio.sleep(NEAR_SWEEP_S)
+                if self.h.hit_path is not None:
+                    self.h.hit_path.sweep()
+
+        self._sweeper = asyncio.get_running_loop().create_task(sweep_forever())
+
     def _defer(self, request_id: str, tasks: list[asyncio.Task[None]]) -> None:
         """Work the hit path started that nothing waits on (pointing uuids at bytes): awaited before
         the request's last output goes out, so a client that saw the answer finds it done."""
         for task in tasks:
             task.add_done_callback(_log_failure)
+            task.add_done_callback(functools.partial(self._undefer, request_id))
             self._deferred.setdefault(request_id, []).append(task)
 
+    def _undefer(self, request_id: str, task: asyncio.Task[None]) -> None:
+        """A finished task leaves the books (bounded even for a response dropped before its body)."""
+        tasks = self._deferred.get(request_id)
+        if tasks is not None and task in tasks:
+            tasks.remove(task)
+            if not tasks:
+                del self._deferred[request_id]
+
+    async def settle(self, request_id: str) -> None:
+        """Finish what the request's answer must not go out before (its uuid pointing); the ingress
+        calls it before any chunk that carries a finish reason."""
+        await self._settle(request_id)
+
     async def _settle(self, request_id: str) -> None:
-        tasks = self._deferred.pop(request_id, None)
+        tasks = list(self._deferred.get(request_id, ()))
         if tasks:  # failures are logged by _log_failure; one that hangs does not hold the answer
             _, pending = await asyncio.wait(tasks, timeout=SETTLE_TIMEOUT_S)
             if pending:
@@ -243,7 +284,7 @@ class Orchestrator:
         """The request is over (answered or failed and logged): drop its replay facts."""
         self._replay.pop(request_id, None)
         self._messages.pop(request_id, None)
-        self._deferred.pop(request_id, None)  # still running, if at all: their failures are logged
+        # Still running, if at all: they leave the books when done; their failures are logged.
 
     def decode(self, token_ids: Any) -> str:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
@@ -326,6 +367,10 @@ def _inline_media(messages: list[dict[str, Any]]) -> bool:
                     return False
                 total += len(ref.url)
     return total <= HIT_PATH_MAX_CHARS
+
+
+def _kinds(looked_up: LookedUp) -> list[tuple[str, str]]:
+    return [(h, kind) for h, (kind, _) in looked_up.found.items()]
 
 
 def _log_failure(task: asyncio.Task[None]) -> None:

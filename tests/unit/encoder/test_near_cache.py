@@ -75,3 +75,13 @@ def test_a_prepare_reply_carries_its_metas_across_pickling() -> None:
     prepared = PreparedRequest([1] * 20, [PreparedItem("h", "video", 3, 12, (2, 4, 6), ["r"])], 1, {}, [meta])
     back = pickle.loads(pickle.dumps(prepared))
     assert back.metas == [meta] and back.items[0].ref == ["r"]
+
+
+def test_purge_releases_every_expired_entry_at_once() -> None:
+    clock = Clock()
+    near = NearCache(4, ttl_s=10.0, clock=clock)
+    near.put(_meta("a"), 1)
+    clock.now = 5.0
+    near.put(_meta("b"), 2)
+    clock.now = 12.0
+    assert near.purge() == 1 and len(near) == 1 and near.get("b") is not None

@@ -195,6 +195,7 @@ def test_a_uuid_alone_is_served_at_the_ingress_and_an_unknown_one_is_a_named_400
 
 async def _a_uuid_alone_is_served_at_the_ingress_and_an_unknown_one_is_a_named_400(setup: Setup) -> None:
     first = await setup.orch.prepare("r1", _chat(_image(5, uuid_="cat")))
+    await setup.orch.settle("r1")  # what the ingress does before r1's last chunk goes out
     by_name = await setup.orch.prepare("r2", _chat(_image(uuid_="cat")))
     assert setup.orch.hit_path_served == 1 and len(setup.replica.prepare_calls) == 1
     assert by_name.prompt_token_ids == first.prompt_token_ids
@@ -301,15 +302,17 @@ async def _lost_embeddings_are_dropped(setup: Setup) -> None:
     await _nothing_reserved(setup.shard)
 
 
-class OneTokenLLM:
-    """The LLMClient surface: every request gets one finished output."""
+class TwoTokenLLM:
+    """The LLMClient surface: every request gets two outputs, the second finished."""
 
     async def submit(self, spec: Any) -> Any:
         self.spec = spec
         return SimpleNamespace(replica_id="llm-0", channel_id="ch-0")
 
     async def outputs(self, request_id: str, reply: Any) -> Any:
-        yield RequestOutput(request_id, [7], None, True, "length", len(self.spec.prompt_token_ids), 0)
+        n = len(self.spec.prompt_token_ids)
+        yield RequestOutput(request_id, [7], None, False, None, n, 0)
+        yield RequestOutput(request_id, [8], None, True, "length", n, 0)
 
 
 def test_a_uuid_sent_with_bytes_is_pointed_before_the_answer_ends_not_before_it_starts(setup: Setup) -> None:
@@ -326,10 +329,12 @@ async def _pointing_is_deferred_to_the_answer(setup: Setup) -> None:
         await shard_point(aliases)
 
     setup.shard.alias_point = slow_point  # type: ignore[method-assign]
-    setup.orch.h.llm = OneTokenLLM()  # type: ignore[assignment]
+    setup.orch.h.llm = TwoTokenLLM()  # type: ignore[assignment]
     prepared = await setup.orch.prepare("r1", _chat(_image(13, uuid_="dog")))  # did not wait for it
     assert setup.orch.hit_path_served == 1
-    stream = setup.orch.stream("r1", prepared, SamplingParams(max_tokens=1))
+    stream = setup.orch.stream("r1", prepared, SamplingParams(max_tokens=2))
+    first = await asyncio.wait_for(stream.__anext__(), 5)  # the first output does not wait for it
+    assert not first.finished
     last = asyncio.ensure_future(stream.__anext__())
     await asyncio.sleep(0.05)
     assert not last.done(), "the last output waits for the pointing"
@@ -338,3 +343,39 @@ async def _pointing_is_deferred_to_the_answer(setup: Setup) -> None:
     await stream.aclose()
     by_name = await setup.orch.prepare("r2", _chat(_image(uuid_="dog")))
     assert by_name.prompt_token_ids == prepared.prompt_token_ids
+
+
+def test_a_uuid_naming_an_evicted_entry_is_a_400_and_releases_what_it_reserved(setup: Setup) -> None:
+    asyncio.run(_uuid_naming_an_evicted_entry(setup))
+
+
+async def _uuid_naming_an_evicted_entry(setup: Setup) -> None:
+    first = await setup.orch.prepare("r1", _chat(_image(14, uuid_="owl")))
+    await setup.orch.settle("r1")
+    (item,) = first.mm_items
+    await setup.shard.invalidate({item.mm_hash: None})  # the index lost it; the name still points there
+    with pytest.raises(Exception) as e:
+        await setup.orch.prepare("r2", _chat(_image(uuid_="owl")))  # its lookup reserved the item
+    api = from_exception(e.value)
+    assert api is not None and api.status_code == 400 and api.code == "mm_cache_miss"
+    await _nothing_reserved(setup.shard)
+
+
+def test_a_near_cache_hit_handed_to_prepare_does_not_renew_its_own_ttl(setup: Setup) -> None:
+    asyncio.run(_near_hit_through_prepare_keeps_its_deadline(setup))
+
+
+async def _near_hit_through_prepare_keeps_its_deadline(setup: Setup) -> None:
+    clock = Clock()
+    hit_path = setup.orch.h.hit_path
+    assert isinstance(hit_path, RequestPreparer)
+    hit_path.near = NearCache(8, ttl_s=30.0, clock=clock)
+    await setup.orch.prepare("r1", _chat(_image(15)))  # X is remembered at t=0
+    clock.now = 20.0
+    await setup.orch.prepare("r2", _chat(_image(15), _image(16)))  # X from the near cache, Y new
+    assert hit_path.near.stats()["hits"] == 1
+    clock.now = 31.0  # X's deadline (t=30) passed: the index is asked again
+    calls = setup.shard.lookup_calls
+    await setup.orch.prepare("r3", _chat(_image(15)))
+    assert setup.shard.lookup_calls == calls + 1
+    await _nothing_reserved(setup.shard)
