@@ -7,9 +7,11 @@ Every error names the item it is about (``item`` is the item's index among the r
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TypeVar
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
@@ -148,3 +150,15 @@ def decoding(label: str, item: int | None) -> Iterator[None]:
     except Exception as e:
         log.debug("%s: decoder raised", label, exc_info=True)
         raise decoder_error(e, label, item) from e
+
+
+def processed_or_422(process: Callable[[], T], modality: str, index: int) -> T:
+    """HF processors refuse data they cannot take (sizes, aspect ratios, channels) with ``ValueError``:
+    the client's 422 naming the item. Decoders' exceptions are mapped where they decode
+    (``decoding``); anything else a processor raises is our bug and stays a 500."""
+    try:
+        return process()
+    except ValueError as e:
+        raise MediaDecodeError(
+            f"{modality} {index}: the processor refused it ({str(e)[:200]})", item=index
+        ) from e

@@ -14,7 +14,7 @@ resolves to the mm_hash it was last pointed at by that tenant, and an unknown na
 Images: the header is opened and checked once (formats, pixels, the processor's size rules) before
 any lookup; a miss is decoded from that same opened file — a JPEG at reduced scale when the processor
 shrinks it ≥ 2× anyway — and goes through the family's own fast transform (HF's floats, fewer copies).
-Bad bytes are the client's 4xx naming the item (``errors.decoding``, ``_processed_or_422``).
+Bad bytes are the client's 4xx naming the item (``errors.decoding``, ``errors.processed_or_422``).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from encoder_service.errors import (
     MediaDecodeError,
     MMCacheMiss,
     TooManyItems,
+    processed_or_422,
 )
 from encoder_service.hashing import canonical_kwargs, compute_mm_hash, uuid_alias_key
 from encoder_service.media.fetch import FetchedMedia, fetch_media_bytes
@@ -349,7 +350,7 @@ class Preprocessor:
                 frame_multiple=self.family.frame_multiple,
             )
             self.num_processor_calls += 1
-            out = _processed_or_422(lambda: self.family.process(modality, loaded.value), modality, it.index)
+            out = processed_or_422(lambda: self.family.process(modality, loaded.value), modality, it.index)
             it.metadata = {**loaded.metadata, **self.family.item_metadata(modality, loaded.metadata)}
             it.second_per_grid_ts = it.metadata.get("second_per_grid_ts")
             it.frame_times = it.metadata.get("frame_times")
@@ -372,7 +373,7 @@ class Preprocessor:
         min_size = self.family.image_decode_size(*header.size)
         decoded = decode_opened(header, min_size=min_size, item=it.index, label=f"image {it.index}")
         self.num_processor_calls += 1
-        out = _processed_or_422(lambda: self.family.process_image(decoded), "image", it.index)
+        out = processed_or_422(lambda: self.family.process_image(decoded), "image", it.index)
         meta = {"source": it.fetched.source, "num_bytes": len(it.fetched.data), **decoded.metadata()}
         if decoded.reduced:
             meta["decoded_size"] = list(decoded.image.size)
@@ -396,15 +397,3 @@ def _text_chars(template_messages: list[dict[str, Any]]) -> int:
         content = m["content"]
         n += len(content) if isinstance(content, str) else sum(len(p.get("text", "")) for p in content)
     return n
-
-
-def _processed_or_422(process: Callable[[], ProcessedItem], modality: str, index: int) -> ProcessedItem:
-    """HF processors refuse data they cannot take (sizes, aspect ratios, channels) with ``ValueError``:
-    the client's 422 naming the item. Decoders' exceptions are mapped where they decode
-    (``errors.decoding``); anything else a processor raises is our bug and stays a 500."""
-    try:
-        return process()
-    except ValueError as e:
-        raise MediaDecodeError(
-            f"{modality} {index}: the processor refused it ({str(e)[:200]})", item=index
-        ) from e

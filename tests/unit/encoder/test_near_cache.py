@@ -6,14 +6,7 @@ import pytest
 
 from encoder_service.near_cache import NearCache
 from encoder_service.types import EmbeddingMeta
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.fakes import Clock
 
 
 def _meta(h: str) -> EmbeddingMeta:

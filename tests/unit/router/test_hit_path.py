@@ -33,17 +33,8 @@ from llm_service.sampling_params import SamplingParams
 from router.errors import from_exception
 from router.messages import NormalizedChat
 from router.orchestrator import ModelHandles, Orchestrator
+from tests.fakes import Clock, Remote
 from tests.media import make_image_bytes
-
-
-class _Remote:
-    """``handle.method.remote(...)`` -> the method's coroutine, as awaiting a Ray ref would give."""
-
-    def __init__(self, obj: Any) -> None:
-        self._obj = obj
-
-    def __getattr__(self, name: str) -> Any:
-        return SimpleNamespace(remote=getattr(self._obj, name))
 
 
 @dataclass
@@ -107,14 +98,14 @@ class Setup:
 @pytest.fixture
 def setup(tiny_vl_dir: Any) -> Setup:
     shard = CountingShard()
-    cache = EncoderCacheClient([_Remote(shard)])
+    cache = EncoderCacheClient([Remote(shard)])
     replica = EncoderReplica(str(tiny_vl_dir), cache)
 
     async def no_encode(batch: EncodeBatch) -> list[EncodedItem]:
         raise AssertionError("the hit path must not encode")
 
     hit_path = RequestPreparer(_preprocessor(str(tiny_vl_dir), cache), cache, no_encode)
-    handles = ModelHandles(_Remote(replica), None, cache, hit_path)  # type: ignore[arg-type]
+    handles = ModelHandles(Remote(replica), None, cache, hit_path)  # type: ignore[arg-type]
     return Setup(Orchestrator(handles, tokenizer=None, block_size=4), shard, replica)
 
 
@@ -250,14 +241,6 @@ async def _media_it_would_have_to_fetch_goes_straight_to_prepare(setup: Setup) -
     with pytest.raises(RuntimeError, match="stop here"):
         await setup.orch.prepare("r1", _chat(_image(8), _image(url="http://127.0.0.1:9/cat.png")))
     assert calls == [None] and setup.shard.lookup_calls == 0
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_the_near_cache_serves_what_a_prepare_just_made_until_its_ttl(setup: Setup) -> None:

@@ -13,7 +13,6 @@ import pickle
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -40,19 +39,10 @@ from llm_service.sampling_params import SamplingParams
 from router.errors import APIError
 from router.messages import NormalizedChat
 from router.orchestrator import ModelHandles, Orchestrator
+from tests.fakes import Remote
 
 N = 4  # embeddings per image
 H1, H2 = (compute_mm_hash("m", "image", data=bytes([i])) for i in (1, 2))
-
-
-class _Remote:
-    """``handle.method.remote(...)`` -> the method's coroutine, as awaiting a Ray ref would give."""
-
-    def __init__(self, obj: Any) -> None:
-        self._obj = obj
-
-    def __getattr__(self, name: str) -> Any:
-        return SimpleNamespace(remote=getattr(self._obj, name))
 
 
 @dataclass
@@ -149,10 +139,10 @@ class FakeLLM:
 def _build(
     world: World, cache: EncoderCacheClient | None = None, encoder: Any = None
 ) -> tuple[Orchestrator, EncoderCacheClient]:
-    cache = cache or EncoderCacheClient([_Remote(CacheIndexShard(100, wait_timeout_s=1.0))])
+    cache = cache or EncoderCacheClient([Remote(CacheIndexShard(100, wait_timeout_s=1.0))])
     encoder = encoder or FakeEncoder(world, cache)
     preparer = RequestPreparer(FakePreprocess(), cache, encoder.encode)
-    handles = ModelHandles(_Remote(preparer), FakeLLM(world), cache)  # type: ignore[arg-type]
+    handles = ModelHandles(Remote(preparer), FakeLLM(world), cache)  # type: ignore[arg-type]
     return Orchestrator(handles, tokenizer=None, block_size=4), cache
 
 
@@ -303,7 +293,7 @@ def test_a_prepare_whose_replica_dies_is_prepared_again_and_releases(deaths: int
     async def scenario() -> tuple[DyingPreparer, dict[str, Any]]:
         orch, cache = _build(world)
         dying = DyingPreparer(orch.h.preprocess._obj, deaths)  # type: ignore[attr-defined]
-        orch.h.preprocess = _Remote(dying)  # type: ignore[assignment]
+        orch.h.preprocess = Remote(dying)  # type: ignore[assignment]
         assert len(await _finish(await _prepare(orch, "a", H1))) == 1
         return dying, await cache.stats()
 
@@ -319,7 +309,7 @@ def test_a_prepare_that_fails_otherwise_or_dies_every_time_is_not_retried_foreve
     async def scenario(deaths: int, error: type[Exception]) -> tuple[DyingPreparer, dict[str, Any]]:
         orch, cache = _build(world)
         dying = DyingPreparer(orch.h.preprocess._obj, deaths, error)  # type: ignore[attr-defined]
-        orch.h.preprocess = _Remote(dying)  # type: ignore[assignment]
+        orch.h.preprocess = Remote(dying)  # type: ignore[assignment]
         with pytest.raises(error):
             await orch.prepare("a", _chat(H1))
         return dying, await cache.stats()
