@@ -199,7 +199,8 @@ class Orchestrator:
                     pre: PreparedRequest = await self.h.preprocess.prepare.remote(aid, messages)
                 else:  # its reservations are ours until the replica takes them: renewed meanwhile
                     assert self.h.hit_path is not None
-                    async with self.h.hit_path.renewing(aid, dict(_kinds(looked_up))):
+                    held = {h: kind for h, (kind, _) in looked_up.found.items()}
+                    async with self.h.hit_path.renewing(aid, held):
                         pre = await self.h.preprocess.prepare.remote(aid, messages, looked_up)
                 if self.h.hit_path is not None:
                     self.h.hit_path.remember(pre, looked_up)
@@ -265,9 +266,6 @@ class Orchestrator:
     async def settle(self, request_id: str) -> None:
         """Finish what the request's answer must not go out before (its uuid pointing); the ingress
         calls it before any chunk that carries a finish reason."""
-        await self._settle(request_id)
-
-    async def _settle(self, request_id: str) -> None:
         tasks = list(self._deferred.get(request_id, ()))
         if tasks:  # failures are logged by _log_failure; one that hangs does not hold the answer
             _, pending = await asyncio.wait(tasks, timeout=SETTLE_TIMEOUT_S)
@@ -304,7 +302,7 @@ class Orchestrator:
                 if out.finish_reason == "error":  # this request failed alone in an engine step
                     raise RequestFailed(request_id, out.error or "unknown error")
                 if out.finished:
-                    await self._settle(request_id)
+                    await self.settle(request_id)
                 yield out
         finally:  # a caller that stops early aborts the request on its replica now, not at GC
             await outs.aclose()
@@ -367,10 +365,6 @@ def _inline_media(messages: list[dict[str, Any]]) -> bool:
                     return False
                 total += len(ref.url)
     return total <= HIT_PATH_MAX_CHARS
-
-
-def _kinds(looked_up: LookedUp) -> list[tuple[str, str]]:
-    return [(h, kind) for h, (kind, _) in looked_up.found.items()]
 
 
 def _log_failure(task: asyncio.Task[None]) -> None:

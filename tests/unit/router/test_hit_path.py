@@ -243,15 +243,21 @@ async def _media_it_would_have_to_fetch_goes_straight_to_prepare(setup: Setup) -
     assert calls == [None] and setup.shard.lookup_calls == 0
 
 
+def _with_near_cache(setup: Setup, clock: Clock) -> RequestPreparer:
+    """The setup's hit path, given a near cache of 8 entries for 30 s on ``clock``."""
+    hit_path = setup.orch.h.hit_path
+    assert isinstance(hit_path, RequestPreparer)
+    hit_path.near = NearCache(8, ttl_s=30.0, clock=clock)
+    return hit_path
+
+
 def test_the_near_cache_serves_what_a_prepare_just_made_until_its_ttl(setup: Setup) -> None:
     asyncio.run(_near_cache_serves_until_ttl(setup))
 
 
 async def _near_cache_serves_until_ttl(setup: Setup) -> None:
     clock = Clock()
-    hit_path = setup.orch.h.hit_path
-    assert isinstance(hit_path, RequestPreparer)
-    hit_path.near = NearCache(8, ttl_s=30.0, clock=clock)
+    hit_path = _with_near_cache(setup, clock)
     cold = await setup.orch.prepare("r1", _chat(_image(11)))  # learnt from the prepare reply
     calls = setup.shard.lookup_calls
     warm = await setup.orch.prepare("r2", _chat(_image(11)))
@@ -272,9 +278,7 @@ def test_lost_embeddings_are_dropped_from_the_near_cache(setup: Setup) -> None:
 
 
 async def _lost_embeddings_are_dropped(setup: Setup) -> None:
-    hit_path = setup.orch.h.hit_path
-    assert isinstance(hit_path, RequestPreparer)
-    hit_path.near = NearCache(8, ttl_s=30.0)
+    hit_path = _with_near_cache(setup, Clock())
     prepared = await setup.orch.prepare("r1", _chat(_image(12)))
     (item,) = prepared.mm_items
     assert len(hit_path.near) == 1
@@ -350,9 +354,7 @@ def test_a_near_cache_hit_handed_to_prepare_does_not_renew_its_own_ttl(setup: Se
 
 async def _near_hit_through_prepare_keeps_its_deadline(setup: Setup) -> None:
     clock = Clock()
-    hit_path = setup.orch.h.hit_path
-    assert isinstance(hit_path, RequestPreparer)
-    hit_path.near = NearCache(8, ttl_s=30.0, clock=clock)
+    hit_path = _with_near_cache(setup, clock)
     await setup.orch.prepare("r1", _chat(_image(15)))  # X is remembered at t=0
     clock.now = 20.0
     await setup.orch.prepare("r2", _chat(_image(15), _image(16)))  # X from the near cache, Y new
