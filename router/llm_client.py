@@ -150,9 +150,11 @@ class LLMClient:
                     finished = True
                     raise item
                 self._specs.pop(request_id, None)  # it started: never submitted twice from here on
+                # Set before the yield: a caller that stops at the last output (the ingress does)
+                # closes us there, and a finished request must not be aborted on its replica.
+                finished = item.finished
                 yield item
-                if item.finished:
-                    finished = True
+                if finished:
                     return
         finally:
             self._queues.pop(request_id, None)
