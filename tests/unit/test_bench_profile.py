@@ -29,6 +29,7 @@ from cluster.bench_profile import (
     ScenarioProfile,
     by_kind,
     class_kind,
+    net_of_background,
     per_request,
     process_costs,
     process_kind,
@@ -216,6 +217,18 @@ def test_idle_column_is_cpu_ms_per_second() -> None:
     assert lines[5] == "| Ingress | 100.0 | 0.0 |"
     assert lines[6] == "| Serve controller | 2.5 | 6.0 |"
     assert idle.to_json() == {"seconds": 5.0, "cpu_ms_per_s": {"Serve controller": 6.0}}
+
+
+def test_net_of_background_takes_each_process_idle_rate_off_for_the_time_outside_the_run() -> None:
+    run = [ProcessCost(1, "Ingress", "", 400.0), ProcessCost(2, "Serve controller", "", 50.0)]
+    run.append(ProcessCost(3, "LLMServer", "", 5.0))  # started after the idle sample: kept whole
+    idle = IdleProfile(
+        seconds=5.0, costs=[ProcessCost(1, "Ingress", "", 10.0), ProcessCost(2, "", "", 100.0)]
+    )
+    # 2 ms/s and 20 ms/s idle, for 3 s outside the run: 6 and 60 (floored at zero) off
+    net = net_of_background(run, idle, outside_s=3.0)
+    assert [(c.pid, c.cpu_ms) for c in net] == [(1, 394.0), (2, 0.0), (3, 5.0)]
+    assert net_of_background(run, None, 3.0) == run and net_of_background(run, idle, 0.0) == run
 
 
 def test_vs_vllm_bench_argv_matches_the_peer_script_flags() -> None:
