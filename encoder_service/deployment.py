@@ -171,7 +171,7 @@ class EncoderPoolServer:
                 units=self.row_units,
                 frame_times=q.item.frame_times,
             )
-            ref = ray.put(tensor)  # Ray 2.60 has no _owner=: this replica owns it
+            ref = ray.put(stored_form(tensor))  # Ray 2.60 has no _owner=: this replica owns it
             self._owned.add(meta.mm_hash, ref)
             done.append((q, EncodedItem(meta, [ref])))
         if self._cache is not None:  # the callers' reservations become committed entries
@@ -259,6 +259,19 @@ class EncoderPoolServer:
         if task is not None and task.done():
             why = "cancelled" if task.cancelled() else repr(task.exception())
             raise RuntimeError(f"encoder loop died: {why}")
+
+
+def stored_form(tensor: Any) -> Any:
+    """What the object store holds for one item's embeddings: a numpy array, which Ray stores as one
+    out-of-band buffer and hands back zero-copy (a torch tensor is pickled through ``torch.save``:
+    measured 1.06 vs 0.67 CPU-ms a put and 0.18 vs 0.07 a get, 64 x 128 float32). A dtype numpy
+    lacks (bfloat16) goes as its bits in a same-width integer array beside its name.
+    ``llm_service.embeddings.from_stored`` reads it back."""
+    import torch
+
+    if tensor.dtype == torch.bfloat16:
+        return ("bfloat16", tensor.view(torch.int16).numpy())
+    return tensor.numpy()
 
 
 def make_preparer(

@@ -53,7 +53,7 @@ async def resolve_embeddings(
         raise EmbeddingsLost(list(dict.fromkeys(lost)), type(errors[0]).__name__) from errors[0]
     return [
         MultiModalInput(
-            embeddings=_take_rows(t, it.rows),
+            embeddings=_take_rows(from_stored(t), it.rows),
             offset=it.offset,
             mm_hash=it.mm_hash,
             modality=it.modality,
@@ -62,6 +62,22 @@ async def resolve_embeddings(
         )
         for it, t in zip(items, tensors, strict=True)
     ]
+
+
+def from_stored(obj: Any) -> Any:
+    """A torch tensor of what an encoder replica put (``encoder_service.deployment.stored_form``): a
+    numpy array, or ``(dtype name, integer bits)`` for a dtype numpy lacks; anything else (a tensor)
+    passes as is. Copied out of the object store's read-only buffer, so the tensor is writable and
+    holds no store memory."""
+    import numpy as np
+    import torch
+
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(np.array(obj))
+    if isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[1], np.ndarray):
+        name, bits = obj
+        return torch.from_numpy(np.array(bits)).view(getattr(torch, name))
+    return obj
 
 
 def _take_rows(tensor: Any, rows: tuple[int, int] | None) -> Any:

@@ -324,4 +324,32 @@ def test_a_commit_that_fails_still_answers_the_step_and_the_loop_goes_on(ray_ses
     assert index.commits == 2  # each step tried to commit ...
     for out, item, ref in zip(outs, items, expected, strict=True):  # ... and each caller got its answer
         assert out.meta.mm_hash == item.mm_hash
-        np.testing.assert_allclose(ray.get(out.ref[0]).numpy(), ref.numpy(), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(ray.get(out.ref[0])), ref.numpy(), rtol=1e-5, atol=1e-5)
+
+
+@ray.remote(num_cpus=0.1)
+def _read_elsewhere(refs: list[Any]) -> list[Any]:
+    from llm_service.embeddings import from_stored
+
+    out = []
+    for r in refs:
+        t = from_stored(ray.get(r))
+        t.add_(0)  # writable: copied out of the store's read-only buffer
+        out.append((str(t.dtype), tuple(t.shape), t.float().sum().item()))
+    return out
+
+
+def test_embeddings_cross_the_object_store_as_numpy_and_come_back_as_the_same_tensor(ray_session):
+    """What an encoder replica puts (``stored_form``) is a numpy array or, for bfloat16, its bits
+    beside its name: read back in another process it is the tensor that was put, dtype and all."""
+    import torch
+
+    from encoder_service.deployment import stored_form
+
+    torch.manual_seed(0)
+    tensors = [torch.randn(64, 128), torch.randn(5, 8).to(torch.bfloat16), torch.randn(3, 4).half()]
+    assert isinstance(stored_form(tensors[0]), np.ndarray)
+    refs = [ray.put(stored_form(t)) for t in tensors]
+    got = ray.get(_read_elsewhere.remote(refs), timeout=60)
+    want = [(str(t.dtype), tuple(t.shape), t.float().sum().item()) for t in tensors]
+    assert got == want
