@@ -21,6 +21,7 @@ from pathlib import Path
 PROC = Path("/proc")
 CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 TCP_LISTEN = "0A"  # the socket state column of /proc/net/tcp
+TCP_ESTABLISHED = "01"
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,27 @@ def listening_inodes(tcp_table: str, port: int) -> set[int]:
         if local_port == port:
             inodes.add(int(cols[9]))
     return inodes
+
+
+def connections_to(tcp_table: str, port: int) -> int:
+    """Established connections whose remote end is ``port``, in a ``/proc/net/tcp`` (or ``tcp6``) table."""
+    n = 0
+    for line in tcp_table.splitlines()[1:]:
+        cols = line.split()
+        if len(cols) >= 4 and cols[3] == TCP_ESTABLISHED and int(cols[2].rsplit(":", 1)[1], 16) == port:
+            n += 1
+    return n
+
+
+def anyone_connected_to(port: int) -> bool:
+    """Some process on this machine holds an established TCP connection to ``port``."""
+    for name in ("tcp", "tcp6"):
+        try:
+            if connections_to((PROC / "net" / name).read_text(), port):
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def pid_listening_on(port: int) -> int | None:

@@ -16,7 +16,7 @@ nothing in flight) lets a reader subtract.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -121,18 +121,6 @@ def process_costs(
         base = b.cpu_ticks if b is not None and b.start_ticks == a.start_ticks else 0
         costs.append(ProcessCost(pid, a.kind, a.title, (a.cpu_ticks - base) * 1000 / ticks_per_s))
     return costs
-
-
-def net_of_background(
-    costs: Sequence[ProcessCost], idle: IdleProfile | None, outside_s: float
-) -> list[ProcessCost]:
-    """``costs`` less each process's idle background for ``outside_s`` seconds of the window that
-    were not the run (a load client's own start-up and exit: the server idles then). A process the
-    idle sample did not see keeps its cost; none goes below zero."""
-    if idle is None or idle.seconds <= 0 or outside_s <= 0:
-        return list(costs)
-    rate = {c.pid: c.cpu_ms / idle.seconds for c in idle.costs}
-    return [replace(c, cpu_ms=max(0.0, c.cpu_ms - rate.get(c.pid, 0.0) * outside_s)) for c in costs]
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,9 @@ load: 1 image of 64-224 px + 64 random text tokens and 16 output tokens (``rando
 and concurrency 32 and at 48 requests and concurrency 1, and the same lengths text only (``random``)
 at concurrency 32; stop it. Every load uses the same seed on both servers, so both see the same
 requests. Around every load it reads the CPU time of each process of the server's tree (``/proc``) and
-reports CPU-ms per completed request, net of each process's idle background for the seconds the
-client spends starting and exiting (measured idle first; the raw figure stays in the JSON). Needs
-the peer venv: ``../shared/tools/peer_vllm/setup.sh``.
+reports CPU-ms per completed request; the window opens when the client first connects (not when it
+starts: it spends ~10 s importing vLLM and drawing its dataset, while the server idles). Needs the
+peer venv: ``../shared/tools/peer_vllm/setup.sh``.
 
 ``--mmserve-baseline DIR`` also runs mmserve from another checkout (e.g. ``git archive <commit> | tar -x
 -C DIR``), so a change is measured before and after in one run, under the same conditions.
@@ -25,8 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-from cluster.bench_procs import CLOCK_TICKS_PER_S
-from cluster.bench_profile import IdleProfile, ScenarioProfile, net_of_background, process_costs
+from cluster.bench_procs import CLOCK_TICKS_PER_S, anyone_connected_to
+from cluster.bench_profile import IdleProfile, ScenarioProfile, process_costs
 from cluster.bench_servers import ServerProcess
 from cluster.bench_vs_report import LOADS, WARMUP, Load, LoadResult, render, results_json
 
@@ -101,41 +101,38 @@ def mmserve_server(args: argparse.Namespace, name: str, root: Path, port: int) -
     return ServerProcess(name, argv, port, log_path, env=env, cwd=root, root_kind="Ray driver")
 
 
-def run_load(
-    args: argparse.Namespace, server: ServerProcess, load: Load, seed: int, idle: IdleProfile | None = None
-) -> LoadResult:
-    """One ``vllm bench serve`` run. The CPU window spans the client's whole life, and the client
-    takes seconds to start (importing vLLM, drawing its dataset) while the server idles: with
-    ``idle``, each process's idle background for the window beyond the run's own duration is taken
-    off its bill (the JSON keeps both: ``cpu_ms_per_request_raw`` beside ``window_s``)."""
+def run_load(args: argparse.Namespace, server: ServerProcess, load: Load, seed: int) -> LoadResult:
+    """One ``vllm bench serve`` run. The client takes seconds to start (importing vLLM, drawing its
+    dataset) before its first connection, while the server idles; the CPU window opens at that
+    connection (its ready check, then the run) and closes when the client exits, and the JSON keeps
+    it (``window_s``) beside the run's own ``duration``."""
     result = args.out_dir / f"{server.name}-{load.dataset}-c{load.concurrency}-n{load.num_prompts}.json"
     argv = bench_argv(args, load, server.base_url, seed, result)
     log_path = result.with_suffix(".log")
-    before = server.snapshot()
-    t0 = time.monotonic()
     with log_path.open("wb") as out:
-        rc = subprocess.call(argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **QUIET_ENV})
-    window_s = time.monotonic() - t0
+        client = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **QUIET_ENV})
+        while client.poll() is None and not anyone_connected_to(server.port):
+            time.sleep(0.02)
+        before = server.snapshot()
+        t0 = time.monotonic()
+        rc = client.wait()
+        window_s = time.monotonic() - t0
     after = server.snapshot()
     if rc != 0 or not result.exists():
         raise RuntimeError(f"vllm bench serve failed ({rc}) for {server.name} / {load.name}; see {log_path}")
     metrics = json.loads(result.read_text())
-    outside_s = max(0.0, window_s - float(metrics.get("duration") or window_s))
     metrics["window_s"] = window_s
-    raw = process_costs(before, after, CLOCK_TICKS_PER_S)
     profile = ScenarioProfile(
         name=load.name,
         requests=int(metrics["completed"]),
         request_throughput=float(metrics["request_throughput"]),
         ttft_p50_s=float(metrics["median_ttft_ms"]) / 1000,
-        costs=net_of_background(raw, idle, outside_s),
+        costs=process_costs(before, after, CLOCK_TICKS_PER_S),
     )
-    metrics["cpu_ms_per_request_raw"] = sum(c.cpu_ms for c in raw) / max(1, profile.requests)
     log(
         f"{server.name} / {load.name}: {metrics['completed']} ok, {metrics.get('failed', 0)} failed, "
         f"{metrics['request_throughput']:.1f} req/s, mean TTFT {metrics['mean_ttft_ms']:.0f} ms; "
-        f"run {metrics.get('duration', 0):.1f} s of a {window_s:.1f} s window; CPU-ms/req "
-        f"{metrics['cpu_ms_per_request_raw']:.1f} raw, {profile.total_ms / max(1, profile.requests):.1f} net"
+        f"run {float(metrics.get('duration') or 0):.1f} s of a {window_s:.1f} s CPU window"
     )
     return LoadResult(server.name, load, metrics, profile)
 
@@ -147,7 +144,7 @@ def run_server(args: argparse.Namespace, server: ServerProcess) -> tuple[list[Lo
         log(f"{server.name} healthy after {server.wait_healthy(args.startup_timeout):.0f} s")
         run_load(args, server, WARMUP, seed=1000)
         idle = measure_idle(server, args.idle_seconds)
-        return [run_load(args, server, load, seed=args.seed, idle=idle) for load in LOADS], idle
+        return [run_load(args, server, load, seed=args.seed) for load in LOADS], idle
     finally:
         server.stop()
         left = server.leftovers()

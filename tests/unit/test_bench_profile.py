@@ -12,7 +12,9 @@ import pytest
 from cluster.bench_procs import (
     CLOCK_TICKS_PER_S,
     ProcInfo,
+    anyone_connected_to,
     cluster_members,
+    connections_to,
     find_raylet,
     gcs_address,
     listening_inodes,
@@ -29,7 +31,6 @@ from cluster.bench_profile import (
     ScenarioProfile,
     by_kind,
     class_kind,
-    net_of_background,
     per_request,
     process_costs,
     process_kind,
@@ -198,6 +199,31 @@ def test_listening_inodes_parses_proc_net_tcp_by_hand() -> None:
     assert listening_inodes(table, 1234) == set()
 
 
+def test_connections_to_counts_established_sockets_whose_remote_end_is_the_port() -> None:
+    table = "\n".join(
+        [
+            "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode",
+            "   0: 0100007F:20F1 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 4711 1",
+            "   1: 0100007F:9C40 0100007F:20F1 01 00000000:00000000 00:00000000 00000000     0        0 4712 1",
+            "   2: 0100007F:20F1 0100007F:9C40 01 00000000:00000000 00:00000000 00000000     0        0 4713 1",
+            "   3: 0100007F:9C41 0100007F:20F1 06 00000000:00000000 00:00000000 00000000     0        0 0 1",
+        ]
+    )
+    # the client's end of one connection (1); the server's own end (2) and a TIME_WAIT (06) do not count
+    assert connections_to(table, 0x20F1) == 1
+    assert connections_to(table, 0x9C40) == 1 and connections_to(table, 1234) == 0
+
+
+def test_anyone_connected_to_sees_a_loopback_connection_this_test_makes() -> None:
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        assert not anyone_connected_to(port)
+        with socket.create_connection(("127.0.0.1", port)):
+            assert anyone_connected_to(port)
+
+
 def test_pid_listening_on_finds_this_process_for_a_loopback_socket() -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -217,18 +243,6 @@ def test_idle_column_is_cpu_ms_per_second() -> None:
     assert lines[5] == "| Ingress | 100.0 | 0.0 |"
     assert lines[6] == "| Serve controller | 2.5 | 6.0 |"
     assert idle.to_json() == {"seconds": 5.0, "cpu_ms_per_s": {"Serve controller": 6.0}}
-
-
-def test_net_of_background_takes_each_process_idle_rate_off_for_the_time_outside_the_run() -> None:
-    run = [ProcessCost(1, "Ingress", "", 400.0), ProcessCost(2, "Serve controller", "", 50.0)]
-    run.append(ProcessCost(3, "LLMServer", "", 5.0))  # started after the idle sample: kept whole
-    idle = IdleProfile(
-        seconds=5.0, costs=[ProcessCost(1, "Ingress", "", 10.0), ProcessCost(2, "", "", 100.0)]
-    )
-    # 2 ms/s and 20 ms/s idle, for 3 s outside the run: 6 and 60 (floored at zero) off
-    net = net_of_background(run, idle, outside_s=3.0)
-    assert [(c.pid, c.cpu_ms) for c in net] == [(1, 394.0), (2, 0.0), (3, 5.0)]
-    assert net_of_background(run, None, 3.0) == run and net_of_background(run, idle, 0.0) == run
 
 
 def test_vs_vllm_bench_argv_matches_the_peer_script_flags() -> None:
