@@ -90,6 +90,28 @@ def render(
     return "\n\n".join(parts)
 
 
+def median_rounds(
+    rounds: Sequence[Sequence[LoadResult]],
+) -> tuple[list[LoadResult], dict[tuple[str, str], str]]:
+    """Per (server, load), the round whose req/s is the median (the lower middle of an even count),
+    with every metric and the CPU profile of that same round; and each pair's req/s range
+    ("min–max"), for the header. One round passes through unchanged."""
+    by_pair: dict[tuple[str, str], list[LoadResult]] = {}
+    for results in rounds:
+        for r in results:
+            by_pair.setdefault((r.server, r.load.name), []).append(r)
+    picked: list[LoadResult] = []
+    spread: dict[tuple[str, str], str] = {}
+    for pair, runs in by_pair.items():
+        ranked = sorted(runs, key=lambda r: r.value("request_throughput") or 0.0)
+        picked.append(ranked[(len(ranked) - 1) // 2])
+        lo, hi = ranked[0].value("request_throughput") or 0.0, ranked[-1].value("request_throughput") or 0.0
+        spread[pair] = f"{lo:.1f}–{hi:.1f}"
+    order = {pair: i for i, pair in enumerate(by_pair)}
+    picked.sort(key=lambda r: order[(r.server, r.load.name)])
+    return picked, spread
+
+
 def results_json(results: Sequence[LoadResult], idles: dict[str, IdleProfile], header: str) -> dict[str, Any]:
     rows = [
         {

@@ -28,7 +28,7 @@ from pathlib import Path
 from cluster.bench_procs import CLOCK_TICKS_PER_S, anyone_connected_to
 from cluster.bench_profile import IdleProfile, ScenarioProfile, process_costs
 from cluster.bench_servers import ServerProcess
-from cluster.bench_vs_report import LOADS, WARMUP, Load, LoadResult, render, results_json
+from cluster.bench_vs_report import LOADS, WARMUP, Load, LoadResult, median_rounds, render, results_json
 
 REPO = Path(__file__).resolve().parents[1]
 BUCKETS = "{(64, 64, 1): 0.25, (112, 112, 1): 0.25, (168, 168, 1): 0.25, (224, 224, 1): 0.25}"
@@ -189,6 +189,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--out-dir", type=Path, default=Path("/tmp/bench_vs_vllm") / time.strftime("%Y%m%d-%H%M%S")
     )
     p.add_argument("--json", type=Path, help="write every load's metrics and CPU profile here")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every server this many times (every other round in the reverse order) and report, per "
+        "server and load, the round with the median req/s; this host's noise is ±10 %% between runs",
+    )
     return p.parse_args(argv)
 
 
@@ -209,19 +216,31 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"--servers: unknown or not configured {unknown}; have {sorted(servers)}")
     load_avg = os.getloadavg()
-    results: list[LoadResult] = []
+    rounds: list[list[LoadResult]] = []
     idles: dict[str, IdleProfile] = {}
-    for key in order:
-        server_results, idles[servers[key].name] = run_server(args, servers[key])
-        results += server_results
+    for n in range(args.rounds):  # odd rounds in the reverse order: no server always goes first
+        results: list[LoadResult] = []
+        for key in order if n % 2 == 0 else order[::-1]:
+            server_results, idles[servers[key].name] = run_server(args, servers[key])
+            results += server_results
+        rounds.append(results)
+    picked, spread = median_rounds(rounds)
     header = (
         f"model_dir={args.model_dir}, input_len={args.input_len}, output_len={args.output_len}, seed={args.seed}, "
         f"cores={os.cpu_count()}, load average at start {load_avg[0]:.2f}, at end {os.getloadavg()[0]:.2f}"
     )
+    if args.rounds > 1:
+        ranges = "; ".join(f"{srv} / {load}: {r}" for (srv, load), r in spread.items())
+        header += (
+            f"\n\nmedian of {args.rounds} rounds by req/s (each row is that round's); req/s ranges: {ranges}"
+        )
     names = [servers[k].name for k in order]
-    print(render(results, idles, names, header), flush=True)
+    print(render(picked, idles, names, header), flush=True)
     if args.json:
-        args.json.write_text(json.dumps(results_json(results, idles, header), indent=2))
+        data = results_json(picked, idles, header)
+        if args.rounds > 1:
+            data["rounds"] = [results_json(r, {}, f"round {i + 1}")["results"] for i, r in enumerate(rounds)]
+        args.json.write_text(json.dumps(data, indent=2))
         log(f"raw numbers written to {args.json}")
     return 0
 

@@ -314,6 +314,34 @@ def test_vs_vllm_table_gives_each_server_its_ratio_to_vllm() -> None:
     assert len(lines) == 2 + 3 * len(LOADS)
 
 
+def test_median_rounds_picks_each_pairs_median_round_whole_and_reports_the_range() -> None:
+    from cluster.bench_vs_report import LOADS, LoadResult, median_rounds
+
+    def result(server: str, load: int, rps: float, ttft: float) -> LoadResult:
+        prof = ScenarioProfile(LOADS[load].name, 10, rps, None, [ProcessCost(1, "x", "", rps)])
+        return LoadResult(server, LOADS[load], {"request_throughput": rps, "mean_ttft_ms": ttft}, prof)
+
+    rounds = [
+        [result("vLLM", 0, 60.0, 200.0), result("mmserve", 0, 50.0, 300.0), result("mmserve", 1, 9.0, 30.0)],
+        [result("mmserve", 0, 40.0, 900.0), result("mmserve", 1, 11.0, 20.0), result("vLLM", 0, 70.0, 150.0)],
+        [result("vLLM", 0, 65.0, 170.0), result("mmserve", 0, 45.0, 400.0), result("mmserve", 1, 10.0, 25.0)],
+    ]
+    picked, spread = median_rounds(rounds)
+    # first-seen order; each row is one round's whole result (its TTFT and CPU beside its req/s)
+    assert [
+        (r.server, r.load.name, r.value("request_throughput"), r.value("mean_ttft_ms")) for r in picked
+    ] == [
+        ("vLLM", LOADS[0].name, 65.0, 170.0),
+        ("mmserve", LOADS[0].name, 45.0, 400.0),
+        ("mmserve", LOADS[1].name, 10.0, 25.0),
+    ]
+    assert picked[1].profile.total_ms == 45.0
+    assert spread[("mmserve", LOADS[0].name)] == "40.0–50.0"
+    two, _ = median_rounds(rounds[:2])  # an even count: the lower middle
+    assert two[0].value("request_throughput") == 60.0
+    assert median_rounds(rounds[:1])[0] == rounds[0]
+
+
 def test_ray_is_joined_only_on_loopback() -> None:
     from cluster.bench_profiler import loopback_refusal
 
