@@ -9,18 +9,22 @@ client left. Ray lives here and nowhere else in llm_service.
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from llm_service.config import EngineConfig
-from llm_service.embeddings import resolve_embeddings
+from llm_service.embeddings import resolve_embeddings, unfetched
 from llm_service.engine_loop import EngineLoop
 from llm_service.metrics import LLMMetrics
 from llm_service.output_channels import ChannelBatch, OutputChannels
 from llm_service.outputs import RequestOutput
-from llm_service.request_spec import LLMRequestSpec, ReplicaTarget, SubmitReply
+from llm_service.request_spec import EmbeddingRef, LLMRequestSpec, ReplicaTarget, SubmitReply
 from llm_service.scheduler import WaitingBound
+from llm_service.sequence import Request
+
+logger = logging.getLogger("mmserve.llm")
 
 
 def _replica_id() -> str:
@@ -59,8 +63,12 @@ class LLMServer:
             on_outputs=self._on_outputs,
             on_error=self.channels.fail,
             waiting_bound=WaitingBound(max_waiting_requests, max_waiting_tokens),
+            on_parked=self._on_parked,
         )
         self.embedding_fetch_timeout_s = embedding_fetch_timeout_s
+        self._unfetched: dict[str, list[EmbeddingRef]] = {}  # request id -> items sent without rows
+        self._supplies: set[asyncio.Task[None]] = set()
+        self.skipped_fetches = 0  # items whose embeddings were never fetched (prefix cache)
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         self.channels.deliver(outputs)
@@ -83,10 +91,20 @@ class LLMServer:
         async def fetch(ref: Any) -> Any:
             return await asyncio.wait_for(ref, self.embedding_fetch_timeout_s)
 
-        mm_inputs = await resolve_embeddings(spec.mm_items, fetch) if spec.mm_items else []
+        # Items whose whole span the prefix cache holds are not fetched: those positions are never
+        # computed. If their blocks are evicted before the request is admitted, the engine parks
+        # it and ``_on_parked`` fetches them then.
+        cached = self._cached_prefix_tokens(spec)
+        later = [it for it in spec.mm_items if it.offset + it.length <= cached]
+        now = [it for it in spec.mm_items if it.offset + it.length > cached]
+        mm_inputs = await resolve_embeddings(now, fetch) if now else []
+        mm_inputs += unfetched(later)
         rid = spec.request_id
         channel_id = self.channels.register(spec.ingress_id, rid)
         done = self.channels.done(rid)
+        if later:
+            self._unfetched[rid] = later
+            self.skipped_fetches += len(later)
         try:
             self.loop.submit(
                 rid, list(spec.prompt_token_ids), spec.sampling_params, mm_inputs, cache_salt=spec.cache_salt
@@ -94,9 +112,54 @@ class LLMServer:
             yield SubmitReply(self.replica_id, channel_id)
             await done
         finally:
+            self._unfetched.pop(rid, None)
             if not done.done():  # the caller went away: stop generating, free its KV blocks
                 self.channels.forget(rid)
                 self.loop.abort(rid)
+
+    def _cached_prefix_tokens(self, spec: LLMRequestSpec) -> int:
+        """How many leading prompt tokens the engine's prefix cache holds for ``spec`` now. Read on
+        the event loop while a step may run on the engine thread, so only a hint: the scheduler
+        checks again when it admits the request, and parks it if an unfetched item fell out."""
+        kv = getattr(self.engine, "kv", None)
+        if kv is None or not spec.mm_items:
+            return 0
+        try:
+            probe = Request(
+                spec.request_id,
+                list(spec.prompt_token_ids),
+                spec.sampling_params,
+                mm_spans=sorted((m.offset, m.length, m.mm_hash) for m in spec.mm_items),
+                cache_salt=spec.cache_salt,
+            )
+            return len(kv.get_computed_blocks(probe)) * int(kv.block_size)
+        except Exception:  # a block changed under the read: fetch everything
+            logger.debug("prefix probe of %s failed", spec.request_id, exc_info=True)
+            return 0
+
+    def _on_parked(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            task = asyncio.get_running_loop().create_task(self._supply(rid))
+            self._supplies.add(task)
+            task.add_done_callback(self._supplies.discard)
+
+    async def _supply(self, request_id: str) -> None:
+        """Fetch what a parked request was sent without, and hand it to the engine; a loss fails it."""
+        items = self._unfetched.get(request_id)
+        if not items:
+            return
+
+        async def fetch(ref: Any) -> Any:
+            return await asyncio.wait_for(ref, self.embedding_fetch_timeout_s)
+
+        try:
+            mm_inputs = await resolve_embeddings(items, fetch)
+        except Exception as e:
+            logger.warning("embeddings of parked request %s could not be fetched: %r", request_id, e)
+            self.loop.abort(request_id)
+            self.channels.fail(request_id, e)
+            return
+        self.loop.supply(request_id, mm_inputs)
 
     async def channel(self, target: ReplicaTarget) -> AsyncIterator[ChannelBatch]:
         """Stream one output channel (``submit`` named it); it ends when the channel closes."""
@@ -118,6 +181,7 @@ class LLMServer:
             "num_total_blocks": s.num_total_blocks,
             "kv_usage": s.kv_usage,
             "prefix_hit_tokens": s.prefix_hit_tokens,
+            "skipped_embedding_fetches": self.skipped_fetches,
             "prefix_query_tokens": s.prefix_query_tokens,
             "num_preemptions": s.num_preemptions,
             "output_channels": len(self.channels),

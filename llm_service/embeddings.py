@@ -64,6 +64,23 @@ async def resolve_embeddings(
     ]
 
 
+def unfetched(items: Sequence[EmbeddingRef]) -> list[MultiModalInput]:
+    """The items as the engine takes them without their embeddings (their spans are in its prefix
+    cache): everything but the rows."""
+    return [
+        MultiModalInput(
+            embeddings=None,
+            offset=it.offset,
+            mm_hash=it.mm_hash,
+            modality=it.modality,
+            grid_thw=it.grid_thw,
+            second_per_grid_ts=it.second_per_grid_ts,
+            num_rows=it.length,
+        )
+        for it in items
+    ]
+
+
 def from_stored(obj: Any) -> Any:
     """A torch tensor of what an encoder replica put (``encoder_service.deployment.stored_form``): a
     numpy array, or ``(dtype name, integer bits)`` for a dtype numpy lacks; anything else (a tensor)

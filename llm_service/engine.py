@@ -68,9 +68,28 @@ class LLMEngine:
             max_model_len=self.config.max_model_len,
             mm_spans=[(m.offset, m.length, m.mm_hash) for m in items],
             cache_salt=cache_salt,
+            unfetched_end=max((m.end for m in items if m.embeddings is None), default=0),
         )
         self.runner.prepare_request(req, items)
         self.scheduler.add_request(req)
+
+    def take_parked(self) -> list[str]:
+        """Requests set aside since the last call because their admission would compute a media item
+        they were given without embeddings (it left the prefix cache): ``supply_embeddings`` them."""
+        return self.scheduler.take_parked()
+
+    def supply_embeddings(self, request_id: str, mm_inputs: Sequence[MultiModalInput]) -> None:
+        """The embeddings a request was given without; a parked one goes back to the queue's front.
+        Unknown ids (aborted meanwhile) are ignored; raises RequestRejected for a bad shape."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            return
+        self._validate_mm(req.num_prompt_tokens, sorted(mm_inputs, key=lambda m: m.offset))
+        self.runner.supply(req, list(mm_inputs))
+        if request_id in self.scheduler.parked:
+            self.scheduler.unpark(request_id)
+        else:
+            req.unfetched_end = 0
 
     def step(self) -> list[RequestOutput]:
         """One engine iteration; returns the requests that got a new token (finished ones included)
@@ -234,7 +253,10 @@ class LLMEngine:
             name = f"{m.modality} item {i} (mm_hash={m.mm_hash!r}, offset={m.offset})"
             if m.modality not in MODALITIES:
                 raise RequestRejected("bad_mm_input", f"{name}: unknown modality {m.modality!r}")
-            if m.embeddings.dim() != 2 or m.embeddings.shape[1] != self.mm_row_width:
+            if m.embeddings is None:
+                if not m.num_rows:
+                    raise RequestRejected("bad_mm_input", f"{name}: no embeddings and no row count")
+            elif m.embeddings.dim() != 2 or m.embeddings.shape[1] != self.mm_row_width:
                 raise RequestRejected(
                     "bad_mm_input",
                     f"{name}: embeddings have shape {tuple(m.embeddings.shape)}, expected [n, {self.mm_row_width}]",

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from llm_service.multimodal import MultiModalInput
@@ -24,6 +25,14 @@ logger = logging.getLogger("mmserve.llm")
 
 # request id, prompt, params, media, cache salt
 _Add = tuple[str, list[int], SamplingParams, list[MultiModalInput], str | None]
+
+
+@dataclass(frozen=True)
+class _Supply:
+    request_id: str
+    mm_inputs: list[MultiModalInput]
+
+
 OnOutputs = Callable[[list[RequestOutput]], None]
 OnError = Callable[[str, BaseException], None]
 
@@ -37,8 +46,12 @@ class EngineLoop:
         on_outputs: OnOutputs | None = None,
         on_error: OnError | None = None,
         waiting_bound: WaitingBound | None = None,
+        on_parked: Callable[[list[str]], None] | None = None,
     ) -> None:
         self.engine = engine
+        # Requests the engine set aside for want of embeddings (LLMEngine.take_parked): the owner
+        # fetches them and calls ``supply``.
+        self._on_parked = on_parked or (lambda rids: None)
         self.waiting_bound = waiting_bound or WaitingBound()
         # Requests (and prompt tokens) not yet running: queued adds plus the scheduler's waiting
         # queue as of the last step. Written under the lock; read by ``check_capacity``.
@@ -49,7 +62,7 @@ class EngineLoop:
         self._lock = threading.Lock()
         # Adds and aborts (a bare request id) in arrival order: a stream cancelled before the loop
         # picked up its add must be added, then aborted, never the other way round.
-        self._pending: list[_Add | str] = []
+        self._pending: list[_Add | _Supply | str] = []
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._live: set[str] = set()  # submitted and not yet finished or aborted
         self._wakeup: asyncio.Event | None = None
@@ -121,6 +134,15 @@ class EngineLoop:
             if not finished:  # the caller went away (disconnect, cancellation): free its KV blocks
                 self.abort(request_id)
 
+    def supply(self, request_id: str, mm_inputs: list[MultiModalInput]) -> None:
+        """Embeddings for a request the engine parked (or was given without them); between steps."""
+        if request_id not in self._live:
+            return
+        with self._lock:
+            self._pending.append(_Supply(request_id, mm_inputs))
+        if self._wakeup is not None:
+            self._wakeup.set()
+
     def abort(self, request_id: str) -> None:
         if request_id not in self._live:
             return
@@ -130,8 +152,8 @@ class EngineLoop:
         if self._wakeup is not None:
             self._wakeup.set()
 
-    def _step_once(self) -> tuple[list[RequestOutput], list[tuple[str, BaseException]]]:
-        """Runs on the worker thread: apply queued adds/aborts, then one engine step."""
+    def _step_once(self) -> tuple[list[RequestOutput], list[tuple[str, BaseException]], list[str]]:
+        """Runs on the worker thread: apply queued adds/supplies/aborts, then one engine step."""
         with self._lock:
             pending, self._pending = self._pending, []
             self._pending_adds = (0, 0)
@@ -140,17 +162,26 @@ class EngineLoop:
             if isinstance(op, str):
                 self.engine.abort(op)
                 continue
+            if isinstance(op, _Supply):
+                try:
+                    self.engine.supply_embeddings(op.request_id, op.mm_inputs)
+                except Exception as e:
+                    self.engine.abort(op.request_id)
+                    errors.append((op.request_id, e))
+                continue
             rid, ids, params, mm, salt = op
             try:
                 self.engine.add_request(rid, ids, params, mm, cache_salt=salt)
             except Exception as e:  # RequestRejected and friends go back to that caller only
                 errors.append((rid, e))
         outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+        take_parked = getattr(self.engine, "take_parked", None)
+        parked = take_parked() if take_parked is not None else []
         self.last_stats = self.engine.stats()
         waiting = getattr(getattr(self.engine, "scheduler", None), "waiting", ())
         with self._lock:
             self._waiting = (len(waiting), sum(r.num_tokens - r.num_computed_tokens for r in waiting))
-        return outputs, errors
+        return outputs, errors, parked
 
     def _has_pending(self) -> bool:
         with self._lock:
@@ -182,7 +213,7 @@ class EngineLoop:
                 self._wakeup.clear()
                 continue
             try:
-                outputs, errors = await asyncio.to_thread(self._step_once)
+                outputs, errors, parked = await asyncio.to_thread(self._step_once)
             except Exception as e:  # an engine bug: fail every request rather than hang them
                 logger.exception("engine step failed")
                 for rid in list(self._live):
@@ -192,6 +223,11 @@ class EngineLoop:
                 continue
             for rid, err in errors:
                 self._error(rid, err)
+            if parked:
+                try:
+                    self._on_parked(parked)
+                except Exception:
+                    logger.exception("on_parked callback failed")
             for out in outputs:
                 if out.finished:
                     self._live.discard(out.request_id)

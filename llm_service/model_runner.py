@@ -73,9 +73,7 @@ class ModelRunner:
     def prepare_request(self, req: Request, mm_inputs: list[MultiModalInput]) -> None:
         """Move the request's embeddings to the device, precompute M-RoPE positions and its RNG."""
         state = req.runner_state
-        state["mm"] = [
-            (m.offset, m.length, m.embeddings.to(device=self.device, dtype=self.dtype)) for m in mm_inputs
-        ]
+        state["mm"] = [(m.offset, m.length, self._on_device(m.embeddings)) for m in mm_inputs]
         if self.model.uses_mrope:
             cfg = self.text_config
             pos, delta = prompt_mrope_positions(
@@ -88,6 +86,24 @@ class ModelRunner:
         seed = req.sampling_params.seed
         if seed is not None:
             state["generator"] = torch.Generator(device=self.device).manual_seed(seed)
+
+    def _on_device(self, embeddings: torch.Tensor | None) -> torch.Tensor | None:
+        return None if embeddings is None else embeddings.to(device=self.device, dtype=self.dtype)
+
+    def supply(self, req: Request, mm_inputs: list[MultiModalInput]) -> None:
+        """Embeddings for items the request was given without (matched by offset)."""
+        by_offset = {m.offset: m for m in mm_inputs}
+        missing = {off: n for off, n, emb in req.runner_state.get("mm", ()) if emb is None}
+        for off, m in by_offset.items():
+            if missing.get(off) != m.length:
+                raise RequestRejected(
+                    "bad_mm_input", f"no item without embeddings of {m.length} rows at {off}"
+                )
+        state = req.runner_state
+        state["mm"] = [
+            (off, n, self._on_device(by_offset[off].embeddings) if emb is None and off in by_offset else emb)
+            for off, n, emb in state.get("mm", ())
+        ]
 
     def _check_spans_fit(self, req: Request) -> None:
         budget = self.config.max_num_batched_tokens
@@ -146,6 +162,8 @@ class ModelRunner:
             start, end = c.start, c.start + c.num_tokens
             for offset, length, embeds in c.request.runner_state.get("mm", ()):
                 lo, hi = max(start, offset), min(end, offset + length)
+                if lo < hi and embeds is None:  # the scheduler parks such a request: never here
+                    raise RequestFaults({c.request.request_id: f"no embeddings for the item at {offset}"})
                 if lo < hi:  # a chunk may hold only a slice of the item
                     emb[row + lo - start : row + hi - start] = embeds[lo - offset : hi - offset]
             row += c.num_tokens

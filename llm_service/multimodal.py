@@ -17,15 +17,18 @@ class MultiModalInput:
     ``second_per_grid_ts``: seconds of video one temporal patch spans (HF's per-video
     ``second_per_grid_ts``); Qwen2.5-VL places a video's temporal positions by it (absolute time)."""
 
-    embeddings: torch.Tensor
+    embeddings: torch.Tensor | None  # None: not fetched, its whole span was in the prefix cache
     offset: int
     mm_hash: str
     modality: str  # "image" | "video" | "audio"
     grid_thw: tuple[int, int, int] | None = None
     second_per_grid_ts: float | None = None
+    num_rows: int | None = None  # the item's length when ``embeddings`` is None
 
     @property
     def length(self) -> int:
+        if self.embeddings is None:
+            return int(self.num_rows or 0)
         return int(self.embeddings.shape[0])
 
     @property

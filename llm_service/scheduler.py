@@ -98,6 +98,11 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: the last one is preempted first
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # Requests whose admission would compute an item they hold no embeddings for (its blocks
+        # left the prefix cache since submit): out of the queue until ``unpark``; ``newly_parked``
+        # are the ones the engine has not reported yet.
+        self.parked: dict[str, Request] = {}
+        self.newly_parked: list[str] = []
 
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -105,6 +110,18 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def take_parked(self) -> list[str]:
+        """Requests parked since the last call (their embeddings are to be fetched and supplied)."""
+        out, self.newly_parked = self.newly_parked, []
+        return out
+
+    def unpark(self, request_id: str) -> None:
+        """Its embeddings are in: it goes first in the queue again (it had reached the front)."""
+        req = self.parked.pop(request_id, None)
+        if req is not None:
+            req.unfetched_end = 0
+            self.waiting.appendleft(req)
 
     def abort(
         self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED
@@ -117,6 +134,7 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        self.parked.pop(request_id, None)
         self.kv.free(req)
         req.status = status
         return req
@@ -151,6 +169,11 @@ class Scheduler:
             req = self.waiting[0]
             hits = self.kv.get_computed_blocks(req)
             num_computed = len(hits) * self.kv.block_size
+            if req.unfetched_end > num_computed:  # it would compute an item it has no embeddings for
+                self.waiting.popleft()
+                self.parked[req.request_id] = req
+                self.newly_parked.append(req.request_id)
+                continue
             n = chunk_size(req, num_computed, budget)
             if n == 0 or not self.kv.allocate_slots(req, n, hits):
                 break

@@ -59,6 +59,10 @@ class Request:
     num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)
     num_hashed_blocks: int = 0  # leading blocks already registered in (or taken from) the prefix cache
+    # Prompt positions below this hold a media item given without embeddings (its span was in the
+    # prefix cache at submit): the request is admitted only with at least that much of it cached,
+    # else parked until the embeddings are supplied (Scheduler.parked). 0: nothing unfetched.
+    unfetched_end: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -66,7 +66,15 @@ def test_zz_embeddings_lost_with_their_encoder_replica_are_encoded_again(
         return victim not in names and len(names) == 1 and running == 1 and deployment.status == "HEALTHY"
 
     wait_for(replaced, 25.0, "Serve to replace the killed encoder replica")
-    assert ask(client, VL, content).choices[0].message.content == expected
+    # Asked again after other text, so the image's span is not in the LLM's prefix cache (a cached
+    # span is served without fetching its embeddings, and so without noticing they are lost).
+    lead = {"type": "text", "text": "Look at this."}
+    expected_again = hf_generate(
+        app["dirs"][VL],
+        [{"role": "user", "content": [lead, {"type": "image"}, {"type": "text", "text": "Once more?"}]}],
+        images=[Image.open(io.BytesIO(png)).convert("RGB")],
+    )
+    assert ask(client, VL, [lead, *content]).choices[0].message.content == expected_again
     after = stats()
     assert after["encoder_items_dispatched"] - before["encoder_items_dispatched"] == 1  # encoded again
     assert after["encoder_cache"]["invalidations"] - before["encoder_cache"]["invalidations"] == 1

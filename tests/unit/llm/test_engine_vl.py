@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -216,4 +217,57 @@ def test_online_step_and_abort(vl, tiny_vl_dir) -> None:
             assert o.request_id == "a"
             got += o.new_token_ids
     assert got == hf_generate(hf, case, N)
+    assert_all_free(eng)
+
+
+def _drive(eng: Any, rid: str) -> list[int]:
+    tokens: list[int] = []
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            assert out.finish_reason != "error", out.error
+            if out.request_id == rid:
+                tokens += out.new_token_ids
+    return tokens
+
+
+def _without_rows(case: RefCase) -> list[Any]:
+    from llm_service.multimodal import MultiModalInput
+
+    return [
+        MultiModalInput(
+            None, m.offset, m.mm_hash, m.modality, m.grid_thw, m.second_per_grid_ts, num_rows=m.length
+        )
+        for m in case.mm_inputs
+    ]
+
+
+def test_an_image_whose_span_is_prefix_cached_needs_no_embeddings(vl, tiny_vl_dir) -> None:
+    """The same prompt again, its image sent without embeddings: its positions come from the prefix
+    cache, so the answer is the first one's (and HF's) and the request is never parked."""
+    hf, proc = vl
+    case = build_case(hf, proc, f"describe {IMG} please", images=[image(120, 90, 1)])
+    eng = engine(tiny_vl_dir)
+    eng.add_request("first", case.prompt, GREEDY, case.mm_inputs)
+    want = _drive(eng, "first")
+    assert want == hf_generate(hf, case, N)
+    eng.add_request("again", case.prompt, GREEDY, _without_rows(case))
+    assert _drive(eng, "again") == want
+    assert eng.take_parked() == []
+    assert_all_free(eng)
+
+
+def test_an_unfetched_image_outside_the_prefix_cache_is_parked_until_supplied(vl, tiny_vl_dir) -> None:
+    """A fresh engine caches nothing: the request is parked before any computation, and once its
+    embeddings are supplied it answers as if it had had them from the start."""
+    hf, proc = vl
+    case = build_case(hf, proc, f"describe {IMG} please", images=[image(120, 90, 1)])
+    eng = engine(tiny_vl_dir)
+    eng.add_request("r", case.prompt, GREEDY, _without_rows(case))
+    assert eng.step() == [] and eng.take_parked() == ["r"]
+    assert not eng.has_unfinished_requests() and eng.stats().num_free_blocks == eng.stats().num_total_blocks
+    with pytest.raises(RequestRejected):  # rows that do not fit the item it was sent without
+        m = case.mm_inputs[0]
+        eng.supply_embeddings("r", [dataclasses.replace(m, embeddings=m.embeddings[:-1])])
+    eng.supply_embeddings("r", case.mm_inputs)
+    assert _drive(eng, "r") == hf_generate(hf, case, N)
     assert_all_free(eng)

@@ -146,3 +146,44 @@ def test_no_prefix_hits_when_caching_disabled() -> None:
     s.add_request(b)
     fake_step(s)
     assert b.num_cached_tokens == 0 and s.kv.prefix_query_tokens == 0
+
+
+def test_a_request_whose_unfetched_item_is_not_cached_is_parked_not_blocking_the_queue() -> None:
+    """An item sent without embeddings (its span was cached at submit) must not be computed: a
+    request whose cached prefix no longer covers it is parked, the ones behind it are admitted, and
+    it goes first again when unparked; an abort while parked frees it."""
+    s = make()
+    a = req("a", 12)
+    a.unfetched_end = 8  # nothing is cached: it would compute positions 0..7
+    b = req("b", 12, base=100)
+    s.add_request(a)
+    s.add_request(b)
+    out = s.schedule()
+    assert [c.request.request_id for c in out.chunks] == ["b"]
+    assert s.take_parked() == ["a"] and s.take_parked() == []
+    assert "a" in s.parked and a not in s.waiting and s.has_unfinished()
+    s.unpark("a")
+    assert a.unfetched_end == 0 and s.waiting[0] is a
+    s.update(out, {})
+    out = s.schedule()
+    assert "a" in [c.request.request_id for c in out.chunks]
+
+    c = req("c", 12, base=200)
+    c.unfetched_end = 4
+    s.add_request(c)
+    s.schedule()
+    assert s.take_parked() == ["c"]
+    assert s.abort("c") is c and "c" not in s.parked and "c" not in s.requests
+
+
+def test_a_request_whose_unfetched_item_is_cached_is_admitted_past_it() -> None:
+    s = make()
+    first = req("first", 12)
+    s.add_request(first)
+    run_all(s)  # its full blocks (0..7 of 12 prompt tokens + outputs) stay in the prefix cache
+    again = req("again", 12)
+    again.unfetched_end = 8
+    s.add_request(again)
+    out = s.schedule()
+    assert [(c.request.request_id, c.start) for c in out.chunks] == [("again", 8)]
+    assert s.take_parked() == []

@@ -1,0 +1,109 @@
+"""LLMServer does not fetch embeddings its prefix cache already covers, and fetches them after all
+when the engine parks the request (the blocks were evicted before it was admitted). A real LLMServer
+over the tiny Qwen2-VL engine, no Ray: an embedding ref is an awaitable that counts its awaits (as a
+Ray ref is awaited to fetch it)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from llm_service.config import EngineConfig
+from llm_service.deployment import LLMServer
+from llm_service.request_spec import EmbeddingRef, LLMRequestSpec
+from router.llm_client import LLMClient
+from tests.unit.llm.hf_ref import GREEDY, IMG, N, build_case, hf_generate, hf_model, image
+from tests.unit.router.test_llm_client import FakeLLMHandle
+
+
+@pytest.fixture(scope="module")
+def case(tiny_vl_dir: Path) -> Any:
+    hf, proc = hf_model(tiny_vl_dir)
+    c = build_case(hf, proc, f"describe {IMG} please", images=[image(120, 90, 1)])
+    return c, hf_generate(hf, c, N)
+
+
+def _server(tiny_vl_dir: Path) -> LLMServer:
+    config = EngineConfig(model=str(tiny_vl_dir), block_size=4, num_kv_blocks=256)
+    return LLMServer(config, "tiny", embedding_fetch_timeout_s=5.0, channel_linger_s=0.05)
+
+
+def _spec(rid: str, case: Any, ref: Any) -> LLMRequestSpec:
+    m = case.mm_inputs[0]
+    item = EmbeddingRef(
+        ref=[ref],
+        offset=m.offset,
+        length=m.length,
+        mm_hash=m.mm_hash,
+        modality=m.modality,
+        grid_thw=m.grid_thw,
+    )
+    return LLMRequestSpec(rid, list(case.prompt), GREEDY, [item])
+
+
+class Ref:
+    """Stands in for a Ray ObjectRef: awaiting it is fetching it."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+        self.fetches = 0
+
+    def __await__(self) -> Any:
+        self.fetches += 1
+
+        async def get() -> Any:
+            return self.value
+
+        return get().__await__()
+
+
+async def _answer(client: LLMClient, spec: LLMRequestSpec) -> list[int]:
+    reply = await client.submit(spec)
+    tokens: list[int] = []
+    async for out in client.outputs(spec.request_id, reply):
+        assert out.finish_reason != "error", out.error
+        tokens += out.new_token_ids
+        if out.finished:
+            break
+    return tokens
+
+
+def test_a_repeat_whose_image_is_prefix_cached_is_served_without_fetching_it(case, tiny_vl_dir) -> None:
+    c, want = case
+
+    a, b = Ref(c.mm_inputs[0].embeddings), Ref(c.mm_inputs[0].embeddings)
+
+    async def scenario() -> tuple[list[int], list[int], int]:
+        server = _server(tiny_vl_dir)
+        client = LLMClient(FakeLLMHandle(server), ingress_id="ing")
+        first = await _answer(client, _spec("first", c, a))
+        again = await _answer(client, _spec("again", c, b))
+        return first, again, server.skipped_fetches
+
+    first, again, skipped = asyncio.run(scenario())
+    assert first == want and again == want
+    assert (a.fetches, b.fetches, skipped) == (1, 0, 1)
+
+
+def test_a_request_parked_for_want_of_embeddings_gets_them_fetched_and_answers_the_same(
+    case, tiny_vl_dir
+) -> None:
+    """The prefix probe says "cached" but the engine finds nothing at admission (as after an
+    eviction): it parks the request, the server fetches the item, the answer is unchanged."""
+    c, want = case
+
+    ref = Ref(c.mm_inputs[0].embeddings)
+
+    async def scenario() -> tuple[list[int], int]:
+        server = _server(tiny_vl_dir)
+        server._cached_prefix_tokens = lambda spec: 1 << 20  # type: ignore[method-assign]
+        client = LLMClient(FakeLLMHandle(server), ingress_id="ing")
+        tokens = await _answer(client, _spec("r", c, ref))
+        return tokens, server.skipped_fetches
+
+    tokens, skipped = asyncio.run(scenario())
+    assert tokens == want
+    assert (skipped, ref.fetches) == (1, 1)  # not fetched at submit; fetched when the engine parked it
