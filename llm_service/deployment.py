@@ -83,7 +83,9 @@ class LLMServer:
         channel), then stay open until it is done. Cancelled before that (its client left): aborted.
 
         Raises ``EmbeddingsLost`` (before the engine sees the request) if an embedding cannot be
-        fetched: its encoder replica died, or the fetch took longer than the timeout; and
+        fetched: its encoder replica died, or the fetch took longer than the timeout (an item not
+        fetched here, its span prefix-cached, that is lost when a parked request fetches it: the
+        same error on the request's channel, before any output); and
         ``WaitingQueueFull`` at once, before any fetch, if the engine's waiting queue is at its bound.
         """
         self.loop.check_capacity(len(spec.prompt_token_ids))
@@ -102,17 +104,18 @@ class LLMServer:
         rid = spec.request_id
         channel_id = self.channels.register(spec.ingress_id, rid)
         done = self.channels.done(rid)
-        if later:
-            self._unfetched[rid] = later
-            self.skipped_fetches += len(later)
         try:
             self.loop.submit(
                 rid, list(spec.prompt_token_ids), spec.sampling_params, mm_inputs, cache_salt=spec.cache_salt
             )
+            if later:  # set after submit (a duplicate id raised there), before any step can park it
+                self._unfetched[rid] = later
+                self.skipped_fetches += len(later)
             yield SubmitReply(self.replica_id, channel_id)
             await done
         finally:
-            self._unfetched.pop(rid, None)
+            if later and self._unfetched.get(rid) is later:
+                del self._unfetched[rid]
             if not done.done():  # the caller went away: stop generating, free its KV blocks
                 self.channels.forget(rid)
                 self.loop.abort(rid)
@@ -146,7 +149,9 @@ class LLMServer:
     async def _supply(self, request_id: str) -> None:
         """Fetch what a parked request was sent without, and hand it to the engine; a loss fails it."""
         items = self._unfetched.get(request_id)
-        if not items:
+        if not items:  # nothing to fetch for it: it would wait forever
+            self.loop.abort(request_id)
+            self.channels.fail(request_id, RuntimeError(f"{request_id} was parked with nothing to fetch"))
             return
 
         async def fetch(ref: Any) -> Any:
@@ -159,6 +164,7 @@ class LLMServer:
             self.loop.abort(request_id)
             self.channels.fail(request_id, e)
             return
+        self.skipped_fetches -= len(items)  # fetched after all
         self.loop.supply(request_id, mm_inputs)
 
     async def channel(self, target: ReplicaTarget) -> AsyncIterator[ChannelBatch]:

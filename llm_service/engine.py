@@ -86,10 +86,9 @@ class LLMEngine:
             return
         self._validate_mm(req.num_prompt_tokens, sorted(mm_inputs, key=lambda m: m.offset))
         self.runner.supply(req, list(mm_inputs))
-        if request_id in self.scheduler.parked:
+        req.unfetched_end = max((off + n for off, n, e in req.runner_state["mm"] if e is None), default=0)
+        if req.unfetched_end == 0 and request_id in self.scheduler.parked:
             self.scheduler.unpark(request_id)
-        else:
-            req.unfetched_end = 0
 
     def step(self) -> list[RequestOutput]:
         """One engine iteration; returns the requests that got a new token (finished ones included)
@@ -189,7 +188,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + len(self.scheduler.parked),
             num_free_blocks=self.kv.num_free_blocks,
             num_total_blocks=self.kv.num_total_blocks,
             kv_usage=self.kv.usage,
@@ -202,6 +201,8 @@ class LLMEngine:
     def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateOutput]:
         """Run ``requests`` to completion (batched together), results in input order."""
         ids = [f"generate-{next(self._ids)}" for _ in requests]
+        if any(m.embeddings is None for r in requests for m in r.mm_inputs):
+            raise RequestRejected("bad_mm_input", "generate() needs every media item's embeddings")
         for rid, r in zip(ids, requests, strict=True):
             self.add_request(rid, r.prompt_token_ids, r.sampling_params, r.mm_inputs)
         results: dict[str, GenerateOutput] = {

@@ -51,7 +51,7 @@ class EngineLoop:
         self.engine = engine
         # Requests the engine set aside for want of embeddings (LLMEngine.take_parked): the owner
         # fetches them and calls ``supply``.
-        self._on_parked = on_parked or (lambda rids: None)
+        self._on_parked = on_parked or self._no_supplier
         self.waiting_bound = waiting_bound or WaitingBound()
         # Requests (and prompt tokens) not yet running: queued adds plus the scheduler's waiting
         # queue as of the last step. Written under the lock; read by ``check_capacity``.
@@ -134,6 +134,13 @@ class EngineLoop:
             if not finished:  # the caller went away (disconnect, cancellation): free its KV blocks
                 self.abort(request_id)
 
+    def _no_supplier(self, request_ids: list[str]) -> None:
+        """Nobody fetches for this loop: a parked request would wait forever, so it fails."""
+        for rid in request_ids:
+            self._error(rid, RuntimeError(f"request {rid} needs embeddings it was sent without"))
+            with self._lock:
+                self._pending.append(rid)
+
     def supply(self, request_id: str, mm_inputs: list[MultiModalInput]) -> None:
         """Embeddings for a request the engine parked (or was given without them); between steps."""
         if request_id not in self._live:
@@ -178,7 +185,8 @@ class EngineLoop:
         take_parked = getattr(self.engine, "take_parked", None)
         parked = take_parked() if take_parked is not None else []
         self.last_stats = self.engine.stats()
-        waiting = getattr(getattr(self.engine, "scheduler", None), "waiting", ())
+        scheduler = getattr(self.engine, "scheduler", None)
+        waiting = [*getattr(scheduler, "waiting", ()), *getattr(scheduler, "parked", {}).values()]
         with self._lock:
             self._waiting = (len(waiting), sum(r.num_tokens - r.num_computed_tokens for r in waiting))
         return outputs, errors, parked

@@ -117,10 +117,10 @@ class Scheduler:
         return out
 
     def unpark(self, request_id: str) -> None:
-        """Its embeddings are in: it goes first in the queue again (it had reached the front)."""
+        """Its embeddings are in (``unfetched_end`` cleared by the caller): it goes first in the queue
+        again (it had reached the front)."""
         req = self.parked.pop(request_id, None)
         if req is not None:
-            req.unfetched_end = 0
             self.waiting.appendleft(req)
 
     def abort(

@@ -293,19 +293,43 @@ class Orchestrator:
         """Submit to the LLM pool and yield the request's outputs. ``cache_salt`` enters the first KV
         block's hash: the replica's prefix cache and the router's affinity keys both see it."""
         try:
-            reply = await self._submit(request_id, prepared, params, cache_salt)
+            outs, first = await self._started(request_id, prepared, params, cache_salt)
         finally:
             self._messages.pop(request_id, None)
-        outs = self.h.llm.outputs(request_id, reply)
         try:
-            async for out in outs:
+            out = first
+            while out is not None:
                 if out.finish_reason == "error":  # this request failed alone in an engine step
                     raise RequestFailed(request_id, out.error or "unknown error")
                 if out.finished:
                     await self.settle(request_id)
                 yield out
+                out = await anext(outs, None)
         finally:  # a caller that stops early aborts the request on its replica now, not at GC
             await outs.aclose()
+
+    async def _started(
+        self, request_id: str, prepared: Prepared, params: SamplingParams, cache_salt: str | None
+    ) -> tuple[AsyncGenerator[RequestOutput, None], RequestOutput | None]:
+        """Submitted, and its first output (None: none came). The LLM replica does not fetch
+        embeddings whose span its prefix cache holds; if they are evicted before the request runs,
+        it fetches them then, and a loss then arrives here before any output: invalidated,
+        re-encoded and submitted again, as a loss at submit is (a second one is a 503)."""
+        for attempt in (1, 2):
+            reply = await self._submit(request_id, prepared, params, cache_salt)
+            outs = self.h.llm.outputs(request_id, reply)
+            try:
+                return outs, await anext(outs, None)
+            except BaseException as e:
+                await outs.aclose()
+                lost = find_cause(e, EmbeddingsLost, "mm_hashes")
+                if lost is None:
+                    raise
+                if attempt == 2:
+                    raise _lost_twice(lost.mm_hashes) from e
+                await self._invalidate(request_id, lost.mm_hashes, prepared.mm_items, attempt)
+                prepared = await self._prepare_media(request_id, f"{request_id}#late")
+        raise AssertionError("unreachable: the second attempt returns or raises")
 
     async def _submit(
         self, request_id: str, prepared: Prepared, params: SamplingParams, cache_salt: str | None = None

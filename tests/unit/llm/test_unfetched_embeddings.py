@@ -101,9 +101,52 @@ def test_a_request_parked_for_want_of_embeddings_gets_them_fetched_and_answers_t
         server = _server(tiny_vl_dir)
         server._cached_prefix_tokens = lambda spec: 1 << 20  # type: ignore[method-assign]
         client = LLMClient(FakeLLMHandle(server), ingress_id="ing")
-        tokens = await _answer(client, _spec("r", c, ref))
+        tokens = await asyncio.wait_for(_answer(client, _spec("r", c, ref)), 60)
         return tokens, server.skipped_fetches
 
     tokens, skipped = asyncio.run(scenario())
     assert tokens == want
-    assert (skipped, ref.fetches) == (1, 1)  # not fetched at submit; fetched when the engine parked it
+    assert (skipped, ref.fetches) == (0, 1)  # not fetched at submit; fetched when the engine parked it
+
+
+class LostRef(Ref):
+    def __await__(self) -> Any:
+        self.fetches += 1
+
+        async def get() -> Any:
+            raise TimeoutError("the object's owner is gone")
+
+        return get().__await__()
+
+
+def test_a_parked_request_whose_fetch_finds_the_object_lost_fails_with_embeddings_lost(
+    case, tiny_vl_dir
+) -> None:
+    """The router re-encodes on EmbeddingsLost (tests/unit/router/test_orchestrator_lost_embeddings.py);
+    here: the replica says so on the stream, and keeps nothing of the request."""
+    from llm_service.embeddings import EmbeddingsLost
+
+    c, _ = case
+    ref = LostRef(None)
+
+    async def scenario() -> tuple[BaseException | None, LLMServer]:
+        server = _server(tiny_vl_dir)
+        server._cached_prefix_tokens = lambda spec: 1 << 20  # type: ignore[method-assign]
+        client = LLMClient(FakeLLMHandle(server), ingress_id="ing")
+        err: BaseException | None = None
+        try:
+            await asyncio.wait_for(_answer(client, _spec("r", c, ref)), 60)
+        except EmbeddingsLost as e:
+            err = e
+        for _ in range(500):  # the abort is applied by the engine loop, between steps
+            if not server.engine.scheduler.requests:
+                break
+            await asyncio.sleep(0.01)
+        return err, server
+
+    err, server = asyncio.run(scenario())
+    assert isinstance(err, EmbeddingsLost) and err.mm_hashes == [c.mm_inputs[0].mm_hash]
+    assert ref.fetches == 1 and not server._unfetched
+    eng = server.engine
+    assert not eng.scheduler.requests and not eng.scheduler.parked
+    assert eng.stats().num_free_blocks == eng.stats().num_total_blocks

@@ -109,22 +109,28 @@ class FakeEncoder:
 
 
 class FakeLLM:
-    """The LLMClient surface: ``submit`` fetches the embeddings (real ``resolve_embeddings``)."""
+    """The LLMClient surface: ``submit`` fetches the embeddings (real ``resolve_embeddings``).
+    ``late``: it does not (their span is prefix-cached, as LLMServer sees it); the first output
+    fetches them instead, as a parked request's replica does, and a loss arrives on the stream."""
 
-    def __init__(self, world: World) -> None:
+    def __init__(self, world: World, late: bool = False) -> None:
         self.w = world
+        self.late = late
         self.submits = 0
 
-    async def submit(self, spec: LLMRequestSpec) -> SubmitReply:
-        self.submits += 1
-
+    async def _fetch_all(self, spec: LLMRequestSpec) -> None:
         async def fetch(ref: FakeRef) -> str:
             if ref.owner in self.w.dead:
                 raise OwnerDiedError(ref.hex(), None, "")
             return ref.owner
 
+        await resolve_embeddings(spec.mm_items, fetch)
+
+    async def submit(self, spec: LLMRequestSpec) -> SubmitReply:
+        self.submits += 1
         try:
-            await resolve_embeddings(spec.mm_items, fetch)
+            if not self.late:
+                await self._fetch_all(spec)
         except EmbeddingsLost as e:  # what the router's handle raises: pickled, wrapped
             wrapped = RayTaskError("submit", "Traceback", pickle.loads(pickle.dumps(e)))
             raise wrapped.as_instanceof_cause() from None
@@ -132,17 +138,22 @@ class FakeLLM:
         return SubmitReply("llm-0", "ch-0")
 
     async def outputs(self, request_id: str, reply: SubmitReply) -> AsyncIterator[RequestOutput]:
-        spec = next(s for s in self.w.admitted if s.request_id == request_id)
+        spec = [s for s in self.w.admitted if s.request_id == request_id][-1]
+        if self.late:
+            try:
+                await self._fetch_all(spec)
+            except EmbeddingsLost as e:  # what a channel batch's error is: pickled
+                raise pickle.loads(pickle.dumps(e)) from None
         yield RequestOutput(request_id, [7], None, True, "length", len(spec.prompt_token_ids), 0)
 
 
 def _build(
-    world: World, cache: EncoderCacheClient | None = None, encoder: Any = None
+    world: World, cache: EncoderCacheClient | None = None, encoder: Any = None, late: bool = False
 ) -> tuple[Orchestrator, EncoderCacheClient]:
     cache = cache or EncoderCacheClient([Remote(CacheIndexShard(100, wait_timeout_s=1.0))])
     encoder = encoder or FakeEncoder(world, cache)
     preparer = RequestPreparer(FakePreprocess(), cache, encoder.encode)
-    handles = ModelHandles(Remote(preparer), FakeLLM(world), cache)  # type: ignore[arg-type]
+    handles = ModelHandles(Remote(preparer), FakeLLM(world, late), cache)  # type: ignore[arg-type]
     return Orchestrator(handles, tokenizer=None, block_size=4), cache
 
 
@@ -181,6 +192,26 @@ def test_lost_hit_is_invalidated_reencoded_and_served() -> None:
     assert [s.mm_items[0].ref[0].owner for s in world.admitted] == ["enc-1", "enc-2"]
     assert stats["invalidations"] == 1 and stats["entries"] == 1 and stats["used"] == N
     assert stats["reserved"] == 0
+
+
+def test_a_loss_found_after_submit_before_any_output_is_reencoded_and_served() -> None:
+    """The replica skipped the fetch (prefix-cached span), the blocks were evicted, and the fetch it
+    makes then finds the owner dead: the loss comes on the output stream, before any token. The
+    router treats it as a loss at submit: invalidated, re-encoded, submitted again."""
+    world = World()
+
+    async def scenario() -> dict[str, Any]:
+        orch, cache = _build(world, late=True)
+        assert len(await _finish(await _prepare(orch, "a", H1))) == 1
+        world.dead.add("enc-1")
+        world.owner = "enc-2"
+        assert len(await _finish(await _prepare(orch, "b", H1))) == 1
+        return await cache.stats()
+
+    stats = asyncio.run(scenario())
+    assert world.encoded == [H1, H1]
+    assert [s.mm_items[0].ref[0].owner for s in world.admitted] == ["enc-1", "enc-1", "enc-2"]
+    assert stats["invalidations"] == 1 and stats["reserved"] == 0
 
 
 def test_a_second_loss_is_a_503_and_no_reservation_leaks() -> None:
