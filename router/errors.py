@@ -125,6 +125,23 @@ def _infrastructure_error(exc: BaseException) -> APIError | None:
     return None
 
 
+def is_client_error(e: BaseException) -> bool:
+    """The error maps to a 4xx: the request's fault, not the system's."""
+    api = from_exception(e)
+    return api is not None and api.status_code < 500
+
+
+def lost_twice(mm_hashes: list[str]) -> APIError:
+    """A request whose embeddings were lost again after being encoded once more: a 503 to retry."""
+    return APIError(
+        503,
+        f"the embeddings of {len(mm_hashes)} media item(s) were lost twice while serving this request "
+        "(encoder replicas are restarting or scaling down); retry shortly",
+        code="embeddings_lost",
+        retry_after_s=1,
+    )
+
+
 def replica_gone(e: BaseException) -> bool:
     """The call's replica died (Ray actor errors, matched by name: Ray stays out of the router's logic)."""
     names = {c.__name__ for c in type(e).__mro__}

@@ -36,7 +36,7 @@ from llm_service.outputs import RequestOutput
 from llm_service.prefix_hash import compute_block_hashes
 from llm_service.request_spec import EmbeddingRef, LLMRequestSpec, SubmitReply
 from llm_service.sampling_params import SamplingParams
-from router.errors import APIError, bad_request, find_cause, from_exception, replica_gone
+from router.errors import bad_request, find_cause, is_client_error, lost_twice, replica_gone
 from router.llm_client import LLMClient
 from router.messages import NormalizedChat, text_only_messages
 
@@ -211,7 +211,7 @@ class Orchestrator:
                 await asyncio.shield(self._release(aid))
                 # The hit path failing on our side (a cache shard restarting) costs the shortcut,
                 # not the request: the next attempt prepares it on a replica.
-                retry = replica_gone(e) or (from_hit_path and not _client_error(e))
+                retry = replica_gone(e) or (from_hit_path and not is_client_error(e))
                 if attempt == PREPARE_ATTEMPTS or isinstance(e, asyncio.CancelledError) or not retry:
                     self._messages.pop(request_id, None)
                     raise
@@ -326,7 +326,7 @@ class Orchestrator:
                 if lost is None:
                     raise
                 if attempt == 2:
-                    raise _lost_twice(lost.mm_hashes) from e
+                    raise lost_twice(lost.mm_hashes) from e
                 await self._invalidate(request_id, lost.mm_hashes, prepared.mm_items, attempt)
                 prepared = await self._prepare_media(request_id, f"{request_id}#late")
         raise AssertionError("unreachable: the second attempt returns or raises")
@@ -352,7 +352,7 @@ class Orchestrator:
                     raise
                 await self._invalidate(request_id, lost.mm_hashes, items, attempt)
                 if attempt == 2:
-                    raise _lost_twice(lost.mm_hashes) from e
+                    raise lost_twice(lost.mm_hashes) from e
                 prepared = await self._prepare_media(request_id, f"{request_id}#retry")
         raise AssertionError("unreachable: the second attempt returns or raises")
 
@@ -394,18 +394,3 @@ def _inline_media(messages: list[dict[str, Any]]) -> bool:
 def _log_failure(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and (e := task.exception()) is not None:
         logger.warning("pointing media uuids at their bytes failed: %r", e)
-
-
-def _client_error(e: BaseException) -> bool:
-    api = from_exception(e)
-    return api is not None and api.status_code < 500
-
-
-def _lost_twice(mm_hashes: list[str]) -> APIError:
-    return APIError(
-        503,
-        f"the embeddings of {len(mm_hashes)} media item(s) were lost twice while serving this request "
-        "(encoder replicas are restarting or scaling down); retry shortly",
-        code="embeddings_lost",
-        retry_after_s=1,
-    )
