@@ -89,17 +89,13 @@ class LLMServer:
         ``WaitingQueueFull`` at once, before any fetch, if the engine's waiting queue is at its bound.
         """
         self.loop.check_capacity(len(spec.prompt_token_ids))
-
-        async def fetch(ref: Any) -> Any:
-            return await asyncio.wait_for(ref, self.embedding_fetch_timeout_s)
-
         # Items whose whole span the prefix cache holds are not fetched: those positions are never
         # computed. If their blocks are evicted before the request is admitted, the engine parks
         # it and ``_on_parked`` fetches them then.
         cached = self._cached_prefix_tokens(spec)
         later = [it for it in spec.mm_items if it.offset + it.length <= cached]
         now = [it for it in spec.mm_items if it.offset + it.length > cached]
-        mm_inputs = await resolve_embeddings(now, fetch) if now else []
+        mm_inputs = await resolve_embeddings(now, self._fetch) if now else []
         mm_inputs += unfetched(later)
         rid = spec.request_id
         channel_id = self.channels.register(spec.ingress_id, rid)
@@ -119,6 +115,9 @@ class LLMServer:
             if not done.done():  # the caller went away: stop generating, free its KV blocks
                 self.channels.forget(rid)
                 self.loop.abort(rid)
+
+    async def _fetch(self, ref: Any) -> Any:
+        return await asyncio.wait_for(ref, self.embedding_fetch_timeout_s)
 
     def _cached_prefix_tokens(self, spec: LLMRequestSpec) -> int:
         """How many leading prompt tokens the engine's prefix cache holds for ``spec`` now. Read on
@@ -154,11 +153,8 @@ class LLMServer:
             self.channels.fail(request_id, RuntimeError(f"{request_id} was parked with nothing to fetch"))
             return
 
-        async def fetch(ref: Any) -> Any:
-            return await asyncio.wait_for(ref, self.embedding_fetch_timeout_s)
-
         try:
-            mm_inputs = await resolve_embeddings(items, fetch)
+            mm_inputs = await resolve_embeddings(items, self._fetch)
         except Exception as e:
             logger.warning("embeddings of parked request %s could not be fetched: %r", request_id, e)
             self.loop.abort(request_id)

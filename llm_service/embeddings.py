@@ -51,34 +51,25 @@ async def resolve_embeddings(
     if errors:
         lost = [it.mm_hash for it, t in zip(items, tensors, strict=True) if isinstance(t, BaseException)]
         raise EmbeddingsLost(list(dict.fromkeys(lost)), type(errors[0]).__name__) from errors[0]
-    return [
-        MultiModalInput(
-            embeddings=_take_rows(from_stored(t), it.rows),
-            offset=it.offset,
-            mm_hash=it.mm_hash,
-            modality=it.modality,
-            grid_thw=it.grid_thw,
-            second_per_grid_ts=it.second_per_grid_ts,
-        )
-        for it, t in zip(items, tensors, strict=True)
-    ]
+    return [_input(it, _take_rows(from_stored(t), it.rows)) for it, t in zip(items, tensors, strict=True)]
 
 
 def unfetched(items: Sequence[EmbeddingRef]) -> list[MultiModalInput]:
     """The items as the engine takes them without their embeddings (their spans are in its prefix
     cache): everything but the rows."""
-    return [
-        MultiModalInput(
-            embeddings=None,
-            offset=it.offset,
-            mm_hash=it.mm_hash,
-            modality=it.modality,
-            grid_thw=it.grid_thw,
-            second_per_grid_ts=it.second_per_grid_ts,
-            num_rows=it.length,
-        )
-        for it in items
-    ]
+    return [_input(it, None) for it in items]
+
+
+def _input(it: EmbeddingRef, embeddings: Any) -> MultiModalInput:
+    return MultiModalInput(
+        embeddings=embeddings,
+        offset=it.offset,
+        mm_hash=it.mm_hash,
+        modality=it.modality,
+        grid_thw=it.grid_thw,
+        second_per_grid_ts=it.second_per_grid_ts,
+        num_rows=None if embeddings is not None else it.length,
+    )
 
 
 def from_stored(obj: Any) -> Any:
