@@ -37,7 +37,7 @@ from encoder_service.errors import (
     processed_or_422,
 )
 from encoder_service.hashing import canonical_kwargs, compute_mm_hash, uuid_alias_key
-from encoder_service.media.fetch import FetchedMedia, fetch_media_bytes
+from encoder_service.media.fetch import FetchedMedia, fetch_media_bytes, inline_media_bytes
 from encoder_service.media.image import decode_opened, image_header
 from encoder_service.media.limits import MediaLimits
 from encoder_service.media.loader import decode_media
@@ -164,7 +164,11 @@ class Preprocessor:
         ``deferred``: pointing uuids at their bytes (which nothing here waits on) is started as a
         task appended to it, for the caller to await before it answers, instead of awaited here."""
         template_messages, items = self._collect(messages)
-        await asyncio.gather(*(self._fetch(it) for it in items))
+        # Inline bytes are taken here, in order: a task per item would cost this request two turns
+        # of a busy loop (13 ms p50 of a warm image's 90 ms TTFT at c=8 here) for no I/O at all.
+        pending = [it for it in items if not self._take_inline(it)]
+        if pending:
+            await asyncio.gather(*(self._fetch(it) for it in pending))
         pointing = None
         if hashes is not None:
             if len(hashes) != len(items):
@@ -274,15 +278,28 @@ class Preprocessor:
             out.append({"role": msg["role"], "content": parts})
         return out, items
 
-    async def _fetch(self, it: _Item) -> None:
+    def _take_inline(self, it: _Item) -> bool:
+        """Fill ``it`` if that needs no I/O (its bytes inline, or none: a uuid alone)."""
         ref = it.ref
         if ref.data is None and ref.url is None:
             if ref.uuid is None:
                 raise InvalidMediaInput(f"{ref.modality} {it.index}: no data, url or uuid", item=it.index)
-            return
-        it.fetched = await fetch_media_bytes(
-            ref, self.limits, item=it.index, client=self._http, resolver=self._resolver
+            return True
+        fetched = inline_media_bytes(ref, self.limits, item=it.index)
+        if fetched is None:
+            return False
+        self._fetched(it, fetched)
+        return True
+
+    async def _fetch(self, it: _Item) -> None:
+        fetched = await fetch_media_bytes(
+            it.ref, self.limits, item=it.index, client=self._http, resolver=self._resolver
         )
+        self._fetched(it, fetched)
+
+    def _fetched(self, it: _Item, fetched: FetchedMedia) -> None:
+        it.fetched = fetched
+        ref = it.ref
         if ref.modality == "image":  # header-only checks, also for items the cache will serve
             it.header = image_header(it.fetched.data, self.limits, item=it.index, label=f"image {it.index}")
             try:

@@ -199,6 +199,22 @@ async def _follow(
     raise MediaFetchError(f"{label}: more than max_redirects={limits.max_redirects} redirects", item=item)
 
 
+def inline_media_bytes(ref: MediaRef, limits: MediaLimits, *, item: int | None = None) -> FetchedMedia | None:
+    """The bytes of ``ref`` when getting them needs neither I/O nor a worker thread (bytes given, or
+    a data URL up to ``THREAD_DECODE_CHARS``), so a caller on an event loop takes them without a
+    task or a yield; None otherwise."""
+    if ref.data is not None:
+        if len(ref.data) > limits.max_bytes:
+            label = ref.modality if item is None else f"{ref.modality} {item}"
+            raise _too_large(label, len(ref.data), limits, item)
+        return FetchedMedia(bytes(ref.data), "bytes")
+    url = ref.url
+    if not url or len(url) > THREAD_DECODE_CHARS or url[:5].lower() != "data:":
+        return None
+    label = ref.modality if item is None else f"{ref.modality} {item}"
+    return decode_data_url(url, limits, item=item, label=label)
+
+
 async def fetch_media_bytes(
     ref: MediaRef,
     limits: MediaLimits,
@@ -209,17 +225,14 @@ async def fetch_media_bytes(
 ) -> FetchedMedia:
     """The original bytes of ``ref`` from whichever form the client used."""
     label = ref.modality if item is None else f"{ref.modality} {item}"
-    if ref.data is not None:
-        if len(ref.data) > limits.max_bytes:
-            raise _too_large(label, len(ref.data), limits, item)
-        return FetchedMedia(bytes(ref.data), "bytes")
+    inline = inline_media_bytes(ref, limits, item=item)
+    if inline is not None:
+        return inline
     if not ref.url:
         raise InvalidMediaInput(f"{label}: neither data nor url given", item=item)
     scheme = ref.url.split(":", 1)[0].lower()
-    if scheme == "data":
-        if len(ref.url) > THREAD_DECODE_CHARS:  # ~2 ms of base64 per 512 KiB here: not on the loop
-            return await asyncio.to_thread(decode_data_url, ref.url, limits, item=item, label=label)
-        return decode_data_url(ref.url, limits, item=item, label=label)
+    if scheme == "data":  # ~2 ms of base64 per 512 KiB here: not on the loop
+        return await asyncio.to_thread(decode_data_url, ref.url, limits, item=item, label=label)
     if scheme in ("http", "https"):
         return await fetch_http(ref.url, limits, item=item, label=label, client=client, resolver=resolver)
     if scheme == "file":

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import io
+from typing import Any
 
 import pytest
 import torch
@@ -192,6 +195,42 @@ def test_cache_hit_skips_processor_and_keeps_ids(vl):
     assert served.items[0].mm_hash == it.mm_hash and served.items[0].num_embeds == it.num_embeds
     with pytest.raises(MMCacheMiss):
         vl.preprocess_sync(msgs_uuid, lambda hs: {})
+
+
+def test_an_inline_cache_hit_is_prepared_without_a_turn_of_the_loop(vl):
+    """Bytes inline (raw and as a data URL) and a cache that answers at once: ``preprocess`` runs
+    to its end on the first step of the coroutine. Every yield there is a turn of a busy ingress
+    loop added to the request's TTFT; a task per item made two."""
+    data = make_image_bytes(64, 48, seed=11)
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    msgs = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "media": MediaRef("image", data=data)},
+                {"type": "image", "media": MediaRef("image", url=url)},
+                {"type": "text", "text": "x"},
+            ],
+        }
+    ]
+    first = vl.preprocess_sync(msgs)
+    metas = {
+        it.mm_hash: EmbeddingMeta(it.mm_hash, "image", it.num_embeds, 64, "float32", it.grid_thw)
+        for it in first.items
+    }
+
+    async def first_step() -> Any:
+        coro = vl.preprocess(msgs, lambda hashes: metas, process=False)
+        try:
+            coro.send(None)
+        except StopIteration as done:
+            return done.value
+        coro.close()
+        raise AssertionError("preprocess yielded to the loop")
+
+    again = asyncio.run(first_step())
+    assert again.prompt_token_ids == first.prompt_token_ids
+    assert [it.mm_hash for it in again.items] == [it.mm_hash for it in first.items]
 
 
 def test_processor_cache_skips_repeat_work(vl):
