@@ -24,6 +24,7 @@ from encoder_service.cache_index import RELEASED, CacheIndexShard, RequestReleas
 from encoder_service.call_coalescing import CallCoalescer
 from encoder_service.encoder_cache import COMPUTE, DEFAULT_LEASE_S, HIT
 from encoder_service.errors import EncoderCacheBusy
+from encoder_service.gathering import gather
 from encoder_service.types import EmbeddingMeta
 
 logger = logging.getLogger("mmserve.encoder")
@@ -135,7 +136,7 @@ class EncoderCacheClient:
 
     async def lookup_many(self, hashes: list[str]) -> dict[str, tuple[EmbeddingMeta, Any]]:
         groups = self._groups(hashes)
-        answers = await asyncio.gather(*(self._call(s, "lookup_many", hs) for s, hs in groups.items()))
+        answers = await gather(*(self._call(s, "lookup_many", hs) for s, hs in groups.items()))
         return {h: (EmbeddingMeta.from_msgpack(m), ref[0]) for ans in answers for h, (m, ref) in ans.items()}
 
     async def lookup_or_reserve(
@@ -144,9 +145,7 @@ class EncoderCacheClient:
         """``CacheIndexShard.lookup_or_reserve`` over the shards of ``hashes``: one call each, shared
         with the lookups of other requests made while the shard's last one was in flight."""
         groups = self._groups(hashes)
-        answers = await asyncio.gather(
-            *(self._lookup_batches(s)((request_id, hs)) for s, hs in groups.items())
-        )
+        answers = await gather(*(self._lookup_batches(s)((request_id, hs)) for s, hs in groups.items()))
         out: dict[str, tuple[str, tuple[EmbeddingMeta, Any] | None]] = {}
         for ans in answers:
             for h, (kind, payload) in ans.items():
@@ -179,7 +178,7 @@ class EncoderCacheClient:
         return COMPUTE, None
 
     async def renew(self, request_id: str, hashes: Iterable[str]) -> None:
-        await asyncio.gather(*(self._call(s, "renew", request_id) for s in self._groups(hashes)))
+        await gather(*(self._call(s, "renew", request_id) for s in self._groups(hashes)))
 
     async def commit_many(self, commits: list[tuple[EmbeddingMeta, Any, str | None]]) -> list[bool]:
         """Commit ``(meta, ref, reserving request id)`` items, one call per shard; per item whether it
@@ -187,7 +186,7 @@ class EncoderCacheClient:
         groups: dict[int, list[int]] = {}
         for i, (meta, _, _) in enumerate(commits):
             groups.setdefault(shard_of(meta.mm_hash, len(self.shards)), []).append(i)
-        answers = await asyncio.gather(
+        answers = await gather(
             *(
                 self._call(
                     s,
@@ -225,7 +224,7 @@ class EncoderCacheClient:
         for h in dict.fromkeys(mm_hashes):
             rid = None if ref_ids is None else ref_ids.get(h)
             groups.setdefault(shard_of(h, len(self.shards)), {})[h] = rid
-        answers = await asyncio.gather(*(self._call(s, "invalidate", g) for s, g in groups.items()))
+        answers = await gather(*(self._call(s, "invalidate", g) for s, g in groups.items()))
         return [h for dropped in answers for h in dropped]
 
     async def holding(self, ref_ids: Mapping[str, str]) -> list[str]:
@@ -234,29 +233,29 @@ class EncoderCacheClient:
         groups: dict[int, dict[str, str]] = {}
         for h, rid in ref_ids.items():
             groups.setdefault(shard_of(h, len(self.shards)), {})[h] = rid
-        answers = await asyncio.gather(*(self._call(s, "holding", g) for s, g in groups.items()))
+        answers = await gather(*(self._call(s, "holding", g) for s, g in groups.items()))
         return [h for held in answers for h in held]
 
     async def release(self, request_id: str, hashes: Iterable[str] | None = None) -> None:
         """Drop the reservations ``request_id`` holds (failure, disconnect): on the shards of ``hashes``
         when the caller knows which it touched, else on every shard. Final for that request id."""
         indexes = range(len(self.shards)) if hashes is None else list(self._groups(hashes))
-        await asyncio.gather(*(self._call(s, "release", request_id) for s in indexes))
+        await gather(*(self._call(s, "release", request_id) for s in indexes))
 
     # ---- uuid names (encoder_service.uuid_aliases.AliasStore): each on the shard its key hashes to ----
     async def resolve(self, keys: list[str]) -> dict[str, str]:
         groups = self._groups(keys)
-        answers = await asyncio.gather(*(self._call(s, "alias_resolve", ks) for s, ks in groups.items()))
+        answers = await gather(*(self._call(s, "alias_resolve", ks) for s, ks in groups.items()))
         return {k: h for ans in answers for k, h in ans.items()}
 
     async def point(self, aliases: Mapping[str, str]) -> None:
         groups: dict[int, dict[str, str]] = {}
         for key, mm_hash in aliases.items():
             groups.setdefault(shard_of(key, len(self.shards)), {})[key] = mm_hash
-        await asyncio.gather(*(self._call(s, "alias_point", g) for s, g in groups.items()))
+        await gather(*(self._call(s, "alias_point", g) for s, g in groups.items()))
 
     async def stats(self) -> dict[str, Any]:
-        per_shard = await asyncio.gather(*(self._call(s, "stats") for s in range(len(self.shards))))
+        per_shard = await gather(*(self._call(s, "stats") for s in range(len(self.shards))))
         total = {k: sum(int(d[k]) for d in per_shard) for k in per_shard[0]}
         return {**total, "shards": per_shard}
 

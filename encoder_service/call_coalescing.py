@@ -4,8 +4,9 @@
     caller b ──▶ ├─ CallCoalescer ──────┤
     caller c ──▶ ┘                      └──▶ send([b, c])     (queued while [a] was in flight)
 
-No call waits for company: an idle target gets each call at once, so a lone request pays nothing, and
-under load a target that answers in ``t`` gets one call per ``t`` however many callers there are.
+No call waits for company: an idle target gets each call at once, sent from the caller's own task,
+so a lone request pays nothing, and under load a target that answers in ``t`` gets one call per
+``t`` however many callers there are.
 This is Nagle's algorithm without its timer, applied to the encoder-cache shards, whose per-call cost
 (an actor call, ~1.4 CPU-ms here) dominated what they do per item. Pure asyncio: no Ray import.
 """
@@ -33,13 +34,30 @@ class CallCoalescer(Generic[A, R]):
         self._send = send
         self._queued: list[tuple[A, asyncio.Future[R]]] = []
         self._sender: asyncio.Task[None] | None = None
+        self._lone = False  # a lone call is in flight, sent from its caller's own task
 
     async def __call__(self, arg: A) -> R:
+        if self._sender is None and not self._lone:
+            return await self._send_lone(arg)
         future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
         self._queued.append((arg, future))
-        if self._sender is None:
-            self._sender = asyncio.get_running_loop().create_task(self._send_queued())
         return await future
+
+    async def _send_lone(self, arg: A) -> R:
+        """Nothing in flight: the caller sends its own batch of one and awaits it in its own task
+        (a sender task would cost it two turns of a busy loop). A caller cancelled meanwhile cancels
+        its own await of ``send`` (an actor call already made still runs on the target). Whatever
+        was queued behind it goes next, in a sender task."""
+        self._lone = True
+        try:
+            answers = await self._send([arg])
+        finally:
+            self._lone = False
+            if self._queued and self._sender is None:
+                self._sender = asyncio.get_running_loop().create_task(self._send_queued())
+        if len(answers) != 1:
+            raise RuntimeError(f"a batch of 1 calls got {len(answers)} answers")
+        return answers[0]
 
     async def _send_queued(self) -> None:
         try:

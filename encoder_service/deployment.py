@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from encoder_service.encoder_queue import EncoderQueue
+from encoder_service.gathering import gather
 from encoder_service.metrics import EncoderMetrics
 from encoder_service.owned_embeddings import OwnedEmbeddings
 from encoder_service.prepared import LookedUp, PreparedRequest
@@ -119,7 +120,7 @@ class EncoderPoolServer:
             self._queue.push(q)
         self._metrics.queued.set(self._queued_embeds)
         self._wakeup.set()
-        return list(await asyncio.gather(*(q.future for q in queued)))
+        return await gather(*(q.future for q in queued))
 
     def _ensure_started(self) -> None:
         if self._task is None or self._task.done():

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 from encoder_service.encoder_cache import COMPUTE, DEFAULT_LEASE_S, HIT
 from encoder_service.errors import EncoderCacheFull
+from encoder_service.gathering import gather
 from encoder_service.near_cache import NearCache
 from encoder_service.prepared import LookedUp, PreparedItem, PreparedRequest
 from encoder_service.processing import NeedsEncoding
@@ -226,7 +227,7 @@ class RequestPreparer:
                 )
             (compute if kinds.get(it.mm_hash) == COMPUTE else wait).setdefault(it.mm_hash, it)
         num_encoded = await self._encode(request_id, list(compute.values()), refs)
-        for retry in await asyncio.gather(*(self._wait(request_id, it, refs) for it in wait.values())):
+        for retry in await gather(*(self._wait(request_id, it, refs) for it in wait.values())):
             if retry is not None:
                 kinds[retry.mm_hash] = COMPUTE
                 num_encoded += await self._encode(request_id, [retry], refs)

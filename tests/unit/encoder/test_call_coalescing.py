@@ -94,3 +94,29 @@ def test_an_answer_count_that_does_not_match_is_an_error() -> None:
             await CallCoalescer(short)(1)
 
     asyncio.run(scenario())
+
+
+def test_a_lone_call_runs_in_its_callers_task_and_the_calls_behind_it_go_next() -> None:
+    async def at_once(args: list[int]) -> list[int]:
+        return [a * 10 for a in args]
+
+    async def scenario() -> None:
+        c = CallCoalescer(at_once)
+        coro = c(7)  # nothing in flight and a target that answers at once: no task, no yield
+        with pytest.raises(StopIteration) as done:
+            coro.send(None)
+        assert done.value.value == 70
+        target = Target()
+        c = CallCoalescer(target.send)
+        lone = asyncio.ensure_future(c(1))
+        await settle()
+        behind = [asyncio.ensure_future(c(i)) for i in (2, 3)]
+        await settle()
+        lone.cancel()  # the lone caller leaves: the calls queued behind it still go, together
+        await settle()
+        assert lone.cancelled() and target.batches == [[1], [2, 3]]
+        target.gate.set()
+        assert await asyncio.gather(*behind) == [20, 30]
+        assert await c(4) == 40 and target.batches[-1] == [4]
+
+    asyncio.run(scenario())
