@@ -117,7 +117,8 @@ class LLMServer:
                 self.loop.abort(rid)
 
     async def _fetch(self, ref: Any) -> Any:
-        return await asyncio.wait_for(ref, self.embedding_fetch_timeout_s)
+        async with asyncio.timeout(self.embedding_fetch_timeout_s):  # no task, unlike wait_for
+            return await ref
 
     def _cached_prefix_tokens(self, spec: LLMRequestSpec) -> int:
         """How many leading prompt tokens the engine's prefix cache holds for ``spec`` now. Read on

@@ -44,7 +44,10 @@ async def resolve_embeddings(
 
     Raises ``EmbeddingsLost`` naming every item whose object is lost (not just the first one).
     """
-    tensors = await asyncio.gather(*(fetch(it.ref[0]) for it in items), return_exceptions=True)
+    if len(items) == 1:  # awaited in the caller's task: a gather's task costs two turns of the loop
+        tensors: list[Any] = [await _settled(fetch(items[0].ref[0]))]
+    else:
+        tensors = await asyncio.gather(*(fetch(it.ref[0]) for it in items), return_exceptions=True)
     errors = [t for t in tensors if isinstance(t, BaseException)]
     if other := [e for e in errors if not is_lost_object(e)]:
         raise other[0]
@@ -52,6 +55,14 @@ async def resolve_embeddings(
         lost = [it.mm_hash for it, t in zip(items, tensors, strict=True) if isinstance(t, BaseException)]
         raise EmbeddingsLost(list(dict.fromkeys(lost)), type(errors[0]).__name__) from errors[0]
     return [_input(it, _take_rows(from_stored(t), it.rows)) for it, t in zip(items, tensors, strict=True)]
+
+
+async def _settled(aw: Any) -> Any:
+    """``await aw``, an exception it raises returned instead (``gather(return_exceptions=True)``)."""
+    try:
+        return await aw
+    except Exception as e:
+        return e
 
 
 def unfetched(items: Sequence[EmbeddingRef]) -> list[MultiModalInput]:

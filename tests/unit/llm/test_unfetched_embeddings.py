@@ -150,3 +150,37 @@ def test_a_parked_request_whose_fetch_finds_the_object_lost_fails_with_embedding
     eng = server.engine
     assert not eng.scheduler.requests and not eng.scheduler.parked
     assert eng.stats().num_free_blocks == eng.stats().num_total_blocks
+
+
+class HangingRef(Ref):
+    """An object whose fetch never ends (its node is unreachable)."""
+
+    def __await__(self) -> Any:
+        self.fetches += 1
+        return asyncio.get_running_loop().create_future().__await__()
+
+
+def test_a_fetch_past_embedding_fetch_timeout_s_is_embeddings_lost_at_submit(case, tiny_vl_dir) -> None:
+    """Nothing cached: the item is fetched at submit, and a fetch that does not end within the
+    timeout fails the submit with EmbeddingsLost (which the router re-encodes), leaving nothing."""
+    from llm_service.embeddings import EmbeddingsLost
+
+    c, _ = case
+    ref = HangingRef(None)
+
+    async def scenario() -> tuple[BaseException | None, LLMServer]:
+        config = EngineConfig(model=str(tiny_vl_dir), block_size=4, num_kv_blocks=256)
+        server = LLMServer(config, "tiny", embedding_fetch_timeout_s=0.2, channel_linger_s=0.05)
+        client = LLMClient(FakeLLMHandle(server), ingress_id="ing")
+        err: BaseException | None = None
+        try:
+            await asyncio.wait_for(_answer(client, _spec("r", c, ref)), 30)
+        except EmbeddingsLost as e:
+            err = e
+        return err, server
+
+    err, server = asyncio.run(scenario())
+    assert isinstance(err, EmbeddingsLost) and err.mm_hashes == [c.mm_inputs[0].mm_hash]
+    assert ref.fetches == 1 and not server.engine.scheduler.requests
+    eng = server.engine
+    assert eng.stats().num_free_blocks == eng.stats().num_total_blocks
