@@ -135,6 +135,11 @@ class LLMServer:
                 mm_spans=sorted((m.offset, m.length, m.mm_hash) for m in spec.mm_items),
                 cache_salt=spec.cache_salt,
             )
+            # The router hashed the same blocks for its prefix affinity: reused when they are this
+            # engine's blocks (a lookup checks each block's tokens and keys too, so a wrong hash
+            # can only miss).
+            if len(spec.block_hashes) == len(spec.prompt_token_ids) // int(kv.block_size):
+                probe.block_hashes = [bytes(h) for h in spec.block_hashes]
             return len(kv.get_computed_blocks(probe)) * int(kv.block_size)
         except Exception:  # a block changed under the read: fetch everything
             logger.debug("prefix probe of %s failed", spec.request_id, exc_info=True)

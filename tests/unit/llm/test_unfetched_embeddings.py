@@ -184,3 +184,33 @@ def test_a_fetch_past_embedding_fetch_timeout_s_is_embeddings_lost_at_submit(cas
     assert ref.fetches == 1 and not server.engine.scheduler.requests
     eng = server.engine
     assert eng.stats().num_free_blocks == eng.stats().num_total_blocks
+
+
+def test_the_probe_reuses_the_routers_block_hashes_and_a_wrong_one_only_misses(case, tiny_vl_dir) -> None:
+    """The router's hashes (what it routes by) serve the probe; hashes that are not this engine's
+    blocks cannot make a false hit: the item is fetched, the answer unchanged."""
+    from dataclasses import replace
+
+    from llm_service.prefix_hash import compute_block_hashes
+
+    c, want = case
+    refs = [Ref(c.mm_inputs[0].embeddings) for _ in range(3)]
+
+    def spec(rid: str, ref: Ref, hashes: list[bytes]) -> LLMRequestSpec:
+        return replace(_spec(rid, c, ref), block_hashes=hashes)
+
+    m = c.mm_inputs[0]
+    right = compute_block_hashes(list(c.prompt), [(m.offset, m.length, m.mm_hash)], 4)
+    wrong = [bytes(32)] * len(right)
+
+    async def scenario() -> list[list[int]]:
+        server = _server(tiny_vl_dir)
+        client = LLMClient(FakeLLMHandle(server), ingress_id="ing")
+        out = [await _answer(client, spec("first", refs[0], right))]
+        out.append(await _answer(client, spec("right", refs[1], right)))
+        out.append(await _answer(client, spec("wrong", refs[2], wrong)))
+        return out
+
+    answers = asyncio.run(scenario())
+    assert answers == [want, want, want]
+    assert [r.fetches for r in refs] == [1, 0, 1]
