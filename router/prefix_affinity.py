@@ -9,6 +9,7 @@ is much busier than the least-loaded one, in which case load wins (as in SGLang'
 
 from __future__ import annotations
 
+import random
 from collections import OrderedDict
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,8 +28,9 @@ class AffinityConfig:
 class PrefixAffinityIndex:
     """LRU map from block hash to the replicas that recently prefilled it."""
 
-    def __init__(self, config: AffinityConfig | None = None) -> None:
+    def __init__(self, config: AffinityConfig | None = None, rng: random.Random | None = None) -> None:
         self.config = config or AffinityConfig()
+        self._rng = rng or random.Random()
         self._entries: OrderedDict[tuple[Hashable, ReplicaKey], None] = OrderedDict()
         self._by_hash: dict[Hashable, set[ReplicaKey]] = {}
 
@@ -87,13 +89,18 @@ class PrefixAffinityIndex:
                 least + 1
             )
 
-        # Best cache match among replicas that are not overloaded, then the rest by load.
+        # Best cache match among replicas that are not overloaded, then the rest by load; ties in
+        # random order (a burst routed before any of it is counted would all land on one replica).
+        ties = {r: self._rng.random() for r in replicas}
+
         def key(r: ReplicaKey) -> tuple:
             hit = matched[r] if matched[r] >= cfg.min_match_blocks and acceptable(r) else 0
-            return (-hit, load[r])
+            return (-hit, load[r], ties[r])
 
         return sorted(replicas, key=key)
 
 
-def least_loaded(load: Mapping[ReplicaKey, float]) -> list[ReplicaKey]:
-    return sorted(load, key=lambda r: load[r])
+def least_loaded(load: Mapping[ReplicaKey, float], rng: random.Random | None = None) -> list[ReplicaKey]:
+    """Replicas by load, equal loads in random order."""
+    ties = {r: (rng or random).random() for r in load}
+    return sorted(load, key=lambda r: (load[r], ties[r]))

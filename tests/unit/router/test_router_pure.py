@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from router.detokenizer import IncrementalDetokenizer
 from router.errors import APIError, from_exception
 from router.messages import MessageLimits, normalize_messages, text_only_messages
-from router.prefix_affinity import AffinityConfig, PrefixAffinityIndex
+from router.prefix_affinity import AffinityConfig, PrefixAffinityIndex, least_loaded
 from router.protocol import ChatCompletionRequest
 
 LIMITS = MessageLimits(
@@ -128,6 +128,22 @@ def test_prefix_affinity_prefers_longest_match_within_balance() -> None:
     # a hash not at the start does not count as a prefix match.
     idx.record("c", [2, 3])
     assert idx.matched_blocks([1, 2, 3], ["c"]) == {"c": 0}
+
+
+def test_equal_loads_are_broken_at_random_so_a_burst_spreads() -> None:
+    """A burst of distinct requests routed before any is counted sees every replica at the same
+    load: in a fixed order they would all go to one replica."""
+    import random
+
+    idx = PrefixAffinityIndex(rng=random.Random(0))
+    firsts = [idx.choose([i], {"a": 0, "b": 0, "c": 0})[0] for i in range(300)]
+    assert min(firsts.count(r) for r in "abc") > 60  # ~100 each
+    idx.record("b", [7])  # a match still wins over the tie, and load still orders the rest
+    assert all(idx.choose([7], {"a": 0, "b": 0, "c": 0})[0] == "b" for _ in range(20))
+    assert all(idx.choose([8], {"a": 1, "b": 0, "c": 2}) == ["b", "a", "c"] for _ in range(20))
+    rng = random.Random(1)
+    assert {least_loaded({"a": 0, "b": 0}, rng)[0] for _ in range(50)} == {"a", "b"}
+    assert all(least_loaded({"a": 1, "b": 0}, rng) == ["b", "a"] for _ in range(20))
 
 
 def test_prefix_affinity_lru_bound_and_replica_removal() -> None:
