@@ -182,24 +182,34 @@ class RequestPreparer:
 
     @contextlib.asynccontextmanager
     async def _renewing(self, request_id: str, held: dict[str, str]) -> AsyncIterator[None]:
-        """Renew the lease of what ``request_id`` reserved while it prepares (only a slow request
-        ever gets that far: the first renewal is ``lease_s / 3`` in)."""
+        """Renew the lease of what ``request_id`` reserved while it prepares. Only a slow request
+        ever gets that far (the first renewal is ``lease_s / 3`` in), so until then this is a timer,
+        not a task: a task per request would cost every request its start and its cancellation,
+        two turns of a busy loop."""
+        loop = asyncio.get_running_loop()
+        renewer: asyncio.Task[None] | None = None
 
         async def renew_forever() -> None:
             while True:
-                await asyncio.sleep(self.renew_every_s)
                 reserved = [h for h, kind in held.items() if kind == COMPUTE]
                 if reserved:
                     try:
                         await self.cache.renew(request_id, reserved)
                     except Exception as e:  # the lease may run out: another request then computes it too
                         logger.warning("renewing the reservations of %s failed: %r", request_id, e)
+                await asyncio.sleep(self.renew_every_s)
 
-        task = asyncio.get_running_loop().create_task(renew_forever())
+        def start() -> None:
+            nonlocal renewer
+            renewer = loop.create_task(renew_forever())
+
+        timer = loop.call_later(self.renew_every_s, start)
         try:
             yield
         finally:
-            task.cancel()
+            timer.cancel()
+            if renewer is not None:
+                renewer.cancel()
 
     async def _release(self, request_id: str, hashes: list[str]) -> None:
         try:
