@@ -23,17 +23,13 @@ import asyncio
 import copy
 import inspect
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-from PIL import Image
 
 from encoder_service.errors import (
     InvalidMediaInput,
     MediaDecodeError,
     MMCacheMiss,
-    TooManyItems,
     processed_or_422,
 )
 from encoder_service.gathering import gather
@@ -44,6 +40,7 @@ from encoder_service.media.limits import MediaLimits
 from encoder_service.media.loader import decode_media
 from encoder_service.media.pinned_client import PinnedClient
 from encoder_service.media.url_safety import Resolver, resolve_host
+from encoder_service.media_items import MediaItem, collect_media
 from encoder_service.placeholders import expand_placeholders
 from encoder_service.processor_cache import ProcessorCache
 from encoder_service.processors import FamilyProcessor, ProcessedItem, load_family_processor
@@ -67,21 +64,6 @@ class NeedsEncoding(Exception):
     def __init__(self, hashes: list[str]) -> None:
         super().__init__(f"{len(hashes)} media item(s), some not in the encoder cache")
         self.hashes = hashes  # every item's mm_hash, in order
-
-
-@dataclass
-class _Item:
-    index: int
-    ref: MediaRef
-    fetched: FetchedMedia | None = None
-    mm_hash: str = ""
-    num_embeds: int = 0
-    grid_thw: tuple[int, int, int] | None = None
-    encoder_input: EncoderInput | None = None
-    metadata: dict[str, Any] | None = None
-    second_per_grid_ts: float | None = None  # from the decode (or the cache entry); video positions
-    frame_times: list[float] | None = None  # likewise: a Qwen3-VL video's prompt timestamps
-    header: Image.Image | None = None  # an image opened (header only) and checked by ``_fetch``
 
 
 class Preprocessor:
@@ -164,7 +146,7 @@ class Preprocessor:
         hit path). ``process=False``: raise ``NeedsEncoding`` instead of processing a miss.
         ``deferred``: pointing uuids at their bytes (which nothing here waits on) is started as a
         task appended to it, for the caller to await before it answers, instead of awaited here."""
-        template_messages, items = self._collect(messages)
+        template_messages, items = collect_media(messages, self.limit_mm_per_prompt, self.model_id)
         # Inline bytes are taken here, in order: a task per item would cost this request two turns
         # of a busy loop (13 ms p50 of a warm image's 90 ms TTFT at c=8 here) for no I/O at all.
         pending = [it for it in items if not self._take_inline(it)]
@@ -193,12 +175,12 @@ class Preprocessor:
     async def _finish(
         self,
         template_messages: list[dict[str, Any]],
-        items: list[_Item],
+        items: list[MediaItem],
         cached: dict[str, EmbeddingMeta],
         process: bool,
     ) -> PreprocessedRequest:
         """Fill each item from the cache's answer or process it; template and tokenize."""
-        computed: dict[str, _Item] = {}
+        computed: dict[str, MediaItem] = {}
         misses = []
         for it in sorted(items, key=lambda it: it.fetched is None):  # bytes first: a uuid alone may name them
             meta = cached.get(it.mm_hash)
@@ -246,40 +228,7 @@ class Preprocessor:
         asyncio.run(run())
         return box[0]
 
-    def _collect(self, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[_Item]]:
-        """Media parts in prompt order (their index is the item index) and the messages the template sees."""
-        items: list[_Item] = []
-        counts = dict.fromkeys(MODALITIES, 0)
-        out = []
-        for msg in messages:
-            content = msg.get("content")
-            if not isinstance(content, list):
-                out.append({"role": msg["role"], "content": content or ""})
-                continue
-            parts = []
-            for part in content:
-                kind = part.get("type")
-                if kind == "text":
-                    parts.append({"type": "text", "text": part.get("text", "")})
-                    continue
-                ref = part.get("media")
-                if kind not in MODALITIES or not isinstance(ref, MediaRef) or ref.modality != kind:
-                    raise InvalidMediaInput(
-                        f"content part of type {kind!r} is not a media part", item=len(items)
-                    )
-                counts[kind] += 1
-                if counts[kind] > self.limit_mm_per_prompt[kind]:
-                    raise TooManyItems(
-                        f"{kind} {len(items)}: more than {self.limit_mm_per_prompt[kind]} {kind} item(s) per "
-                        f"prompt (limit_mm_per_prompt) for model {self.model_id!r}",
-                        item=len(items),
-                    )
-                items.append(_Item(len(items), ref))
-                parts.append({"type": kind})
-            out.append({"role": msg["role"], "content": parts})
-        return out, items
-
-    def _take_inline(self, it: _Item) -> bool:
+    def _take_inline(self, it: MediaItem) -> bool:
         """Fill ``it`` if that needs no I/O (its bytes inline, or none: a uuid alone)."""
         ref = it.ref
         if ref.data is None and ref.url is None:
@@ -292,13 +241,13 @@ class Preprocessor:
         self._fetched(it, fetched)
         return True
 
-    async def _fetch(self, it: _Item) -> None:
+    async def _fetch(self, it: MediaItem) -> None:
         fetched = await fetch_media_bytes(
             it.ref, self.limits, item=it.index, client=self._http, resolver=self._resolver
         )
         self._fetched(it, fetched)
 
-    def _fetched(self, it: _Item, fetched: FetchedMedia) -> None:
+    def _fetched(self, it: MediaItem, fetched: FetchedMedia) -> None:
         it.fetched = fetched
         ref = it.ref
         if ref.modality == "image":  # header-only checks, also for items the cache will serve
@@ -308,7 +257,7 @@ class Preprocessor:
             except ValueError as e:
                 raise MediaDecodeError(f"image {it.index}: {e}", item=it.index) from e
 
-    async def _name_uuids(self, items: list[_Item]) -> Awaitable[None] | None:
+    async def _name_uuids(self, items: list[MediaItem]) -> Awaitable[None] | None:
         """Point each uuid sent with bytes at their mm_hash; resolve each uuid sent alone (the same
         request's own bytes first). Both in the sender's namespace only. When nothing is resolved,
         the pointing is returned unsent, for the caller to send beside its lookup."""
@@ -337,7 +286,7 @@ class Preprocessor:
             it.mm_hash = mm_hash
         return pointing
 
-    async def _lookup(self, lookup: Lookup | None, items: list[_Item]) -> dict[str, EmbeddingMeta]:
+    async def _lookup(self, lookup: Lookup | None, items: list[MediaItem]) -> dict[str, EmbeddingMeta]:
         if lookup is None or not items:
             return {}
         result = lookup(list(dict.fromkeys(it.mm_hash for it in items)))
@@ -345,7 +294,7 @@ class Preprocessor:
             result = await result
         return dict(result)
 
-    def _process(self, it: _Item) -> None:
+    def _process(self, it: MediaItem) -> None:
         """Decode and run the HF processor for one miss, through the processor cache."""
         modality = it.ref.modality
         hit = self.processor_cache.get(it.mm_hash)
@@ -384,7 +333,7 @@ class Preprocessor:
         )
         self.processor_cache.put(it.encoder_input)
 
-    def _process_image(self, it: _Item) -> tuple[ProcessedItem, dict[str, Any]]:
+    def _process_image(self, it: MediaItem) -> tuple[ProcessedItem, dict[str, Any]]:
         """Decode (at reduced scale when the processor shrinks the image that much anyway) and process."""
         assert it.fetched is not None and it.header is not None
         header, it.header = it.header, None  # opened and checked by ``_fetch``; decoded once, here
@@ -397,7 +346,9 @@ class Preprocessor:
             meta["decoded_size"] = list(decoded.image.size)
         return out, meta
 
-    def _tokenize(self, template_messages: list[dict[str, Any]], items: list[_Item]) -> PreprocessedRequest:
+    def _tokenize(
+        self, template_messages: list[dict[str, Any]], items: list[MediaItem]
+    ) -> PreprocessedRequest:
         hf = self.family.hf
         text = hf.apply_chat_template(template_messages, add_generation_prompt=True, tokenize=False)
         text = self.family.prompt_text(text)
