@@ -205,14 +205,17 @@ def inline_media_bytes(ref: MediaRef, limits: MediaLimits, *, item: int | None =
     task or a yield; None otherwise."""
     if ref.data is not None:
         if len(ref.data) > limits.max_bytes:
-            label = ref.modality if item is None else f"{ref.modality} {item}"
-            raise _too_large(label, len(ref.data), limits, item)
+            raise _too_large(_label(ref, item), len(ref.data), limits, item)
         return FetchedMedia(bytes(ref.data), "bytes")
     url = ref.url
     if not url or len(url) > THREAD_DECODE_CHARS or url[:5].lower() != "data:":
         return None
-    label = ref.modality if item is None else f"{ref.modality} {item}"
-    return decode_data_url(url, limits, item=item, label=label)
+    return decode_data_url(url, limits, item=item, label=_label(ref, item))
+
+
+def _label(ref: MediaRef, item: int | None) -> str:
+    """How errors name the item: ``image 2``, or the modality alone without an index."""
+    return ref.modality if item is None else f"{ref.modality} {item}"
 
 
 async def fetch_media_bytes(
@@ -224,10 +227,10 @@ async def fetch_media_bytes(
     resolver: Resolver = resolve_host,
 ) -> FetchedMedia:
     """The original bytes of ``ref`` from whichever form the client used."""
-    label = ref.modality if item is None else f"{ref.modality} {item}"
     inline = inline_media_bytes(ref, limits, item=item)
     if inline is not None:
         return inline
+    label = _label(ref, item)
     if not ref.url:
         raise InvalidMediaInput(f"{label}: neither data nor url given", item=item)
     scheme = ref.url.split(":", 1)[0].lower()
