@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,15 +18,33 @@ class Load:
     name: str
     dataset: str  # "random-mm" (one image per request) | "random" (text only)
     num_prompts: int
-    concurrency: int
+    concurrency: int  # at most this many in flight
+    # Arrivals per second (Poisson); inf: closed loop, each of `concurrency` clients sends its next
+    # request when its last one ends. Under a closed loop Little's law ties mean TTFT to TPOT at a
+    # given req/s (c = req/s x (TTFT + (n_out - 1) x TPOT + the client's gap)); at a fixed rate below
+    # both servers' capacity it does not, and TTFT is what a request waits at that load.
+    request_rate: float = math.inf
+    key: str = ""  # what `--loads` names it by
 
 
 LOADS = [
-    Load("image, 128 req, c=32", "random-mm", 128, 32),
-    Load("image, 48 req, c=1", "random-mm", 48, 1),
-    Load("text, 128 req, c=32", "random", 128, 32),
+    Load("image, 128 req, c=32", "random-mm", 128, 32, key="image-c32"),
+    Load("image, 48 req, c=1", "random-mm", 48, 1, key="image-c1"),
+    Load("text, 128 req, c=32", "random", 128, 32, key="text-c32"),
+    Load("image, 256 req, 30 req/s", "random-mm", 256, 256, request_rate=30.0, key="image-rate30"),
 ]
-WARMUP = Load("warm-up", "random-mm", 32, 32)
+WARMUP = Load("warm-up", "random-mm", 32, 32, key="warm-up")
+
+
+def select_loads(keys: str | None) -> list[Load]:
+    """The loads ``--loads`` names (comma-separated keys), in the table's order; all by default."""
+    if not keys:
+        return list(LOADS)
+    wanted = {k.strip() for k in keys.split(",") if k.strip()}
+    unknown = wanted - {load.key for load in LOADS}
+    if unknown:
+        raise ValueError(f"--loads: unknown {sorted(unknown)}; have {[load.key for load in LOADS]}")
+    return [load for load in LOADS if load.key in wanted]
 
 
 @dataclass
@@ -56,14 +75,16 @@ COLUMNS = [
 ]
 
 
-def comparison_table(results: Sequence[LoadResult], servers: Sequence[str]) -> str:
+def comparison_table(
+    results: Sequence[LoadResult], servers: Sequence[str], loads: Sequence[Load] = LOADS
+) -> str:
     """One row per load and server: each metric and its ratio to vLLM's on the same load."""
     by = {(r.server, r.load.name): r for r in results}
     headers = ["load", "server"]
     for label, _ in COLUMNS:
         headers += [label, f"×{REFERENCE}"]
     rows = []
-    for load in LOADS:
+    for load in loads:
         ref = by.get((REFERENCE, load.name))
         for server in servers:
             r = by.get((server, load.name))
@@ -76,10 +97,14 @@ def comparison_table(results: Sequence[LoadResult], servers: Sequence[str]) -> s
 
 
 def render(
-    results: Sequence[LoadResult], idles: dict[str, IdleProfile], servers: Sequence[str], header: str
+    results: Sequence[LoadResult],
+    idles: dict[str, IdleProfile],
+    servers: Sequence[str],
+    header: str,
+    loads: Sequence[Load] = LOADS,
 ) -> str:
     parts = ["## mmserve vs vLLM (`vllm bench serve`, same model dir, one server after the other)", header]
-    parts.append(comparison_table(results, servers))
+    parts.append(comparison_table(results, servers, loads))
     for server in servers:
         profiles = [r.profile for r in results if r.server == server]
         if profiles:

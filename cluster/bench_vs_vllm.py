@@ -4,8 +4,10 @@ vLLM's own client: ``python -m cluster.bench_vs_vllm``.
 For each server: start it on 127.0.0.1, wait for ``/health``, run one unmeasured warm-up pass, then
 ``vllm bench serve`` (``--backend openai-chat``, streaming, ``ignore_eos``, temperature 0) for every
 load: 1 image of 64-224 px + 64 random text tokens and 16 output tokens (``random-mm``) at 128 requests
-and concurrency 32 and at 48 requests and concurrency 1, and the same lengths text only (``random``)
-at concurrency 32; stop it. Every load uses the same seed on both servers, so both see the same
+and concurrency 32 and at 48 requests and concurrency 1, the same lengths text only (``random``) at
+concurrency 32, and 256 image requests arriving at random at 30 per second (an open loop: below both
+servers' capacity here, so each request's TTFT is what it waits at that load, not a share of a
+closed loop's fixed round trip); stop it. ``--loads`` picks some. Every load uses the same seed on both servers, so both see the same
 requests. Around every load it reads the CPU time of each process of the server's tree (``/proc``) and
 reports CPU-ms per completed request; the window opens when the client first connects (not when it
 starts: it spends ~10 s importing vLLM and drawing its dataset, while the server idles). Needs the
@@ -28,7 +30,15 @@ from pathlib import Path
 from cluster.bench_procs import CLOCK_TICKS_PER_S, anyone_connected_to
 from cluster.bench_profile import IdleProfile, ScenarioProfile, process_costs
 from cluster.bench_servers import ServerProcess
-from cluster.bench_vs_report import LOADS, WARMUP, Load, LoadResult, median_rounds, render, results_json
+from cluster.bench_vs_report import (
+    WARMUP,
+    Load,
+    LoadResult,
+    median_rounds,
+    render,
+    results_json,
+    select_loads,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 BUCKETS = "{(64, 64, 1): 0.25, (112, 112, 1): 0.25, (168, 168, 1): 0.25, (224, 224, 1): 0.25}"
@@ -59,7 +69,7 @@ def bench_argv(args: argparse.Namespace, load: Load, base_url: str, seed: int, r
         ]
     argv += [
         "--request-rate",
-        "inf",
+        str(load.request_rate),
         "--seed",
         str(seed),
         "--temperature",
@@ -106,7 +116,8 @@ def run_load(args: argparse.Namespace, server: ServerProcess, load: Load, seed: 
     dataset) before its first connection, while the server idles; the CPU window opens at that
     connection (its ready check, then the run) and closes when the client exits, and the JSON keeps
     it (``window_s``) beside the run's own ``duration``."""
-    result = args.out_dir / f"{server.name}-{load.dataset}-c{load.concurrency}-n{load.num_prompts}.json"
+    rate = "" if load.request_rate == float("inf") else f"-r{load.request_rate:g}"
+    result = args.out_dir / f"{server.name}-{load.dataset}-c{load.concurrency}{rate}-n{load.num_prompts}.json"
     argv = bench_argv(args, load, server.base_url, seed, result)
     log_path = result.with_suffix(".log")
     with log_path.open("wb") as out:
@@ -144,7 +155,7 @@ def run_server(args: argparse.Namespace, server: ServerProcess) -> tuple[list[Lo
         log(f"{server.name} healthy after {server.wait_healthy(args.startup_timeout):.0f} s")
         run_load(args, server, WARMUP, seed=1000)
         idle = measure_idle(server, args.idle_seconds)
-        return [run_load(args, server, load, seed=args.seed) for load in LOADS], idle
+        return [run_load(args, server, load, seed=args.seed) for load in args.loads], idle
     finally:
         server.stop()
         left = server.leftovers()
@@ -190,13 +201,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--json", type=Path, help="write every load's metrics and CPU profile here")
     p.add_argument(
+        "--loads",
+        help="which loads, comma-separated (image-c32, image-c1, text-c32, image-rate30: 30 req/s "
+        "arriving at random, open loop); default all",
+    )
+    p.add_argument(
         "--rounds",
         type=int,
         default=1,
         help="run every server this many times (every other round in the reverse order) and report, per "
         "server and load, the round with the median req/s; this host's noise is ±10 %% between runs",
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:
+        args.loads = select_loads(args.loads)
+    except ValueError as e:
+        p.error(str(e))
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -235,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             f"\n\nmedian of {args.rounds} rounds by req/s (each row is that round's); req/s ranges: {ranges}"
         )
     names = [servers[k].name for k in order]
-    print(render(picked, idles, names, header), flush=True)
+    print(render(picked, idles, names, header, args.loads), flush=True)
     if args.json:
         data = results_json(picked, idles, header)
         if args.rounds > 1:

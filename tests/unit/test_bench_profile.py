@@ -269,6 +269,23 @@ def test_vs_vllm_bench_argv_matches_the_peer_script_flags() -> None:
     assert "--ignore-eos" in image and image[-4:] == ["--result-dir", "/r", "--result-filename", "x.json"]
     text = bench_argv(args, LOADS[2], "http://127.0.0.1:9", 0, Path("/r/y.json"))
     assert "random" in text and not any(a.startswith("--random-mm") for a in text)
+    assert opts["--request-rate"] == "inf"  # closed loop: `--max-concurrency` clients back to back
+    (rate,) = [load for load in LOADS if load.key == "image-rate30"]
+    open_loop = bench_argv(args, rate, "http://127.0.0.1:9", 0, Path("/r/z.json"))
+    opts = dict(zip(open_loop[4::2], open_loop[5::2], strict=False))
+    assert opts["--request-rate"] == "30.0" and opts["--num-prompts"] == "256"
+
+
+def test_loads_are_picked_by_key_in_the_tables_order_and_an_unknown_key_is_refused() -> None:
+    import pytest
+
+    from cluster.bench_vs_report import LOADS, select_loads
+
+    assert select_loads(None) == LOADS
+    picked = select_loads("image-rate30, image-c32")
+    assert [load.key for load in picked] == ["image-c32", "image-rate30"]
+    with pytest.raises(ValueError, match="image-c64"):
+        select_loads("image-c32,image-c64")
 
 
 def test_vs_vllm_table_gives_each_server_its_ratio_to_vllm() -> None:
