@@ -43,6 +43,7 @@ from router.protocol import (
 )
 from router.replay_log import failure_record, log_failure
 from router.sampling import to_sampling_params
+from router.sse import DONE, ChunkRenderer, SSEResponse
 
 logger = logging.getLogger("mmserve.ingress")
 
@@ -169,7 +170,7 @@ class ChatService:
             self.metrics.ttft.observe(time.monotonic() - start, tags={"model": model.name})
         if req.stream:
             gen = self._sse(req, model, request_id, first, stream, detok, start, chat)
-            return StreamingResponse(gen, media_type="text/event-stream")
+            return SSEResponse(gen, media_type="text/event-stream")
         response = await self._collect(req, model, request_id, first, stream, detok, start)
         orch.forget(request_id)
         return response
@@ -245,7 +246,7 @@ class ChatService:
         start: float,
         chat: NormalizedChat,
     ) -> AsyncIterator[str]:
-        def chunk(delta: Delta, finish: str | None = None, logprobs: ChoiceLogprobs | None = None) -> str:
+        def lp_chunk(delta: Delta, finish: str | None, logprobs: ChoiceLogprobs) -> str:
             c = ChatCompletionChunk(
                 id=request_id,
                 model=model.name,
@@ -253,10 +254,12 @@ class ChatService:
             )
             return f"data: {c.model_dump_json(exclude_none=True)}\n\n"
 
+        events = ChunkRenderer(request_id, model.name)
+        head = events.role()  # goes out with the first text: one write, not two
+        tail = ""  # the last token's event: goes out with the usage and [DONE]
         completion_tokens = 0
         last = first
         try:
-            yield chunk(Delta(role="assistant", content=""))
             async for out in _chain(first, stream):
                 last = out
                 completion_tokens += len(out.new_token_ids)
@@ -265,24 +268,31 @@ class ChatService:
                 lp = self._logprobs(model.orchestrator, out) if req.logprobs else None
                 if finish:  # a stop string ends it before the engine does: settle here too
                     await model.orchestrator.settle(request_id)
-                if text or finish or lp:
-                    yield chunk(Delta(content=text), finish, lp)
+                if not (text or finish or lp):
+                    continue
+                event = (
+                    events.delta(text, finish) if lp is None else lp_chunk(Delta(content=text), finish, lp)
+                )
                 if finish:
+                    tail = event
                     break
+                yield head + event
+                head = ""
             if req.stream_options is not None and req.stream_options.include_usage:
                 usage = ChatCompletionChunk(
                     id=request_id, model=model.name, choices=[], usage=_usage(last, completion_tokens)
                 )
-                yield f"data: {usage.model_dump_json()}\n\n"
+                tail += f"data: {usage.model_dump_json()}\n\n"
             self._observe_done(model.name, start, completion_tokens)
+            end = head + tail + DONE
         except Exception as e:  # after the 200 went out, errors travel in-band
             api = from_exception(e) or APIError(500, "internal error while generating", code="internal_error")
             self._log_failure(model.orchestrator, request_id, chat, e)
-            yield f"data: {json.dumps(api.body())}\n\n"
+            end = f"{head}data: {json.dumps(api.body())}\n\n{DONE}"
         finally:
             model.orchestrator.forget(request_id)
             await stream.aclose()
-        yield "data: [DONE]\n\n"
+        yield end
 
     def _observe_done(self, model: str, start: float, completion_tokens: int) -> None:
         if self.metrics is None:
@@ -308,10 +318,12 @@ def _usage(last: RequestOutput, completion_tokens: int) -> Usage:
 async def _release_after(
     body: AsyncIterable[Any], admission: AdmissionController, ticket: Ticket
 ) -> AsyncIterator[Any]:
-    """``body``, then the admission ticket back: before the response's last (empty) chunk goes out, so a
-    client that saw the end may be admitted again at once."""
+    """``body``, then the admission ticket back: before the response's last chunk (the one that ends
+    with ``[DONE]``) goes out, so a client that saw the end may be admitted again at once."""
     try:
         async for chunk in body:
+            if isinstance(chunk, str) and chunk.endswith(DONE):
+                admission.release(ticket)
             yield chunk
     finally:
         admission.release(ticket)
