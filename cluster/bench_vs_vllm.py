@@ -7,8 +7,8 @@ load: 1 image of 64-224 px + 64 random text tokens and 16 output tokens (``rando
 and concurrency 32 and at 48 requests and concurrency 1, the same lengths text only (``random``) at
 concurrency 32, and 256 image requests arriving at random at 30 per second (an open loop: below both
 servers' capacity here, so each request's TTFT is what it waits at that load, not a share of a
-closed loop's fixed round trip); stop it. ``--loads`` picks some. Every load uses the same seed on both servers, so both see the same
-requests. Around every load it reads the CPU time of each process of the server's tree (``/proc``) and
+closed loop's fixed round trip); stop it. ``--loads`` picks some. Every load uses the same seed on
+both servers, so both see the same requests. Around every load it reads the CPU time of each process of the server's tree (``/proc``) and
 reports CPU-ms per completed request; the window opens when the client first connects (not when it
 starts: it spends ~10 s importing vLLM and drawing its dataset, while the server idles). Needs the
 peer venv: ``../shared/tools/peer_vllm/setup.sh``.
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -111,13 +112,16 @@ def mmserve_server(args: argparse.Namespace, name: str, root: Path, port: int) -
     return ServerProcess(name, argv, port, log_path, env=env, cwd=root, root_kind="Ray driver")
 
 
-def run_load(args: argparse.Namespace, server: ServerProcess, load: Load, seed: int) -> LoadResult:
+def run_load(
+    args: argparse.Namespace, server: ServerProcess, load: Load, seed: int, round_no: int = 0
+) -> LoadResult:
     """One ``vllm bench serve`` run. The client takes seconds to start (importing vLLM, drawing its
     dataset) before its first connection, while the server idles; the CPU window opens at that
     connection (its ready check, then the run) and closes when the client exits, and the JSON keeps
     it (``window_s``) beside the run's own ``duration``."""
-    rate = "" if load.request_rate == float("inf") else f"-r{load.request_rate:g}"
-    result = args.out_dir / f"{server.name}-{load.dataset}-c{load.concurrency}{rate}-n{load.num_prompts}.json"
+    rate = "" if math.isinf(load.request_rate) else f"-r{load.request_rate:g}"
+    name = f"{server.name}-{load.dataset}-c{load.concurrency}{rate}-n{load.num_prompts}-round{round_no}"
+    result = args.out_dir / f"{name}.json"  # one per round: --json keeps only each pair's median
     argv = bench_argv(args, load, server.base_url, seed, result)
     log_path = result.with_suffix(".log")
     with log_path.open("wb") as out:
@@ -148,14 +152,16 @@ def run_load(args: argparse.Namespace, server: ServerProcess, load: Load, seed: 
     return LoadResult(server.name, load, metrics, profile)
 
 
-def run_server(args: argparse.Namespace, server: ServerProcess) -> tuple[list[LoadResult], IdleProfile]:
+def run_server(
+    args: argparse.Namespace, server: ServerProcess, round_no: int = 0
+) -> tuple[list[LoadResult], IdleProfile]:
     log(f"starting {server.name}: {' '.join(server.argv)}")
     server.start()
     try:
         log(f"{server.name} healthy after {server.wait_healthy(args.startup_timeout):.0f} s")
         run_load(args, server, WARMUP, seed=1000)
         idle = measure_idle(server, args.idle_seconds)
-        return [run_load(args, server, load, seed=args.seed) for load in args.loads], idle
+        return [run_load(args, server, load, args.seed, round_no) for load in args.loads], idle
     finally:
         server.stop()
         left = server.leftovers()
@@ -242,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     for n in range(args.rounds):  # odd rounds in the reverse order: no server always goes first
         results: list[LoadResult] = []
         for key in order if n % 2 == 0 else order[::-1]:
-            server_results, idles[servers[key].name] = run_server(args, servers[key])
+            server_results, idles[servers[key].name] = run_server(args, servers[key], n)
             results += server_results
         rounds.append(results)
     picked, spread = median_rounds(rounds)
