@@ -119,7 +119,12 @@ def preprocess_args(m: ModelConfig) -> dict[str, Any]:
     }
 
 
-def _encoder_pool(model: ModelConfig, cache_dir: str) -> Any:
+def forwards(model: ModelConfig) -> bool:
+    """The model's encoder replicas prepare its media requests and submit them to its LLM pool."""
+    return model.preprocess.placement == "encoder" and model.preprocess.forward
+
+
+def _encoder_pool(model: ModelConfig, cache_dir: str, llm: Any = None) -> Any:
     from encoder_service.deployment import EncoderPoolServer
     from encoder_service.preparing_encoder import PreparingEncoderServer
     from router.request_routers import LeastQueuedEmbeddingsRouter
@@ -128,14 +133,19 @@ def _encoder_pool(model: ModelConfig, cache_dir: str) -> Any:
     base: type[EncoderPoolServer] = PreparingEncoderServer if prepares else EncoderPoolServer
 
     class EncoderPool(base):  # type: ignore[misc,valid-type]
-        def __init__(self, model_json: dict[str, Any], cache_dir: str) -> None:
+        def __init__(self, model_json: dict[str, Any], cache_dir: str, llm: Any = None) -> None:
+            from router.forwarding import PreparedForwarder
+
             m = ModelConfig.model_validate(model_json)
             model_dir = resolve_model_dir(m, cache_dir)
             compute_budget, _ = encoder_budgets(m, model_dir)
             d = m.encoder.deployment
+            prepare = dict(preprocess_args(m)) if m.preprocess.placement == "encoder" else {}
+            if prepare and llm is not None:  # the LLM pool's handle: its prefix-affinity router chooses
+                prepare["forwarder"] = PreparedForwarder(llm, m.llm.block_size, m.llm.max_model_len)
             super().__init__(
                 model_dir,
-                **(preprocess_args(m) if m.preprocess.placement == "encoder" else {}),
+                **prepare,
                 tp_size=m.encoder.mm_encoder_tp_size,
                 tp_mode=m.encoder.mm_encoder_tp_mode,
                 dtype=m.encoder.dtype,
@@ -154,7 +164,7 @@ def _encoder_pool(model: ModelConfig, cache_dir: str) -> Any:
     opts["request_router_config"] = RequestRouterConfig(
         request_router_class=LeastQueuedEmbeddingsRouter, request_routing_stats_period_s=1.0
     )
-    return serve.deployment(EncoderPool).options(**opts).bind(model.model_dump(), cache_dir)
+    return serve.deployment(EncoderPool).options(**opts).bind(model.model_dump(), cache_dir, llm)
 
 
 def _llm_server(model: ModelConfig, cache_dir: str) -> Any:
@@ -257,6 +267,7 @@ def _ingress(config: AppConfig, pools: dict[str, dict[str, Any]]) -> Any:
                         preprocess_args(m) if m.preprocess.hit_path else None,
                         m.preprocess.hit_path_cache_entries,
                         m.preprocess.hit_path_cache_ttl_s,
+                        forward=forwards(m),
                     )
                 )
             ing = cfg.ingress
@@ -298,14 +309,16 @@ def ingress_keys(cfg: AppConfig) -> Any:
 def build_app(config: AppConfig) -> serve.Application:
     pools = {}
     for m in config.models:
-        encoder = _encoder_pool(m, config.models_cache_dir)
+        llm = _llm_server(m, config.models_cache_dir)
+        # placement "encoder": the encoder replicas answer `prepare` themselves (preparing_encoder.py),
+        # and with `forward` submit what they prepared to the LLM pool (router/forwarding.py)
+        encoder = _encoder_pool(m, config.models_cache_dir, llm if forwards(m) else None)
         pools[m.name] = {
-            # placement "encoder": the encoder replicas answer `prepare` themselves (preparing_encoder.py)
             "preprocess": encoder
             if m.preprocess.placement == "encoder"
             else _preprocessor(m, config.models_cache_dir, encoder),
             "encoder": encoder,
-            "llm": _llm_server(m, config.models_cache_dir),
+            "llm": llm,
         }
     return _ingress(config, pools)
 

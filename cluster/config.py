@@ -164,6 +164,11 @@ class PreprocessConfig(_Strict):
         description="pool: a Preprocessor deployment of its own (CPU nodes, scales apart from the encoder); "
         "encoder: each encoder replica prepares the requests it is sent (one hop fewer; `mmserve serve`'s default)",
     )
+    forward: bool = Field(
+        True,
+        description="with placement encoder: the encoder replica that prepared a media request submits "
+        "it to the LLM pool itself (one message fewer before the first token; router/forwarding.py)",
+    )
     hit_path: bool = Field(
         True,
         description="the ingress hashes inline media and looks it up itself: a request the encoder cache "

@@ -88,6 +88,32 @@ class LLMServer:
         same error on the request's channel, before any output); and
         ``WaitingQueueFull`` at once, before any fetch, if the engine's waiting queue is at its bound.
         """
+        reply, later = await self._enqueue(spec)
+        rid = spec.request_id
+        done = self.channels.done(rid)
+        try:
+            yield reply
+            await done
+        finally:
+            self._forget_unfetched(rid, later)
+            if not done.done():  # the caller went away: stop generating, free its KV blocks
+                self.channels.forget(rid)
+                self.loop.abort(rid)
+
+    async def submit_detached(self, spec: LLMRequestSpec) -> SubmitReply:
+        """``submit`` for a request whose life its ingress's output channel holds, not this call
+        (an encoder replica forwards what it prepared: router/forwarding.py): answers once queued.
+        It ends with its last output, an ``abort`` from its ingress, or the channel's reader going
+        away (orphaned: aborted). Raises what ``submit`` raises, before queueing anything."""
+        reply, later = await self._enqueue(spec)
+        if later:
+            rid = spec.request_id
+            self.channels.done(rid).add_done_callback(lambda _: self._forget_unfetched(rid, later))
+        return reply
+
+    async def _enqueue(self, spec: LLMRequestSpec) -> tuple[SubmitReply, list[EmbeddingRef]]:
+        """Fetch what must be fetched, put the request on its ingress's channel and in the engine's
+        queue; returns where its outputs go and the items sent without their embeddings."""
         self.loop.check_capacity(len(spec.prompt_token_ids))
         # Items whose whole span the prefix cache holds are not fetched: those positions are never
         # computed. If their blocks are evicted before the request is admitted, the engine parks
@@ -99,22 +125,22 @@ class LLMServer:
         mm_inputs += unfetched(later)
         rid = spec.request_id
         channel_id = self.channels.register(spec.ingress_id, rid)
-        done = self.channels.done(rid)
         try:
             self.loop.submit(
                 rid, list(spec.prompt_token_ids), spec.sampling_params, mm_inputs, cache_salt=spec.cache_salt
             )
-            if later:  # set after submit (a duplicate id raised there), before any step can park it
-                self._unfetched[rid] = later
-                self.skipped_fetches += len(later)
-            yield SubmitReply(self.replica_id, channel_id)
-            await done
-        finally:
-            if later and self._unfetched.get(rid) is later:
-                del self._unfetched[rid]
-            if not done.done():  # the caller went away: stop generating, free its KV blocks
-                self.channels.forget(rid)
-                self.loop.abort(rid)
+        except BaseException:
+            self.channels.forget(rid)
+            self.loop.abort(rid)
+            raise
+        if later:  # set after submit (a duplicate id raised there), before any step can park it
+            self._unfetched[rid] = later
+            self.skipped_fetches += len(later)
+        return SubmitReply(self.replica_id, channel_id), later
+
+    def _forget_unfetched(self, request_id: str, later: list[EmbeddingRef]) -> None:
+        if later and self._unfetched.get(request_id) is later:
+            del self._unfetched[request_id]
 
     async def _fetch(self, ref: Any) -> Any:
         async with asyncio.timeout(self.embedding_fetch_timeout_s):  # no task, unlike wait_for

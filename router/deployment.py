@@ -51,6 +51,7 @@ class IngressModel:
     preprocess: dict[str, Any] | None = None  # cluster.app.preprocess_args: the hit path's; None: off
     near_cache_entries: int = 0  # the hit path's near cache (encoder_service/near_cache.py); 0: none
     near_cache_ttl_s: float = 0.0
+    forward: bool = False  # the preparing replicas submit to the LLM pool (router/forwarding.py)
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,11 @@ class IngressServer:
             self.caches[m.name] = m.cache
             self.encoder_items_dispatched[m.name] = 0
             handles = ModelHandles(
-                pools[m.name]["preprocess"], LLMClient(pools[m.name]["llm"]), m.cache, _hit_path(m)
+                pools[m.name]["preprocess"],
+                LLMClient(pools[m.name]["llm"]),
+                m.cache,
+                _hit_path(m),
+                forward=m.forward,
             )
             orch = Orchestrator(
                 handles,

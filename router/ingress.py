@@ -22,6 +22,7 @@ from router.auth import effective_cache_salt
 from router.deadline import Deadline
 from router.detokenizer import IncrementalDetokenizer
 from router.errors import APIError, bad_request, from_exception
+from router.forwarding import ForwardRequest
 from router.json_limits import DEFAULT_MAX_JSON_VALUES, check_json_values
 from router.messages import MessageLimits, NormalizedChat, normalize_messages
 from router.orchestrator import Orchestrator
@@ -42,7 +43,7 @@ from router.protocol import (
     Usage,
 )
 from router.replay_log import failure_record, log_failure
-from router.sampling import to_sampling_params
+from router.sampling import request_sampling_params, requested_max_tokens, to_sampling_params
 from router.sse import DONE, ChunkRenderer, SSEResponse
 
 logger = logging.getLogger("mmserve.ingress")
@@ -161,7 +162,12 @@ class ChatService:
         cache_salt: str | None = None,
     ) -> Response:
         orch = model.orchestrator
-        prepared = await orch.prepare(request_id, chat)
+        # Where the encoder replica submits a media request itself, it needs what ``params`` will be.
+        fwd = None
+        if chat.has_media:
+            base = request_sampling_params(req)
+            fwd = ForwardRequest(request_id, "", base, requested_max_tokens(req), cache_salt)
+        prepared = await orch.prepare(request_id, chat, fwd)
         params = to_sampling_params(req, len(prepared.prompt_token_ids), model.max_model_len)
         stream = deadline.stream(orch.stream(request_id, prepared, params, cache_salt))
         detok = IncrementalDetokenizer(orch.decode, stop=req.stop_strings)

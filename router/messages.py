@@ -143,3 +143,25 @@ def text_only_messages(chat: NormalizedChat) -> list[dict[str, Any]]:
             content = "".join(p["text"] for p in content if p["type"] == "text")
         flat.append({"role": m["role"], "content": content})
     return flat
+
+
+def inline_media(messages: list[dict[str, Any]], max_chars: int) -> bool:
+    """Every media item carries its bytes inline (raw or a ``data:`` URL, at most
+    ``max_chars`` in all) or a uuid alone: what the hit path may hash on the ingress's loop.
+    Anything it would have to fetch goes to ``prepare``."""
+    total = 0
+    for msg in messages:
+        content = msg.get("content")
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            ref = part.get("media")
+            if not isinstance(ref, MediaRef):
+                continue
+            if ref.data is not None:
+                total += len(ref.data)
+            elif ref.url is not None:
+                if not ref.url.startswith("data:"):
+                    return False
+                total += len(ref.url)
+    return total <= max_chars

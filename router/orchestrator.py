@@ -2,7 +2,8 @@
 
   text only:  tokenize (off the event loop when long) ──────────────▶ LLM submit ─┐
   media:      prepare (an EncoderPool or Preprocessor replica: hash,  ─▶ LLM submit ─┤
-              look up, process + encode misses next to the cache; refs back)          │
+              look up, process + encode misses next to the cache; refs back; or it    │
+              submits the request itself: router/forwarding.py) ───────────────────────┤
                                                    tokens ◀── output channel, one message per step
 
 A prepared request holds nothing in the encoder cache: it holds its embeddings' refs itself (Ray
@@ -24,21 +25,20 @@ import functools
 import logging
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from encoder_service.cache_index import ref_id
 from encoder_service.prepared import LookedUp, PreparedRequest
-from encoder_service.types import MediaRef
 from llm_service.embeddings import EmbeddingsLost
 from llm_service.errors import RequestFailed
 from llm_service.outputs import RequestOutput
-from llm_service.prefix_hash import compute_block_hashes
 from llm_service.request_spec import EmbeddingRef, LLMRequestSpec, SubmitReply
 from llm_service.sampling_params import SamplingParams
 from router.errors import bad_request, find_cause, is_client_error, lost_twice, replica_gone
+from router.forwarding import ForwardRequest, embedding_refs, request_spec
 from router.llm_client import LLMClient
-from router.messages import NormalizedChat, text_only_messages
+from router.messages import NormalizedChat, inline_media, text_only_messages
 
 logger = logging.getLogger("mmserve.router")
 
@@ -87,6 +87,7 @@ class ModelHandles:
     llm: LLMClient
     cache: CacheIndex
     hit_path: HitPath | None = None  # None: every media request goes to ``prepare``
+    forward: bool = False  # the preparing replicas submit to the LLM pool themselves (forwarding.py)
 
 
 @dataclass
@@ -95,6 +96,7 @@ class Prepared:
 
     prompt_token_ids: list[int]
     mm_items: list[EmbeddingRef]
+    forwarded_to: SubmitReply | None = None  # submitted already, by the replica that prepared it
 
 
 class Orchestrator:
@@ -114,6 +116,7 @@ class Orchestrator:
         self.hit_path_served = 0  # media requests prepared at the ingress alone (all cache hits)
         self._messages: dict[str, Any] = {}  # request id -> normalised messages, while it may re-prepare
         self._deferred: dict[str, list[asyncio.Task[None]]] = {}  # work to finish before answering
+        self._forwarded: dict[str, SubmitReply] = {}  # submitted by a preparing replica, not adopted yet
         self._sweeper: asyncio.Task[None] | None = None  # the near cache's expiry (_ensure_sweeper)
         # request id -> PreprocessedRequest.to_log(), until forget(); bounded, in case a response is
         # dropped before its body starts (then nothing calls forget()).
@@ -133,12 +136,19 @@ class Orchestrator:
             return self._tokenize_sync(chat)
         return await asyncio.to_thread(self._tokenize_sync, chat)
 
-    async def prepare(self, request_id: str, chat: NormalizedChat) -> Prepared:
-        """Prompt ids and embedding refs."""
+    async def prepare(
+        self, request_id: str, chat: NormalizedChat, forward: ForwardRequest | None = None
+    ) -> Prepared:
+        """Prompt ids and embedding refs. With ``forward`` (and ``ModelHandles.forward``), a request
+        the hit path does not serve is submitted by the replica that prepares it (``forwarded_to``)."""
         if not chat.has_media:
             return Prepared(await self.tokenize_text_chat(chat), [])
         self._messages[request_id] = chat.messages
-        prepared = await self._prepare_media(request_id, request_id)
+        if forward is not None and self.h.forward:
+            forward = replace(forward, request_id=request_id, ingress_id=self.h.llm.ingress_id)
+        else:
+            forward = None
+        prepared = await self._prepare_media(request_id, request_id, forward)
         if len(prepared.prompt_token_ids) >= self.max_model_len:
             raise bad_request(
                 f"the prompt has {len(prepared.prompt_token_ids)} tokens with its media expanded; "
@@ -148,40 +158,35 @@ class Orchestrator:
             )
         return prepared
 
-    async def _prepare_media(self, request_id: str, attempt_id: str) -> Prepared:
-        pre = await self._prepare_call(request_id, attempt_id)
+    async def _prepare_media(
+        self, request_id: str, attempt_id: str, forward: ForwardRequest | None = None
+    ) -> Prepared:
+        pre = await self._prepare_call(request_id, attempt_id, forward)
         self._replay[request_id] = pre.log
         while len(self._replay) > MAX_REPLAY_RECORDS:
             self._replay.popitem(last=False)
         if pre.num_encoded:
             self._on_encoder_run(pre.num_encoded)
-        items = [
-            EmbeddingRef(
-                ref=list(it.ref),
-                offset=it.offset,
-                length=it.length,
-                mm_hash=it.mm_hash,
-                modality=it.modality,
-                grid_thw=it.grid_thw,
-                second_per_grid_ts=it.second_per_grid_ts,
-                rows=it.rows,
-            )
-            for it in pre.items
-        ]
-        return Prepared(list(pre.prompt_token_ids), items)
+        forwarded_to = SubmitReply(*pre.forwarded_to) if pre.forwarded_to else None
+        if forwarded_to is not None:
+            self._forwarded[request_id] = forwarded_to
+        return Prepared(list(pre.prompt_token_ids), embedding_refs(pre), forwarded_to)
 
-    async def _prepare_call(self, request_id: str, attempt_id: str) -> PreparedRequest:
+    async def _prepare_call(
+        self, request_id: str, attempt_id: str, forward: ForwardRequest | None = None
+    ) -> PreparedRequest:
         """One ``prepare`` call, sent again (under a fresh attempt id) while the replica preparing it
         dies: Serve routes the next to a live replica or to the dead one's successor. The first
         attempt tries the hit path here first (``hit_path``): a request whose every item the
-        encoder cache holds makes no call but the lookup."""
+        encoder cache holds makes no call but the lookup. Only the first call may ``forward``: a
+        retry's replica must not submit what a dead one may have submitted already."""
         messages = self._messages[request_id]
-        use_hit_path = self.h.hit_path is not None and _inline_media(messages)
+        use_hit_path = self.h.hit_path is not None and inline_media(messages, HIT_PATH_MAX_CHARS)
         if use_hit_path:
             self._ensure_sweeper()
         for attempt in range(1, PREPARE_ATTEMPTS + 1):
             aid = attempt_id if attempt == 1 else f"{attempt_id}#p{attempt}"
-            from_hit_path = False
+            from_hit_path = expected = False
             try:
                 looked_up = None
                 if use_hit_path and attempt == 1 and self.h.hit_path is not None:
@@ -195,19 +200,29 @@ class Orchestrator:
                         self.hit_path_served += 1
                         return got
                     looked_up, from_hit_path = got, False
+                fwd = forward if attempt == 1 else None
+                args: tuple[Any, ...] = (looked_up, fwd) if fwd else (looked_up,) if looked_up else ()
+                if fwd is not None:  # its outputs may come before the answer
+                    self.h.llm.expect(request_id)
+                    expected = True
                 if looked_up is None:
-                    pre: PreparedRequest = await self.h.preprocess.prepare.remote(aid, messages)
+                    pre: PreparedRequest = await self.h.preprocess.prepare.remote(aid, messages, *args)
                 else:  # its reservations are ours until the replica takes them: renewed meanwhile
                     assert self.h.hit_path is not None
                     held = {h: kind for h, (kind, _) in looked_up.found.items()}
                     async with self.h.hit_path.renewing(aid, held):
-                        pre = await self.h.preprocess.prepare.remote(aid, messages, looked_up)
+                        pre = await self.h.preprocess.prepare.remote(aid, messages, *args)
+                if fwd is not None and pre.forwarded_to is None:  # we submit it ourselves
+                    self.h.llm.unexpect(request_id)
                 if self.h.hit_path is not None:
                     self.h.hit_path.remember(pre, looked_up)
                 return pre
             except BaseException as e:
                 # The replica may still be running (a cancel need not reach it): release on every
-                # shard. Final there: its later reservations are refused.
+                # shard. Final there: its later reservations are refused. Anything it forwarded
+                # reaches no reader now: aborted as an orphan when its outputs come.
+                if expected:
+                    self.h.llm.unexpect(request_id)
                 await asyncio.shield(self._release(aid))
                 # The hit path failing on our side (a cache shard restarting) costs the shortcut,
                 # not the request: the next attempt prepares it on a replica.
@@ -282,6 +297,8 @@ class Orchestrator:
         """The request is over (answered or failed and logged): drop its replay facts."""
         self._replay.pop(request_id, None)
         self._messages.pop(request_id, None)
+        if (forwarded_to := self._forwarded.pop(request_id, None)) is not None:  # never adopted
+            self.h.llm.unexpect(request_id, forwarded_to)  # aborted where it went
         # Still running, if at all: they leave the books when done; their failures are logged.
 
     def decode(self, token_ids: Any) -> str:
@@ -316,7 +333,12 @@ class Orchestrator:
         it fetches them then, and a loss then arrives here before any output: invalidated,
         re-encoded and submitted again, as a loss at submit is (a second one is a 503)."""
         for attempt in (1, 2):
-            reply = await self._submit(request_id, prepared, params, cache_salt)
+            if attempt == 1 and prepared.forwarded_to is not None:
+                self._forwarded.pop(request_id, None)
+                spec = self._spec(request_id, prepared, params, cache_salt)
+                reply = self.h.llm.adopt(spec, prepared.forwarded_to)
+            else:
+                reply = await self._submit(request_id, prepared, params, cache_salt)
             outs = self.h.llm.outputs(request_id, reply)
             try:
                 return outs, await anext(outs, None)
@@ -336,25 +358,29 @@ class Orchestrator:
     ) -> SubmitReply:
         """Submit, re-encoding lost embeddings once; returns where it went."""
         for attempt in (1, 2):
-            items = prepared.mm_items
-            spans = [(m.offset, m.length, m.mm_hash) for m in items]
-            hashes = compute_block_hashes(
-                prepared.prompt_token_ids, spans, self.block_size, cache_salt=cache_salt
-            )
-            spec = LLMRequestSpec(
-                request_id, prepared.prompt_token_ids, params, items, hashes, cache_salt=cache_salt
-            )
             try:
-                return await self.h.llm.submit(spec)
+                return await self.h.llm.submit(self._spec(request_id, prepared, params, cache_salt))
             except BaseException as e:
                 lost = find_cause(e, EmbeddingsLost, "mm_hashes")
                 if lost is None:
                     raise
-                await self._invalidate(request_id, lost.mm_hashes, items, attempt)
+                await self._invalidate(request_id, lost.mm_hashes, prepared.mm_items, attempt)
                 if attempt == 2:
                     raise lost_twice(lost.mm_hashes) from e
                 prepared = await self._prepare_media(request_id, f"{request_id}#retry")
         raise AssertionError("unreachable: the second attempt returns or raises")
+
+    def _spec(
+        self, request_id: str, prepared: Prepared, params: SamplingParams, cache_salt: str | None
+    ) -> LLMRequestSpec:
+        return request_spec(
+            request_id,
+            prepared.prompt_token_ids,
+            prepared.mm_items,
+            params,
+            self.block_size,
+            cache_salt=cache_salt,
+        )
 
     async def _invalidate(
         self, request_id: str, lost: list[str], mm_items: list[EmbeddingRef], attempt: int
@@ -367,28 +393,6 @@ class Orchestrator:
         if self.h.hit_path is not None:
             self.h.hit_path.forget(lost)
         await self.h.cache.invalidate(lost, sent)
-
-
-def _inline_media(messages: list[dict[str, Any]]) -> bool:
-    """Every media item carries its bytes inline (raw or a ``data:`` URL, at most
-    ``HIT_PATH_MAX_CHARS`` in all) or a uuid alone: what the hit path may hash on the ingress's loop.
-    Anything it would have to fetch goes to ``prepare``."""
-    total = 0
-    for msg in messages:
-        content = msg.get("content")
-        if not isinstance(content, list):
-            continue
-        for part in content:
-            ref = part.get("media")
-            if not isinstance(ref, MediaRef):
-                continue
-            if ref.data is not None:
-                total += len(ref.data)
-            elif ref.url is not None:
-                if not ref.url.startswith("data:"):
-                    return False
-                total += len(ref.url)
-    return total <= HIT_PATH_MAX_CHARS
 
 
 def _log_failure(task: asyncio.Task[None]) -> None:

@@ -100,6 +100,25 @@ class PrefixAffinityIndex:
         return sorted(replicas, key=key)
 
 
+_SHARED: dict[str, PrefixAffinityIndex] = {}
+
+
+def shared_index(deployment: str) -> PrefixAffinityIndex:
+    """This process's one index for a deployment (``"app#name"``): its Serve request router chooses
+    with it, and the ingress records there the requests another process routed on its behalf (an
+    encoder replica that forwarded a prepared request: router/forwarding.py), so a conversation's
+    next turn, served from the encoder cache and routed here, still finds the replica holding it."""
+    index = _SHARED.get(deployment)
+    if index is None:
+        index = _SHARED[deployment] = PrefixAffinityIndex()
+    return index
+
+
+def deployment_key(deployment_id: object) -> str:
+    """``"app#name"`` of a Serve ``DeploymentID`` (or anything with ``app_name`` and ``name``)."""
+    return f"{getattr(deployment_id, 'app_name', '')}#{getattr(deployment_id, 'name', '')}"
+
+
 def least_loaded(load: Mapping[ReplicaKey, float], rng: random.Random | None = None) -> list[ReplicaKey]:
     """Replicas by load, equal loads in random order."""
     ties = {r: (rng or random).random() for r in load}

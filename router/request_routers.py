@@ -12,7 +12,7 @@ from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from router.prefix_affinity import PrefixAffinityIndex, least_loaded
+from router.prefix_affinity import deployment_key, least_loaded, shared_index
 
 
 def _request_arg(pending: PendingRequest | None, attr: str, default: Any) -> Any:
@@ -101,7 +101,8 @@ class PrefixAffinityRouter(_LoadAwareRouter):
 
     def initialize_state(self, **kwargs: Any) -> None:
         super().initialize_state(**kwargs)
-        self._index = PrefixAffinityIndex()
+        # Keyed by replica unique id: the ingress records forwarded requests by the id they report.
+        self._index = shared_index(deployment_key(self._deployment_id))
 
     def _reported(self, replica: RunningReplica) -> float:
         stats = replica.routing_stats
@@ -117,13 +118,16 @@ class PrefixAffinityRouter(_LoadAwareRouter):
                 if rid.unique_id == target:
                     return [rid]
             return least_loaded(load)
-        return self._index.choose(list(_request_arg(pending_request, "block_hashes", ())), load)
+        by_uid = {rid.unique_id: rid for rid in load}
+        hashes = list(_request_arg(pending_request, "block_hashes", ()))
+        order = self._index.choose(hashes, {rid.unique_id: v for rid, v in load.items()})
+        return [by_uid[uid] for uid in order]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         if not _request_arg(pending_request, "target_replica", ""):
-            self._index.record(replica_id, list(_request_arg(pending_request, "block_hashes", ())))
+            self._index.record(replica_id.unique_id, list(_request_arg(pending_request, "block_hashes", ())))
         super().on_request_routed(pending_request, replica_id, result)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        self._index.remove_replica(replica_id)
+        self._index.remove_replica(replica_id.unique_id)

@@ -1,6 +1,10 @@
 """Two LLM replicas behind the prefix-affinity router: repeats of a conversation land on the replica
 that holds its prefix (their prompt comes from that replica's KV cache), while distinct
-conversations spread over both. Real Ray Serve, real HTTP, the openai client."""
+conversations spread over both. Real Ray Serve, real HTTP, the openai client.
+
+The encoder replicas prepare (``placement: encoder``) and forward: a cold image conversation is
+routed by the encoder replica's handle, its repeat (served from the encoder cache, at the ingress)
+by the ingress's; the ingress records where forwarded requests went (router/forwarding.py)."""
 
 from __future__ import annotations
 
@@ -23,7 +27,13 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     import ray
     from ray import serve
 
-    model = {"name": MODEL, "tiny": "qwen2-vl", "llm": {"deployment": {"num_replicas": 2}}}
+    model = {
+        "name": MODEL,
+        "tiny": "qwen2-vl",
+        "llm": {"deployment": {"num_replicas": 2}},
+        "preprocess": {"placement": "encoder"},
+        "encoder": {"cache_index_shards": 1},
+    }
     cache_dir = str(tmp_path_factory.mktemp("models"))
     client = start_local_app({"models": [model], "models_cache_dir": cache_dir})
     yield {"client": client}
@@ -75,3 +85,41 @@ def test_distinct_conversations_spread_and_repeats_hit_their_replica(app: dict[s
             # Every full block of the prompt but the last token's comes from the replica's KV cache.
             assert cached >= (prompt - 1) // block * block - block, (i, prompt, cached)
             assert again.choices[0].message.content == first[i].choices[0].message.content
+
+
+def _image_conversation(i: int) -> list[dict[str, Any]]:
+    import base64
+
+    from tests.media import make_image_bytes
+
+    url = "data:image/png;base64," + base64.b64encode(make_image_bytes(56 + 28 * (i % 2), 56, seed=i)).decode()
+    text = f"Picture {i}. " + " ".join(f"note {i}-{k}." for k in range(12))
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]
+    return [{"role": "user", "content": content}]
+
+
+def test_an_image_conversation_repeated_hits_the_replica_its_encoder_forwarded_it_to(
+    app: dict[str, Any],
+) -> None:
+    """First turn cold: prepared and submitted by the encoder replica (its router picks the LLM
+    replica). The repeat is all encoder-cache hits, prepared and routed at the ingress: it must find
+    the replica that holds the prefix, which only the encoder's router chose."""
+    client: OpenAI = app["client"]
+    n = 8
+    before = _replica_stats()
+    with ThreadPoolExecutor(4) as pool:
+        first = list(pool.map(lambda i: _ask(client, _image_conversation(i)), range(n)))
+    after = _replica_stats()
+    queried = {rid: after[rid]["prefix_query_tokens"] - before[rid]["prefix_query_tokens"] for rid in after}
+    assert all(q > 0 for q in queried.values()), f"one replica got nothing: {queried}"
+    from ray import serve
+
+    encoder = serve.get_deployment_handle(f"EncoderPool-{MODEL}", app_name="mmserve")
+    assert encoder.stats.remote().result(timeout_s=30)["forwarded_submits"] >= n  # the encoder submitted
+    block = 16
+    for i in range(n):
+        again = _ask(client, _image_conversation(i))
+        prompt = again.usage.prompt_tokens
+        cached = again.usage.prompt_tokens_details.cached_tokens
+        assert cached >= (prompt - 1) // block * block - block, (i, prompt, cached)
+        assert again.choices[0].message.content == first[i].choices[0].message.content
