@@ -92,7 +92,9 @@ def _image_conversation(i: int) -> list[dict[str, Any]]:
 
     from tests.media import make_image_bytes
 
-    url = "data:image/png;base64," + base64.b64encode(make_image_bytes(56 + 28 * (i % 2), 56, seed=i)).decode()
+    url = (
+        "data:image/png;base64," + base64.b64encode(make_image_bytes(56 + 28 * (i % 2), 56, seed=i)).decode()
+    )
     text = f"Picture {i}. " + " ".join(f"note {i}-{k}." for k in range(12))
     content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]
     return [{"role": "user", "content": content}]
