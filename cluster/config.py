@@ -165,9 +165,10 @@ class PreprocessConfig(_Strict):
         "encoder: each encoder replica prepares the requests it is sent (one hop fewer; `mmserve serve`'s default)",
     )
     forward: bool = Field(
-        True,
+        False,
         description="with placement encoder: the encoder replica that prepared a media request submits "
-        "it to the LLM pool itself (one message fewer before the first token; router/forwarding.py)",
+        "it to the LLM pool itself (one message fewer before the first token; router/forwarding.py). "
+        "Off by default: on one 2-core machine it cost more than it saved (README, Forwarding)",
     )
     hit_path: bool = Field(
         True,

@@ -31,7 +31,7 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         "name": MODEL,
         "tiny": "qwen2-vl",
         "llm": {"deployment": {"num_replicas": 2}},
-        "preprocess": {"placement": "encoder"},
+        "preprocess": {"placement": "encoder", "forward": True},
         "encoder": {"cache_index_shards": 1},
     }
     cache_dir = str(tmp_path_factory.mktemp("models"))
