@@ -18,7 +18,7 @@ import httpx
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
-from tests.integration.e2e.common import data_url, wait_for
+from tests.integration.e2e.common import data_url, send_concurrently, wait_for
 from tests.integration.e2e.test_mixed_load import _referenced_objects
 from tests.integration.local_app import start_local_app
 from tests.media import make_image_bytes
@@ -116,17 +116,7 @@ async def _send(client: AsyncOpenAI, i: int) -> int:
 
 
 async def _run(base_url: str, indices: list[int]) -> list[int]:
-    client = AsyncOpenAI(base_url=base_url, api_key="unused", timeout=300, max_retries=0)
-    gate = asyncio.Semaphore(16)
-
-    async def one(i: int) -> int:
-        async with gate:
-            return await _send(client, i)
-
-    try:
-        return list(await asyncio.gather(*(one(i) for i in indices)))
-    finally:
-        await client.close()
+    return await send_concurrently(base_url, _send, indices, 16)
 
 
 def test_forwarded_requests_leave_the_object_store_kv_and_channels_at_baseline(app: OpenAI) -> None:

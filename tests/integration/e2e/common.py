@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import base64
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,3 +40,24 @@ def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None
     while not condition():
         assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
         time.sleep(0.2)
+
+
+async def send_concurrently(
+    base_url: str, send: Callable[[Any, int], Awaitable[int]], indices: list[int], concurrency: int
+) -> list[int]:
+    """``send(client, i)`` for every index, at most ``concurrency`` at once, with one AsyncOpenAI client."""
+    import asyncio
+
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=base_url, api_key="unused", timeout=300, max_retries=0)
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(i: int) -> int:
+        async with gate:
+            return await send(client, i)
+
+    try:
+        return list(await asyncio.gather(*(one(i) for i in indices)))
+    finally:
+        await client.close()

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from openai import AsyncOpenAI
 
-from tests.integration.e2e.common import AUDIO, PORT, VL, data_url, wait_for
+from tests.integration.e2e.common import AUDIO, PORT, VL, data_url, send_concurrently, wait_for
 from tests.integration.e2e.test_leaks_and_metrics import _encoder_cache, _llm_stats
 from tests.media import make_audio_bytes, make_image_bytes
 
@@ -65,17 +65,7 @@ async def _send(client: AsyncOpenAI, i: int) -> int:
 
 
 async def _run(indices: list[int]) -> list[int]:
-    client = AsyncOpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="unused", timeout=300, max_retries=0)
-    gate = asyncio.Semaphore(CONCURRENCY)
-
-    async def one(i: int) -> int:
-        async with gate:
-            return await _send(client, i)
-
-    try:
-        return list(await asyncio.gather(*(one(i) for i in indices)))
-    finally:
-        await client.close()
+    return await send_concurrently(f"http://127.0.0.1:{PORT}/v1", _send, indices, CONCURRENCY)
 
 
 def _referenced_objects() -> dict[str, str]:
