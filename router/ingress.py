@@ -164,7 +164,7 @@ class ChatService:
         orch = model.orchestrator
         # Where the encoder replica submits a media request itself, it needs what ``params`` will be.
         fwd = None
-        if chat.has_media:
+        if chat.has_media and orch.h.forward:
             base = request_sampling_params(req)
             fwd = ForwardRequest(request_id, "", base, requested_max_tokens(req), cache_salt)
         prepared = await orch.prepare(request_id, chat, fwd)
