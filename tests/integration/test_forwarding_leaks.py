@@ -18,7 +18,7 @@ import httpx
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
-from tests.integration.e2e.common import data_url, send_concurrently, wait_for
+from tests.integration.e2e.common import data_url, holders, more_references, send_concurrently, wait_for
 from tests.integration.e2e.test_mixed_load import _referenced_objects
 from tests.integration.local_app import start_local_app
 from tests.media import make_image_bytes
@@ -43,36 +43,6 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpenAI]:
     yield start_local_app({"models": [model], "models_cache_dir": cache_dir})
     serve.shutdown()
     ray.shutdown()
-
-
-def _holders() -> dict[str, dict[tuple[Any, str], int]]:
-    """Every referenced object -> each worker holding it -> its local reference count there."""
-    import ray
-    from ray._private.internal_api import get_state_from_address, node_stats
-    from ray.dashboard.utils import node_stats_to_dict
-
-    state = get_state_from_address(ray.get_runtime_context().gcs_address)
-    held: dict[str, dict[tuple[Any, str], int]] = {}
-    for raylet in state.node_table():
-        if raylet["Alive"]:
-            stats = node_stats_to_dict(node_stats(raylet["NodeManagerAddress"], raylet["NodeManagerPort"]))
-            for worker in stats["coreWorkersStats"]:
-                who = (worker.get("pid"), str(worker.get("actorTitle") or worker.get("workerType")))
-                for ref in worker.get("objectRefs", []):
-                    held.setdefault(ref["objectId"], {})[who] = int(ref.get("localRefCount") or 0)
-    return held
-
-
-def _more_references(before: dict[str, dict[tuple[Any, str], int]]) -> list[str]:
-    """One line per reference more than at ``before`` that a worker holds to an object referenced then
-    (the cached embeddings among them: a kept request would reference those, not new objects)."""
-    now = _holders()
-    return [
-        f"{oid}: {who}"
-        for oid, was in before.items()
-        for who, n in now.get(oid, {}).items()
-        for _ in range(n - was.get(who, 0))
-    ]
 
 
 def _handle(pool: str) -> Any:
@@ -124,7 +94,7 @@ def test_forwarded_requests_leave_the_object_store_kv_and_channels_at_baseline(a
     asyncio.run(_run(base_url, list(range(1, 9))))  # every image: the cache holds them from now on
     wait_for(lambda: _quiet(base_url), 60, "the warm-up to settle")
     baseline = _referenced_objects()
-    refs_before = _holders()
+    refs_before = holders()
     forwarded_before = _handle("EncoderPool").stats.remote().result(timeout_s=30)["forwarded_submits"]
 
     assert all(n >= 1 for n in asyncio.run(_run(base_url, list(range(100, 100 + NUM_REQUESTS)))))
@@ -136,9 +106,9 @@ def test_forwarded_requests_leave_the_object_store_kv_and_channels_at_baseline(a
     # Serve's own bookkeeping references a few objects that come and go; a request that kept its
     # refs would add one per media item: ~250 here.
     try:
-        wait_for(lambda: len(_more_references(refs_before)) <= NUM_REQUESTS // 20, 60, "references")
+        wait_for(lambda: len(more_references(refs_before)) <= NUM_REQUESTS // 20, 60, "references")
     except AssertionError:
-        more = _more_references(refs_before)
+        more = more_references(refs_before)
         raise AssertionError(f"{len(more)} references more than at the baseline: {more[:10]}") from None
     try:
         wait_for(

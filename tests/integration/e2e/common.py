@@ -61,3 +61,33 @@ async def send_concurrently(
         return list(await asyncio.gather(*(one(i) for i in indices)))
     finally:
         await client.close()
+
+
+def holders() -> dict[str, dict[tuple[Any, str], int]]:
+    """Every referenced object -> each worker holding it -> its local reference count there."""
+    import ray
+    from ray._private.internal_api import get_state_from_address, node_stats
+    from ray.dashboard.utils import node_stats_to_dict
+
+    state = get_state_from_address(ray.get_runtime_context().gcs_address)
+    held: dict[str, dict[tuple[Any, str], int]] = {}
+    for raylet in state.node_table():
+        if raylet["Alive"]:
+            stats = node_stats_to_dict(node_stats(raylet["NodeManagerAddress"], raylet["NodeManagerPort"]))
+            for worker in stats["coreWorkersStats"]:
+                who = (worker.get("pid"), str(worker.get("actorTitle") or worker.get("workerType")))
+                for ref in worker.get("objectRefs", []):
+                    held.setdefault(ref["objectId"], {})[who] = int(ref.get("localRefCount") or 0)
+    return held
+
+
+def more_references(before: dict[str, dict[tuple[Any, str], int]]) -> list[str]:
+    """One line per reference more than at ``before`` that a worker holds to an object referenced then
+    (the cached embeddings among them: a kept request would reference those, not new objects)."""
+    now = holders()
+    return [
+        f"{oid}: {who}"
+        for oid, was in before.items()
+        for who, n in now.get(oid, {}).items()
+        for _ in range(n - was.get(who, 0))
+    ]
