@@ -43,7 +43,7 @@ from router.protocol import (
     Usage,
 )
 from router.replay_log import failure_record, log_failure
-from router.sampling import request_sampling_params, requested_max_tokens, to_sampling_params
+from router.sampling import fit_to_prompt, request_sampling_params, requested_max_tokens
 from router.sse import DONE, ChunkRenderer, SSEResponse
 
 logger = logging.getLogger("mmserve.ingress")
@@ -162,13 +162,14 @@ class ChatService:
         cache_salt: str | None = None,
     ) -> Response:
         orch = model.orchestrator
-        # Where the encoder replica submits a media request itself, it needs what ``params`` will be.
+        # ``max_tokens`` is fitted to the prompt once it is prepared: here, or on the encoder replica
+        # that submits a media request itself (it fits the same parameters the same way).
+        base, requested = request_sampling_params(req), requested_max_tokens(req)
         fwd = None
         if chat.has_media and orch.h.forward:
-            base = request_sampling_params(req)
-            fwd = ForwardRequest(request_id, "", base, requested_max_tokens(req), cache_salt)
+            fwd = ForwardRequest(request_id, "", base, requested, cache_salt)
         prepared = await orch.prepare(request_id, chat, fwd)
-        params = to_sampling_params(req, len(prepared.prompt_token_ids), model.max_model_len)
+        params = fit_to_prompt(base, requested, len(prepared.prompt_token_ids), model.max_model_len)
         stream = deadline.stream(orch.stream(request_id, prepared, params, cache_salt))
         detok = IncrementalDetokenizer(orch.decode, stop=req.stop_strings)
         first = await _first_or_error(stream)

@@ -145,8 +145,16 @@ def test_the_forwarded_params_are_the_ones_the_ingress_computes() -> None:
         await _settle(w.handle)
         return w.handle.detached[0]
 
-    for req in (_request(), _request(max_tokens=7, temperature=0.5, top_k=3, seed=11)):
+    rest = SamplingParams(max_tokens=MAX_MODEL_LEN - len(PROMPT), temperature=1.0, ignore_eos=True)
+    asked = SamplingParams(max_tokens=7, temperature=0.5, top_k=3, seed=11, ignore_eos=True)
+    for req, expected in (
+        (_request(), rest),
+        (_request(max_tokens=7, temperature=0.5, top_k=3, seed=11), asked),
+    ):
         spec = asyncio.run(scenario(req))
+        assert (
+            spec.sampling_params == expected
+        )  # written out by hand: the OpenAI defaults, the rest of the window
         assert spec.sampling_params == to_sampling_params(req, len(PROMPT), MAX_MODEL_LEN)
         ours = request_spec("r", list(PROMPT), [], spec.sampling_params, BLOCK, ingress_id="ing-test")
         assert spec == ours and list(spec.block_hashes) == list(ours.block_hashes)
