@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
@@ -19,6 +19,7 @@ from ray.serve.config import RequestRouterConfig
 from cluster.autoscaling_policy import ENCODER_POLICY, LLM_POLICY
 from cluster.budgets import encoder_budgets, largest_item_embeds, row_units
 from cluster.config import AppConfig, DeploymentOptions, ModelConfig
+from cluster.direct_served import DirectServed, link_token
 from cluster.model_dirs import resolve_model_dir
 
 TP_LEADER_NUM_CPUS = 0.1  # the replica of a TP>1 encoder group only queues, batches and puts
@@ -87,7 +88,9 @@ def encoder_placement(model: ModelConfig) -> dict[str, Any]:
 def _preprocessor(model: ModelConfig, cache_dir: str, encoder: Any) -> Any:
     from encoder_service.deployment import PreprocessorServer
 
-    class Preprocessor(PreprocessorServer):
+    class Preprocessor(PreprocessorServer, DirectServed):
+        DIRECT_METHODS: ClassVar[dict[str, str]] = {"prepare": "prepare"}
+
         def __init__(self, model_json: dict[str, Any], cache_dir: str, encoder: Any) -> None:
             m = ModelConfig.model_validate(model_json)
             model_dir = resolve_model_dir(m, cache_dir)
@@ -119,6 +122,16 @@ def preprocess_args(m: ModelConfig) -> dict[str, Any]:
     }
 
 
+def direct_pools(cfg: AppConfig, model: ModelConfig) -> tuple[str, ...]:
+    """The model's pools the ingress calls over a direct link (``ingress.transport: auto``): those
+    that run exactly one replica, where Serve has nothing to route and nothing to scale."""
+    if cfg.ingress.transport != "auto":
+        return ()
+    preparing = model.encoder if model.preprocess.placement == "encoder" else model.preprocess
+    pools = {"llm": model.llm.deployment, "preprocess": preparing.deployment}
+    return tuple(name for name, d in pools.items() if d.single_replica())
+
+
 def forwards(model: ModelConfig) -> bool:
     """The model's encoder replicas prepare its media requests and submit them to its LLM pool."""
     return model.preprocess.placement == "encoder" and model.preprocess.forward
@@ -132,7 +145,9 @@ def _encoder_pool(model: ModelConfig, cache_dir: str, llm: Any = None) -> Any:
     prepares = model.preprocess.placement == "encoder"
     base: type[EncoderPoolServer] = PreparingEncoderServer if prepares else EncoderPoolServer
 
-    class EncoderPool(base):  # type: ignore[misc,valid-type]
+    class EncoderPool(base, DirectServed):  # type: ignore[misc,valid-type]
+        DIRECT_METHODS: ClassVar[dict[str, str]] = {"prepare": "prepare"} if prepares else {}
+
         def __init__(self, model_json: dict[str, Any], cache_dir: str, llm: Any = None) -> None:
             from router.forwarding import PreparedForwarder
 
@@ -171,7 +186,9 @@ def _llm_server(model: ModelConfig, cache_dir: str) -> Any:
     from llm_service.deployment import LLMServer
     from router.request_routers import PrefixAffinityRouter
 
-    class LLMPool(LLMServer):
+    class LLMPool(LLMServer, DirectServed):
+        DIRECT_METHODS: ClassVar[dict[str, str]] = {"submit": "submit_detached", "abort": "abort"}
+
         def __init__(self, model_json: dict[str, Any], cache_dir: str) -> None:
             from llm_service.config import EngineConfig
 
@@ -268,6 +285,8 @@ def _ingress(config: AppConfig, pools: dict[str, dict[str, Any]]) -> Any:
                         m.preprocess.hit_path_cache_entries,
                         m.preprocess.hit_path_cache_ttl_s,
                         forward=forwards(m),
+                        direct=direct_pools(cfg, m),
+                        link_token=link_token() if direct_pools(cfg, m) else "",
                     )
                 )
             ing = cfg.ingress

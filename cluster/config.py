@@ -84,6 +84,12 @@ class DeploymentOptions(_Strict):
     num_gpus: float = Field(0.0, ge=0)
     resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources")
 
+    def single_replica(self) -> bool:
+        """Exactly one replica, always: nothing to route, nothing to scale (``ingress.transport: auto``)."""
+        if self.num_replicas is not None:
+            return self.num_replicas == 1
+        return self.autoscaling.min_replicas == self.autoscaling.max_replicas == 1
+
     def ray_actor_options(self) -> dict[str, Any]:
         opts: dict[str, Any] = {"num_cpus": self.num_cpus}
         if self.num_gpus:
@@ -224,6 +230,12 @@ class IngressConfig(_Strict):
         "proxy",
         description="proxy: HTTP through Serve's proxy (what a Kubernetes Service targets); direct: each "
         "ingress replica serves HTTP itself on host:port (SO_REUSEPORT), no proxy — `mmserve serve`'s default",
+    )
+    transport: Literal["auto", "serve"] = Field(
+        "auto",
+        description="how the ingress calls a pool (prepare, submit): auto sends them as frames on a plain "
+        "long-lived socket to a pool that runs exactly one replica (router/direct_link.py) and through "
+        "Serve's handles to any other; serve: always through Serve's handles",
     )
     max_request_bytes: int = Field(64 * 1024 * 1024, ge=1)
     max_messages: int = Field(256, ge=1)

@@ -52,6 +52,8 @@ class IngressModel:
     near_cache_entries: int = 0  # the hit path's near cache (encoder_service/near_cache.py); 0: none
     near_cache_ttl_s: float = 0.0
     forward: bool = False  # the preparing replicas submit to the LLM pool (router/forwarding.py)
+    direct: tuple[str, ...] = ()  # pools ("llm", "preprocess") called over a direct link (direct_link.py)
+    link_token: str = ""  # what a direct link presents (cluster/direct_served.py)
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,21 @@ class HTTPOptions:
     drain_timeout_s: float = 30.0  # shutdown: how long in-flight HTTP responses may take to finish
     max_json_values: int = DEFAULT_MAX_JSON_VALUES
     request_timeout_s: float | None = None  # end to end, router/deadline.py
+
+
+def _link(m: IngressModel, pool: str, handle: Any) -> Any:
+    """A ``DirectLink`` to the one replica behind ``handle`` if ``pool`` is called directly; else None."""
+    if pool not in m.direct:
+        return None
+    from ray import cloudpickle
+
+    from router.direct_link import DirectLink
+
+    async def locate() -> tuple[str, int]:  # Serve routes this call to the pool's live replica
+        host, port = await handle.direct_address.remote()
+        return str(host), int(port)
+
+    return DirectLink(locate, m.link_token, dumps=cloudpickle.dumps)
 
 
 def _hit_path(m: IngressModel) -> Any:
@@ -101,18 +118,20 @@ class IngressServer:
         self.metrics = IngressMetrics()
         self.encoder_items_dispatched: dict[str, int] = {}
         self.caches: dict[str, Any] = {}
-        from router.deployment import _hit_path  # pickled by value: see build_direct_app below
+        from router.deployment import _hit_path, _link  # pickled by value: see build_direct_app below
 
         served: dict[str, ServedModel] = {}
         for m in models:
             self.caches[m.name] = m.cache
             self.encoder_items_dispatched[m.name] = 0
+            pre, llm = pools[m.name]["preprocess"], pools[m.name]["llm"]
             handles = ModelHandles(
-                pools[m.name]["preprocess"],
-                LLMClient(pools[m.name]["llm"]),
+                pre,
+                LLMClient(llm, link=_link(m, "llm", llm)),
                 m.cache,
                 _hit_path(m),
                 forward=m.forward,
+                prepare_link=_link(m, "preprocess", pre),
             )
             orch = Orchestrator(
                 handles,

@@ -145,4 +145,4 @@ def lost_twice(mm_hashes: list[str]) -> APIError:
 def replica_gone(e: BaseException) -> bool:
     """The call's replica died (Ray actor errors, matched by name: Ray stays out of the router's logic)."""
     names = {c.__name__ for c in type(e).__mro__}
-    return bool(names & {"ActorDiedError", "ActorUnavailableError", "RayActorError"})
+    return bool(names & {"ActorDiedError", "ActorUnavailableError", "RayActorError", "LinkLost"})

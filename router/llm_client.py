@@ -30,6 +30,7 @@ from typing import Any
 from llm_service.output_channels import ChannelBatch
 from llm_service.outputs import RequestOutput
 from llm_service.request_spec import LLMRequestSpec, ReplicaTarget, SubmitReply
+from router.direct_link import DirectLink
 from router.errors import replica_gone
 from router.prefix_affinity import deployment_key, shared_index
 
@@ -63,8 +64,10 @@ class LLMClient:
         ingress_id: str | None = None,
         connect_timeout_s: float = 30.0,
         reroute_timeout_s: float = 30.0,
+        link: DirectLink | None = None,
     ) -> None:
         self.handle = handle
+        self.link = link  # the pool's one replica over a plain socket: submit and abort as frames
         self.ingress_id = ingress_id or f"ingress-{uuid.uuid4().hex[:12]}"
         self.connect_timeout_s = connect_timeout_s
         self.reroute_timeout_s = reroute_timeout_s
@@ -132,11 +135,16 @@ class LLMClient:
         deadline = asyncio.get_running_loop().time() + self.reroute_timeout_s
         attempt = 0
         while True:
-            call = self.handle.options(stream=True).submit.remote(spec)
+            call = None
             try:
+                if self.link is not None:  # the request's life is its channel's, as a forwarded one's
+                    reply: SubmitReply = await self.link.call("submit", spec)
+                    return reply, None
+                call = self.handle.options(stream=True).submit.remote(spec)
                 return await call.__anext__(), call
             except BaseException as e:
-                call.cancel()
+                if call is not None:
+                    call.cancel()
                 attempt += 1
                 if not replica_gone(e) or asyncio.get_running_loop().time() > deadline:
                     raise
@@ -212,7 +220,10 @@ class LLMClient:
     async def _abort(self, reply: SubmitReply, request_id: str) -> None:
         try:
             target = ReplicaTarget(reply.replica_id, request_ids=(request_id,))
-            await asyncio.wait_for(self.handle.abort.remote(target), self.connect_timeout_s)
+            if self.link is not None:
+                await asyncio.wait_for(self.link.call("abort", target), self.connect_timeout_s)
+            else:
+                await asyncio.wait_for(self.handle.abort.remote(target), self.connect_timeout_s)
         except Exception:  # the replica is gone: nothing left to abort there
             logger.debug("abort of %s on %s failed", request_id, reply.replica_id, exc_info=True)
 

@@ -35,6 +35,7 @@ from llm_service.errors import RequestFailed
 from llm_service.outputs import RequestOutput
 from llm_service.request_spec import EmbeddingRef, LLMRequestSpec, SubmitReply
 from llm_service.sampling_params import SamplingParams
+from router.direct_link import DirectLink
 from router.errors import bad_request, find_cause, is_client_error, lost_twice, replica_gone
 from router.forwarding import ForwardRequest, embedding_refs, request_spec
 from router.llm_client import LLMClient
@@ -88,6 +89,14 @@ class ModelHandles:
     cache: CacheIndex
     hit_path: HitPath | None = None  # None: every media request goes to ``prepare``
     forward: bool = False  # the preparing replicas submit to the LLM pool themselves (forwarding.py)
+    prepare_link: DirectLink | None = None  # ``prepare`` as frames to the pool's one replica (direct_link.py)
+
+    async def prepare(self, *args: Any) -> PreparedRequest:
+        """One ``prepare`` call to the preparing pool: over the direct link if there is one."""
+        if self.prepare_link is not None:
+            prepared: PreparedRequest = await self.prepare_link.call("prepare", *args)
+            return prepared
+        return await self.preprocess.prepare.remote(*args)  # type: ignore[no-any-return]
 
 
 @dataclass
@@ -206,12 +215,12 @@ class Orchestrator:
                     self.h.llm.expect(request_id)
                     expected = True
                 if looked_up is None:
-                    pre: PreparedRequest = await self.h.preprocess.prepare.remote(aid, messages, *args)
+                    pre: PreparedRequest = await self.h.prepare(aid, messages, *args)
                 else:  # its reservations are ours until the replica takes them: renewed meanwhile
                     assert self.h.hit_path is not None
                     held = {h: kind for h, (kind, _) in looked_up.found.items()}
                     async with self.h.hit_path.renewing(aid, held):
-                        pre = await self.h.preprocess.prepare.remote(aid, messages, *args)
+                        pre = await self.h.prepare(aid, messages, *args)
                 if fwd is not None and pre.forwarded_to is None:  # we submit it ourselves
                     self.h.llm.unexpect(request_id)
                 if self.h.hit_path is not None:
