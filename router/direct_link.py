@@ -5,7 +5,8 @@ request and its reply as frames on an open loopback TCP connection cost ~0.02–
 (``python -m cluster.bench_transport``). So where a pool runs exactly one replica, and there is no
 routing to do and no autoscaling to feed, the ingress sends ``prepare`` and ``submit`` as frames:
 
-    client ──("hello", token)──▶ server          once per connection; a wrong token is hung up on
+    client ──len, token (raw bytes)──▶ server    once per connection; a wrong token is hung up on
+                                                 (nothing is unpickled before the token matched)
     client ──(seq, method, args)──▶ server       a call: the server runs ``handlers[method](*args)``
     client ──(seq, None, None)──▶ server         the caller left: the server cancels that call
     client ◀──(seq, ok, value or exception)──    the answer
@@ -39,6 +40,8 @@ logger = logging.getLogger("mmserve.router")
 
 MAX_FRAME_BYTES = 1 << 30  # a guard against a garbled stream, far above any request's bound
 _HEADER = struct.Struct("!I")
+_HELLO = struct.Struct("!H")  # the token's length; the token follows, raw
+MAX_TOKEN_BYTES = 1024
 
 Handler = Callable[..., Awaitable[Any]]
 
@@ -109,15 +112,12 @@ class LinkServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         running: dict[int, asyncio.Task[None]] = {}
         try:
-            hello = await asyncio.wait_for(_read_frame(reader), 10.0)
-            if not (
-                isinstance(hello, tuple)
-                and len(hello) == 2
-                and hello[0] == "hello"
-                and isinstance(hello[1], str)
-                and hmac.compare_digest(hello[1], self.token)
-            ):
-                logger.warning("direct link: a connection without the app's token was refused")
+            # The token comes as raw bytes, never a pickle: nothing from an unproven peer is unpickled.
+            hello = await asyncio.wait_for(reader.readexactly(_HELLO.size), 10.0)
+            (size,) = _HELLO.unpack(hello)
+            token = await asyncio.wait_for(reader.readexactly(size), 10.0) if size <= MAX_TOKEN_BYTES else b""
+            if not hmac.compare_digest(token, self.token.encode()):
+                logger.warning("direct link: a connection without the cluster's token was refused")
                 return
             while True:
                 seq, method, args = await _read_frame(reader)
@@ -178,7 +178,8 @@ class LinkClient:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
         except (OSError, TimeoutError) as e:
             raise LinkLost(f"could not connect to {host}:{port}: {e!r}") from e
-        writer.write(_frame(("hello", token)))
+        raw = token.encode()
+        writer.write(_HELLO.pack(len(raw)) + raw)
         return cls(reader, writer, f"{host}:{port}", dumps)
 
     async def call(self, method: str, *args: Any) -> Any:

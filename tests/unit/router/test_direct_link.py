@@ -114,3 +114,33 @@ def test_a_lost_connection_fails_waiting_calls_and_the_link_reconnects_where_loc
         await second.close()
 
     asyncio.run(run())
+
+
+PWNED: list[str] = []
+
+
+def _pwn() -> None:
+    PWNED.append("unpickled")
+
+
+class _Payload:
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_pwn, ())
+
+
+def test_nothing_is_unpickled_from_a_peer_before_its_token_matched() -> None:
+    import pickle
+    import struct
+
+    async def run() -> None:
+        server, _ = _server()
+        host, port = await server.address("127.0.0.1")
+        reader, writer = await asyncio.open_connection(host, port)
+        body = pickle.dumps((1, "echo", (_Payload(),)))
+        writer.write(struct.pack("!I", len(body)) + body)  # a call frame where the token belongs
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # hung up on
+        writer.close()
+        assert PWNED == [] and server.calls == 0
+        await server.close()
+
+    asyncio.run(run())
