@@ -19,7 +19,7 @@ from ray.serve.config import RequestRouterConfig
 from cluster.autoscaling_policy import ENCODER_POLICY, LLM_POLICY
 from cluster.budgets import encoder_budgets, largest_item_embeds, row_units
 from cluster.config import AppConfig, DeploymentOptions, ModelConfig
-from cluster.direct_served import DirectServed, link_token
+from cluster.direct_served import DirectServed, frame_dumps, link_token
 from cluster.model_dirs import resolve_model_dir
 
 TP_LEADER_NUM_CPUS = 0.1  # the replica of a TP>1 encoder group only queues, batches and puts
@@ -129,6 +129,8 @@ def direct_pools(cfg: AppConfig, model: ModelConfig) -> tuple[str, ...]:
         return ()
     preparing = model.encoder if model.preprocess.placement == "encoder" else model.preprocess
     pools = {"llm": model.llm.deployment, "preprocess": preparing.deployment}
+    if forwards(model):  # not yet over a link: a forwarded conversation timed out in a test (stop 25)
+        del pools["preprocess"]
     return tuple(name for name, d in pools.items() if d.single_replica())
 
 
@@ -287,6 +289,7 @@ def _ingress(config: AppConfig, pools: dict[str, dict[str, Any]]) -> Any:
                         forward=forwards(m),
                         direct=direct_pools(cfg, m),
                         link_token=link_token() if direct_pools(cfg, m) else "",
+                        link_dumps=frame_dumps,
                     )
                 )
             ing = cfg.ingress

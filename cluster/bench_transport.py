@@ -43,19 +43,15 @@ def build(num_cpus: float) -> Any:
 
     from cluster.direct_served import DirectServed
 
-    @serve.deployment(ray_actor_options={"num_cpus": num_cpus})
     class Callee(DirectServed):
         DIRECT_METHODS = {"submit": "submit"}  # noqa: RUF012
 
         async def submit(self, spec: dict[str, Any]) -> dict[str, Any]:
             return {"request_id": spec["request_id"], "channel_id": "c"}
 
-    @serve.deployment(ray_actor_options={"num_cpus": num_cpus})
     class Caller:
         def __init__(self, callee: Any) -> None:
-            from ray import cloudpickle
-
-            from cluster.direct_served import link_token
+            from cluster.direct_served import frame_dumps, link_token
             from router.direct_link import DirectLink
 
             self.callee = callee
@@ -64,7 +60,7 @@ def build(num_cpus: float) -> Any:
                 host, port = await callee.direct_address.remote()
                 return str(host), int(port)
 
-            self.link = DirectLink(locate, link_token(), dumps=cloudpickle.dumps)
+            self.link = DirectLink(locate, link_token(), dumps=frame_dumps)
 
         async def run(self, transport: str, calls: int, concurrency: int) -> float:
             async def one(i: int) -> None:
@@ -84,7 +80,9 @@ def build(num_cpus: float) -> Any:
             await asyncio.gather(*(gated(i) for i in range(calls)))
             return time.perf_counter() - start
 
-    return Caller.bind(Callee.bind())
+    opts = {"ray_actor_options": {"num_cpus": num_cpus}}
+    callee = serve.deployment(Callee).options(**opts).bind()
+    return serve.deployment(Caller).options(**opts).bind(callee)
 
 
 async def measure(handle: Any, calls: int, rounds: int) -> list[tuple[str, int, float, float]]:
@@ -112,15 +110,18 @@ def main(argv: list[str] | None = None) -> int:
     from ray import serve
 
     ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, namespace="mmserve-bench")
-    try:
-        handle = serve.run(build(0.1), name="bench-transport", route_prefix=None)
 
-        async def go() -> list[tuple[str, int, float, float]]:
+    async def go() -> list[tuple[str, int, float, float]]:
+        # Serve and its handles live on this loop (RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0).
+        try:
+            handle = serve.run(build(0.1), name="bench-transport", route_prefix=None)
             return await measure(handle, args.calls, args.rounds)
+        finally:
+            await serve.shutdown_async()
 
+    try:
         rows = asyncio.run(go())
     finally:
-        serve.shutdown()
         ray.shutdown()
     print("| transport | concurrency | wall ms per call | CPU-ms per call (all processes) |")
     print("| :--- | ---: | ---: | ---: |")

@@ -9,6 +9,7 @@ reads the app config.
 # No ``from __future__ import annotations`` here: ``@serve.ingress`` pickles this class by value, and
 # FastAPI must resolve the routes' annotations (``request: Request``) as objects, not as strings.
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,7 @@ class IngressModel:
     forward: bool = False  # the preparing replicas submit to the LLM pool (router/forwarding.py)
     direct: tuple[str, ...] = ()  # pools ("llm", "preprocess") called over a direct link (direct_link.py)
     link_token: str = ""  # what a direct link presents (cluster/direct_served.py)
+    link_dumps: Callable[[Any], bytes] | None = None  # how its frames are pickled (ObjectRefs in band)
 
 
 @dataclass(frozen=True)
@@ -71,15 +73,15 @@ def _link(m: IngressModel, pool: str, handle: Any) -> Any:
     """A ``DirectLink`` to the one replica behind ``handle`` if ``pool`` is called directly; else None."""
     if pool not in m.direct:
         return None
-    from ray import cloudpickle
-
     from router.direct_link import DirectLink
 
     async def locate() -> tuple[str, int]:  # Serve routes this call to the pool's live replica
         host, port = await handle.direct_address.remote()
         return str(host), int(port)
 
-    return DirectLink(locate, m.link_token, dumps=cloudpickle.dumps)
+    if m.link_dumps is None:
+        raise ValueError(f"model {m.name}: a direct link needs link_dumps")
+    return DirectLink(locate, m.link_token, dumps=m.link_dumps)
 
 
 def _hit_path(m: IngressModel) -> Any:

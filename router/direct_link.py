@@ -33,6 +33,7 @@ import hmac
 import logging
 import pickle
 import struct
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -42,6 +43,7 @@ MAX_FRAME_BYTES = 1 << 30  # a guard against a garbled stream, far above any req
 _HEADER = struct.Struct("!I")
 _HELLO = struct.Struct("!H")  # the token's length; the token follows, raw
 MAX_TOKEN_BYTES = 1024
+LOST_BACKOFF_S = 5.0  # after a lost link, calls go through Serve this long
 
 Handler = Callable[..., Awaitable[Any]]
 
@@ -236,6 +238,13 @@ class DirectLink:
         self._client: LinkClient | None = None
         self._lock: asyncio.Lock | None = None
         self.connects = 0
+        self.losses = 0
+        self._down_until = 0.0
+
+    def usable(self) -> bool:
+        """False for ``LOST_BACKOFF_S`` after a loss: meanwhile callers go through Serve, which knows
+        when the replica's successor is up (asking it for an address might reach the dying one)."""
+        return time.monotonic() >= self._down_until
 
     async def call(self, method: str, *args: Any) -> Any:
         client = self._client
@@ -246,6 +255,8 @@ class DirectLink:
         except LinkLost:
             if self._client is client:
                 self._client = None
+            self.losses += 1
+            self._down_until = time.monotonic() + LOST_BACKOFF_S
             raise
 
     async def _connect(self) -> LinkClient:
@@ -254,8 +265,12 @@ class DirectLink:
         async with self._lock:
             if self._client is not None and self._client.lost is None:
                 return self._client
-            host, port = await self._locate()
-            self._client = await LinkClient.connect(host, port, self._token, dumps=self._dumps)
+            try:
+                host, port = await self._locate()
+                self._client = await LinkClient.connect(host, port, self._token, dumps=self._dumps)
+            except BaseException:
+                self._down_until = time.monotonic() + LOST_BACKOFF_S
+                raise
             self.connects += 1
             return self._client
 

@@ -130,14 +130,16 @@ class LLMClient:
         if forwarded_to is not None:
             self._background(self._abort(forwarded_to, request_id))
 
-    async def _submit_rerouting(self, spec: LLMRequestSpec) -> tuple[SubmitReply, Any]:
+    async def _submit_rerouting(self, spec: LLMRequestSpec, via_link: bool = True) -> tuple[SubmitReply, Any]:
         """One submit call, sent again while the replica it reached turns out dead."""
         deadline = asyncio.get_running_loop().time() + self.reroute_timeout_s
         attempt = 0
         while True:
             call = None
             try:
-                if self.link is not None:  # the request's life is its channel's, as a forwarded one's
+                # Over the link, the request's life is its channel's, as a forwarded one's. A retry
+                # goes through Serve, which waits for a live replica (the link's may be the dead one).
+                if via_link and attempt == 0 and self.link is not None and self.link.usable():
                     reply: SubmitReply = await self.link.call("submit", spec)
                     return reply, None
                 call = self.handle.options(stream=True).submit.remote(spec)
@@ -177,7 +179,7 @@ class LLMClient:
             "LLM replica %s lost before %s produced output; routing it again", old.replica_id, request_id
         )
         self.rerouted += 1
-        reply, call = await self._submit_rerouting(spec)
+        reply, call = await self._submit_rerouting(spec, via_link=False)
         self._specs[request_id] = spec
         self._attach(request_id, reply, call)
         return reply
@@ -220,7 +222,7 @@ class LLMClient:
     async def _abort(self, reply: SubmitReply, request_id: str) -> None:
         try:
             target = ReplicaTarget(reply.replica_id, request_ids=(request_id,))
-            if self.link is not None:
+            if self.link is not None and self.link.usable():
                 await asyncio.wait_for(self.link.call("abort", target), self.connect_timeout_s)
             else:
                 await asyncio.wait_for(self.handle.abort.remote(target), self.connect_timeout_s)

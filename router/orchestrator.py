@@ -91,9 +91,10 @@ class ModelHandles:
     forward: bool = False  # the preparing replicas submit to the LLM pool themselves (forwarding.py)
     prepare_link: DirectLink | None = None  # ``prepare`` as frames to the pool's one replica (direct_link.py)
 
-    async def prepare(self, *args: Any) -> PreparedRequest:
-        """One ``prepare`` call to the preparing pool: over the direct link if there is one."""
-        if self.prepare_link is not None:
+    async def prepare(self, *args: Any, via_link: bool = True) -> PreparedRequest:
+        """One ``prepare`` call to the preparing pool: over the direct link if there is one and it is
+        up; a retry (``via_link=False``) goes through Serve, which waits for a live replica."""
+        if via_link and self.prepare_link is not None and self.prepare_link.usable():
             prepared: PreparedRequest = await self.prepare_link.call("prepare", *args)
             return prepared
         return await self.preprocess.prepare.remote(*args)  # type: ignore[no-any-return]
@@ -215,12 +216,12 @@ class Orchestrator:
                     self.h.llm.expect(request_id)
                     expected = True
                 if looked_up is None:
-                    pre: PreparedRequest = await self.h.prepare(aid, messages, *args)
+                    pre: PreparedRequest = await self.h.prepare(aid, messages, *args, via_link=attempt == 1)
                 else:  # its reservations are ours until the replica takes them: renewed meanwhile
                     assert self.h.hit_path is not None
                     held = {h: kind for h, (kind, _) in looked_up.found.items()}
                     async with self.h.hit_path.renewing(aid, held):
-                        pre = await self.h.prepare(aid, messages, *args)
+                        pre = await self.h.prepare(aid, messages, *args, via_link=attempt == 1)
                 if fwd is not None and pre.forwarded_to is None:  # we submit it ourselves
                     self.h.llm.unexpect(request_id)
                 if self.h.hit_path is not None:
