@@ -19,7 +19,7 @@ from ray.serve.config import RequestRouterConfig
 from cluster.autoscaling_policy import ENCODER_POLICY, LLM_POLICY
 from cluster.budgets import encoder_budgets, largest_item_embeds, row_units
 from cluster.config import AppConfig, DeploymentOptions, ModelConfig
-from cluster.direct_served import DirectServed, frame_dumps, link_token
+from cluster.direct_served import DirectLLM, DirectServed, frame_dumps, link_token
 from cluster.model_dirs import resolve_model_dir
 
 TP_LEADER_NUM_CPUS = 0.1  # the replica of a TP>1 encoder group only queues, batches and puts
@@ -91,6 +91,9 @@ def _preprocessor(model: ModelConfig, cache_dir: str, encoder: Any) -> Any:
     class Preprocessor(PreprocessorServer, DirectServed):
         DIRECT_METHODS: ClassVar[dict[str, str]] = {"prepare": "prepare"}
 
+        def __del__(self) -> None:  # Serve's shutdown hook: later frames go through Serve
+            self.drain_link()
+
         def __init__(self, model_json: dict[str, Any], cache_dir: str, encoder: Any) -> None:
             m = ModelConfig.model_validate(model_json)
             model_dir = resolve_model_dir(m, cache_dir)
@@ -150,6 +153,10 @@ def _encoder_pool(model: ModelConfig, cache_dir: str, llm: Any = None) -> Any:
     class EncoderPool(base, DirectServed):  # type: ignore[misc,valid-type]
         DIRECT_METHODS: ClassVar[dict[str, str]] = {"prepare": "prepare"} if prepares else {}
 
+        def __del__(self) -> Any:  # Serve's shutdown hook: refuse new frames, then drain the FIFO
+            self.drain_link()
+            return super().__del__()
+
         def __init__(self, model_json: dict[str, Any], cache_dir: str, llm: Any = None) -> None:
             from router.forwarding import PreparedForwarder
 
@@ -188,9 +195,7 @@ def _llm_server(model: ModelConfig, cache_dir: str) -> Any:
     from llm_service.deployment import LLMServer
     from router.request_routers import PrefixAffinityRouter
 
-    class LLMPool(LLMServer, DirectServed):
-        DIRECT_METHODS: ClassVar[dict[str, str]] = {"submit": "submit_detached", "abort": "abort"}
-
+    class LLMPool(LLMServer, DirectLLM):
         def __init__(self, model_json: dict[str, Any], cache_dir: str) -> None:
             from llm_service.config import EngineConfig
 

@@ -7,7 +7,9 @@ cluster by whichever process asks first: whoever can read it can run code on the
 
 from __future__ import annotations
 
+import asyncio
 import secrets
+from collections.abc import Awaitable
 from typing import Any, ClassVar
 
 from router.direct_link import LinkServer
@@ -59,3 +61,48 @@ class DirectServed:
             handlers = {name: getattr(self, attr) for name, attr in self.DIRECT_METHODS.items()}
             self._link_server = LinkServer(handlers, link_token(), dumps=frame_dumps)
         return await self._link_server.address(ray.util.get_node_ip_address())
+
+    def drain_link(self) -> None:
+        """Shutting down: later frames are refused unrun (their callers go through Serve)."""
+        if self._link_server is None:
+            return
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # the garbage collector's call: no loop to close a server on
+            return
+        self._link_server.drain()
+
+
+class DirectLLM(DirectServed):
+    """An LLM replica's direct link: ``submit`` as ``submit_detached`` (the request's life is its output
+    channel's), ``abort``. Serve counts no call for such a request, so its graceful shutdown would not
+    wait for it: ``__del__`` (Serve's hook) refuses new frames, then waits for every request that came
+    over the link to finish (Serve's ``graceful_shutdown_timeout_s`` bounds the wait)."""
+
+    DIRECT_METHODS: ClassVar[dict[str, str]] = {"submit": "direct_submit", "abort": "abort"}
+    channels: Any
+    submit_detached: Any
+
+    async def direct_submit(self, spec: Any) -> Any:
+        reply = await self.submit_detached(spec)
+        done = self.channels.done(spec.request_id)
+        if not hasattr(self, "_direct_open"):
+            self._direct_open: set[asyncio.Future[Any]] = set()
+        if not done.done():
+            self._direct_open.add(done)
+            done.add_done_callback(self._direct_open.discard)
+        return reply
+
+    async def _drain_direct(self) -> None:
+        self.drain_link()
+        open_ = set(getattr(self, "_direct_open", ()))
+        if open_:
+            await asyncio.wait(open_)
+
+    def __del__(self) -> Awaitable[None] | None:
+        """A plain ``def``, as ``EncoderPoolServer.__del__``: the garbage collector calls it too."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return None
+        return self._drain_direct()

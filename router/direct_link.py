@@ -98,6 +98,7 @@ class LinkServer:
         self._address: tuple[str, int] | None = None
         self._lock = asyncio.Lock()
         self.calls = 0
+        self.draining = False
 
     async def address(self, host: str) -> tuple[str, int]:
         """Listen on ``host`` (an ephemeral port) the first time; where clients connect."""
@@ -108,6 +109,13 @@ class LinkServer:
         return self._address
 
     async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+
+    def drain(self) -> None:
+        """The replica is shutting down: calls already running finish; every later call is answered
+        ``LinkLost`` without running, so its caller sends it through Serve, to the replica's successor."""
+        self.draining = True
         if self._server is not None:
             self._server.close()
 
@@ -147,6 +155,8 @@ class LinkServer:
     async def _run(self, writer: asyncio.StreamWriter, seq: int, method: str, args: tuple[Any, ...]) -> None:
         handler = self.handlers.get(method)
         try:
+            if self.draining:
+                raise LinkLost("the replica is shutting down; not run")
             if handler is None:
                 raise LookupError(f"direct link: no method {method!r}")
             reply = _answer(seq, True, await handler(*args), self.dumps)

@@ -144,3 +144,30 @@ def test_nothing_is_unpickled_from_a_peer_before_its_token_matched() -> None:
         await server.close()
 
     asyncio.run(run())
+
+
+def test_a_draining_server_finishes_running_calls_and_refuses_later_ones_unrun() -> None:
+    async def run() -> None:
+        release = asyncio.Event()
+        ran: list[str] = []
+
+        async def slow(name: str) -> str:
+            ran.append(name)
+            await release.wait()
+            return name
+
+        server, _ = _server(slow=slow)
+        host, port = await server.address("127.0.0.1")
+        client = await LinkClient.connect(host, port, TOKEN)
+        running = asyncio.ensure_future(client.call("slow", "first"))
+        while not ran:
+            await asyncio.sleep(0.01)
+        server.drain()  # the replica's shutdown hook
+        with pytest.raises(LinkLost, match="shutting down"):
+            await client.call("slow", "late")
+        release.set()
+        assert await running == "first"
+        assert ran == ["first"]
+        client.close()
+
+    asyncio.run(run())
