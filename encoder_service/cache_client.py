@@ -20,7 +20,8 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from encoder_service.cache_index import RELEASED, CacheIndexShard, RequestReleased, shard_of
+from encoder_service.cache_index import RELEASED, RequestReleased, shard_of
+from encoder_service.cache_index import CacheIndexShard as ShardBooks
 from encoder_service.call_coalescing import CallCoalescer
 from encoder_service.encoder_cache import COMPUTE, DEFAULT_LEASE_S, HIT
 from encoder_service.errors import EncoderCacheBusy
@@ -28,6 +29,38 @@ from encoder_service.gathering import gather
 from encoder_service.types import EmbeddingMeta
 
 logger = logging.getLogger("mmserve.encoder")
+
+
+# The shard methods a client calls over a direct link (router/direct_link.py) once one is up: the
+# hot path's lookups and the calls that carry no ObjectRef in. ``commit``/``commit_many`` stay actor
+# calls: a ref sent into the shard must be a borrow Ray counts, so the index keeps its object alive.
+LINK_METHODS = frozenset(
+    {
+        "lookup_or_reserve_batch",
+        "lookup_many",
+        "get_or_reserve",
+        "renew",
+        "release",
+        "alias_resolve",
+        "alias_point",
+    }
+)
+
+
+class CacheIndexShard(ShardBooks):
+    """``cache_index.CacheIndexShard`` as its actor (Ray names the process after this class):
+    ``direct_address`` starts its link the first time."""
+
+    _link_server: Any = None
+
+    async def direct_address(self) -> tuple[str, int]:
+        from cluster.direct_served import frame_dumps, link_token
+        from router.direct_link import LinkServer
+
+        if self._link_server is None:
+            handlers = {name: getattr(self, name) for name in LINK_METHODS}
+            self._link_server = LinkServer(handlers, link_token(), dumps=frame_dumps)
+        return await self._link_server.address(ray.util.get_node_ip_address())
 
 
 @dataclass(frozen=True)
@@ -76,6 +109,7 @@ class EncoderCacheClient:
         self.shards = list(shard_actor_handles)
         self.spec = spec
         self._lookups: dict[int, CallCoalescer[tuple[str, list[str]], dict[str, Any]]] = {}
+        self._links: dict[int, Any] = {}  # shard index -> DirectLink (this process's, made on first use)
 
     def __reduce__(self) -> tuple[Any, ...]:  # a copy in another process starts with its own batches
         return (EncoderCacheClient, (self.shards, self.spec))
@@ -99,8 +133,34 @@ class EncoderCacheClient:
     def shard(self, mm_hash: str) -> Any:
         return self.shards[shard_of(mm_hash, len(self.shards))]
 
+    def _link(self, index: int) -> Any:
+        link = self._links.get(index)
+        if link is None:
+            from cluster.direct_served import frame_dumps, link_token
+            from router.direct_link import DirectLink
+
+            async def locate() -> tuple[str, int]:
+                host, port = await self.shards[index].direct_address.remote()
+                return str(host), int(port)
+
+            link = self._links[index] = DirectLink(locate, link_token(), dumps=frame_dumps)
+        return link
+
     async def _call(self, index: int, method: str, *args: Any) -> Any:
-        """``shards[index].method(*args)``, once more on a new incarnation if the shard died."""
+        """``shards[index].method(*args)``: a frame on the shard's direct link where the method allows
+        and the link is up; else (and after a lost link) an actor call, once more on a new incarnation
+        if the shard died."""
+        from router.direct_link import LinkLost
+
+        if method in LINK_METHODS and self.spec is not None:
+            link = self._link(index)
+            if link.usable():
+                try:
+                    return await link.call(method, *args)
+                except (LinkLost, ActorDiedError, ActorUnavailableError) as e:
+                    logger.warning(
+                        "encoder-cache shard %d's link lost (%r); %s as an actor call", index, e, method
+                    )
         handle = self.shards[index]
         try:
             return await getattr(handle, method).remote(*args)
