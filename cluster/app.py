@@ -19,7 +19,7 @@ from ray.serve.config import RequestRouterConfig
 from cluster.autoscaling_policy import ENCODER_POLICY, LLM_POLICY
 from cluster.budgets import encoder_budgets, largest_item_embeds, row_units
 from cluster.config import AppConfig, DeploymentOptions, ModelConfig
-from cluster.direct_served import DirectLLM, DirectServed, frame_dumps, link_token
+from cluster.direct_served import DirectLLM, DirectServed, direct_link
 from cluster.model_dirs import resolve_model_dir
 
 TP_LEADER_NUM_CPUS = 0.1  # the replica of a TP>1 encoder group only queues, batches and puts
@@ -293,8 +293,7 @@ def _ingress(config: AppConfig, pools: dict[str, dict[str, Any]]) -> Any:
                         m.preprocess.hit_path_cache_ttl_s,
                         forward=forwards(m),
                         direct=direct_pools(cfg, m),
-                        link_token=link_token() if direct_pools(cfg, m) else "",
-                        link_dumps=frame_dumps,
+                        link_to=direct_link,
                     )
                 )
             ing = cfg.ingress

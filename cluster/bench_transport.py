@@ -12,30 +12,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import time
 from typing import Any
 
+from cluster.bench_procs import list_procs
 from cluster.serve_env import apply_serve_env
 
 SPEC = {"request_id": "x" * 36, "prompt_token_ids": list(range(120)), "max_tokens": 16, "temperature": 0.0}
 
 
 def machine_cpu_s() -> float:
-    """User + system CPU seconds of every process now alive."""
-    hz = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2 :].split()
-        total += int(fields[11]) + int(fields[12])
-    return total / hz
+    """User + system CPU seconds of every process now alive (kernel threads aside)."""
+    return sum(p.cpu_s for p in list_procs().values())
 
 
 def build(num_cpus: float) -> Any:
@@ -51,16 +39,10 @@ def build(num_cpus: float) -> Any:
 
     class Caller:
         def __init__(self, callee: Any) -> None:
-            from cluster.direct_served import frame_dumps, link_token
-            from router.direct_link import DirectLink
+            from cluster.direct_served import direct_link
 
             self.callee = callee
-
-            async def locate() -> tuple[str, int]:
-                host, port = await callee.direct_address.remote()
-                return str(host), int(port)
-
-            self.link = DirectLink(locate, link_token(), dumps=frame_dumps)
+            self.link = direct_link(callee)
 
         async def run(self, transport: str, calls: int, concurrency: int) -> float:
             async def one(i: int) -> None:

@@ -12,7 +12,7 @@ import secrets
 from collections.abc import Awaitable
 from typing import Any, ClassVar
 
-from router.direct_link import LinkServer
+from router.direct_link import DirectLink, LinkServer
 
 _TOKEN_KEY = b"mmserve-direct-link-token"
 
@@ -45,6 +45,17 @@ def frame_dumps(obj: Any) -> bytes:
     finally:
         ctx.set_out_of_band_serialization()
         ctx.get_and_clear_contained_object_refs()
+
+
+def direct_link(handle: Any) -> DirectLink:
+    """A caller's link to the replica behind ``handle`` (a Serve handle or a Ray actor handle of a
+    ``DirectServed`` class), which answers where it listens; the token is fetched here, once."""
+
+    async def locate() -> tuple[str, int]:
+        host, port = await handle.direct_address.remote()
+        return str(host), int(port)
+
+    return DirectLink(locate, link_token(), dumps=frame_dumps)
 
 
 class DirectServed:

@@ -14,12 +14,13 @@ import asyncio
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cluster.direct_served import DirectServed, direct_link
 from encoder_service.cache_index import RELEASED, RequestReleased, shard_of
 from encoder_service.cache_index import CacheIndexShard as ShardBooks
 from encoder_service.call_coalescing import CallCoalescer
@@ -27,6 +28,7 @@ from encoder_service.encoder_cache import COMPUTE, DEFAULT_LEASE_S, HIT
 from encoder_service.errors import EncoderCacheBusy
 from encoder_service.gathering import gather
 from encoder_service.types import EmbeddingMeta
+from router.direct_link import DirectLink, LinkLost
 
 logger = logging.getLogger("mmserve.encoder")
 
@@ -47,20 +49,11 @@ LINK_METHODS = frozenset(
 )
 
 
-class CacheIndexShard(ShardBooks):
-    """``cache_index.CacheIndexShard`` as its actor (Ray names the process after this class):
-    ``direct_address`` starts its link the first time."""
+class CacheIndexShard(ShardBooks, DirectServed):
+    """``cache_index.CacheIndexShard`` as its actor (Ray names the process after this class), with a
+    direct link for ``LINK_METHODS`` (cluster/direct_served.py)."""
 
-    _link_server: Any = None
-
-    async def direct_address(self) -> tuple[str, int]:
-        from cluster.direct_served import frame_dumps, link_token
-        from router.direct_link import LinkServer
-
-        if self._link_server is None:
-            handlers = {name: getattr(self, name) for name in LINK_METHODS}
-            self._link_server = LinkServer(handlers, link_token(), dumps=frame_dumps)
-        return await self._link_server.address(ray.util.get_node_ip_address())
+    DIRECT_METHODS: ClassVar[dict[str, str]] = {name: name for name in LINK_METHODS}
 
 
 @dataclass(frozen=True)
@@ -109,7 +102,7 @@ class EncoderCacheClient:
         self.shards = list(shard_actor_handles)
         self.spec = spec
         self._lookups: dict[int, CallCoalescer[tuple[str, list[str]], dict[str, Any]]] = {}
-        self._links: dict[int, Any] = {}  # shard index -> DirectLink (this process's, made on first use)
+        self._links: dict[int, DirectLink] = {}  # shard index -> this process's link, made on first use
 
     def __reduce__(self) -> tuple[Any, ...]:  # a copy in another process starts with its own batches
         return (EncoderCacheClient, (self.shards, self.spec))
@@ -133,25 +126,15 @@ class EncoderCacheClient:
     def shard(self, mm_hash: str) -> Any:
         return self.shards[shard_of(mm_hash, len(self.shards))]
 
-    def _link(self, index: int) -> Any:
-        link = self._links.get(index)
-        if link is None:
-            from cluster.direct_served import frame_dumps, link_token
-            from router.direct_link import DirectLink
-
-            async def locate() -> tuple[str, int]:
-                host, port = await self.shards[index].direct_address.remote()
-                return str(host), int(port)
-
-            link = self._links[index] = DirectLink(locate, link_token(), dumps=frame_dumps)
-        return link
+    def _link(self, index: int) -> DirectLink:
+        if index not in self._links:
+            self._links[index] = direct_link(self.shards[index])
+        return self._links[index]
 
     async def _call(self, index: int, method: str, *args: Any) -> Any:
         """``shards[index].method(*args)``: a frame on the shard's direct link where the method allows
         and the link is up; else (and after a lost link) an actor call, once more on a new incarnation
         if the shard died."""
-        from router.direct_link import LinkLost
-
         if method in LINK_METHODS and self.spec is not None:
             link = self._link(index)
             if link.usable():

@@ -54,8 +54,7 @@ class IngressModel:
     near_cache_ttl_s: float = 0.0
     forward: bool = False  # the preparing replicas submit to the LLM pool (router/forwarding.py)
     direct: tuple[str, ...] = ()  # pools ("llm", "preprocess") called over a direct link (direct_link.py)
-    link_token: str = ""  # what a direct link presents (cluster/direct_served.py)
-    link_dumps: Callable[[Any], bytes] | None = None  # how its frames are pickled (ObjectRefs in band)
+    link_to: Callable[[Any], Any] | None = None  # handle -> its DirectLink (cluster/direct_served.py)
 
 
 @dataclass(frozen=True)
@@ -73,15 +72,9 @@ def _link(m: IngressModel, pool: str, handle: Any) -> Any:
     """A ``DirectLink`` to the one replica behind ``handle`` if ``pool`` is called directly; else None."""
     if pool not in m.direct:
         return None
-    from router.direct_link import DirectLink
-
-    async def locate() -> tuple[str, int]:  # Serve routes this call to the pool's live replica
-        host, port = await handle.direct_address.remote()
-        return str(host), int(port)
-
-    if m.link_dumps is None:
-        raise ValueError(f"model {m.name}: a direct link needs link_dumps")
-    return DirectLink(locate, m.link_token, dumps=m.link_dumps)
+    if m.link_to is None:
+        raise ValueError(f"model {m.name}: pools {m.direct} are called directly but no link_to is given")
+    return m.link_to(handle)
 
 
 def _hit_path(m: IngressModel) -> Any:

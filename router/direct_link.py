@@ -11,15 +11,13 @@ routing to do and no autoscaling to feed, the ingress sends ``prepare`` and ``su
     client ──(seq, None, None)──▶ server         the caller left: the server cancels that call
     client ◀──(seq, ok, value or exception)──    the answer
 
-A frame is a 4-byte big-endian length and a pickle, made by the ``dumps`` the wiring gives: in a
-Ray process ``ray.cloudpickle.dumps``, whose reducer writes an ObjectRef with its owner's address
-(plain ``pickle`` drops it: a ref read in another process then never resolves). ObjectRefs ride in
-the pickles as they ride in Serve's gRPC transport (outside Ray's task serialiser): whoever owns an
-object keeps it alive
-(the encoder replica holds what it put, README "No pins"); the 500-request leak test runs on this
-transport. A connection that breaks fails every call still waiting on it with ``LinkLost``, which
-the callers treat as their replica gone (``router.errors.replica_gone``): they reconnect through
-Serve, which routes ``direct_address`` to the replica that replaced it.
+A frame is a 4-byte big-endian length and a pickle, made by the ``dumps`` the wiring gives
+(cluster/direct_served.py: ``frame_dumps``, Ray's pickler "in band": each ObjectRef written with its
+owner's address and not pinned). The owner keeps the object alive, as in Serve's gRPC transport
+(README, "No pins"); the 500-request leak test runs on this transport. A connection that breaks
+fails every call still waiting on it with ``LinkLost``, which the callers treat as their replica
+gone (``router.errors.replica_gone``): they retry through Serve, and the link rests
+``LOST_BACKOFF_S`` before it asks Serve where the replica (or its successor) listens again.
 
 No Ray here: the replica's wiring (cluster/app.py) gives the server its host and the handlers.
 """
@@ -278,7 +276,7 @@ class DirectLink:
             try:
                 host, port = await self._locate()
                 self._client = await LinkClient.connect(host, port, self._token, dumps=self._dumps)
-            except BaseException:
+            except Exception:  # (a caller that left while connecting costs the link nothing)
                 self._down_until = time.monotonic() + LOST_BACKOFF_S
                 raise
             self.connects += 1
