@@ -181,6 +181,7 @@ def _encoder_pool(model: ModelConfig, cache_dir: str, llm: Any = None) -> Any:
                 model_name=m.name,
                 cache=open_cache_index(*cache_index_args(m)),
                 max_queued_embeddings=m.encoder.max_queued_embeddings or 16 * compute_budget,
+                step_embeds=m.encoder.encoder_step_embeds,
             )
 
     opts = deployment_options(model.encoder.deployment, f"EncoderPool-{model.name}", ENCODER_POLICY)

@@ -161,6 +161,12 @@ class EncoderConfig(_Strict):
     max_queued_embeddings: int | None = Field(
         None, ge=1, description="embeddings one replica's FIFO holds; more: 503; default 16 x the step budget"
     )
+    encoder_step_embeds: int | None = Field(
+        None,
+        ge=1,
+        description="a step ends once it holds this many embeddings (each item waits for its whole step); "
+        "default 256 on CPU, where bigger steps encode no faster, and the step budget on a GPU",
+    )
     deployment: DeploymentOptions = Field(default_factory=DeploymentOptions)
 
 

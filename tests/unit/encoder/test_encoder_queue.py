@@ -57,3 +57,20 @@ def test_fifo_bound_refuses_a_request_that_would_overflow_it_unless_empty() -> N
     q.admit([E("x", 70)])
     with pytest.raises(EncoderOverloaded):
         q.admit([E("x", 71)])
+
+
+def test_step_embeds_ends_a_step_early_but_never_splits_or_refuses_an_item() -> None:
+    q: EncoderQueue[E] = EncoderQueue(100, lambda e: False, step_embeds=8)
+    for e in (E("a", 3), E("b", 3), E("c", 3), E("d", 30), E("e", 1)):
+        q.check(e, e.name)  # admission still against the budget: d (30 > 8) is admitted
+        q.push(e)
+    steps = []
+    while step := q.next_step():
+        steps.append([e.name for e in step])
+        q.done(step)
+    # a+b = 6 < 8: c joins (9); d alone is past the target but goes (the first always goes)
+    assert steps == [["a", "b", "c"], ["d"], ["e"]]
+    assert q.queued_embeds == 0
+    assert EncoderQueue(10, lambda e: False, step_embeds=50).step_embeds == 10  # never past the budget
+    with pytest.raises(ValueError, match="step_embeds"):
+        EncoderQueue(10, lambda e: False, step_embeds=0)
