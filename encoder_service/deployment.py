@@ -5,8 +5,9 @@ Ray lives here; the logic they wrap (processing, runner, batching, cache books) 
 EncoderPoolServer keeps a FIFO of items from every request it is sent and runs encoder steps that
 never exceed ``max_num_encoder_input_tokens`` embeddings, so many small requests share one step
 and one huge request cannot starve the rest for longer than a step. On CPU a step also ends once it
-holds ``CPU_STEP_EMBEDS`` (encoder_queue.py says why); on a GPU, where batching pays, it fills the budget. Its queue, in embeddings, is
-what the encoder pool's request router balances on and what its autoscaling policy scales on.
+holds ``CPU_STEP_EMBEDS`` (encoder_queue.py says why); on a GPU, where batching pays, it fills the
+budget. Its queue, in embeddings, is what the encoder pool's request router balances on and what its
+autoscaling policy scales on.
 
 The replica owns every embedding it puts (Ray has no ``ray.put(_owner=...)``), so its objects die
 with it: ``OwnedEmbeddings`` keeps them alive while the shared cache index serves them and, on
