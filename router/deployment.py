@@ -26,7 +26,8 @@ from router.json_limits import DEFAULT_MAX_JSON_VALUES
 from router.llm_client import LLMClient
 from router.messages import MessageLimits
 from router.metrics import IngressMetrics
-from router.orchestrator import ModelHandles, Orchestrator
+from router.model_handles import ModelHandles
+from router.orchestrator import Orchestrator
 
 logger = logging.getLogger("mmserve.ingress")
 

@@ -23,7 +23,8 @@ from router.errors import APIError
 from router.forwarding import ForwardRequest, PreparedForwarder, request_spec
 from router.llm_client import LLMClient
 from router.messages import NormalizedChat
-from router.orchestrator import ModelHandles, Orchestrator
+from router.model_handles import ModelHandles
+from router.orchestrator import Orchestrator
 from router.prefix_affinity import deployment_key, shared_index
 from router.protocol import ChatCompletionRequest
 from router.sampling import request_sampling_params, requested_max_tokens, to_sampling_params

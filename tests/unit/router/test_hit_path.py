@@ -32,7 +32,8 @@ from llm_service.outputs import RequestOutput
 from llm_service.sampling_params import SamplingParams
 from router.errors import from_exception
 from router.messages import NormalizedChat
-from router.orchestrator import ModelHandles, Orchestrator
+from router.model_handles import ModelHandles
+from router.orchestrator import Orchestrator
 from tests.fakes import Clock, Remote
 from tests.media import make_image_bytes
 
@@ -138,10 +139,10 @@ def test_a_warm_request_is_prepared_at_the_ingress_exactly_as_the_replica_would(
 
 async def _a_warm_request_is_prepared_at_the_ingress_exactly_as_the_replica_would(setup: Setup) -> None:
     cold = await setup.orch.prepare("r1", _chat(_image(1)))
-    assert len(setup.replica.prepare_calls) == 1 and setup.orch.hit_path_served == 0
+    assert len(setup.replica.prepare_calls) == 1 and setup.orch.calls.hit_path_served == 0
     warm = await setup.orch.prepare("r2", _chat(_image(1)))
     assert len(setup.replica.prepare_calls) == 1, "a request the cache holds whole makes no prepare call"
-    assert setup.orch.hit_path_served == 1
+    assert setup.orch.calls.hit_path_served == 1
     assert warm.prompt_token_ids == cold.prompt_token_ids
     assert _items(warm) == _items(cold)
     # The replica, asked directly, prepares the same prompt (the hit path is not a second implementation).
@@ -188,7 +189,7 @@ async def _a_uuid_alone_is_served_at_the_ingress_and_an_unknown_one_is_a_named_4
     first = await setup.orch.prepare("r1", _chat(_image(5, uuid_="cat")))
     await setup.orch.settle("r1")  # what the ingress does before r1's last chunk goes out
     by_name = await setup.orch.prepare("r2", _chat(_image(uuid_="cat")))
-    assert setup.orch.hit_path_served == 1 and len(setup.replica.prepare_calls) == 1
+    assert setup.orch.calls.hit_path_served == 1 and len(setup.replica.prepare_calls) == 1
     assert by_name.prompt_token_ids == first.prompt_token_ids
     with pytest.raises(Exception) as e:
         await setup.orch.prepare("r3", _chat(_image(uuid_="never-sent")))
@@ -269,7 +270,7 @@ async def _near_cache_serves_until_ttl(setup: Setup) -> None:
     assert setup.shard.lookup_calls == calls + 1
     await setup.orch.prepare("r4", _chat(_image(11)))
     assert setup.shard.lookup_calls == calls + 1
-    assert setup.orch.hit_path_served == 3 and len(setup.replica.prepare_calls) == 1
+    assert setup.orch.calls.hit_path_served == 3 and len(setup.replica.prepare_calls) == 1
     await _nothing_reserved(setup.shard)
 
 
@@ -318,7 +319,7 @@ async def _pointing_is_deferred_to_the_answer(setup: Setup) -> None:
     setup.shard.alias_point = slow_point  # type: ignore[method-assign]
     setup.orch.h.llm = TwoTokenLLM()  # type: ignore[assignment]
     prepared = await setup.orch.prepare("r1", _chat(_image(13, uuid_="dog")))  # did not wait for it
-    assert setup.orch.hit_path_served == 1
+    assert setup.orch.calls.hit_path_served == 1
     stream = setup.orch.stream("r1", prepared, SamplingParams(max_tokens=2))
     first = await asyncio.wait_for(stream.__anext__(), 5)  # the first output does not wait for it
     assert not first.finished

@@ -38,7 +38,8 @@ from llm_service.request_spec import EmbeddingRef, LLMRequestSpec, SubmitReply
 from llm_service.sampling_params import SamplingParams
 from router.errors import APIError
 from router.messages import NormalizedChat
-from router.orchestrator import ModelHandles, Orchestrator
+from router.model_handles import ModelHandles
+from router.orchestrator import Orchestrator
 from tests.fakes import Remote
 
 N = 4  # embeddings per image

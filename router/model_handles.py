@@ -1,0 +1,62 @@
+"""What the ingress holds of one model's pools: ``ModelHandles``, and the protocols of the parts the
+router calls (the preparing pool, the shared encoder-cache index, the hit path). ``cluster/app.py``
+fills it with Serve handles, shard clients and links; the unit tests with in-process fakes."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from encoder_service.prepared import LookedUp, PreparedRequest
+from router.direct_link import DirectLink
+from router.llm_client import LLMClient
+
+
+class PreprocessPool(Protocol):
+    """The preprocessor pool as the router calls it (a Serve DeploymentHandle in production)."""
+
+    @property
+    def prepare(self) -> Any: ...
+
+
+class CacheIndex(Protocol):
+    """The shared encoder cache as the router uses it (encoder_service.cache_client.EncoderCacheClient)."""
+
+    async def release(self, request_id: str, hashes: list[str] | None = None) -> None: ...
+
+    async def invalidate(self, mm_hashes: list[str], ref_ids: dict[str, str] | None = None) -> list[str]: ...
+
+
+class HitPath(Protocol):
+    """Preparing at the ingress what the encoder cache holds whole (encoder_service.prepare.RequestPreparer)."""
+
+    async def prepare_hits(
+        self, request_id: str, messages: list[dict[str, Any]], deferred: list[asyncio.Task[None]]
+    ) -> PreparedRequest | LookedUp: ...
+
+    def remember(self, prepared: PreparedRequest, looked_up: LookedUp | None = None) -> None: ...
+
+    def renewing(self, request_id: str, held: dict[str, str]) -> Any: ...
+
+    def sweep(self) -> None: ...
+
+    def forget(self, mm_hashes: list[str]) -> None: ...
+
+
+@dataclass
+class ModelHandles:
+    preprocess: PreprocessPool
+    llm: LLMClient
+    cache: CacheIndex
+    hit_path: HitPath | None = None  # None: every media request goes to ``prepare``
+    forward: bool = False  # the preparing replicas submit to the LLM pool themselves (forwarding.py)
+    prepare_link: DirectLink | None = None  # ``prepare`` as frames to the pool's one replica (direct_link.py)
+
+    async def prepare(self, *args: Any, via_link: bool = True) -> PreparedRequest:
+        """One ``prepare`` call to the preparing pool: over the direct link if there is one and it is
+        up; a retry (``via_link=False``) goes through Serve, which waits for a live replica."""
+        if via_link and self.prepare_link is not None and self.prepare_link.usable():
+            prepared: PreparedRequest = await self.prepare_link.call("prepare", *args)
+            return prepared
+        return await self.preprocess.prepare.remote(*args)  # type: ignore[no-any-return]

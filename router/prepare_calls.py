@@ -1,0 +1,163 @@
+"""``PrepareCalls``: how the ingress gets one media request prepared, whatever fails on the way.
+
+The first attempt tries the hit path (``HitPath.prepare_hits``): a request whose every item the
+encoder cache holds is prepared here, with no call but the lookup. Otherwise (or when the hit path
+fails on our side, a cache shard restarting) ``prepare`` goes to a preparing replica, with what the
+lookup found and reserved, whose leases are renewed while the replica works. A replica that dies
+while preparing: the attempt's reservations are released on every shard (final there: a reservation
+arriving later is refused) and the request is sent again under a fresh attempt id, up to
+``PREPARE_ATTEMPTS`` times. Only the first call may forward (``router/forwarding.py``): a retry's
+replica must not submit what a dead one may have submitted already.
+
+It also keeps the work the hit path started that nothing waits on (pointing uuids at their bytes):
+``settle`` awaits it before the request's last output goes out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from typing import Any
+
+from encoder_service.prepared import PreparedRequest
+from router.errors import is_client_error, replica_gone
+from router.forwarding import ForwardRequest
+from router.messages import inline_media
+from router.model_handles import ModelHandles
+
+logger = logging.getLogger("mmserve.router")
+
+PREPARE_ATTEMPTS = 3  # a replica that dies while preparing a request: prepared again on another
+HIT_PATH_MAX_CHARS = 4 << 20  # inline media past this is hashed by the preparing replica, off this loop
+NEAR_SWEEP_S = 5.0  # how often the near cache's expired entries are released
+SETTLE_TIMEOUT_S = 5.0  # the most a deferred uuid pointing may hold a request's last output
+
+
+class PrepareCalls:
+    def __init__(self, handles: ModelHandles) -> None:
+        self.h = handles
+        self.hit_path_served = 0  # media requests prepared at the ingress alone (all cache hits)
+        self._deferred: dict[str, list[asyncio.Task[None]]] = {}  # work to finish before answering
+        self._sweeper: asyncio.Task[None] | None = None  # the near cache's expiry (_ensure_sweeper)
+
+    async def call(
+        self,
+        request_id: str,
+        attempt_id: str,
+        messages: list[dict[str, Any]],
+        forward: ForwardRequest | None = None,
+    ) -> PreparedRequest:
+        """``messages`` prepared: by the hit path, or by ``prepare`` on a replica (sent again while
+        the replica preparing it dies: Serve routes the next to a live one or its successor)."""
+        use_hit_path = self.h.hit_path is not None and inline_media(messages, HIT_PATH_MAX_CHARS)
+        if use_hit_path:
+            self._ensure_sweeper()
+        for attempt in range(1, PREPARE_ATTEMPTS + 1):
+            aid = attempt_id if attempt == 1 else f"{attempt_id}#p{attempt}"
+            from_hit_path = expected = False
+            try:
+                looked_up = None
+                if use_hit_path and attempt == 1 and self.h.hit_path is not None:
+                    from_hit_path = True
+                    deferred: list[asyncio.Task[None]] = []
+                    try:
+                        got = await self.h.hit_path.prepare_hits(aid, messages, deferred)
+                    finally:
+                        self._defer(request_id, deferred)
+                    if isinstance(got, PreparedRequest):
+                        self.hit_path_served += 1
+                        return got
+                    looked_up, from_hit_path = got, False
+                fwd = forward if attempt == 1 else None
+                args: tuple[Any, ...] = (looked_up, fwd) if fwd else (looked_up,) if looked_up else ()
+                if fwd is not None:  # its outputs may come before the answer
+                    self.h.llm.expect(request_id)
+                    expected = True
+                if looked_up is None:
+                    pre: PreparedRequest = await self.h.prepare(aid, messages, *args, via_link=attempt == 1)
+                else:  # its reservations are ours until the replica takes them: renewed meanwhile
+                    assert self.h.hit_path is not None
+                    held = {h: kind for h, (kind, _) in looked_up.found.items()}
+                    async with self.h.hit_path.renewing(aid, held):
+                        pre = await self.h.prepare(aid, messages, *args, via_link=attempt == 1)
+                if fwd is not None and pre.forwarded_to is None:  # we submit it ourselves
+                    self.h.llm.unexpect(request_id)
+                if self.h.hit_path is not None:
+                    self.h.hit_path.remember(pre, looked_up)
+                return pre
+            except BaseException as e:
+                # The replica may still be running (a cancel need not reach it): release on every
+                # shard. Final there: its later reservations are refused. Anything it forwarded
+                # reaches no reader now: aborted as an orphan when its outputs come.
+                if expected:
+                    self.h.llm.unexpect(request_id)
+                await asyncio.shield(self._release(aid))
+                # The hit path failing on our side (a cache shard restarting) costs the shortcut,
+                # not the request: the next attempt prepares it on a replica.
+                retry = replica_gone(e) or (from_hit_path and not is_client_error(e))
+                if attempt == PREPARE_ATTEMPTS or isinstance(e, asyncio.CancelledError) or not retry:
+                    raise
+                if from_hit_path:
+                    logger.warning("hit path failed for %s (%r); preparing it on a replica", request_id, e)
+                    continue
+                logger.warning(
+                    "replica preparing %s lost (%s); preparing it again", request_id, type(e).__name__
+                )
+                await asyncio.sleep(0.2 * attempt)
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    async def settle(self, request_id: str) -> None:
+        """Finish what the request's answer must not go out before (its uuid pointing); the ingress
+        calls it before any chunk that carries a finish reason."""
+        tasks = list(self._deferred.get(request_id, ()))
+        if tasks:  # failures are logged by _log_failure; one that hangs does not hold the answer
+            _, pending = await asyncio.wait(tasks, timeout=SETTLE_TIMEOUT_S)
+            if pending:
+                logger.warning(
+                    "request %s answered with %d uuid pointing(s) unfinished", request_id, len(pending)
+                )
+
+    def stats(self) -> dict[str, Any]:
+        near = getattr(self.h.hit_path, "near", None)
+        return {"hit_path_served": self.hit_path_served, "near_cache": near.stats() if near else None}
+
+    async def _release(self, attempt_id: str) -> None:
+        try:
+            await self.h.cache.release(attempt_id)
+        except Exception:  # never let cleanup mask the original error
+            logger.exception("releasing the encoder-cache reservations of %s failed", attempt_id)
+
+    def _ensure_sweeper(self) -> None:
+        """Every ``NEAR_SWEEP_S``, the hit path's near cache lets go of its expired entries."""
+        if self._sweeper is not None and not self._sweeper.done():
+            return
+
+        async def sweep_forever() -> None:
+            while True:
+                await asyncio.sleep(NEAR_SWEEP_S)
+                if self.h.hit_path is not None:
+                    self.h.hit_path.sweep()
+
+        self._sweeper = asyncio.get_running_loop().create_task(sweep_forever())
+
+    def _defer(self, request_id: str, tasks: list[asyncio.Task[None]]) -> None:
+        """Work the hit path started that nothing waits on (pointing uuids at bytes): awaited before
+        the request's last output goes out, so a client that saw the answer finds it done."""
+        for task in tasks:
+            task.add_done_callback(_log_failure)
+            task.add_done_callback(functools.partial(self._undefer, request_id))
+            self._deferred.setdefault(request_id, []).append(task)
+
+    def _undefer(self, request_id: str, task: asyncio.Task[None]) -> None:
+        """A finished task leaves the books (bounded even for a response dropped before its body)."""
+        tasks = self._deferred.get(request_id)
+        if tasks is not None and task in tasks:
+            tasks.remove(task)
+            if not tasks:
+                del self._deferred[request_id]
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and (e := task.exception()) is not None:
+        logger.warning("pointing media uuids at their bytes failed: %r", e)
