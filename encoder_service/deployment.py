@@ -23,11 +23,13 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
+from encoder_service.cache_index import ref_id
 from encoder_service.encoder_queue import EncoderQueue
 from encoder_service.gathering import gather
 from encoder_service.metrics import EncoderMetrics
 from encoder_service.owned_embeddings import OwnedEmbeddings
 from encoder_service.prepared import LookedUp, PreparedRequest
+from encoder_service.recent_values import RecentValues
 from encoder_service.types import EmbeddingMeta, EncodeBatch, EncodedItem, EncoderInput
 
 logger = logging.getLogger("mmserve.encoder")
@@ -73,6 +75,7 @@ class EncoderPoolServer:
     ) -> None:
         self._cache = cache  # EncoderCacheClient: outputs are committed to it; invalidated on shutdown
         self._owned = OwnedEmbeddings(cache)
+        self._recent = RecentValues()  # small outputs' values, for the requests forwarded from here
         self._sweeper: asyncio.Task[None] | None = None
         self.max_num_encoder_input_tokens = max_num_encoder_input_tokens
         self.model_name = model_name
@@ -182,8 +185,10 @@ class EncoderPoolServer:
                 units=self.row_units,
                 frame_times=q.item.frame_times,
             )
-            ref = ray.put(stored_form(tensor))  # Ray 2.60 has no _owner=: this replica owns it
+            stored = stored_form(tensor)
+            ref = ray.put(stored)  # Ray 2.60 has no _owner=: this replica owns it
             self._owned.add(meta.mm_hash, ref)
+            self._recent.put(ref_id(ref), stored, tensor.numel() * tensor.element_size())
             done.append((q, EncodedItem(meta, [ref])))
         if self._cache is not None:  # the callers' reservations become committed entries
             self._commit_soon([(e.meta, e.ref[0], q.request_id) for q, e in done])
@@ -263,7 +268,15 @@ class EncoderPoolServer:
         return {"queued_embeddings": float(self._queued_embeds)}
 
     def stats(self) -> dict[str, Any]:
-        return {"queued_embeddings": self._queued_embeds, "queued_items": len(self._queue)}
+        return {
+            "queued_embeddings": self._queued_embeds,
+            "queued_items": len(self._queue),
+            "inline_values_sent": self._recent.taken,
+        }
+
+    def recent_value(self, ref: Any) -> Any | None:
+        """The stored form of an object this replica put lately, if small (``RecentValues``)."""
+        return self._recent.get(ref_id(ref))
 
     def check_health(self) -> None:
         task = self._task

@@ -16,6 +16,7 @@ encoder pool, so a cluster whose GPU nodes are short of CPU keeps the separate p
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -28,7 +29,9 @@ class Forwarder(Protocol):
     the router's own record, opaque here; the answer is (LLM replica id, output channel id), or
     None when the router is to submit it itself."""
 
-    async def forward(self, prepared: PreparedRequest, how: Any) -> tuple[str, str] | None: ...
+    async def forward(
+        self, prepared: PreparedRequest, how: Any, value_of: Callable[[Any], Any] | None = None
+    ) -> tuple[str, str] | None: ...
 
     def stats(self) -> dict[str, int]: ...
 
@@ -70,7 +73,8 @@ class PreparingEncoderServer(EncoderPoolServer):
         prepared = await self.preparer.prepare(request_id, messages, looked_up)
         if forward is None or self.forwarder is None:
             return prepared
-        return replace(prepared, forwarded_to=await self.forwarder.forward(prepared, forward))
+        to = await self.forwarder.forward(prepared, forward, self.recent_value)
+        return replace(prepared, forwarded_to=to)
 
     def stats(self) -> dict[str, Any]:
         forwarding = self.forwarder.stats() if self.forwarder is not None else {}

@@ -40,14 +40,20 @@ def is_lost_object(exc: BaseException) -> bool:
 async def resolve_embeddings(
     items: Sequence[EmbeddingRef], fetch: Callable[[Any], Any]
 ) -> list[MultiModalInput]:
-    """Fetch each item's embeddings (from the object store) into MultiModalInputs.
+    """Fetch each item's embeddings (from the object store) into MultiModalInputs; an item sent with
+    its value (``EmbeddingRef.value``) is not fetched.
 
     Raises ``EmbeddingsLost`` naming every item whose object is lost (not just the first one).
     """
+    if all(it.value is not None for it in items):
+        return [_input(it, _take_rows(from_stored(it.value), it.rows)) for it in items]
     if len(items) == 1:  # awaited in the caller's task: a gather's task costs two turns of the loop
         tensors: list[Any] = [await _settled(fetch(items[0].ref[0]))]
     else:
-        tensors = await asyncio.gather(*(fetch(it.ref[0]) for it in items), return_exceptions=True)
+        tensors = await asyncio.gather(
+            *(fetch(it.ref[0]) if it.value is None else _given(it.value) for it in items),
+            return_exceptions=True,
+        )
     errors = [t for t in tensors if isinstance(t, BaseException)]
     if other := [e for e in errors if not is_lost_object(e)]:
         raise other[0]
@@ -55,6 +61,10 @@ async def resolve_embeddings(
         lost = [it.mm_hash for it, t in zip(items, tensors, strict=True) if isinstance(t, BaseException)]
         raise EmbeddingsLost(list(dict.fromkeys(lost)), type(errors[0]).__name__) from errors[0]
     return [_input(it, _take_rows(from_stored(t), it.rows)) for it, t in zip(items, tensors, strict=True)]
+
+
+async def _given(value: Any) -> Any:
+    return value
 
 
 async def _settled(aw: Any) -> Any:

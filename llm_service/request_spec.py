@@ -1,12 +1,15 @@
 """What the router hands an LLM replica for one request: prompt ids, sampling params, and where each
 media item's embeddings are. Pickles as its versioned msgpack wire form (``llm_service/wire.py``);
 the embeddings' ObjectRefs travel beside the bytes, so Ray keeps counting them and passes them
-unresolved (the replica fetches them itself, and reports lost ones before admitting the request)."""
+unresolved (the replica fetches them itself, and reports lost ones before admitting the request).
+A small item's stored value may travel beside its ref (``EmbeddingRef.value``): the encoder replica
+that computed it forwards it inline, as Ray inlines a small task argument, and saves the LLM
+replica the fetch (README, "Benchmarks")."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from llm_service.sampling_params import SamplingParams
@@ -25,6 +28,9 @@ class EmbeddingRef:
     grid_thw: tuple[int, int, int] | None = None
     second_per_grid_ts: float | None = None  # a video's seconds per temporal patch (Qwen2.5-VL positions)
     rows: tuple[int, int] | None = None  # the rows of the fetched tensor this item takes (None: all)
+    # The object's stored form itself (``encoder_service.deployment.stored_form``), sent along by the
+    # replica that put it when it is small: taken instead of fetching ``ref``, which still travels.
+    value: Any = field(default=None, compare=False, repr=False)
 
     def to_wire(self) -> dict[str, Any]:
         grid = list(self.grid_thw) if self.grid_thw else None
@@ -74,18 +80,24 @@ class LLMRequestSpec:
             "cache_salt": self.cache_salt,
         }
         refs = [m.ref for m in self.mm_items]
-        return (_spec_from_bytes, (pack("LLMRequestSpec", fields), refs))
+        values = [m.value for m in self.mm_items]
+        if not any(v is not None for v in values):
+            return (_spec_from_bytes, (pack("LLMRequestSpec", fields), refs))
+        return (_spec_from_bytes, (pack("LLMRequestSpec", fields), refs, values))
 
 
-def _spec_from_bytes(raw: bytes, refs: list[list[Any]]) -> LLMRequestSpec:
+def _spec_from_bytes(raw: bytes, refs: list[list[Any]], values: list[Any] | None = None) -> LLMRequestSpec:
     d = unpack("LLMRequestSpec", raw)
-    if len(refs) != len(d["mm_items"]):
+    if len(refs) != len(d["mm_items"]) or (values is not None and len(values) != len(refs)):
         raise ValueError(f"LLMRequestSpec carries {len(d['mm_items'])} items but {len(refs)} refs")
+    items = [EmbeddingRef.from_wire(m, r) for m, r in zip(d["mm_items"], refs, strict=True)]
+    if values is not None:
+        items = [replace(it, value=v) for it, v in zip(items, values, strict=True)]
     return LLMRequestSpec(
         request_id=d["request_id"],
         prompt_token_ids=[int(t) for t in d["prompt_token_ids"]],
         sampling_params=SamplingParams.from_wire(d["sampling_params"]),
-        mm_items=[EmbeddingRef.from_wire(m, r) for m, r in zip(d["mm_items"], refs, strict=True)],
+        mm_items=items,
         block_hashes=list(d["block_hashes"]),
         ingress_id=str(d.get("ingress_id", "")),
         cache_salt=d.get("cache_salt"),

@@ -1,6 +1,6 @@
 """Forwarded requests leave nothing behind (router/forwarding.py): with the hit path off, every media
 request is prepared by the encoder replica and submitted from there (detached: no call holds it),
-and the ingress adopts it. After 300 mixed requests, some of whose clients leave after the first
+and the ingress adopts it, its small embeddings inline beside their refs. After 300 mixed requests, some of whose clients leave after the first
 chunk, the cluster references the objects it did before, every cached embedding is referenced by
 the same workers as many times as before (a request that kept its refs, anywhere, would add
 references to those objects, not new objects), and no KV block, running request, reservation or
@@ -95,13 +95,16 @@ def test_forwarded_requests_leave_the_object_store_kv_and_channels_at_baseline(a
     wait_for(lambda: _quiet(base_url), 60, "the warm-up to settle")
     baseline = _referenced_objects()
     refs_before = holders()
-    forwarded_before = _handle("EncoderPool").stats.remote().result(timeout_s=30)["forwarded_submits"]
+    stats_before = _handle("EncoderPool").stats.remote().result(timeout_s=30)
+    forwarded_before = stats_before["forwarded_submits"]
 
     assert all(n >= 1 for n in asyncio.run(_run(base_url, list(range(100, 100 + NUM_REQUESTS)))))
 
     media = sum(1 for i in range(100, 100 + NUM_REQUESTS) if i % 4)
-    forwarded = _handle("EncoderPool").stats.remote().result(timeout_s=30)["forwarded_submits"]
-    assert forwarded - forwarded_before == media  # every media request went encoder -> LLM
+    stats = _handle("EncoderPool").stats.remote().result(timeout_s=30)
+    assert stats["forwarded_submits"] - forwarded_before == media  # every media request went encoder -> LLM
+    # each carried its (small) embeddings inline beside their refs: the LLM replica fetched none
+    assert stats["inline_values_sent"] - stats_before["inline_values_sent"] >= media
     wait_for(lambda: _quiet(base_url), 60, "every request, KV block, reservation and channel to be released")
     # Serve's own bookkeeping references a few objects that come and go; a request that kept its
     # refs would add one per media item: ~250 here.

@@ -1,0 +1,73 @@
+"""A small item's value sent inline beside its ref (``EmbeddingRef.value``, router/forwarding.py): it
+crosses the spec's wire form, the LLM side takes it without fetching, and items sent without one
+are fetched (and reported lost) as before."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from encoder_service.deployment import stored_form
+from encoder_service.prepared import PreparedItem, PreparedRequest
+from llm_service.embeddings import EmbeddingsLost, resolve_embeddings
+from llm_service.request_spec import EmbeddingRef, LLMRequestSpec
+from llm_service.sampling_params import SamplingParams
+from router.forwarding import embedding_refs
+
+
+def _items() -> list[EmbeddingRef]:
+    pre = PreparedRequest(
+        [1] * 20,
+        [
+            PreparedItem("h1", "image", 2, 4, (1, 4, 4), ["ref1"]),
+            PreparedItem("h2", "image", 8, 4, (1, 4, 4), ["ref2"]),
+        ],
+        1,
+        {},
+    )
+    held = {"ref1": stored_form(torch.full((4, 3), 1.5, dtype=torch.bfloat16))}
+    return embedding_refs(pre, held.get)
+
+
+def test_values_cross_the_spec_wire_form_beside_their_refs() -> None:
+    spec = LLMRequestSpec("r", [1] * 20, SamplingParams(max_tokens=1), _items())
+    back = pickle.loads(pickle.dumps(spec))
+    with_value, without = back.mm_items
+    assert with_value.ref == ["ref1"] and without.ref == ["ref2"] and without.value is None
+    name, bits = with_value.value
+    assert name == "bfloat16" and isinstance(bits, np.ndarray)
+    plain = LLMRequestSpec(
+        "r", [1] * 20, SamplingParams(max_tokens=1), [EmbeddingRef(["r"], 0, 4, "h", "image")]
+    )
+    assert pickle.loads(pickle.dumps(plain)).mm_items[0].value is None
+
+
+def test_an_item_with_its_value_is_not_fetched_and_the_others_are() -> None:
+    fetched: list[Any] = []
+
+    async def fetch(ref: Any) -> Any:
+        fetched.append(ref)
+        return stored_form(torch.full((4, 3), 2.0))
+
+    first, second = asyncio.run(resolve_embeddings(_items(), fetch))
+    assert fetched == ["ref2"]
+    assert first.embeddings.dtype == torch.bfloat16 and first.embeddings.float().eq(1.5).all()
+    assert second.embeddings.eq(2.0).all()
+    (only,) = asyncio.run(resolve_embeddings(_items()[:1], fetch))
+    assert fetched == ["ref2"] and only.embeddings.float().eq(1.5).all()
+
+
+def test_a_lost_object_beside_an_inline_value_is_still_reported() -> None:
+    from ray.exceptions import ObjectLostError
+
+    async def fetch(ref: Any) -> Any:
+        raise ObjectLostError("0" * 56, "", "")
+
+    with pytest.raises(EmbeddingsLost) as e:
+        asyncio.run(resolve_embeddings(_items(), fetch))
+    assert e.value.mm_hashes == ["h2"]
