@@ -8,7 +8,8 @@ ObjectRefs travel beside the msgpack bytes so Ray keeps counting them.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from encoder_service.types import EmbeddingMeta, Modality
@@ -25,6 +26,9 @@ class PreparedItem:
     ref: list[Any] = field(default_factory=list, compare=False)  # [ObjectRef], not in the msgpack
     second_per_grid_ts: float | None = None  # a video's seconds per temporal patch (Qwen2.5-VL positions)
     rows: tuple[int, int] | None = None  # the rows of the embeddings this run takes (None: all)
+    # The object's stored form itself, from the encoder replica that put it, when small
+    # (encoder_service/recent_values.py): the LLM replica takes it instead of fetching ``ref``.
+    value: Any = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -40,17 +44,27 @@ class PreparedRequest:
     forwarded_to: tuple[str, str] | None = None
 
     def __reduce__(self) -> tuple[Any, ...]:
-        items = [{k: v for k, v in asdict(it).items() if k != "ref"} for it in self.items]
+        beside = ("ref", "value")  # not in the msgpack: pickled by Ray (refs counted, arrays out of band)
+        items = [
+            {f.name: getattr(it, f.name) for f in fields(it) if f.name not in beside} for it in self.items
+        ]
         record = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("items", "metas")}
         metas = [m.to_msgpack() for m in self.metas]
         raw = pack("PreparedRequest", {**plain({**record, "items": items}), "metas": metas})
-        return (_prepared_from_bytes, (raw, [it.ref for it in self.items]))
+        refs = [it.ref for it in self.items]
+        values = [it.value for it in self.items]
+        if not any(v is not None for v in values):
+            return (_prepared_from_bytes, (raw, refs))
+        return (_prepared_from_bytes, (raw, refs, values))
 
 
-def _prepared_from_bytes(raw: bytes, refs: list[list[Any]]) -> PreparedRequest:
+def _prepared_from_bytes(
+    raw: bytes, refs: list[list[Any]], values: list[Any] | None = None
+) -> PreparedRequest:
     d = unpack("PreparedRequest", raw)
-    if len(refs) != len(d["items"]):
+    if len(refs) != len(d["items"]) or (values is not None and len(values) != len(refs)):
         raise ValueError(f"PreparedRequest carries {len(d['items'])} items but {len(refs)} refs")
+    values = values if values is not None else [None] * len(refs)
     items = [
         PreparedItem(
             **{
@@ -58,9 +72,10 @@ def _prepared_from_bytes(raw: bytes, refs: list[list[Any]]) -> PreparedRequest:
                 "grid_thw": grid_from_wire(it["grid_thw"]),
                 "rows": rows_from_wire(it.get("rows")),
                 "ref": list(ref),
+                "value": value,
             }
         )
-        for it, ref in zip(d["items"], refs, strict=True)
+        for it, ref, value in zip(d["items"], refs, values, strict=True)
     ]
     derived = ("items", "metas", "forwarded_to")
     record = {f.name: d[f.name] for f in fields(PreparedRequest) if f.name not in derived}
@@ -68,6 +83,14 @@ def _prepared_from_bytes(raw: bytes, refs: list[list[Any]]) -> PreparedRequest:
     record["forwarded_to"] = (str(to[0]), str(to[1])) if to else None
     metas = [EmbeddingMeta.from_msgpack(m) for m in d.get("metas", [])]
     return PreparedRequest(**{**record, "items": items, "metas": metas})
+
+
+def with_values(prepared: PreparedRequest, value_of: Callable[[Any], Any]) -> PreparedRequest:
+    """``prepared`` with each item's value where ``value_of(ref)`` has it (None: fetched as before)."""
+    items = [
+        replace(it, value=value_of(it.ref[0])) if it.ref and it.value is None else it for it in prepared.items
+    ]
+    return replace(prepared, items=items)
 
 
 @dataclass(frozen=True)

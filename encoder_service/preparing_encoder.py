@@ -16,12 +16,11 @@ encoder pool, so a cluster whose GPU nodes are short of CPU keeps the separate p
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Protocol
 
 from encoder_service.deployment import EncoderPoolServer, make_preparer, preparer_stats
-from encoder_service.prepared import LookedUp, PreparedRequest
+from encoder_service.prepared import LookedUp, PreparedRequest, with_values
 
 
 class Forwarder(Protocol):
@@ -29,9 +28,7 @@ class Forwarder(Protocol):
     the router's own record, opaque here; the answer is (LLM replica id, output channel id), or
     None when the router is to submit it itself."""
 
-    async def forward(
-        self, prepared: PreparedRequest, how: Any, value_of: Callable[[Any], Any] | None = None
-    ) -> tuple[str, str] | None: ...
+    async def forward(self, prepared: PreparedRequest, how: Any) -> tuple[str, str] | None: ...
 
     def stats(self) -> dict[str, int]: ...
 
@@ -69,12 +66,15 @@ class PreparingEncoderServer(EncoderPoolServer):
         forward: Any = None,
     ) -> PreparedRequest:
         """The router's one call per media request (encoder_service/prepare.py); with ``forward``
-        (and a forwarder), submitted to the LLM pool from here before the answer goes back."""
-        prepared = await self.preparer.prepare(request_id, messages, looked_up)
+        (and a forwarder), submitted to the LLM pool from here before the answer goes back. Items
+        whose embeddings this replica put lately carry them inline when small (``RecentValues``):
+        the LLM replica then takes them instead of fetching them."""
+        prepared = with_values(
+            await self.preparer.prepare(request_id, messages, looked_up), self.recent_value
+        )
         if forward is None or self.forwarder is None:
             return prepared
-        to = await self.forwarder.forward(prepared, forward, self.recent_value)
-        return replace(prepared, forwarded_to=to)
+        return replace(prepared, forwarded_to=await self.forwarder.forward(prepared, forward))
 
     def stats(self) -> dict[str, Any]:
         forwarding = self.forwarder.stats() if self.forwarder is not None else {}

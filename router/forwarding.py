@@ -24,7 +24,7 @@ services' records, which the services themselves never import.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -61,11 +61,8 @@ def _forward_from_bytes(raw: bytes) -> ForwardRequest:
     return ForwardRequest(**{f.name: d[f.name] for f in fields(ForwardRequest)})
 
 
-def embedding_refs(
-    prepared: PreparedRequest, value_of: Callable[[Any], Any] | None = None
-) -> list[EmbeddingRef]:
-    """A prepared request's items as the LLM side names them; ``value_of(ref)``: the object's value
-    when the caller holds it (the encoder replica that put it), sent along instead of fetched."""
+def embedding_refs(prepared: PreparedRequest) -> list[EmbeddingRef]:
+    """A prepared request's items as the LLM side names them (an inline value goes along)."""
     return [
         EmbeddingRef(
             ref=list(it.ref),
@@ -76,7 +73,7 @@ def embedding_refs(
             grid_thw=it.grid_thw,
             second_per_grid_ts=it.second_per_grid_ts,
             rows=it.rows,
-            value=value_of(it.ref[0]) if value_of is not None else None,
+            value=it.value,
         )
         for it in prepared.items
     ]
@@ -118,11 +115,8 @@ class PreparedForwarder:
         self.forwarded = 0
         self.declined = 0  # left to the ingress: did not fit, or the LLM pool refused or failed
 
-    async def forward(
-        self, prepared: PreparedRequest, fwd: ForwardRequest, value_of: Callable[[Any], Any] | None = None
-    ) -> tuple[str, str] | None:
-        """Submitted: (LLM replica id, output channel id); None: the ingress submits it itself.
-        ``value_of``: see ``embedding_refs`` (small items this replica computed go inline)."""
+    async def forward(self, prepared: PreparedRequest, fwd: ForwardRequest) -> tuple[str, str] | None:
+        """Submitted: (LLM replica id, output channel id); None: the ingress submits it itself."""
         try:
             params = fit_to_prompt(
                 fwd.sampling_params,
@@ -136,7 +130,7 @@ class PreparedForwarder:
         spec = request_spec(
             fwd.request_id,
             list(prepared.prompt_token_ids),
-            embedding_refs(prepared, value_of),
+            embedding_refs(prepared),
             params,
             self.block_size,
             ingress_id=fwd.ingress_id,

@@ -1,6 +1,7 @@
-"""A small item's value sent inline beside its ref (``EmbeddingRef.value``, router/forwarding.py): it
-crosses the spec's wire form, the LLM side takes it without fetching, and items sent without one
-are fetched (and reported lost) as before."""
+"""A small item's value sent inline beside its ref by the encoder replica that put it
+(``PreparedItem.value``, ``EmbeddingRef.value``): it crosses the prepared request's and the spec's
+wire forms, the LLM side takes it without fetching, and items sent without one are fetched (and
+reported lost) as before."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from encoder_service.deployment import stored_form
-from encoder_service.prepared import PreparedItem, PreparedRequest
+from encoder_service.prepared import PreparedItem, PreparedRequest, with_values
 from llm_service.embeddings import EmbeddingsLost, resolve_embeddings
 from llm_service.request_spec import EmbeddingRef, LLMRequestSpec
 from llm_service.sampling_params import SamplingParams
@@ -31,7 +32,9 @@ def _items() -> list[EmbeddingRef]:
         {},
     )
     held = {"ref1": stored_form(torch.full((4, 3), 1.5, dtype=torch.bfloat16))}
-    return embedding_refs(pre, held.get)
+    back = pickle.loads(pickle.dumps(with_values(pre, held.get)))  # the answer to the ingress
+    assert back == pre and back.items[1].value is None
+    return embedding_refs(back)
 
 
 def test_values_cross_the_spec_wire_form_beside_their_refs() -> None:
