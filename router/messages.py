@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import base64
 import binascii
 from dataclasses import dataclass, replace
 from typing import Any
+
+import pybase64
 
 from encoder_service.types import MediaRef, Modality
 from router.errors import APIError, bad_request
@@ -77,7 +78,7 @@ def _media_from_part(part: Any, where: str, max_bytes: int) -> MediaRef:
             if len(audio.data) > max_bytes * 4 // 3 + 4:
                 raise APIError(413, f"{where}: input_audio exceeds {max_bytes} bytes", code="media_too_large")
             try:
-                data = base64.b64decode(audio.data, validate=True)
+                data = pybase64.b64decode(audio.data, validate=True)
             except (binascii.Error, ValueError) as e:
                 raise bad_request(f"{where}: input_audio.data is not valid base64", code="bad_media") from e
             ref = MediaRef("audio", data=data, format=fmt, uuid=part.uuid)

@@ -224,7 +224,8 @@ def test_a_large_data_url_is_decoded_off_the_event_loop_with_the_same_bytes_and_
 
     from encoder_service.media import fetch
 
-    big = make_image_bytes(600, 400, seed=3)  # a noisy PNG: well past the thread threshold as base64
+    monkeypatch.setattr(fetch, "THREAD_DECODE_CHARS", 512 * 1024)  # 8 MiB by default: a smaller body does
+    big = make_image_bytes(600, 400, seed=3)  # a noisy PNG: well past that threshold as base64
     url = "data:image/png;base64," + base64.b64encode(big).decode()
     assert len(url) > fetch.THREAD_DECODE_CHARS
     threads = []
