@@ -186,17 +186,22 @@ class IngressServer:
 
     @fastapi_app.get("/stats")
     async def stats(self, request: Request) -> JSONResponse:
-        """Operator view: encoder-cache counters and encoder items dispatched, per model."""
+        """Operator view: encoder-cache counters and encoder items dispatched, per model;
+        ``?pools=true`` adds the pools' own counters (``ModelHandles.pool_stats``)."""
         self.keys.authenticate(request.headers.get("authorization"))
+        pools = request.query_params.get("pools", "").lower() in ("1", "true", "yes")
         out = {}
         for name, cache in self.caches.items():
+            orchestrator = self.service.models[name].orchestrator
             out[name] = {
                 "encoder_cache": await cache.stats(),
                 "encoder_items_dispatched": self.encoder_items_dispatched[name],
                 # this ingress replica's hit path: media requests prepared without the prepare hop,
                 # and its near cache (entries, hits, misses)
-                **self.service.models[name].orchestrator.hit_path_stats(),
+                **orchestrator.hit_path_stats(),
             }
+            if pools:
+                out[name]["pools"] = await orchestrator.h.pool_stats()
         return JSONResponse(out)
 
     def check_health(self) -> None:

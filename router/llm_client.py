@@ -46,6 +46,9 @@ class ChannelLost(RuntimeError):
     code = "llm_replica_lost"
 
 
+MAX_REPLICAS_LISTED = 256  # replica_stats: the replicas remembered (the most recent)
+
+
 @dataclass
 class _Reader:
     replica_id: str
@@ -78,6 +81,7 @@ class LLMClient:
         self._calls: dict[str, Any] = {}  # request id -> its open submit call
         self._expected: set[str] = set()  # forwarded by a preparing replica, not adopted yet
         self._tasks: set[asyncio.Task[None]] = set()
+        self._replicas_seen: dict[str, None] = {}  # every replica this client had a channel to
 
     def __len__(self) -> int:
         return len(self._queues)
@@ -163,6 +167,9 @@ class LLMClient:
         if reader is None:
             reader = _Reader(reply.replica_id, reply.channel_id)
             self._readers[reply.channel_id] = reader
+            self._replicas_seen[reply.replica_id] = None
+            if len(self._replicas_seen) > MAX_REPLICAS_LISTED:  # replicas churn: forget the oldest
+                del self._replicas_seen[next(iter(self._replicas_seen))]
             reader.task = asyncio.get_running_loop().create_task(self._read(reader))
         reader.requests.add(rid)
 
@@ -218,6 +225,21 @@ class LLMClient:
                 if call is not None:  # (a cancel need not reach the replica on every Serve transport)
                     call.cancel()
                 self._background(self._abort(reply, request_id))
+
+    async def replica_stats(self, timeout_s: float = 5.0) -> dict[str, dict[str, Any]]:
+        """The counters of each LLM replica this client has had a channel to (idle channels close;
+        the replicas stay listed), asked of it by name; one that does not answer within ``timeout_s``
+        (gone, or stuck) reports its error instead."""
+
+        async def one(rid: str) -> dict[str, Any]:
+            try:
+                stats = await asyncio.wait_for(self.handle.stats.remote(ReplicaTarget(rid)), timeout_s)
+                return dict(stats)
+            except Exception as e:  # a dead or stuck replica: say so, the others still answer
+                return {"error": f"{type(e).__name__}: {e}"}
+
+        ids = sorted(self._replicas_seen)
+        return dict(zip(ids, await asyncio.gather(*(one(rid) for rid in ids)), strict=True))
 
     async def _abort(self, reply: SubmitReply, request_id: str) -> None:
         try:

@@ -19,6 +19,9 @@ class PreprocessPool(Protocol):
     @property
     def prepare(self) -> Any: ...
 
+    @property
+    def stats(self) -> Any: ...
+
 
 class CacheIndex(Protocol):
     """The shared encoder cache as the router uses it (encoder_service.cache_client.EncoderCacheClient)."""
@@ -60,3 +63,15 @@ class ModelHandles:
             prepared: PreparedRequest = await self.prepare_link.call("prepare", *args)
             return prepared
         return await self.preprocess.prepare.remote(*args)  # type: ignore[no-any-return]
+
+    async def pool_stats(self, timeout_s: float = 5.0) -> dict[str, Any]:
+        """The pools' own counters: the preparing replica Serve picks (queued encoder work, inline
+        values sent, forwarded submits, processor cache) and every LLM replica this ingress reads from
+        (running, waiting, KV blocks, prefix hits). A pool that does not answer reports its error."""
+        try:
+            preparing: dict[str, Any] = dict(
+                await asyncio.wait_for(self.preprocess.stats.remote(), timeout_s)
+            )
+        except Exception as e:
+            preparing = {"error": f"{type(e).__name__}: {e}"}
+        return {"preparing_replica": preparing, "llm_replicas": await self.llm.replica_stats(timeout_s)}

@@ -136,6 +136,29 @@ def test_metrics_report_real_values(client: OpenAI, app: dict[str, Any]) -> None
         )
 
 
+def test_stats_with_pools_shows_each_pools_own_counters(client: OpenAI) -> None:
+    """``GET /stats?pools=true`` adds what the pools count themselves: each LLM replica this ingress
+    reads from (by its id, and agreeing with that replica's own ``stats``) and the preparing replica's
+    queue; a plain ``GET /stats`` stays as cheap as before (no pool calls)."""
+    png = make_image_bytes(40, 32, seed=4242)
+    content = [
+        {"type": "image_url", "image_url": {"url": data_url(png, "image/png")}},
+        {"type": "text", "text": "Pools?"},
+    ]
+    client.chat.completions.create(
+        model=VL, messages=[{"role": "user", "content": content}], max_tokens=2, temperature=0
+    )
+    assert "pools" not in httpx.get(f"http://127.0.0.1:{PORT}/stats", timeout=30).json()[VL]
+    pools = httpx.get(f"http://127.0.0.1:{PORT}/stats?pools=true", timeout=30).json()[VL]["pools"]
+    own = _llm_stats()  # the pool's one replica, asked directly
+    assert pools["llm_replicas"][own["replica_id"]]["num_total_blocks"] == own["num_total_blocks"]
+    for rid, llm in pools["llm_replicas"].items():
+        assert llm["replica_id"] == rid
+    preparing = pools["preparing_replica"]
+    assert "error" not in preparing, preparing
+    assert preparing["queued_items"] >= 0 and preparing["processor_calls"] >= 1  # it processed the image
+
+
 def test_streamed_client_disconnect_aborts_the_generation(client: OpenAI, app: dict[str, Any]) -> None:
     """A client reads a few chunks of a long generation about a fresh image and hangs up: the engine
     drops the request (its KV blocks all free again) long before max_tokens, and no reservation is left."""

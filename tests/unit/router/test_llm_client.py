@@ -116,3 +116,43 @@ def test_a_caller_that_leaves_before_the_last_output_aborts_it_on_the_replica() 
     assert set(handle.aborted) == {"early"} and handle.cancels == 1
     assert not server.engine.has_unfinished_requests()
     assert server.engine.generated["early"] < 10_000
+
+
+def test_replica_stats_asks_each_replica_it_reads_from_and_reports_one_that_fails() -> None:
+    """``/stats?pools=true`` reads each LLM replica's counters through ``replica_stats``: the call names
+    its replica (``ReplicaTarget``); a replica that does not answer reports its error, not a 500."""
+
+    async def scenario() -> tuple[dict[str, Any], dict[str, Any], LLMServer]:
+        server, handle, client = _world()
+        asked: list[str] = []
+
+        def stats(target: ReplicaTarget) -> Any:
+            asked.append(target.target_replica)
+
+            async def answer() -> dict[str, Any]:
+                return server.stats(target)
+
+            return answer()
+
+        handle.stats = SimpleNamespace(remote=stats)  # type: ignore[attr-defined]
+        spec = _spec("s1", 2)
+        reply = await client.submit(spec)
+        async for out in client.outputs(spec.request_id, reply):
+            if out.finished:
+                break
+        ok = await client.replica_stats()
+        assert asked == [server.replica_id]
+
+        async def never() -> dict[str, Any]:
+            await asyncio.sleep(60)
+            return {}
+
+        handle.stats = SimpleNamespace(remote=lambda target: never())  # type: ignore[attr-defined]
+        stuck = await client.replica_stats(timeout_s=0.05)
+        await _settle(handle)
+        return ok, stuck, server
+
+    ok, stuck, server = asyncio.run(scenario())
+    rid = server.replica_id
+    assert ok[rid]["replica_id"] == rid and ok[rid]["num_total_blocks"] == 128
+    assert list(stuck) == [rid] and "TimeoutError" in stuck[rid]["error"]
