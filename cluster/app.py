@@ -86,7 +86,7 @@ def encoder_placement(model: ModelConfig) -> dict[str, Any]:
 
 
 def _preprocessor(model: ModelConfig, cache_dir: str, encoder: Any) -> Any:
-    from encoder_service.deployment import PreprocessorServer
+    from encoder_service.preprocessor_server import PreprocessorServer
 
     class Preprocessor(PreprocessorServer, DirectServed):
         DIRECT_METHODS: ClassVar[dict[str, str]] = {"prepare": "prepare"}

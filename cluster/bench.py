@@ -177,7 +177,7 @@ async def warm_up(client: Any, wl: WorkloadConfig, max_tokens: int) -> None:
 def freeze_gc_heap() -> None:
     """Move everything alive now (imports, the client, every scenario's request bodies) out of the
     collector's reach, as vLLM's servers do after start-up: otherwise a full collection of this
-    process (~40 ms here, once every few hundred requests) stalls the requests in flight and shows
+    process (40-53 ms here, about once a run) stalls the requests in flight and shows
     up as server latency."""
     gc.collect()
     gc.freeze()

@@ -19,8 +19,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Protocol
 
-from encoder_service.deployment import EncoderPoolServer, make_preparer, preparer_stats
+from encoder_service.deployment import EncoderPoolServer
 from encoder_service.prepared import LookedUp, PreparedRequest, with_values
+from encoder_service.preprocessor_server import make_preparer, preparer_stats
 
 
 class Forwarder(Protocol):

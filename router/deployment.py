@@ -83,7 +83,7 @@ def _hit_path(m: IngressModel) -> Any:
     ``prepare`` with what it looked up)."""
     if m.preprocess is None:
         return None
-    from encoder_service.deployment import make_preparer
+    from encoder_service.preprocessor_server import make_preparer
 
     async def no_encode(batch: Any) -> Any:
         raise RuntimeError("the ingress's hit path encodes nothing")

@@ -46,6 +46,15 @@ class ChannelLost(RuntimeError):
     code = "llm_replica_lost"
 
 
+async def counters_or_error(call: Any, timeout_s: float) -> dict[str, Any]:
+    """A replica's ``stats`` answer, or ``{"error": ...}`` if it fails or takes over ``timeout_s``
+    (a dead or stuck replica: the operator's view still answers, with the others' counters)."""
+    try:
+        return dict(await asyncio.wait_for(call, timeout_s))
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
 MAX_REPLICAS_LISTED = 256  # replica_stats: the replicas remembered (the most recent)
 
 
@@ -231,15 +240,9 @@ class LLMClient:
         the replicas stay listed), asked of it by name; one that does not answer within ``timeout_s``
         (gone, or stuck) reports its error instead."""
 
-        async def one(rid: str) -> dict[str, Any]:
-            try:
-                stats = await asyncio.wait_for(self.handle.stats.remote(ReplicaTarget(rid)), timeout_s)
-                return dict(stats)
-            except Exception as e:  # a dead or stuck replica: say so, the others still answer
-                return {"error": f"{type(e).__name__}: {e}"}
-
         ids = sorted(self._replicas_seen)
-        return dict(zip(ids, await asyncio.gather(*(one(rid) for rid in ids)), strict=True))
+        calls = (counters_or_error(self.handle.stats.remote(ReplicaTarget(rid)), timeout_s) for rid in ids)
+        return dict(zip(ids, await asyncio.gather(*calls), strict=True))
 
     async def _abort(self, reply: SubmitReply, request_id: str) -> None:
         try:

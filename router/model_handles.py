@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 from encoder_service.prepared import LookedUp, PreparedRequest
 from router.direct_link import DirectLink
-from router.llm_client import LLMClient
+from router.llm_client import LLMClient, counters_or_error
 
 
 class PreprocessPool(Protocol):
@@ -68,10 +68,5 @@ class ModelHandles:
         """The pools' own counters: the preparing replica Serve picks (queued encoder work, inline
         values sent, forwarded submits, processor cache) and every LLM replica this ingress reads from
         (running, waiting, KV blocks, prefix hits). A pool that does not answer reports its error."""
-        try:
-            preparing: dict[str, Any] = dict(
-                await asyncio.wait_for(self.preprocess.stats.remote(), timeout_s)
-            )
-        except Exception as e:
-            preparing = {"error": f"{type(e).__name__}: {e}"}
+        preparing = await counters_or_error(self.preprocess.stats.remote(), timeout_s)
         return {"preparing_replica": preparing, "llm_replicas": await self.llm.replica_stats(timeout_s)}

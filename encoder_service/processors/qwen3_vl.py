@@ -5,8 +5,8 @@ the same adapter, and Qwen3-VL's video processor, whose prompt is one run per te
 
 (``Qwen3VLProcessor.replace_video_token``). The chat template's own wrapper around the video token,
 ``<|vision_start|><|video_pad|><|vision_end|>``, collapses into the bare token first (``prompt_text``),
-since every run carries its own (transformers 5.25, ``get_text_with_replacements``). A timestamp is the mean time of the patch's frames,
-``frame index / fps``, the last frame repeated to fill a patch, as ``_calculate_timestamps`` does.
+since every run carries its own (transformers 5.25, ``get_text_with_replacements``). A timestamp
+is the mean time of the patch's frames, ``frame index / fps``, the last frame repeated to fill a patch, as ``_calculate_timestamps`` does.
 The timestamps follow from the video's bytes and sampling settings (both in the mm_hash), travel with
 the item (``frame_times``; the cache entry keeps them, so a cache hit builds the same prompt), and
 each run becomes its own prompt item over its rows of the one encoder output.
@@ -23,8 +23,6 @@ from encoder_service.processors.qwen2_vl import Qwen2VLFamily
 from encoder_service.types import Modality
 
 FRAME_TIMES = "frame_times"  # the item-metadata key
-VIDEO_TOKEN = "<|video_pad|>"
-VIDEO_WRAPPER = f"<|vision_start|>{VIDEO_TOKEN}<|vision_end|>"
 
 
 def patch_times(indices: list[int], fps: float, temporal_patch: int) -> list[float]:
@@ -43,7 +41,8 @@ class Qwen3VLFamily(Qwen2VLFamily):
 
     def prompt_text(self, text: str) -> str:
         """The template's wrapper around a video token goes: each run brings its own start and end."""
-        return text.replace(VIDEO_WRAPPER, VIDEO_TOKEN)
+        video = self.placeholder_tokens["video"]
+        return text.replace(f"<|vision_start|>{video}<|vision_end|>", video)
 
     def process(self, modality: Modality, value: Any) -> ProcessedItem:
         if modality != "video":
