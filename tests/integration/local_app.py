@@ -1,8 +1,11 @@
-"""Starting the whole app on a module's own local Ray, as `mmserve serve` would, on a free loopback port."""
+"""A module's own local Ray, shut down however the module ends, and the whole app started on it as
+`mmserve serve` would, on a free loopback port."""
 
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from openai import OpenAI
@@ -14,11 +17,32 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def start_local_app(config: dict[str, Any]) -> OpenAI:
-    """``config`` (an AppConfig dict without port) served directly on a free port; returns its client.
-    The caller shuts Serve and Ray down."""
+@contextmanager
+def own_ray(address: str = "local", **init: Any) -> Iterator[None]:
+    """``ray.init`` for one test module; Serve (if it started) and Ray are shut down on the way out,
+    also when the start fails or Serve's shutdown raises. A module whose start failed thus leaves no
+    Ray behind, so the next module's ``ray.init`` does not fail with "called ray.init twice"."""
     import ray
+    from ray import serve
 
+    if ray.is_initialized():  # left by a module that did not use this: start from a clean driver
+        ray.shutdown()
+    if address == "local":
+        init = {"num_cpus": 2, "include_dashboard": False, **init}
+    ray.init(address=address, **{"namespace": "mmserve", **init})
+    try:
+        yield
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+@contextmanager
+def local_app(config: dict[str, Any]) -> Iterator[OpenAI]:
+    """``config`` (an AppConfig dict without port) served directly on a free port, on this module's
+    own Ray; yields its client, and shuts Serve and Ray down on the way out."""
     from cluster.config import AppConfig
     from cluster.serve_cli import start
     from cluster.serve_env import apply_serve_env
@@ -26,6 +50,6 @@ def start_local_app(config: dict[str, Any]) -> OpenAI:
     port = free_port()
     cfg = AppConfig.model_validate({**config, "port": port, "ingress": {"http_mode": "direct"}})
     apply_serve_env()  # what `mmserve serve` runs with, before Ray starts its processes
-    ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="mmserve")
-    start(cfg)
-    return OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120, max_retries=0)
+    with own_ray():
+        start(cfg)
+        yield OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120, max_retries=0)

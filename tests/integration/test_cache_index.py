@@ -17,13 +17,13 @@ from encoder_service.encoder_cache import COMPUTE, HIT, WAIT
 from encoder_service.errors import EncoderCacheBusy
 from encoder_service.hashing import compute_mm_hash
 from encoder_service.types import EmbeddingMeta
+from tests.integration.local_app import own_ray
 
 
 @pytest.fixture(scope="module")
 def ray_session():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+    with own_ray(log_to_driver=False):
+        yield
 
 
 def _hash(i: int) -> str:

@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 
 from encoder_service.runner import EncoderRunner
 from encoder_service.tp.launch import exit_spawned_rank, free_port, init_tp_process_group
+from tests.integration.local_app import own_ray
 from tests.unit.encoder_models.inputs import audio_input, image_input, video_input
 
 ATOL, RTOL = 1e-5, 1e-5
@@ -77,9 +78,8 @@ def test_gloo_tp2_equals_tp1(gloo_results, family: str, mode: str) -> None:  # t
 def ray_local():  # type: ignore[no-untyped-def]
     import ray
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
+    with own_ray(log_to_driver=False):
+        yield ray
 
 
 def test_ray_tp_group_weights_and_data(ray_local, tiny_vl_dir: Path) -> None:  # type: ignore[no-untyped-def]

@@ -20,7 +20,7 @@ import pytest
 from openai import OpenAI
 
 from tests.hf_oracle import hf_generate
-from tests.integration.local_app import start_local_app
+from tests.integration.local_app import local_app
 from tests.media import make_image_array, make_image_bytes, make_video_bytes
 
 
@@ -69,15 +69,10 @@ def _model_config(f: Family) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    import ray
-    from ray import serve
-
     cache_dir = tmp_path_factory.mktemp("models")
     models = [_model_config(f) for f in FAMILIES]
-    client = start_local_app({"models": models, "models_cache_dir": str(cache_dir)})
-    yield {"client": client, "cache_dir": Path(cache_dir)}
-    serve.shutdown()
-    ray.shutdown()
+    with local_app({"models": models, "models_cache_dir": str(cache_dir)}) as client:
+        yield {"client": client, "cache_dir": Path(cache_dir)}
 
 
 def _ask(client: OpenAI, model: str, content: Any, max_tokens: int = MAX_TOKENS) -> tuple[str, int]:

@@ -24,7 +24,7 @@ import pytest
 from PIL import Image
 
 from tests.hf_oracle import hf_generate
-from tests.integration.local_app import free_port
+from tests.integration.local_app import free_port, own_ray
 from tests.media import make_image_bytes
 
 VL = "tiny-qwen2-vl"
@@ -45,9 +45,6 @@ class Outcome:
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    import ray
-    from ray import serve
-
     from cluster.config import AppConfig
     from cluster.serve_cli import start
     from cluster.serve_env import apply_serve_env
@@ -77,11 +74,9 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         }
     )
     apply_serve_env()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="mmserve")
-    start(cfg)
-    yield {"url": f"http://127.0.0.1:{port}", "dir": cache_dir / VL}
-    serve.shutdown()
-    ray.shutdown()
+    with own_ray():
+        start(cfg)
+        yield {"url": f"http://127.0.0.1:{port}", "dir": cache_dir / VL}
 
 
 def _image_content(png: bytes, text: str) -> list[dict[str, Any]]:

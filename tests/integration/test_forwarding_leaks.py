@@ -20,7 +20,7 @@ from openai import AsyncOpenAI, OpenAI
 
 from tests.integration.e2e.common import data_url, holders, more_references, send_concurrently, wait_for
 from tests.integration.e2e.test_mixed_load import _referenced_objects
-from tests.integration.local_app import start_local_app
+from tests.integration.local_app import local_app
 from tests.media import make_image_bytes
 
 MODEL = "tiny-qwen2-vl"
@@ -30,9 +30,6 @@ IMAGES = [make_image_bytes(40 + 8 * i, 48, seed=700 + i) for i in range(4)]
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpenAI]:
-    import ray
-    from ray import serve
-
     model = {
         "name": MODEL,
         "tiny": "qwen2-vl",
@@ -40,9 +37,8 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpenAI]:
         "encoder": {"cache_index_shards": 1},
     }
     cache_dir = str(tmp_path_factory.mktemp("models"))
-    yield start_local_app({"models": [model], "models_cache_dir": cache_dir})
-    serve.shutdown()
-    ray.shutdown()
+    with local_app({"models": [model], "models_cache_dir": cache_dir}) as client:
+        yield client
 
 
 def _handle(pool: str) -> Any:

@@ -25,6 +25,7 @@ from openai import AsyncOpenAI, OpenAI
 from PIL import Image
 
 from tests.hf_oracle import hf_generate
+from tests.integration.local_app import own_ray
 from tests.media import make_image_bytes
 
 PORT = 8432
@@ -95,27 +96,25 @@ def app_config(cache_dir: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    import ray
-    from ray import serve
     from ray.cluster_utils import Cluster
 
     from cluster.config import AppConfig
     from cluster.serve_cli import start
 
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    enc = c.add_node(num_cpus=2, resources={"encoder_node": 1})
-    llm = c.add_node(num_cpus=2, resources={"llm_node": 1})
-    c.wait_for_nodes()
-    ray.init(address=c.address, namespace="mmserve")
-    cache_dir = tmp_path_factory.mktemp("models")
-    start(AppConfig.model_validate(app_config(str(cache_dir))))
-    yield {
-        "nodes": {"head": c.head_node.node_id, "encoder": enc.node_id, "llm": llm.node_id},
-        "dir": cache_dir / VL,
-    }
-    serve.shutdown()
-    ray.shutdown()
-    c.shutdown()
+    try:
+        enc = c.add_node(num_cpus=2, resources={"encoder_node": 1})
+        llm = c.add_node(num_cpus=2, resources={"llm_node": 1})
+        c.wait_for_nodes()
+        with own_ray(c.address):
+            cache_dir = tmp_path_factory.mktemp("models")
+            start(AppConfig.model_validate(app_config(str(cache_dir))))
+            yield {
+                "nodes": {"head": c.head_node.node_id, "encoder": enc.node_id, "llm": llm.node_id},
+                "dir": cache_dir / VL,
+            }
+    finally:
+        c.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from openai import OpenAI
 
-from tests.integration.local_app import start_local_app
+from tests.integration.local_app import local_app
 
 MODEL = "tiny-qwen2-vl"
 LLM = f"LLMServer-{MODEL}"
@@ -24,9 +24,6 @@ CONVERSATIONS = 16
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    import ray
-    from ray import serve
-
     model = {
         "name": MODEL,
         "tiny": "qwen2-vl",
@@ -35,10 +32,8 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         "encoder": {"cache_index_shards": 1},
     }
     cache_dir = str(tmp_path_factory.mktemp("models"))
-    client = start_local_app({"models": [model], "models_cache_dir": cache_dir})
-    yield {"client": client}
-    serve.shutdown()
-    ray.shutdown()
+    with local_app({"models": [model], "models_cache_dir": cache_dir}) as client:
+        yield {"client": client}
 
 
 def _replica_stats() -> dict[str, dict[str, Any]]:

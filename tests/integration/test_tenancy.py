@@ -27,7 +27,7 @@ from PIL import Image
 
 from tests.hf_oracle import hf_generate
 from tests.integration.e2e.common import data_url, wait_for
-from tests.integration.local_app import free_port
+from tests.integration.local_app import free_port, own_ray
 from tests.media import make_image_bytes
 
 MODEL = "tiny-qwen2-vl"
@@ -62,17 +62,15 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         }
     )
     apply_serve_env()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="mmserve")
-    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": proxy})
-    serve.run(build_app(cfg), name="mmserve", route_prefix="/")
-    yield {
-        "direct": f"http://127.0.0.1:{direct}",
-        "proxy": f"http://127.0.0.1:{proxy}",
-        "model_dir": tmp / "models" / MODEL,
-        "logs": ray._private.worker._global_node.get_logs_dir_path(),
-    }
-    serve.shutdown()
-    ray.shutdown()
+    with own_ray():
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": proxy})
+        serve.run(build_app(cfg), name="mmserve", route_prefix="/")
+        yield {
+            "direct": f"http://127.0.0.1:{direct}",
+            "proxy": f"http://127.0.0.1:{proxy}",
+            "model_dir": tmp / "models" / MODEL,
+            "logs": ray._private.worker._global_node.get_logs_dir_path(),
+        }
 
 
 def _client(app: dict[str, Any], tenant: str, mode: str = "direct") -> OpenAI:

@@ -17,14 +17,12 @@ import pytest
 from openai import OpenAI
 
 from tests.integration.e2e.common import AUDIO, PORT, VL
+from tests.integration.local_app import own_ray
 from tests.media import make_image_bytes
 
 
 @pytest.fixture(scope="package")
 def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    import ray
-    from ray import serve
-
     from cluster.config import AppConfig, default_config
     from cluster.serve_cli import start
     from cluster.serve_env import apply_serve_env
@@ -43,21 +41,12 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     # known port, and workers push their metrics every second instead of every ten.
     metrics_port = _free_port()
     apply_serve_env()  # what `mmserve serve` runs with, before Ray starts its processes
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        namespace="mmserve",
-        _metrics_export_port=metrics_port,
-        _system_config={"metrics_report_interval_ms": 1000},
-    )
-    start(AppConfig.model_validate(cfg))
-    yield {
-        "dirs": {VL: cache_dir / "tiny-qwen2-vl", AUDIO: cache_dir / "tiny-qwen2-audio"},
-        "metrics_url": f"http://127.0.0.1:{metrics_port}/metrics",
-    }
-    serve.shutdown()
-    ray.shutdown()
+    with own_ray(_metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 1000}):
+        start(AppConfig.model_validate(cfg))
+        yield {
+            "dirs": {VL: cache_dir / "tiny-qwen2-vl", AUDIO: cache_dir / "tiny-qwen2-audio"},
+            "metrics_url": f"http://127.0.0.1:{metrics_port}/metrics",
+        }
 
 
 def _free_port() -> int:
