@@ -8,7 +8,6 @@ then deletes the app, so it must stay last.
 from __future__ import annotations
 
 import http.server
-import socket
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -17,7 +16,7 @@ import pytest
 from openai import OpenAI
 
 from tests.integration.e2e.common import AUDIO, PORT, VL
-from tests.integration.local_app import own_ray
+from tests.integration.local_app import free_port, own_ray
 from tests.media import make_image_bytes
 
 
@@ -39,7 +38,7 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         m["preprocess"]["limit_mm_per_prompt"] = {"image": 2, "video": 1, "audio": 1}
     # start() would call the same ray.init; here Ray's metrics agent also serves Prometheus text on a
     # known port, and workers push their metrics every second instead of every ten.
-    metrics_port = _free_port()
+    metrics_port = free_port()
     apply_serve_env()  # what `mmserve serve` runs with, before Ray starts its processes
     with own_ray(_metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 1000}):
         start(AppConfig.model_validate(cfg))
@@ -47,12 +46,6 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             "dirs": {VL: cache_dir / "tiny-qwen2-vl", AUDIO: cache_dir / "tiny-qwen2-audio"},
             "metrics_url": f"http://127.0.0.1:{metrics_port}/metrics",
         }
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture(scope="package")
