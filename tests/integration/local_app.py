@@ -50,8 +50,6 @@ def own_ray(address: str = "local", **init: Any) -> Iterator[None]:
     import ray
     from ray import serve
 
-    if ray.is_initialized():  # left by a module that did not use this: start from a clean driver
-        ray.shutdown()
     if address == "local":
         init = {"num_cpus": 2, "include_dashboard": False, **init}
     ray.init(address=address, **{"namespace": "mmserve", **init})
