@@ -19,7 +19,7 @@ from ray.serve.config import RequestRouterConfig
 from cluster.autoscaling_policy import ENCODER_POLICY, LLM_POLICY
 from cluster.budgets import encoder_budgets, largest_item_embeds, row_units
 from cluster.config import AppConfig, DeploymentOptions, ModelConfig
-from cluster.direct_served import DirectLLM, DirectServed, direct_link
+from cluster.direct_served import DirectLLM, DirectServed, pool_links
 from cluster.model_dirs import resolve_model_dir
 
 TP_LEADER_NUM_CPUS = 0.1  # the replica of a TP>1 encoder group only queues, batches and puts
@@ -85,11 +85,12 @@ def encoder_placement(model: ModelConfig) -> dict[str, Any]:
     }
 
 
-def _preprocessor(model: ModelConfig, cache_dir: str, encoder: Any) -> Any:
+def _preprocessor(model: ModelConfig, cache_dir: str, encoder: Any, links: bool) -> Any:
     from encoder_service.preprocessor_server import PreprocessorServer
 
     class Preprocessor(PreprocessorServer, DirectServed):
         DIRECT_METHODS: ClassVar[dict[str, str]] = {"prepare": "prepare"}
+        LINKS_ON = links
 
         def __del__(self) -> None:  # Serve's shutdown hook: later frames go through Serve
             self.drain_link()
@@ -126,15 +127,13 @@ def preprocess_args(m: ModelConfig) -> dict[str, Any]:
 
 
 def direct_pools(cfg: AppConfig, model: ModelConfig) -> tuple[str, ...]:
-    """The model's pools the ingress calls over a direct link (``ingress.transport: auto``): those
-    that run exactly one replica, where Serve has nothing to route and nothing to scale."""
+    """The model's pools the ingress calls over direct links (``ingress.transport: auto``), however
+    many replicas they run: router/pool_links.py routes each call as the pool's Serve router would."""
     if cfg.ingress.transport != "auto":
         return ()
-    preparing = model.encoder if model.preprocess.placement == "encoder" else model.preprocess
-    pools = {"llm": model.llm.deployment, "preprocess": preparing.deployment}
     if forwards(model):  # not yet over a link: a forwarded conversation timed out in a test (stop 25)
-        del pools["preprocess"]
-    return tuple(name for name, d in pools.items() if d.single_replica())
+        return ("llm",)
+    return ("llm", "preprocess")
 
 
 def forwards(model: ModelConfig) -> bool:
@@ -142,7 +141,7 @@ def forwards(model: ModelConfig) -> bool:
     return model.preprocess.placement == "encoder" and model.preprocess.forward
 
 
-def _encoder_pool(model: ModelConfig, cache_dir: str, llm: Any = None) -> Any:
+def _encoder_pool(model: ModelConfig, cache_dir: str, links: bool, llm: Any = None) -> Any:
     from encoder_service.deployment import EncoderPoolServer
     from encoder_service.preparing_encoder import PreparingEncoderServer
     from router.request_routers import LeastQueuedEmbeddingsRouter
@@ -152,6 +151,13 @@ def _encoder_pool(model: ModelConfig, cache_dir: str, llm: Any = None) -> Any:
 
     class EncoderPool(base, DirectServed):  # type: ignore[misc,valid-type]
         DIRECT_METHODS: ClassVar[dict[str, str]] = {"prepare": "prepare"} if prepares else {}
+        LINKS_ON = links
+
+        async def record_routing_stats(self) -> dict[str, Any]:  # where callers find its link
+            return {**super().record_routing_stats(), **await self.link_stats()}
+
+        def stats(self) -> dict[str, Any]:
+            return {**super().stats(), "link_calls": self.link_calls()}
 
         def __del__(self) -> Any:  # Serve's shutdown hook: refuse new frames, then drain the FIFO
             self.drain_link()
@@ -192,11 +198,20 @@ def _encoder_pool(model: ModelConfig, cache_dir: str, llm: Any = None) -> Any:
     return serve.deployment(EncoderPool).options(**opts).bind(model.model_dump(), cache_dir, llm)
 
 
-def _llm_server(model: ModelConfig, cache_dir: str) -> Any:
+def _llm_server(model: ModelConfig, cache_dir: str, links: bool) -> Any:
     from llm_service.deployment import LLMServer
     from router.request_routers import PrefixAffinityRouter
 
     class LLMPool(LLMServer, DirectLLM):
+        LINKS_ON = links
+
+        # Serve awaits either form; async here to start the link's listener on the first call.
+        async def record_routing_stats(self) -> dict[str, Any]:  # type: ignore[override]
+            return {**super().record_routing_stats(), **await self.link_stats()}
+
+        def stats(self, target: Any = None) -> dict[str, Any]:
+            return {**super().stats(target), "link_calls": self.link_calls()}
+
         def __init__(self, model_json: dict[str, Any], cache_dir: str) -> None:
             from llm_service.config import EngineConfig
 
@@ -294,7 +309,7 @@ def _ingress(config: AppConfig, pools: dict[str, dict[str, Any]]) -> Any:
                         m.preprocess.hit_path_cache_ttl_s,
                         forward=forwards(m),
                         direct=direct_pools(cfg, m),
-                        link_to=direct_link,
+                        link_to=pool_links,
                     )
                 )
             ing = cfg.ingress
@@ -336,14 +351,15 @@ def ingress_keys(cfg: AppConfig) -> Any:
 def build_app(config: AppConfig) -> serve.Application:
     pools = {}
     for m in config.models:
-        llm = _llm_server(m, config.models_cache_dir)
+        links = config.ingress.transport == "auto"
+        llm = _llm_server(m, config.models_cache_dir, links)
         # placement "encoder": the encoder replicas answer `prepare` themselves (preparing_encoder.py),
         # and with `forward` submit what they prepared to the LLM pool (router/forwarding.py)
-        encoder = _encoder_pool(m, config.models_cache_dir, llm if forwards(m) else None)
+        encoder = _encoder_pool(m, config.models_cache_dir, links, llm if forwards(m) else None)
         pools[m.name] = {
             "preprocess": encoder
             if m.preprocess.placement == "encoder"
-            else _preprocessor(m, config.models_cache_dir, encoder),
+            else _preprocessor(m, config.models_cache_dir, encoder, links),
             "encoder": encoder,
             "llm": llm,
         }

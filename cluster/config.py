@@ -84,12 +84,6 @@ class DeploymentOptions(_Strict):
     num_gpus: float = Field(0.0, ge=0)
     resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources")
 
-    def single_replica(self) -> bool:
-        """Exactly one replica, always: nothing to route, nothing to scale (``ingress.transport: auto``)."""
-        if self.num_replicas is not None:
-            return self.num_replicas == 1
-        return self.autoscaling.min_replicas == self.autoscaling.max_replicas == 1
-
     def ray_actor_options(self) -> dict[str, Any]:
         opts: dict[str, Any] = {"num_cpus": self.num_cpus}
         if self.num_gpus:

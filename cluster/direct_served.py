@@ -13,6 +13,8 @@ from collections.abc import Awaitable
 from typing import Any, ClassVar
 
 from router.direct_link import DirectLink, LinkServer
+from router.pool_links import LINK_STAT, Address, PoolLinks, live_router
+from router.prefix_affinity import deployment_key
 
 _TOKEN_KEY = b"mmserve-direct-link-token"
 
@@ -58,11 +60,41 @@ def direct_link(handle: Any) -> DirectLink:
     return DirectLink(locate, link_token(), dumps=frame_dumps)
 
 
+def pool_links(handle: Any) -> PoolLinks:
+    """A caller's links to the replicas behind ``handle`` (a Serve handle of a ``DirectServed`` pool),
+    routed by this process's router of that pool, which Serve keeps current as the pool scales."""
+    key = deployment_key(handle.deployment_id)
+    token = link_token()
+
+    def connect(address: Address) -> DirectLink:
+        async def locate() -> Address:
+            return address
+
+        return DirectLink(locate, token, dumps=frame_dumps)
+
+    return PoolLinks(lambda: live_router(key), connect)
+
+
 class DirectServed:
-    """``direct_address()``: where this replica takes its ``DIRECT_METHODS`` as frames."""
+    """``direct_address()``: where this replica takes its ``DIRECT_METHODS`` as frames;
+    ``link_stats()``: the same, for its routing stats (``LINK_STAT``), which is how callers find it."""
 
     DIRECT_METHODS: ClassVar[dict[str, str]] = {}  # frame method -> this replica's method
+    LINKS_ON: ClassVar[bool] = True  # False under ``ingress.transport: serve``: no listener at all
     _link_server: LinkServer | None = None
+
+    def link_calls(self) -> int:
+        """Calls this replica took over its link (``GET /stats?pools=true`` shows them per replica)."""
+        return self._link_server.calls if self._link_server is not None else 0
+
+    async def link_stats(self) -> dict[str, Any]:
+        """``{LINK_STAT: (host, port)}`` while this replica takes frames (listening from the first call
+        on); nothing once it drains or when links are off."""
+        if not self.LINKS_ON or not self.DIRECT_METHODS:
+            return {}
+        if self._link_server is not None and self._link_server.draining:
+            return {}
+        return {LINK_STAT: await self.direct_address()}
 
     async def direct_address(self) -> tuple[str, int]:
         """Start listening on this node's address (the first time) and answer where."""

@@ -54,8 +54,8 @@ class IngressModel:
     near_cache_entries: int = 0  # the hit path's near cache (encoder_service/near_cache.py); 0: none
     near_cache_ttl_s: float = 0.0
     forward: bool = False  # the preparing replicas submit to the LLM pool (router/forwarding.py)
-    direct: tuple[str, ...] = ()  # pools ("llm", "preprocess") called over a direct link (direct_link.py)
-    link_to: Callable[[Any], Any] | None = None  # handle -> its DirectLink (cluster/direct_served.py)
+    direct: tuple[str, ...] = ()  # pools ("llm", "preprocess") called over direct links (pool_links.py)
+    link_to: Callable[[Any], Any] | None = None  # handle -> its PoolLinks (cluster/direct_served.py)
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class HTTPOptions:
 
 
 def _link(m: IngressModel, pool: str, handle: Any) -> Any:
-    """A ``DirectLink`` to the one replica behind ``handle`` if ``pool`` is called directly; else None."""
+    """``PoolLinks`` to the replicas behind ``handle`` if ``pool`` is called directly; else None."""
     if pool not in m.direct:
         return None
     if m.link_to is None:
@@ -123,11 +123,11 @@ class IngressServer:
             pre, llm = pools[m.name]["preprocess"], pools[m.name]["llm"]
             handles = ModelHandles(
                 pre,
-                LLMClient(llm, link=_link(m, "llm", llm)),
+                LLMClient(llm, links=_link(m, "llm", llm)),
                 m.cache,
                 _hit_path(m),
                 forward=m.forward,
-                prepare_link=_link(m, "preprocess", pre),
+                prepare_links=_link(m, "preprocess", pre),
             )
             orch = Orchestrator(
                 handles,

@@ -30,8 +30,8 @@ from typing import Any
 from llm_service.output_channels import ChannelBatch
 from llm_service.outputs import RequestOutput
 from llm_service.request_spec import LLMRequestSpec, ReplicaTarget, SubmitReply
-from router.direct_link import DirectLink
 from router.errors import replica_gone
+from router.pool_links import PoolLinks
 from router.prefix_affinity import deployment_key, shared_index
 
 logger = logging.getLogger("mmserve.router")
@@ -76,10 +76,10 @@ class LLMClient:
         ingress_id: str | None = None,
         connect_timeout_s: float = 30.0,
         reroute_timeout_s: float = 30.0,
-        link: DirectLink | None = None,
+        links: PoolLinks | None = None,
     ) -> None:
         self.handle = handle
-        self.link = link  # the pool's one replica over a plain socket: submit and abort as frames
+        self.links = links  # the pool's replicas over direct links: submit and abort as frames
         self.ingress_id = ingress_id or f"ingress-{uuid.uuid4().hex[:12]}"
         self.connect_timeout_s = connect_timeout_s
         self.reroute_timeout_s = reroute_timeout_s
@@ -152,9 +152,17 @@ class LLMClient:
             try:
                 # Over the link, the request's life is its channel's, as a forwarded one's. A retry
                 # goes through Serve, which waits for a live replica (the link's may be the dead one).
-                if via_link and attempt == 0 and self.link is not None and self.link.usable():
-                    reply: SubmitReply = await self.link.call("submit", spec)
-                    return reply, None
+                if via_link and attempt == 0 and self.links is not None:
+                    picked = self.links.pick(spec)
+                    if picked is not None:
+                        uid, link = picked
+                        self.links.routed(spec.request_id, uid, spec)
+                        try:
+                            reply: SubmitReply = await link.call("submit", spec)
+                        except BaseException:
+                            self.links.done(spec.request_id)
+                            raise
+                        return reply, None
                 call = self.handle.options(stream=True).submit.remote(spec)
                 return await call.__anext__(), call
             except BaseException as e:
@@ -221,6 +229,8 @@ class LLMClient:
                 if finished:
                     return
         finally:
+            if self.links is not None:
+                self.links.done(request_id)
             self._queues.pop(request_id, None)
             self._specs.pop(request_id, None)
             reader = self._readers.get(reply.channel_id)
@@ -247,8 +257,9 @@ class LLMClient:
     async def _abort(self, reply: SubmitReply, request_id: str) -> None:
         try:
             target = ReplicaTarget(reply.replica_id, request_ids=(request_id,))
-            if self.link is not None and self.link.usable():
-                await asyncio.wait_for(self.link.call("abort", target), self.connect_timeout_s)
+            link = self.links.link(reply.replica_id) if self.links is not None else None
+            if link is not None:
+                await asyncio.wait_for(link.call("abort", target), self.connect_timeout_s)
             else:
                 await asyncio.wait_for(self.handle.abort.remote(target), self.connect_timeout_s)
         except Exception:  # the replica is gone: nothing left to abort there

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from encoder_service.prepared import LookedUp, PreparedRequest
-from router.direct_link import DirectLink
 from router.llm_client import LLMClient, counters_or_error
+from router.pool_links import PoolLinks
 
 
 class PreprocessPool(Protocol):
@@ -54,15 +54,24 @@ class ModelHandles:
     cache: CacheIndex
     hit_path: HitPath | None = None  # None: every media request goes to ``prepare``
     forward: bool = False  # the preparing replicas submit to the LLM pool themselves (forwarding.py)
-    prepare_link: DirectLink | None = None  # ``prepare`` as frames to the pool's one replica (direct_link.py)
+    prepare_links: PoolLinks | None = None  # ``prepare`` as frames to the pool's replicas (pool_links.py)
 
-    async def prepare(self, *args: Any, via_link: bool = True) -> PreparedRequest:
-        """One ``prepare`` call to the preparing pool: over the direct link if there is one and it is
-        up; a retry (``via_link=False``) goes through Serve, which waits for a live replica."""
-        if via_link and self.prepare_link is not None and self.prepare_link.usable():
-            prepared: PreparedRequest = await self.prepare_link.call("prepare", *args)
-            return prepared
-        return await self.preprocess.prepare.remote(*args)  # type: ignore[no-any-return]
+    async def prepare(self, request_id: str, *args: Any, via_link: bool = True) -> PreparedRequest:
+        """One ``prepare`` call to the preparing pool: over the direct link of the replica its router
+        chooses, if one is up; a retry (``via_link=False``) goes through Serve, which waits for a live
+        replica."""
+        links = self.prepare_links
+        picked = links.pick(request_id, *args) if via_link and links is not None else None
+        if picked is None:
+            return await self.preprocess.prepare.remote(request_id, *args)  # type: ignore[no-any-return]
+        assert links is not None
+        uid, link = picked
+        links.routed(request_id, uid, request_id, *args)
+        try:
+            prepared: PreparedRequest = await link.call("prepare", request_id, *args)
+        finally:
+            links.done(request_id)
+        return prepared
 
     async def pool_stats(self, timeout_s: float = 5.0) -> dict[str, Any]:
         """The pools' own counters: the preparing replica Serve picks (queued encoder work, inline

@@ -3,6 +3,13 @@
 Both keep exact per-replica in-flight counts for the requests this handle sent (routed/completed
 hooks) and fall back on what replicas report through ``record_routing_stats`` for everyone else's.
 The decisions themselves are the pure functions in router.prefix_affinity.
+
+Calls that travel outside Serve (direct links, router/pool_links.py) are routed by the same router:
+each router registers itself per deployment in this process (``pool_links.live_router``), and ``choose_linked``
+ranks the live replicas that announced a link address in their routing stats, exactly as
+``choose_replicas`` ranks them for a Serve call; ``linked_routed``/``linked_done`` keep its in-flight
+counts (and the LLM pool's prefix index) for those calls too. Serve's long poll keeps the replica set
+current as the pool scales: a replica is dropped before it is asked to stop.
 """
 
 from __future__ import annotations
@@ -12,10 +19,19 @@ from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from router.pool_links import LINK_STAT, register_router
 from router.prefix_affinity import deployment_key, least_loaded, shared_index
 
 
-def _request_arg(pending: PendingRequest | None, attr: str, default: Any) -> Any:
+class _Args:
+    """A call's arguments where ``_request_arg`` looks for routing hints (a ``PendingRequest``'s shape)."""
+
+    def __init__(self, args: tuple[Any, ...]) -> None:
+        self.args = args
+        self.kwargs: dict[str, Any] = {}
+
+
+def _request_arg(pending: PendingRequest | _Args | None, attr: str, default: Any) -> Any:
     if pending is None:
         return default
     for arg in [*pending.args, *pending.kwargs.values()]:
@@ -45,14 +61,47 @@ class _LoadAwareRouter(RequestRouter):
 
     def initialize_state(self, **kwargs: Any) -> None:
         self._inflight = _InFlight()
+        register_router(deployment_key(self._deployment_id), self)
+
+    def choose_linked(self, args: tuple[Any, ...]) -> tuple[str, tuple[str, int]] | None:
+        """For a call sent over a direct link: the replica this router would choose among the live ones
+        that announced a link address (its unique id and the address); None while none has."""
+        linked = {rid: r for rid, r in self.curr_replicas.items() if r.routing_stats.get(LINK_STAT)}
+        if not linked:
+            return None
+        load = {
+            rid: max(self._reported(r), self._inflight.by_replica.get(rid, 0.0)) for rid, r in linked.items()
+        }
+        best = self._rank(_Args(args), load)[0]
+        host, port = linked[best].routing_stats[LINK_STAT]
+        return best.unique_id, (str(host), int(port))
+
+    def linked_routed(self, request_id: str, replica_uid: str, args: tuple[Any, ...]) -> None:
+        """A call went to ``replica_uid`` over its link: count it as ``on_request_routed`` counts Serve's."""
+        for rid in self.curr_replicas:
+            if rid.unique_id == replica_uid:
+                self._on_linked(_Args(args), rid)
+                self._inflight.add(request_id, rid, max(1.0, self._amount(_Args(args))))
+                return
+
+    def linked_done(self, request_id: str) -> None:
+        self._inflight.done(request_id)
+
+    def live_uids(self) -> set[str]:
+        return {rid.unique_id for rid in self.curr_replicas}
+
+    def _on_linked(self, args: _Args, replica_id: ReplicaID) -> None:
+        """What a routed call records besides its in-flight count (the LLM pool: its prefix)."""
 
     def _reported(self, replica: RunningReplica) -> float:
         raise NotImplementedError
 
-    def _amount(self, pending_request: PendingRequest) -> float:
+    def _amount(self, pending_request: PendingRequest | _Args) -> float:
         raise NotImplementedError
 
-    def _rank(self, pending_request: PendingRequest | None, load: dict[ReplicaID, float]) -> list[ReplicaID]:
+    def _rank(
+        self, pending_request: PendingRequest | _Args | None, load: dict[ReplicaID, float]
+    ) -> list[ReplicaID]:
         return least_loaded(load)
 
     async def choose_replicas(
@@ -86,7 +135,7 @@ class LeastQueuedEmbeddingsRouter(FIFOMixin, _LoadAwareRouter):
     def _reported(self, replica: RunningReplica) -> float:
         return float(replica.routing_stats.get("queued_embeddings", 0.0))
 
-    def _amount(self, pending_request: PendingRequest) -> float:
+    def _amount(self, pending_request: PendingRequest | _Args) -> float:
         return float(_request_arg(pending_request, "num_embeds", 0))
 
 
@@ -108,10 +157,12 @@ class PrefixAffinityRouter(_LoadAwareRouter):
         stats = replica.routing_stats
         return float(stats.get("num_running", 0)) + float(stats.get("num_waiting", 0))
 
-    def _amount(self, pending_request: PendingRequest) -> float:
+    def _amount(self, pending_request: PendingRequest | _Args) -> float:
         return 0.0 if _request_arg(pending_request, "target_replica", "") else 1.0
 
-    def _rank(self, pending_request: PendingRequest | None, load: dict[ReplicaID, float]) -> list[ReplicaID]:
+    def _rank(
+        self, pending_request: PendingRequest | _Args | None, load: dict[ReplicaID, float]
+    ) -> list[ReplicaID]:
         target = _request_arg(pending_request, "target_replica", "")
         if target:
             for rid in load:
@@ -127,6 +178,10 @@ class PrefixAffinityRouter(_LoadAwareRouter):
         if not _request_arg(pending_request, "target_replica", ""):
             self._index.record(replica_id.unique_id, list(_request_arg(pending_request, "block_hashes", ())))
         super().on_request_routed(pending_request, replica_id, result)
+
+    def _on_linked(self, args: _Args, replica_id: ReplicaID) -> None:
+        if not _request_arg(args, "target_replica", ""):
+            self._index.record(replica_id.unique_id, list(_request_arg(args, "block_hashes", ())))
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)

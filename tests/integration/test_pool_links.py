@@ -1,0 +1,162 @@
+"""Pools of many replicas on the fast path: the encoder and LLM pools autoscale between 1 and 2 replicas
+under load, every call the ingress makes to them (``prepare``, ``submit``) goes over direct links routed
+by the pools' own routers (router/pool_links.py), and scaling up and down in the middle of the load
+loses no request. Real Ray Serve (Serve's autoscaler with mmserve's policies), real HTTP, the openai
+client, distinct images so every request is encoded."""
+
+from __future__ import annotations
+
+import base64
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from tests.integration.local_app import local_app
+from tests.media import make_image_bytes
+
+MODEL = "tiny-qwen2-vl"
+POOLS = (f"EncoderPool-{MODEL}", f"LLMServer-{MODEL}")
+
+FAST_SCALING = {
+    "min_replicas": 1,
+    "max_replicas": 2,
+    "upscale_delay_s": 1,
+    "downscale_delay_s": 4,
+    "metrics_interval_s": 0.5,
+    "look_back_period_s": 2,
+}
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    policy = "cluster.autoscaling_policy:"
+    model = {
+        "name": MODEL,
+        "tiny": "qwen2-vl",
+        "preprocess": {"placement": "encoder"},
+        "encoder": {
+            "cache_index_shards": 1,
+            "deployment": {
+                "num_cpus": 0.05,
+                "autoscaling": {
+                    **FAST_SCALING,
+                    "policy": {
+                        "policy_function": policy + "EncoderQueuePolicy",
+                        "policy_kwargs": {"target_queued_embeddings_per_replica": 8},
+                    },
+                },
+            },
+        },
+        "llm": {
+            "deployment": {
+                "num_cpus": 0.05,
+                "autoscaling": {
+                    **FAST_SCALING,
+                    "policy": {
+                        "policy_function": policy + "LLMLoadPolicy",
+                        "policy_kwargs": {"target_kv_usage": 0.9, "target_ongoing_requests": 2},
+                    },
+                },
+            },
+        },
+    }
+    cache_dir = str(tmp_path_factory.mktemp("models"))
+    with local_app({"models": [model], "models_cache_dir": cache_dir}) as client:
+        yield {"client": client, "url": str(client.base_url).removesuffix("/v1/")}
+
+
+def _running_replicas() -> dict[str, int]:
+    from ray import serve
+
+    deployments = serve.status().applications["mmserve"].deployments
+    return {name: deployments[name].replica_states.get("RUNNING", 0) for name in POOLS}
+
+
+def _ask(client: OpenAI, i: int) -> str:
+    png = make_image_bytes(32 + (i % 7) * 8, 32, seed=i)
+    url = "data:image/png;base64," + base64.b64encode(png).decode()
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": f"Image {i}?"}]
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=8, temperature=0
+    )
+    assert r.choices[0].finish_reason in ("stop", "length")
+    return r.choices[0].message.content or ""
+
+
+class _Load:
+    """``clients`` threads sending distinct image requests until stopped; every outcome is kept."""
+
+    def __init__(self, client: OpenAI) -> None:
+        self.client = client
+        self.ok = 0
+        self.errors: list[BaseException] = []
+        self._n = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._width = 8
+        self._pool = ThreadPoolExecutor(8)
+        self._threads = [self._pool.submit(self._run, k) for k in range(8)]
+
+    def clients(self, n: int) -> None:
+        self._width = n
+
+    def _run(self, k: int) -> None:
+        while not self._stop.is_set():
+            if k >= self._width:
+                time.sleep(0.05)
+                continue
+            with self._lock:
+                self._n += 1
+                i = self._n
+            try:
+                _ask(self.client, i)
+                with self._lock:
+                    self.ok += 1
+            except BaseException as e:
+                with self._lock:
+                    self.errors.append(e)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.result()
+        self._pool.shutdown()
+
+
+def _wait(what: str, cond: Callable[[], bool], load: _Load, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert not load.errors, f"requests failed while waiting for {what}: {load.errors[:3]!r}"
+        assert time.monotonic() < deadline, f"{what} did not happen in {timeout_s} s: {_running_replicas()}"
+        time.sleep(0.5)
+
+
+def test_pools_scale_up_and_down_under_load_on_links_without_losing_a_request(app: dict[str, Any]) -> None:
+    client: OpenAI = app["client"]
+    assert _running_replicas() == dict.fromkeys(POOLS, 1)
+    load = _Load(client)
+    try:
+        _wait("scale-up of both pools", lambda: _running_replicas() == dict.fromkeys(POOLS, 2), load)
+        served_at_two = load.ok
+        _wait("requests on two replicas each", lambda: load.ok >= served_at_two + 24, load)
+        stats = httpx.get(f"{app['url']}/stats", params={"pools": "true"}, timeout=30).json()
+        llm_replicas = stats[MODEL]["pools"]["llm_replicas"]
+        link_calls = {rid: s.get("link_calls", 0) for rid, s in llm_replicas.items()}
+        assert len([n for n in link_calls.values() if n > 0]) == 2, (
+            f"submits by link per replica: {link_calls}"
+        )
+        assert stats[MODEL]["pools"]["preparing_replica"]["link_calls"] > 0
+        load.clients(1)  # light load: the policies want one replica each again
+        _wait("scale-down of both pools", lambda: _running_replicas() == dict.fromkeys(POOLS, 1), load)
+        served_at_one = load.ok
+        _wait("requests after the scale-down", lambda: load.ok >= served_at_one + 4, load)
+    finally:
+        load.stop()
+    assert not load.errors, f"{len(load.errors)} of {load.ok + len(load.errors)} failed: {load.errors[:3]!r}"
+    assert load.ok > 40
