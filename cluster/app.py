@@ -1,9 +1,10 @@
-"""``build_app(config)``: the Ray Serve application — ingress plus, per model, three pools.
+"""``build_app(config)``: the Ray Serve application — ingress plus, per model, two pools.
 
-  Ingress ─┬─▶ Preprocessor-<model>  (CPU) ──▶ EncoderPool-<model>  (GPU; router: fewest queued embeddings)
-           └─▶ LLMServer-<model>     (GPU; router: prefix-cache affinity; tokens back on output channels)
-  or, with ``preprocess.placement: encoder``, two: the encoder replicas prepare (no Preprocessor pool).
-  plus the model's shared encoder-cache index: named Ray actors, sharded by mm_hash.
+  Ingress ─┬─▶ EncoderPool-<model>  (GPU; prepares its requests; router: fewest queued embeddings)
+           └─▶ LLMServer-<model>    (GPU; router: prefix-cache affinity; tokens back on output channels)
+  plus the model's shared encoder-cache index: named Ray actors, sharded by mm_hash. The ingress
+  calls both pools over direct links (router/pool_links.py), or through Serve's handles under
+  ``ingress.transport: serve``.
 
 ``app_builder(args)`` is the import path for ``serve run`` / ``serve deploy`` configs:
 ``cluster.app:app_builder`` with the AppConfig as the application's ``args``.
@@ -85,38 +86,9 @@ def encoder_placement(model: ModelConfig) -> dict[str, Any]:
     }
 
 
-def _preprocessor(model: ModelConfig, cache_dir: str, encoder: Any, links: bool) -> Any:
-    from encoder_service.preprocessor_server import PreprocessorServer
-
-    class Preprocessor(PreprocessorServer, DirectServed):
-        DIRECT_METHODS: ClassVar[dict[str, str]] = {"prepare": "prepare"}
-        LINKS_ON = links
-
-        def __del__(self) -> None:  # Serve's shutdown hook: later frames go through Serve
-            self.drain_link()
-
-        def __init__(self, model_json: dict[str, Any], cache_dir: str, encoder: Any) -> None:
-            m = ModelConfig.model_validate(model_json)
-            model_dir = resolve_model_dir(m, cache_dir)
-            prefix, shards, capacity, largest = cache_index_args(m)
-            super().__init__(
-                model_dir,
-                **preprocess_args(m),
-                cache_name_prefix=prefix,
-                cache_num_shards=shards,
-                cache_capacity=capacity,
-                cache_largest_item=largest,
-                encoder=encoder,
-                model_name=m.name,
-            )
-
-    opts = deployment_options(model.preprocess.deployment, f"Preprocessor-{model.name}")
-    return serve.deployment(Preprocessor).options(**opts).bind(model.model_dump(), cache_dir, encoder)
-
-
 def preprocess_args(m: ModelConfig) -> dict[str, Any]:
-    """What preparing a model's requests takes from its config (a Preprocessor replica, or an encoder
-    replica under ``preprocess.placement: encoder``)."""
+    """What preparing a model's requests takes from its config (an encoder replica, and the ingress's
+    hit path)."""
     from encoder_service.media.limits import MediaLimits
 
     return {
@@ -131,29 +103,19 @@ def direct_pools(cfg: AppConfig, model: ModelConfig) -> tuple[str, ...]:
     many replicas they run: router/pool_links.py routes each call as the pool's Serve router would."""
     if cfg.ingress.transport != "auto":
         return ()
-    if forwards(model):  # not yet over a link: a forwarded conversation timed out in a test (stop 25)
-        return ("llm",)
     return ("llm", "preprocess")
 
 
-def forwards(model: ModelConfig) -> bool:
-    """The model's encoder replicas prepare its media requests and submit them to its LLM pool."""
-    return model.preprocess.placement == "encoder" and model.preprocess.forward
-
-
-def _encoder_pool(model: ModelConfig, cache_dir: str, links: bool, llm: Any = None) -> Any:
-    from encoder_service.deployment import EncoderPoolServer
+def _encoder_pool(model: ModelConfig, cache_dir: str, links: bool) -> Any:
     from encoder_service.preparing_encoder import PreparingEncoderServer
     from router.request_routers import LeastQueuedEmbeddingsRouter
 
-    prepares = model.preprocess.placement == "encoder"
-    base: type[EncoderPoolServer] = PreparingEncoderServer if prepares else EncoderPoolServer
-
-    class EncoderPool(base, DirectServed):  # type: ignore[misc,valid-type]
-        DIRECT_METHODS: ClassVar[dict[str, str]] = {"prepare": "prepare"} if prepares else {}
+    class EncoderPool(PreparingEncoderServer, DirectServed):
+        DIRECT_METHODS: ClassVar[dict[str, str]] = {"prepare": "prepare"}
         LINKS_ON = links
 
-        async def record_routing_stats(self) -> dict[str, Any]:  # where callers find its link
+        # Serve awaits either form; async here to start the link's listener on the first call.
+        async def record_routing_stats(self) -> dict[str, Any]:  # type: ignore[override]
             return {**super().record_routing_stats(), **await self.link_stats()}
 
         def stats(self) -> dict[str, Any]:
@@ -163,19 +125,14 @@ def _encoder_pool(model: ModelConfig, cache_dir: str, links: bool, llm: Any = No
             self.drain_link()
             return super().__del__()
 
-        def __init__(self, model_json: dict[str, Any], cache_dir: str, llm: Any = None) -> None:
-            from router.forwarding import PreparedForwarder
-
+        def __init__(self, model_json: dict[str, Any], cache_dir: str) -> None:
             m = ModelConfig.model_validate(model_json)
             model_dir = resolve_model_dir(m, cache_dir)
             compute_budget, _ = encoder_budgets(m, model_dir)
             d = m.encoder.deployment
-            prepare = dict(preprocess_args(m)) if m.preprocess.placement == "encoder" else {}
-            if prepare and llm is not None:  # the LLM pool's handle: its prefix-affinity router chooses
-                prepare["forwarder"] = PreparedForwarder(llm, m.llm.block_size, m.llm.max_model_len)
             super().__init__(
                 model_dir,
-                **prepare,
+                **preprocess_args(m),
                 tp_size=m.encoder.mm_encoder_tp_size,
                 tp_mode=m.encoder.mm_encoder_tp_mode,
                 dtype=m.encoder.dtype,
@@ -195,7 +152,7 @@ def _encoder_pool(model: ModelConfig, cache_dir: str, links: bool, llm: Any = No
     opts["request_router_config"] = RequestRouterConfig(
         request_router_class=LeastQueuedEmbeddingsRouter, request_routing_stats_period_s=1.0
     )
-    return serve.deployment(EncoderPool).options(**opts).bind(model.model_dump(), cache_dir, llm)
+    return serve.deployment(EncoderPool).options(**opts).bind(model.model_dump(), cache_dir)
 
 
 def _llm_server(model: ModelConfig, cache_dir: str, links: bool) -> Any:
@@ -304,10 +261,9 @@ def _ingress(config: AppConfig, pools: dict[str, dict[str, Any]]) -> Any:
                         limits,
                         model_modalities(model_dir),
                         open_cache_index(*cache_index_args(m)),
-                        preprocess_args(m) if m.preprocess.hit_path else None,
+                        preprocess_args(m),
                         m.preprocess.hit_path_cache_entries,
                         m.preprocess.hit_path_cache_ttl_s,
-                        forward=forwards(m),
                         direct=direct_pools(cfg, m),
                         link_to=pool_links,
                     )
@@ -353,16 +309,9 @@ def build_app(config: AppConfig) -> serve.Application:
     for m in config.models:
         links = config.ingress.transport == "auto"
         llm = _llm_server(m, config.models_cache_dir, links)
-        # placement "encoder": the encoder replicas answer `prepare` themselves (preparing_encoder.py),
-        # and with `forward` submit what they prepared to the LLM pool (router/forwarding.py)
-        encoder = _encoder_pool(m, config.models_cache_dir, links, llm if forwards(m) else None)
-        pools[m.name] = {
-            "preprocess": encoder
-            if m.preprocess.placement == "encoder"
-            else _preprocessor(m, config.models_cache_dir, encoder, links),
-            "encoder": encoder,
-            "llm": llm,
-        }
+        # the encoder replicas answer `prepare` themselves (encoder_service/preparing_encoder.py)
+        encoder = _encoder_pool(m, config.models_cache_dir, links)
+        pools[m.name] = {"preprocess": encoder, "encoder": encoder, "llm": llm}
     return _ingress(config, pools)
 
 

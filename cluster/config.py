@@ -165,22 +165,10 @@ class EncoderConfig(_Strict):
 
 
 class PreprocessConfig(_Strict):
-    placement: Literal["pool", "encoder"] = Field(
-        "pool",
-        description="pool: a Preprocessor deployment of its own (CPU nodes, scales apart from the encoder); "
-        "encoder: each encoder replica prepares the requests it is sent (one hop fewer; `mmserve serve`'s default)",
-    )
-    forward: bool = Field(
-        False,
-        description="with placement encoder: the encoder replica that prepared a media request submits "
-        "it to the LLM pool itself (one message fewer before the first token; router/forwarding.py). "
-        "Off by default: on one 2-core machine it cost more than it saved (README, Forwarding)",
-    )
-    hit_path: bool = Field(
-        True,
-        description="the ingress hashes inline media and looks it up itself: a request the encoder cache "
-        "holds whole skips the prepare hop (the ingress loads the model's processor for templating)",
-    )
+    """How a model's media requests are prepared: by the encoder replicas (fetch, decode, hash, look up,
+    process, encode: encoder_service/preparing_encoder.py), and at the ingress for what the encoder
+    cache holds whole (the hit path: no prepare hop)."""
+
     hit_path_cache_entries: int = Field(
         256,
         ge=0,
@@ -191,7 +179,6 @@ class PreprocessConfig(_Strict):
     limit_mm_per_prompt: dict[str, int] = Field(default_factory=lambda: {"image": 4, "video": 1, "audio": 2})
     processor_cache_bytes: int = Field(256 * 1024 * 1024, ge=0)
     media: MediaLimitsConfig = Field(default_factory=MediaLimitsConfig)
-    deployment: DeploymentOptions = Field(default_factory=DeploymentOptions)
 
 
 class ModelConfig(_Strict):

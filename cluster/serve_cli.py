@@ -97,19 +97,16 @@ def config_from_args(args: argparse.Namespace) -> AppConfig:
 
 def one_machine_defaults(cfg: AppConfig, data: dict[str, Any]) -> None:
     """What one machine runs unless ``cfg`` says otherwise, written into ``data`` (``cfg``'s dump):
-    the ingress serves HTTP itself (no proxy hop), the encoder replicas prepare their own requests
-    (no Preprocessor pool: one hop and one process fewer per media request), each model's encoder
-    cache is one shard (one process fewer), and a pool whose autoscaling bounds leave it one count
-    runs that many replicas fixed."""
+    the ingress serves HTTP itself (no proxy hop), each model's encoder cache is one shard (one
+    process fewer), and a pool whose autoscaling bounds leave it one count runs that many replicas
+    fixed."""
     if "http_mode" not in cfg.ingress.model_fields_set:
         data["ingress"]["http_mode"] = "direct"
     fixed_replica_counts(data["ingress"]["deployment"])
     for m, model in zip(data["models"], cfg.models, strict=True):
-        if "placement" not in model.preprocess.model_fields_set:
-            m["preprocess"]["placement"] = "encoder"
         if "cache_index_shards" not in model.encoder.model_fields_set:
             m["encoder"]["cache_index_shards"] = 1
-        for pool in ("preprocess", "encoder", "llm"):
+        for pool in ("encoder", "llm"):
             fixed_replica_counts(m[pool]["deployment"])
 
 

@@ -1,4 +1,4 @@
-"""The encoder pool's Ray Serve replica, ``EncoderPoolServer`` (the CPU pool's is in preprocessor_server.py).
+"""The encoder pool's Ray Serve replica, ``EncoderPoolServer`` (it prepares its requests too: preparing_encoder.py).
 
 Ray lives here; the logic they wrap (processing, runner, batching, cache books) does not import it.
 

@@ -283,3 +283,29 @@ def _prepared(pre: PreprocessedRequest, found: dict[str, Found], num_encoded: in
     ]
     metas = [meta for meta, _ in found.values()]
     return PreparedRequest(list(pre.prompt_token_ids), items, num_encoded, pre.to_log(), metas)
+
+
+def make_preparer(
+    model_dir: str,
+    *,
+    limits: Any,
+    limit_mm_per_prompt: dict[str, int],
+    processor_cache_bytes: int,
+    cache: Any,
+    encode: Any,
+    model_name: str = "",
+) -> Any:
+    """A ``RequestPreparer`` over this model's processor, the shared cache client and ``encode`` (the
+    encoder pool's handle, or an encoder replica's own FIFO when it prepares itself)."""
+    from encoder_service.processing import Preprocessor
+
+    preprocessor = Preprocessor(
+        model_dir, limits, limit_mm_per_prompt, processor_cache_bytes, model_id=model_name or None
+    )
+    preprocessor.aliases = cache  # uuid names live in the cache shards (uuid_aliases.py)
+    return RequestPreparer(preprocessor, cache, encode)
+
+
+def preparer_stats(preparer: Any) -> dict[str, Any]:
+    pre = preparer.preprocessor
+    return {"processor_calls": pre.num_processor_calls, "processor_cache": pre.processor_cache.stats()}

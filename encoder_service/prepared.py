@@ -39,9 +39,6 @@ class PreparedRequest:
     log: dict[str, Any]  # PreprocessedRequest.to_log(): what a failure's log line replays
     # each distinct item's cache-entry metadata (hits and encodes): what the ingress's near cache keeps
     metas: list[EmbeddingMeta] = field(default_factory=list)
-    # (LLM replica id, output channel id) when the preparing replica submitted it itself
-    # (router/forwarding.py): the router adopts it instead of submitting
-    forwarded_to: tuple[str, str] | None = None
 
     def __reduce__(self) -> tuple[Any, ...]:
         beside = ("ref", "value")  # not in the msgpack: pickled by Ray (refs counted, arrays out of band)
@@ -77,10 +74,7 @@ def _prepared_from_bytes(
         )
         for it, ref, value in zip(d["items"], refs, values, strict=True)
     ]
-    derived = ("items", "metas", "forwarded_to")
-    record = {f.name: d[f.name] for f in fields(PreparedRequest) if f.name not in derived}
-    to = d.get("forwarded_to")
-    record["forwarded_to"] = (str(to[0]), str(to[1])) if to else None
+    record = {f.name: d[f.name] for f in fields(PreparedRequest) if f.name not in ("items", "metas")}
     metas = [EmbeddingMeta.from_msgpack(m) for m in d.get("metas", [])]
     return PreparedRequest(**{**record, "items": items, "metas": metas})
 

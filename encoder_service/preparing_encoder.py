@@ -4,8 +4,6 @@
     Ingress ──prepare──▶ EncoderPool replica: fetch, decode, hash, look up and reserve, process the
                          misses, queue them on its own FIFO (shared with every request it serves),
                          commit ──▶ prompt ids + refs back
-                         (with a forwarder: submitted to the LLM pool from here, and the reply
-                         says where; router/forwarding.py)
 
 One Serve hop fewer per media request than a separate preprocessor pool (``placement: pool``): the
 pixels never cross a process, the embeddings' refs go straight from their owner to the ingress, and
@@ -16,22 +14,11 @@ encoder pool, so a cluster whose GPU nodes are short of CPU keeps the separate p
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Any, Protocol
+from typing import Any
 
 from encoder_service.deployment import EncoderPoolServer
+from encoder_service.prepare import make_preparer, preparer_stats
 from encoder_service.prepared import LookedUp, PreparedRequest, with_values
-from encoder_service.preprocessor_server import make_preparer, preparer_stats
-
-
-class Forwarder(Protocol):
-    """Hands a prepared request on to the LLM pool (router.forwarding.PreparedForwarder). ``how`` is
-    the router's own record, opaque here; the answer is (LLM replica id, output channel id), or
-    None when the router is to submit it itself."""
-
-    async def forward(self, prepared: PreparedRequest, how: Any) -> tuple[str, str] | None: ...
-
-    def stats(self) -> dict[str, int]: ...
 
 
 class PreparingEncoderServer(EncoderPoolServer):
@@ -42,11 +29,9 @@ class PreparingEncoderServer(EncoderPoolServer):
         limits: Any,
         limit_mm_per_prompt: dict[str, int],
         processor_cache_bytes: int,
-        forwarder: Forwarder | None = None,
         **encoder: Any,
     ) -> None:
         super().__init__(model_dir, **encoder)
-        self.forwarder = forwarder
         if self._cache is None:
             raise ValueError("an encoder replica that prepares needs the shared cache index (cache=)")
         self.preparer = make_preparer(
@@ -64,19 +49,11 @@ class PreparingEncoderServer(EncoderPoolServer):
         request_id: str,
         messages: list[dict[str, Any]],
         looked_up: LookedUp | None = None,
-        forward: Any = None,
     ) -> PreparedRequest:
-        """The router's one call per media request (encoder_service/prepare.py); with ``forward``
-        (and a forwarder), submitted to the LLM pool from here before the answer goes back. Items
+        """The router's one call per media request (encoder_service/prepare.py). Items
         whose embeddings this replica put lately carry them inline when small (``RecentValues``):
         the LLM replica then takes them instead of fetching them."""
-        prepared = with_values(
-            await self.preparer.prepare(request_id, messages, looked_up), self.recent_value
-        )
-        if forward is None or self.forwarder is None:
-            return prepared
-        return replace(prepared, forwarded_to=await self.forwarder.forward(prepared, forward))
+        return with_values(await self.preparer.prepare(request_id, messages, looked_up), self.recent_value)
 
     def stats(self) -> dict[str, Any]:
-        forwarding = self.forwarder.stats() if self.forwarder is not None else {}
-        return {**super().stats(), **preparer_stats(self.preparer), **forwarding}
+        return {**super().stats(), **preparer_stats(self.preparer)}

@@ -53,7 +53,6 @@ class IngressModel:
     preprocess: dict[str, Any] | None = None  # cluster.app.preprocess_args: the hit path's; None: off
     near_cache_entries: int = 0  # the hit path's near cache (encoder_service/near_cache.py); 0: none
     near_cache_ttl_s: float = 0.0
-    forward: bool = False  # the preparing replicas submit to the LLM pool (router/forwarding.py)
     direct: tuple[str, ...] = ()  # pools ("llm", "preprocess") called over direct links (pool_links.py)
     link_to: Callable[[Any], Any] | None = None  # handle -> its PoolLinks (cluster/direct_served.py)
 
@@ -83,7 +82,7 @@ def _hit_path(m: IngressModel) -> Any:
     ``prepare`` with what it looked up)."""
     if m.preprocess is None:
         return None
-    from encoder_service.preprocessor_server import make_preparer
+    from encoder_service.prepare import make_preparer
 
     async def no_encode(batch: Any) -> Any:
         raise RuntimeError("the ingress's hit path encodes nothing")
@@ -126,7 +125,6 @@ class IngressServer:
                 LLMClient(llm, links=_link(m, "llm", llm)),
                 m.cache,
                 _hit_path(m),
-                forward=m.forward,
                 prepare_links=_link(m, "preprocess", pre),
             )
             orch = Orchestrator(

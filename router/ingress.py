@@ -22,7 +22,6 @@ from router.auth import effective_cache_salt
 from router.deadline import Deadline
 from router.detokenizer import IncrementalDetokenizer
 from router.errors import APIError, bad_request, from_exception
-from router.forwarding import ForwardRequest
 from router.json_limits import DEFAULT_MAX_JSON_VALUES, check_json_values
 from router.messages import MessageLimits, NormalizedChat, normalize_messages
 from router.orchestrator import Orchestrator
@@ -162,13 +161,9 @@ class ChatService:
         cache_salt: str | None = None,
     ) -> Response:
         orch = model.orchestrator
-        # ``max_tokens`` is fitted to the prompt once it is prepared: here, or on the encoder replica
-        # that submits a media request itself (it fits the same parameters the same way).
+        # ``max_tokens`` is fitted to the prompt once it is prepared.
         base, requested = request_sampling_params(req), requested_max_tokens(req)
-        fwd = None
-        if chat.has_media and orch.h.forward:
-            fwd = ForwardRequest(request_id, "", base, requested, cache_salt)
-        prepared = await orch.prepare(request_id, chat, fwd)
+        prepared = await orch.prepare(request_id, chat)
         params = fit_to_prompt(base, requested, len(prepared.prompt_token_ids), model.max_model_len)
         stream = deadline.stream(orch.stream(request_id, prepared, params, cache_salt))
         detok = IncrementalDetokenizer(orch.decode, stop=req.stop_strings)

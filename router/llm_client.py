@@ -7,11 +7,6 @@ one message and fans them out to the requests' queues. If a channel breaks (the 
 every request still waiting on it gets ``ChannelLost``; a request whose caller leaves is aborted on
 its replica by cancelling its submit call, which stays open until the request is done.
 
-Forwarded requests (router/forwarding.py): an encoder replica submitted it for us. ``expect`` makes
-its queue before the ``prepare`` call, so outputs that arrive before the reply are kept; ``adopt``
-takes it over with the reply (no call of ours is open: leaving early aborts it by name), and
-``unexpect`` drops one never adopted (aborting it where it went, if it went anywhere).
-
 Replica death: a request that got nothing from the dead replica yet (its submit failed with the
 actor gone, or its channel broke before its first output) is submitted again — Serve routes it to a
 live replica, or to the dead one's successor — for up to ``reroute_timeout_s``; a request that was
@@ -32,7 +27,6 @@ from llm_service.outputs import RequestOutput
 from llm_service.request_spec import LLMRequestSpec, ReplicaTarget, SubmitReply
 from router.errors import replica_gone
 from router.pool_links import PoolLinks
-from router.prefix_affinity import deployment_key, shared_index
 
 logger = logging.getLogger("mmserve.router")
 
@@ -88,7 +82,6 @@ class LLMClient:
         self._queues: dict[str, asyncio.Queue[_Item]] = {}
         self._readers: dict[str, _Reader] = {}  # channel id -> reader
         self._calls: dict[str, Any] = {}  # request id -> its open submit call
-        self._expected: set[str] = set()  # forwarded by a preparing replica, not adopted yet
         self._tasks: set[asyncio.Task[None]] = set()
         self._replicas_seen: dict[str, None] = {}  # every replica this client had a channel to
 
@@ -103,7 +96,6 @@ class LLMClient:
         """
         spec = _with_ingress(spec, self.ingress_id)
         rid = spec.request_id
-        self._expected.discard(rid)  # the preparing replica did not forward it after all
         self._queues[rid] = asyncio.Queue()
         try:
             reply, call = await self._submit_rerouting(spec)
@@ -114,35 +106,6 @@ class LLMClient:
         self._attach(rid, reply, call)
         return reply
 
-    def expect(self, request_id: str) -> None:
-        """A preparing replica may submit ``request_id`` for us: keep its outputs from now on."""
-        self._expected.add(request_id)
-        self._queues[request_id] = asyncio.Queue()
-
-    def adopt(self, spec: LLMRequestSpec, reply: SubmitReply) -> SubmitReply:
-        """Take over a request a preparing replica submitted (``spec`` as it built it): its outputs go
-        to ``self.outputs(request_id, reply)``, and its blocks count for prefix affinity here."""
-        spec = _with_ingress(spec, self.ingress_id)
-        rid = spec.request_id
-        if rid not in self._expected:
-            raise RuntimeError(f"request {rid} was not expected from a preparing replica")
-        self._expected.discard(rid)
-        key = deployment_key(getattr(self.handle, "deployment_id", None))
-        shared_index(key).record(reply.replica_id, list(spec.block_hashes))
-        self._specs[rid] = spec
-        self._attach(rid, reply, None)
-        return reply
-
-    def unexpect(self, request_id: str, forwarded_to: SubmitReply | None = None) -> None:
-        """A request expected from a preparing replica will not be read: drop its queue, and abort it
-        where it went (its outputs, if any arrive, are orphans: aborted too)."""
-        if request_id not in self._expected:
-            return
-        self._expected.discard(request_id)
-        self._queues.pop(request_id, None)
-        if forwarded_to is not None:
-            self._background(self._abort(forwarded_to, request_id))
-
     async def _submit_rerouting(self, spec: LLMRequestSpec, via_link: bool = True) -> tuple[SubmitReply, Any]:
         """One submit call, sent again while the replica it reached turns out dead."""
         deadline = asyncio.get_running_loop().time() + self.reroute_timeout_s
@@ -150,7 +113,7 @@ class LLMClient:
         while True:
             call = None
             try:
-                # Over the link, the request's life is its channel's, as a forwarded one's. A retry
+                # Over a link, the request's life is its channel's (leaving aborts it by name). A retry
                 # goes through Serve, which waits for a live replica (the link's may be the dead one).
                 if via_link and attempt == 0 and self.links is not None:
                     picked = self.links.pick(spec)

@@ -53,7 +53,6 @@ class ModelHandles:
     llm: LLMClient
     cache: CacheIndex
     hit_path: HitPath | None = None  # None: every media request goes to ``prepare``
-    forward: bool = False  # the preparing replicas submit to the LLM pool themselves (forwarding.py)
     prepare_links: PoolLinks | None = None  # ``prepare`` as frames to the pool's replicas (pool_links.py)
 
     async def prepare(self, request_id: str, *args: Any, via_link: bool = True) -> PreparedRequest:
@@ -75,7 +74,7 @@ class ModelHandles:
 
     async def pool_stats(self, timeout_s: float = 5.0) -> dict[str, Any]:
         """The pools' own counters: the preparing replica Serve picks (queued encoder work, inline
-        values sent, forwarded submits, processor cache) and every LLM replica this ingress reads from
+        values sent, processor cache) and every LLM replica this ingress reads from
         (running, waiting, KV blocks, prefix hits). A pool that does not answer reports its error."""
         preparing = await counters_or_error(self.preprocess.stats.remote(), timeout_s)
         return {"preparing_replica": preparing, "llm_replicas": await self.llm.replica_stats(timeout_s)}

@@ -1,9 +1,8 @@
 """One chat request's journey through a model's pools, as seen from the ingress: two calls.
 
   text only:  tokenize (off the event loop when long) ──────────────▶ LLM submit ─┐
-  media:      prepare (an EncoderPool or Preprocessor replica: hash,  ─▶ LLM submit ─┤
-              look up, process + encode misses next to the cache; refs back; or it    │
-              submits the request itself: router/forwarding.py) ───────────────────────┤
+  media:      prepare (an EncoderPool replica: hash, look up,         ─▶ LLM submit ─┤
+              process + encode misses next to the cache; refs back) ───────────────────┤
                                                    tokens ◀── output channel, one message per step
 
 A prepared request holds nothing in the encoder cache: it holds its embeddings' refs itself (Ray
@@ -24,7 +23,7 @@ import asyncio
 import logging
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from encoder_service.cache_index import ref_id
@@ -34,7 +33,7 @@ from llm_service.outputs import RequestOutput
 from llm_service.request_spec import EmbeddingRef, LLMRequestSpec, SubmitReply
 from llm_service.sampling_params import SamplingParams
 from router.errors import bad_request, find_cause, lost_twice
-from router.forwarding import ForwardRequest, embedding_refs, request_spec
+from router.llm_spec import embedding_refs, request_spec
 from router.messages import NormalizedChat, text_only_messages
 from router.model_handles import ModelHandles
 from router.prepare_calls import PrepareCalls
@@ -51,7 +50,6 @@ class Prepared:
 
     prompt_token_ids: list[int]
     mm_items: list[EmbeddingRef]
-    forwarded_to: SubmitReply | None = None  # submitted already, by the replica that prepared it
 
 
 class Orchestrator:
@@ -70,7 +68,6 @@ class Orchestrator:
         self._on_encoder_run = on_encoder_run or (lambda n: None)
         self.calls = PrepareCalls(handles)  # the hit path or ``prepare``, with its retries
         self._messages: dict[str, Any] = {}  # request id -> normalised messages, while it may re-prepare
-        self._forwarded: dict[str, SubmitReply] = {}  # submitted by a preparing replica, not adopted yet
         # request id -> PreprocessedRequest.to_log(), until forget(); bounded, in case a response is
         # dropped before its body starts (then nothing calls forget()).
         self._replay: OrderedDict[str, dict[str, Any]] = OrderedDict()
@@ -89,19 +86,12 @@ class Orchestrator:
             return self._tokenize_sync(chat)
         return await asyncio.to_thread(self._tokenize_sync, chat)
 
-    async def prepare(
-        self, request_id: str, chat: NormalizedChat, forward: ForwardRequest | None = None
-    ) -> Prepared:
-        """Prompt ids and embedding refs. With ``forward`` (and ``ModelHandles.forward``), a request
-        the hit path does not serve is submitted by the replica that prepares it (``forwarded_to``)."""
+    async def prepare(self, request_id: str, chat: NormalizedChat) -> Prepared:
+        """Prompt ids and embedding refs."""
         if not chat.has_media:
             return Prepared(await self.tokenize_text_chat(chat), [])
         self._messages[request_id] = chat.messages
-        if forward is not None and self.h.forward:
-            forward = replace(forward, request_id=request_id, ingress_id=self.h.llm.ingress_id)
-        else:
-            forward = None
-        prepared = await self._prepare_media(request_id, request_id, forward)
+        prepared = await self._prepare_media(request_id, request_id)
         if len(prepared.prompt_token_ids) >= self.max_model_len:
             raise bad_request(
                 f"the prompt has {len(prepared.prompt_token_ids)} tokens with its media expanded; "
@@ -111,11 +101,9 @@ class Orchestrator:
             )
         return prepared
 
-    async def _prepare_media(
-        self, request_id: str, attempt_id: str, forward: ForwardRequest | None = None
-    ) -> Prepared:
+    async def _prepare_media(self, request_id: str, attempt_id: str) -> Prepared:
         try:
-            pre = await self.calls.call(request_id, attempt_id, self._messages[request_id], forward)
+            pre = await self.calls.call(request_id, attempt_id, self._messages[request_id])
         except BaseException:
             self._messages.pop(request_id, None)
             raise
@@ -124,10 +112,7 @@ class Orchestrator:
             self._replay.popitem(last=False)
         if pre.num_encoded:
             self._on_encoder_run(pre.num_encoded)
-        forwarded_to = SubmitReply(*pre.forwarded_to) if pre.forwarded_to else None
-        if forwarded_to is not None:
-            self._forwarded[request_id] = forwarded_to
-        return Prepared(list(pre.prompt_token_ids), embedding_refs(pre), forwarded_to)
+        return Prepared(list(pre.prompt_token_ids), embedding_refs(pre))
 
     def hit_path_stats(self) -> dict[str, Any]:
         return self.calls.stats()
@@ -144,8 +129,6 @@ class Orchestrator:
         """The request is over (answered or failed and logged): drop its replay facts."""
         self._replay.pop(request_id, None)
         self._messages.pop(request_id, None)
-        if (forwarded_to := self._forwarded.pop(request_id, None)) is not None:  # never adopted
-            self.h.llm.unexpect(request_id, forwarded_to)  # aborted where it went
         # Still running, if at all: they leave the books when done; their failures are logged.
 
     def decode(self, token_ids: Any) -> str:
@@ -180,12 +163,7 @@ class Orchestrator:
         it fetches them then, and a loss then arrives here before any output: invalidated,
         re-encoded and submitted again, as a loss at submit is (a second one is a 503)."""
         for attempt in (1, 2):
-            if attempt == 1 and prepared.forwarded_to is not None:
-                self._forwarded.pop(request_id, None)
-                spec = self._spec(request_id, prepared, params, cache_salt)
-                reply = self.h.llm.adopt(spec, prepared.forwarded_to)
-            else:
-                reply = await self._submit(request_id, prepared, params, cache_salt)
+            reply = await self._submit(request_id, prepared, params, cache_salt)
             outs = self.h.llm.outputs(request_id, reply)
             try:
                 return outs, await anext(outs, None)

@@ -105,9 +105,7 @@ _SHARED: dict[str, PrefixAffinityIndex] = {}
 
 def shared_index(deployment: str) -> PrefixAffinityIndex:
     """This process's one index for a deployment (``"app#name"``): its Serve request router chooses
-    with it, and the ingress records there the requests another process routed on its behalf (an
-    encoder replica that forwarded a prepared request: router/forwarding.py), so a conversation's
-    next turn, served from the encoder cache and routed here, still finds the replica holding it."""
+    and records with it, for calls through Serve and over direct links alike (router/pool_links.py)."""
     index = _SHARED.get(deployment)
     if index is None:
         index = _SHARED[deployment] = PrefixAffinityIndex()

@@ -6,8 +6,7 @@ fails on our side, a cache shard restarting) ``prepare`` goes to a preparing rep
 lookup found and reserved, whose leases are renewed while the replica works. A replica that dies
 while preparing: the attempt's reservations are released on every shard (final there: a reservation
 arriving later is refused) and the request is sent again under a fresh attempt id, up to
-``PREPARE_ATTEMPTS`` times. Only the first call may forward (``router/forwarding.py``): a retry's
-replica must not submit what a dead one may have submitted already.
+``PREPARE_ATTEMPTS`` times.
 
 It also keeps the work the hit path started that nothing waits on (pointing uuids at their bytes):
 ``settle`` awaits it before the request's last output goes out.
@@ -22,7 +21,6 @@ from typing import Any
 
 from encoder_service.prepared import PreparedRequest
 from router.errors import is_client_error, replica_gone
-from router.forwarding import ForwardRequest
 from router.messages import inline_media
 from router.model_handles import ModelHandles
 
@@ -46,7 +44,6 @@ class PrepareCalls:
         request_id: str,
         attempt_id: str,
         messages: list[dict[str, Any]],
-        forward: ForwardRequest | None = None,
     ) -> PreparedRequest:
         """``messages`` prepared: by the hit path, or by ``prepare`` on a replica (sent again while
         the replica preparing it dies: Serve routes the next to a live one or its successor)."""
@@ -55,7 +52,7 @@ class PrepareCalls:
             self._ensure_sweeper()
         for attempt in range(1, PREPARE_ATTEMPTS + 1):
             aid = attempt_id if attempt == 1 else f"{attempt_id}#p{attempt}"
-            from_hit_path = expected = False
+            from_hit_path = False
             try:
                 looked_up = None
                 if use_hit_path and attempt == 1 and self.h.hit_path is not None:
@@ -69,11 +66,7 @@ class PrepareCalls:
                         self.hit_path_served += 1
                         return got
                     looked_up, from_hit_path = got, False
-                fwd = forward if attempt == 1 else None
-                args: tuple[Any, ...] = (looked_up, fwd) if fwd else (looked_up,) if looked_up else ()
-                if fwd is not None:  # its outputs may come before the answer
-                    self.h.llm.expect(request_id)
-                    expected = True
+                args: tuple[Any, ...] = (looked_up,) if looked_up else ()
                 if looked_up is None:
                     pre: PreparedRequest = await self.h.prepare(aid, messages, *args, via_link=attempt == 1)
                 else:  # its reservations are ours until the replica takes them: renewed meanwhile
@@ -81,17 +74,12 @@ class PrepareCalls:
                     held = {h: kind for h, (kind, _) in looked_up.found.items()}
                     async with self.h.hit_path.renewing(aid, held):
                         pre = await self.h.prepare(aid, messages, *args, via_link=attempt == 1)
-                if fwd is not None and pre.forwarded_to is None:  # we submit it ourselves
-                    self.h.llm.unexpect(request_id)
                 if self.h.hit_path is not None:
                     self.h.hit_path.remember(pre, looked_up)
                 return pre
             except BaseException as e:
                 # The replica may still be running (a cancel need not reach it): release on every
-                # shard. Final there: its later reservations are refused. Anything it forwarded
-                # reaches no reader now: aborted as an orphan when its outputs come.
-                if expected:
-                    self.h.llm.unexpect(request_id)
+                # shard. Final there: its later reservations are refused.
                 await asyncio.shield(self._release(aid))
                 # The hit path failing on our side (a cache shard restarting) costs the shortcut,
                 # not the request: the next attempt prepares it on a replica.

@@ -1,7 +1,7 @@
 """OpenAI request parameters -> the engine's SamplingParams.
 
-Two steps, because a media request's prompt length is known only once it is prepared, possibly on
-another replica (router/forwarding.py): ``request_sampling_params`` reads the request, and
+Two steps, because a media request's prompt length is known only once it is prepared (on an encoder
+replica): ``request_sampling_params`` reads the request, and
 ``fit_to_prompt`` sets ``max_tokens`` against the prompt (the rest of ``max_model_len`` unless asked).
 """
 

@@ -68,7 +68,6 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
                         "deployment": one,
                     },
                     "encoder": {"deployment": one},
-                    "preprocess": {"deployment": one},
                 }
             ],
         }
@@ -259,32 +258,6 @@ def test_encoder_replica_killed_under_load(app: dict[str, Any]) -> None:
     print(f"encoder killed with items queued: {queued}")
     assert [(o.status, o.error) for o in outcomes] == [(200, None)] * len(pngs), outcomes
     assert [o.text for o in outcomes] == expected
-
-
-def test_preprocessor_replica_killed_under_load(app: dict[str, Any]) -> None:
-    """Requests in flight on the killed preprocessor fail with a clean 503 (or complete); the next
-    request, served by its successor, equals HF."""
-    pngs = [make_image_bytes(640, 480, seed=1300 + i) for i in range(4)]
-    text = "Describe."
-    expected = {png: _expected(app["dir"], text, png) for png in pngs}
-
-    async def scenario() -> tuple[list[Outcome], Outcome]:
-        async with httpx.AsyncClient(base_url=app["url"]) as http:
-            tasks = [asyncio.create_task(_send(http, _image_content(png, text))) for png in pngs]
-            await asyncio.sleep(0.3)
-            victim = _kill_replica(f"Preprocessor-{VL}")
-            outcomes = list(await asyncio.gather(*tasks))
-            await _wait_replaced(f"Preprocessor-{VL}", victim)
-            return outcomes, await _send(http, _image_content(pngs[0], text))
-
-    outcomes, again = asyncio.run(scenario())
-    for png, o in zip(pngs, outcomes, strict=True):
-        if o.error is None:
-            assert o.text == expected[png]
-        else:
-            _assert_clean_failure(o)
-    print("preprocessor kill:", [(o.status, o.error) for o in outcomes])
-    assert again.error is None and again.text == expected[pngs[0]]
 
 
 def test_cache_index_shard_killed_under_load(app: dict[str, Any]) -> None:

@@ -50,7 +50,6 @@ def test_sigterm_drains_the_stream_in_flight_and_exits_0(tmp_path: Path) -> None
                 "tiny": "qwen2-vl",
                 "llm": {"max_model_len": 2048, "num_kv_blocks": 256, "deployment": one},
                 "encoder": {"deployment": one},
-                "preprocess": {"deployment": one},
             }
         ],
         "ingress": {"deployment": one},

@@ -1,6 +1,6 @@
 """The app on a three-node Ray cluster on this machine: encoder pool on one node, LLM pool on another.
 
-  head       (CPU 1)                    Serve controller, HTTP proxy, Ingress, Preprocessor, cache index
+  head       (CPU 1)                    Serve controller, HTTP proxy, Ingress, cache index
   encoder    (CPU 2, encoder_node)      EncoderPool replicas, each a TP-2 group in its placement group
   llm        (CPU 2, llm_node)          LLMServer replicas
 
@@ -48,7 +48,6 @@ def app_config(cache_dir: str) -> dict[str, Any]:
             {
                 "name": VL,
                 "tiny": "qwen2-vl",
-                "preprocess": {"deployment": {"num_replicas": 1, "num_cpus": 0.1}},
                 "encoder": {
                     "device": "cpu",
                     "mm_encoder_tp_size": 2,

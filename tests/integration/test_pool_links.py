@@ -39,7 +39,6 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     model = {
         "name": MODEL,
         "tiny": "qwen2-vl",
-        "preprocess": {"placement": "encoder"},
         "encoder": {
             "cache_index_shards": 1,
             "deployment": {

@@ -2,12 +2,13 @@
 that holds its prefix (their prompt comes from that replica's KV cache), while distinct
 conversations spread over both. Real Ray Serve, real HTTP, the openai client.
 
-The encoder replicas prepare (``placement: encoder``) and forward: a cold image conversation is
-routed by the encoder replica's handle, its repeat (served from the encoder cache, at the ingress)
-by the ingress's; the ingress records where forwarded requests went (router/forwarding.py)."""
+The ingress submits over direct links (router/pool_links.py), routed by the LLM pool's own Serve
+router: a cold image conversation prepared on an encoder replica, its repeat (served from the encoder
+cache at the ingress) both choose by the same prefix index."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -28,7 +29,6 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         "name": MODEL,
         "tiny": "qwen2-vl",
         "llm": {"deployment": {"num_replicas": 2}},
-        "preprocess": {"placement": "encoder", "forward": True},
         "encoder": {"cache_index_shards": 1},
     }
     cache_dir = str(tmp_path_factory.mktemp("models"))
@@ -45,8 +45,12 @@ def _replica_stats() -> dict[str, dict[str, Any]]:
 
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
     ids = [n.rsplit("#", 1)[-1] for n in names if n.startswith(f"SERVE_REPLICA::mmserve#{LLM}#")]
-    handle = serve.get_deployment_handle(LLM, app_name="mmserve")
-    stats = {rid: handle.stats.remote(ReplicaTarget(rid)).result(timeout_s=30) for rid in ids}
+
+    async def ask() -> dict[str, dict[str, Any]]:  # a handle whose router runs on its caller's loop
+        handle = serve.get_deployment_handle(LLM, app_name="mmserve")
+        return {rid: await handle.stats.remote(ReplicaTarget(rid)) for rid in ids}
+
+    stats = asyncio.run(ask())
     for rid, s in stats.items():
         assert s["replica_id"] == rid  # the targeted call reached the replica it named
     return stats
@@ -95,22 +99,13 @@ def _image_conversation(i: int) -> list[dict[str, Any]]:
     return [{"role": "user", "content": content}]
 
 
-def test_an_image_conversation_repeated_hits_the_replica_its_encoder_forwarded_it_to(
-    app: dict[str, Any],
-) -> None:
-    """First turn cold: prepared and submitted by the encoder replica (its router picks the LLM
-    replica). The repeat is all encoder-cache hits, prepared and routed at the ingress: it must find
-    the replica that holds the prefix, which only the encoder's router chose."""
+def test_an_image_conversation_repeated_hits_the_replica_that_holds_it(app: dict[str, Any]) -> None:
+    """First turn cold: prepared on an encoder replica, submitted over a link. The repeat is all
+    encoder-cache hits, prepared at the ingress: it must find the replica that holds the prefix."""
     client: OpenAI = app["client"]
     n = 8
-    # Where the encoder replica's router sends them is its own affair (not asserted: a fresh handle
-    # in that process, and forwarded calls that end once queued, give it little load to see).
     with ThreadPoolExecutor(4) as pool:
         first = list(pool.map(lambda i: _ask(client, _image_conversation(i)), range(n)))
-    from ray import serve
-
-    encoder = serve.get_deployment_handle(f"EncoderPool-{MODEL}", app_name="mmserve")
-    assert encoder.stats.remote().result(timeout_s=30)["forwarded_submits"] >= n  # the encoder submitted
     block = 16
     for i in range(n):
         again = _ask(client, _image_conversation(i))

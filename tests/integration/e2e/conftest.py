@@ -31,9 +31,6 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     cfg.update(port=PORT, models_cache_dir=str(cache_dir))
     cfg["ingress"]["http_mode"] = "direct"  # what `mmserve serve` runs (the multi-node test covers the proxy)
     for m in cfg["models"]:
-        # What `mmserve serve` runs: the encoder replicas prepare (the pool placement is covered by
-        # test_family_http, test_faults, test_graceful_drain and test_multinode).
-        m["preprocess"]["placement"] = "encoder"
         m["preprocess"]["media"]["allow_private_addresses"] = True  # the test's HTTP server is on loopback
         m["preprocess"]["limit_mm_per_prompt"] = {"image": 2, "video": 1, "audio": 1}
     # start() would call the same ray.init; here Ray's metrics agent also serves Prometheus text on a

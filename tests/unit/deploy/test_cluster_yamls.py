@@ -143,7 +143,7 @@ def test_serve_cpu_uses_the_tiny_model_without_gpus() -> None:
     (cfg,) = validate_serve_config(_load("serve-cpu.yaml"))
     for m in cfg.models:
         assert m.tiny == "qwen2-vl"
-        for pool in (m.encoder, m.llm, m.preprocess):
+        for pool in (m.encoder, m.llm):
             assert pool.deployment.num_gpus == 0 and not pool.deployment.resources
             assert 0 < pool.deployment.num_cpus < 1  # fractional, or it waits forever on a small box
         assert encoder_placement(m) == {}  # TP 1: the replica holds the rank, no placement group

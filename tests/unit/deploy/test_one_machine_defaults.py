@@ -1,4 +1,4 @@
-"""`mmserve serve` on one machine: direct HTTP and encoder-side preparing unless the config says otherwise."""
+"""`mmserve serve` on one machine: direct HTTP and one cache shard unless the config says otherwise."""
 
 from __future__ import annotations
 
@@ -17,21 +17,19 @@ def _args(*argv: str) -> argparse.Namespace:
 def test_defaults_on_one_machine() -> None:
     cfg = config_from_args(_args())
     assert cfg.ingress.http_mode == "direct"
-    assert {m.preprocess.placement for m in cfg.models} == {"encoder"}
     assert {m.encoder.cache_index_shards for m in cfg.models} == {1}
-    assert AppConfig(models=cfg.models).models[0].preprocess.placement == "encoder"  # it stays set
+    assert AppConfig(models=cfg.models).models[0].encoder.cache_index_shards == 1  # it stays set
 
 
 def test_a_config_file_that_names_them_wins(tmp_path) -> None:  # type: ignore[no-untyped-def]
     path = tmp_path / "app.yaml"
     path.write_text(
         "models:\n"
-        "  - {name: a, tiny: qwen2-vl, preprocess: {placement: pool}, encoder: {cache_index_shards: 3}}\n"
+        "  - {name: a, tiny: qwen2-vl, encoder: {cache_index_shards: 3}}\n"
         "  - {name: b, tiny: qwen2-audio}\n"
         "ingress: {http_mode: proxy}\n"
     )
     cfg = config_from_args(_args("--config", str(path)))
-    assert [m.preprocess.placement for m in cfg.models] == ["pool", "encoder"]
     assert [m.encoder.cache_index_shards for m in cfg.models] == [3, 1]
     assert cfg.ingress.http_mode == "proxy"
     assert (
@@ -49,13 +47,12 @@ def test_a_pool_that_cannot_scale_runs_a_fixed_count(tmp_path) -> None:  # type:
         "    tiny: qwen2-vl\n"
         "    encoder: {deployment: {autoscaling: {min_replicas: 1, max_replicas: 3}}}\n"
         "    llm: {deployment: {autoscaling: {min_replicas: 2, max_replicas: 2}}}\n"
-        "    preprocess: {deployment: {num_replicas: 3}}\n"
+        "ingress: {deployment: {num_replicas: 3}}\n"
     )
     cfg = config_from_args(_args("--config", str(path)))
     m = cfg.models[0]
-    assert cfg.ingress.deployment.num_replicas == 1  # the default bounds: [1, 1]
+    assert cfg.ingress.deployment.num_replicas == 3  # set: kept
     assert m.llm.deployment.num_replicas == 2
-    assert m.preprocess.deployment.num_replicas == 3  # set: kept
     assert m.encoder.deployment.num_replicas is None  # it can scale: Serve's autoscaling stays
     llm = deployment_options(m.llm.deployment, "LLMServer-a")
     assert llm["num_replicas"] == 2 and "autoscaling_config" not in llm

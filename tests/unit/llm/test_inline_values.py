@@ -18,7 +18,7 @@ from encoder_service.prepared import PreparedItem, PreparedRequest, with_values
 from llm_service.embeddings import EmbeddingsLost, resolve_embeddings
 from llm_service.request_spec import EmbeddingRef, LLMRequestSpec
 from llm_service.sampling_params import SamplingParams
-from router.forwarding import embedding_refs
+from router.llm_spec import embedding_refs
 
 
 def _items() -> list[EmbeddingRef]:
