@@ -21,6 +21,7 @@ from tests.integration.local_app import local_app
 MODEL = "tiny-qwen2-vl"
 LLM = f"LLMServer-{MODEL}"
 CONVERSATIONS = 16
+_LOOP = asyncio.new_event_loop()  # Serve's handles here keep their router on the loop that made them
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,7 @@ def _replica_stats() -> dict[str, dict[str, Any]]:
         handle = serve.get_deployment_handle(LLM, app_name="mmserve")
         return {rid: await handle.stats.remote(ReplicaTarget(rid)) for rid in ids}
 
-    stats = asyncio.run(ask())
+    stats = _LOOP.run_until_complete(ask())
     for rid, s in stats.items():
         assert s["replica_id"] == rid  # the targeted call reached the replica it named
     return stats
