@@ -154,6 +154,29 @@ def start(
     return serve.run(build_app(cfg), name="mmserve", route_prefix="/", blocking=blocking)
 
 
+class PortInUse(SystemExit):
+    """The HTTP port is taken: ``mmserve serve`` stops before starting anything."""
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Refuse a port another server holds, naming it. The ingress replicas bind with ``SO_REUSEPORT``
+    (several replicas share a node's port), and the kernel would let a second ``mmserve serve`` of
+    the same user share it too, splitting connections between two unrelated servers; a plain bind
+    (no ``SO_REUSEPORT``) fails on any socket bound there, so it tells."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed server's TIME_WAIT is fine
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            raise PortInUse(
+                f"mmserve: cannot serve on {host}:{port}: {e.strerror} (another server is listening "
+                f"there?). Stop it, or choose another port with --port."
+            ) from e
+
+
 def _ray_running() -> bool:
     if "ray" not in sys.modules:
         return False
@@ -186,6 +209,7 @@ def _take_signals() -> None:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
+    check_port_free(cfg.host, cfg.port)
     # Installed before Ray starts, so no Ray or Serve process inherits them: SIGTERM (Kubernetes,
     # systemd, docker stop) and Ctrl-C both drain instead of dying mid-request.
     _take_signals()
