@@ -81,8 +81,8 @@ def test_rendered_rayservice_is_valid_everywhere(values: str | None) -> None:
     jsonschema.validate(rs, _rayservice_schema())
     serve = yaml.safe_load(rs["spec"]["serveConfigV2"])
     (cfg,) = validate_serve_config(serve)
-    (svc,) = docs["Service"][:1]
-    assert svc["spec"]["ports"][0]["port"] == serve["http_options"]["port"] == 8000
+    (port,) = rs["spec"]["serveService"]["spec"]["ports"]
+    assert port["port"] == serve["http_options"]["port"] == 8000
     if vals is not None:
         assert [m.name for m in cfg.models] == [m["name"] for m in vals["models"]]
         m = cfg.models[0]
