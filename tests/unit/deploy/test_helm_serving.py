@@ -143,6 +143,8 @@ def test_the_service_reaches_every_worker_of_one_cluster_on_the_port_it_serves(v
             declared = {(p["name"], p["containerPort"]) for p in container["ports"]}
             assert ("serve", svc_port["port"]) in declared, pod["group"]
             assert _serving_port(container) == port  # where KubeRay's readiness probe GETs /-/healthz
+            # a probe of the chart's own would replace KubeRay's, and with it the /-/healthz check
+            assert "readinessProbe" not in container and "livenessProbe" not in container
 
 
 def test_no_chart_service_reaches_the_serving_port_without_selecting_one_cluster() -> None:
