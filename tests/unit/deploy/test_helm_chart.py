@@ -4,6 +4,7 @@ Ray's ServeDeploySchema, the app's AppConfig and the Serve options the app build
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import json
 import re
@@ -53,6 +54,7 @@ def _snake(camel: str) -> str:
     return re.sub(r"(?<!^)([A-Z])", r"_\1", camel).lower()
 
 
+@functools.cache  # the CRD is 1 MB of YAML: parse it once
 def _rayservice_schema() -> dict[str, Any]:
     crd = yaml.safe_load(CRD.read_text())
     (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1" and v["served"] and v["storage"]]
