@@ -152,7 +152,7 @@ env:
 {{/* A model's `path` in the Serve config: relative paths live in the model volume. */}}
 {{- define "mmserve.modelPath" -}}
 {{- $path := .m.path -}}
-{{- if contains ".." $path -}}
+{{- if regexMatch "(^|/)[.][.](/|$)" $path -}}
 {{- fail (printf "models[%s].path %q: no '..' segments" .m.name $path) -}}
 {{- end -}}
 {{- if hasPrefix "/" $path -}}
