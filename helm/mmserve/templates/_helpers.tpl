@@ -86,19 +86,80 @@ autoscaling:
 {{ printf "\"{\\\"%s\\\": 1}\"" . | squote }}
 {{- end -}}
 
-{{/* The API keys Secret (auth.apiKeysSecret), mounted read-only in every Ray pod: the ingress replica
-     may run on any of them. Both render nothing when auth is off. */}}
-{{- define "mmserve.authVolume" -}}
-{{- if .Values.auth.apiKeysSecret }}
+{{/* Volumes of every Ray pod: the API keys Secret (auth.apiKeysSecret; the ingress replica may run
+     on any pod) and the model volume (modelVolume; every replica that loads a model reads it). Both
+     render nothing when neither is set. */}}
+{{- define "mmserve.modelVolumeSource" -}}
+{{- with .Values.modelVolume -}}
+{{- if .persistentVolumeClaim -}}
+persistentVolumeClaim: {claimName: {{ .persistentVolumeClaim | quote }}, readOnly: true}
+{{- else if .hostPath -}}
+hostPath: {path: {{ .hostPath | quote }}, type: Directory}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "mmserve.volumes" -}}
+{{- $model := include "mmserve.modelVolumeSource" . -}}
+{{- if or .Values.auth.apiKeysSecret $model }}
 volumes:
+  {{- if .Values.auth.apiKeysSecret }}
   - name: mmserve-api-keys
     secret: {secretName: {{ .Values.auth.apiKeysSecret | quote }}}
+  {{- end }}
+  {{- if $model }}
+  - name: mmserve-models
+    {{- $model | nindent 4 }}
+  {{- end }}
 {{- end }}
 {{- end -}}
 
-{{- define "mmserve.authMount" -}}
-{{- if .Values.auth.apiKeysSecret }}
+{{- define "mmserve.volumeMounts" -}}
+{{- $model := include "mmserve.modelVolumeSource" . -}}
+{{- if or .Values.auth.apiKeysSecret $model }}
 volumeMounts:
+  {{- if .Values.auth.apiKeysSecret }}
   - {name: mmserve-api-keys, mountPath: /etc/mmserve/auth, readOnly: true}
+  {{- end }}
+  {{- if $model }}
+  - {name: mmserve-models, mountPath: {{ .Values.modelVolume.mountPath | quote }}, readOnly: true}
+  {{- end }}
 {{- end }}
+{{- end -}}
+
+{{/* Serve's environment (serveEnv) for every Ray container; a null value unsets a default. */}}
+{{- define "mmserve.env" -}}
+{{- $env := list -}}
+{{- range $k, $v := .Values.serveEnv -}}
+{{- if not (kindIs "invalid" $v) -}}
+{{- $env = append $env (dict "name" $k "value" (toString $v)) -}}
+{{- end -}}
+{{- end -}}
+{{- with $env }}
+env:
+  {{- range . }}
+  - {name: {{ .name }}, value: {{ .value | quote }}}
+  {{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* The serving port on a Ray container: the Service targets it, KubeRay's worker readiness probe
+     GETs /-/healthz on the port named `serve`. */}}
+{{- define "mmserve.servePort" -}}
+- {containerPort: {{ .Values.service.port }}, name: serve}
+{{- end -}}
+
+{{/* A model's `path` in the Serve config: relative paths live in the model volume. */}}
+{{- define "mmserve.modelPath" -}}
+{{- $path := .m.path -}}
+{{- if regexMatch "(^|/)[.][.](/|$)" $path -}}
+{{- fail (printf "models[%s].path %q: no '..' segments" .m.name $path) -}}
+{{- end -}}
+{{- if hasPrefix "/" $path -}}
+{{- $path -}}
+{{- else if include "mmserve.modelVolumeSource" .root -}}
+{{- printf "%s/%s" (trimSuffix "/" .root.Values.modelVolume.mountPath) $path -}}
+{{- else -}}
+{{- fail (printf "models[%s].path %q is relative: set modelVolume.persistentVolumeClaim or modelVolume.hostPath (it is taken inside modelVolume.mountPath), or give an absolute path" .m.name $path) -}}
+{{- end -}}
 {{- end -}}

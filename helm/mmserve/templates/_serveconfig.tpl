@@ -30,7 +30,7 @@ applications:
 {{- $_ := set $llm "deployment" (include "mmserve.deployment" (dict "name" "llm" "pool" $p.llm "gpus" true "resources" $llmRes "policy" $llmPolicy) | fromYaml) }}
         - name: {{ $m.name | toJson }}
           {{- if $m.path }}
-          path: {{ $m.path | toJson }}
+          path: {{ include "mmserve.modelPath" (dict "m" $m "root" $) | toJson }}
           {{- end }}
           {{- if $m.tiny }}
           tiny: {{ $m.tiny | toJson }}
