@@ -23,7 +23,6 @@ applications:
       models:
 {{- range $m := .Values.models }}
 {{- $pre := deepCopy ($m.preprocess | default dict) }}
-{{- $_ := set $pre "deployment" (include "mmserve.deployment" (dict "name" "preprocess" "pool" $p.preprocess) | fromYaml) }}
 {{- $enc := deepCopy ($m.encoder | default dict) }}
 {{- $_ := set $enc "deployment" (include "mmserve.deployment" (dict "name" "encoder" "pool" $p.encoder "gpus" true "resources" $encRes "policy" $encPolicy) | fromYaml) }}
 {{- $llm := deepCopy ($m.llm | default dict) }}

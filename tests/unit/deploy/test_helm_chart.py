@@ -121,7 +121,6 @@ def test_worker_groups_carry_the_resources_the_pools_ask_for() -> None:
         for pool, marker in ((m.encoder, enc_marker), (m.llm, llm_marker)):
             for name, amount in pool.deployment.resources.items():
                 assert 0 < amount <= marker[name]
-        assert not m.preprocess.deployment.resources
     enc_pod = groups["encoder"]["template"]["spec"]
     limits = enc_pod["containers"][0]["resources"]["limits"]
     assert limits["nvidia.com/gpu"] == 4 >= cfg.models[0].encoder.mm_encoder_tp_size
@@ -244,7 +243,7 @@ def test_every_autoscaling_value_reaches_ray() -> None:
     }
     schema = json.loads((CHART / "values.schema.json").read_text())["properties"]["pools"]["properties"]
     vals = yaml.safe_load((CHART / "values.yaml").read_text())
-    pools = ("ingress", "preprocess", "encoder", "llm")
+    pools = ("ingress", "encoder", "llm")
     for i, pool in enumerate(pools):
         assert set(schema[pool]["properties"]["autoscaling"]["properties"]) == set(chosen), pool
         vals["pools"][pool]["autoscaling"] = {k: v + i for k, v in chosen.items()}  # distinct per pool
@@ -252,7 +251,6 @@ def test_every_autoscaling_value_reaches_ray() -> None:
     (m,) = cfg.models
     opts = {
         "ingress": deployment_options(cfg.ingress.deployment, "Ingress"),
-        "preprocess": deployment_options(m.preprocess.deployment, "Preprocessor"),
         **{p: o for p, o in zip(("encoder", "llm"), pool_options(m).values(), strict=True)},
     }
     for i, pool in enumerate(pools):
@@ -279,13 +277,14 @@ def test_policy_values_are_constructor_arguments() -> None:
         assert keys and keys <= set(inspect.signature(cls).parameters), (pool, keys)
 
 
-def test_placement_reaches_the_app_and_only_its_two_values_pass() -> None:
+def test_preprocess_values_reach_the_app_and_removed_switches_are_refused() -> None:
     vals = yaml.safe_load((CHART / "values.yaml").read_text())
-    vals["models"][0]["preprocess"] = {"placement": "encoder"}
+    vals["models"][0]["preprocess"] = {"limit_mm_per_prompt": {"image": 3}}
     (rs,) = _render(vals)["RayService"]
     (cfg,) = validate_serve_config(yaml.safe_load(rs["spec"]["serveConfigV2"]))
-    assert cfg.models[0].preprocess.placement == "encoder"
+    assert cfg.models[0].preprocess.limit_mm_per_prompt == {"image": 3}
     schema = json.loads((CHART / "values.schema.json").read_text())
-    vals["models"][0]["preprocess"] = {"placement": "elsewhere"}
-    with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate(vals, schema)
+    for gone in ({"placement": "pool"}, {"forward": True}, {"hit_path": False}):  # one journey (README)
+        vals["models"][0]["preprocess"] = gone
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(vals, schema)
