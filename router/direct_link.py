@@ -63,7 +63,7 @@ import pickle
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 import zmq
@@ -197,6 +197,13 @@ def _failed(seq: int, code: str, message: str) -> list[bytes]:
     return [msgpack.packb([seq, FAILED, code, message]), b""]
 
 
+def _send_nowait(sock: zmq.asyncio.Socket, frames: list[bytes]) -> BaseException | None:
+    """Send without waiting; what went wrong (``zmq.Again``: the queue is full), or None. With
+    ``DONTWAIT`` pyzmq's future is done on return (no send here ever waits in its queue)."""
+    sent = cast("asyncio.Future[Any]", sock.send_multipart(frames, flags=zmq.DONTWAIT))
+    return sent.exception() if sent.done() else None
+
+
 def _decode_header(raw: bytes) -> list[Any] | None:
     try:
         header = msgpack.unpackb(raw)
@@ -220,6 +227,7 @@ class LinkServer:
         max_in_flight: int = MAX_IN_FLIGHT,
         max_frame_bytes: int = MAX_FRAME_BYTES,
         hwm: int = HWM,
+        reply_patience_s: float = REPLY_PATIENCE_S,
     ) -> None:
         self.handlers = handlers
         self.keys = keys
@@ -228,6 +236,7 @@ class LinkServer:
         self.max_in_flight = max_in_flight
         self.max_frame_bytes = max_frame_bytes
         self.hwm = hwm
+        self.reply_patience_s = reply_patience_s
         self._ctx: zmq.asyncio.Context | None = None
         self._auth: AsyncioAuthenticator | None = None
         self._sock: zmq.asyncio.Socket | None = None
@@ -305,11 +314,11 @@ class LinkServer:
                 task.cancel()
             return
         if self.draining:
-            self._send_now(ident, _failed(seq, "lost", "the replica is shutting down; not run"))
+            self._send_or_drop(ident, _failed(seq, "lost", "the replica is shutting down; not run"))
             return
         if len(self._running) >= self.max_in_flight:
             self.refused += 1
-            self._send_now(ident, _failed(seq, "busy", f"{self.max_in_flight} calls in flight; not run"))
+            self._send_or_drop(ident, _failed(seq, "busy", f"{self.max_in_flight} calls in flight; not run"))
             return
         try:
             if not isinstance(method, str) or len(frames) != 3:
@@ -319,7 +328,7 @@ class LinkServer:
                 raise TypeError(f"arguments must be a tuple, not {type(args).__name__}")
         except Exception as e:
             self.garbled += 1
-            self._send_now(
+            self._send_or_drop(
                 ident, _failed(seq, "bad_frame", f"direct link: undecodable call {method!r}: {e!r}")
             )
             return
@@ -362,8 +371,8 @@ class LinkServer:
 
     async def _deliver(self, ident: bytes, frames: list[bytes]) -> None:
         """Send a reply; while its client's queue is full, retry (the call keeps its slot in flight)
-        for ``REPLY_PATIENCE_S``, then drop it."""
-        delay, give_up = 0.001, time.monotonic() + REPLY_PATIENCE_S
+        for ``reply_patience_s``, then drop it."""
+        delay, give_up = 0.001, time.monotonic() + self.reply_patience_s
         while True:
             try:
                 self._send_now(ident, frames)
@@ -372,18 +381,24 @@ class LinkServer:
                 if time.monotonic() > give_up:
                     self.dropped += 1
                     logger.warning(
-                        "direct link: a client read no reply for %.0f s; one dropped", REPLY_PATIENCE_S
+                        "direct link: a client read no reply for %.0f s; one dropped", self.reply_patience_s
                     )
                     return
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 0.05)
 
+    def _send_or_drop(self, ident: bytes, frames: list[bytes]) -> None:
+        """An answer that holds no slot: dropped if the client's queue is full (it reads nothing)."""
+        try:
+            self._send_now(ident, frames)
+        except zmq.Again:
+            self.dropped += 1
+
     def _send_now(self, ident: bytes, frames: list[bytes]) -> None:
         """Raises ``zmq.Again`` if the client's queue is full; a client that is gone is skipped."""
         if self._sock is None:
             return
-        sent = self._sock.send_multipart([ident, *frames], flags=zmq.DONTWAIT)
-        error = sent.exception() if sent.done() else None
+        error = _send_nowait(self._sock, [ident, *frames])
         if isinstance(error, zmq.Again):
             raise error
         if error is not None:  # EHOSTUNREACH: that client disconnected
@@ -404,14 +419,14 @@ def _client_context() -> zmq.asyncio.Context:
     return _client_ctx
 
 
-_HANDSHAKE_FAILED = {
+_HANDSHAKE_FAILED: dict[int, str] = {
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the server refused this link's key",
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "the handshake failed (a different key or mechanism)",
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the handshake failed",
     zmq.EVENT_CONNECT_RETRIED: "nothing listens there",
     zmq.EVENT_DISCONNECTED: "disconnected (no heartbeat, or the peer closed)",
 }
-_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | functools.reduce(int.__or__, _HANDSHAKE_FAILED)
+_EVENTS = functools.reduce(int.__or__, _HANDSHAKE_FAILED, int(zmq.EVENT_HANDSHAKE_SUCCEEDED))
 
 
 async def _event(monitor: zmq.asyncio.Socket) -> int:
@@ -498,8 +513,7 @@ class LinkClient:
         seq = self._seq
         timeout = self._timeout_s if timeout_s is None else timeout_s
         header = msgpack.packb([seq, method, None if timeout is None else max(1, int(1000 * timeout))])
-        sent = self._sock.send_multipart([header, body], flags=zmq.DONTWAIT)
-        error = sent.exception() if sent.done() else None
+        error = _send_nowait(self._sock, [header, body])
         if isinstance(error, zmq.Again):
             raise LinkBusy(f"the queue to {self._where} is full; {method!r} not sent")
         if error is not None:
@@ -531,9 +545,7 @@ class LinkClient:
 
     def _cancel_remote(self, seq: int) -> None:
         if self.lost is None:  # a cancel that cannot be sent now: the header's deadline still ends it
-            sent = self._sock.send_multipart([msgpack.packb([seq, None, None])], flags=zmq.DONTWAIT)
-            if sent.done():
-                sent.exception()
+            _send_nowait(self._sock, [msgpack.packb([seq, None, None])])
 
     def retire(self) -> None:
         """Take no new calls; close once every call already sent is answered."""
