@@ -204,6 +204,21 @@ def _send_nowait(sock: zmq.asyncio.Socket, frames: list[bytes]) -> BaseException
     return sent.exception() if sent.done() else None
 
 
+async def _recv_batch(sock: zmq.asyncio.Socket, most: int = 256) -> list[list[bytes]] | None:
+    """One message awaited, then those already queued behind it (up to ``most``); None: closed."""
+    try:
+        batch = [await sock.recv_multipart()]
+        while len(batch) < most:
+            batch.append(
+                cast("asyncio.Future[list[bytes]]", sock.recv_multipart(flags=zmq.DONTWAIT)).result()
+            )
+    except zmq.Again:
+        pass
+    except zmq.ZMQError:
+        return None
+    return batch
+
+
 def _decode_header(raw: bytes) -> list[Any] | None:
     try:
         header = msgpack.unpackb(raw)
@@ -293,12 +308,9 @@ class LinkServer:
         self._ctx = self._auth = self._sock = self._pump = None
 
     async def _serve(self, sock: zmq.asyncio.Socket) -> None:
-        while True:
-            try:
-                frames = await sock.recv_multipart()
-            except zmq.ZMQError:  # closed
-                return
-            self._take(frames)
+        while (batch := await _recv_batch(sock)) is not None:
+            for frames in batch:
+                self._take(frames)
 
     def _take(self, frames: list[bytes]) -> None:
         """One message from a client (authenticated by now): a call, a cancel, or garbage."""
@@ -571,12 +583,9 @@ class LinkClient:
         _close_socket(self._sock, self._monitor)
 
     async def _read(self) -> None:
-        while True:
-            try:
-                frames = await self._sock.recv_multipart()
-            except zmq.ZMQError:  # closed
-                return
-            self._answer(frames)
+        while (batch := await _recv_batch(self._sock)) is not None:
+            for frames in batch:
+                self._answer(frames)
 
     async def _watch(self) -> None:
         """Whatever the monitor reports after the handshake means the connection is gone."""
