@@ -43,7 +43,8 @@ stays within ~(2·hwm + max_in_flight) frames per connection, and an overload is
 ``3 * HEARTBEAT_S`` is disconnected, and the client's socket monitor then fails every call waiting
 on that connection with ``LinkLost`` — which the callers treat as their replica gone
 (``router.errors.replica_gone``): they retry through Serve, and the link rests ``LOST_BACKOFF_S``
-before it asks Serve where the replica (or its successor) listens again. Each call has a deadline
+before it asks Serve where the replica (or its successor) listens again. ZeroMQ's I/O thread answers
+the PINGs, so a replica whose event loop is stuck still looks alive: for that, each call has a deadline
 (``timeout_s``, or the link's default): past it the call fails with ``LinkTimeout`` and is cancelled
 on the server (a cancel frame; the header's ``timeout_ms`` makes the server cancel it too, should the
 cancel frame be lost). A client that vanishes leaves its running calls to finish or reach their
@@ -503,7 +504,7 @@ class LinkClient:
             sock.connect(_endpoint(host, port))
             async with asyncio.timeout(connect_timeout_s):
                 while (event := await _event(monitor)) != zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                    raise LinkLost(f"could not link to {where}: {_HANDSHAKE_FAILED[event]}")
+                    raise LinkLost(f"could not link to {where}: {_HANDSHAKE_FAILED.get(event, event)}")
         except BaseException as e:
             _close_socket(sock, monitor)
             if isinstance(e, TimeoutError):

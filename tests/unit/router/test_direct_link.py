@@ -65,6 +65,17 @@ def test_calls_are_answered_in_any_order_and_errors_come_back_as_raised() -> Non
     asyncio.run(run())
 
 
+def test_a_server_on_ipv6_loopback_answers() -> None:
+    async def run() -> None:
+        server, _ = _server()
+        link = DirectLink(lambda: server.address("::1"), KEYS)
+        assert await link.call("echo", "six") == ("echo", ("six",))
+        link.close()
+        await server.close()
+
+    asyncio.run(run())
+
+
 def test_the_unencrypted_mode_authenticates_with_the_secret() -> None:
     async def run() -> None:
         keys = LinkKeys.generate(encrypt=False)
