@@ -14,7 +14,7 @@ import os
 from collections.abc import Awaitable
 from typing import Any, ClassVar
 
-from router.direct_link import DirectLink, LinkKeys, LinkServer
+from router.direct_link import DEFAULT_TIMEOUT_S, DirectLink, LinkKeys, LinkServer
 
 _KEYS_KEY = b"mmserve-direct-link-keys"
 
@@ -50,15 +50,16 @@ def frame_dumps(obj: Any) -> bytes:
         ctx.get_and_clear_contained_object_refs()
 
 
-def direct_link(handle: Any) -> DirectLink:
+def direct_link(handle: Any, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> DirectLink:
     """A caller's link to the replica behind ``handle`` (a Serve handle or a Ray actor handle of a
-    ``DirectServed`` class), which answers where it listens; the keys are fetched here, once."""
+    ``DirectServed`` class), which answers where it listens; the keys are fetched here, once.
+    ``timeout_s``: each call's deadline unless the caller gives one (the ingress's request timeout)."""
 
     async def locate() -> tuple[str, int]:
         host, port = await handle.direct_address.remote()
         return str(host), int(port)
 
-    return DirectLink(locate, link_token(), dumps=frame_dumps)
+    return DirectLink(locate, link_token(), dumps=frame_dumps, timeout_s=timeout_s)
 
 
 class DirectServed:
