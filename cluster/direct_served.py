@@ -1,32 +1,35 @@
 """The pool replica's end of ``ingress.transport: auto`` (router/direct_link.py): a Serve replica
 class mixes in ``DirectServed`` and names the methods a direct link may call.
 
-The shared token every link must present lives in Ray's internal KV (the GCS), created once per
-cluster by whichever process asks first: whoever can read it can run code on the cluster anyway.
+The link's keys (router/direct_link.py ``LinkKeys``: CURVE key pairs for the servers and the clients)
+live in Ray's internal KV (the GCS), created once per cluster by whichever process asks first: whoever
+can read them can run code on the cluster anyway. ``MMSERVE_LINK_ENCRYPT=0`` in that process's
+environment (set it where ``ray start`` runs) makes them PLAIN keys: authenticated, not encrypted.
 """
 
 from __future__ import annotations
 
 import asyncio
-import secrets
+import os
 from collections.abc import Awaitable
 from typing import Any, ClassVar
 
-from router.direct_link import DirectLink, LinkServer
+from router.direct_link import DEFAULT_TIMEOUT_S, DirectLink, LinkKeys, LinkServer
 from router.pool_links import LINK_STAT, Address, PoolLinks, live_router
 from router.prefix_affinity import deployment_key
 
-_TOKEN_KEY = b"mmserve-direct-link-token"
+_KEYS_KEY = b"mmserve-direct-link-keys"
 
 
-def link_token() -> str:
-    """The cluster's direct-link token (created on first use)."""
+def link_keys() -> LinkKeys:
+    """The cluster's direct-link keys (created on first use; ``MMSERVE_LINK_ENCRYPT=0``: unencrypted)."""
     from ray.experimental import internal_kv
 
-    internal_kv._internal_kv_put(_TOKEN_KEY, secrets.token_urlsafe(32).encode(), overwrite=False)
-    token = internal_kv._internal_kv_get(_TOKEN_KEY)
-    assert token is not None
-    return bytes(token).decode()
+    encrypt = os.environ.get("MMSERVE_LINK_ENCRYPT", "1") not in ("0", "false", "no")
+    internal_kv._internal_kv_put(_KEYS_KEY, LinkKeys.generate(encrypt).to_bytes(), overwrite=False)
+    raw = internal_kv._internal_kv_get(_KEYS_KEY)
+    assert raw is not None
+    return LinkKeys.from_bytes(bytes(raw))
 
 
 def frame_dumps(obj: Any) -> bytes:
@@ -49,28 +52,29 @@ def frame_dumps(obj: Any) -> bytes:
         ctx.get_and_clear_contained_object_refs()
 
 
-def direct_link(handle: Any) -> DirectLink:
+def direct_link(handle: Any, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> DirectLink:
     """A caller's link to the replica behind ``handle`` (a Serve handle or a Ray actor handle of a
-    ``DirectServed`` class), which answers where it listens; the token is fetched here, once."""
+    ``DirectServed`` class), which answers where it listens; the keys are fetched here, once.
+    ``timeout_s``: each call's deadline unless the caller gives one (the ingress's request timeout)."""
 
     async def locate() -> tuple[str, int]:
         host, port = await handle.direct_address.remote()
         return str(host), int(port)
 
-    return DirectLink(locate, link_token(), dumps=frame_dumps)
+    return DirectLink(locate, link_keys(), dumps=frame_dumps, timeout_s=timeout_s)
 
 
-def pool_links(handle: Any) -> PoolLinks:
+def pool_links(handle: Any, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> PoolLinks:
     """A caller's links to the replicas behind ``handle`` (a Serve handle of a ``DirectServed`` pool),
     routed by this process's router of that pool, which Serve keeps current as the pool scales."""
     key = deployment_key(handle.deployment_id)
-    token = link_token()
+    keys = link_keys()
 
     def connect(address: Address) -> DirectLink:
         async def locate() -> Address:
             return address
 
-        return DirectLink(locate, token, dumps=frame_dumps)
+        return DirectLink(locate, keys, dumps=frame_dumps, timeout_s=timeout_s)
 
     return PoolLinks(lambda: live_router(key), connect)
 
@@ -102,7 +106,7 @@ class DirectServed:
 
         if self._link_server is None:
             handlers = {name: getattr(self, attr) for name, attr in self.DIRECT_METHODS.items()}
-            self._link_server = LinkServer(handlers, link_token(), dumps=frame_dumps)
+            self._link_server = LinkServer(handlers, link_keys(), dumps=frame_dumps)
         return await self._link_server.address(ray.util.get_node_ip_address())
 
     def drain_link(self) -> None:

@@ -1,250 +1,127 @@
-"""A plain long-lived socket between an ingress replica and the one replica of a pool (``transport``).
+"""ZeroMQ sockets between an ingress replica and the one replica of a pool (``transport``).
 
-A Serve handle call costs ~1.2–1.5 CPU-ms over all processes and ~0.6–1.4 ms of wall time here; a
-request and its reply as frames on an open loopback TCP connection cost ~0.02–0.1 CPU-ms and 0.1 ms
-(``python -m cluster.bench_transport``). So where a pool runs exactly one replica, and there is no
-routing to do and no autoscaling to feed, the ingress sends ``prepare`` and ``submit`` as frames:
+A Serve handle call costs ~1.2–1.5 CPU-ms over all processes; a request and its reply on an open
+ZeroMQ connection ~0.1–0.2 (``python -m cluster.bench_transport``). So where a pool runs exactly one
+replica, and there is no routing to do and no autoscaling to feed, the ingress sends ``prepare`` and
+``submit`` on a ZeroMQ DEALER socket to the replica's ROUTER, as vLLM and SGLang connect their API
+server and engine. Each message is multipart: a small msgpack header and a body::
 
-    client ──len, token (raw bytes)──▶ server    once per connection; a wrong token is hung up on
-                                                 (nothing is unpickled before the token matched)
-    client ──(seq, method, args)──▶ server       a call: the server runs ``handlers[method](*args)``
-    client ──(seq, None, None)──▶ server         the caller left: the server cancels that call
-    client ◀──(seq, ok, value or exception)──    the answer
+    client ──[seq, method, timeout_ms] + dumps(args)──▶ server   a call: ``handlers[method](*args)``
+    client ──[seq, None, None]──▶ server                         the caller left: cancel that call
+    client ◀──[seq, OK] + dumps(value)──                         the answer
+    client ◀──[seq, RAISED] + dumps(exception)──                 the handler raised
+    client ◀──[seq, FAILED, code, message]──                     not run, or not answerable (below)
 
-A frame is a 4-byte big-endian length and a pickle, made by the ``dumps`` the wiring gives
-(cluster/direct_served.py: ``frame_dumps``, Ray's pickler "in band": each ObjectRef written with its
-owner's address and not pinned). The owner keeps the object alive, as in Serve's gRPC transport
-(README, "No pins"); the 500-request leak test runs on this transport. A connection that breaks
-fails every call still waiting on it with ``LinkLost``, which the callers treat as their replica
-gone (``router.errors.replica_gone``): they retry through Serve, and the link rests
-``LOST_BACKOFF_S`` before it asks Serve where the replica (or its successor) listens again.
+**Who may talk.** Every connection is authenticated during ZeroMQ's handshake, before any message
+is delivered, by a ZAP authenticator in the server's own context (``zmq.auth.asyncio``). With
+``LinkKeys.encrypt`` (the default) the mechanism is CURVE: the server holds the cluster's server key
+pair and accepts only the cluster's client public key; every message is encrypted and authenticated
+with the session's keys, so nothing can be read or injected on the wire. Without it the mechanism
+is PLAIN: the client presents a password (the cluster's secret) that the server checks, and the
+messages travel in clear, for one machine where the wire is loopback (CURVE cost no measurable CPU
+there either; see the README's transport table). A peer with no key or a wrong key fails the
+handshake; no frame of it reaches ``loads`` or a handler.
 
-No Ray here: the replica's wiring (cluster/app.py) gives the server its host and the handlers.
+**Why unpickling is safe here.** The bodies are made by the ``dumps`` the wiring gives: Ray's
+cloudpickle "in band" (cluster/direct_served.py ``frame_dumps``), because ObjectRefs ride in the
+records and Ray's deserialiser turns them back into counted borrows of their owner's objects. A
+pickle can run code; so ``loads`` runs only on messages of a connection whose peer proved it holds
+the cluster's keys. Those live in Ray's internal KV (the GCS), which only a process that can already
+submit tasks, i.e. run any code on the cluster, can read: such a peer gains nothing by sending a
+malicious pickle. Undecodable bytes from it fail the one call they belong to (FAILED
+``bad_frame``), or are dropped when even the header does not decode; the connection goes on.
+
+**Bounds.** A body past ``max_frame_bytes`` is refused at its sender (``FrameTooLarge``, the call
+fails, the connection goes on); a peer that sends one anyway is cut off by ZeroMQ before the frame
+is read (``ZMQ_MAXMSGSIZE``). Each socket queues at most ``hwm`` messages each way (SNDHWM/RCVHWM).
+A client whose queue to the server is full gets ``LinkBusy`` (a 503) at once; a server running
+``max_in_flight`` calls answers later ones ``LinkBusy`` unrun; a reply to a client that does not
+read waits (holding its call's slot) at most ``REPLY_PATIENCE_S`` and is then dropped. So memory
+stays within ~(2·hwm + max_in_flight) frames per connection, and an overload is a fast 503.
+
+**Liveness.** ZeroMQ heartbeats (``HEARTBEAT_S``): a peer that answers no PING for
+``3 * HEARTBEAT_S`` is disconnected, and the client's socket monitor then fails every call waiting
+on that connection with ``LinkLost`` — which the callers treat as their replica gone
+(``router.errors.replica_gone``): they retry through Serve, and the link rests ``LOST_BACKOFF_S``
+before it asks Serve where the replica (or its successor) listens again. ZeroMQ's I/O thread answers
+the PINGs, so a replica whose event loop is stuck still looks alive: for that, each call has a deadline
+(``timeout_s``, or the link's default): past it the call fails with ``LinkTimeout`` and is cancelled
+on the server (a cancel frame; the header's ``timeout_ms`` makes the server cancel it too, should the
+cancel frame be lost). A client that vanishes leaves its running calls to finish or reach their
+deadline (ZeroMQ's ROUTER reports no per-peer disconnect without its draft API).
+
+No Ray here: the replica's wiring (cluster/direct_served.py) gives the keys, codec and handlers.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
-import hmac
-import logging
 import pickle
-import struct
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-logger = logging.getLogger("mmserve.router")
+from router.link_client import LinkClient
+from router.link_server import LinkServer
+from router.link_wire import (
+    DEFAULT_TIMEOUT_S,
+    HWM,
+    LOST_BACKOFF_S,
+    MAX_FRAME_BYTES,
+    BadFrame,
+    Dumps,
+    FrameTooLarge,
+    LinkBusy,
+    LinkKeys,
+    LinkLost,
+    LinkTimeout,
+    Loads,
+    pickle_dumps,
+)
 
-MAX_FRAME_BYTES = 1 << 30  # a guard against a garbled stream, far above any request's bound
-_HEADER = struct.Struct("!I")
-_HELLO = struct.Struct("!H")  # the token's length; the token follows, raw
-MAX_TOKEN_BYTES = 1024
-LOST_BACKOFF_S = 5.0  # after a lost link, calls go through Serve this long
-
-Handler = Callable[..., Awaitable[Any]]
-
-
-class LinkLost(ConnectionError):
-    """The connection to the pool's replica broke (or never opened) with the call unanswered."""
-
-    status_code = 503
-    code = "replica_link_lost"
-
-
-Dumps = Callable[[Any], bytes]
-
-
-def _pickle(obj: Any) -> bytes:
-    return pickle.dumps(obj, protocol=5)
-
-
-def _frame(obj: Any, dumps: Dumps = _pickle) -> bytes:
-    body = dumps(obj)
-    return _HEADER.pack(len(body)) + body
-
-
-async def _read_frame(reader: asyncio.StreamReader) -> Any:
-    (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
-    if size > MAX_FRAME_BYTES:
-        raise ConnectionError(f"frame of {size} bytes is past the {MAX_FRAME_BYTES} bound")
-    return pickle.loads(await reader.readexactly(size))
-
-
-def _answer(seq: int, ok: bool, value: Any, dumps: Dumps) -> bytes:
-    """The reply frame; one that does not pickle still answers, with what went wrong."""
-    try:
-        return _frame((seq, ok, value), dumps)
-    except Exception as e:
-        what = "result" if ok else "error"
-        return _frame((seq, False, RuntimeError(f"direct link: unpicklable {what} {value!r}: {e!r}")))
-
-
-def _forget(running: dict[int, asyncio.Task[None]], seq: int, _: asyncio.Task[None]) -> None:
-    running.pop(seq, None)
-
-
-class LinkServer:
-    """The replica's end: one asyncio server, any number of client connections."""
-
-    def __init__(self, handlers: dict[str, Handler], token: str, dumps: Dumps = _pickle) -> None:
-        self.handlers = handlers
-        self.token = token
-        self.dumps = dumps
-        self._server: asyncio.Server | None = None
-        self._address: tuple[str, int] | None = None
-        self._lock = asyncio.Lock()
-        self.calls = 0
-        self.draining = False
-
-    async def address(self, host: str) -> tuple[str, int]:
-        """Listen on ``host`` (an ephemeral port) the first time; where clients connect."""
-        async with self._lock:
-            if self._address is None:
-                self._server = await asyncio.start_server(self._serve, host, 0)
-                self._address = (host, int(self._server.sockets[0].getsockname()[1]))
-        return self._address
-
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-
-    def drain(self) -> None:
-        """The replica is shutting down: calls already running finish; every later call is answered
-        ``LinkLost`` without running, so its caller sends it through Serve, to the replica's successor."""
-        self.draining = True
-        if self._server is not None:
-            self._server.close()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        running: dict[int, asyncio.Task[None]] = {}
-        try:
-            # The token comes as raw bytes, never a pickle: nothing from an unproven peer is unpickled.
-            hello = await asyncio.wait_for(reader.readexactly(_HELLO.size), 10.0)
-            (size,) = _HELLO.unpack(hello)
-            token = await asyncio.wait_for(reader.readexactly(size), 10.0) if size <= MAX_TOKEN_BYTES else b""
-            if not hmac.compare_digest(token, self.token.encode()):
-                logger.warning("direct link: a connection without the cluster's token was refused")
-                return
-            while True:
-                seq, method, args = await _read_frame(reader)
-                if method is None:  # its caller left
-                    if (task := running.get(seq)) is not None:
-                        task.cancel()
-                    continue
-                self.calls += 1
-                task = asyncio.get_running_loop().create_task(self._run(writer, seq, method, args))
-                running[seq] = task
-                task.add_done_callback(functools.partial(_forget, running, seq))
-        except (
-            asyncio.IncompleteReadError,
-            ConnectionError,
-            TimeoutError,
-            pickle.UnpicklingError,
-            ValueError,
-        ):
-            pass  # the client went away (or spoke garbage): its calls end with it
-        finally:
-            for task in list(running.values()):
-                task.cancel()
-            writer.close()
-
-    async def _run(self, writer: asyncio.StreamWriter, seq: int, method: str, args: tuple[Any, ...]) -> None:
-        handler = self.handlers.get(method)
-        try:
-            if self.draining:
-                raise LinkLost("the replica is shutting down; not run")
-            if handler is None:
-                raise LookupError(f"direct link: no method {method!r}")
-            reply = _answer(seq, True, await handler(*args), self.dumps)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:  # the caller gets the error as Serve would give it
-            reply = _answer(seq, False, e, self.dumps)
-        if not writer.is_closing():
-            writer.write(reply)
-
-
-class LinkClient:
-    """One connection to a replica's ``LinkServer``; calls are multiplexed on it by sequence number."""
-
-    def __init__(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, where: str, dumps: Dumps = _pickle
-    ) -> None:
-        self._writer = writer
-        self._dumps = dumps
-        self._where = where
-        self._waiting: dict[int, asyncio.Future[Any]] = {}
-        self._seq = 0
-        self.lost: BaseException | None = None
-        self._pump = asyncio.get_running_loop().create_task(self._read(reader))
-
-    @classmethod
-    async def connect(
-        cls, host: str, port: int, token: str, timeout_s: float = 10.0, dumps: Dumps = _pickle
-    ) -> LinkClient:
-        try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
-        except (OSError, TimeoutError) as e:
-            raise LinkLost(f"could not connect to {host}:{port}: {e!r}") from e
-        raw = token.encode()
-        writer.write(_HELLO.pack(len(raw)) + raw)
-        return cls(reader, writer, f"{host}:{port}", dumps)
-
-    async def call(self, method: str, *args: Any) -> Any:
-        if self.lost is not None:
-            raise LinkLost(f"link to {self._where} lost: {self.lost!r}")
-        self._seq += 1
-        seq = self._seq
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._waiting[seq] = fut
-        self._writer.write(_frame((seq, method, args), self._dumps))
-        try:
-            return await fut
-        except asyncio.CancelledError:
-            if self._waiting.pop(seq, None) is not None and not self._writer.is_closing():
-                self._writer.write(_frame((seq, None, None)))  # stop it on the replica
-            raise
-
-    def close(self) -> None:
-        self._pump.cancel()
-        self._writer.close()
-
-    async def _read(self, reader: asyncio.StreamReader) -> None:
-        try:
-            while True:
-                seq, ok, value = await _read_frame(reader)
-                fut = self._waiting.pop(seq, None)
-                if fut is None or fut.done():
-                    continue
-                if ok:
-                    fut.set_result(value)
-                else:
-                    fut.set_exception(value)
-        except BaseException as e:
-            self.lost = e
-            for fut in self._waiting.values():
-                if not fut.done():
-                    fut.set_exception(LinkLost(f"link to {self._where} broke: {e!r}"))
-            self._waiting.clear()
-            self._writer.close()
-            if isinstance(e, asyncio.CancelledError):
-                raise
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "LOST_BACKOFF_S",
+    "BadFrame",
+    "DirectLink",
+    "FrameTooLarge",
+    "LinkBusy",
+    "LinkClient",
+    "LinkKeys",
+    "LinkLost",
+    "LinkServer",
+    "LinkTimeout",
+]
 
 
 class DirectLink:
     """Calls to a pool's one replica, reconnecting after a loss. ``locate()`` answers where that
-    replica listens (the ingress asks it through Serve: ``handle.direct_address.remote()``)."""
+    replica listens (the ingress asks it through Serve: ``handle.direct_address.remote()``). Callers
+    that find no connection share one attempt to open it (bounded by ``CONNECT_TIMEOUT_S`` once
+    located), so a lost replica costs them one wait together, not one each in turn."""
 
     def __init__(
-        self, locate: Callable[[], Awaitable[tuple[str, int]]], token: str, dumps: Dumps = _pickle
+        self,
+        locate: Callable[[], Awaitable[tuple[str, int]]],
+        keys: LinkKeys,
+        dumps: Dumps = pickle_dumps,
+        loads: Loads = pickle.loads,
+        *,
+        timeout_s: float | None = DEFAULT_TIMEOUT_S,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
+        hwm: int = HWM,
     ) -> None:
         self._locate = locate
-        self._token = token
-        self._dumps = dumps
+        self._keys = keys
+        self._options: dict[str, Any] = {
+            "dumps": dumps,
+            "loads": loads,
+            "timeout_s": timeout_s,
+            "max_frame_bytes": max_frame_bytes,
+            "hwm": hwm,
+        }
         self._client: LinkClient | None = None
-        self._lock: asyncio.Lock | None = None
+        self._connecting: asyncio.Task[LinkClient] | None = None
         self.connects = 0
         self.losses = 0
         self._down_until = 0.0
@@ -254,36 +131,46 @@ class DirectLink:
         when the replica's successor is up (asking it for an address might reach the dying one)."""
         return time.monotonic() >= self._down_until
 
-    async def call(self, method: str, *args: Any) -> Any:
+    async def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        """``method(*args)`` on the replica; ``timeout_s`` (else the link's) is the call's deadline."""
         client = self._client
-        if client is None or client.lost is not None:
+        if client is None or client.lost is not None or client.retiring:
             client = await self._connect()
         try:
-            return await client.call(method, *args)
+            return await client.call(method, *args, timeout_s=timeout_s)
         except LinkLost:
             if self._client is client:
                 self._client = None
+            client.retire()  # (a draining replica still answers the calls it runs)
             self.losses += 1
             self._down_until = time.monotonic() + LOST_BACKOFF_S
             raise
 
     async def _connect(self) -> LinkClient:
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        async with self._lock:
-            if self._client is not None and self._client.lost is None:
-                return self._client
-            try:
-                host, port = await self._locate()
-                self._client = await LinkClient.connect(host, port, self._token, dumps=self._dumps)
-            except Exception:  # (a caller that left while connecting costs the link nothing)
-                self._down_until = time.monotonic() + LOST_BACKOFF_S
-                raise
-            self.connects += 1
-            return self._client
+        if self._connecting is None:
+            self._connecting = asyncio.get_running_loop().create_task(self._open())
+            self._connecting.add_done_callback(_retrieve)
+        return await asyncio.shield(self._connecting)  # a caller that leaves leaves the others' attempt
+
+    async def _open(self) -> LinkClient:
+        try:
+            host, port = await self._locate()
+            client = await LinkClient.connect(host, port, self._keys, **self._options)
+        except Exception:
+            self._down_until = time.monotonic() + LOST_BACKOFF_S
+            raise
+        finally:
+            self._connecting = None
+        self._client = client
+        self.connects += 1
+        return client
 
     def close(self) -> None:
         if self._client is not None:
-            with contextlib.suppress(Exception):
-                self._client.close()
+            self._client.close()
             self._client = None
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # read by its waiters, if any are left; never "never retrieved"

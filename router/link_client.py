@@ -1,0 +1,249 @@
+"""The caller's end of a direct link (router/direct_link.py): one DEALER socket per connection, its
+handshake and liveness watched through a socket monitor."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import pickle
+from typing import Any
+
+import msgpack
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from router.link_wire import (
+    CONNECT_TIMEOUT_S,
+    DEFAULT_TIMEOUT_S,
+    FAILED,
+    FAILURES,
+    HWM,
+    MAX_FRAME_BYTES,
+    OK,
+    PLAIN_USER,
+    BadFrame,
+    Dumps,
+    FrameTooLarge,
+    LinkBusy,
+    LinkKeys,
+    LinkLost,
+    LinkTimeout,
+    Loads,
+    decode_header,
+    endpoint,
+    pickle_dumps,
+    recv_batch,
+    send_nowait,
+    tune,
+)
+
+logger = logging.getLogger("mmserve.router")
+
+_client_ctx: zmq.asyncio.Context | None = None  # every client socket of this process
+
+
+def _client_context() -> zmq.asyncio.Context:
+    global _client_ctx
+    if _client_ctx is None:
+        _client_ctx = zmq.asyncio.Context()
+    return _client_ctx
+
+
+_HANDSHAKE_FAILED: dict[int, str] = {
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the server refused this link's key",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "the handshake failed (a different key or mechanism)",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the handshake failed",
+    zmq.EVENT_CONNECT_RETRIED: "nothing listens there",
+    zmq.EVENT_DISCONNECTED: "disconnected (no heartbeat, or the peer closed)",
+}
+_EVENTS = functools.reduce(int.__or__, _HANDSHAKE_FAILED, int(zmq.EVENT_HANDSHAKE_SUCCEEDED))
+
+
+async def _event(monitor: zmq.asyncio.Socket) -> int:
+    return int(parse_monitor_message(await monitor.recv_multipart())["event"])
+
+
+class LinkClient:
+    """One authenticated connection to a replica's ``LinkServer``; calls are multiplexed on it by
+    sequence number. Built by ``connect``, which returns once the handshake succeeded."""
+
+    def __init__(
+        self,
+        sock: zmq.asyncio.Socket,
+        monitor: zmq.asyncio.Socket,
+        where: str,
+        dumps: Dumps,
+        loads: Loads,
+        timeout_s: float | None,
+        max_frame_bytes: int,
+    ) -> None:
+        self._sock = sock
+        self._monitor = monitor
+        self._where = where
+        self._dumps = dumps
+        self._loads = loads
+        self._timeout_s = timeout_s
+        self._max_frame_bytes = max_frame_bytes
+        self._waiting: dict[int, asyncio.Future[Any]] = {}
+        self._timers: dict[int, asyncio.TimerHandle] = {}
+        self._seq = 0
+        self.lost: BaseException | None = None
+        self.retiring = False  # no new calls; closed once the last one is answered
+        loop = asyncio.get_running_loop()
+        self._tasks = (loop.create_task(self._read()), loop.create_task(self._watch()))
+
+    @classmethod
+    async def connect(
+        cls,
+        host: str,
+        port: int,
+        keys: LinkKeys,
+        *,
+        dumps: Dumps = pickle_dumps,
+        loads: Loads = pickle.loads,
+        timeout_s: float | None = DEFAULT_TIMEOUT_S,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
+        hwm: int = HWM,
+    ) -> LinkClient:
+        sock = _client_context().socket(zmq.DEALER)
+        tune(sock, hwm, max_frame_bytes, ":" in host)
+        if keys.encrypt:
+            sock.setsockopt(zmq.CURVE_SERVERKEY, keys.server_public)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.client_public)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, keys.client_secret)
+        else:
+            sock.setsockopt(zmq.PLAIN_USERNAME, PLAIN_USER)
+            sock.setsockopt(zmq.PLAIN_PASSWORD, keys.client_secret)
+        monitor = sock.get_monitor_socket(_EVENTS)
+        where = f"{host}:{port}"
+        try:
+            sock.connect(endpoint(host, port))
+            async with asyncio.timeout(connect_timeout_s):
+                while (event := await _event(monitor)) != zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    raise LinkLost(f"could not link to {where}: {_HANDSHAKE_FAILED.get(event, event)}")
+        except BaseException as e:
+            _close_socket(sock, monitor)
+            if isinstance(e, TimeoutError):
+                raise LinkLost(f"could not link to {where} in {connect_timeout_s} s") from e
+            raise
+        return cls(sock, monitor, where, dumps, loads, timeout_s, max_frame_bytes)
+
+    async def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        """``handlers[method](*args)`` on the replica; ``timeout_s`` (else the link's) is its deadline."""
+        if self.lost is not None:
+            raise LinkLost(f"link to {self._where} lost: {self.lost!r}")
+        body = self._dumps(args)
+        if len(body) > self._max_frame_bytes:
+            raise FrameTooLarge(
+                f"the arguments of {method!r} take {len(body)} bytes, past the link's "
+                f"{self._max_frame_bytes}-byte frame bound; not sent"
+            )
+        self._seq += 1
+        seq = self._seq
+        timeout = self._timeout_s if timeout_s is None else timeout_s
+        header = msgpack.packb([seq, method, None if timeout is None else max(1, int(1000 * timeout))])
+        error = send_nowait(self._sock, [header, body])
+        if isinstance(error, zmq.Again):
+            raise LinkBusy(f"the queue to {self._where} is full; {method!r} not sent")
+        if error is not None:
+            raise LinkLost(f"link to {self._where}: {error!r}") from error
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        self._waiting[seq] = fut
+        if timeout is not None:
+            self._timers[seq] = loop.call_later(timeout, self._expire, seq, method, timeout)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if self._waiting.pop(seq, None) is not None:
+                self._cancel_remote(seq)  # stop it on the replica
+            raise
+        finally:
+            if (timer := self._timers.pop(seq, None)) is not None:
+                timer.cancel()
+            if self.retiring and not self._waiting:
+                self.close()
+
+    def _expire(self, seq: int, method: str, timeout: float) -> None:
+        fut = self._waiting.pop(seq, None)
+        if fut is not None and not fut.done():
+            fut.set_exception(
+                LinkTimeout(f"{method!r} on {self._where}: no answer in {timeout} s; cancelled")
+            )
+            self._cancel_remote(seq)
+
+    def _cancel_remote(self, seq: int) -> None:
+        if self.lost is None:  # a cancel that cannot be sent now: the header's deadline still ends it
+            send_nowait(self._sock, [msgpack.packb([seq, None, None])])
+
+    def retire(self) -> None:
+        """Take no new calls; close once every call already sent is answered."""
+        self.retiring = True
+        if not self._waiting:
+            self.close()
+
+    def close(self) -> None:
+        self._lose(LinkLost(f"link to {self._where} closed"))
+
+    def _lose(self, e: BaseException) -> None:
+        """Fail every waiting call with ``LinkLost`` and close the connection (no reconnecting)."""
+        if self.lost is not None:
+            return
+        self.lost = e
+        waiting, self._waiting = self._waiting, {}
+        for fut in waiting.values():
+            if not fut.done():
+                fut.set_exception(LinkLost(f"link to {self._where} broke: {e}"))
+        for task in self._tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
+        _close_socket(self._sock, self._monitor)
+
+    async def _read(self) -> None:
+        while (batch := await recv_batch(self._sock)) is not None:
+            for frames in batch:
+                self._answer(frames)
+
+    async def _watch(self) -> None:
+        """Whatever the monitor reports after the handshake means the connection is gone."""
+        try:
+            event = await _event(self._monitor)
+        except zmq.ZMQError:  # closed
+            return
+        self._lose(LinkLost(f"{self._where}: {_HANDSHAKE_FAILED.get(event, event)}"))
+
+    def _answer(self, frames: list[bytes]) -> None:
+        header = decode_header(frames[0])
+        if header is None:
+            logger.warning("direct link: dropped a reply from %s whose header did not decode", self._where)
+            return
+        seq, status = header[0], header[1]
+        fut = self._waiting.pop(seq, None)
+        if fut is None or fut.done():
+            return  # its caller left, or its deadline passed
+        if status == FAILED:
+            code, message = (header[2], header[3]) if len(header) > 3 else ("bad_frame", repr(header))
+            fut.set_exception(FAILURES.get(code, BadFrame)(message))
+            return
+        try:
+            value = self._loads(frames[1])
+        except Exception as e:
+            fut.set_exception(BadFrame(f"direct link: undecodable reply from {self._where}: {e!r}"))
+            return
+        if status == OK:
+            fut.set_result(value)
+        elif isinstance(value, Exception):
+            fut.set_exception(value)
+        else:
+            fut.set_exception(BadFrame(f"direct link: an error reply that is no exception: {value!r}"))
+
+
+def _close_socket(sock: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket) -> None:
+    with contextlib.suppress(zmq.ZMQError):
+        sock.disable_monitor()
+    monitor.close(linger=0)
+    sock.close(linger=0)
