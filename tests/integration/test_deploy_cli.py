@@ -76,3 +76,29 @@ def test_readme_cluster_commands_deploy_the_shipped_cpu_config(tmp_path: Path) -
         left = cluster.leftovers()
         cluster.remove()
     assert not left, f"processes of the cluster alive after it was stopped: {left}"
+
+
+def test_bench_config_rewrites_only_model_port_and_missing_markers(tmp_path: Path) -> None:
+    """What `cluster.bench_vs_vllm --servers cluster2` deploys: the shipped file, with the model's path
+    and name, the port, and node markers on the pools that set no resources; nothing else."""
+    out = tmp_path / "c.yaml"
+    markers = {"encoder": {"encoder_node": 0.001}, "llm": {"llm_node": 0.001}}
+    deploy_config(SHIPPED, out, 8123, model_path="/m/dir", model_name="m", resources=markers)
+    got = yaml.safe_load(out.read_text())
+    want = yaml.safe_load(SHIPPED.read_text())
+    model = want["applications"][0]["args"]["models"][0]
+    assert model.pop("tiny") == "qwen2-vl"
+    model.update(name="m", path="/m/dir")
+    model["encoder"]["deployment"]["resources"] = {"encoder_node": 0.001}
+    model["llm"]["deployment"]["resources"] = {"llm_node": 0.001}
+    want["http_options"]["port"] = 8123
+    assert got == want
+    assert "resources" not in got["applications"][0]["args"]["models"][0]["preprocess"]["deployment"]
+
+    model["llm"]["deployment"]["resources"] = {"llm_node": 0.5}  # a file's own markers are kept
+    pinned = tmp_path / "pinned.yaml"
+    pinned.write_text(yaml.safe_dump(want))
+    deploy_config(pinned, out, 8123, resources=markers)
+    assert yaml.safe_load(out.read_text())["applications"][0]["args"]["models"][0]["llm"]["deployment"][
+        "resources"
+    ] == {"llm_node": 0.5}
