@@ -8,8 +8,8 @@ The README's environment (section "Running on a Ray cluster and on Kubernetes"):
 and the ``serve`` CLI sends it only in that mode), and a token made once by
 ``ray get-auth-token --generate``. What this module adds for a machine shared with other clusters:
 its own ``HOME`` (so the token and the tiny models are this cluster's, as on a fresh machine), its
-own ``--temp-dir``, free ports for everything Ray would otherwise put on a fixed default, nodes bound
-to 127.0.0.1 (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``), and a stop of exactly this cluster's
+own ``--temp-dir``, free ports for everything Ray would otherwise put on a fixed default, nodes on
+loopback addresses (see ``start_head``), and a stop of exactly this cluster's
 processes by pid (``ray stop`` would stop every Ray of the machine).
 """
 
@@ -102,11 +102,13 @@ class LocalRayCluster:
         self.ports: set[int] = set()
         self.gcs_port = self._port()
         self.dashboard_port = self._port()
+        self.head_ip = "127.0.0.1"
+        self.multi_node = False
         self.seen: dict[int, int] = {}  # pid -> start ticks of every process of the cluster seen
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.gcs_port}"
+        return f"{self.head_ip}:{self.gcs_port}"
 
     @property
     def dashboard_url(self) -> str:
@@ -119,17 +121,19 @@ class LocalRayCluster:
             **README_ENV,
             "HOME": str(self.home),
             "PYTHONPATH": path,
-            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # node IP 127.0.0.1, not the routable address
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1" if self.multi_node else "0",
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
         }
 
-    def run(self, tool: str, *args: str, timeout_s: float = 300.0) -> str:
+    def run(
+        self, tool: str, *args: str, timeout_s: float = 300.0, env: Mapping[str, str] | None = None
+    ) -> str:
         """``ray ARGS`` or ``serve ARGS`` in the README's environment; its stdout, or raises with its output."""
         argv = [str(BIN / tool), *args]
         done = subprocess.run(
             argv,
-            env=self.env(),
+            env={**self.env(), **(env or {})},
             cwd=self.pythonpath,
             capture_output=True,
             text=True,
@@ -141,13 +145,25 @@ class LocalRayCluster:
             raise RuntimeError(f"`{tool} {' '.join(args)}` exited {done.returncode}:\n{tail}")
         return done.stdout
 
-    def start_head(self, num_cpus: int, resources: Mapping[str, float] | None = None) -> None:
-        """``ray get-auth-token --generate`` (a no-op once a token exists), then ``ray start --head``."""
+    def start_head(
+        self, num_cpus: int, resources: Mapping[str, float] | None = None, multi_node: bool = False
+    ) -> None:
+        """``ray get-auth-token --generate`` (a no-op once a token exists), then ``ray start --head``.
+
+        Where the nodes live: Ray binds its GCS and raylets to the node's IP, which ``ray start`` takes
+        to be the machine's routable address. One node: ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` makes it
+        127.0.0.1. ``multi_node``: ``ray start --address`` refuses to run under that setting, and with
+        it on rewrites 127.0.0.1 (``localhost``, ``::1``) to the routable address, so the head takes
+        ``--node-ip-address=127.0.0.2`` (loopback too, and left alone: Ray's ``is_localhost`` knows
+        only those three), and a node joining it reaches it over loopback and takes 127.0.0.1."""
+        if multi_node:
+            self.multi_node, self.head_ip = True, "127.0.0.2"
         self.run("ray", "get-auth-token", "--generate")
         self.run(
             "ray",
             "start",
             "--head",
+            *([f"--node-ip-address={self.head_ip}"] if multi_node else []),
             f"--num-cpus={num_cpus}",
             *self._resources(resources),
             f"--temp-dir={self.temp_dir}",
@@ -158,7 +174,9 @@ class LocalRayCluster:
         )
 
     def add_node(self, num_cpus: int, resources: Mapping[str, float] | None = None) -> None:
-        """``ray start --address=HEAD`` on this machine: a second raylet and object store."""
+        """``ray start --address=HEAD`` on this machine: another raylet and object store (the head was
+        started with ``multi_node``)."""
+        assert self.multi_node, "start_head(..., multi_node=True) first"
         self.run(
             "ray",
             "start",

@@ -210,7 +210,7 @@ class ClusterServer:
         )
         self.cluster = LocalRayCluster(pythonpath=self.root)
         head, *others = self.nodes
-        self.cluster.start_head(head.num_cpus, head.resources)
+        self.cluster.start_head(head.num_cpus, head.resources, multi_node=bool(others))
         for node in others:
             self.cluster.add_node(node.num_cpus, node.resources)
         self.cluster.deploy(self.config_path)

@@ -204,8 +204,8 @@ def run_server(
     args: argparse.Namespace, server: BenchServer, round_no: int = 0
 ) -> tuple[list[LoadResult], IdleProfile]:
     log(f"starting {server.name}: {server.describe()}")
-    server.start()
     try:
+        server.start()
         log(f"{server.name} healthy after {server.wait_healthy(args.startup_timeout):.0f} s")
         run_load(args, server, WARMUP, seed=1000)
         idle = measure_idle(server, args.idle_seconds)
