@@ -92,13 +92,16 @@ def deploy_config(
 class LocalRayCluster:
     """One Ray cluster of ``ray start`` processes on this machine; ``stop()`` ends exactly those."""
 
-    def __init__(self, root: Path | None = None, pythonpath: Path = REPO) -> None:
+    def __init__(
+        self, root: Path | None = None, pythonpath: Path = REPO, extra_env: Mapping[str, str] | None = None
+    ) -> None:
         # Short: Ray's Unix sockets live under the temp dir, and a socket path has at most 107 bytes.
         self.root = root or Path(tempfile.mkdtemp(prefix="mmray-", dir="/tmp"))
         self.home = self.root / "home"
         self.temp_dir = self.root / "ray"
         self.home.mkdir(parents=True, exist_ok=True)
         self.pythonpath = pythonpath
+        self.extra_env = dict(extra_env or {})  # on top of the README's (e.g. RAY_SERVE_ENABLE_HA_PROXY=1)
         self.ports: set[int] = set()
         self.gcs_port = self._port()
         self.dashboard_port = self._port()
@@ -124,6 +127,7 @@ class LocalRayCluster:
             "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1" if self.multi_node else "0",
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
+            **self.extra_env,
         }
 
     def run(

@@ -180,6 +180,7 @@ class ClusterServer:
     nodes: Sequence[RayNode]
     markers: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     root: Path = Path(".")  # the checkout the cluster imports `cluster.app` from
+    env: Mapping[str, str] = field(default_factory=dict)  # beyond the README's, for every ray/serve command
     cluster: LocalRayCluster | None = None
 
     @property
@@ -192,7 +193,8 @@ class ClusterServer:
 
     def describe(self) -> str:
         head, *others = self.nodes
-        steps = [f"ray start --head {head.flags()}"]
+        env = " ".join(f"{k}={v}" for k, v in self.env.items())
+        steps = [f"{env + ' ' if env else ''}ray start --head {head.flags()}"]
         steps += [f"ray start --address=HEAD {node.flags()}" for node in others]
         steps.append(f"serve deploy {self.config_path} (= {self.shipped}, model path/name, port, markers)")
         return "; ".join(steps)
@@ -208,7 +210,7 @@ class ClusterServer:
             model_name=self.served_name,
             resources=self.markers,
         )
-        self.cluster = LocalRayCluster(pythonpath=self.root)
+        self.cluster = LocalRayCluster(pythonpath=self.root, extra_env=self.env)
         head, *others = self.nodes
         self.cluster.start_head(head.num_cpus, head.resources, multi_node=bool(others))
         for node in others:

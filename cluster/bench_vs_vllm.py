@@ -157,6 +157,7 @@ def cluster_server(
         nodes,
         markers or {},
         root=args.mmserve_root,
+        env=dict(kv.split("=", 1) for kv in args.cluster_env),
     )
 
 
@@ -253,6 +254,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="`ray start --num-cpus` of `cluster` (the README's 4); `cluster2` splits it between its two nodes",
     )
     p.add_argument(
+        "--cluster-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="also set this where the clusters' `ray start` runs (repeatable), e.g. RAY_SERVE_ENABLE_HA_PROXY=1",
+    )
+    p.add_argument(
         "--servers",
         default="vllm,baseline,mmserve",
         help="which, in order (comma-separated): vllm, baseline (if given), mmserve, cluster, cluster2",
@@ -290,6 +298,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.loads = select_loads(args.loads)
     except ValueError as e:
         p.error(str(e))
+    bad = [kv for kv in args.cluster_env if "=" not in kv]
+    if bad:
+        p.error(f"--cluster-env takes KEY=VALUE, got {bad}")
     if args.num_prompts is not None:
         args.loads = [resized(load, args.num_prompts) for load in args.loads]
     return args
