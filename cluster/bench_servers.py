@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -211,6 +212,9 @@ class ClusterServer:
             resources=self.markers,
         )
         self.cluster = LocalRayCluster(pythonpath=self.root, extra_env=self.env)
+        print(
+            f"{self.name}: HOME, Ray temp dir and logs under {self.cluster.root}", file=sys.stderr, flush=True
+        )
         head, *others = self.nodes
         self.cluster.start_head(head.num_cpus, head.resources, multi_node=bool(others))
         for node in others:
