@@ -1,19 +1,51 @@
 """A server under benchmark as a process tree of this machine: start it in its own session, wait until
-it answers ``GET /health``, read the CPU time of all its processes, and stop it (by pid only)."""
+it answers ``GET /health``, read the CPU time of all its processes, and stop it (by pid only).
+
+``ServerProcess`` is one command (``vllm serve``, ``mmserve serve``); ``ClusterServer`` is the cluster
+deployment, ``ray start`` (one node or more) and ``serve deploy`` of a shipped config
+(``cluster.bench_cluster``). Both are a ``BenchServer``.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
+from cluster.bench_cluster import LocalRayCluster, deploy_config
 from cluster.bench_procs import ProcInfo, descendants, list_procs, pid_listening_on
 from cluster.bench_profile import DRIVER, ProcSample, process_kind
+
+
+class BenchServer(Protocol):
+    """What the benchmark drives: a server on 127.0.0.1:``port`` made of processes of this machine."""
+
+    name: str
+    port: int
+
+    @property
+    def base_url(self) -> str: ...
+
+    def describe(self) -> str: ...
+
+    def start(self) -> None: ...
+
+    def wait_healthy(self, timeout_s: float) -> float: ...
+
+    def snapshot(self) -> dict[int, ProcSample]: ...
+
+    def stop(self) -> None: ...
+
+    def leftovers(self) -> list[int]: ...
 
 
 @dataclass
@@ -34,12 +66,11 @@ class ServerProcess:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def describe(self) -> str:
+        return " ".join(self.argv)
+
     def start(self) -> None:
-        holder = pid_listening_on(self.port)
-        if holder is not None:
-            raise RuntimeError(
-                f"{self.name}: port {self.port} is already taken by pid {holder}; pick another"
-            )
+        _check_port_free(self.name, self.port)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("wb") as log:
             self.popen = subprocess.Popen(
@@ -120,6 +151,110 @@ class ServerProcess:
         """The pids of our tree still alive (same start time: not a later process reusing the pid)."""
         alive = list_procs(self.seen)
         return [pid for pid, p in alive.items() if p.start_ticks == self.seen[pid]]
+
+
+@dataclass(frozen=True)
+class RayNode:
+    """One ``ray start`` of a cluster deployment: its logical CPUs and custom resources."""
+
+    num_cpus: int
+    resources: Mapping[str, float] = field(default_factory=dict)
+
+    def flags(self) -> str:
+        res = f" --resources='{json.dumps(dict(self.resources))}'" if self.resources else ""
+        return f"--num-cpus={self.num_cpus}{res}"
+
+
+@dataclass
+class ClusterServer:
+    """The cluster deployment as the README tells a user to start it: ``ray start --head`` (and one
+    ``ray start --address`` per further node, on this machine), then ``serve deploy`` of ``shipped``
+    with only the model's path and name, Serve's HTTP port and, where the file sets none, each pool's
+    node markers (``markers``: pool -> resources) rewritten. Every process of the cluster counts."""
+
+    name: str
+    shipped: Path
+    port: int
+    model_dir: Path
+    served_name: str
+    out_dir: Path
+    nodes: Sequence[RayNode]
+    markers: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    root: Path = Path(".")  # the checkout the cluster imports `cluster.app` from
+    env: Mapping[str, str] = field(default_factory=dict)  # beyond the README's, for every ray/serve command
+    cluster: LocalRayCluster | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def config_path(self) -> Path:
+        return self.out_dir / f"{self.name}.yaml"
+
+    def describe(self) -> str:
+        head, *others = self.nodes
+        env = " ".join(f"{k}={v}" for k, v in self.env.items())
+        steps = [f"{env + ' ' if env else ''}ray start --head {head.flags()}"]
+        steps += [f"ray start --address=HEAD {node.flags()}" for node in others]
+        steps.append(f"serve deploy {self.config_path} (= {self.shipped}, model path/name, port, markers)")
+        return "; ".join(steps)
+
+    def start(self) -> None:
+        _check_port_free(self.name, self.port)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        deploy_config(
+            self.shipped,
+            self.config_path,
+            self.port,
+            model_path=str(self.model_dir),
+            model_name=self.served_name,
+            resources=self.markers,
+        )
+        self.cluster = LocalRayCluster(pythonpath=self.root, extra_env=self.env)
+        print(
+            f"{self.name}: HOME, Ray temp dir and logs under {self.cluster.root}", file=sys.stderr, flush=True
+        )
+        head, *others = self.nodes
+        self.cluster.start_head(head.num_cpus, head.resources, multi_node=bool(others))
+        for node in others:
+            self.cluster.add_node(node.num_cpus, node.resources)
+        self.cluster.deploy(self.config_path)
+
+    def wait_healthy(self, timeout_s: float) -> float:
+        """Seconds until ``serve status`` shows the app RUNNING and ``GET /health`` answers 200."""
+        assert self.cluster is not None, "start() first"
+        t0 = time.monotonic()
+        self.cluster.wait_running("mmserve", timeout_s)
+        while http_status(self.base_url + "/health") != 200:
+            if time.monotonic() - t0 > timeout_s:
+                raise RuntimeError(
+                    f"{self.name}: RUNNING but /health is not 200; logs: {self.cluster.logs()}"
+                )
+            time.sleep(0.5)
+        return time.monotonic() - t0
+
+    def snapshot(self) -> dict[int, ProcSample]:
+        procs = self.cluster.members() if self.cluster else {}
+        return {
+            pid: ProcSample(pid, p.start_ticks, p.cpu_ticks, process_kind(p.title), p.title[:200])
+            for pid, p in procs.items()
+        }
+
+    def stop(self) -> None:
+        """The cluster's processes, by pid (``ray stop`` would stop every Ray of the machine); its temp
+        dir and logs stay under ``self.cluster.root``."""
+        if self.cluster is not None:
+            self.cluster.stop()
+
+    def leftovers(self) -> list[int]:
+        return self.cluster.leftovers() if self.cluster else []
+
+
+def _check_port_free(name: str, port: int) -> None:
+    holder = pid_listening_on(port)
+    if holder is not None:
+        raise RuntimeError(f"{name}: port {port} is already taken by pid {holder}; pick another")
 
 
 def _default_sigint() -> None:

@@ -13,6 +13,16 @@ reports CPU-ms per completed request; the window opens when the client first con
 starts: it spends ~10 s importing vLLM and drawing its dataset, while the server idles). Needs the
 peer venv: ``../shared/tools/peer_vllm/setup.sh``.
 
+The servers (``--servers``, in order): ``vllm``; ``mmserve`` (``mmserve serve --model DIR``); ``cluster``,
+the cluster deployment as the README tells users to start it (``ray start --head --num-cpus=4`` with
+the README's environment, then ``serve deploy`` of ``cluster/deploy/serve-cpu.yaml`` with only the
+model's path and name and Serve's HTTP port rewritten); ``cluster2``, the same on a local two-node
+cluster: ``ray start --head --num-cpus=2 --resources='{"encoder_node": 1}'`` and ``ray start
+--address=HEAD --num-cpus=2 --resources='{"llm_node": 1}'``, the encoder pool asking for a sliver of
+``encoder_node`` and the LLM pool of ``llm_node`` (added to the config where it sets no resources), so
+embeddings cross from one raylet's object store to the other's. A cluster's CPU counts every process
+of it (GCS, raylets, dashboard, monitors, agents, Serve's controller, proxy and replicas).
+
 ``--mmserve-baseline DIR`` also runs mmserve from another checkout (e.g. ``git archive <commit> | tar -x
 -C DIR``), so a change is measured before and after in one run, under the same conditions.
 """
@@ -26,11 +36,12 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from cluster.bench_procs import CLOCK_TICKS_PER_S, anyone_connected_to
 from cluster.bench_profile import IdleProfile, ScenarioProfile, process_costs
-from cluster.bench_servers import ServerProcess
+from cluster.bench_servers import BenchServer, ClusterServer, RayNode, ServerProcess
 from cluster.bench_vs_report import (
     WARMUP,
     Load,
@@ -49,6 +60,7 @@ QUIET_ENV = {
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
 }
+ENCODER_NODE, LLM_NODE = {"encoder_node": 0.001}, {"llm_node": 0.001}  # as serve-gpu.yaml asks
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 
 
@@ -85,7 +97,7 @@ def bench_argv(args: argparse.Namespace, load: Load, base_url: str, seed: int, r
     return argv
 
 
-def make_servers(args: argparse.Namespace) -> dict[str, ServerProcess]:
+def make_servers(args: argparse.Namespace) -> dict[str, BenchServer]:
     common = ["--host", "127.0.0.1"]
     vllm_env = {**QUIET_ENV, "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "2"}
     iomp = args.vllm_venv / "lib/libiomp5.so"
@@ -96,7 +108,21 @@ def make_servers(args: argparse.Namespace) -> dict[str, ServerProcess]:
     vllm_argv += ["--port", str(args.vllm_port), "--max-model-len", "4096", "--dtype", "float32"]
     vllm_log = args.out_dir / "vllm-serve.log"
     vllm = ServerProcess("vLLM", vllm_argv, args.vllm_port, vllm_log, env=vllm_env, root_kind="API server")
-    servers = {"vllm": vllm, "mmserve": mmserve_server(args, "mmserve", args.mmserve_root, args.mmserve_port)}
+    servers: dict[str, BenchServer] = {
+        "vllm": vllm,
+        "mmserve": mmserve_server(args, "mmserve", args.mmserve_root, args.mmserve_port),
+        "cluster": cluster_server(args, "cluster", args.cluster_port, [RayNode(args.cluster_num_cpus)]),
+        "cluster2": cluster_server(
+            args,
+            "cluster2",
+            args.cluster2_port,
+            [
+                RayNode(args.cluster_num_cpus // 2, {"encoder_node": 1}),
+                RayNode(args.cluster_num_cpus - args.cluster_num_cpus // 2, {"llm_node": 1}),
+            ],
+            markers={"encoder": ENCODER_NODE, "llm": LLM_NODE},
+        ),
+    }
     if args.mmserve_baseline is not None:
         base = args.mmserve_baseline
         servers["baseline"] = mmserve_server(args, "mmserve@baseline", base, args.baseline_port)
@@ -112,8 +138,31 @@ def mmserve_server(args: argparse.Namespace, name: str, root: Path, port: int) -
     return ServerProcess(name, argv, port, log_path, env=env, cwd=root, root_kind="Ray driver")
 
 
+def cluster_server(
+    args: argparse.Namespace,
+    name: str,
+    port: int,
+    nodes: list[RayNode],
+    markers: dict[str, dict[str, float]] | None = None,
+) -> ClusterServer:
+    """``ray start`` of ``nodes`` and ``serve deploy`` of ``--cluster-config``, importing the app from
+    ``--mmserve-root`` (cluster.bench_cluster: the README's environment, its own HOME and temp dir)."""
+    return ClusterServer(
+        name,
+        args.cluster_config,
+        port,
+        args.model_dir,
+        args.served_name,
+        args.out_dir,
+        nodes,
+        markers or {},
+        root=args.mmserve_root,
+        env=dict(kv.split("=", 1) for kv in args.cluster_env),
+    )
+
+
 def run_load(
-    args: argparse.Namespace, server: ServerProcess, load: Load, seed: int, round_no: int = 0
+    args: argparse.Namespace, server: BenchServer, load: Load, seed: int, round_no: int = 0
 ) -> LoadResult:
     """One ``vllm bench serve`` run. The client takes seconds to start (importing vLLM, drawing its
     dataset) before its first connection, while the server idles; the CPU window opens at that
@@ -153,11 +202,11 @@ def run_load(
 
 
 def run_server(
-    args: argparse.Namespace, server: ServerProcess, round_no: int = 0
+    args: argparse.Namespace, server: BenchServer, round_no: int = 0
 ) -> tuple[list[LoadResult], IdleProfile]:
-    log(f"starting {server.name}: {' '.join(server.argv)}")
-    server.start()
+    log(f"starting {server.name}: {server.describe()}")
     try:
+        server.start()
         log(f"{server.name} healthy after {server.wait_healthy(args.startup_timeout):.0f} s")
         run_load(args, server, WARMUP, seed=1000)
         idle = measure_idle(server, args.idle_seconds)
@@ -168,7 +217,7 @@ def run_server(
         log(f"{server.name} stopped" + (f"; still alive: {left}" if left else ""))
 
 
-def measure_idle(server: ServerProcess, seconds: float) -> IdleProfile:
+def measure_idle(server: BenchServer, seconds: float) -> IdleProfile:
     """The server's background CPU with nothing in flight (health checks, metrics, autoscaling)."""
     before = server.snapshot()
     t0 = time.monotonic()
@@ -190,10 +239,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--mmserve-baseline", type=Path, help="also run mmserve from this checkout, as `mmserve@baseline`"
     )
     p.add_argument("--baseline-port", type=int, default=8713)
+    p.add_argument("--cluster-port", type=int, default=8714)
+    p.add_argument("--cluster2-port", type=int, default=8715)
+    p.add_argument(
+        "--cluster-config",
+        type=Path,
+        default=REPO / "cluster/deploy/serve-cpu.yaml",
+        help="what `serve deploy` gets",
+    )
+    p.add_argument(
+        "--cluster-num-cpus",
+        type=int,
+        default=4,
+        help="`ray start --num-cpus` of `cluster` (the README's 4); `cluster2` splits it between its two nodes",
+    )
+    p.add_argument(
+        "--cluster-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="also set this where the clusters' `ray start` runs (repeatable), e.g. RAY_SERVE_ENABLE_HA_PROXY=1",
+    )
     p.add_argument(
         "--servers",
         default="vllm,baseline,mmserve",
-        help="which, in order (comma-separated; baseline if given)",
+        help="which, in order (comma-separated): vllm, baseline (if given), mmserve, cluster, cluster2",
+    )
+    p.add_argument(
+        "--num-prompts",
+        type=int,
+        help="every load with this many requests instead (a quick check of the command)",
     )
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=16)
@@ -223,7 +298,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.loads = select_loads(args.loads)
     except ValueError as e:
         p.error(str(e))
+    bad = [kv for kv in args.cluster_env if "=" not in kv]
+    if bad:
+        p.error(f"--cluster-env takes KEY=VALUE, got {bad}")
+    if args.num_prompts is not None:
+        args.loads = [resized(load, args.num_prompts) for load in args.loads]
     return args
+
+
+def resized(load: Load, num_prompts: int) -> Load:
+    """``load`` with ``num_prompts`` requests, named so (``image, 32 req, c=32``)."""
+    name = load.name.replace(f"{load.num_prompts} req", f"{num_prompts} req")
+    return replace(load, name=name, num_prompts=num_prompts)
 
 
 def main(argv: list[str] | None = None) -> int:

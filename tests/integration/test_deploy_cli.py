@@ -1,0 +1,104 @@
+"""The README's cluster commands, run as a user runs them: ``ray start --head``, ``serve deploy`` of the
+shipped ``cluster/deploy/serve-cpu.yaml``, ``serve status`` until RUNNING, one chat request with the
+``openai`` client, ``serve shutdown``, and the cluster stopped; every step a subprocess of the ``ray``
+and ``serve`` command lines, in the README's environment (``RAY_AUTH_MODE=token``, Serve's settings).
+
+The cluster has its own ``HOME`` (a fresh machine: no auth token until ``ray get-auth-token
+--generate``), temp dir and ports (``cluster.bench_cluster``); the deployed config is the shipped file
+with only Serve's HTTP port changed. The tiny model is generated where the file's ``models_cache_dir``
+says, under that ``HOME``, and the answer is checked against HF generate on it.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+
+import yaml
+from openai import OpenAI
+from PIL import Image
+
+from cluster.bench_cluster import REPO, LocalRayCluster, deploy_config, free_port
+from tests.hf_oracle import hf_generate
+from tests.media import make_image_bytes
+
+SHIPPED = REPO / "cluster/deploy/serve-cpu.yaml"
+MODEL = "tiny-qwen2-vl"
+MAX_TOKENS = 6
+
+
+def test_readme_cluster_commands_deploy_the_shipped_cpu_config(tmp_path: Path) -> None:
+    port = free_port()
+    config = tmp_path / "serve-cpu.yaml"
+    deploy_config(SHIPPED, config, http_port=port)
+    expected = yaml.safe_load(SHIPPED.read_text())
+    expected["http_options"]["port"] = port
+    assert yaml.safe_load(config.read_text()) == expected  # the shipped file, but for the port
+
+    cluster = LocalRayCluster()
+    try:
+        cluster.start_head(num_cpus=2)
+        cluster.deploy(config)
+        cluster.wait_running("mmserve", timeout_s=420)
+        status = cluster.serve_status()["applications"]["mmserve"]["deployments"]
+        assert {name: d["status"] for name, d in status.items()} == {
+            "Ingress": "HEALTHY",
+            f"Preprocessor-{MODEL}": "HEALTHY",
+            f"EncoderPool-{MODEL}": "HEALTHY",
+            f"LLMServer-{MODEL}": "HEALTHY",
+        }
+
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=180, max_retries=0)
+        png = make_image_bytes(84, 56, seed=5)
+        url = f"data:image/png;base64,{base64.b64encode(png).decode()}"
+        content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Describe."}]
+        reply = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": content}],  # type: ignore[list-item,misc]
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+        )
+        model_dir = cluster.home / ".cache/mmserve/models/tiny-qwen2-vl"  # serve-cpu.yaml's cache dir
+        image = Image.open(io.BytesIO(png)).convert("RGB")
+        hf_messages = [
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe."}]}
+        ]
+        assert reply.choices[0].message.content == hf_generate(
+            model_dir, hf_messages, MAX_TOKENS, images=[image]
+        )
+        assert reply.usage is not None and reply.usage.completion_tokens == MAX_TOKENS
+
+        cluster.shutdown_serve()
+        assert not cluster.serve_status().get("applications")
+    finally:
+        cluster.stop()
+        left = cluster.leftovers()
+        cluster.remove()
+    assert not left, f"processes of the cluster alive after it was stopped: {left}"
+
+
+def test_bench_config_rewrites_only_model_port_and_missing_markers(tmp_path: Path) -> None:
+    """What `cluster.bench_vs_vllm --servers cluster2` deploys: the shipped file, with the model's path
+    and name, the port, and node markers on the pools that set no resources; nothing else."""
+    out = tmp_path / "c.yaml"
+    markers = {"encoder": {"encoder_node": 0.001}, "llm": {"llm_node": 0.001}}
+    deploy_config(SHIPPED, out, 8123, model_path="/m/dir", model_name="m", resources=markers)
+    got = yaml.safe_load(out.read_text())
+    want = yaml.safe_load(SHIPPED.read_text())
+    model = want["applications"][0]["args"]["models"][0]
+    assert model.pop("tiny") == "qwen2-vl"
+    model.update(name="m", path="/m/dir")
+    model["encoder"]["deployment"]["resources"] = {"encoder_node": 0.001}
+    model["llm"]["deployment"]["resources"] = {"llm_node": 0.001}
+    want["http_options"]["port"] = 8123
+    assert got == want
+    assert "resources" not in got["applications"][0]["args"]["models"][0]["preprocess"]["deployment"]
+
+    model["llm"]["deployment"]["resources"] = {"llm_node": 0.5}  # a file's own markers are kept
+    pinned = tmp_path / "pinned.yaml"
+    pinned.write_text(yaml.safe_dump(want))
+    deploy_config(pinned, out, 8123, resources=markers)
+    assert yaml.safe_load(out.read_text())["applications"][0]["args"]["models"][0]["llm"]["deployment"][
+        "resources"
+    ] == {"llm_node": 0.5}
