@@ -3,7 +3,8 @@
   Ingress ─┬─▶ Preprocessor-<model>  (CPU) ──▶ EncoderPool-<model>  (GPU; router: fewest queued embeddings)
            └─▶ LLMServer-<model>     (GPU; router: prefix-cache affinity; tokens back on output channels)
   or, with ``preprocess.placement: encoder``, two: the encoder replicas prepare (no Preprocessor pool).
-  plus the model's shared encoder-cache index: named Ray actors, sharded by mm_hash.
+  plus the model's shared encoder-cache index: named Ray actors, sharded by mm_hash, owned by an
+  EncoderCacheIndex-<model> deployment (cluster/cache_shards.py), so they end with the application.
 
 ``app_builder(args)`` is the import path for ``serve run`` / ``serve deploy`` configs:
 ``cluster.app:app_builder`` with the AppConfig as the application's ``args``.
@@ -17,7 +18,8 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from cluster.autoscaling_policy import ENCODER_POLICY, LLM_POLICY
-from cluster.budgets import encoder_budgets, largest_item_embeds, row_units
+from cluster.budgets import encoder_budgets
+from cluster.cache_shards import cache_index_args, cache_index_deployment, open_cache_index
 from cluster.config import AppConfig, DeploymentOptions, ModelConfig
 from cluster.direct_served import DirectLLM, DirectServed, direct_link
 from cluster.model_dirs import resolve_model_dir
@@ -85,7 +87,7 @@ def encoder_placement(model: ModelConfig) -> dict[str, Any]:
     }
 
 
-def _preprocessor(model: ModelConfig, cache_dir: str, encoder: Any) -> Any:
+def _preprocessor(model: ModelConfig, cache_dir: str, encoder: Any, links: bool) -> Any:
     from encoder_service.preprocessor_server import PreprocessorServer
 
     class Preprocessor(PreprocessorServer, DirectServed):
@@ -94,23 +96,19 @@ def _preprocessor(model: ModelConfig, cache_dir: str, encoder: Any) -> Any:
         def __del__(self) -> None:  # Serve's shutdown hook: later frames go through Serve
             self.drain_link()
 
-        def __init__(self, model_json: dict[str, Any], cache_dir: str, encoder: Any) -> None:
+        def __init__(self, model_json: dict[str, Any], cache_dir: str, encoder: Any, links: bool) -> None:
             m = ModelConfig.model_validate(model_json)
             model_dir = resolve_model_dir(m, cache_dir)
-            prefix, shards, capacity, largest = cache_index_args(m)
             super().__init__(
                 model_dir,
                 **preprocess_args(m),
-                cache_name_prefix=prefix,
-                cache_num_shards=shards,
-                cache_capacity=capacity,
-                cache_largest_item=largest,
+                cache=open_cache_index(*cache_index_args(m), links=links),
                 encoder=encoder,
                 model_name=m.name,
             )
 
     opts = deployment_options(model.preprocess.deployment, f"Preprocessor-{model.name}")
-    return serve.deployment(Preprocessor).options(**opts).bind(model.model_dump(), cache_dir, encoder)
+    return serve.deployment(Preprocessor).options(**opts).bind(model.model_dump(), cache_dir, encoder, links)
 
 
 def preprocess_args(m: ModelConfig) -> dict[str, Any]:
@@ -142,7 +140,9 @@ def forwards(model: ModelConfig) -> bool:
     return model.preprocess.placement == "encoder" and model.preprocess.forward
 
 
-def _encoder_pool(model: ModelConfig, cache_dir: str, llm: Any = None) -> Any:
+def _encoder_pool(model: ModelConfig, cache_dir: str, cache_index: Any, links: bool, llm: Any = None) -> Any:
+    """The model's encoder pool; ``cache_index`` (its ``EncoderCacheIndex`` deployment) is bound here
+    so that Serve deploys it with the app: the replicas find its shards by name."""
     from encoder_service.deployment import EncoderPoolServer
     from encoder_service.preparing_encoder import PreparingEncoderServer
     from router.request_routers import LeastQueuedEmbeddingsRouter
@@ -157,7 +157,9 @@ def _encoder_pool(model: ModelConfig, cache_dir: str, llm: Any = None) -> Any:
             self.drain_link()
             return super().__del__()
 
-        def __init__(self, model_json: dict[str, Any], cache_dir: str, llm: Any = None) -> None:
+        def __init__(
+            self, model_json: dict[str, Any], cache_dir: str, cache_index: Any, links: bool, llm: Any = None
+        ) -> None:
             from router.forwarding import PreparedForwarder
 
             m = ModelConfig.model_validate(model_json)
@@ -179,7 +181,7 @@ def _encoder_pool(model: ModelConfig, cache_dir: str, llm: Any = None) -> Any:
                 num_gpus_per_rank=d.num_gpus,
                 resources_per_rank=dict(d.resources),
                 model_name=m.name,
-                cache=open_cache_index(*cache_index_args(m)),
+                cache=open_cache_index(*cache_index_args(m), links=links),
                 max_queued_embeddings=m.encoder.max_queued_embeddings or 16 * compute_budget,
                 step_embeds=m.encoder.encoder_step_embeds,
             )
@@ -189,7 +191,11 @@ def _encoder_pool(model: ModelConfig, cache_dir: str, llm: Any = None) -> Any:
     opts["request_router_config"] = RequestRouterConfig(
         request_router_class=LeastQueuedEmbeddingsRouter, request_routing_stats_period_s=1.0
     )
-    return serve.deployment(EncoderPool).options(**opts).bind(model.model_dump(), cache_dir, llm)
+    return (
+        serve.deployment(EncoderPool)
+        .options(**opts)
+        .bind(model.model_dump(), cache_dir, cache_index, links, llm)
+    )
 
 
 def _llm_server(model: ModelConfig, cache_dir: str) -> Any:
@@ -229,28 +235,6 @@ def _llm_server(model: ModelConfig, cache_dir: str) -> Any:
     return serve.deployment(LLMPool).options(**opts).bind(model.model_dump(), cache_dir)
 
 
-def open_cache_index(name_prefix: str, num_shards: int, capacity: int, largest_item: int = 0) -> Any:
-    """The model's shared encoder-cache index: detached named actors, created by whoever comes first
-    (every creator passes the same ``cache_index_args``, so whoever it is sizes them alike)."""
-    from encoder_service.cache_client import create_cache_index
-
-    return create_cache_index(
-        num_shards, capacity, name_prefix, detached=True, namespace="mmserve", largest_item=largest_item
-    )
-
-
-def cache_index_args(m: ModelConfig) -> tuple[str, int, int, int]:
-    """(name prefix, shards, capacity in embeddings, largest admitted item) of a model's shared
-    encoder cache: the one place it is sized. Each shard holds at least the largest item."""
-    _, cache_size = encoder_budgets(m)
-    return (
-        f"mmserve-encoder-cache-{m.name}",
-        m.encoder.cache_index_shards,
-        cache_size,
-        largest_item_embeds(m) * row_units(m),
-    )
-
-
 def model_modalities(model_dir: str) -> list[str]:
     """What the model's family takes (image, video, audio), from the family registry."""
     import json
@@ -288,7 +272,7 @@ def _ingress(config: AppConfig, pools: dict[str, dict[str, Any]]) -> Any:
                         m.llm.max_model_len,
                         limits,
                         model_modalities(model_dir),
-                        open_cache_index(*cache_index_args(m)),
+                        open_cache_index(*cache_index_args(m), links=cfg.ingress.transport == "auto"),
                         preprocess_args(m) if m.preprocess.hit_path else None,
                         m.preprocess.hit_path_cache_entries,
                         m.preprocess.hit_path_cache_ttl_s,
@@ -335,15 +319,17 @@ def ingress_keys(cfg: AppConfig) -> Any:
 
 def build_app(config: AppConfig) -> serve.Application:
     pools = {}
+    links = config.ingress.transport == "auto"  # cache-shard links too: `serve` opens no side channel
     for m in config.models:
         llm = _llm_server(m, config.models_cache_dir)
+        index = cache_index_deployment(config, m)
         # placement "encoder": the encoder replicas answer `prepare` themselves (preparing_encoder.py),
         # and with `forward` submit what they prepared to the LLM pool (router/forwarding.py)
-        encoder = _encoder_pool(m, config.models_cache_dir, llm if forwards(m) else None)
+        encoder = _encoder_pool(m, config.models_cache_dir, index, links, llm if forwards(m) else None)
         pools[m.name] = {
             "preprocess": encoder
             if m.preprocess.placement == "encoder"
-            else _preprocessor(m, config.models_cache_dir, encoder),
+            else _preprocessor(m, config.models_cache_dir, encoder, links),
             "encoder": encoder,
             "llm": llm,
         }

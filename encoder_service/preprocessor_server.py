@@ -60,23 +60,11 @@ class PreprocessorServer:
         limits: Any,
         limit_mm_per_prompt: dict[str, int],
         processor_cache_bytes: int,
-        cache_name_prefix: str,
-        cache_num_shards: int,
-        cache_capacity: int,
-        cache_largest_item: int = 0,
+        cache: Any,
         encoder: Any = None,
         model_name: str = "",
     ) -> None:
-        from encoder_service.cache_client import create_cache_index
-
-        self.cache = create_cache_index(
-            cache_num_shards,
-            cache_capacity,
-            cache_name_prefix,
-            detached=True,
-            namespace="mmserve",
-            largest_item=cache_largest_item,
-        )
+        self.cache = cache  # the model's shared encoder cache (cache_client.EncoderCacheClient)
         self.encoder = encoder  # DeploymentHandle of the model's EncoderPool
         self.preparer = make_preparer(
             model_dir,
