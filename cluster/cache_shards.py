@@ -111,23 +111,25 @@ class EncoderCacheIndex:
 
     async def _end_shards(self) -> None:
         ctx = serve.get_replica_context()
-        while await asyncio.to_thread(_others_of_app_deleting, ctx.app_name, ctx.deployment):
-            await asyncio.sleep(POLL_S)  # Serve's graceful_shutdown_timeout_s bounds the wait
+        try:
+            while await asyncio.to_thread(_others_of_app_deleting, ctx.app_name):
+                await asyncio.sleep(POLL_S)  # Serve's graceful_shutdown_timeout_s bounds the wait
+        except Exception:  # the shards end with this replica all the same
+            logger.exception("encoder-cache index: could not wait for the app's other replicas")
         for shard in self.shards:
             ray.kill(shard)
 
 
-def _others_of_app_deleting(app_name: str, me: str) -> int:
-    """While ``app_name`` is being deleted, how many replicas other than the cache owners' it still
-    has (starting, running or stopping); 0 otherwise."""
+def _others_of_app_deleting(app_name: str) -> int:
+    """While ``app_name`` is being deleted, how many of its replicas other than the cache owners' are
+    still alive (running or stopping); 0 otherwise. Counted from Serve's replica actors, named
+    ``SERVE_REPLICA::<app>#<deployment>#<id>``: a deleting app's status lists no deployments."""
     app = serve.status().applications.get(app_name)
     if app is None or app.status != "DELETING":
         return 0
-    return sum(
-        sum(d.replica_states.values())
-        for name, d in app.deployments.items()
-        if name != me and not name.startswith(OWNER_PREFIX)
-    )
+    prefix, owners = f"SERVE_REPLICA::{app_name}#", f"SERVE_REPLICA::{app_name}#{OWNER_PREFIX}"
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+    return sum(1 for n in names if n.startswith(prefix) and not n.startswith(owners))
 
 
 def cache_index_deployment(config: AppConfig, m: ModelConfig) -> Any:

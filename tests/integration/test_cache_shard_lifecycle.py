@@ -22,10 +22,7 @@ import pytest
 from tests.integration.local_app import free_port, own_ray
 from tests.media import make_image_bytes
 
-VL = "tiny-qwen2-vl"
 APP = "mmserve"
-SHARDS = f"mmserve-encoder-cache-{VL}-"
-OWNER = f"SERVE_REPLICA::{APP}#EncoderCacheIndex-{VL}#"
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +34,7 @@ def ray_session() -> Any:
         yield
 
 
-def _config(tmp_path: Path, port: int, transport: str) -> Any:
+def _config(tmp_path: Path, port: int, transport: str, model: str) -> Any:
     from cluster.config import AppConfig
 
     one = {"num_replicas": 1, "num_cpus": 0.1}
@@ -48,7 +45,7 @@ def _config(tmp_path: Path, port: int, transport: str) -> Any:
             "ingress": {"http_mode": "direct", "transport": transport, "deployment": one},
             "models": [
                 {
-                    "name": VL,
+                    "name": model,
                     "tiny": "qwen2-vl",
                     "llm": {"max_model_len": 2048, "num_kv_blocks": 256, "deployment": one},
                     "encoder": {"deployment": one, "cache_index_shards": 2},
@@ -93,7 +90,7 @@ def _listening(pid: int) -> set[int]:
     return ports
 
 
-def _ask_about_images(url: str, seeds: list[int]) -> None:
+def _ask_about_images(url: str, model: str, seeds: list[int]) -> None:
     for seed in seeds:
         png = make_image_bytes(56, 56, seed=seed)
         image = {
@@ -101,7 +98,7 @@ def _ask_about_images(url: str, seeds: list[int]) -> None:
             "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()},
         }
         body = {
-            "model": VL,
+            "model": model,
             "messages": [{"role": "user", "content": [image, {"type": "text", "text": "What is it?"}]}],
             "max_tokens": 2,
         }
@@ -126,12 +123,15 @@ def test_shards_end_with_the_app_and_serve_transport_opens_no_link(
     from cluster.serve_cli import start
 
     port = free_port()
-    start(_config(tmp_path, port, transport))
+    model = f"tiny-qwen2-vl-{transport}"  # its own shard names: none left from another case can pass
+    shards_prefix = f"mmserve-encoder-cache-{model}-"
+    owner_prefix = f"SERVE_REPLICA::{APP}#EncoderCacheIndex-{model}#"
+    start(_config(tmp_path, port, transport, model))
     try:
-        shards = [_pid(a) for a in _alive(SHARDS)]
-        assert len(shards) == 2 and len(_alive(OWNER)) == 1
+        shards = [_pid(a) for a in _alive(shards_prefix)]
+        assert len(shards) == 2 and len(_alive(owner_prefix)) == 1
         before = {pid: _listening(pid) for pid in shards}
-        _ask_about_images(f"http://127.0.0.1:{port}", [1, 2, 3, 1, 2, 3])  # misses, then hits
+        _ask_about_images(f"http://127.0.0.1:{port}", model, [1, 2, 3, 1, 2, 3])  # misses, then hits
         after = {pid: _listening(pid) for pid in shards}
         opened = {pid: after[pid] - before[pid] for pid in before}
         if transport == "serve":
@@ -140,5 +140,5 @@ def test_shards_end_with_the_app_and_serve_transport_opens_no_link(
             assert any(opened.values()), f"no shard opened a link: {before} -> {after}"
     finally:
         serve.delete(APP)
-    assert not _until_none_alive(SHARDS), "a shard outlived `serve delete`"
-    assert not _alive(OWNER)
+    assert not _until_none_alive(shards_prefix), "a shard outlived `serve delete`"
+    assert not _alive(owner_prefix)
