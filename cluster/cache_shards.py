@@ -92,13 +92,20 @@ class EncoderCacheIndex:
 
     def check_health(self) -> None:
         """Serve's periodic call: create again a shard that is gone for good (killed, or a former
-        owner's, which this replica found by name when it started and which ended with that owner)."""
+        owner's, which this replica found by name when it started and which ended with that owner).
+        Never raises: an unhealthy owner would be replaced, and its shards would end with it."""
         for i in range(len(self.shards)):
             try:
-                ray.get_actor(self.spec.name(i), namespace=self.spec.namespace)
-            except ValueError:
-                logger.warning("encoder-cache shard %s was gone: created again (empty)", self.spec.name(i))
-                self.shards[i] = self.spec.create(i)
+                self._ensure(i)
+            except Exception:  # e.g. the GCS did not answer: again at the next check
+                logger.exception("encoder-cache shard %s: could not check it", self.spec.name(i))
+
+    def _ensure(self, index: int) -> None:
+        try:
+            ray.get_actor(self.spec.name(index), namespace=self.spec.namespace)
+        except ValueError:
+            logger.warning("encoder-cache shard %s was gone: created again (empty)", self.spec.name(index))
+            self.shards[index] = self.spec.create(index)
 
     def __del__(self) -> Awaitable[None] | None:
         """Serve's shutdown hook (it awaits the coroutine); a plain ``def``, as the garbage collector

@@ -138,7 +138,26 @@ def test_shards_end_with_the_app_and_serve_transport_opens_no_link(
             assert opened == {pid: set() for pid in before}, f"a shard listens on {opened}"
         else:  # the same check sees a link when there is one: the hot calls went over it
             assert any(opened.values()), f"no shard opened a link: {before} -> {after}"
+        _kill_for_good_and_see_it_back(shards_prefix, port, model)
     finally:
         serve.delete(APP)
     assert not _until_none_alive(shards_prefix), "a shard outlived `serve delete`"
     assert not _alive(owner_prefix)
+
+
+def _kill_for_good_and_see_it_back(shards_prefix: str, port: int, model: str) -> None:
+    """A shard killed for good (no restart by Ray) is created again by its owner's health check, and
+    the replicas find the new one by name: image requests still succeed."""
+    import ray
+
+    victim = _alive(shards_prefix)[0]
+    old_pid = _pid(victim)
+    ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
+    for _ in range(150):
+        back = [a for a in _alive(shards_prefix) if a["name"] == victim["name"]]
+        if back and _pid(back[0]) != old_pid:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError(f"{victim['name']} was not created again")
+    _ask_about_images(f"http://127.0.0.1:{port}", model, [4, 5, 4])
