@@ -2,7 +2,8 @@
 
   Ingress ─┬─▶ EncoderPool-<model>  (GPU; prepares its requests; router: fewest queued embeddings)
            └─▶ LLMServer-<model>    (GPU; router: prefix-cache affinity; tokens back on output channels)
-  plus the model's shared encoder-cache index: named Ray actors, sharded by mm_hash. The ingress
+  plus the model's shared encoder-cache index: named Ray actors, sharded by mm_hash, owned by an
+  EncoderCacheIndex-<model> deployment (cluster/cache_shards.py), so they end with the application. The ingress
   calls both pools over direct links (router/pool_links.py), or through Serve's handles under
   ``ingress.transport: serve``.
 
@@ -18,7 +19,8 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from cluster.autoscaling_policy import ENCODER_POLICY, LLM_POLICY
-from cluster.budgets import encoder_budgets, largest_item_embeds, row_units
+from cluster.budgets import encoder_budgets
+from cluster.cache_shards import cache_index_args, cache_index_deployment, open_cache_index
 from cluster.config import AppConfig, DeploymentOptions, ModelConfig
 from cluster.direct_served import DirectLLM, DirectServed, pool_links
 from cluster.model_dirs import resolve_model_dir
@@ -106,7 +108,9 @@ def direct_pools(cfg: AppConfig, model: ModelConfig) -> tuple[str, ...]:
     return ("llm", "preprocess")
 
 
-def _encoder_pool(model: ModelConfig, cache_dir: str, links: bool) -> Any:
+def _encoder_pool(model: ModelConfig, cache_dir: str, cache_index: Any, links: bool) -> Any:
+    """The model's encoder pool; ``cache_index`` (its ``EncoderCacheIndex`` deployment) is bound here
+    so that Serve deploys it with the app: the replicas find its shards by name."""
     from encoder_service.preparing_encoder import PreparingEncoderServer
     from router.request_routers import LeastQueuedEmbeddingsRouter
 
@@ -125,7 +129,7 @@ def _encoder_pool(model: ModelConfig, cache_dir: str, links: bool) -> Any:
             self.drain_link()
             return super().__del__()
 
-        def __init__(self, model_json: dict[str, Any], cache_dir: str) -> None:
+        def __init__(self, model_json: dict[str, Any], cache_dir: str, cache_index: Any) -> None:
             m = ModelConfig.model_validate(model_json)
             model_dir = resolve_model_dir(m, cache_dir)
             compute_budget, _ = encoder_budgets(m, model_dir)
@@ -142,7 +146,7 @@ def _encoder_pool(model: ModelConfig, cache_dir: str, links: bool) -> Any:
                 num_gpus_per_rank=d.num_gpus,
                 resources_per_rank=dict(d.resources),
                 model_name=m.name,
-                cache=open_cache_index(*cache_index_args(m)),
+                cache=open_cache_index(*cache_index_args(m), links=links),
                 max_queued_embeddings=m.encoder.max_queued_embeddings or 16 * compute_budget,
                 step_embeds=m.encoder.encoder_step_embeds,
             )
@@ -152,7 +156,7 @@ def _encoder_pool(model: ModelConfig, cache_dir: str, links: bool) -> Any:
     opts["request_router_config"] = RequestRouterConfig(
         request_router_class=LeastQueuedEmbeddingsRouter, request_routing_stats_period_s=1.0
     )
-    return serve.deployment(EncoderPool).options(**opts).bind(model.model_dump(), cache_dir)
+    return serve.deployment(EncoderPool).options(**opts).bind(model.model_dump(), cache_dir, cache_index)
 
 
 def _llm_server(model: ModelConfig, cache_dir: str, links: bool) -> Any:
@@ -201,28 +205,6 @@ def _llm_server(model: ModelConfig, cache_dir: str, links: bool) -> Any:
     return serve.deployment(LLMPool).options(**opts).bind(model.model_dump(), cache_dir)
 
 
-def open_cache_index(name_prefix: str, num_shards: int, capacity: int, largest_item: int = 0) -> Any:
-    """The model's shared encoder-cache index: detached named actors, created by whoever comes first
-    (every creator passes the same ``cache_index_args``, so whoever it is sizes them alike)."""
-    from encoder_service.cache_client import create_cache_index
-
-    return create_cache_index(
-        num_shards, capacity, name_prefix, detached=True, namespace="mmserve", largest_item=largest_item
-    )
-
-
-def cache_index_args(m: ModelConfig) -> tuple[str, int, int, int]:
-    """(name prefix, shards, capacity in embeddings, largest admitted item) of a model's shared
-    encoder cache: the one place it is sized. Each shard holds at least the largest item."""
-    _, cache_size = encoder_budgets(m)
-    return (
-        f"mmserve-encoder-cache-{m.name}",
-        m.encoder.cache_index_shards,
-        cache_size,
-        largest_item_embeds(m) * row_units(m),
-    )
-
-
 def model_modalities(model_dir: str) -> list[str]:
     """What the model's family takes (image, video, audio), from the family registry."""
     import json
@@ -260,7 +242,7 @@ def _ingress(config: AppConfig, pools: dict[str, dict[str, Any]]) -> Any:
                         m.llm.max_model_len,
                         limits,
                         model_modalities(model_dir),
-                        open_cache_index(*cache_index_args(m)),
+                        open_cache_index(*cache_index_args(m), links=cfg.ingress.transport == "auto"),
                         preprocess_args(m),
                         m.preprocess.hit_path_cache_entries,
                         m.preprocess.hit_path_cache_ttl_s,
@@ -306,11 +288,12 @@ def ingress_keys(cfg: AppConfig) -> Any:
 
 def build_app(config: AppConfig) -> serve.Application:
     pools = {}
+    links = config.ingress.transport == "auto"  # cache-shard links too: `serve` opens no side channel
     for m in config.models:
-        links = config.ingress.transport == "auto"
         llm = _llm_server(m, config.models_cache_dir, links)
+        index = cache_index_deployment(config, m)
         # the encoder replicas answer `prepare` themselves (encoder_service/preparing_encoder.py)
-        encoder = _encoder_pool(m, config.models_cache_dir, links)
+        encoder = _encoder_pool(m, config.models_cache_dir, index, links)
         pools[m.name] = {"preprocess": encoder, "encoder": encoder, "llm": llm}
     return _ingress(config, pools)
 

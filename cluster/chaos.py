@@ -39,8 +39,8 @@ from cluster.bench_workload import (
 )
 from cluster.chaos_stats import BurstReport, FaultReport, Sent, burst_report, fault_report
 
-KINDS = ("encoder", "llm", "preprocessor", "cache-shard", "ingress")
-_DEPLOYMENT = {"encoder": "EncoderPool-{m}", "llm": "LLMServer-{m}", "preprocessor": "Preprocessor-{m}"}
+KINDS = ("encoder", "llm", "cache-shard", "ingress")
+_DEPLOYMENT = {"encoder": "EncoderPool-{m}", "llm": "LLMServer-{m}"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", help="AppConfig YAML (default: the tiny default models)")
     p.add_argument("--port", type=int, default=8470)
     p.add_argument("--num-cpus", type=int, default=None)
-    p.add_argument("--kill", default="encoder,llm,preprocessor,cache-shard", help=f"comma list of {KINDS}")
+    p.add_argument("--kill", default="encoder,llm,cache-shard", help=f"comma list of {KINDS}")
     p.add_argument(
         "--model", default="tiny-qwen2-vl", help="whose pools are killed (and the load's VL model)"
     )

@@ -222,7 +222,8 @@ class IngressConfig(_Strict):
         "auto",
         description="how the ingress calls a pool (prepare, submit): auto sends them as frames on a plain "
         "long-lived socket to a pool that runs exactly one replica (router/direct_link.py) and through "
-        "Serve's handles to any other; serve: always through Serve's handles",
+        "Serve's handles to any other, and the encoder-cache shards' hot calls on such links too; serve: "
+        "always through Serve's handles and actor calls, no side channel listens",
     )
     max_request_bytes: int = Field(64 * 1024 * 1024, ge=1)
     max_messages: int = Field(256, ge=1)

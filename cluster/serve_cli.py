@@ -207,22 +207,40 @@ def _take_signals() -> None:
     signal.signal(signal.SIGINT, _raise_stop)
 
 
+def _hold_sigterm_for_ray() -> None:
+    """Block SIGTERM in this thread while ``ray.init`` starts Ray's processes: each inherits the
+    blocked signal (the mask survives fork and exec) and passes it on to what it starts, Serve's
+    replicas included, so a SIGTERM sent to every process at once (``kill -TERM -PGID``, systemd's
+    ``KillMode=control-group``) reaches only this driver, which drains and then stops them. Ray does
+    the same with SIGINT for Ctrl-C. Ray's own stop (``ray.shutdown``) sends SIGTERM, waits 1 s,
+    then SIGKILLs: that second is what the held signal costs each of its processes."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+
+def _ray_started() -> None:
+    """Ray is up: take SIGTERM back from the handlers ``ray.init`` installed (Python's sys.exit, the
+    core worker's stack dump and abort) and unblock it here; one that arrived meanwhile raises now."""
+    _take_signals()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     check_port_free(cfg.host, cfg.port)
     # Installed before Ray starts, so no Ray or Serve process inherits them: SIGTERM (Kubernetes,
     # systemd, docker stop) and Ctrl-C both drain instead of dying mid-request.
     _take_signals()
+    _hold_sigterm_for_ray()
     try:
-        # ray.init installs its own SIGTERM handlers (Python's sys.exit, the core worker's stack dump
-        # and abort): take SIGTERM back as soon as it returns.
-        start(cfg, args.num_cpus, metrics_export_port=args.metrics_export_port, on_ray_started=_take_signals)
+        start(cfg, args.num_cpus, metrics_export_port=args.metrics_export_port, on_ray_started=_ray_started)
         names = ", ".join(m.name for m in cfg.models)
         print(f"mmserve is serving {names} on http://{cfg.host}:{cfg.port}/v1 (Ctrl-C to stop)", flush=True)
         while True:
             time.sleep(3600)
     except _Stop as why:
         print(f"mmserve: {why}: draining (in-flight requests finish, new ones get 503)", flush=True)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # if Ray never came up
     return drain()
 
 

@@ -2,39 +2,43 @@
 request touches, grouped by ``shard_of``; the shards' creation (``create_cache_index``, sized so each
 holds the largest admitted item) and their recovery.
 
-A shard that dies is restarted by Ray (``max_restarts``) or, if it is gone for good, re-created by the
-first client that finds it dead (by name: every client ends up with the same new actor); either way
-it comes back empty: its entries are misses, and no reservation of the old incarnation can be left
-behind. A call that failed on the dead shard is retried once on the new one.
+Who creates the shards is the ``ShardSpec``'s to say: on a bare Ray, the first client (by name:
+every client ends up with the same actor); in a Serve application, an owner whose lifetime is the
+application's (cluster/cache_shards.py), and clients only find them by name. A shard that dies is
+restarted by Ray (``max_restarts``) or, if it is gone for good, re-created (by the first client that
+finds it dead, or by its owner); either way it comes back empty: its entries are misses, and no
+reservation of the old incarnation can be left behind. A call that failed on the dead shard is
+retried once on the new one.
+
+Side channel: with a ``link_to`` factory (the wiring's, e.g. cluster/direct_served.py), the methods in
+``LINK_METHODS`` travel on a link to the shard once one is up; without one, every call is an actor
+call and the shard never listens.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, Protocol
 
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.direct_served import DirectServed, direct_link
-from encoder_service.cache_index import RELEASED, RequestReleased, shard_of
-from encoder_service.cache_index import CacheIndexShard as ShardBooks
+from encoder_service.cache_index import RELEASED, CacheIndexShard, RequestReleased, shard_of
 from encoder_service.call_coalescing import CallCoalescer
 from encoder_service.encoder_cache import COMPUTE, DEFAULT_LEASE_S, HIT
 from encoder_service.errors import EncoderCacheBusy
 from encoder_service.gathering import gather
 from encoder_service.types import EmbeddingMeta
-from router.direct_link import DirectLink, LinkLost
 
 logger = logging.getLogger("mmserve.encoder")
 
 
-# The shard methods a client calls over a direct link (router/direct_link.py) once one is up: the
-# hot path's lookups and the calls that carry no ObjectRef in. ``commit``/``commit_many`` stay actor
+# The shard methods a client calls over a side channel (a ``ShardLink``) once one is up: the hot
+# path's lookups and the calls that carry no ObjectRef in. ``commit``/``commit_many`` stay actor
 # calls: a ref sent into the shard must be a borrow Ray counts, so the index keeps its object alive.
 LINK_METHODS = frozenset(
     {
@@ -49,16 +53,25 @@ LINK_METHODS = frozenset(
 )
 
 
-class CacheIndexShard(ShardBooks, DirectServed):
-    """``cache_index.CacheIndexShard`` as its actor (Ray names the process after this class), with a
-    direct link for ``LINK_METHODS`` (cluster/direct_served.py)."""
+class ShardLink(Protocol):
+    """A side channel to one shard (router/direct_link.py's ``DirectLink``): ``call`` raises a
+    ``ConnectionError`` when the link is lost, and the client goes on with actor calls."""
 
-    DIRECT_METHODS: ClassVar[dict[str, str]] = {name: name for name in LINK_METHODS}
+    def usable(self) -> bool: ...
+
+    async def call(self, method: str, *args: Any) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+LinkTo = Callable[[Any], ShardLink]  # a shard's actor handle -> a link to it
 
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """How to create (or find) the shards: a client re-creates a shard that died for good."""
+    """How to create or find the shards. ``created_by_clients``: a client creates a shard that is not
+    there yet, or died for good; else an owner does (cluster/cache_shards.py) and clients wait for it
+    by name. ``actor_class``: the shard's actor class (default: the books, with no side channel)."""
 
     name_prefix: str
     capacity_per_shard: int
@@ -67,10 +80,22 @@ class ShardSpec:
     detached: bool = False
     namespace: str | None = None
     num_cpus: float = 0.05
+    actor_class: type | None = None
+    created_by_clients: bool = True
+
+    def name(self, index: int) -> str:
+        return f"{self.name_prefix}-{index}"
+
+    def open(self, index: int) -> Any:
+        """Shard ``index``'s handle: created (or got) where clients create shards, else found by
+        name; ``ValueError`` while there is none."""
+        if self.created_by_clients:
+            return self.create(index)
+        return ray.get_actor(self.name(index), namespace=self.namespace)
 
     def create(self, index: int) -> Any:
         opts: dict[str, Any] = {
-            "name": f"{self.name_prefix}-{index}",
+            "name": self.name(index),
             "get_if_exists": True,
             "num_cpus": self.num_cpus,
             "max_concurrency": 1000,
@@ -87,25 +112,31 @@ class ShardSpec:
         if self.namespace is not None:
             opts["namespace"] = self.namespace
         return (
-            ray.remote(CacheIndexShard)
+            ray.remote(self.actor_class or CacheIndexShard)
             .options(**opts)
             .remote(self.capacity_per_shard, self.wait_timeout_s, self.lease_s)
         )
 
 
 class EncoderCacheClient:
-    """Async client over the shard actors; cheap to build, picklable (actor handles and the spec)."""
+    """Async client over the shard actors; cheap to build, picklable (actor handles, the spec and the
+    link factory). A shard whose handle is ``None`` is opened on first use (``ShardSpec.open``)."""
 
-    def __init__(self, shard_actor_handles: list[Any], spec: ShardSpec | None = None) -> None:
+    def __init__(
+        self, shard_actor_handles: list[Any], spec: ShardSpec | None = None, link_to: LinkTo | None = None
+    ) -> None:
         if not shard_actor_handles:
             raise ValueError("need at least one cache index shard")
-        self.shards = list(shard_actor_handles)
+        if spec is None and None in shard_actor_handles:
+            raise ValueError("a shard without a handle needs a ShardSpec to open it")
+        self.shards: list[Any] = list(shard_actor_handles)
         self.spec = spec
+        self.link_to = link_to
         self._lookups: dict[int, CallCoalescer[tuple[str, list[str]], dict[str, Any]]] = {}
-        self._links: dict[int, DirectLink] = {}  # shard index -> this process's link, made on first use
+        self._links: dict[int, ShardLink] = {}  # shard index -> this process's link, made on first use
 
     def __reduce__(self) -> tuple[Any, ...]:  # a copy in another process starts with its own batches
-        return (EncoderCacheClient, (self.shards, self.spec))
+        return (EncoderCacheClient, (self.shards, self.spec, self.link_to))
 
     def _lookup_batches(self, index: int) -> CallCoalescer[tuple[str, list[str]], dict[str, Any]]:
         """Shard ``index``'s lookups: one ``lookup_or_reserve_batch`` in flight, the rest queued for
@@ -123,27 +154,26 @@ class EncoderCacheClient:
     def shard_capacity(self) -> int | None:
         return None if self.spec is None else self.spec.capacity_per_shard
 
-    def shard(self, mm_hash: str) -> Any:
-        return self.shards[shard_of(mm_hash, len(self.shards))]
-
-    def _link(self, index: int) -> DirectLink:
+    def _link(self, index: int) -> ShardLink | None:
+        if self.link_to is None or self.spec is None:
+            return None
         if index not in self._links:
-            self._links[index] = direct_link(self.shards[index])
+            self._links[index] = self.link_to(self.shards[index])
         return self._links[index]
 
     async def _call(self, index: int, method: str, *args: Any) -> Any:
-        """``shards[index].method(*args)``: a frame on the shard's direct link where the method allows
-        and the link is up; else (and after a lost link) an actor call, once more on a new incarnation
+        """``shards[index].method(*args)``: a frame on the shard's link where the method allows and
+        the link is up; else (and after a lost link) an actor call, once more on a new incarnation
         if the shard died."""
-        if method in LINK_METHODS and self.spec is not None:
-            link = self._link(index)
-            if link.usable():
-                try:
-                    return await link.call(method, *args)
-                except (LinkLost, ActorDiedError, ActorUnavailableError) as e:
-                    logger.warning(
-                        "encoder-cache shard %d's link lost (%r); %s as an actor call", index, e, method
-                    )
+        if self.shards[index] is None:
+            await self._revive(index)
+        if method in LINK_METHODS and (link := self._link(index)) is not None and link.usable():
+            try:
+                return await link.call(method, *args)
+            except (ConnectionError, ActorDiedError, ActorUnavailableError) as e:
+                logger.warning(
+                    "encoder-cache shard %d's link lost (%r); %s as an actor call", index, e, method
+                )
         handle = self.shards[index]
         try:
             return await getattr(handle, method).remote(*args)
@@ -157,16 +187,19 @@ class EncoderCacheClient:
         return await getattr(self.shards[index], method).remote(*args)
 
     async def _revive(self, index: int, attempts: int = 20) -> None:
-        """Wait for Ray to restart the shard, or create it again if it is gone for good (by name:
-        every client that finds it dead ends up with the same new actor)."""
+        """Open shard ``index`` (first use), or after it died: wait for Ray to restart it, or for it
+        to be created again if it is gone for good (by name: every client that finds it dead ends up
+        with the same new actor)."""
         assert self.spec is not None
         for attempt in range(attempts):
-            handle = self.spec.create(index)
             try:
+                handle = self.spec.open(index)
                 await asyncio.wait_for(handle.__ray_ready__.remote(), 10.0)
-            except (ActorDiedError, ActorUnavailableError, TimeoutError):
-                await asyncio.sleep(min(0.05 * 2**attempt, 1.0))  # its name is not free yet
+            except (ValueError, ActorDiedError, ActorUnavailableError, TimeoutError):
+                await asyncio.sleep(min(0.05 * 2**attempt, 1.0))  # its name is not free (or taken) yet
                 continue
+            if handle != self.shards[index] and (link := self._links.pop(index, None)) is not None:
+                link.close()  # it led to the old incarnation
             self.shards[index] = handle
             return
         raise EncoderCacheBusy(f"encoder cache shard {index} did not come back")
@@ -315,9 +348,14 @@ def create_cache_index(
     lease_s: float = DEFAULT_LEASE_S,
     largest_item: int = 0,
 ) -> EncoderCacheClient:
-    """Create (or get, if they exist) ``num_shards`` named actors. ``capacity`` is split evenly among
-    them, but each shard gets at least ``largest_item``: an item lives in one shard, so every item the
-    budgets admit must fit any shard."""
-    per_shard = max(1, -(-capacity // num_shards), largest_item)
+    """Create (or get, if they exist) ``num_shards`` named actors, without a side channel (on a bare
+    Ray; a Serve application's are cluster/cache_shards.py's). See ``shard_capacity``."""
+    per_shard = shard_capacity(num_shards, capacity, largest_item)
     spec = ShardSpec(name_prefix, per_shard, wait_timeout_s, lease_s, detached, namespace, num_cpus)
     return EncoderCacheClient([spec.create(i) for i in range(num_shards)], spec)
+
+
+def shard_capacity(num_shards: int, capacity: int, largest_item: int = 0) -> int:
+    """``capacity`` split evenly among the shards, but at least ``largest_item`` each: an item lives
+    in one shard, so every item the budgets admit must fit any shard."""
+    return max(1, -(-capacity // num_shards), largest_item)

@@ -1,15 +1,14 @@
-"""``PreparingEncoderServer``: an encoder replica that also prepares its media requests
-(``preprocess.placement: encoder``, what ``mmserve serve`` runs on one machine).
+"""``PreparingEncoderServer``: the encoder replica, which also prepares its media requests.
 
     Ingress ──prepare──▶ EncoderPool replica: fetch, decode, hash, look up and reserve, process the
                          misses, queue them on its own FIFO (shared with every request it serves),
                          commit ──▶ prompt ids + refs back
 
-One Serve hop fewer per media request than a separate preprocessor pool (``placement: pool``): the
+One Serve hop fewer per media request than a separate preprocessor pool (removed 12-04): the
 pixels never cross a process, the embeddings' refs go straight from their owner to the ingress, and
 one Ray worker fewer runs. This is how vLLM's encoder-only instances work (the processor runs where the
 vision tower does). The price: preprocessing shares the encoder replica's CPUs and scales with the
-encoder pool, so a cluster whose GPU nodes are short of CPU keeps the separate pool.
+encoder pool: give the encoder nodes the CPUs for it.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """``RecentValues``: the stored form of the embeddings an encoder replica has just put, by ObjectRef id,
-for the requests it forwards to the LLM pool itself (``router/forwarding.py``).
+for the requests it prepares.
 
 The replica that computed an item holds its value anyway until the put returns; keeping the last few
-lets a forwarded request carry each small item inline beside its ref (``EmbeddingRef.value``), as
+lets a prepared request carry each small item inline beside its ref (``EmbeddingRef.value``), as
 Ray inlines a task argument under ``max_direct_call_object_size`` (100 KiB), and the LLM replica
 skips the fetch: a core-worker round trip to this replica, ~0.55 CPU-ms in the fetcher and ~0.1 in
 the raylet per item on this machine (README, "Benchmarks"). The ref still travels and is counted,
-the object stays in the store, and a request not forwarded from here fetches it as before.
+the object stays in the store, and a request prepared elsewhere (the ingress's hit path) fetches it.
 Bounded by entries and by each value's size; the oldest go first. Pure Python: no Ray, no torch.
 """
 

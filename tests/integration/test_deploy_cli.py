@@ -44,7 +44,7 @@ def test_readme_cluster_commands_deploy_the_shipped_cpu_config(tmp_path: Path) -
         status = cluster.serve_status()["applications"]["mmserve"]["deployments"]
         assert {name: d["status"] for name, d in status.items()} == {
             "Ingress": "HEALTHY",
-            f"Preprocessor-{MODEL}": "HEALTHY",
+            f"EncoderCacheIndex-{MODEL}": "HEALTHY",
             f"EncoderPool-{MODEL}": "HEALTHY",
             f"LLMServer-{MODEL}": "HEALTHY",
         }

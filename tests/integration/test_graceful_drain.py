@@ -1,4 +1,5 @@
-"""``mmserve serve`` drains on SIGTERM: a stream in flight finishes, new requests are refused, exit 0.
+"""``mmserve serve`` drains on SIGTERM: a stream in flight finishes, new requests are refused, exit 0;
+and SIGTERM to its whole process group (systemd's ``KillMode=control-group``) drains it the same way.
 
 A real subprocess (the console script's module, its own embedded Ray) on a free loopback port.
 """
@@ -39,8 +40,10 @@ def _wait_serving(log: Path, url: str, proc: subprocess.Popen[bytes], timeout_s:
     raise AssertionError(f"mmserve serve was not serving within {timeout_s}s")
 
 
-def test_sigterm_drains_the_stream_in_flight_and_exits_0(tmp_path: Path) -> None:
-    port = free_port()
+GRACE_S = 30  # Kubernetes' default terminationGracePeriodSeconds; systemd's TimeoutStopSec is 90
+
+
+def _write_config(tmp_path: Path) -> Path:
     one = {"num_replicas": 1, "num_cpus": 0.1}
     config = {
         "models_cache_dir": str(tmp_path / "models"),
@@ -55,9 +58,18 @@ def test_sigterm_drains_the_stream_in_flight_and_exits_0(tmp_path: Path) -> None
         "ingress": {"deployment": one},
     }
     (tmp_path / "app.yaml").write_text(yaml.safe_dump(config))
+    return tmp_path / "app.yaml"
+
+
+def _serve_cmd(config: Path, port: int) -> list[str]:
+    cmd = [sys.executable, "-m", "cluster.cli", "serve", "--config", str(config)]
+    return [*cmd, "--port", str(port), "--num-cpus", "2"]
+
+
+def test_sigterm_drains_the_stream_in_flight_and_exits_0(tmp_path: Path) -> None:
+    port = free_port()
+    cmd = _serve_cmd(_write_config(tmp_path), port)
     log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115 - closed below
-    cmd = [sys.executable, "-m", "cluster.cli", "serve", "--config", str(tmp_path / "app.yaml")]
-    cmd += ["--port", str(port), "--num-cpus", "2"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
     url = f"http://127.0.0.1:{port}"
     try:
@@ -128,3 +140,86 @@ def _probe_refused(url: str, out: list[str]) -> None:
             out.append(type(e).__name__)
             return
         time.sleep(0.2)
+
+
+def test_sigterm_to_the_process_group_drains_and_leaves_no_ray_process(tmp_path: Path) -> None:
+    """What systemd's ``KillMode=control-group`` and ``kill -TERM -PGID`` do: every process of the
+    group gets SIGTERM at once. Ray's GCS and raylet share the driver's group; they must outlive the
+    drain (which talks to them), then go, with every worker, within the grace period."""
+    port = free_port()
+    cmd = _serve_cmd(_write_config(tmp_path), port)
+    log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ}, start_new_session=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_serving(tmp_path / "serve.log", url, proc, 480)
+        body = {"model": VL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).status_code == 200
+        ray_procs = _descendants(proc.pid)
+        names = {_comm(pid) for pid in ray_procs}
+        assert {"gcs_server", "raylet"} <= names, names
+        assert {pid for pid in ray_procs if os.getpgid(pid) == proc.pid}, "nothing of Ray shares the group"
+        started = time.monotonic()
+        os.killpg(proc.pid, signal.SIGTERM)
+        code = proc.wait(timeout=GRACE_S)
+        print(f"exit {code} {time.monotonic() - started:.1f} s after SIGTERM to the group")
+        text = (tmp_path / "serve.log").read_text(errors="replace")
+        assert code == 0, text[-3000:]
+        assert "draining" in text and "Failed to connect to GCS" not in text, text[-3000:]
+        left = _still_running(ray_procs)
+        assert not left, f"left behind: {[(pid, _comm(pid)) for pid in left]}"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+def _stat(pid: int) -> list[str] | None:
+    """``/proc/PID/stat``'s fields after the command name (state first), or None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "?"
+
+
+def _descendants(root: int) -> dict[int, str]:
+    """Every process below ``root`` (Ray's workers have their own process groups, but are still the
+    raylet's children): pid -> start time, so a reused pid is not mistaken for one of them."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        fields = _stat(int(entry.name)) if entry.name.isdigit() else None
+        if fields is not None:
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    out: dict[int, str] = {}
+    stack = [root]
+    while stack:
+        for pid in children.get(stack.pop(), []):
+            fields = _stat(pid)
+            if fields is not None:
+                out[pid] = fields[19]
+                stack.append(pid)
+    return out
+
+
+def _still_running(procs: dict[int, str]) -> list[int]:
+    """Of ``procs``, those alive a few seconds on (a process may still be on its way out)."""
+    for _ in range(20):
+        left = []
+        for pid, start in procs.items():
+            fields = _stat(pid)
+            if fields is not None and fields[19] == start and fields[0] != "Z":
+                left.append(pid)
+        if not left:
+            return []
+        time.sleep(0.25)
+    return left
