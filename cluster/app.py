@@ -123,7 +123,8 @@ def _encoder_pool(model: ModelConfig, cache_dir: str, cache_index: Any, links: b
             return {**super().record_routing_stats(), **await self.link_stats()}
 
         def stats(self) -> dict[str, Any]:
-            return {**super().stats(), "link_calls": self.link_calls()}
+            replica = str(serve.get_replica_context().replica_id.unique_id)
+            return {**super().stats(), "link_calls": self.link_calls(), "replica_id": replica}
 
         def __del__(self) -> Any:  # Serve's shutdown hook: refuse new frames, then drain the FIFO
             self.drain_link()

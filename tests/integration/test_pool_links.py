@@ -150,7 +150,16 @@ def test_pools_scale_up_and_down_under_load_on_links_without_losing_a_request(ap
         assert len([n for n in link_calls.values() if n > 0]) == 2, (
             f"submits by link per replica: {link_calls}"
         )
-        assert stats[MODEL]["pools"]["preparing_replica"]["link_calls"] > 0
+        preparing = {}  # /stats asks one encoder replica, Serve's choice: ask until both answered
+        for _ in range(40):
+            if len(preparing) == 2:
+                break
+            answer = httpx.get(f"{app['url']}/stats", params={"pools": "true"}, timeout=30).json()
+            one = answer[MODEL]["pools"]["preparing_replica"]
+            preparing[one["replica_id"]] = one["link_calls"]
+        assert len(preparing) == 2 and all(n > 0 for n in preparing.values()), (
+            f"prepares by link: {preparing}"
+        )
         load.clients(1)  # light load: the policies want one replica each again
         _wait("scale-down of both pools", lambda: _running_replicas() == dict.fromkeys(POOLS, 1), load)
         served_at_one = load.ok

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import threading
 from typing import Any
 
 import httpx
@@ -92,9 +93,25 @@ def test_zzz_graceful_encoder_shutdown_invalidates_what_it_owns(client: OpenAI) 
     png = make_image_bytes(42, 70, seed=405)
     ask(client, VL, [{"type": "image_url", "image_url": {"url": data_url(png, "image/png")}}])
     before = httpx.get(f"http://127.0.0.1:{PORT}/stats").json()[VL]["encoder_cache"]
-    serve.delete("mmserve")  # graceful: drains, then __del__ on every replica
     (model,) = [m for m in default_config().models if m.name == VL]
-    after = asyncio.run(open_cache_index(*cache_index_args(model)).stats())
+    # The shards end with the app (their owner outlives its other replicas, then kills them): read
+    # their books while the delete runs, and keep the last answer before they are gone.
+    deleting = threading.Thread(target=serve.delete, args=("mmserve",))  # graceful: drains, __del__
+
+    async def watch() -> dict[str, Any]:
+        index = open_cache_index(*cache_index_args(model))
+        last = await index.stats()
+        deleting.start()
+        while deleting.is_alive():
+            try:
+                last = await asyncio.wait_for(index.stats(), 1.0)
+            except Exception:  # the shards are gone: the app's delete ended them
+                break
+            await asyncio.sleep(0.05)
+        return last
+
+    after = asyncio.run(watch())
+    deleting.join(timeout=120)
     dropped = after["invalidations"] - before["invalidations"]
     assert dropped >= 1  # at least the image just encoded
     assert before["entries"] - after["entries"] == dropped and after["reserved"] == 0
