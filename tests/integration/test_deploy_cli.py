@@ -34,6 +34,7 @@ def test_readme_cluster_commands_deploy_the_shipped_cpu_config(tmp_path: Path) -
     deploy_config(SHIPPED, config, http_port=port)
     expected = yaml.safe_load(SHIPPED.read_text())
     expected["http_options"]["port"] = port
+    expected["applications"][0]["args"]["port"] = port  # the ingress serves HTTP itself (direct)
     assert yaml.safe_load(config.read_text()) == expected  # the shipped file, but for the port
 
     cluster = LocalRayCluster()
@@ -92,6 +93,7 @@ def test_bench_config_rewrites_only_model_port_and_missing_markers(tmp_path: Pat
     model["encoder"]["deployment"]["resources"] = {"encoder_node": 0.001}
     model["llm"]["deployment"]["resources"] = {"llm_node": 0.001}
     want["http_options"]["port"] = 8123
+    want["applications"][0]["args"]["port"] = 8123
     assert got == want
 
     model["llm"]["deployment"]["resources"] = {"llm_node": 0.5}  # a file's own markers are kept
