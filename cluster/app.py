@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, ClassVar
 
 from ray import serve
@@ -248,7 +249,8 @@ def _ingress(config: AppConfig, pools: dict[str, dict[str, Any]]) -> Any:
                         m.preprocess.hit_path_cache_entries,
                         m.preprocess.hit_path_cache_ttl_s,
                         direct=direct_pools(cfg, m),
-                        link_to=pool_links,
+                        # each link call's deadline: the request's own, not the link's 300 s default
+                        link_to=functools.partial(pool_links, timeout_s=cfg.ingress.request_timeout_s),
                     )
                 )
             ing = cfg.ingress
