@@ -3,43 +3,21 @@
 
 from __future__ import annotations
 
-import random
-import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 from openai import OpenAI
 
-# Ray's workers listen on 10002-19999 (its default min/max_worker_port); its other processes (GCS,
-# raylets, agents, Serve replicas' gRPC servers) on ports the kernel picks from its ephemeral range.
-_ABOVE_RAY_WORKERS = range(20000, 32768)
-
 
 def free_port() -> int:
-    """A loopback port nothing listens on, from outside both Ray's worker ports and the kernel's
-    ephemeral range. A port the kernel handed out (bind to 0) is the range Ray's processes draw from
-    while the app starts: once one of them took it before the ingress bound it (EADDRINUSE, three
-    ingress replicas failed and the module's start with them)."""
-    lo, hi = _ephemeral_range()
-    ports = [p for p in _ABOVE_RAY_WORKERS if not lo <= p <= hi]
-    for port in random.sample(ports, min(len(ports), 256)):
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free loopback port in {_ABOVE_RAY_WORKERS} outside {lo}-{hi}")
+    """A loopback port nothing listens on, outside Ray's worker ports and the kernel's ephemeral range
+    (``cluster.bench_cluster.free_port``, which the benchmark's clusters use too). A port the kernel
+    handed out (bind to 0) is from the range Ray's processes draw from while the app starts: once one
+    of them took it before the ingress bound it (EADDRINUSE, the module's start failed)."""
+    from cluster.bench_cluster import free_port as free_loopback_port
 
-
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(lo), int(hi)
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
+    return free_loopback_port()
 
 
 @contextmanager
