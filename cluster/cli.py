@@ -15,6 +15,9 @@ def _add_make_tiny_model(sub: argparse._SubParsersAction) -> None:
     p.add_argument("dir", help="output directory")
     p.add_argument("--family", choices=FAMILIES, required=True)
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    p.add_argument(
+        "--variant", default="base", help="a family's alternative recipe (gemma4: k_eq_v, moe, unshared)"
+    )
     for field in dataclasses.fields(ModelSize):
         p.add_argument(f"--{field.name.replace('_', '-')}", type=int, default=None)
     p.set_defaults(func=_cmd_make_tiny_model)
@@ -27,7 +30,7 @@ def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
         if getattr(args, f.name) is not None
     }
     size = dataclasses.replace(PRESETS[args.preset], **overrides)
-    out = make_tiny_model(args.dir, args.family, size)
+    out = make_tiny_model(args.dir, args.family, size, args.variant)
     print(f"wrote {args.family} ({args.preset}) to {out}")
     return 0
 

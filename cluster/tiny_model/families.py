@@ -1,5 +1,5 @@
 """Write a complete, loadable HF model directory for a tiny random-weight Qwen2-VL, Qwen2.5-VL, Qwen2-Audio
-or Gemma 3.
+Gemma 3 or Gemma 4.
 
 Same flags give byte-identical files: the tokenizer is trained on the shipped corpus and every weight
 is drawn from a generator seeded by ``seed`` and the parameter's name, in a fixed order.
@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from cluster.tiny_model.gemma3 import build_gemma3, gemma3_tokenizer, save_gemma3_processor
+from cluster.tiny_model.gemma4 import build_gemma4, gemma4_tokenizer, save_gemma4_processor
 from cluster.tiny_model.qwen3_vl import build_qwen3_vl, save_qwen3_vl_processor
 from cluster.tiny_model.qwen_vl import qwen_token_ids, qwen_vl_config
 from cluster.tiny_model.tokenizer import QWEN2_AUDIO_CHAT_TEMPLATE, QWEN2_VL_CHAT_TEMPLATE, train_tokenizer
@@ -178,6 +179,7 @@ _BUILDERS = {
     "qwen2-audio": _build_qwen2_audio,
     "qwen3-vl": build_qwen3_vl,
     "gemma3": build_gemma3,
+    "gemma4": build_gemma4,
 }
 
 
@@ -197,9 +199,11 @@ def _init_weights(model: torch.nn.Module, seed: int, norm_jitter: float = 0.0) -
                     p.copy_(1.0 + norm_jitter * torch.randn(p.shape, generator=gen))
                 else:
                     p.zero_()
+            elif name.endswith(("router.scale", "router.per_expert_scale")):  # Gemma 4's MoE router: gains
+                p.copy_(1.0 + norm_jitter * torch.randn(p.shape, generator=gen))
             elif p.ndim == 1:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-            elif "embed_tokens" in name or "embed_positions" in name:
+            elif "embed_tokens" in name or "embed_positions" in name or "position_embedding_table" in name:
                 p.copy_(torch.randn(p.shape, generator=gen))
             else:
                 fan_in = math.prod(p.shape[1:])
@@ -212,6 +216,9 @@ def _save_processor(family: str, out: Path, tok) -> None:  # type: ignore[no-unt
         return
     if family == "gemma3":
         save_gemma3_processor(str(out), tok)
+        return
+    if family == "gemma4":
+        save_gemma4_processor(str(out), tok)
         return
     if family in VL_FAMILIES:
         from transformers import (
@@ -242,10 +249,15 @@ def _save_processor(family: str, out: Path, tok) -> None:  # type: ignore[no-unt
     proc.save_pretrained(str(out))
 
 
-def make_tiny_model(out_dir: str | Path, family: str, size: ModelSize | None = None) -> Path:
-    """Write config.json, model.safetensors, tokenizer and processor files for ``family`` to ``out_dir``."""
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+def make_tiny_model(
+    out_dir: str | Path, family: str, size: ModelSize | None = None, variant: str = "base"
+) -> Path:
+    """Write config.json, model.safetensors, tokenizer and processor files for ``family`` to ``out_dir``
+    (``variant``: a family's alternative recipe, Gemma 4's ``cluster.tiny_model.gemma4.VARIANTS``)."""
+    if variant != "base" and family != "gemma4":
+        raise ValueError(f"family {family!r} has no variants")
+    if family not in _BUILDERS:
+        raise ValueError(f"unknown family {family!r}; choose one of {', '.join(_BUILDERS)}")
     size = size or PRESETS["tiny"]
     if size.hidden_size % size.num_heads or size.num_heads % size.num_kv_heads:
         raise ValueError("hidden_size must divide by num_heads, and num_heads by num_kv_heads")
@@ -255,14 +267,16 @@ def make_tiny_model(out_dir: str | Path, family: str, size: ModelSize | None = N
     out.mkdir(parents=True, exist_ok=True)
     if family == "gemma3":
         tok = gemma3_tokenizer(size.vocab_size)
+    elif family == "gemma4":
+        tok = gemma4_tokenizer(size.vocab_size)
     else:
         template = QWEN2_VL_CHAT_TEMPLATE if family in VL_FAMILIES else QWEN2_AUDIO_CHAT_TEMPLATE
         tok = train_tokenizer(size.vocab_size, template)
     build = _BUILDERS[family]
-    config, model_cls = build(size, tok)
+    config, model_cls = build(size, tok, variant) if family == "gemma4" else build(size, tok)
     model = model_cls(config)
     _init_weights(
-        model, size.seed, norm_jitter=0.1 if family in ("qwen2.5-vl", "gemma3", "qwen3-vl") else 0.0
+        model, size.seed, norm_jitter=0.1 if family in ("qwen2.5-vl", "gemma3", "qwen3-vl", "gemma4") else 0.0
     )
     model.eval()
     config.save_pretrained(str(out))
@@ -275,6 +289,14 @@ def make_tiny_model(out_dir: str | Path, family: str, size: ModelSize | None = N
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     _save_processor(family, out, tok)
     (out / "mmserve_tiny.json").write_text(
-        json.dumps({"family": family, **dataclasses.asdict(size)}, indent=2, sort_keys=True)
+        json.dumps(
+            {
+                "family": family,
+                **dataclasses.asdict(size),
+                **({"variant": variant} if variant != "base" else {}),
+            },
+            indent=2,
+            sort_keys=True,
+        )
     )
     return out
