@@ -13,6 +13,10 @@ Which keys a query at position ``q`` sees (``k`` over the sequence's context)::
     + spans           or (q and k in the same bidirectional span: Gemma 3's image soft tokens)
     + sliding window  and k > q - window      (local layers only; ``forward(..., sliding_window=W)``)
 
+A layer may attend causally despite the spans (``forward(..., bidirectional=False)``: Gemma 4's full
+layers), and may read another layer's cache without writing (``k = v = None``: Gemma 4's KV-shared
+layers; the cache is the source layer's).
+
 A bidirectional span must lie whole inside the context of any chunk that queries it (the scheduler
 never ends a chunk inside one), so an image token sees every token of its image, as in transformers'
 ``token_type_ids`` masks. Blocks that fall out of every layer's window stay allocated.
@@ -43,8 +47,13 @@ class SeqAttention:
     spans: tuple[Span, ...] = ()
     _window_masks: dict[int, torch.Tensor | None] = field(default_factory=dict, repr=False)
 
-    def mask_for(self, sliding_window: int | None) -> torch.Tensor | None:
-        """The full-attention mask, or the one of a local layer seeing ``sliding_window`` tokens."""
+    _causal_mask: torch.Tensor | None = field(default=None, repr=False)
+
+    def mask_for(self, sliding_window: int | None, bidirectional: bool = True) -> torch.Tensor | None:
+        """The full-attention mask, or the one of a local layer seeing ``sliding_window`` tokens;
+        ``bidirectional=False``: causal even inside the spans."""
+        if not bidirectional and self.spans:
+            return self._causal_for(sliding_window)
         if sliding_window is None:
             return self.mask
         if sliding_window not in self._window_masks:
@@ -52,12 +61,25 @@ class SeqAttention:
             if ctx <= sliding_window:  # the window covers the whole context
                 self._window_masks[sliding_window] = self.mask
             else:
-                device = self.context_slots.device
-                k_pos = torch.arange(ctx, device=device)
-                q_pos = torch.arange(self.pos_start, self.pos_start + self.q_len, device=device)
-                near = k_pos[None, :] > q_pos[:, None] - sliding_window
+                near = self._near(sliding_window)
                 self._window_masks[sliding_window] = near if self.mask is None else near & self.mask
         return self._window_masks[sliding_window]
+
+    def _near(self, sliding_window: int) -> torch.Tensor:
+        device = self.context_slots.device
+        k_pos = torch.arange(self.context_slots.numel(), device=device)
+        q_pos = torch.arange(self.pos_start, self.pos_start + self.q_len, device=device)
+        return k_pos[None, :] > q_pos[:, None] - sliding_window
+
+    def _causal_for(self, sliding_window: int | None) -> torch.Tensor:
+        if self._causal_mask is None:
+            device = self.context_slots.device
+            k_pos = torch.arange(self.context_slots.numel(), device=device)
+            q_pos = torch.arange(self.pos_start, self.pos_start + self.q_len, device=device)
+            self._causal_mask = k_pos[None, :] <= q_pos[:, None]
+        if sliding_window is None:
+            return self._causal_mask
+        return self._causal_mask & self._near(sliding_window)
 
 
 @dataclass
@@ -98,12 +120,13 @@ class PagedAttention(Protocol):
     def forward(
         self,
         q: torch.Tensor,  # [T, num_heads, head_dim]
-        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
-        v: torch.Tensor,
+        k: torch.Tensor | None,  # [T, num_kv_heads, head_dim]; None: read kv_cache, write nothing
+        v: torch.Tensor | None,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,  # a local layer: each query sees its last W positions
+        bidirectional: bool = True,  # False: causal inside the bidirectional spans too
     ) -> torch.Tensor: ...  # [T, num_heads, head_dim]
 
 
@@ -182,18 +205,19 @@ def _decode_group(
 
 
 class TorchPagedAttention:
-    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window=None):  # type: ignore[no-untyped-def]
-        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window=None, bidirectional=True):  # type: ignore[no-untyped-def]
+        num_kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
         k_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)
         v_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
-        k_flat.index_copy_(0, meta.slot_mapping, k)
-        v_flat.index_copy_(0, meta.slot_mapping, v)
+        if k is not None:  # None: a KV-shared layer, reading its source layer's cache
+            k_flat.index_copy_(0, meta.slot_mapping, k)
+            v_flat.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
         for s in meta.seqs:
             qq = q[s.q_start : s.q_start + s.q_len].transpose(0, 1)[None]
             kk = k_flat[s.context_slots].transpose(0, 1)[None]
             vv = v_flat[s.context_slots].transpose(0, 1)[None]
-            mask = s.mask_for(sliding_window)
+            mask = s.mask_for(sliding_window, bidirectional)
             o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale, enable_gqa=True)
             out[s.q_start : s.q_start + s.q_len] = o[0].transpose(0, 1)
         if (g := meta.decode) is not None:

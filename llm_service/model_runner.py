@@ -41,18 +41,20 @@ class ModelRunner:
         load_weights(model, config.model)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.num_blocks = config.num_kv_blocks or self._derive_num_blocks()
-        cfg, bs = self.text_config, config.block_size
-        shape = (2, self.num_blocks, bs, cfg.num_kv_heads, cfg.head_dim)
+        nb, bs = self.num_blocks, config.block_size
+        # one cache per KV-writing layer (Gemma 4: shared layers own none, full layers are wider)
         self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)
+            torch.zeros((2, nb, bs, h, d), dtype=self.dtype, device=self.device)
+            for h, d in self.text_config.kv_layer_specs()
         ]
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
 
     @property
     def block_bytes(self) -> int:
-        cfg = self.text_config
+        """One block's K and V over every layer that writes KV (what a block of tokens costs)."""
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * cfg.num_layers * self.config.block_size * cfg.num_kv_heads * cfg.head_dim * elem
+        per_token = sum(h * d for h, d in self.text_config.kv_layer_specs())
+        return 2 * self.config.block_size * per_token * elem
 
     def _derive_num_blocks(self) -> int:
         c = self.config
@@ -149,11 +151,14 @@ class ModelRunner:
         ]
         return torch.cat(tensors, dim=-1)
 
-    def _embeds_all(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Every chunk's input rows, in batch order: one embedding lookup for the whole batch, then each
-        chunk's slices of its media items' embeddings written over their placeholder rows."""
+    def _ids_all(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         ids = [t for c in chunks for t in _token_ids(c.request, c.start, c.start + c.num_tokens)]
-        emb = self.model.embed_tokens(torch.tensor(ids, dtype=torch.long, device=self.device))
+        return torch.tensor(ids, dtype=torch.long, device=self.device)
+
+    def _embeds_all(self, chunks: list[ScheduledChunk], ids: torch.Tensor) -> torch.Tensor:
+        """Every chunk's input rows, in batch order: one embedding lookup for the whole batch (``ids``),
+        then each chunk's slices of its media items' embeddings written over their placeholder rows."""
+        emb = self.model.embed_tokens(ids)
         width = getattr(self.model, "mm_row_width", emb.shape[1])
         if width > emb.shape[1]:  # DeepStack (Qwen3-VL): an item's levels ride after its main columns
             emb = torch.cat([emb, emb.new_zeros(emb.shape[0], width - emb.shape[1])], dim=1)
@@ -175,7 +180,8 @@ class ModelRunner:
         chunks = out.chunks
         if not chunks:
             return {}
-        embeds = self._embeds_all(chunks)
+        ids = self._ids_all(chunks)
+        embeds = self._embeds_all(chunks, ids)
         positions = self._positions_all(chunks)
         meta = build_metadata(
             [(c.start, c.num_tokens, c.block_table) for c in chunks],
@@ -183,7 +189,10 @@ class ModelRunner:
             self.device,
             [c.request.attention_spans for c in chunks],
         )
-        hidden = self.model(embeds, positions, self.kv_caches, meta)
+        if getattr(self.model, "takes_token_ids", False):  # Gemma 4's per-layer embeddings
+            hidden = self.model(embeds, positions, self.kv_caches, meta, token_ids=ids)
+        else:
+            hidden = self.model(embeds, positions, self.kv_caches, meta)
         _check_finite(chunks, hidden)
         rows, sampling = [], []
         end = 0

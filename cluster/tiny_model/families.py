@@ -272,8 +272,10 @@ def make_tiny_model(
     else:
         template = QWEN2_VL_CHAT_TEMPLATE if family in VL_FAMILIES else QWEN2_AUDIO_CHAT_TEMPLATE
         tok = train_tokenizer(size.vocab_size, template)
-    build = _BUILDERS[family]
-    config, model_cls = build(size, tok, variant) if family == "gemma4" else build(size, tok)
+    if family == "gemma4":
+        config, model_cls = build_gemma4(size, tok, variant)
+    else:
+        config, model_cls = _BUILDERS[family](size, tok)
     model = model_cls(config)
     _init_weights(
         model, size.seed, norm_jitter=0.1 if family in ("qwen2.5-vl", "gemma3", "qwen3-vl", "gemma4") else 0.0

@@ -12,6 +12,8 @@ from pathlib import Path
 
 from llm_service.attention import PagedAttention
 from llm_service.models.gemma3 import Gemma3ForCausalLM, Gemma3TextConfig
+from llm_service.models.gemma4 import Gemma4ForCausalLM
+from llm_service.models.gemma4_config import Gemma4TextConfig
 from llm_service.models.qwen2 import PositionScheme, Qwen2ForCausalLM, TextConfig
 from llm_service.models.qwen3_vl import Qwen3VLForCausalLM, Qwen3VLTextConfig
 
@@ -31,6 +33,7 @@ DECODER_FAMILIES: dict[str, DecoderFamily] = {
     "qwen2_5_vl": DecoderFamily(Qwen2ForCausalLM, "mrope_abs_time", ("image", "video")),
     "gemma3": DecoderFamily(Gemma3ForCausalLM, "rope", ("image",), Gemma3TextConfig),
     "qwen3_vl": DecoderFamily(Qwen3VLForCausalLM, "mrope", ("image", "video"), Qwen3VLTextConfig),
+    "gemma4": DecoderFamily(Gemma4ForCausalLM, "rope", ("image", "audio"), Gemma4TextConfig),
 }
 
 

@@ -76,6 +76,11 @@ class TextConfig:
             tokens_per_second=tps,
         )
 
+    def kv_layer_specs(self) -> list[tuple[int, int]]:
+        """``(num_kv_heads, head_dim)`` of each KV cache the decoder writes, in layer order: one per layer
+        here (Gemma 4's KV-shared layers own none, and its full layers have other shapes)."""
+        return [(self.num_kv_heads, self.head_dim)] * self.num_layers
+
 
 def _eos_ids(d: Path, cfg: dict[str, Any], text: dict[str, Any]) -> tuple[int, ...]:
     gen_path = d / "generation_config.json"

@@ -14,13 +14,14 @@ LM_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
 LM_HEADS = ("lm_head.weight", "language_model.lm_head.weight")
 
 
-def _local_name(key: str) -> str | None:
+def _local_name(key: str, extra: tuple[str, ...] = ()) -> str | None:
+    """``extra``: the decoder's own top-level modules beyond these (``extra_weight_prefixes``)."""
     if key in LM_HEADS:
         return "lm_head.weight"
     for prefix in LM_PREFIXES:
         if key.startswith(prefix):
             rest = key[len(prefix) :]
-            if rest.startswith(("embed_tokens.", "layers.", "norm.")):
+            if rest.startswith(("embed_tokens.", "layers.", "norm.", *extra)):
                 return rest
             return None
     return None
@@ -32,10 +33,11 @@ def load_weights(model: Qwen2ForCausalLM, model_dir: str | Path) -> None:
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")
     params = dict(model.named_parameters())
     loaded: set[str] = set()
+    extra = tuple(getattr(model, "extra_weight_prefixes", ()))
     for f in files:
         with safe_open(str(f), framework="pt") as st:
             for key in st.keys():  # noqa: SIM118 (safe_open is not a dict)
-                name = _local_name(key)
+                name = _local_name(key, extra)
                 if name is None or name not in params:
                     continue
                 with torch.no_grad():
