@@ -91,6 +91,13 @@ def gemma3_largest_item(processor_config: Mapping[str, Any], limits: MediaSizeLi
     return int(processor_config.get("image_seq_length", 16 if not processor_config else 256))
 
 
+def gemma4_largest_item(processor_config: Mapping[str, Any], limits: MediaSizeLimits) -> int:
+    """A Gemma 4 image becomes at most ``max_soft_tokens`` soft tokens, whatever its size (280 in the
+    released checkpoints; {}: the tiny model's 70)."""
+    image = processor_config.get("image_processor") or {}
+    return int(image.get("max_soft_tokens", 70 if not processor_config else 280))
+
+
 @dataclass(frozen=True)
 class EncoderFamily:
     name: str  # user-facing family name: the tiny generator's --family, the config's `tiny`
@@ -143,6 +150,13 @@ ENCODER_FAMILIES: dict[str, EncoderFamily] = {
         "encoder_service.processors.gemma3:Gemma3Family",
         "encoder_service.models.gemma3_vision:Gemma3VisionEncoder",
         gemma3_largest_item,
+    ),
+    "gemma4": EncoderFamily(
+        "gemma4",
+        ("image",),
+        "encoder_service.processors.gemma4:Gemma4Family",
+        "encoder_service.models.gemma4_vision:Gemma4VisionEncoder",
+        gemma4_largest_item,
     ),
     "qwen2_audio": EncoderFamily(
         "qwen2-audio",

@@ -23,7 +23,7 @@ from cluster.tiny_model.qwen3_vl import build_qwen3_vl, save_qwen3_vl_processor
 from cluster.tiny_model.qwen_vl import qwen_token_ids, qwen_vl_config
 from cluster.tiny_model.tokenizer import QWEN2_AUDIO_CHAT_TEMPLATE, QWEN2_VL_CHAT_TEMPLATE, train_tokenizer
 
-FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen2-audio", "gemma3", "qwen3-vl")
+FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen2-audio", "gemma3", "qwen3-vl", "gemma4")
 VL_FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")
 
 

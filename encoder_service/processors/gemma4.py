@@ -1,0 +1,58 @@
+"""Gemma 4: each image is resized keeping its aspect ratio to at most ``max_soft_tokens`` x k^2 patches
+(k: the pooling kernel) and becomes one soft token per k x k patches, written into the prompt as HF's
+``Gemma4Processor`` writes it::
+
+    template:  ...<|image|>...
+    prompt:    ...<|image><|image|> x N<image|>...
+
+``prompt_text`` widens each image marker of the templated text that way (one soft token, which the
+preprocessor repeats N times like any placeholder, N from the item's own processing), so the text
+around it tokenizes exactly as HF's processor tokenizes it. The item's tensors are its real patches
+only (the processor pads every image to ``max_soft_tokens`` x k^2 patches; the padding carries no
+information and the tower does not need it) and their (x, y) positions.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from encoder_service.media.limits import MediaLimits
+from encoder_service.processors.base import FamilyProcessor, ProcessedItem, processor_config
+from encoder_service.types import Modality
+
+
+class Gemma4Family(FamilyProcessor):
+    modalities: tuple[Modality, ...] = ("image",)
+    placeholder_tokens: ClassVar[dict[Modality, str]] = {"image": "<|image|>"}
+    uses_mrope = False
+
+    def __init__(self, hf_processor: Any, limits: MediaLimits) -> None:
+        super().__init__(hf_processor)
+        tok = hf_processor.tokenizer
+        self.placeholder_token_ids = {"image": int(tok.image_token_id)}  # the checkpoint's own name for it
+        self.limits = limits
+        self.image_token = str(tok.image_token)
+        self.image_text = f"{tok.boi_token}{tok.image_token}{tok.eoi_token}"
+        image = hf_processor.image_processor
+        self.pooling = int(image.pooling_kernel_size)
+        self._hash_kwargs = processor_config(image)
+
+    def prompt_text(self, text: str) -> str:
+        return text.replace(self.image_token, self.image_text)
+
+    def hash_kwargs(self, modality: Modality) -> dict[str, Any]:
+        return self._hash_kwargs
+
+    def log_kwargs(self, modality: Modality) -> dict[str, Any]:
+        image = self.hf.image_processor
+        return {"max_soft_tokens": image.max_soft_tokens, "patch_size": image.patch_size}
+
+    def process(self, modality: Modality, value: Any) -> ProcessedItem:
+        out = self.hf.image_processor(images=[value], return_tensors="pt")
+        n = int(out["num_soft_tokens_per_image"][0])
+        real = n * self.pooling**2  # the padding patches come last
+        tensors = {
+            "pixel_values": out["pixel_values"][0, :real],
+            "image_position_ids": out["image_position_ids"][0, :real],
+        }
+        return ProcessedItem(tensors, n, None)
