@@ -93,9 +93,11 @@ def gemma3_largest_item(processor_config: Mapping[str, Any], limits: MediaSizeLi
 
 def gemma4_largest_item(processor_config: Mapping[str, Any], limits: MediaSizeLimits) -> int:
     """A Gemma 4 image becomes at most ``max_soft_tokens`` soft tokens, whatever its size (280 in the
-    released checkpoints; {}: the tiny model's 70)."""
+    released checkpoints; {}: the tiny model's 70); an audio clip at most ``audio_seq_length`` (750:
+    the feature extractor keeps 30 s, one soft token per 40 ms)."""
     image = processor_config.get("image_processor") or {}
-    return int(image.get("max_soft_tokens", 70 if not processor_config else 280))
+    image_max = int(image.get("max_soft_tokens", 70 if not processor_config else 280))
+    return max(image_max, int(processor_config.get("audio_seq_length", 750)))
 
 
 @dataclass(frozen=True)
@@ -153,9 +155,9 @@ ENCODER_FAMILIES: dict[str, EncoderFamily] = {
     ),
     "gemma4": EncoderFamily(
         "gemma4",
-        ("image",),
+        ("image", "audio"),
         "encoder_service.processors.gemma4:Gemma4Family",
-        "encoder_service.models.gemma4_vision:Gemma4VisionEncoder",
+        "encoder_service.models.gemma4:Gemma4Encoder",
         gemma4_largest_item,
     ),
     "qwen2_audio": EncoderFamily(

@@ -183,8 +183,10 @@ class Gemma4VisionLayer(nn.Module):
 
 
 class Gemma4VisionEncoder(EncoderModel):
+    """The vision side alone (``encoder_service/models/gemma4.py`` adds the audio tower)."""
+
     family = "gemma4"
-    modalities = ("image",)
+    modalities: tuple[str, ...] = ("image",)
 
     def __init__(self, config: dict, tp: TPContext) -> None:
         super().__init__()

@@ -33,7 +33,7 @@ DECODER_FAMILIES: dict[str, DecoderFamily] = {
     "qwen2_5_vl": DecoderFamily(Qwen2ForCausalLM, "mrope_abs_time", ("image", "video")),
     "gemma3": DecoderFamily(Gemma3ForCausalLM, "rope", ("image",), Gemma3TextConfig),
     "qwen3_vl": DecoderFamily(Qwen3VLForCausalLM, "mrope", ("image", "video"), Qwen3VLTextConfig),
-    "gemma4": DecoderFamily(Gemma4ForCausalLM, "rope", ("image",), Gemma4TextConfig),
+    "gemma4": DecoderFamily(Gemma4ForCausalLM, "rope", ("image", "audio"), Gemma4TextConfig),
 }
 
 

@@ -68,3 +68,34 @@ def test_bad_patches_are_refused_by_name(model_dir: Path) -> None:
     wrong = EncoderInput("wrong", "image", good.num_embeds - 1, None, good.tensors)
     with pytest.raises(ValueError, match=f"record says {good.num_embeds - 1} embeddings"):
         runner.encode([wrong])
+
+
+def test_conformer_equals_hf_and_mixes_with_images(model_dir: Path) -> None:
+    """Clips whose last log-mel frames are padding (masked) and one that fills its frames; one batch
+    holding an image and two clips gives each item what its tower alone gives."""
+    from transformers import Gemma4ForConditionalGeneration
+
+    from tests.media import make_audio_array
+
+    hf = Gemma4ForConditionalGeneration.from_pretrained(model_dir).eval()
+    fam = Gemma4Family(processor(model_dir), MediaLimits())
+    runner = EncoderRunner(model_dir, device="cpu")
+    clips = []
+    for secs, freq in ((0.5, 300.0), (1.37, 500.0), (3.0, 200.0)):
+        out = fam.process("audio", make_audio_array(secs, freq=freq))
+        clips.append(EncoderInput(f"clip-{secs}", "audio", out.num_embeds, None, out.tensors))
+    assert not bool(clips[0].tensors["input_features_mask"].all())  # the padding is masked
+    for clip in clips:
+        (ours,) = runner.encode([clip])
+        with torch.no_grad():
+            o = hf.model.get_audio_features(
+                clip.tensors["input_features"], clip.tensors["input_features_mask"]
+            )
+        ref = o.pooler_output[o.attention_mask]
+        assert ours.shape == ref.shape == (clip.num_embeds, 64)
+        torch.testing.assert_close(ours, ref, atol=ATOL, rtol=RTOL)
+    image = gemma4_image(model_dir, 64, 48, 1)
+    mixed = runner.encode([clips[0], image, clips[1]])
+    alone = [runner.encode([x])[0] for x in (clips[0], image, clips[1])]
+    for a, b in zip(mixed, alone, strict=True):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL)
