@@ -91,3 +91,42 @@ def test_preprocess_encode_generate_equals_hf(parts, name: str) -> None:  # type
     with torch.no_grad():
         ref = hf.generate(**inputs, max_new_tokens=N, do_sample=False)[0, len(out.prompt_token_ids) :]
     assert ours.token_ids == ref.tolist()
+
+
+def test_multi_turn_chat_equals_hf(parts) -> None:  # type: ignore[no-untyped-def]
+    """An image and a clip in the first user turn, the model's answer, a follow-up: same prompt ids and
+    greedy answer as HF's template + processor + generate."""
+    pre, runner, engine, hf = parts
+    image, clip = make_image_bytes(90, 60, seed=8), make_audio_bytes(0.6, seed=9)
+    first = [
+        {"type": "image", "media": MediaRef("image", data=image)},
+        {"type": "audio", "media": MediaRef("audio", data=clip)},
+        {"type": "text", "text": "what are these?"},
+    ]
+    turns = [
+        {"role": "assistant", "content": "a picture and a tone"},
+        {"role": "user", "content": "which is louder?"},
+    ]
+    out = pre.preprocess_sync([{"role": "user", "content": first}, *turns])
+    embeds = runner.encode([it.encoder_input for it in out.items])
+    mm = [
+        MultiModalInput(e, it.placeholder.offset, it.mm_hash, it.modality)
+        for it, e in zip(out.items, embeds, strict=True)
+    ]
+    (ours,) = engine.generate([GenerateRequest(out.prompt_token_ids, SamplingParams(max_tokens=N), mm)])
+    proc = pre.family.hf
+    hf_first = [{"type": "image"}, {"type": "audio"}, {"type": "text", "text": "what are these?"}]
+    text = proc.apply_chat_template(
+        [{"role": "user", "content": hf_first}, *turns], add_generation_prompt=True
+    )
+    assert text.count("<|turn>") == 4  # three turns and the generation prompt
+    inputs = proc(
+        text=[text],
+        images=[Image.open(io.BytesIO(image)).convert("RGB")],
+        audio=[sf.read(io.BytesIO(clip), dtype="float32")[0]],
+        return_tensors="pt",
+    )
+    assert inputs["input_ids"][0].tolist() == out.prompt_token_ids
+    with torch.no_grad():
+        ref = hf.generate(**inputs, max_new_tokens=N, do_sample=False)[0, len(out.prompt_token_ids) :]
+    assert ours.token_ids == ref.tolist()
