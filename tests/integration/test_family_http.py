@@ -9,6 +9,7 @@ for each (parametrized), in one Ray start.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +43,7 @@ class Family:
     # the preempted burst costs this module most of a minute per family; Gemma 4's preemption is
     # checked against HF without Ray (tests/unit/llm/test_engine_gemma4.py), within the CI budget
     burst: bool = True
+    llm_replicas: int = 1  # 2: its encoder outputs are shown shared across LLM replicas
 
     @property
     def model(self) -> str:
@@ -53,7 +55,15 @@ FAMILIES = [
     Family("qwen3-vl", video=True, embeds_224=49),  # patch 16: 224 px -> 14x14 patches -> 7x7
     Family("gemma3", video=False, embeds_224=16, burst_images=4, max_num_batched_tokens=24),
     # Gemma 4: a 224x224 image is 96x96 pixels of 4x4 patches, pooled 3x3: 64 soft tokens, in one chunk
-    Family("gemma4", video=False, embeds_224=64, max_num_batched_tokens=72, audio=True, burst=False),
+    Family(
+        "gemma4",
+        video=False,
+        embeds_224=64,
+        max_num_batched_tokens=72,
+        audio=True,
+        burst=False,
+        llm_replicas=2,
+    ),
 ]
 MAX_TOKENS = 8
 VIDEO_FPS = 1.0  # not the default 2: positions depend on the per-video second_per_grid_ts
@@ -69,7 +79,11 @@ def _model_config(f: Family) -> dict[str, Any]:
     return {
         "name": f.model,
         "tiny": f.tiny,
-        "llm": {**ENGINE, "max_num_batched_tokens": f.max_num_batched_tokens},
+        "llm": {
+            **ENGINE,
+            "max_num_batched_tokens": f.max_num_batched_tokens,
+            **({"deployment": {"num_replicas": f.llm_replicas}} if f.llm_replicas > 1 else {}),
+        },
         "encoder": {"cache_index_shards": 1},  # one shard actor per model: a cheaper start
         "preprocess": {
             "limit_mm_per_prompt": {
@@ -120,11 +134,35 @@ def _hf(
     return hf_generate(model_dir, [{"role": "user", "content": content}], max_tokens, **media)
 
 
+_LOOP = asyncio.new_event_loop()  # Serve's handles here keep their router on the loop that made them
+
+
 def _llm_stats(f: Family) -> dict[str, Any]:
     from ray import serve
 
-    handle = serve.get_deployment_handle(f"LLMServer-{f.model}", app_name="mmserve")
-    return dict(handle.stats.remote().result(timeout_s=30))
+    async def ask() -> dict[str, Any]:  # a handle whose router runs on its caller's loop
+        handle = serve.get_deployment_handle(f"LLMServer-{f.model}", app_name="mmserve")
+        return dict(await handle.stats.remote())
+
+    return _LOOP.run_until_complete(ask())
+
+
+def _replica_stats(f: Family) -> dict[str, dict[str, Any]]:
+    """Each LLM replica's own counters, asked of it by name (the router honours ``target_replica``)."""
+    import ray
+    from ray import serve
+
+    from llm_service.request_spec import ReplicaTarget
+
+    prefix = f"SERVE_REPLICA::mmserve#LLMServer-{f.model}#"
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+    ids = [n.rsplit("#", 1)[-1] for n in names if n.startswith(prefix)]
+
+    async def ask() -> dict[str, dict[str, Any]]:
+        handle = serve.get_deployment_handle(f"LLMServer-{f.model}", app_name="mmserve")
+        return {rid: dict(await handle.stats.remote(ReplicaTarget(rid))) for rid in ids}
+
+    return _LOOP.run_until_complete(ask())
 
 
 @pytest.mark.parametrize("f", FAMILIES, ids=lambda f: f.tiny)
@@ -217,3 +255,47 @@ def test_audio_and_image_with_audio_equal_hf(app: dict[str, Any], f: Family) -> 
         model_dir, [{"role": "user", "content": hf_content}], MAX_TOKENS, images=[image], audio=[waveform]
     )
     assert served == expected
+
+
+@pytest.mark.parametrize("f", [f for f in FAMILIES if f.llm_replicas > 1], ids=lambda f: f.tiny)
+def test_repeated_media_is_one_encoder_forward_across_llm_replicas(app: dict[str, Any], f: Family) -> None:
+    """Ten conversations, each with the same image and the same clip: the encoder pool runs each item
+    once, every other request takes its embeddings from the shared encoder cache, and every answer
+    equals HF's. The last nine arrive together: the prefix router keeps them on the replica holding
+    their common first block until it is 5 requests busier than the other (``balance_abs_threshold``
+    4), so both replicas serve some."""
+    import io
+
+    import httpx
+    import soundfile as sf
+
+    wav = make_audio_bytes(0.8, freq=440.0, seed=7)
+    clip = {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}}
+    part, image = _image(80, 96, 34)
+    texts = [f"Conversation {i}: " + " ".join(f"w{i * 7 + k}" for k in range(12)) for i in range(10)]
+    stats_url = str(app["client"].base_url).replace("/v1/", "/stats")
+    dispatched = lambda: httpx.get(stats_url).json()[f.model]["encoder_items_dispatched"]  # noqa: E731
+    before, replicas_before = dispatched(), _replica_stats(f)
+    assert len(replicas_before) == 2
+    first, _ = _ask(app["client"], f.model, [{"type": "text", "text": texts[0]}, part, clip])
+    assert dispatched() - before == 2  # the image and the clip, encoded once each
+    with ThreadPoolExecutor(len(texts) - 1) as pool:
+        rest = list(
+            pool.map(
+                lambda t: _ask(app["client"], f.model, [{"type": "text", "text": t}, part, clip])[0],
+                texts[1:],
+            )
+        )
+    assert dispatched() - before == 2  # nine more requests, no encoder forward
+    after = _replica_stats(f)
+    served = {
+        rid: after[rid]["prefix_query_tokens"] - s["prefix_query_tokens"]
+        for rid, s in replicas_before.items()
+    }
+    assert all(n > 0 for n in served.values()), served  # both replicas used the cached embeddings
+    waveform = sf.read(io.BytesIO(wav), dtype="float32")[0]
+    model_dir = app["cache_dir"] / f.model
+    for text, got in zip(texts, [first, *rest], strict=True):
+        hf_content = [{"type": "text", "text": text}, {"type": "image"}, {"type": "audio"}]
+        messages = [{"role": "user", "content": hf_content}]
+        assert got == hf_generate(model_dir, messages, MAX_TOKENS, images=[image], audio=[waveform]), text
