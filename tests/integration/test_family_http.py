@@ -40,9 +40,6 @@ class Family:
     # other request decodes in that step, so concurrent requests would take turns instead of preempting.
     max_num_batched_tokens: int = 16
     audio: bool = False  # the family takes audio too
-    # the preempted burst costs this module most of a minute per family; Gemma 4's preemption is
-    # checked against HF without Ray (tests/unit/llm/test_engine_gemma4.py), within the CI budget
-    burst: bool = True
     llm_replicas: int = 1  # 2: its encoder outputs are shown shared across LLM replicas
 
     @property
@@ -61,7 +58,6 @@ FAMILIES = [
         embeds_224=64,
         max_num_batched_tokens=72,
         audio=True,
-        burst=False,
         llm_replicas=2,
     ),
 ]
@@ -137,14 +133,9 @@ def _hf(
 _LOOP = asyncio.new_event_loop()  # Serve's handles here keep their router on the loop that made them
 
 
-def _llm_stats(f: Family) -> dict[str, Any]:
-    from ray import serve
-
-    async def ask() -> dict[str, Any]:  # a handle whose router runs on its caller's loop
-        handle = serve.get_deployment_handle(f"LLMServer-{f.model}", app_name="mmserve")
-        return dict(await handle.stats.remote())
-
-    return _LOOP.run_until_complete(ask())
+def _preemptions(f: Family) -> int:
+    """Preemptions so far, over every LLM replica of the family."""
+    return sum(int(s["num_preemptions"]) for s in _replica_stats(f).values())
 
 
 def _replica_stats(f: Family) -> dict[str, dict[str, Any]]:
@@ -158,7 +149,7 @@ def _replica_stats(f: Family) -> dict[str, dict[str, Any]]:
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
     ids = [n.rsplit("#", 1)[-1] for n in names if n.startswith(prefix)]
 
-    async def ask() -> dict[str, dict[str, Any]]:
+    async def ask() -> dict[str, dict[str, Any]]:  # a handle whose router runs on its caller's loop
         handle = serve.get_deployment_handle(f"LLMServer-{f.model}", app_name="mmserve")
         return {rid: dict(await handle.stats.remote(ReplicaTarget(rid))) for rid in ids}
 
@@ -215,19 +206,19 @@ def test_video_at_non_default_fps_equals_hf(app: dict[str, Any], f: Family) -> N
     assert served == _hf(f, app, 0, "what?", **videos)  # Qwen3-VL: timestamped runs, one per patch
 
 
-@pytest.mark.parametrize("f", [f for f in FAMILIES if f.burst], ids=lambda f: f.tiny)
+@pytest.mark.parametrize("f", FAMILIES, ids=lambda f: f.tiny)
 def test_preempted_burst_equals_hf(app: dict[str, Any], f: Family) -> None:
     """Four concurrent requests of about 100 prompt tokens + 40 generated on a 160-token KV pool: two
     cannot run at once, so requests are preempted (their KV freed) and recomputed; every answer still
     equals transformers'."""
-    before = _llm_stats(f)["num_preemptions"]
+    before = _preemptions(f)
     n = 40
     cases = [((224 - 28 * (i % 2), 224, 60 + i), f"Describe picture {i}.") for i in range(4)]
     k = f.burst_images
     asks = [[*[_image(*size)[0]] * k, {"type": "text", "text": text}] for size, text in cases]
     with ThreadPoolExecutor(len(asks)) as pool:
         served = list(pool.map(lambda c: _ask(app["client"], f.model, c, n)[0], asks))
-    assert _llm_stats(f)["num_preemptions"] > before
+    assert _preemptions(f) > before
     for (size, text), got in zip(cases, served, strict=True):
         assert got == _hf(f, app, k, text, n, images=[_image(*size)[1]] * k), size
 
