@@ -290,3 +290,21 @@ def test_repeated_media_is_one_encoder_forward_across_llm_replicas(app: dict[str
         hf_content = [{"type": "text", "text": text}, {"type": "image"}, {"type": "audio"}]
         messages = [{"role": "user", "content": hf_content}]
         assert got == hf_generate(model_dir, messages, MAX_TOKENS, images=[image], audio=[waveform]), text
+
+
+@pytest.mark.parametrize("f", [f for f in FAMILIES if f.audio], ids=lambda f: f.tiny)
+def test_multi_turn_chat_equals_hf(app: dict[str, Any], f: Family) -> None:
+    """An image in the first user turn, the model's answer, a follow-up question."""
+    part, image = _image(72, 56, 35)
+    first = [part, {"type": "text", "text": "What is this?"}]
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": first},
+        {"role": "assistant", "content": "a small picture"},
+        {"role": "user", "content": "What colour is it?"},
+    ]
+    r = app["client"].chat.completions.create(
+        model=f.model, messages=messages, max_tokens=MAX_TOKENS, temperature=0
+    )
+    hf_messages = [{"role": "user", "content": [{"type": "image"}, first[1]]}, *messages[1:]]
+    expected = hf_generate(app["cache_dir"] / f.model, hf_messages, MAX_TOKENS, images=[image])
+    assert r.choices[0].message.content == expected

@@ -226,3 +226,30 @@ def test_sharing_admits_proportionally_more(monkeypatch, model_dir) -> None:
         assert eng.stats().num_running == eng.stats().num_total_blocks // 5  # 20 tokens: 5 blocks each
     assert admitted["unshared"][0] == 28 and admitted["shared"][0] == 49  # 28 x 1792 / 1024
     assert admitted["shared"][1] / admitted["unshared"][1] == 9 / 5
+
+
+def test_config_without_per_layer_config(model_dir) -> None:
+    """A config.json as released (``global_head_dim``, ``num_global_key_value_heads``, no
+    ``per_layer_config``) reads as transformers derives it; a shared layer with no producer of its kind
+    is refused."""
+    import json
+
+    from llm_service.models.gemma4_config import Gemma4TextConfig
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    text = {k: v for k, v in cfg["text_config"].items() if k != "per_layer_config"}
+    text.update(global_head_dim=32, num_global_key_value_heads=1)
+    plain = Gemma4TextConfig.from_hf_config(model_dir, {**cfg, "text_config": text}, "rope")
+    assert plain.layer_head_dims == (16, 32, 16, 16, 32) and plain.layer_kv_heads == (2,) * 5
+    keqv = Gemma4TextConfig.from_hf_config(
+        model_dir, {**cfg, "text_config": {**text, "attention_k_eq_v": True}}, "rope"
+    )
+    assert keqv.layer_kv_heads == (2, 1, 2, 2, 1)
+    assert keqv.kv_layer_specs() == [(2, 16), (1, 32), (2, 16)]
+    lonely = {
+        **text,
+        "layer_types": ["sliding_attention"] * 4 + ["full_attention"],
+        "num_kv_shared_layers": 1,
+    }
+    with pytest.raises(ValueError, match="no KV producer"):
+        Gemma4TextConfig.from_hf_config(model_dir, {**cfg, "text_config": lonely}, "rope")
