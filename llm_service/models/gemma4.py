@@ -7,7 +7,9 @@ Math as transformers 5.25's ``Gemma4TextModel``, so greedy outputs agree. Beyond
   gives every layer its own small input, gated into the residual after the MLP.
 - **KV-shared layers.** The last ``num_kv_shared_layers`` layers compute no K/V: they attend the cache
   of the last earlier layer of their kind and write nothing, so they own no cache (``kv_layer_specs``)
-  and a token's KV memory counts only the layers that write.
+  and a token's KV memory counts only the layers that write. Nothing of theirs is cached, so they run
+  on the last row of each chunk only (the row that may sample), as HF's ``_maybe_slice_kv_shared_inputs``
+  does for ``generate``: a prefill chunk of n tokens costs them 1 row, not n.
 - Full layers have their own head dim (and, with ``attention_k_eq_v``, their own KV heads and values
   taken from the key projection), and a "proportional" RoPE that rotates only part of each head.
 - Attention scale 1 (q, k and v are RMS-normed per head); RMSNorm multiplies by ``weight`` (not
@@ -23,7 +25,7 @@ import math
 import torch
 from torch import nn
 
-from llm_service.attention import AttentionMetadata, PagedAttention
+from llm_service.attention import AttentionMetadata, DecodeGroup, PagedAttention, SeqAttention
 from llm_service.models.gemma3 import ScaledEmbedding
 from llm_service.models.gemma4_config import Gemma4TextConfig, RopeSpec
 from llm_service.models.qwen2 import Qwen2ForCausalLM, TextConfig, rotate_half
@@ -200,6 +202,26 @@ class Gemma4DecoderLayer(nn.Module):
         return h * self.layer_scalar
 
 
+def last_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, AttentionMetadata]:
+    """The batch rows that end each sequence's chunk, and attention metadata for them alone: each one
+    query over its whole context (the last token of a chunk sees every earlier one, and a bidirectional
+    span never outlasts its chunk); they write nothing (no slots)."""
+    seqs: list[SeqAttention] = []
+    rows: list[int] = []
+    for s in meta.seqs:
+        last = s.q_start + s.q_len - 1
+        seqs.append(SeqAttention(len(rows), 1, s.context_slots, None, s.pos_start + s.q_len - 1, s.spans))
+        rows.append(last)
+    device = meta.slot_mapping.device
+    out = torch.tensor(rows, dtype=torch.long, device=device)
+    decode = None
+    if (g := meta.decode) is not None:
+        sub = torch.arange(len(rows), len(rows) + g.rows.numel(), device=device)
+        decode = DecodeGroup(sub, g.slots, g.valid, g.lengths)
+        out = torch.cat([out, g.rows])
+    return out, AttentionMetadata(meta.slot_mapping[:0], seqs, decode)
+
+
 class Gemma4ForCausalLM(Qwen2ForCausalLM):
     """Qwen2ForCausalLM's interface with Gemma 4's layers; ``forward`` also takes the batch's token ids
     (``takes_token_ids``: the runner passes them) for the per-layer embeddings. ``kv_caches`` holds one
@@ -225,6 +247,8 @@ class Gemma4ForCausalLM(Qwen2ForCausalLM):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.cache_index = cfg.kv_cache_index()
+        shared = [i for i, src in enumerate(cfg.kv_source) if src != i]
+        self.first_shared = shared[0] if shared else None
         if cfg.ple_dim:
             n = cfg.num_layers * cfg.ple_dim
             self.embed_tokens_per_layer = ScaledEmbedding(cfg.ple_vocab_size, n)
@@ -262,14 +286,20 @@ class Gemma4ForCausalLM(Qwen2ForCausalLM):
                 raise ValueError("Gemma 4's per-layer embeddings need the batch's token ids")
             ple = self.per_layer_inputs(inputs_embeds, token_ids)
         ropes: dict[tuple[bool, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        h = inputs_embeds
+        h, full, rows = inputs_embeds, None, None
         for i, layer in enumerate(self.layers):
+            if i == self.first_shared:  # from here on nothing is cached: only the chunks' last rows matter
+                rows, meta = last_rows(meta)
+                full, h, positions, ropes = h, h[rows], positions[rows], {}
+                ple = None if ple is None else ple[rows]
             attn = layer.self_attn
             key = (attn.sliding, attn.head_dim)
             if key not in ropes:
                 spec = c.rope_sliding if attn.sliding else c.rope_full
                 ropes[key] = rope_cos_sin(positions, attn.head_dim, spec, dtype)
             h = layer(h, None if ple is None else ple[:, i], ropes[key], kv_caches[self.cache_index[i]], meta)
+        if full is not None:  # rows other than the last of a chunk keep their pre-shared state (unused)
+            h = full.index_copy(0, rows, h)
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -253,3 +253,29 @@ def test_config_without_per_layer_config(model_dir) -> None:
     }
     with pytest.raises(ValueError, match="no KV producer"):
         Gemma4TextConfig.from_hf_config(model_dir, {**cfg, "text_config": lonely}, "rope")
+
+
+def test_shared_layers_run_on_each_chunks_last_row(gemma, model_dir) -> None:
+    """Prefill chunks of two prompts and later decodes: layers 0-2 see every row, the KV-shared layers
+    3-4 only the last row of each chunk (nothing of theirs is cached), and the answers equal HF's."""
+    cases = [
+        case(gemma, "a b c d e f g h i j k l m n o p"),
+        case(gemma, "<image>what is it", [image(64, 48, 9)]),
+    ]
+    eng = engine(model_dir, max_num_batched_tokens=96)
+    seen: dict[int, list[int]] = {0: [], 3: [], 4: []}
+    for i in seen:
+        eng.runner.model.layers[i].register_forward_pre_hook(
+            lambda _m, args, i=i: seen[i].append(args[0].shape[0])  # type: ignore[misc]
+        )
+    chunks: list[int] = []
+    real = eng.runner.execute
+
+    def spy(out):  # type: ignore[no-untyped-def]
+        chunks.append(len(out.chunks))
+        return real(out)
+
+    eng.runner.execute = spy  # type: ignore[method-assign]
+    assert run(eng, cases) == [hf_generate(gemma[0], c, N) for c in cases]
+    assert sum(seen[0]) > sum(chunks)  # the prompts' rows
+    assert seen[3] == seen[4] == chunks  # one row per chunk, every step
