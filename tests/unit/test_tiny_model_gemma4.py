@@ -35,10 +35,8 @@ def test_config_has_every_feature() -> None:
     cfg = json.loads((tiny_gemma4_dir() / "config.json").read_text())
     assert (cfg["model_type"], cfg["architectures"]) == ("gemma4", ["Gemma4ForConditionalGeneration"])
     text = cfg["text_config"]
-    assert text["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention"] * 1 + [
-        "sliding_attention",
-        "full_attention",
-    ]
+    s, f = "sliding_attention", "full_attention"
+    assert text["layer_types"] == [s, f, s, s, f]
     assert text["num_kv_shared_layers"] == 2 and text["hidden_size_per_layer_input"] > 0
     assert text["sliding_window"] == 8 and text["use_bidirectional_attention"] == "vision"
     assert {v["head_dim"] for v in text["per_layer_config"].values()} == {2 * text["head_dim"]}
