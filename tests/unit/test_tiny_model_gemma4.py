@@ -57,10 +57,15 @@ def test_variants() -> None:
         make_tiny_model("/nonexistent", "gemma3", variant="moe")
 
 
-def test_same_recipe_byte_identical(tmp_path: Path) -> None:
-    again = make_tiny_model(tmp_path / "again", "gemma4")
+def test_cli_same_recipe_byte_identical(tmp_path: Path) -> None:
+    from cluster.cli import main as cli_main
+
+    assert (
+        cli_main(["make-tiny-model", str(tmp_path / "again"), "--family", "gemma4", "--variant", "k_eq_v"])
+        == 0
+    )
     for name in FILES:
-        assert _sha(tiny_gemma4_dir() / name) == _sha(again / name), name
+        assert _sha(tiny_gemma4_dir("k_eq_v") / name) == _sha(tmp_path / "again" / name), name
 
 
 @pytest.mark.parametrize("variant", ["base", "k_eq_v", "moe"])
