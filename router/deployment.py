@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from ray import serve
 
 from router.admission import AdmissionController, AdmissionLimits
@@ -182,6 +182,15 @@ class IngressServer:
             return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
+    async def proxy_healthz(self) -> PlainTextResponse:
+        """Serve's proxy health route, answered as the proxy answers it (``success``; 503 while draining):
+        KubeRay's readiness probe on a worker pod runs ``wget -q -O- localhost:<serve port>/-/healthz |
+        grep success`` and its operator GETs the head's, so a pod whose ingress replica serves HTTP
+        directly is Ready, and in the Kubernetes Service, exactly while that replica takes requests."""
+        if self.admission.closed:
+            return PlainTextResponse("draining", status_code=503)
+        return PlainTextResponse("success")
+
     @fastapi_app.get("/stats")
     async def stats(self, request: Request) -> JSONResponse:
         """Operator view: encoder-cache counters and encoder items dispatched, per model;
@@ -236,6 +245,10 @@ def build_direct_app(server: IngressServer) -> FastAPI:
     @app.get("/health")
     async def health() -> JSONResponse:
         return await server.health()
+
+    @app.get("/-/healthz")
+    async def proxy_healthz() -> PlainTextResponse:
+        return await server.proxy_healthz()
 
     @app.get("/stats")
     async def stats(request: Request) -> JSONResponse:
