@@ -96,6 +96,15 @@ def _hit_path(m: IngressModel) -> Any:
     return preparer
 
 
+# Defined above the class: @serve.ingress pickles it by value, and its methods see only the module
+# globals that exist at that point (one defined below the class is a NameError inside the replica).
+def _server_error(e: BaseException) -> APIError:
+    name = type(e).__name__
+    if name in ("BackPressureError", "RayServeBackPressureError"):
+        return APIError(503, "the server is at capacity; retry later", code="overloaded", retry_after_s=1)
+    return APIError(500, "internal server error", code="internal_error")
+
+
 @serve.ingress(fastapi_app)
 class IngressServer:
     def __init__(
@@ -255,10 +264,3 @@ def build_direct_app(server: IngressServer) -> FastAPI:
         return await server.stats(request)
 
     return app
-
-
-def _server_error(e: BaseException) -> APIError:
-    name = type(e).__name__
-    if name in ("BackPressureError", "RayServeBackPressureError"):
-        return APIError(503, "the server is at capacity; retry later", code="overloaded", retry_after_s=1)
-    return APIError(500, "internal server error", code="internal_error")

@@ -159,9 +159,9 @@ def test_pools_scale_up_and_down_under_load_on_links_without_losing_a_request(ap
             answer = httpx.get(f"{app['url']}/stats", params={"pools": "true"}, timeout=30).json()
             one = answer[MODEL]["pools"]["preparing_replica"]
             preparing[one["replica_id"]] = one["link_calls"]
-        # Both answered, and prepares went by link. Not asserted per replica: one full-suite run saw
-        # a newly scaled-up encoder replica take none by link ({new: 0, old: 2703}) while the LLM
-        # pool's new replica did; standalone runs spread them (README, "Pools of many replicas").
+        # Both answered, and prepares went by link. Not asserted per replica: the counts run from each
+        # replica's start and the new one serves a short part of the load (README, "Pools of many
+        # replicas"); a new replica whose first link connection fails gets its prepares through Serve.
         print(f"prepares by link per encoder replica: {preparing}")
         assert preparing and sum(preparing.values()) > 0, f"prepares by link: {preparing}"
         load.clients(1)  # light load: the policies want one replica each again
