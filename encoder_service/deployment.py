@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +45,7 @@ class _Queued:
     item: EncoderInput
     request_id: str
     future: asyncio.Future[Any]
+    queued_at: float = 0.0  # time.perf_counter() at its push on the FIFO
 
     @property
     def num_embeds(self) -> int:
@@ -126,7 +128,9 @@ class EncoderPoolServer:
         for q in queued:
             self._queue.check(q, f"{q.item.modality} item {q.item.mm_hash[:12]}")
         self._queue.admit(queued)
+        now = time.perf_counter()
         for q in queued:
+            q.queued_at = now
             self._queue.push(q)
         self._metrics.queued.set(self._queued_embeds)
         self._wakeup.set()
@@ -167,7 +171,13 @@ class EncoderPoolServer:
         import ray
 
         items = [q.item for q in step]
+        start = time.perf_counter()
+        if (waited := self._metrics.encoder_queue) is not None:
+            for q in step:
+                waited.observe(start - q.queued_at)
         outputs = await self._encode(items)
+        if (encode := self._metrics.encode) is not None:
+            encode.observe(time.perf_counter() - start)
         done: list[tuple[_Queued, EncodedItem]] = []
         for q, out in zip(step, outputs, strict=True):
             tensor = out.detach().contiguous().cpu()

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from encoder_service.deployment import EncoderPoolServer
+from encoder_service.metrics import media_stages
 from encoder_service.prepare import make_preparer, preparer_stats
 from encoder_service.prepared import LookedUp, PreparedRequest, with_values
 
@@ -41,6 +42,7 @@ class PreparingEncoderServer(EncoderPoolServer):
             cache=self._cache,
             encode=self.encode,  # this replica's own FIFO: no hop, batched with every other request's items
             model_name=self.model_name,
+            stages=media_stages(self.model_name, "encoder"),
         )
 
     async def prepare(

@@ -72,7 +72,7 @@ class LLMServer:
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         self.channels.deliver(outputs)
-        self._metrics.observe_step(outputs)
+        self._metrics.observe_step(outputs, self.loop.last_step_s)
 
     def _abort_all(self, request_ids: list[str]) -> None:
         for rid in request_ids:

@@ -52,7 +52,7 @@ def client(app: dict[str, Any]) -> OpenAI:
 
 @pytest.fixture(scope="package")
 def media_server() -> Iterator[str]:
-    files = {"/cat.png": make_image_bytes(96, 64, seed=5)}
+    files = {"/cat.png": make_image_bytes(96, 64, seed=5), "/stages.png": make_image_bytes(70, 56, seed=613)}
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:

@@ -3,6 +3,7 @@ metrics Ray exports carry real values."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import httpx
@@ -16,9 +17,11 @@ from tests.integration.e2e.common import (
     PORT,
     VL,
     data_url,
+    send_concurrently,
     wait_for,
 )
 from tests.media import make_image_bytes
+from tests.metric_names import EXPORTED, STAGES
 
 pytestmark = pytest.mark.usefixtures("app")  # the package's one app (conftest.py)
 
@@ -134,6 +137,168 @@ def test_metrics_report_real_values(client: OpenAI, app: dict[str, Any]) -> None
             _metric(app, "ray_mmserve_encoder_items_total", model)
             <= dispatched[model]["encoder_items_dispatched"]
         )
+
+
+def _scrape(app: dict[str, Any]) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of the scrape, summed over the workers exporting it: (name, labels) -> value,
+    the labels without Ray's own (worker, node, session)."""
+    ray_labels = {"Component", "NodeAddress", "SessionName", "Version", "WorkerId", "deployment", "replica"}
+    out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    text = httpx.get(app["metrics_url"], timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = tuple(
+                sorted(
+                    (k, v) for k, v in s.labels.items() if k not in ray_labels and not k.startswith("otel_")
+                )
+            )
+            out[(s.name, labels)] = out.get((s.name, labels), 0.0) + s.value
+    return out
+
+
+def _stage_counts(
+    scrape: dict[tuple[str, tuple[tuple[str, str], ...]], float], model: str
+) -> dict[str, float]:
+    """``pool/stage`` -> observations of ``ray_mmserve_stage_seconds`` for ``model``."""
+    counts: dict[str, float] = {}
+    for (name, labels), value in scrape.items():
+        got = dict(labels)
+        if name == "ray_mmserve_stage_seconds_count" and got.get("model") == model:
+            counts[f"{got['pool']}/{got['stage']}"] = value
+    return counts
+
+
+def _sample(scrape: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
+    return sum(v for (n, ls), v in scrape.items() if n == name and labels.items() <= dict(ls).items())
+
+
+def _families(scrape: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> set[str]:
+    names = {n for n, _ in scrape}
+    return names | {
+        n.removesuffix(end) for n in names for end in ("_bucket", "_count", "_sum") if n.endswith(end)
+    }
+
+
+def test_every_stage_histogram_counts_the_requests_sent(
+    client: OpenAI, app: dict[str, Any], media_server: str
+) -> None:
+    """Known traffic — a text request, a fresh inline image, the same image again (an encoder-cache
+    hit), a fresh image by URL, a request for an unknown model — shows up in every per-stage
+    histogram with exactly the observations those requests make; then pairs of concurrent requests
+    for one fresh image make one of them wait for the other's encode (cache_wait)."""
+    lookups = "ray_mmserve_encoder_cache_lookups_total"
+    before = _scrape(app)
+    stages0 = _stage_counts(before, VL)
+    png = make_image_bytes(63, 49, seed=620)
+    image = [{"type": "image_url", "image_url": {"url": data_url(png, "image/png")}}]
+    by_url = [{"type": "image_url", "image_url": {"url": f"{media_server}/stages.png"}}]
+    for content in ("Stages?", [*image, {"type": "text", "text": "Stages?"}], image, by_url):
+        got = client.chat.completions.create(
+            model=VL,
+            messages=[{"role": "user", "content": content}],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        assert got.usage is not None and got.usage.completion_tokens == MAX_TOKENS
+    assert (
+        httpx.post(
+            f"http://127.0.0.1:{PORT}/v1/chat/completions",
+            json={"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]},
+        ).status_code
+        == 404
+    )
+    # per pool/stage: what the four requests observe (sequential: each item alone in its encoder step)
+    expected = {
+        "ingress/prepare": 3,  # the media requests
+        "ingress/cache_lookup": 2,  # the inline ones go through the hit path (the URL does not)
+        "encoder/fetch": 1,  # the URL
+        "encoder/cache_lookup": 2,  # the miss handed on by the hit path, and the URL
+        "encoder/media_decode": 2,  # the two misses
+        "encoder/preprocess": 2,
+        "encoder/encoder_queue": 2,
+        "encoder/encode": 2,
+        "encoder/cache_wait": 0,
+        "llm/llm_queue": 4,  # every request, once finished
+        "llm/prefill": 4,
+        "llm/decode": 4,
+    }
+    latency = (
+        "ttft_seconds",
+        "inter_token_latency_seconds",
+        "time_per_output_token_seconds",
+        "e2e_latency_seconds",
+    )
+    counts = {f"ray_mmserve_{n}_count": 4 for n in latency}
+    answers = {("ingress", "miss"): 1, ("ingress", "hit"): 1, ("encoder", "miss"): 1, ("encoder", "hit"): 0}
+
+    def delta(scrape: dict[Any, float]) -> dict[str, float]:
+        stages = _stage_counts(scrape, VL)
+        out = {k: stages.get(k, 0.0) - stages0.get(k, 0.0) for k in [*expected, "llm/engine_step"]}
+        out.update({n: _sample(scrape, n, model=VL) - _sample(before, n, model=VL) for n in counts})
+        for pool, result in answers:
+            key = dict(model=VL, pool=pool, result=result)
+            out[f"{pool}/{result}"] = _sample(scrape, lookups, **key) - _sample(before, lookups, **key)
+        out["rejected"] = _sample(
+            scrape, "ray_mmserve_requests_rejected_total", reason="model_not_found"
+        ) - _sample(before, "ray_mmserve_requests_rejected_total", reason="model_not_found")
+        return out
+
+    want = {**expected, **counts, **{f"{p}/{r}": n for (p, r), n in answers.items()}, "rejected": 1}
+    wait_for(
+        lambda: all(delta(_scrape(app))[k] >= n for k, n in want.items()),
+        20.0,
+        f"{want} more in {app['metrics_url']}",
+    )
+    after = _scrape(app)
+    got = delta(after)
+    assert {k: got[k] for k in want} == want
+    # one step per token of each request, each alone in the batch (no prefill is chunked here)
+    assert got["llm/engine_step"] >= 4 * MAX_TOKENS
+    missing = set(EXPORTED) - _families(after)
+    assert not missing, f"not in the scrape: {sorted(missing)}"
+
+    # cache_wait: two requests for one fresh image at once; the second's lookup finds the first's
+    # reservation and waits for its encode (timing decides whether it does: up to three pairs)
+    async def pair(seed: int) -> None:
+        fresh = [
+            {
+                "type": "image_url",
+                "image_url": {"url": data_url(make_image_bytes(49, 63, seed=seed), "image/png")},
+            }
+        ]
+
+        async def send(c: Any, i: int) -> int:
+            r = await c.chat.completions.create(
+                model=VL, messages=[{"role": "user", "content": fresh}], max_tokens=2, temperature=0
+            )
+            return int(r.usage.completion_tokens) if r.usage else 0
+
+        await send_concurrently(f"http://127.0.0.1:{PORT}/v1", send, [0, 1], 2)
+
+    waits = 0.0
+    for seed in (630, 631, 632):
+        was = _scrape(app)
+        asyncio.run(pair(seed))
+        encoded = _stage_counts(was, VL).get("encoder/encode", 0.0)
+        wait_for(
+            lambda n=encoded + 1: _stage_counts(_scrape(app), VL).get("encoder/encode", 0.0) >= n,
+            20.0,
+            "the pair's encode in the scrape",
+        )
+        now = _stage_counts(_scrape(app), VL)
+        waited = now.get("encoder/cache_wait", 0.0) - _stage_counts(was, VL).get("encoder/cache_wait", 0.0)
+        assert waited <= 1  # one request of the two waits, or neither
+        assert (
+            now["encoder/encoder_queue"] - _stage_counts(was, VL)["encoder/encoder_queue"] == 1
+        )  # encoded once
+        waits += waited
+        if waits:
+            break
+    assert waits == 1
+    every = {f"{pool}/{stage}" for pool, stage in STAGES}
+    assert every == {*expected, "llm/engine_step"}  # the list the dashboard test reads is this test's
+    assert every <= set(_stage_counts(_scrape(app), VL))
 
 
 def test_stats_with_pools_shows_each_pools_own_counters(client: OpenAI) -> None:
