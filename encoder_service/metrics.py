@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from encoder_service.stage_timing import CacheLookups, MediaStages
+from encoder_service.stage_timing import CacheLookups, MediaStages, Stage
 
 STAGE_METRIC = "mmserve_stage_seconds"
 STAGE_TAGS = ("model", "pool", "stage")
@@ -33,11 +33,14 @@ def stage_histogram(model: str, pool: str, stage: str) -> Any:
     return hist.set_default_tags({"model": model, "pool": pool, "stage": stage})
 
 
-def media_stages(model: str, pool: str) -> MediaStages | None:
+def stage(model: str, pool: str, name: str) -> Stage:
+    """A stage's observer: its histogram (None when stage metrics are off) and its spans."""
+    return Stage(name, stage_histogram(model, pool, name) if stage_metrics_on() else None)
+
+
+def media_stages(model: str, pool: str) -> MediaStages:
     """The preparing side's stages for ``model`` where ``pool`` ("ingress": the hit path, "encoder")
-    runs them; None when stage metrics are off."""
-    if not stage_metrics_on():
-        return None
+    runs them."""
     from ray.util.metrics import Counter
 
     def lookups(result: str) -> Any:
@@ -48,13 +51,14 @@ def media_stages(model: str, pool: str) -> MediaStages | None:
         )
         return c.set_default_tags({"model": model, "pool": pool, "result": result})
 
+    on = stage_metrics_on()
     return MediaStages(
-        fetch=stage_histogram(model, pool, "fetch"),
-        media_decode=stage_histogram(model, pool, "media_decode"),
-        preprocess=stage_histogram(model, pool, "preprocess"),
-        cache_lookup=stage_histogram(model, pool, "cache_lookup"),
-        cache_wait=stage_histogram(model, pool, "cache_wait"),
-        lookups=CacheLookups(hit=lookups("hit"), miss=lookups("miss"), wait=lookups("wait")),
+        fetch=stage(model, pool, "fetch"),
+        media_decode=stage(model, pool, "media_decode"),
+        preprocess=stage(model, pool, "preprocess"),
+        cache_lookup=stage(model, pool, "cache_lookup"),
+        cache_wait=stage(model, pool, "cache_wait"),
+        lookups=CacheLookups(hit=lookups("hit"), miss=lookups("miss"), wait=lookups("wait")) if on else None,
     )
 
 
@@ -69,7 +73,6 @@ class EncoderMetrics:
         self.items.set_default_tags(dict(tags))
         self.embeddings = metrics.Counter("mmserve_encoder_embeddings", "embeddings computed", ("model",))
         self.embeddings.set_default_tags(dict(tags))
-        on = stage_metrics_on()
         # per item, from its push on the FIFO to the start of the step that encodes it
-        self.encoder_queue = stage_histogram(model, "encoder", "encoder_queue") if on else None
-        self.encode = stage_histogram(model, "encoder", "encode") if on else None  # per step
+        self.encoder_queue = stage(model, "encoder", "encoder_queue")
+        self.encode = stage(model, "encoder", "encode")  # per step (a span per item of the step)

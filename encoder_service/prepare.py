@@ -30,7 +30,7 @@ from encoder_service.gathering import gather
 from encoder_service.near_cache import NearCache
 from encoder_service.prepared import LookedUp, PreparedItem, PreparedRequest
 from encoder_service.processing import NeedsEncoding
-from encoder_service.stage_timing import MediaStages
+from encoder_service.stage_timing import CacheLookups, MediaStages
 from encoder_service.types import EmbeddingMeta, EncodeBatch, EncodedItem, MultiModalItem, PreprocessedRequest
 
 logger = logging.getLogger("mmserve.encoder")
@@ -108,8 +108,8 @@ class RequestPreparer:
                 answers.update(asked)
             if self.stages is not None:
                 self.stages.cache_lookup.observe(time.perf_counter() - start)
-                if len(answers) > num_given:
-                    _count_answers(self.stages, answers, given)
+                if self.stages.lookups is not None and len(answers) > num_given:
+                    _count_answers(self.stages.lookups, answers, given)
             for h, (kind, found) in answers.items():
                 if kind == HIT and found is not None:
                     hits[h] = found
@@ -260,7 +260,7 @@ class RequestPreparer:
         start = time.perf_counter()
         kind, found = await self.cache.get_or_reserve(request_id, it.mm_hash)
         if self.stages is not None:
-            self.stages.cache_wait.observe(time.perf_counter() - start)
+            self.stages.cache_wait.observe(time.perf_counter() - start, mm_hash=it.mm_hash)
         if kind == HIT and found is not None:
             refs[it.mm_hash] = found
             return None
@@ -280,17 +280,19 @@ class RequestPreparer:
         return len(encoded)
 
 
-def _count_answers(stages: MediaStages, answers: dict[str, tuple[str, Any]], given: LookedUp | None) -> None:
+def _count_answers(
+    lookups: CacheLookups, answers: dict[str, tuple[str, Any]], given: LookedUp | None
+) -> None:
     """Count the answers this lookup got itself (near cache or shard), not the ones ``given``."""
     for h, (kind, _) in answers.items():
         if given is not None and h in given.found:
             continue
         if kind == HIT:
-            stages.lookups.hit.inc()
+            lookups.hit.inc()
         elif kind == COMPUTE:
-            stages.lookups.miss.inc()
+            lookups.miss.inc()
         else:
-            stages.lookups.wait.inc()
+            lookups.wait.inc()
 
 
 def _prepared(pre: PreprocessedRequest, found: dict[str, Found], num_encoded: int) -> PreparedRequest:

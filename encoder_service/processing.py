@@ -327,7 +327,7 @@ class Preprocessor:
             decoded_at = time.perf_counter()
             self.num_processor_calls += 1
             out = processed_or_422(lambda: self.family.process(modality, loaded.value), modality, it.index)
-            self._observe_processing(start, decoded_at)
+            self._observe_processing(it, start, decoded_at)
             it.metadata = {**loaded.metadata, **self.family.item_metadata(modality, loaded.metadata)}
             it.second_per_grid_ts = it.metadata.get("second_per_grid_ts")
             it.frame_times = it.metadata.get("frame_times")
@@ -353,16 +353,17 @@ class Preprocessor:
         decoded_at = time.perf_counter()
         self.num_processor_calls += 1
         out = processed_or_422(lambda: self.family.process_image(decoded), "image", it.index)
-        self._observe_processing(start, decoded_at)
+        self._observe_processing(it, start, decoded_at)
         meta = {"source": it.fetched.source, "num_bytes": len(it.fetched.data), **decoded.metadata()}
         if decoded.reduced:
             meta["decoded_size"] = list(decoded.image.size)
         return out, meta
 
-    def _observe_processing(self, start: float, decoded_at: float) -> None:
+    def _observe_processing(self, it: MediaItem, start: float, decoded_at: float) -> None:
         if self.stages is not None:
-            self.stages.media_decode.observe(decoded_at - start)
-            self.stages.preprocess.observe(time.perf_counter() - decoded_at)
+            now = time.perf_counter()
+            self.stages.media_decode.observe(decoded_at - start, ago=now - decoded_at, mm_hash=it.mm_hash)
+            self.stages.preprocess.observe(now - decoded_at, mm_hash=it.mm_hash)
 
     def _tokenize(
         self, template_messages: list[dict[str, Any]], items: list[MediaItem]

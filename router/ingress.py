@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from llm_service.outputs import RequestOutput
+from router import tracing
 from router.admission import AdmissionController, AdmissionLimits, Ticket
 from router.auth import effective_cache_salt
 from router.deadline import Deadline
@@ -129,13 +130,16 @@ class ChatService:
         ticket = self.admission.admit(self.admission.cost((m.modality for m in chat.media), chat.text_chars))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         orch = model.orchestrator
+        span, traced = tracing.start_request_span(request.headers, request_id, model.name)
         watcher = asyncio.ensure_future(_cancel_on_disconnect(request, asyncio.current_task()))
         response: Response | None = None
+        error: BaseException | None = None
         try:
             salt = effective_cache_salt(tenant, req.cache_salt)
             response = await deadline.run(self._answer(req, model, request_id, chat, start, deadline, salt))
             return response
         except Exception as e:
+            error = e
             self._log_failure(orch, request_id, chat, e)
             orch.forget(request_id)
             raise
@@ -147,8 +151,12 @@ class ChatService:
             if isinstance(response, StreamingResponse):  # released when its body ends (or is dropped)
                 response.body_iterator = _release_after(response.body_iterator, self.admission, ticket)
                 weakref.finalize(response.body_iterator, self.admission.release, ticket)
+                if span.is_recording():  # its span ends with the body
+                    response.body_iterator = tracing.ended_after(response.body_iterator, span)
+                tracing.end_request_span(span, traced, end=not span.is_recording())
             else:
                 self.admission.release(ticket)
+                tracing.end_request_span(span, traced, error)
 
     async def _answer(
         self,
@@ -166,7 +174,7 @@ class ChatService:
         prepare_start = time.monotonic()
         prepared = await orch.prepare(request_id, chat)
         timed = self.metrics.model(model.name) if self.metrics is not None else None
-        if timed is not None and timed.prepare is not None and chat.has_media:
+        if timed is not None and chat.has_media:
             timed.prepare.observe(time.monotonic() - prepare_start)
         params = fit_to_prompt(base, requested, len(prepared.prompt_token_ids), model.max_model_len)
         stream = deadline.stream(orch.stream(request_id, prepared, params, cache_salt))

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from encoder_service.metrics import stage_histogram, stage_metrics_on
+from encoder_service.metrics import stage
 
 BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
 # inter-token latency: 1 ms (a small model on a GPU) to 1 s
@@ -38,8 +38,8 @@ class RequestMetrics:
             ITL_BUCKETS,
         )
         # a media request, from the ingress's side: the hit path or the prepare call, until its
-        # prompt ids and embedding refs are in hand (None: stage metrics off)
-        self.prepare = stage_histogram(model, "ingress", "prepare") if stage_metrics_on() else None
+        # prompt ids and embedding refs are in hand
+        self.prepare = stage(model, "ingress", "prepare")
 
     def done(self, start: float, first_at: float, end: float, completion_tokens: int) -> None:
         e2e = end - start

@@ -4,6 +4,11 @@ metrics Ray exports carry real values."""
 from __future__ import annotations
 
 import asyncio
+import itertools
+import json
+import secrets
+from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -374,3 +379,112 @@ def test_non_streamed_client_timeout_aborts_the_generation(
     wait_for(_nothing_held, 20.0, "the LLM replica to drop the abandoned request and the reservations to go")
     generated = _tokens_generated_since(client, app, before)
     assert generated < LONG // 4, generated
+
+
+def _spans(trace_dir: Path) -> list[dict[str, Any]]:
+    """Every span the app's processes wrote (cluster/tracing.py: one JSON line each, a file per pid)."""
+    out = []
+    for path in sorted(trace_dir.glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            span = json.loads(line)
+            span["pid"] = path.stem
+            span["trace"] = span["context"]["trace_id"].removeprefix("0x")
+            for edge in ("start_time", "end_time"):  # ISO 8601 with microseconds, UTC
+                span[edge] = datetime.fromisoformat(span[edge].replace("Z", "+00:00")).timestamp()
+            out.append(span)
+    return out
+
+
+def _one(spans: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    found = [s for s in spans if s["name"] == name]
+    assert len(found) == 1, f"{len(found)} spans named {name}: {[s['name'] for s in spans]}"
+    return found[0]
+
+
+def _in_order(spans: list[dict[str, Any]], names: list[str]) -> None:
+    """Each stage starts no earlier than the one before ended (1 ms for clocks read apart)."""
+    steps = [_one(spans, n) for n in names]
+    for before, after in itertools.pairwise(steps):
+        assert before["end_time"] <= after["start_time"] + 1e-3, (before["name"], after["name"])
+        assert before["start_time"] <= after["start_time"], (before["name"], after["name"])
+
+
+def test_one_trace_per_sampled_request_across_the_processes(
+    client: OpenAI, app: dict[str, Any], media_server: str
+) -> None:
+    """Requests whose client sent a sampled W3C traceparent each leave one trace: its spans link up
+    to the client's span, a media request's cross the ingress, encoder and LLM processes with its
+    stages in order, and they carry the request id and the item's mm_hash. A request without a
+    traceparent leaves nothing (the e2e app samples only those: conftest.py)."""
+    png = make_image_bytes(77, 56, seed=640)
+    sent: dict[str, tuple[str, str]] = {}
+    requests = {
+        "text": "Traced?",
+        "image": [{"type": "image_url", "image_url": {"url": data_url(png, "image/png")}}],
+        "url": [{"type": "image_url", "image_url": {"url": f"{media_server}/traced.png"}}],
+        "untraced": [{"type": "image_url", "image_url": {"url": data_url(png, "image/png")}}],
+    }
+    for name, content in requests.items():
+        trace_id, parent = secrets.token_hex(16), secrets.token_hex(8)
+        headers = {} if name == "untraced" else {"traceparent": f"00-{trace_id}-{parent}-01"}
+        got = client.chat.completions.create(
+            model=VL,
+            messages=[{"role": "user", "content": content}],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            extra_headers=headers,
+        )
+        assert got.choices[0].message.content is not None
+        sent[name] = (trace_id, parent)
+    traced = {n: ids for n, ids in sent.items() if n != "untraced"}
+
+    def traces() -> dict[str, list[dict[str, Any]]]:
+        by_trace: dict[str, list[dict[str, Any]]] = {}
+        for span in _spans(app["trace_dir"]):
+            by_trace.setdefault(span["trace"], []).append(span)
+        return by_trace
+
+    def whole(spans: list[dict[str, Any]], parent: str) -> bool:
+        """One tree under the client's span (FastAPI's HTTP span, if it traces, ends after the body)."""
+        ids = {s["context"]["span_id"] for s in spans}
+        tops = [s for s in spans if s["parent_id"] not in ids]
+        return len(tops) == 1 and tops[0]["parent_id"].removeprefix("0x") == parent
+
+    wait_for(
+        lambda: all(whole(traces().get(t, []), parent) for t, parent in traced.values()),
+        20.0,
+        "every traced request's spans on disk, in one tree",
+    )
+    by_trace = traces()
+    assert set(by_trace) == {t for t, _ in traced.values()}  # the untraced request recorded nothing
+    for name, (trace_id, parent) in traced.items():
+        spans = by_trace[trace_id]
+        assert whole(spans, parent)
+        root = _one(spans, "mmserve.chat")
+        request_id = root["attributes"]["mmserve.request_id"]
+        roles = {s["pid"]: s["resource"]["attributes"]["mmserve.role"] for s in spans}
+        llm = _one(spans, "llm.request")
+        assert llm["attributes"]["mmserve.request_id"] == request_id
+        _in_order(spans, ["llm_queue", "prefill", "decode"])
+        assert root["start_time"] <= llm["start_time"] and llm["end_time"] <= root["end_time"] + 1e-3
+        if name == "text":
+            assert sorted(roles.values()) == ["ingress", "llm"]
+            continue
+        assert sorted(set(roles.values())) == ["encoder", "ingress", "llm"] and len(roles) >= 3
+        encoder = _one(spans, "encoder.prepare")
+        assert encoder["attributes"]["mmserve.request_id"] == request_id
+        (mm_hash,) = encoder["attributes"]["mmserve.mm_hashes"]
+        assert llm["attributes"]["mmserve.mm_hashes"] == [mm_hash]
+        stages = ["cache_lookup", "media_decode", "preprocess", "encoder_queue", "encode"]
+        if name == "url":
+            stages = ["fetch", *stages]
+        encoder_side = [s for s in spans if roles[s["pid"]] == "encoder"]
+        _in_order(encoder_side, [*stages])
+        for stage in ("media_decode", "preprocess", "encoder_queue", "encode"):
+            assert _one(encoder_side, stage)["attributes"]["mmserve.mm_hash"] == mm_hash
+        prepare = _one(spans, "prepare")  # the ingress's view of it
+        assert (
+            prepare["start_time"] <= encoder["start_time"]
+            and encoder["end_time"] <= prepare["end_time"] + 1e-3
+        )
+        assert _one(spans, "encode")["end_time"] <= _one(spans, "llm_queue")["start_time"] + 1e-3
