@@ -87,10 +87,18 @@ def _hit_path(m: IngressModel) -> Any:
     async def no_encode(batch: Any) -> Any:
         raise RuntimeError("the ingress's hit path encodes nothing")
 
+    from encoder_service.metrics import media_stages
     from encoder_service.near_cache import NearCache
 
     args = {**m.preprocess, "processor_cache_bytes": 0}  # it processes nothing either
-    preparer = make_preparer(m.model_dir, **args, cache=m.cache, encode=no_encode, model_name=m.name)
+    preparer = make_preparer(
+        m.model_dir,
+        **args,
+        cache=m.cache,
+        encode=no_encode,
+        model_name=m.name,
+        stages=media_stages(m.name, "ingress"),
+    )
     if m.near_cache_entries > 0:
         preparer.near = NearCache(m.near_cache_entries, m.near_cache_ttl_s)
     return preparer
@@ -119,7 +127,7 @@ class IngressServer:
 
         self.keys = keys or KeyRing()  # API keys -> tenants; every route but /health checks them
 
-        self.metrics = IngressMetrics()
+        self.metrics = IngressMetrics(m.name for m in models)
         self.encoder_items_dispatched: dict[str, int] = {}
         self.caches: dict[str, Any] = {}
         from router.deployment import _hit_path, _link  # pickled by value: see build_direct_app below
