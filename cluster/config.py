@@ -184,7 +184,7 @@ class PreprocessConfig(_Strict):
 class ModelConfig(_Strict):
     name: str = Field(..., min_length=1, description="the OpenAI `model` name clients send")
     path: str | None = Field(None, description="HF model directory; omit with `tiny` to generate one")
-    tiny: Literal["qwen2-vl", "qwen2.5-vl", "qwen2-audio", "gemma3", "qwen3-vl"] | None = Field(
+    tiny: Literal["qwen2-vl", "qwen2.5-vl", "qwen2-audio", "gemma3", "qwen3-vl", "qwen3.5"] | None = Field(
         None, description="generate this tiny model (encoder_service.families.FAMILY_NAMES)"
     )
     llm: LLMConfig = Field(default_factory=LLMConfig)
