@@ -264,7 +264,9 @@ def make_tiny_model(out_dir: str | Path, family: str, size: ModelSize | None = N
     config, model_cls = build(size, tok)
     model = model_cls(config)
     _init_weights(
-        model, size.seed, norm_jitter=0.1 if family in ("qwen2.5-vl", "gemma3", "qwen3-vl", "qwen3.5") else 0.0
+        model,
+        size.seed,
+        norm_jitter=0.1 if family in ("qwen2.5-vl", "gemma3", "qwen3-vl", "qwen3.5") else 0.0,
     )
     model.eval()
     config.save_pretrained(str(out))
