@@ -10,6 +10,7 @@ from llm_service.attention import TorchPagedAttention, build_metadata
 from llm_service.config import EngineConfig
 from llm_service.errors import RequestFaults, RequestRejected
 from llm_service.kv_cache_manager import cdiv
+from llm_service.linear_states import LinearStates
 from llm_service.models import build_decoder, load_text_config
 from llm_service.models.weights import load_weights
 from llm_service.mrope import prompt_mrope_positions
@@ -47,6 +48,20 @@ class ModelRunner:
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)
         ]
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.linear_states = self._make_linear_states()
+
+    def _make_linear_states(self) -> LinearStates | None:
+        """A hybrid model's state cache (its ``state_shapes``): ``num_state_slots`` sequences' states."""
+        shapes = getattr(self.model, "state_shapes", None)
+        if shapes is None:
+            return None
+        c = self.config
+        slots = c.num_state_slots or c.max_num_seqs
+        states = LinearStates(shapes(), slots, self.device, self.dtype)
+        mib = slots * LinearStates.slot_bytes(shapes(), self.dtype) / 2**20
+        logger.info("state cache: %d slots of linear-attention states (%.1f MiB)", slots, mib)
+        self.model.linear_states = states
+        return states
 
     @property
     def block_bytes(self) -> int:
@@ -183,8 +198,23 @@ class ModelRunner:
             self.device,
             [c.request.attention_spans for c in chunks],
         )
+        if self.linear_states is not None:
+            meta.states = self.linear_states.step(
+                [c.num_tokens for c in chunks],
+                [c.start for c in chunks],
+                [_state_slot(c.request) for c in chunks],
+            )
         hidden = self.model(embeds, positions, self.kv_caches, meta)
         _check_finite(chunks, hidden)
+        sampled = self._sample(chunks, hidden)
+        if meta.states is not None:  # only now: a failed step is replayed for the others
+            assert self.linear_states is not None
+            self.linear_states.commit(meta.states)
+        return sampled
+
+    def _sample(
+        self, chunks: list[ScheduledChunk], hidden: torch.Tensor
+    ) -> dict[str, tuple[int, TokenLogprob | None]]:
         rows, sampling = [], []
         end = 0
         for c in chunks:
@@ -229,6 +259,11 @@ def _check_finite(chunks: list[ScheduledChunk], hidden: torch.Tensor) -> None:
     raise RequestFaults(
         {c.request.request_id: msg for c, p in zip(chunks, parts, strict=True) if bool(p.any())}
     )
+
+
+def _state_slot(req: Request) -> int:
+    assert req.state_slot is not None, f"request {req.request_id} runs without a state slot"
+    return req.state_slot
 
 
 def _token_ids(req: Request, start: int, end: int) -> list[int]:

@@ -63,6 +63,9 @@ class Request:
     # prefix cache at submit): the request is admitted only with at least that much of it cached,
     # else parked until the embeddings are supplied (Scheduler.parked). 0: nothing unfetched.
     unfetched_end: int = 0
+    # Hybrid models: the state-cache slot holding this request's linear-attention states while it
+    # runs (llm_service/hybrid_kv_cache_manager.py); None when it holds none.
+    state_slot: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
