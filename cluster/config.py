@@ -123,6 +123,11 @@ class LLMConfig(_Strict):
     block_size: int = Field(16, ge=1)
     num_kv_blocks: int | None = Field(None, ge=1, description="KV blocks per replica; default from memory")
     kv_cache_memory_fraction: float = Field(0.8, gt=0, le=1)
+    num_state_slots: int | None = Field(
+        None,
+        ge=1,
+        description="hybrid (linear-attention) models: sequences' states held at once; default max_num_seqs",
+    )
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=16)
     enable_prefix_caching: bool = True
