@@ -178,3 +178,35 @@ def test_state_budget_bounds_the_running_batch(vl, model_dir) -> None:
     outs = eng.generate([GenerateRequest(c.prompt, GREEDY) for c in cases])
     assert [o.token_ids for o in outs] == [hf_generate(hf, c, N) for c in cases]
     assert_all_free(eng)
+
+
+@pytest.mark.parametrize("budget", [512, 12])  # whole prompts in one step; chunked prefill
+def test_poisoned_neighbour_fails_alone_and_states_stay_right(vl, model_dir, budget) -> None:
+    """A request whose image has an +inf row fails in a step; the step is replayed for the others.
+    Their states are committed once, after the replay succeeds, so they still equal HF."""
+    hf, proc = vl
+    normal = [
+        build_case(hf, proc, f"look {IMG} at this", ["img-a"], images=[image(96, 64, 30)]),
+        build_case(hf, proc, "one two three four five six seven eight"),
+    ]
+    bad = build_case(hf, proc, f"a poisoned {IMG} item", ["img-p"], images=[image(64, 96, 31)])
+    (m,) = bad.mm_inputs
+    emb = m.embeddings.clone()
+    emb[1, 3] = float("inf")
+    eng = engine(model_dir, max_num_batched_tokens=budget)
+    for i, c in enumerate(normal):
+        eng.add_request(f"ok{i}", c.prompt, GREEDY, c.mm_inputs)
+    eng.add_request(
+        "bad", bad.prompt, GREEDY, [MultiModalInput(emb, m.offset, "poison", "image", m.grid_thw)]
+    )
+    got: dict[str, list[int]] = {"ok0": [], "ok1": [], "bad": []}
+    errors = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            got[o.request_id].extend(o.new_token_ids)
+            if o.error:
+                errors[o.request_id] = o.error
+    assert list(errors) == ["bad"] and got["bad"] == []
+    assert [got["ok0"], got["ok1"]] == [hf_generate(hf, c, N) for c in normal]
+    assert_all_free(eng)
+    assert eng.kv.num_free_state_slots == eng.runner.linear_states.num_slots
