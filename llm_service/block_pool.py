@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from llm_service.prefix_hash import ExtraKey
@@ -34,6 +35,7 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._by_hash: dict[bytes, int] = {}
+        self.on_evict: Callable[[bytes], None] | None = None  # told each hash that leaves the index
 
     @property
     def num_free(self) -> int:
@@ -89,4 +91,6 @@ class BlockPool:
         if block.block_hash is not None:
             if self._by_hash.get(block.block_hash) == block.block_id:
                 del self._by_hash[block.block_hash]
+                if self.on_evict is not None:
+                    self.on_evict(block.block_hash)
             block.block_hash, block.key = None, None

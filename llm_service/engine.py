@@ -43,7 +43,8 @@ class LLMEngine:
         """Blocks for every model; for a hybrid one also its state-cache slots (``linear_states``)."""
         c, states = self.config, self.runner.linear_states
         if states is not None:
-            return HybridKVCacheManager(self.runner.num_blocks, c.block_size, states.num_slots)
+            r = self.runner
+            return HybridKVCacheManager(r.num_blocks, c.block_size, r.num_state_slots, r.num_state_snapshots)
         return KVCacheManager(self.runner.num_blocks, c.block_size, c.enable_prefix_caching)
 
     # ---- online primitives -------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from typing import Any
 
 from llm_service.prefix_hash import MMItemSpan
 from llm_service.sampling_params import SamplingParams
+from llm_service.state_cache import StateAssignment
 
 
 class RequestStatus(enum.Enum):
@@ -63,9 +64,9 @@ class Request:
     # prefix cache at submit): the request is admitted only with at least that much of it cached,
     # else parked until the embeddings are supplied (Scheduler.parked). 0: nothing unfetched.
     unfetched_end: int = 0
-    # Hybrid models: the state-cache slot holding this request's linear-attention states while it
-    # runs (llm_service/hybrid_kv_cache_manager.py); None when it holds none.
-    state_slot: int | None = None
+    # Hybrid models: where its linear-attention states live while it runs (its state-cache slot, a
+    # snapshot to restore, snapshots to take; llm_service/hybrid_kv_cache_manager.py). None: no slot.
+    state: StateAssignment | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

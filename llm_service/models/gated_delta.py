@@ -29,10 +29,11 @@ def l2norm(x: torch.Tensor) -> torch.Tensor:
 def causal_conv(
     x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` ``[L, C]`` after ``state`` ``[C, K-1]``: SiLU(depthwise conv) ``[L, C]`` and the new state."""
-    full = torch.cat([state, x.t().to(state.dtype)], dim=1)  # [C, K-1+L]
+    """``x`` ``[L, C]`` after ``state`` ``[C, K-1]``: SiLU(depthwise conv) ``[L, C]`` and the conv's
+    whole input ``[C, K-1+L]``, whose columns ``[j, j + K-1)`` are the state after ``j`` tokens."""
+    full = torch.cat([state, x.t().to(state.dtype)], dim=1)
     out = F.conv1d(full[None].to(weight.dtype), weight[:, None, :], groups=weight.shape[0])[0]
-    return F.silu(out).t().to(x.dtype), full[:, full.shape[1] - state.shape[1] :]
+    return F.silu(out).t().to(x.dtype), full
 
 
 def conv_step(

@@ -175,19 +175,24 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight[:, 0, :]
         conv1, rec1 = torch.empty_like(conv0), torch.empty_like(rec0)
         core = x.new_empty(t, self.hv, self.dv, dtype=torch.float32)
+        snaps = step.snapshots.setdefault(self.index, [])
         for i in step.prefills:
-            rows = slice(step.q_starts[i], step.q_starts[i] + step.q_lens[i])
-            out, conv1[i] = causal_conv(mixed[rows], conv0[i], weight)
-            q, k, v = self._heads(out)  # [L, H, d]
-            o, rec1[i] = chunk_rule(
-                q.transpose(0, 1),
-                k.transpose(0, 1),
-                v.transpose(0, 1),
-                g[rows].t(),
-                beta[rows].t(),
-                rec0[i],
-            )
-            core[rows] = o.transpose(0, 1)
+            r0, n = step.q_starts[i], step.q_lens[i]
+            out, full = causal_conv(mixed[r0 : r0 + n], conv0[i], weight)
+            conv1[i] = full[:, n:]
+            q, k, v = (y.transpose(0, 1) for y in self._heads(out))  # [H, L, d]
+            gi, bi = g[r0 : r0 + n].t(), beta[r0 : r0 + n].t()
+            state, prev = rec0[i], 0
+            wanted = dict(step.captures[i])  # offset -> snapshot slot: cut the chunk there
+            for cut in sorted({*wanted, n}):
+                o, state = chunk_rule(
+                    q[:, prev:cut], k[:, prev:cut], v[:, prev:cut], gi[:, prev:cut], bi[:, prev:cut], state
+                )
+                core[r0 + prev : r0 + cut] = o.transpose(0, 1)
+                if cut in wanted:
+                    snaps.append((wanted[cut], full[:, cut : cut + self.kernel - 1], state))
+                prev = cut
+            rec1[i] = state
         if dec := step.decodes:
             idx = torch.tensor(dec, dtype=torch.long, device=x.device)
             rows_t = torch.tensor([step.q_starts[i] for i in dec], dtype=torch.long, device=x.device)
@@ -195,6 +200,7 @@ class GatedDeltaNet(nn.Module):
             q, k, v = self._heads(out)  # [B, H, d]
             o, rec1[idx] = recurrent_step(q, k, v, g[rows_t], beta[rows_t], rec0[idx])
             core[rows_t] = o
+            snaps.extend((slot, conv1[i], rec1[i]) for i in dec for _, slot in step.captures[i])
         step.staged[self.index] = (conv1, rec1)
         z = self.in_proj_z(x).view(t * self.hv, self.dv)
         o = self.norm(core.to(x.dtype).view(t * self.hv, self.dv), z)

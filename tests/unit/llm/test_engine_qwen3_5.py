@@ -81,9 +81,11 @@ def test_family_facts(model_dir: Path) -> None:
     assert (cfg.model_type, cfg.mrope_section, cfg.head_dim) == ("qwen3_5", (2, 1, 1), 32)
     assert cfg.num_layers == 1 and len(eng.runner.kv_caches) == 1  # paged KV for the attention layer only
     states = eng.runner.linear_states
-    assert states is not None and states.num_slots == 3  # num_state_slots defaults to max_num_seqs
-    assert [tuple(c.shape) for c in states.conv] == [(3, 2 * 32 + 64, 3)] * 3  # conv dim, kernel - 1
-    assert [tuple(r.shape) for r in states.recurrent] == [(3, 4, 16, 16)] * 3
+    # num_state_slots defaults to max_num_seqs, and as many snapshot slots for prefix caching
+    assert (eng.runner.num_state_slots, eng.runner.num_state_snapshots) == (3, 3)
+    assert states is not None and states.num_slots == 6
+    assert [tuple(c.shape) for c in states.conv] == [(6, 2 * 32 + 64, 3)] * 3  # conv dim, kernel - 1
+    assert [tuple(r.shape) for r in states.recurrent] == [(6, 4, 16, 16)] * 3
     assert isinstance(eng.kv, HybridKVCacheManager) and eng.mm_row_width == 64
 
 
@@ -144,7 +146,7 @@ def test_batch_of_prefills_and_decodes(vl, model_dir) -> None:
     eng = engine(model_dir, max_num_batched_tokens=40)
     assert run(eng, cases) == [hf_generate(hf, c, N) for c in cases]
     assert_all_free(eng)
-    assert eng.kv.num_free_state_slots == eng.runner.linear_states.num_slots
+    assert eng.kv.num_free_state_slots == eng.runner.num_state_slots
 
 
 def test_preemption_drops_and_recomputes_states(vl, model_dir) -> None:
@@ -159,7 +161,7 @@ def test_preemption_drops_and_recomputes_states(vl, model_dir) -> None:
     assert run(eng, cases) == [hf_generate(hf, c, N) for c in cases]
     assert eng.stats().num_preemptions > 0
     assert_all_free(eng)
-    assert eng.kv.num_free_state_slots == eng.runner.linear_states.num_slots
+    assert eng.kv.num_free_state_slots == eng.runner.num_state_slots
 
 
 def test_state_budget_bounds_the_running_batch(vl, model_dir) -> None:
@@ -168,7 +170,7 @@ def test_state_budget_bounds_the_running_batch(vl, model_dir) -> None:
     hf, proc = vl
     cases = [build_case(hf, proc, text) for text in ("a cat sat on the mat", "one two three four five six")]
     eng = engine(model_dir, num_state_slots=1)
-    assert eng.runner.linear_states.num_slots == 1
+    assert eng.runner.num_state_slots == 1
     for c in cases:
         eng.add_request(f"r-{len(eng.scheduler.requests)}", c.prompt, SamplingParams(max_tokens=N))
     eng.step()
@@ -209,4 +211,49 @@ def test_poisoned_neighbour_fails_alone_and_states_stay_right(vl, model_dir, bud
     assert list(errors) == ["bad"] and got["bad"] == []
     assert [got["ok0"], got["ok1"]] == [hf_generate(hf, c, N) for c in normal]
     assert_all_free(eng)
-    assert eng.kv.num_free_state_slots == eng.runner.linear_states.num_slots
+    assert eng.kv.num_free_state_slots == eng.runner.num_state_slots
+
+
+# ---- prefix caching for the hybrid: KV blocks + a snapshot of the linear states where they end ----
+
+
+def test_resent_prompt_restores_a_snapshot(vl, model_dir) -> None:
+    """The same image prompt again: its KV blocks up to the last block an identical prompt can hit
+    come from the cache, the linear layers start from the snapshot taken there; equal to HF."""
+    hf, proc = vl
+    case = build_case(hf, proc, f"look {IMG} at it", ["img-A"], images=[image(300, 200, 6)])
+    n = len(case.prompt)
+    eng = engine(model_dir, max_num_batched_tokens=16)
+    expected = hf_generate(hf, case, N)
+    (a,) = eng.generate([GenerateRequest(case.prompt, GREEDY, case.mm_inputs)])
+    assert a.token_ids == expected and a.num_cached_tokens == 0
+    (b,) = eng.generate([GenerateRequest(case.prompt, GREEDY, case.mm_inputs)])
+    assert b.num_cached_tokens == (n - 1) // 4 * 4 and b.token_ids == expected
+    other = build_case(hf, proc, f"look {IMG} at it", ["img-B"], images=[image(300, 200, 7)])
+    (c,) = eng.generate([GenerateRequest(other.prompt, GREEDY, other.mm_inputs)])
+    assert c.token_ids == hf_generate(hf, other, N) and c.num_cached_tokens < 8  # another image: no hit
+    assert_all_free(eng)
+
+
+def test_three_turn_chat_resending_its_image(vl, model_dir) -> None:
+    """Each turn re-sends the conversation with its image: the next turn hits at least the previous
+    turn's prompt (its prompt-end snapshot), and every answer equals HF's."""
+    hf, proc = vl
+    img = image(300, 200, 9)
+    messages: list[dict[str, Any]] = []
+    eng = engine(model_dir, max_num_batched_tokens=32)
+    prev_prompt = 0
+    for turn, question in enumerate(["what is this?", "and the colours?", "anything else?"]):
+        content = [{"type": "image"}, {"type": "text", "text": question}] if turn == 0 else question
+        messages.append({"role": "user", "content": content})
+        text = proc.apply_chat_template(messages, add_generation_prompt=True)
+        case = build_case(hf, proc, text, ["chat-img"], images=[img])
+        expected = hf_generate(hf, case, N)
+        (out,) = eng.generate([GenerateRequest(case.prompt, GREEDY, case.mm_inputs)])
+        assert out.token_ids == expected, turn
+        if turn:
+            assert out.num_cached_tokens >= prev_prompt // 4 * 4, turn
+        prev_prompt = len(case.prompt)
+        answer = proc.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        messages.append({"role": "assistant", "content": answer})
+    assert_all_free(eng)
