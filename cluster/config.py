@@ -128,6 +128,11 @@ class LLMConfig(_Strict):
         ge=1,
         description="hybrid (linear-attention) models: sequences' states held at once; default max_num_seqs",
     )
+    num_state_snapshots: int | None = Field(
+        None,
+        ge=0,
+        description="hybrid models' prefix caching: state snapshots kept at block boundaries; default num_state_slots",
+    )
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=16)
     enable_prefix_caching: bool = True
