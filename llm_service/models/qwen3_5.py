@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llm_service.attention import AttentionMetadata, PagedAttention
-from llm_service.linear_states import LinearStates, StateShapes, StepStates
+from llm_service.linear_states import LinearStates, Snapshot, StateShapes, StepStates
 from llm_service.models.gated_delta import causal_conv, chunk_rule, conv_step, l2norm, recurrent_step
 from llm_service.models.qwen2 import MLP, PositionScheme, Qwen2ForCausalLM, TextConfig, rotate_half
 from llm_service.models.qwen3_vl import InterleavedMRope
@@ -62,7 +62,11 @@ class Qwen35TextConfig(TextConfig):
         if len(types) != n or set(types) - {LINEAR, FULL}:
             raise ValueError(f"{model_dir}: layer_types must name {n} linear/full attention layers")
         return cls(
-            **{f.name: getattr(base, f.name) for f in fields(TextConfig)} | {"num_layers": types.count(FULL)},
+            **{f.name: getattr(base, f.name) for f in fields(TextConfig)}
+            | {
+                "num_layers": types.count(FULL),
+                "mrope_section": tuple(rope.get("mrope_section") or (11, 11, 10)),  # transformers' default
+            },
             layer_types=types,
             rotary_dim=int(base.head_dim * float(rope.get("partial_rotary_factor", 0.25))),
             linear_num_key_heads=int(text.get("linear_num_key_heads", 16)),
@@ -172,39 +176,52 @@ class GatedDeltaNet(nn.Module):
         beta = self.in_proj_b(x).sigmoid().float()
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
         conv0, rec0 = states.read(self.index, step)
-        weight = self.conv1d.weight[:, 0, :]
         conv1, rec1 = torch.empty_like(conv0), torch.empty_like(rec0)
         core = x.new_empty(t, self.hv, self.dv, dtype=torch.float32)
         snaps = step.snapshots.setdefault(self.index, [])
         for i in step.prefills:
-            r0, n = step.q_starts[i], step.q_lens[i]
-            out, full = causal_conv(mixed[r0 : r0 + n], conv0[i], weight)
-            conv1[i] = full[:, n:]
-            q, k, v = (y.transpose(0, 1) for y in self._heads(out))  # [H, L, d]
-            gi, bi = g[r0 : r0 + n].t(), beta[r0 : r0 + n].t()
-            state, prev = rec0[i], 0
-            wanted = dict(step.captures[i])  # offset -> snapshot slot: cut the chunk there
-            for cut in sorted({*wanted, n}):
-                o, state = chunk_rule(
-                    q[:, prev:cut], k[:, prev:cut], v[:, prev:cut], gi[:, prev:cut], bi[:, prev:cut], state
-                )
-                core[r0 + prev : r0 + cut] = o.transpose(0, 1)
-                if cut in wanted:
-                    snaps.append((wanted[cut], full[:, cut : cut + self.kernel - 1], state))
-                prev = cut
-            rec1[i] = state
+            rows = slice(step.q_starts[i], step.q_starts[i] + step.q_lens[i])
+            core[rows], conv1[i], rec1[i] = self._prefill(
+                mixed[rows], g[rows], beta[rows], conv0[i], rec0[i], dict(step.captures[i]), snaps
+            )
         if dec := step.decodes:
             idx = torch.tensor(dec, dtype=torch.long, device=x.device)
             rows_t = torch.tensor([step.q_starts[i] for i in dec], dtype=torch.long, device=x.device)
-            out, conv1[idx] = conv_step(mixed[rows_t], conv0[idx], weight)
+            out, conv1[idx] = conv_step(mixed[rows_t], conv0[idx], self.conv1d.weight[:, 0, :])
             q, k, v = self._heads(out)  # [B, H, d]
-            o, rec1[idx] = recurrent_step(q, k, v, g[rows_t], beta[rows_t], rec0[idx])
-            core[rows_t] = o
+            core[rows_t], rec1[idx] = recurrent_step(q, k, v, g[rows_t], beta[rows_t], rec0[idx])
             snaps.extend((slot, conv1[i], rec1[i]) for i in dec for _, slot in step.captures[i])
         step.staged[self.index] = (conv1, rec1)
         z = self.in_proj_z(x).view(t * self.hv, self.dv)
         o = self.norm(core.to(x.dtype).view(t * self.hv, self.dv), z)
         return self.out_proj(o.view(t, -1))
+
+    def _prefill(
+        self,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        conv: torch.Tensor,
+        state: torch.Tensor,
+        captures: dict[int, int],
+        snaps: list[Snapshot],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One sequence's chunk of ``n`` tokens from ``(conv, state)``: its outputs ``[n, H, d_v]`` and
+        final states; cut where ``captures`` (offset -> snapshot slot) want the states, which go to
+        ``snaps``."""
+        n = mixed.shape[0]
+        out, full = causal_conv(mixed, conv, self.conv1d.weight[:, 0, :])
+        q, k, v = (y.transpose(0, 1) for y in self._heads(out))  # [H, n, d]
+        g, beta = g.t(), beta.t()
+        core, prev = [], 0
+        for cut in sorted({*captures, n}):
+            part = slice(prev, cut)
+            o, state = chunk_rule(q[:, part], k[:, part], v[:, part], g[:, part], beta[:, part], state)
+            core.append(o)
+            if cut in captures:
+                snaps.append((captures[cut], full[:, cut : cut + self.kernel - 1], state))
+            prev = cut
+        return torch.cat(core, dim=1).transpose(0, 1), full[:, n:], state
 
     def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k (L2-normalised, q scaled, grouped up to the value heads) and v, float32, ``[..., H, d]``."""
