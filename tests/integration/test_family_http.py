@@ -43,6 +43,8 @@ FAMILIES = [
     Family("qwen2.5-vl", video=True),
     Family("qwen3-vl", video=True, embeds_224=49),  # patch 16: 224 px -> 14x14 patches -> 7x7
     Family("gemma3", video=False, embeds_224=16, burst_images=4, max_num_batched_tokens=24),
+    # hybrid: linear-attention states in the state cache; a prefix hit restores a state snapshot
+    Family("qwen3.5", video=True, embeds_224=49),
 ]
 MAX_TOKENS = 8
 VIDEO_FPS = 1.0  # not the default 2: positions depend on the per-video second_per_grid_ts

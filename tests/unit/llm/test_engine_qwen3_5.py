@@ -219,17 +219,30 @@ def test_poisoned_neighbour_fails_alone_and_states_stay_right(vl, model_dir, bud
 
 def test_resent_prompt_restores_a_snapshot(vl, model_dir) -> None:
     """The same image prompt again: its KV blocks up to the last block an identical prompt can hit
-    come from the cache, the linear layers start from the snapshot taken there; equal to HF."""
+    come from the cache, the linear layers start from the snapshot taken there; equal to HF. A text
+    prompt before it shares its first blocks (the chat template's header), which the image prompt
+    computes again (no snapshot there) in a pool so small that it reuses the older copies: its own
+    copies must stay findable (``BlockPool.cache`` gives a held duplicate the hash of a free one)."""
     hf, proc = vl
-    case = build_case(hf, proc, f"look {IMG} at it", ["img-A"], images=[image(300, 200, 6)])
+
+    def chat(content: Any) -> str:
+        return str(
+            proc.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+        )
+
+    text = build_case(hf, proc, chat("hello there, tell me more"))
+    content = [{"type": "image"}, {"type": "text", "text": "look at it"}]
+    case = build_case(hf, proc, chat(content), ["img-A"], images=[image(300, 200, 6)])
+    assert case.prompt[:8] == text.prompt[:8]
     n = len(case.prompt)
-    eng = engine(model_dir, max_num_batched_tokens=16)
+    eng = engine(model_dir, max_num_batched_tokens=16, num_kv_blocks=(n + N - 1 + 3) // 4)  # one request's
+    assert run(eng, [text]) == [hf_generate(hf, text, N)]
     expected = hf_generate(hf, case, N)
     (a,) = eng.generate([GenerateRequest(case.prompt, GREEDY, case.mm_inputs)])
     assert a.token_ids == expected and a.num_cached_tokens == 0
     (b,) = eng.generate([GenerateRequest(case.prompt, GREEDY, case.mm_inputs)])
     assert b.num_cached_tokens == (n - 1) // 4 * 4 and b.token_ids == expected
-    other = build_case(hf, proc, f"look {IMG} at it", ["img-B"], images=[image(300, 200, 7)])
+    other = build_case(hf, proc, chat(content), ["img-B"], images=[image(300, 200, 7)])
     (c,) = eng.generate([GenerateRequest(other.prompt, GREEDY, other.mm_inputs)])
     assert c.token_ids == hf_generate(hf, other, N) and c.num_cached_tokens < 8  # another image: no hit
     assert_all_free(eng)
