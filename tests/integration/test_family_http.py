@@ -9,6 +9,7 @@ for each (parametrized), in one Ray start.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -107,11 +108,17 @@ def _hf(
     return hf_generate(model_dir, [{"role": "user", "content": content}], max_tokens, **media)
 
 
+_STATS_LOOP = asyncio.new_event_loop()  # handles run their router on the caller's loop (serve_env.py)
+
+
 def _llm_stats(f: Family) -> dict[str, Any]:
     from ray import serve
 
-    handle = serve.get_deployment_handle(f"LLMServer-{f.model}", app_name="mmserve")
-    return dict(handle.stats.remote().result(timeout_s=30))
+    async def ask() -> dict[str, Any]:
+        handle = serve.get_deployment_handle(f"LLMServer-{f.model}", app_name="mmserve")
+        return dict(await asyncio.wait_for(handle.stats.remote(), 30))
+
+    return _STATS_LOOP.run_until_complete(ask())
 
 
 @pytest.mark.parametrize("f", FAMILIES, ids=lambda f: f.tiny)
