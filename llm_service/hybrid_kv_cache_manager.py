@@ -74,6 +74,8 @@ class HybridKVCacheManager(KVCacheManager):
             return False
         start = len(computed) * self.block_size if computed else req.num_computed_tokens
         for pos in self.capture_points(req, start, num_new_tokens):
+            if pos > req.num_prompt_tokens and (previous := self._latest_generated.pop(req.request_id, None)):
+                self.snapshots.discard(previous)  # replaced by this one: its slot first, not an older one's
             slot = self.snapshots.reserve()
             if slot is not None:
                 req.state.captures.append((pos, slot))
@@ -106,9 +108,6 @@ class HybridKVCacheManager(KVCacheManager):
             block_hash = req.block_hashes[pos // self.block_size - 1]
             self.snapshots.register(block_hash, slot)
             if pos > req.num_prompt_tokens:
-                previous = self._latest_generated.get(req.request_id)
-                if previous is not None and previous != block_hash:
-                    self.snapshots.discard(previous)
                 self._latest_generated[req.request_id] = block_hash
         st.captures = []
 

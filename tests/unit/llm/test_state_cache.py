@@ -106,6 +106,19 @@ def test_hit_ends_at_the_last_snapshot_and_restores_it() -> None:
     assert kv.states.num_free == 2 and kv.num_free_blocks == 64
 
 
+def test_a_long_answer_keeps_the_prompt_snapshot() -> None:
+    """Two snapshot slots: the prompt's and the answer's latest; each new generated boundary replaces
+    the request's previous one instead of evicting the prompt's."""
+    sched = hybrid(snapshots=2, interval=0)
+    kv = books(sched)
+    r = request("a", list(range(100, 110)), max_tokens=12)  # generated boundaries at 12, 16, 20
+    run_to_end(sched, [r])
+    prompt_end = kv.snapshots.lookup(r.block_hashes[1])  # the block ending at 8
+    assert prompt_end is not None and kv.snapshots.num_registered == 2
+    assert kv.snapshots.lookup(r.block_hashes[4]) is not None  # the one ending at 20
+    assert_consistent(kv)
+
+
 def test_filling_the_budget_evicts_blocks_with_their_snapshots() -> None:
     """Distinct prompts fill 3 snapshot slots (LRU makes room); then a request that needs every KV
     block evicts all cached blocks, and every snapshot goes with its block."""
