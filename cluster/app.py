@@ -191,6 +191,8 @@ def _llm_server(model: ModelConfig, cache_dir: str, links: bool) -> Any:
                 block_size=llm.block_size,
                 num_kv_blocks=llm.num_kv_blocks,
                 kv_cache_memory_fraction=llm.kv_cache_memory_fraction,
+                num_state_slots=llm.num_state_slots,
+                num_state_snapshots=llm.num_state_snapshots,
                 max_num_seqs=llm.max_num_seqs,
                 max_num_batched_tokens=llm.max_num_batched_tokens,
                 enable_prefix_caching=llm.enable_prefix_caching,

@@ -10,6 +10,7 @@ from typing import Any
 
 from llm_service.config import EngineConfig
 from llm_service.errors import RequestFaults, RequestRejected
+from llm_service.hybrid_kv_cache_manager import HybridKVCacheManager
 from llm_service.kv_cache_manager import KVCacheManager, cdiv
 from llm_service.model_runner import ModelRunner
 from llm_service.multimodal import MultiModalInput
@@ -35,9 +36,17 @@ class LLMEngine:
         self.mm_row_width: int = getattr(self.runner.model, "mm_row_width", self.hidden_size)
         self.vocab_size: int = self.runner.text_config.vocab_size
         self.eos_token_ids: tuple[int, ...] = self.runner.text_config.eos_token_ids
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = self._make_kv_manager()
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self._ids = itertools.count()
+
+    def _make_kv_manager(self) -> KVCacheManager:
+        """Blocks for every model; for a hybrid one also its state-cache slots (``linear_states``)."""
+        c, states = self.config, self.runner.linear_states
+        if states is not None:
+            r = self.runner
+            return HybridKVCacheManager(r.num_blocks, c.block_size, r.num_state_slots, r.num_state_snapshots)
+        return KVCacheManager(self.runner.num_blocks, c.block_size, c.enable_prefix_caching)
 
     # ---- online primitives -------------------------------------------------------------------------
     def add_request(

@@ -9,6 +9,7 @@ from typing import Any
 
 from llm_service.prefix_hash import MMItemSpan
 from llm_service.sampling_params import SamplingParams
+from llm_service.state_cache import StateAssignment
 
 
 class RequestStatus(enum.Enum):
@@ -69,6 +70,9 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     scheduled_time: float = 0.0
     first_token_time: float = 0.0
+    # Hybrid models: where its linear-attention states live while it runs (its state-cache slot, a
+    # snapshot to restore, snapshots to take; llm_service/hybrid_kv_cache_manager.py). None: no slot.
+    state: StateAssignment | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

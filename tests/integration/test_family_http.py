@@ -9,6 +9,7 @@ for each (parametrized), in one Ray start.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +34,7 @@ class Family:
     # Gemma 3 computes an image (16 tokens) in one chunk: a 16-token budget would hold it only when no
     # other request decodes in that step, so concurrent requests would take turns instead of preempting.
     max_num_batched_tokens: int = 16
+    num_state_slots: int | None = None  # hybrids: sequences whose linear-attention states fit at once
 
     @property
     def model(self) -> str:
@@ -43,6 +45,9 @@ FAMILIES = [
     Family("qwen2.5-vl", video=True),
     Family("qwen3-vl", video=True, embeds_224=49),  # patch 16: 224 px -> 14x14 patches -> 7x7
     Family("gemma3", video=False, embeds_224=16, burst_images=4, max_num_batched_tokens=24),
+    # hybrid: linear-attention states in the state cache (two sequences' worth, so the burst also
+    # waits for state slots); a prefix hit restores a state snapshot
+    Family("qwen3.5", video=True, embeds_224=49, num_state_slots=2),
 ]
 MAX_TOKENS = 8
 VIDEO_FPS = 1.0  # not the default 2: positions depend on the per-video second_per_grid_ts
@@ -58,7 +63,11 @@ def _model_config(f: Family) -> dict[str, Any]:
     return {
         "name": f.model,
         "tiny": f.tiny,
-        "llm": {**ENGINE, "max_num_batched_tokens": f.max_num_batched_tokens},
+        "llm": {
+            **ENGINE,
+            "max_num_batched_tokens": f.max_num_batched_tokens,
+            **({"num_state_slots": f.num_state_slots} if f.num_state_slots else {}),
+        },
         "encoder": {"cache_index_shards": 1},  # one shard actor per model: a cheaper start
         "preprocess": {
             "limit_mm_per_prompt": {"image": 4, "video": 1} if f.video else {"image": 4},
@@ -105,11 +114,17 @@ def _hf(
     return hf_generate(model_dir, [{"role": "user", "content": content}], max_tokens, **media)
 
 
+_STATS_LOOP = asyncio.new_event_loop()  # handles run their router on the caller's loop (serve_env.py)
+
+
 def _llm_stats(f: Family) -> dict[str, Any]:
     from ray import serve
 
-    handle = serve.get_deployment_handle(f"LLMServer-{f.model}", app_name="mmserve")
-    return dict(handle.stats.remote().result(timeout_s=30))
+    async def ask() -> dict[str, Any]:
+        handle = serve.get_deployment_handle(f"LLMServer-{f.model}", app_name="mmserve")
+        return dict(await asyncio.wait_for(handle.stats.remote(), 30))
+
+    return _STATS_LOOP.run_until_complete(ask())
 
 
 @pytest.mark.parametrize("f", FAMILIES, ids=lambda f: f.tiny)
@@ -177,3 +192,71 @@ def test_preempted_burst_equals_hf(app: dict[str, Any], f: Family) -> None:
     assert _llm_stats(f)["num_preemptions"] > before
     for (size, text), got in zip(cases, served, strict=True):
         assert got == _hf(f, app, k, text, n, images=[_image(*size)[1]] * k), size
+
+
+@pytest.mark.parametrize("f", FAMILIES, ids=lambda f: f.tiny)
+def test_bad_input_gets_the_coded_4xx(app: dict[str, Any], f: Family) -> None:
+    """The same coded refusals as the default pair's (tests/integration/e2e/test_errors.py)."""
+    import httpx
+
+    png = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    garbage = {"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}}
+    audio = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
+    video = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,bm90IGEgdmlkZW8="}}
+    cases: list[tuple[list[dict[str, Any]], int | None, str | None]] = [
+        ([png] * 5, 400, "too_many_items"),  # limit_mm_per_prompt image: 4
+        ([audio], 400, "too_many_items"),  # this app allows no audio (limit_mm_per_prompt)
+        ([garbage], None, None),
+        ([video], None, None) if f.video else ([video], 400, "too_many_items"),
+    ]
+    url = str(app["client"].base_url).rstrip("/") + "/chat/completions"
+    for content, status, code in cases:
+        body = {"model": f.model, "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+        r = httpx.post(url, json=body, timeout=60)
+        assert 400 <= r.status_code < 500, r.text
+        assert r.json()["error"]["message"], r.text
+        if status is not None:
+            assert (r.status_code, r.json()["error"]["code"]) == (status, code), r.text
+    r = httpx.post(
+        url, json={"model": f.model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**5}
+    )
+    assert r.status_code == 400 and "max_model_len" in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("f", FAMILIES, ids=lambda f: f.tiny)
+def test_three_turn_chat_resending_its_image_hits_the_prefix_cache(app: dict[str, Any], f: Family) -> None:
+    """Each turn re-sends the conversation with its image: every answer equals HF's, and each turn
+    after the first finds at least the previous turn's prompt (its full blocks) in the prefix cache
+    (a hybrid: KV blocks plus the state snapshot at the previous prompt's end)."""
+    from tests.hf_oracle import hf_generate as hf_chat
+
+    part, img = _image(96, 64, 70)
+    served_msgs: list[dict[str, Any]] = []
+    hf_msgs: list[dict[str, Any]] = []
+    prev_prompt = 0
+    for turn, question in enumerate(["What is this?", "And its colours?", "Anything else?"]):
+        served_msgs.append(
+            {"role": "user", "content": [part, {"type": "text", "text": question}] if turn == 0 else question}
+        )
+        hf_msgs.append(
+            {
+                "role": "user",
+                "content": [{"type": "image"}, {"type": "text", "text": question}] if turn == 0 else question,
+            }
+        )
+        r = app["client"].chat.completions.create(
+            model=f.model, messages=served_msgs, max_tokens=MAX_TOKENS, temperature=0
+        )
+        answer = str(r.choices[0].message.content)
+        assert answer == hf_chat(app["cache_dir"] / f.model, hf_msgs, MAX_TOKENS, images=[img]), turn
+        details = r.usage.prompt_tokens_details if r.usage else None
+        cached = int(getattr(details, "cached_tokens", 0) or 0)
+        if turn:
+            assert cached >= prev_prompt // ENGINE["block_size"] * ENGINE["block_size"], (
+                turn,
+                cached,
+                prev_prompt,
+            )
+        prev_prompt = r.usage.prompt_tokens if r.usage else 0
+        served_msgs.append({"role": "assistant", "content": answer})
+        hf_msgs.append({"role": "assistant", "content": answer})
