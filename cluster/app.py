@@ -25,6 +25,7 @@ from cluster.cache_shards import cache_index_args, cache_index_deployment, open_
 from cluster.config import AppConfig, DeploymentOptions, ModelConfig
 from cluster.direct_served import DirectLLM, DirectServed, pool_links
 from cluster.model_dirs import resolve_model_dir
+from cluster.tracing import setup_tracing
 
 TP_LEADER_NUM_CPUS = 0.1  # the replica of a TP>1 encoder group only queues, batches and puts
 
@@ -132,6 +133,7 @@ def _encoder_pool(model: ModelConfig, cache_dir: str, cache_index: Any, links: b
             return super().__del__()
 
         def __init__(self, model_json: dict[str, Any], cache_dir: str, cache_index: Any) -> None:
+            setup_tracing("encoder")  # cluster/tracing.py: only if OTEL_* asks for it
             m = ModelConfig.model_validate(model_json)
             model_dir = resolve_model_dir(m, cache_dir)
             compute_budget, _ = encoder_budgets(m, model_dir)
@@ -178,6 +180,7 @@ def _llm_server(model: ModelConfig, cache_dir: str, links: bool) -> Any:
         def __init__(self, model_json: dict[str, Any], cache_dir: str) -> None:
             from llm_service.config import EngineConfig
 
+            setup_tracing("llm")
             m = ModelConfig.model_validate(model_json)
             llm = m.llm
             engine_config = EngineConfig(
@@ -188,6 +191,8 @@ def _llm_server(model: ModelConfig, cache_dir: str, links: bool) -> Any:
                 block_size=llm.block_size,
                 num_kv_blocks=llm.num_kv_blocks,
                 kv_cache_memory_fraction=llm.kv_cache_memory_fraction,
+                num_state_slots=llm.num_state_slots,
+                num_state_snapshots=llm.num_state_snapshots,
                 max_num_seqs=llm.max_num_seqs,
                 max_num_batched_tokens=llm.max_num_batched_tokens,
                 enable_prefix_caching=llm.enable_prefix_caching,
@@ -226,6 +231,7 @@ def _ingress(config: AppConfig, pools: dict[str, dict[str, Any]]) -> Any:
     class Ingress(IngressServer):
         # @serve.ingress made the parent's __init__ async: a subclass must await it.
         async def __init__(self, config_json: dict[str, Any], pools: dict[str, dict[str, Any]]) -> None:  # type: ignore[misc]
+            setup_tracing("ingress")
             cfg = AppConfig.model_validate(config_json)
             models = []
             for m in cfg.models:

@@ -74,6 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=300.0, help="per-request timeout, seconds")
     p.add_argument("--json", type=Path, help="write the raw numbers (rows and every request) here")
     p.add_argument(
+        "--disable-tqdm", action="store_true", help="no progress bar per scenario (as `vllm bench serve`'s)"
+    )
+    p.add_argument(
         "--profile",
         action="store_true",
         help="CPU-ms per request by process of the app (read from /proc before and after each scenario)",
@@ -153,7 +156,10 @@ async def run_benchmark(
     for scenario in scenarios:
         before = await fetch_counters(base_url)
         cpu_before = profiler.snapshot() if profiler else {}
-        results, duration = await run_requests(client, scenario.requests, args.concurrency, args.max_tokens)
+        with progress_bar(len(scenario.requests), scenario.name, args.disable_tqdm) as bar:
+            results, duration = await run_requests(
+                client, scenario.requests, args.concurrency, args.max_tokens, on_done=bar.update
+            )
         cpu_after = profiler.snapshot() if profiler else {}
         server = counter_deltas(before, await fetch_counters(base_url))
         report.requests[scenario.name] = results
@@ -263,6 +269,13 @@ def to_json(report: BenchReport) -> dict[str, Any]:
         "profile_notes": report.profile_notes,
         "profile_idle": report.idle.to_json() if report.idle else None,
     }
+
+
+def progress_bar(total: int, desc: str, disable: bool = False) -> Any:
+    """A bar of requests done on stderr, as `vllm bench serve` shows (tqdm)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", disable=disable, file=sys.stderr, leave=False)
 
 
 def log(msg: str) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import httpx
@@ -71,14 +71,22 @@ def _error_text(e: BaseException) -> str:
 
 
 async def run_requests(
-    client: openai.AsyncOpenAI, specs: Sequence[RequestSpec], concurrency: int, max_tokens: int
+    client: openai.AsyncOpenAI,
+    specs: Sequence[RequestSpec],
+    concurrency: int,
+    max_tokens: int,
+    on_done: Callable[[], object] | None = None,
 ) -> tuple[list[RequestResult], float]:
-    """All ``specs``, at most ``concurrency`` in flight, sent in order; returns results and wall time."""
+    """All ``specs``, at most ``concurrency`` in flight, sent in order; returns results and wall time.
+    ``on_done`` is called as each request ends (a progress bar's ``update``)."""
     sem = asyncio.Semaphore(concurrency)
 
     async def one(spec: RequestSpec) -> RequestResult:
         async with sem:
-            return await send_request(client, spec, max_tokens)
+            result = await send_request(client, spec, max_tokens)
+        if on_done is not None:
+            on_done()
+        return result
 
     start = time.perf_counter()
     results = await asyncio.gather(*(one(s) for s in specs))

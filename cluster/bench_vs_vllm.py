@@ -39,6 +39,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from cluster import bench_plots
 from cluster.bench_procs import CLOCK_TICKS_PER_S, anyone_connected_to
 from cluster.bench_profile import IdleProfile, ScenarioProfile, process_costs
 from cluster.bench_servers import BenchServer, ClusterServer, RayNode, ServerProcess
@@ -282,6 +283,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--json", type=Path, help="write every load's metrics and CPU profile here")
     p.add_argument(
+        "--plots",
+        type=Path,
+        help="write latency.png (TTFT/ITL percentiles per server) and cpu.png (CPU-ms per request by "
+        "process) here; default: --out-dir",
+    )
+    p.add_argument(
         "--loads",
         help="which loads, comma-separated (image-c32, image-c1, text-c32, image-rate30: 30 req/s "
         "arriving at random, open loop); default all",
@@ -349,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     names = [servers[k].name for k in order]
     print(render(picked, idles, names, header, args.loads), flush=True)
+    for path in bench_plots.write(picked, names, args.loads, args.plots or args.out_dir):
+        log(f"figure written to {path}")
     if args.json:
         data = results_json(picked, idles, header)
         if args.rounds > 1:

@@ -123,6 +123,16 @@ class LLMConfig(_Strict):
     block_size: int = Field(16, ge=1)
     num_kv_blocks: int | None = Field(None, ge=1, description="KV blocks per replica; default from memory")
     kv_cache_memory_fraction: float = Field(0.8, gt=0, le=1)
+    num_state_slots: int | None = Field(
+        None,
+        ge=1,
+        description="hybrid (linear-attention) models: sequences' states held at once; default max_num_seqs",
+    )
+    num_state_snapshots: int | None = Field(
+        None,
+        ge=0,
+        description="hybrid models' prefix caching: state snapshots kept at block boundaries; default num_state_slots",
+    )
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=16)
     enable_prefix_caching: bool = True
@@ -184,9 +194,9 @@ class PreprocessConfig(_Strict):
 class ModelConfig(_Strict):
     name: str = Field(..., min_length=1, description="the OpenAI `model` name clients send")
     path: str | None = Field(None, description="HF model directory; omit with `tiny` to generate one")
-    tiny: Literal["qwen2-vl", "qwen2.5-vl", "qwen2-audio", "gemma3", "qwen3-vl", "gemma4"] | None = Field(
-        None, description="generate this tiny model (encoder_service.families.FAMILY_NAMES)"
-    )
+    tiny: (
+        Literal["qwen2-vl", "qwen2.5-vl", "qwen2-audio", "gemma3", "qwen3-vl", "qwen3.5", "gemma4"] | None
+    ) = Field(None, description="generate this tiny model (encoder_service.families.FAMILY_NAMES)")
     llm: LLMConfig = Field(default_factory=LLMConfig)
     encoder: EncoderConfig = Field(default_factory=EncoderConfig)
     preprocess: PreprocessConfig = Field(default_factory=PreprocessConfig)

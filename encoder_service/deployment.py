@@ -18,11 +18,14 @@ their index entries so the index stops handing out refs that are about to be los
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
+import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
+from encoder_service import tracing
 from encoder_service.cache_index import ref_id
 from encoder_service.encoder_queue import EncoderQueue
 from encoder_service.gathering import gather
@@ -44,6 +47,8 @@ class _Queued:
     item: EncoderInput
     request_id: str
     future: asyncio.Future[Any]
+    queued_at: float = 0.0  # time.perf_counter() at its push on the FIFO
+    trace: Any = None  # its request's trace context, if sampled (the step runs in another task)
 
     @property
     def num_embeds(self) -> int:
@@ -126,7 +131,9 @@ class EncoderPoolServer:
         for q in queued:
             self._queue.check(q, f"{q.item.modality} item {q.item.mm_hash[:12]}")
         self._queue.admit(queued)
+        now, trace = time.perf_counter(), tracing.current()
         for q in queued:
+            q.queued_at, q.trace = now, trace
             self._queue.push(q)
         self._metrics.queued.set(self._queued_embeds)
         self._wakeup.set()
@@ -135,7 +142,8 @@ class EncoderPoolServer:
     def _ensure_started(self) -> None:
         if self._task is None or self._task.done():
             self._wakeup = asyncio.Event()
-            self._task = asyncio.get_running_loop().create_task(self._run())
+            # in a context of its own, not the first caller's: no request's trace is the loop's
+            self._task = asyncio.get_running_loop().create_task(self._run(), context=contextvars.Context())
         if self._sweeper is None or self._sweeper.done():
             self._sweeper = asyncio.get_running_loop().create_task(self._owned.sweep_forever())
 
@@ -167,7 +175,15 @@ class EncoderPoolServer:
         import ray
 
         items = [q.item for q in step]
+        start = time.perf_counter()
+        for q in step:
+            self._metrics.encoder_queue.observe(start - q.queued_at, mm_hash=q.item.mm_hash, parent=q.trace)
         outputs = await self._encode(items)
+        took = time.perf_counter() - start
+        self._metrics.encode.observe(took)  # the loop's own context: no span
+        for q in step:  # the step's span in each traced request's trace
+            if q.trace is not None:
+                tracing.stage_span("encode", took, mm_hash=q.item.mm_hash, parent=q.trace)
         done: list[tuple[_Queued, EncodedItem]] = []
         for q, out in zip(step, outputs, strict=True):
             tensor = out.detach().contiguous().cpu()

@@ -146,6 +146,13 @@ ENCODER_FAMILIES: dict[str, EncoderFamily] = {
         vision_largest_item,
         lambda config: deepstack_row_units(config),
     ),
+    "qwen3_5": EncoderFamily(
+        "qwen3.5",
+        ("image", "video"),
+        "encoder_service.processors.qwen3_vl:Qwen3VLFamily",  # transformers maps qwen3_5 to Qwen3VLProcessor
+        "encoder_service.models.qwen3_5_vision:Qwen35VisionEncoder",
+        vision_largest_item,
+    ),
     "gemma3": EncoderFamily(
         "gemma3",
         ("image",),

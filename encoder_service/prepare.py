@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
@@ -29,6 +30,7 @@ from encoder_service.gathering import gather
 from encoder_service.near_cache import NearCache
 from encoder_service.prepared import LookedUp, PreparedItem, PreparedRequest
 from encoder_service.processing import NeedsEncoding
+from encoder_service.stage_timing import CacheLookups, MediaStages
 from encoder_service.types import EmbeddingMeta, EncodeBatch, EncodedItem, MultiModalItem, PreprocessedRequest
 
 logger = logging.getLogger("mmserve.encoder")
@@ -74,8 +76,10 @@ class RequestPreparer:
         encode: Encode,
         lease_s: float = DEFAULT_LEASE_S,
         near: NearCache | None = None,
+        stages: MediaStages | None = None,
     ) -> None:
         self.preprocessor = preprocessor
+        self.stages = stages  # cache lookup and wait timings, answers counted (stage_timing.py)
         self.cache = cache
         self.encode = encode
         self.renew_every_s = lease_s / 3
@@ -87,7 +91,9 @@ class RequestPreparer:
         """The preprocessor's lookup: reserve-or-hit per item, the answers ``given`` first."""
 
         async def lookup(hashes: list[str]) -> dict[str, EmbeddingMeta]:
+            start = time.perf_counter()
             answers = {h: given.found[h] for h in hashes if h in given.found} if given else {}
+            num_given = len(answers)
             if self.near is not None:
                 for h in hashes:
                     if h not in answers and (near := self.near.get(h)) is not None:
@@ -100,6 +106,10 @@ class RequestPreparer:
                         if kind == HIT and found is not None:
                             self.near.put(*found)
                 answers.update(asked)
+            if self.stages is not None:
+                self.stages.cache_lookup.observe(time.perf_counter() - start)
+                if self.stages.lookups is not None and len(answers) > num_given:
+                    _count_answers(self.stages.lookups, answers, given)
             for h, (kind, found) in answers.items():
                 if kind == HIT and found is not None:
                     hits[h] = found
@@ -247,7 +257,10 @@ class RequestPreparer:
         self, request_id: str, it: MultiModalItem, refs: dict[str, Found]
     ) -> MultiModalItem | None:
         """Another request was computing ``it``: its result, or ``it`` back if we must compute it."""
+        start = time.perf_counter()
         kind, found = await self.cache.get_or_reserve(request_id, it.mm_hash)
+        if self.stages is not None:
+            self.stages.cache_wait.observe(time.perf_counter() - start, mm_hash=it.mm_hash)
         if kind == HIT and found is not None:
             refs[it.mm_hash] = found
             return None
@@ -265,6 +278,21 @@ class RequestPreparer:
         for out in encoded:
             refs[out.meta.mm_hash] = (out.meta, out.ref[0])
         return len(encoded)
+
+
+def _count_answers(
+    lookups: CacheLookups, answers: dict[str, tuple[str, Any]], given: LookedUp | None
+) -> None:
+    """Count the answers this lookup got itself (near cache or shard), not the ones ``given``."""
+    for h, (kind, _) in answers.items():
+        if given is not None and h in given.found:
+            continue
+        if kind == HIT:
+            lookups.hit.inc()
+        elif kind == COMPUTE:
+            lookups.miss.inc()
+        else:
+            lookups.wait.inc()
 
 
 def _prepared(pre: PreprocessedRequest, found: dict[str, Found], num_encoded: int) -> PreparedRequest:
@@ -294,16 +322,22 @@ def make_preparer(
     cache: Any,
     encode: Any,
     model_name: str = "",
+    stages: MediaStages | None = None,
 ) -> Any:
     """A ``RequestPreparer`` over this model's processor, the shared cache client and ``encode`` (the
     encoder pool's handle, or an encoder replica's own FIFO when it prepares itself)."""
     from encoder_service.processing import Preprocessor
 
     preprocessor = Preprocessor(
-        model_dir, limits, limit_mm_per_prompt, processor_cache_bytes, model_id=model_name or None
+        model_dir,
+        limits,
+        limit_mm_per_prompt,
+        processor_cache_bytes,
+        model_id=model_name or None,
+        stages=stages,
     )
     preprocessor.aliases = cache  # uuid names live in the cache shards (uuid_aliases.py)
-    return RequestPreparer(preprocessor, cache, encode)
+    return RequestPreparer(preprocessor, cache, encode, stages=stages)
 
 
 def preparer_stats(preparer: Any) -> dict[str, Any]:

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from encoder_service import tracing
 from encoder_service.deployment import EncoderPoolServer
+from encoder_service.metrics import media_stages
 from encoder_service.prepare import make_preparer, preparer_stats
 from encoder_service.prepared import LookedUp, PreparedRequest, with_values
 
@@ -41,6 +43,7 @@ class PreparingEncoderServer(EncoderPoolServer):
             cache=self._cache,
             encode=self.encode,  # this replica's own FIFO: no hop, batched with every other request's items
             model_name=self.model_name,
+            stages=media_stages(self.model_name, "encoder"),
         )
 
     async def prepare(
@@ -48,11 +51,17 @@ class PreparingEncoderServer(EncoderPoolServer):
         request_id: str,
         messages: list[dict[str, Any]],
         looked_up: LookedUp | None = None,
+        trace_headers: dict[str, str] | None = None,
     ) -> PreparedRequest:
         """The router's one call per media request (encoder_service/prepare.py). Items
         whose embeddings this replica put lately carry them inline when small (``RecentValues``):
-        the LLM replica then takes them instead of fetching them."""
-        return with_values(await self.preparer.prepare(request_id, messages, looked_up), self.recent_value)
+        the LLM replica then takes them instead of fetching them. ``trace_headers``: the caller's
+        trace context, for a sampled request (encoder_service/tracing.py)."""
+        with tracing.remote_span("encoder.prepare", trace_headers, request_id) as span:
+            prepared = await self.preparer.prepare(request_id, messages, looked_up)
+            if span is not None:
+                span.set_attribute(tracing.MM_HASHES, [it.mm_hash for it in prepared.items])
+        return with_values(prepared, self.recent_value)
 
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), **preparer_stats(self.preparer)}

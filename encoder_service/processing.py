@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import inspect
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ from encoder_service.media_items import MediaItem, collect_media
 from encoder_service.placeholders import expand_placeholders
 from encoder_service.processor_cache import ProcessorCache
 from encoder_service.processors import FamilyProcessor, ProcessedItem, load_family_processor
+from encoder_service.stage_timing import MediaStages
 from encoder_service.types import (
     MODALITIES,
     EmbeddingMeta,
@@ -80,8 +82,10 @@ class Preprocessor:
         resolver: Resolver = resolve_host,
         http_client: PinnedClient | None = None,
         aliases: AliasStore | None = None,
+        stages: MediaStages | None = None,
     ) -> None:
         self.limits = limits or MediaLimits()
+        self.stages = stages  # fetch, decode and processor timings (stage_timing.py); None: not timed
         self.family: FamilyProcessor = load_family_processor(model_dir, self.limits)
         self.model_id = model_id or Path(model_dir).name
         limit = (
@@ -242,9 +246,12 @@ class Preprocessor:
         return True
 
     async def _fetch(self, it: MediaItem) -> None:
+        start = time.perf_counter()
         fetched = await fetch_media_bytes(
             it.ref, self.limits, item=it.index, client=self._http, resolver=self._resolver
         )
+        if self.stages is not None:
+            self.stages.fetch.observe(time.perf_counter() - start)
         self._fetched(it, fetched)
 
     def _fetched(self, it: MediaItem, fetched: FetchedMedia) -> None:
@@ -308,6 +315,7 @@ class Preprocessor:
         if modality == "image":
             out, it.metadata = self._process_image(it)
         else:
+            start = time.perf_counter()
             loaded = decode_media(  # maps every decoder exception to a 4xx naming the item
                 modality,
                 fetched,
@@ -316,8 +324,10 @@ class Preprocessor:
                 sampling_rate=self.family.sampling_rate or 16000,
                 frame_multiple=self.family.frame_multiple,
             )
+            decoded_at = time.perf_counter()
             self.num_processor_calls += 1
             out = processed_or_422(lambda: self.family.process(modality, loaded.value), modality, it.index)
+            self._observe_processing(it, start, decoded_at)
             it.metadata = {**loaded.metadata, **self.family.item_metadata(modality, loaded.metadata)}
             it.second_per_grid_ts = it.metadata.get("second_per_grid_ts")
             it.frame_times = it.metadata.get("frame_times")
@@ -337,14 +347,23 @@ class Preprocessor:
         """Decode (at reduced scale when the processor shrinks the image that much anyway) and process."""
         assert it.fetched is not None and it.header is not None
         header, it.header = it.header, None  # opened and checked by ``_fetch``; decoded once, here
+        start = time.perf_counter()
         min_size = self.family.image_decode_size(*header.size)
         decoded = decode_opened(header, min_size=min_size, item=it.index, label=f"image {it.index}")
+        decoded_at = time.perf_counter()
         self.num_processor_calls += 1
         out = processed_or_422(lambda: self.family.process_image(decoded), "image", it.index)
+        self._observe_processing(it, start, decoded_at)
         meta = {"source": it.fetched.source, "num_bytes": len(it.fetched.data), **decoded.metadata()}
         if decoded.reduced:
             meta["decoded_size"] = list(decoded.image.size)
         return out, meta
+
+    def _observe_processing(self, it: MediaItem, start: float, decoded_at: float) -> None:
+        if self.stages is not None:
+            now = time.perf_counter()
+            self.stages.media_decode.observe(decoded_at - start, ago=now - decoded_at, mm_hash=it.mm_hash)
+            self.stages.preprocess.observe(now - decoded_at, mm_hash=it.mm_hash)
 
     def _tokenize(
         self, template_messages: list[dict[str, Any]], items: list[MediaItem]

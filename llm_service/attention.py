@@ -25,10 +25,13 @@ never ends a chunk inside one), so an image token sees every token of its image,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from llm_service.linear_states import StepStates
 
 Span = tuple[int, int]  # (offset, length) of tokens that attend each other in both directions
 
@@ -111,6 +114,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] long: where each new token's K/V is written
     seqs: list[SeqAttention]  # attended one by one (prefill chunks; a lone decode)
     decode: DecodeGroup | None = None  # two or more decodes, attended together
+    states: StepStates | None = None  # hybrid models: the state-cache slots the step's sequences use
 
 
 MIN_DECODE_GROUP = 2  # one decode alone gains nothing from padding

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from llm_service.prefix_hash import ExtraKey
@@ -34,6 +35,7 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._by_hash: dict[bytes, int] = {}
+        self.on_evict: Callable[[bytes], None] | None = None  # told each hash that leaves the index
 
     @property
     def num_free(self) -> int:
@@ -76,9 +78,17 @@ class BlockPool:
         return block if block.key == key else None
 
     def cache(self, block: KVBlock, block_hash: bytes, key: BlockKey) -> None:
-        """Register a full, computed block under its hash (first writer wins on duplicates)."""
-        if not self.enable_caching or block.block_hash is not None or block_hash in self._by_hash:
+        """Register a full, computed block under its hash. On duplicates the first writer wins while
+        it is held; a free one hands the hash to the new block (it would be evicted first, and a
+        request that computed the same block again, a hybrid model's past its last state snapshot,
+        would otherwise leave the prefix index without it)."""
+        if not self.enable_caching or block.block_hash is not None:
             return
+        if (held := self._by_hash.get(block_hash)) is not None:
+            other = self.blocks[held]
+            if other.ref_count > 0:
+                return
+            other.block_hash, other.key = None, None
         block.block_hash, block.key = block_hash, key
         self._by_hash[block_hash] = block.block_id
 
@@ -89,4 +99,6 @@ class BlockPool:
         if block.block_hash is not None:
             if self._by_hash.get(block.block_hash) == block.block_id:
                 del self._by_hash[block.block_hash]
+                if self.on_evict is not None:
+                    self.on_evict(block.block_hash)
             block.block_hash, block.key = None, None

@@ -25,6 +25,13 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     seed: int = 0
+    # Hybrid (linear-attention) models: sequences whose states the state cache holds at once, each
+    # slot the conv + recurrent states of every linear layer (None: max_num_seqs). Its memory is
+    # num_state_slots x the model's slot bytes, allocated at start; other models ignore it.
+    num_state_slots: int | None = None
+    # Hybrid models' prefix caching: slots for snapshots of those states at block boundaries (None:
+    # as many as num_state_slots; 0 or enable_prefix_caching=False: no prefix caching for them).
+    num_state_snapshots: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.max_model_len <= 0:
@@ -33,6 +40,10 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError("num_kv_blocks must be positive when set")
+        if self.num_state_slots is not None and self.num_state_slots <= 0:
+            raise ValueError("num_state_slots must be positive when set")
+        if self.num_state_snapshots is not None and self.num_state_snapshots < 0:
+            raise ValueError("num_state_snapshots must not be negative")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ValueError("kv_cache_memory_fraction must be in (0, 1]")
         if self.dtype not in ("float32", "bfloat16", "float16"):

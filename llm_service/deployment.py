@@ -23,6 +23,7 @@ from llm_service.outputs import RequestOutput
 from llm_service.request_spec import EmbeddingRef, LLMRequestSpec, ReplicaTarget, SubmitReply
 from llm_service.scheduler import WaitingBound
 from llm_service.sequence import Request
+from llm_service.tracing import RequestTraces
 
 logger = logging.getLogger("mmserve.llm")
 
@@ -69,10 +70,15 @@ class LLMServer:
         self._unfetched: dict[str, list[EmbeddingRef]] = {}  # request id -> items sent without rows
         self._supplies: set[asyncio.Task[None]] = set()
         self.skipped_fetches = 0  # items whose embeddings were never fetched (prefix cache)
+        self._traces = RequestTraces()  # sampled requests' trace contexts (llm_service/tracing.py)
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         self.channels.deliver(outputs)
-        self._metrics.observe_step(outputs)
+        self._metrics.observe_step(outputs, self.loop.last_step_s)
+        if self._traces:  # sampled requests in flight: their spans, once done
+            for out in outputs:
+                if out.timing is not None:
+                    self._traces.finish(out)
 
     def _abort_all(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -115,6 +121,8 @@ class LLMServer:
         """Fetch what must be fetched, put the request on its ingress's channel and in the engine's
         queue; returns where its outputs go and the items sent without their embeddings."""
         self.loop.check_capacity(len(spec.prompt_token_ids))
+        if spec.trace_headers:
+            self._traces.start(spec.request_id, spec.trace_headers, [m.mm_hash for m in spec.mm_items])
         # Items whose whole span the prefix cache holds are not fetched: those positions are never
         # computed. If their blocks are evicted before the request is admitted, the engine parks
         # it and ``_on_parked`` fetches them then.

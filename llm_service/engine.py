@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from llm_service.config import EngineConfig
 from llm_service.errors import RequestFaults, RequestRejected
+from llm_service.hybrid_kv_cache_manager import HybridKVCacheManager
 from llm_service.kv_cache_manager import KVCacheManager, cdiv
 from llm_service.model_runner import ModelRunner
 from llm_service.multimodal import MultiModalInput
-from llm_service.outputs import EngineStats, GenerateOutput, GenerateRequest, RequestOutput
+from llm_service.outputs import EngineStats, GenerateOutput, GenerateRequest, RequestOutput, RequestTiming
 from llm_service.sampling_params import SamplingParams
 from llm_service.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from llm_service.sequence import Request, RequestStatus
@@ -34,9 +36,17 @@ class LLMEngine:
         self.mm_row_width: int = getattr(self.runner.model, "mm_row_width", self.hidden_size)
         self.vocab_size: int = self.runner.text_config.vocab_size
         self.eos_token_ids: tuple[int, ...] = self.runner.text_config.eos_token_ids
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = self._make_kv_manager()
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self._ids = itertools.count()
+
+    def _make_kv_manager(self) -> KVCacheManager:
+        """Blocks for every model; for a hybrid one also its state-cache slots (``linear_states``)."""
+        c, states = self.config, self.runner.linear_states
+        if states is not None:
+            r = self.runner
+            return HybridKVCacheManager(r.num_blocks, c.block_size, r.num_state_slots, r.num_state_snapshots)
+        return KVCacheManager(self.runner.num_blocks, c.block_size, c.enable_prefix_caching)
 
     # ---- online primitives -------------------------------------------------------------------------
     def add_request(
@@ -96,8 +106,11 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         sampled, faults = self._execute(sched)
         outputs = [self._fail(rid, msg) for rid, msg in faults.items()]
+        now = time.monotonic()
         for req in self.scheduler.update(sched, sampled):
             lp = req.output_logprobs[-1]
+            if len(req.output_token_ids) == 1:
+                req.first_token_time = now
             outputs.append(
                 RequestOutput(
                     request_id=req.request_id,
@@ -107,6 +120,7 @@ class LLMEngine:
                     finish_reason=req.status.value if req.is_finished else None,
                     num_prompt_tokens=req.num_prompt_tokens,
                     num_cached_tokens=max(req.num_cached_tokens, 0),
+                    timing=_timing(req, now) if req.is_finished else None,
                 )
             )
         return outputs
@@ -287,6 +301,14 @@ class LLMEngine:
                 "bad_mm_input",
                 f"{name}: grid_thw={m.grid_thw} gives {t * h * w // merge**2} embeddings, got {m.length}",
             )
+
+
+def _timing(req: Request, now: float) -> RequestTiming:
+    return RequestTiming(
+        queue=req.scheduled_time - req.arrival_time,
+        prefill=req.first_token_time - req.scheduled_time,
+        decode=now - req.first_token_time,
+    )
 
 
 def _halves(chunks: list[ScheduledChunk]) -> list[list[ScheduledChunk]]:

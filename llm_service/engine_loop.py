@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -68,6 +69,7 @@ class EngineLoop:
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self.last_stats: Any = None
+        self.last_step_s: float | None = None  # the engine step behind the outputs last handed out
 
     def check_capacity(self, num_prompt_tokens: int) -> None:
         """Raise ``WaitingQueueFull`` now if a request of this size would overflow the waiting bound."""
@@ -181,7 +183,12 @@ class EngineLoop:
                 self.engine.add_request(rid, ids, params, mm, cache_salt=salt)
             except Exception as e:  # RequestRejected and friends go back to that caller only
                 errors.append((rid, e))
-        outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+        if self.engine.has_unfinished_requests():
+            start = time.perf_counter()
+            outputs = self.engine.step()
+            self.last_step_s = time.perf_counter() - start
+        else:
+            outputs, self.last_step_s = [], None
         take_parked = getattr(self.engine, "take_parked", None)
         parked = take_parked() if take_parked is not None else []
         self.last_stats = self.engine.stats()

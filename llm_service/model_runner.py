@@ -10,6 +10,7 @@ from llm_service.attention import TorchPagedAttention, build_metadata
 from llm_service.config import EngineConfig
 from llm_service.errors import RequestFaults, RequestRejected
 from llm_service.kv_cache_manager import cdiv
+from llm_service.linear_states import LinearStates, StepSeq
 from llm_service.models import build_decoder, load_text_config
 from llm_service.models.weights import load_weights
 from llm_service.mrope import prompt_mrope_positions
@@ -40,6 +41,7 @@ class ModelRunner:
         model = build_decoder(self.text_config, TorchPagedAttention())
         load_weights(model, config.model)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.linear_states = self._make_linear_states()
         self.num_blocks = config.num_kv_blocks or self._derive_num_blocks()
         nb, bs = self.num_blocks, config.block_size
         # one cache per KV-writing layer (Gemma 4: shared layers own none, full layers are wider)
@@ -48,6 +50,30 @@ class ModelRunner:
             for h, d in self.text_config.kv_layer_specs()
         ]
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
+
+    def _make_linear_states(self) -> LinearStates | None:
+        """A hybrid model's state cache (its ``state_shapes``): running slots, then snapshot slots."""
+        shapes = getattr(self.model, "state_shapes", None)
+        if shapes is None:
+            return None
+        c = self.config
+        self.num_state_slots = c.num_state_slots or c.max_num_seqs
+        self.num_state_snapshots = 0
+        if c.enable_prefix_caching:
+            self.num_state_snapshots = (
+                self.num_state_slots if c.num_state_snapshots is None else c.num_state_snapshots
+            )
+        slots = self.num_state_slots + self.num_state_snapshots
+        states = LinearStates(shapes(), slots, self.device, self.dtype)
+        mib = slots * LinearStates.slot_bytes(shapes(), self.dtype) / 2**20
+        logger.info(
+            "state cache: %d running + %d snapshot slots of linear-attention states (%.1f MiB)",
+            self.num_state_slots,
+            self.num_state_snapshots,
+            mib,
+        )
+        self.model.linear_states = states
+        return states
 
     @property
     def block_bytes(self) -> int:
@@ -189,11 +215,22 @@ class ModelRunner:
             self.device,
             [c.request.attention_spans for c in chunks],
         )
+        if self.linear_states is not None:
+            meta.states = self.linear_states.step([_step_seq(c) for c in chunks])
         if getattr(self.model, "takes_token_ids", False):  # Gemma 4's per-layer embeddings
             hidden = self.model(embeds, positions, self.kv_caches, meta, token_ids=ids)
         else:
             hidden = self.model(embeds, positions, self.kv_caches, meta)
         _check_finite(chunks, hidden)
+        sampled = self._sample(chunks, hidden)
+        if meta.states is not None:  # only now: a failed step is replayed for the others
+            assert self.linear_states is not None
+            self.linear_states.commit(meta.states)
+        return sampled
+
+    def _sample(
+        self, chunks: list[ScheduledChunk], hidden: torch.Tensor
+    ) -> dict[str, tuple[int, TokenLogprob | None]]:
         rows, sampling = [], []
         end = 0
         for c in chunks:
@@ -238,6 +275,15 @@ def _check_finite(chunks: list[ScheduledChunk], hidden: torch.Tensor) -> None:
     raise RequestFaults(
         {c.request.request_id: msg for c, p in zip(chunks, parts, strict=True) if bool(p.any())}
     )
+
+
+def _step_seq(c: ScheduledChunk) -> StepSeq:
+    """A chunk's state slots: it reads its own (or the snapshot it restores) and writes its own."""
+    st = c.request.state
+    assert st is not None, f"request {c.request.request_id} runs without a state slot"
+    read = st.slot if st.restore_from is None else st.restore_from
+    captures = [(pos - c.start, slot) for pos, slot in st.captures]
+    return StepSeq(c.num_tokens, read, st.slot, c.start == 0, captures)
 
 
 def _token_ids(req: Request, start: int, end: int) -> list[int]:

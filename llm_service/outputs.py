@@ -18,6 +18,15 @@ class TokenLogprob:
     top: list[tuple[int, float]]  # (token_id, logprob), best first; empty when logprobs == 0
 
 
+@dataclass(frozen=True)
+class RequestTiming:
+    """Where a finished request's time in the engine went, in seconds."""
+
+    queue: float  # from entering the engine to its first admission to the running batch
+    prefill: float  # from that admission to its first token (chunks, and preemptions, included)
+    decode: float  # from its first token to its last
+
+
 @dataclass
 class RequestOutput:
     """New tokens of one request from one ``step()``."""
@@ -30,6 +39,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     error: str | None = None  # set iff finish_reason == "error": what failed (this request only)
+    # on a request's last output from its engine, for the replica's metrics; not sent over the wire
+    timing: RequestTiming | None = None
 
     def __reduce__(self) -> tuple[Any, ...]:
         logprobs = (

@@ -68,6 +68,7 @@ class LLMRequestSpec:
     block_hashes: Sequence[Any] = field(default=(), compare=False)  # for the replica router only
     ingress_id: str = ""  # whose output channel carries this request's tokens
     cache_salt: str | None = None  # prefix-cache salt: enters the first block's hash only
+    trace_headers: dict[str, str] | None = field(default=None, compare=False)  # a sampled request's trace
 
     def __reduce__(self) -> tuple[Any, ...]:
         fields = {
@@ -79,6 +80,8 @@ class LLMRequestSpec:
             "ingress_id": self.ingress_id,
             "cache_salt": self.cache_salt,
         }
+        if self.trace_headers:
+            fields["trace_headers"] = dict(self.trace_headers)
         refs = [m.ref for m in self.mm_items]
         values = [m.value for m in self.mm_items]
         if not any(v is not None for v in values):
@@ -101,6 +104,7 @@ def _spec_from_bytes(raw: bytes, refs: list[list[Any]], values: list[Any] | None
         block_hashes=list(d["block_hashes"]),
         ingress_id=str(d.get("ingress_id", "")),
         cache_salt=d.get("cache_salt"),
+        trace_headers=d.get("trace_headers"),
     )
 
 

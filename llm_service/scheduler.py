@@ -10,6 +10,7 @@ bidirectional span (``chunk_size``): the chunk stops before it and the span goes
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -181,8 +182,9 @@ class Scheduler:
             self.kv.record_prefix_query(req.num_tokens, num_computed)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_computed
-            if req.num_cached_tokens < 0:
+            if req.num_cached_tokens < 0:  # its first admission (a preempted one was admitted before)
                 req.num_cached_tokens = num_computed
+                req.scheduled_time = time.monotonic()
             self.running.append(req)
             out.chunks.append(ScheduledChunk(req, num_computed, n, self.kv.block_table(req.request_id)))
             budget -= n

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from llm_service.prefix_hash import MMItemSpan
 from llm_service.sampling_params import SamplingParams
+from llm_service.state_cache import StateAssignment
 
 
 class RequestStatus(enum.Enum):
@@ -63,6 +65,14 @@ class Request:
     # prefix cache at submit): the request is admitted only with at least that much of it cached,
     # else parked until the embeddings are supplied (Scheduler.parked). 0: nothing unfetched.
     unfetched_end: int = 0
+    # time.monotonic() when it entered the engine, was first admitted to the running batch, and got
+    # its first token (0.0: not yet): its queue, prefill and decode times (RequestTiming)
+    arrival_time: float = field(default_factory=time.monotonic)
+    scheduled_time: float = 0.0
+    first_token_time: float = 0.0
+    # Hybrid models: where its linear-attention states live while it runs (its state-cache slot, a
+    # snapshot to restore, snapshots to take; llm_service/hybrid_kv_cache_manager.py). None: no slot.
+    state: StateAssignment | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from ray import serve
 
 from router.admission import AdmissionController, AdmissionLimits
@@ -87,13 +87,30 @@ def _hit_path(m: IngressModel) -> Any:
     async def no_encode(batch: Any) -> Any:
         raise RuntimeError("the ingress's hit path encodes nothing")
 
+    from encoder_service.metrics import media_stages
     from encoder_service.near_cache import NearCache
 
     args = {**m.preprocess, "processor_cache_bytes": 0}  # it processes nothing either
-    preparer = make_preparer(m.model_dir, **args, cache=m.cache, encode=no_encode, model_name=m.name)
+    preparer = make_preparer(
+        m.model_dir,
+        **args,
+        cache=m.cache,
+        encode=no_encode,
+        model_name=m.name,
+        stages=media_stages(m.name, "ingress"),
+    )
     if m.near_cache_entries > 0:
         preparer.near = NearCache(m.near_cache_entries, m.near_cache_ttl_s)
     return preparer
+
+
+# Defined above the class: @serve.ingress pickles it by value, and its methods see only the module
+# globals that exist at that point (one defined below the class is a NameError inside the replica).
+def _server_error(e: BaseException) -> APIError:
+    name = type(e).__name__
+    if name in ("BackPressureError", "RayServeBackPressureError"):
+        return APIError(503, "the server is at capacity; retry later", code="overloaded", retry_after_s=1)
+    return APIError(500, "internal server error", code="internal_error")
 
 
 @serve.ingress(fastapi_app)
@@ -110,7 +127,7 @@ class IngressServer:
 
         self.keys = keys or KeyRing()  # API keys -> tenants; every route but /health checks them
 
-        self.metrics = IngressMetrics()
+        self.metrics = IngressMetrics(m.name for m in models)
         self.encoder_items_dispatched: dict[str, int] = {}
         self.caches: dict[str, Any] = {}
         from router.deployment import _hit_path, _link  # pickled by value: see build_direct_app below
@@ -182,6 +199,15 @@ class IngressServer:
             return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
+    async def proxy_healthz(self) -> PlainTextResponse:
+        """Serve's proxy health route, answered as the proxy answers it (``success``; 503 while draining):
+        KubeRay's readiness probe on a worker pod runs ``wget -q -O- localhost:<serve port>/-/healthz |
+        grep success`` and its operator GETs the head's, so a pod whose ingress replica serves HTTP
+        directly is Ready, and in the Kubernetes Service, exactly while that replica takes requests."""
+        if self.admission.closed:
+            return PlainTextResponse("draining", status_code=503)
+        return PlainTextResponse("success")
+
     @fastapi_app.get("/stats")
     async def stats(self, request: Request) -> JSONResponse:
         """Operator view: encoder-cache counters and encoder items dispatched, per model;
@@ -237,15 +263,12 @@ def build_direct_app(server: IngressServer) -> FastAPI:
     async def health() -> JSONResponse:
         return await server.health()
 
+    @app.get("/-/healthz")
+    async def proxy_healthz() -> PlainTextResponse:
+        return await server.proxy_healthz()
+
     @app.get("/stats")
     async def stats(request: Request) -> JSONResponse:
         return await server.stats(request)
 
     return app
-
-
-def _server_error(e: BaseException) -> APIError:
-    name = type(e).__name__
-    if name in ("BackPressureError", "RayServeBackPressureError"):
-        return APIError(503, "the server is at capacity; retry later", code="overloaded", retry_after_s=1)
-    return APIError(500, "internal server error", code="internal_error")

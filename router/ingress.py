@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from llm_service.outputs import RequestOutput
+from router import tracing
 from router.admission import AdmissionController, AdmissionLimits, Ticket
 from router.auth import effective_cache_salt
 from router.deadline import Deadline
@@ -129,13 +130,16 @@ class ChatService:
         ticket = self.admission.admit(self.admission.cost((m.modality for m in chat.media), chat.text_chars))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         orch = model.orchestrator
+        span, traced = tracing.start_request_span(request.headers, request_id, model.name)
         watcher = asyncio.ensure_future(_cancel_on_disconnect(request, asyncio.current_task()))
         response: Response | None = None
+        error: BaseException | None = None
         try:
             salt = effective_cache_salt(tenant, req.cache_salt)
             response = await deadline.run(self._answer(req, model, request_id, chat, start, deadline, salt))
             return response
         except Exception as e:
+            error = e
             self._log_failure(orch, request_id, chat, e)
             orch.forget(request_id)
             raise
@@ -147,8 +151,12 @@ class ChatService:
             if isinstance(response, StreamingResponse):  # released when its body ends (or is dropped)
                 response.body_iterator = _release_after(response.body_iterator, self.admission, ticket)
                 weakref.finalize(response.body_iterator, self.admission.release, ticket)
+                if span.is_recording():  # its span ends with the body
+                    response.body_iterator = tracing.ended_after(response.body_iterator, span)
+                tracing.end_request_span(span, traced, end=not span.is_recording())
             else:
                 self.admission.release(ticket)
+                tracing.end_request_span(span, traced, error)
 
     async def _answer(
         self,
@@ -163,17 +171,23 @@ class ChatService:
         orch = model.orchestrator
         # ``max_tokens`` is fitted to the prompt once it is prepared.
         base, requested = request_sampling_params(req), requested_max_tokens(req)
+        prepare_start = time.monotonic()
         prepared = await orch.prepare(request_id, chat)
+        timed = self.metrics.model(model.name) if self.metrics is not None else None
+        if timed is not None and chat.has_media:
+            timed.prepare.observe(time.monotonic() - prepare_start)
         params = fit_to_prompt(base, requested, len(prepared.prompt_token_ids), model.max_model_len)
         stream = deadline.stream(orch.stream(request_id, prepared, params, cache_salt))
         detok = IncrementalDetokenizer(orch.decode, stop=req.stop_strings)
         first = await _first_or_error(stream)
-        if self.metrics is not None:
-            self.metrics.ttft.observe(time.monotonic() - start, tags={"model": model.name})
+        first_at = time.monotonic()
+        if timed is not None:
+            timed.ttft.observe(first_at - start)
+        times = (start, first_at)
         if req.stream:
-            gen = self._sse(req, model, request_id, first, stream, detok, start, chat)
+            gen = self._sse(req, model, request_id, first, stream, detok, times, chat)
             return SSEResponse(gen, media_type="text/event-stream")
-        response = await self._collect(req, model, request_id, first, stream, detok, start)
+        response = await self._collect(req, model, request_id, first, stream, detok, times)
         orch.forget(request_id)
         return response
 
@@ -202,7 +216,7 @@ class ChatService:
         first: RequestOutput,
         stream: AsyncGenerator[RequestOutput, None],
         detok: IncrementalDetokenizer,
-        start: float,
+        times: tuple[float, float],
     ) -> JSONResponse:
         text: list[str] = []
         logprobs: list[TokenLogprobEntry] = []
@@ -222,7 +236,7 @@ class ChatService:
             await stream.aclose()
         finish = "stop" if detok.stopped else last.finish_reason
         await model.orchestrator.settle(request_id)
-        self._observe_done(model.name, start, completion_tokens)
+        self._observe_done(model.name, times, completion_tokens)
         resp = ChatCompletionResponse(
             id=request_id,
             model=model.name,
@@ -245,7 +259,7 @@ class ChatService:
         first: RequestOutput,
         stream: AsyncGenerator[RequestOutput, None],
         detok: IncrementalDetokenizer,
-        start: float,
+        times: tuple[float, float],
         chat: NormalizedChat,
     ) -> AsyncIterator[str]:
         def lp_chunk(delta: Delta, finish: str | None, logprobs: ChoiceLogprobs) -> str:
@@ -285,7 +299,7 @@ class ChatService:
                     id=request_id, model=model.name, choices=[], usage=_usage(last, completion_tokens)
                 )
                 tail += f"data: {usage.model_dump_json()}\n\n"
-            self._observe_done(model.name, start, completion_tokens)
+            self._observe_done(model.name, times, completion_tokens)
             end = head + tail + DONE
         except Exception as e:  # after the 200 went out, errors travel in-band
             api = from_exception(e) or APIError(500, "internal error while generating", code="internal_error")
@@ -296,13 +310,10 @@ class ChatService:
             await stream.aclose()
         yield end
 
-    def _observe_done(self, model: str, start: float, completion_tokens: int) -> None:
-        if self.metrics is None:
-            return
-        e2e = time.monotonic() - start
-        self.metrics.e2e.observe(e2e, tags={"model": model})
-        if completion_tokens > 1:
-            self.metrics.tpot.observe(e2e / completion_tokens, tags={"model": model})
+    def _observe_done(self, model: str, times: tuple[float, float], completion_tokens: int) -> None:
+        """``times``: when the request came in and when its first output did."""
+        if self.metrics is not None:
+            self.metrics.model(model).done(*times, time.monotonic(), completion_tokens)
 
     def model_list(self) -> ModelList:
         return ModelList(data=[ModelCard(id=m.name, modalities=m.modalities) for m in self.models.values()])

@@ -211,11 +211,16 @@ class LLMClient:
     async def replica_stats(self, timeout_s: float = 5.0) -> dict[str, dict[str, Any]]:
         """The counters of each LLM replica this client has had a channel to (idle channels close;
         the replicas stay listed), asked of it by name; one that does not answer within ``timeout_s``
-        (gone, or stuck) reports its error instead."""
+        (stuck) reports its error instead, and so does one that is gone: Serve's router sends a call
+        for a replica it no longer has to another, whose counters must not be shown as the gone one's."""
 
         ids = sorted(self._replicas_seen)
         calls = (counters_or_error(self.handle.stats.remote(ReplicaTarget(rid)), timeout_s) for rid in ids)
-        return dict(zip(ids, await asyncio.gather(*calls), strict=True))
+        out = dict(zip(ids, await asyncio.gather(*calls), strict=True))
+        for rid, counters in out.items():
+            if "error" not in counters and counters.get("replica_id", rid) != rid:
+                out[rid] = {"error": f"replica gone (the call reached {counters['replica_id']})"}
+        return out
 
     async def _abort(self, reply: SubmitReply, request_id: str) -> None:
         try:

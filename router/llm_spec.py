@@ -38,6 +38,7 @@ def request_spec(
     *,
     ingress_id: str = "",
     cache_salt: str | None = None,
+    trace_headers: dict[str, str] | None = None,
 ) -> LLMRequestSpec:
     """The spec an LLM replica takes, with the block hashes its router chooses a replica by."""
     spans = [(m.offset, m.length, m.mm_hash) for m in items]
@@ -50,4 +51,5 @@ def request_spec(
         hashes,
         ingress_id=ingress_id,
         cache_salt=cache_salt,
+        trace_headers=trace_headers,
     )

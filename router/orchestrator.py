@@ -26,6 +26,7 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from encoder_service import tracing
 from encoder_service.cache_index import ref_id
 from llm_service.embeddings import EmbeddingsLost
 from llm_service.errors import RequestFailed
@@ -205,6 +206,7 @@ class Orchestrator:
             params,
             self.block_size,
             cache_salt=cache_salt,
+            trace_headers=tracing.headers(),  # a sampled request's trace goes on to the LLM replica
         )
 
     async def _invalidate(

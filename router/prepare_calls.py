@@ -19,6 +19,7 @@ import functools
 import logging
 from typing import Any
 
+from encoder_service import tracing
 from encoder_service.prepared import PreparedRequest
 from router.errors import is_client_error, replica_gone
 from router.messages import inline_media
@@ -67,6 +68,8 @@ class PrepareCalls:
                         return got
                     looked_up, from_hit_path = got, False
                 args: tuple[Any, ...] = (looked_up,) if looked_up else ()
+                if (trace := tracing.headers()) is not None:  # a sampled request's trace, to the replica
+                    args = (looked_up, trace)
                 if looked_up is None:
                     pre: PreparedRequest = await self.h.prepare(aid, messages, *args, via_link=attempt == 1)
                 else:  # its reservations are ours until the replica takes them: renewed meanwhile

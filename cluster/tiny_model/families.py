@@ -1,5 +1,5 @@
-"""Write a complete, loadable HF model directory for a tiny random-weight Qwen2-VL, Qwen2.5-VL, Qwen2-Audio
-Gemma 3 or Gemma 4.
+"""Write a complete, loadable HF model directory for a tiny random-weight Qwen2-VL, Qwen2.5-VL, Qwen2-Audio,
+Gemma 3, Qwen3-VL, Qwen3.5 or Gemma 4.
 
 Same flags give byte-identical files: the tokenizer is trained on the shipped corpus and every weight
 is drawn from a generator seeded by ``seed`` and the parameter's name, in a fixed order.
@@ -19,12 +19,13 @@ from safetensors.torch import save_file
 
 from cluster.tiny_model.gemma3 import build_gemma3, gemma3_tokenizer, save_gemma3_processor
 from cluster.tiny_model.gemma4 import build_gemma4, gemma4_tokenizer, save_gemma4_processor
+from cluster.tiny_model.qwen3_5 import build_qwen3_5
 from cluster.tiny_model.qwen3_vl import build_qwen3_vl, save_qwen3_vl_processor
 from cluster.tiny_model.qwen_vl import qwen_token_ids, qwen_vl_config
 from cluster.tiny_model.tokenizer import QWEN2_AUDIO_CHAT_TEMPLATE, QWEN2_VL_CHAT_TEMPLATE, train_tokenizer
 
-FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen2-audio", "gemma3", "qwen3-vl", "gemma4")
-VL_FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")
+FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen2-audio", "gemma3", "qwen3-vl", "qwen3.5", "gemma4")
+VL_FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3.5")
 
 
 @dataclass(frozen=True)
@@ -178,6 +179,7 @@ _BUILDERS = {
     "qwen2.5-vl": _build_qwen2_5_vl,
     "qwen2-audio": _build_qwen2_audio,
     "qwen3-vl": build_qwen3_vl,
+    "qwen3.5": build_qwen3_5,
     "gemma3": build_gemma3,
     "gemma4": build_gemma4,
 }
@@ -211,7 +213,7 @@ def _init_weights(model: torch.nn.Module, seed: int, norm_jitter: float = 0.0) -
 
 
 def _save_processor(family: str, out: Path, tok) -> None:  # type: ignore[no-untyped-def]
-    if family == "qwen3-vl":
+    if family in ("qwen3-vl", "qwen3.5"):  # transformers maps qwen3_5 to Qwen3-VL's processor
         save_qwen3_vl_processor(str(out), tok, QWEN2_VL_CHAT_TEMPLATE)
         return
     if family == "gemma3":
@@ -278,7 +280,9 @@ def make_tiny_model(
         config, model_cls = _BUILDERS[family](size, tok)
     model = model_cls(config)
     _init_weights(
-        model, size.seed, norm_jitter=0.1 if family in ("qwen2.5-vl", "gemma3", "qwen3-vl", "gemma4") else 0.0
+        model,
+        size.seed,
+        norm_jitter=0.1 if family in ("qwen2.5-vl", "gemma3", "qwen3-vl", "qwen3.5", "gemma4") else 0.0,
     )
     model.eval()
     config.save_pretrained(str(out))

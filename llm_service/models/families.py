@@ -15,6 +15,7 @@ from llm_service.models.gemma3 import Gemma3ForCausalLM, Gemma3TextConfig
 from llm_service.models.gemma4 import Gemma4ForCausalLM
 from llm_service.models.gemma4_config import Gemma4TextConfig
 from llm_service.models.qwen2 import PositionScheme, Qwen2ForCausalLM, TextConfig
+from llm_service.models.qwen3_5 import Qwen35ForCausalLM, Qwen35TextConfig
 from llm_service.models.qwen3_vl import Qwen3VLForCausalLM, Qwen3VLTextConfig
 
 
@@ -33,6 +34,7 @@ DECODER_FAMILIES: dict[str, DecoderFamily] = {
     "qwen2_5_vl": DecoderFamily(Qwen2ForCausalLM, "mrope_abs_time", ("image", "video")),
     "gemma3": DecoderFamily(Gemma3ForCausalLM, "rope", ("image",), Gemma3TextConfig),
     "qwen3_vl": DecoderFamily(Qwen3VLForCausalLM, "mrope", ("image", "video"), Qwen3VLTextConfig),
+    "qwen3_5": DecoderFamily(Qwen35ForCausalLM, "mrope", ("image", "video"), Qwen35TextConfig),
     "gemma4": DecoderFamily(Gemma4ForCausalLM, "rope", ("image", "audio"), Gemma4TextConfig),
 }
 

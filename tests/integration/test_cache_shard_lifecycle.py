@@ -1,5 +1,5 @@
 """The encoder cache's index shards live and die with the application (cluster/cache_shards.py), and
-``ingress.transport: serve`` opens no side channel to them.
+``ingress.transport: serve`` opens no side channel, to them or to the pool replicas.
 
 One Ray for the module; the whole app (tiny Qwen2-VL, one replica per pool) deployed twice on it,
 with ``transport: auto`` and with ``serve``. Each time: image requests go through the shards, the
@@ -70,8 +70,13 @@ def _pid(actor: dict[str, str]) -> int:
 
 
 def _listening(pid: int) -> set[int]:
-    """The TCP ports process ``pid`` listens on (IPv4 and IPv6), from /proc: its socket inodes
-    matched against the kernel's tables of listening sockets."""
+    """The TCP ports process ``pid`` listens on (IPv4 and IPv6)."""
+    return {port for _, port in _listening_at(pid)}
+
+
+def _listening_at(pid: int) -> set[tuple[bool, int]]:
+    """(on all interfaces?, port) of each TCP socket process ``pid`` listens on, from /proc: its
+    socket inodes matched against the kernel's tables of listening sockets."""
     inodes = set()
     for fd in Path(f"/proc/{pid}/fd").iterdir():
         try:
@@ -85,7 +90,8 @@ def _listening(pid: int) -> set[int]:
         for line in Path(table).read_text().splitlines()[1:]:
             fields = line.split()
             if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
-                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+                address, port = fields[1].rsplit(":", 1)
+                ports.add((set(address) == {"0"}, int(port, 16)))
     return ports
 
 
@@ -137,6 +143,10 @@ def test_shards_end_with_the_app_and_serve_transport_opens_no_link(
             assert opened == {pid: set() for pid in before}, f"a shard listens on {opened}"
         else:  # the same check sees a link when there is one: the hot calls went over it
             assert any(opened.values()), f"no shard opened a link: {before} -> {after}"
+        for pool in ("EncoderPool", "LLMServer"):  # Ray's core worker, Serve's gRPC, and a link or not
+            (replica,) = _alive(f"SERVE_REPLICA::{APP}#{pool}-{model}#")
+            sockets = _listening_at(_pid(replica))
+            assert len(sockets) == (2 if transport == "serve" else 3), f"{pool} listens on {sockets}"
         _kill_for_good_and_see_it_back(shards_prefix, port, model)
     finally:
         serve.delete(APP)

@@ -41,6 +41,7 @@ class Family:
     max_num_batched_tokens: int = 16
     audio: bool = False  # the family takes audio too
     llm_replicas: int = 1  # 2: its encoder outputs are shown shared across LLM replicas
+    num_state_slots: int | None = None  # hybrids: sequences whose linear-attention states fit at once
 
     @property
     def model(self) -> str:
@@ -60,6 +61,9 @@ FAMILIES = [
         audio=True,
         llm_replicas=2,
     ),
+    # hybrid: linear-attention states in the state cache (two sequences' worth, so the burst also
+    # waits for state slots); a prefix hit restores a state snapshot
+    Family("qwen3.5", video=True, embeds_224=49, num_state_slots=2),
 ]
 MAX_TOKENS = 8
 VIDEO_FPS = 1.0  # not the default 2: positions depend on the per-video second_per_grid_ts
@@ -79,6 +83,7 @@ def _model_config(f: Family) -> dict[str, Any]:
             **ENGINE,
             "max_num_batched_tokens": f.max_num_batched_tokens,
             **({"deployment": {"num_replicas": f.llm_replicas}} if f.llm_replicas > 1 else {}),
+            **({"num_state_slots": f.num_state_slots} if f.num_state_slots else {}),
         },
         "encoder": {"cache_index_shards": 1},  # one shard actor per model: a cheaper start
         "preprocess": {
@@ -130,7 +135,7 @@ def _hf(
     return hf_generate(model_dir, [{"role": "user", "content": content}], max_tokens, **media)
 
 
-_LOOP = asyncio.new_event_loop()  # Serve's handles here keep their router on the loop that made them
+_STATS_LOOP = asyncio.new_event_loop()  # handles run their router on the caller's loop (serve_env.py)
 
 
 def _preemptions(f: Family) -> int:
@@ -149,11 +154,11 @@ def _replica_stats(f: Family) -> dict[str, dict[str, Any]]:
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
     ids = [n.rsplit("#", 1)[-1] for n in names if n.startswith(prefix)]
 
-    async def ask() -> dict[str, dict[str, Any]]:  # a handle whose router runs on its caller's loop
+    async def ask() -> dict[str, dict[str, Any]]:
         handle = serve.get_deployment_handle(f"LLMServer-{f.model}", app_name="mmserve")
-        return {rid: dict(await handle.stats.remote(ReplicaTarget(rid))) for rid in ids}
+        return {rid: dict(await asyncio.wait_for(handle.stats.remote(ReplicaTarget(rid)), 30)) for rid in ids}
 
-    return _LOOP.run_until_complete(ask())
+    return _STATS_LOOP.run_until_complete(ask())
 
 
 @pytest.mark.parametrize("f", FAMILIES, ids=lambda f: f.tiny)
@@ -292,19 +297,70 @@ def test_repeated_media_is_one_encoder_forward_across_llm_replicas(app: dict[str
         assert got == hf_generate(model_dir, messages, MAX_TOKENS, images=[image], audio=[waveform]), text
 
 
-@pytest.mark.parametrize("f", [f for f in FAMILIES if f.audio], ids=lambda f: f.tiny)
-def test_multi_turn_chat_equals_hf(app: dict[str, Any], f: Family) -> None:
-    """An image in the first user turn, the model's answer, a follow-up question."""
-    part, image = _image(72, 56, 35)
-    first = [part, {"type": "text", "text": "What is this?"}]
-    messages: list[dict[str, Any]] = [
-        {"role": "user", "content": first},
-        {"role": "assistant", "content": "a small picture"},
-        {"role": "user", "content": "What colour is it?"},
+@pytest.mark.parametrize("f", FAMILIES, ids=lambda f: f.tiny)
+def test_bad_input_gets_the_coded_4xx(app: dict[str, Any], f: Family) -> None:
+    """The same coded refusals as the default pair's (tests/integration/e2e/test_errors.py)."""
+    import httpx
+
+    png = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    garbage = {"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}}
+    audio = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
+    video = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,bm90IGEgdmlkZW8="}}
+    cases: list[tuple[list[dict[str, Any]], int | None, str | None]] = [
+        ([png] * 5, 400, "too_many_items"),  # limit_mm_per_prompt image: 4
+        # undecodable audio where the family takes audio, else none allowed (limit_mm_per_prompt)
+        ([audio], None, None) if f.audio else ([audio], 400, "too_many_items"),
+        ([garbage], None, None),
+        ([video], None, None) if f.video else ([video], 400, "too_many_items"),
     ]
-    r = app["client"].chat.completions.create(
-        model=f.model, messages=messages, max_tokens=MAX_TOKENS, temperature=0
+    url = str(app["client"].base_url).rstrip("/") + "/chat/completions"
+    for content, status, code in cases:
+        body = {"model": f.model, "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+        r = httpx.post(url, json=body, timeout=60)
+        assert 400 <= r.status_code < 500, r.text
+        assert r.json()["error"]["message"], r.text
+        if status is not None:
+            assert (r.status_code, r.json()["error"]["code"]) == (status, code), r.text
+    r = httpx.post(
+        url, json={"model": f.model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**5}
     )
-    hf_messages = [{"role": "user", "content": [{"type": "image"}, first[1]]}, *messages[1:]]
-    expected = hf_generate(app["cache_dir"] / f.model, hf_messages, MAX_TOKENS, images=[image])
-    assert r.choices[0].message.content == expected
+    assert r.status_code == 400 and "max_model_len" in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("f", FAMILIES, ids=lambda f: f.tiny)
+def test_three_turn_chat_resending_its_image_hits_the_prefix_cache(app: dict[str, Any], f: Family) -> None:
+    """Each turn re-sends the conversation with its image: every answer equals HF's, and each turn
+    after the first finds at least the previous turn's prompt (its full blocks) in the prefix cache
+    (a hybrid: KV blocks plus the state snapshot at the previous prompt's end)."""
+    from tests.hf_oracle import hf_generate as hf_chat
+
+    part, img = _image(96, 64, 70)
+    served_msgs: list[dict[str, Any]] = []
+    hf_msgs: list[dict[str, Any]] = []
+    prev_prompt = 0
+    for turn, question in enumerate(["What is this?", "And its colours?", "Anything else?"]):
+        served_msgs.append(
+            {"role": "user", "content": [part, {"type": "text", "text": question}] if turn == 0 else question}
+        )
+        hf_msgs.append(
+            {
+                "role": "user",
+                "content": [{"type": "image"}, {"type": "text", "text": question}] if turn == 0 else question,
+            }
+        )
+        r = app["client"].chat.completions.create(
+            model=f.model, messages=served_msgs, max_tokens=MAX_TOKENS, temperature=0
+        )
+        answer = str(r.choices[0].message.content)
+        assert answer == hf_chat(app["cache_dir"] / f.model, hf_msgs, MAX_TOKENS, images=[img]), turn
+        details = r.usage.prompt_tokens_details if r.usage else None
+        cached = int(getattr(details, "cached_tokens", 0) or 0)
+        if turn:
+            assert cached >= prev_prompt // ENGINE["block_size"] * ENGINE["block_size"], (
+                turn,
+                cached,
+                prev_prompt,
+            )
+        prev_prompt = r.usage.prompt_tokens if r.usage else 0
+        served_msgs.append({"role": "assistant", "content": answer})
+        hf_msgs.append({"role": "assistant", "content": answer})

@@ -113,6 +113,7 @@ def test_sigterm_drains_the_stream_in_flight_and_exits_0(tmp_path: Path) -> None
         assert proc.wait(timeout=180) == 0, (tmp_path / "serve.log").read_text()[-3000:]
         probe.join(timeout=30)
         assert refused_after_sigterm, "a new request was still served after SIGTERM"
+        assert "healthz 200" not in refused_after_sigterm, refused_after_sigterm
         text = (tmp_path / "serve.log").read_text()
         assert "draining" in text and "Fatal Python error" not in text and "SIGABRT" not in text
     finally:
@@ -135,6 +136,10 @@ def _probe_refused(url: str, out: list[str]) -> None:
             r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=10)
             if r.status_code == 503:
                 out.append(f"503 {r.json()['error']['code']}")
+                try:  # KubeRay's readiness probe must fail too, so the pod leaves the Service
+                    out.append(f"healthz {httpx.get(f'{url}/-/healthz', timeout=10).status_code}")
+                except httpx.TransportError as e:
+                    out.append(f"healthz {type(e).__name__}")
                 return
         except httpx.TransportError as e:
             out.append(type(e).__name__)

@@ -146,9 +146,11 @@ def test_pools_scale_up_and_down_under_load_on_links_without_losing_a_request(ap
         _wait("requests on two replicas each", lambda: load.ok >= served_at_two + 24, load)
         stats = httpx.get(f"{app['url']}/stats", params={"pools": "true"}, timeout=30).json()
         llm_replicas = stats[MODEL]["pools"]["llm_replicas"]
-        link_calls = {rid: s.get("link_calls", 0) for rid, s in llm_replicas.items()}
+        # Replicas this ingress read from; one that is gone (a scale-down before this scale-up) answers
+        # an error, not another's counters. The two live ones both took submits by link.
+        link_calls = {rid: s.get("link_calls", 0) for rid, s in llm_replicas.items() if "error" not in s}
         assert len([n for n in link_calls.values() if n > 0]) == 2, (
-            f"submits by link per replica: {link_calls}"
+            f"submits by link per replica: {llm_replicas}"
         )
         preparing = {}  # /stats asks one encoder replica, Serve's choice: ask until both answered
         for _ in range(40):
@@ -157,9 +159,9 @@ def test_pools_scale_up_and_down_under_load_on_links_without_losing_a_request(ap
             answer = httpx.get(f"{app['url']}/stats", params={"pools": "true"}, timeout=30).json()
             one = answer[MODEL]["pools"]["preparing_replica"]
             preparing[one["replica_id"]] = one["link_calls"]
-        # Both answered, and prepares went by link. Not asserted per replica: one full-suite run saw
-        # a newly scaled-up encoder replica take none by link ({new: 0, old: 2703}) while the LLM
-        # pool's new replica did; standalone runs spread them (README, "Pools of many replicas").
+        # Both answered, and prepares went by link. Not asserted per replica: the counts run from each
+        # replica's start and the new one serves a short part of the load (README, "Pools of many
+        # replicas"); a new replica whose first link connection fails gets its prepares through Serve.
         print(f"prepares by link per encoder replica: {preparing}")
         assert preparing and sum(preparing.values()) > 0, f"prepares by link: {preparing}"
         load.clients(1)  # light load: the policies want one replica each again

@@ -9,7 +9,11 @@
 {{- $llmRes := dict $pl.llmResource $pl.markerAmount -}}
 {{- $encPolicy := include "mmserve.policy" (dict "function" "cluster.autoscaling_policy:EncoderQueuePolicy" "values" $p.encoder.policy) | fromJson -}}
 {{- $llmPolicy := include "mmserve.policy" (dict "function" "cluster.autoscaling_policy:LLMLoadPolicy" "values" $p.llm.policy) | fromJson -}}
+{{- if eq .Values.service.httpMode "direct" }}
+proxy_location: Disabled
+{{- else }}
 proxy_location: EveryNode
+{{- end }}
 http_options:
   host: 0.0.0.0
   port: {{ .Values.service.port }}
@@ -39,6 +43,7 @@ applications:
           llm: {{ toJson $llm }}
 {{- end }}
       ingress:
+        http_mode: {{ .Values.service.httpMode | toJson }}
         {{- if .Values.auth.apiKeysSecret }}
         api_keys_file: {{ printf "/etc/mmserve/auth/%s" .Values.auth.apiKeysSecretKey | toJson }}
         {{- end }}

@@ -37,12 +37,19 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     # known port, and workers push their metrics every second instead of every ten.
     metrics_port = free_port()
     apply_serve_env()  # what `mmserve serve` runs with, before Ray starts its processes
-    with own_ray(_metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 1000}):
-        start(AppConfig.model_validate(cfg))
-        yield {
-            "dirs": {VL: cache_dir / "tiny-qwen2-vl", AUDIO: cache_dir / "tiny-qwen2-audio"},
-            "metrics_url": f"http://127.0.0.1:{metrics_port}/metrics",
-        }
+    # Tracing on (cluster/tracing.py) with every process writing its spans to trace_dir, but only for
+    # requests whose client sent a sampled traceparent: the other tests' requests record nothing.
+    trace_dir = tmp_path_factory.mktemp("traces")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MMSERVE_TRACE_FILE_DIR", str(trace_dir))
+        env.setenv("OTEL_TRACES_SAMPLER", "parentbased_always_off")
+        with own_ray(_metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 1000}):
+            start(AppConfig.model_validate(cfg))
+            yield {
+                "dirs": {VL: cache_dir / "tiny-qwen2-vl", AUDIO: cache_dir / "tiny-qwen2-audio"},
+                "metrics_url": f"http://127.0.0.1:{metrics_port}/metrics",
+                "trace_dir": trace_dir,
+            }
 
 
 @pytest.fixture(scope="package")
@@ -52,7 +59,11 @@ def client(app: dict[str, Any]) -> OpenAI:
 
 @pytest.fixture(scope="package")
 def media_server() -> Iterator[str]:
-    files = {"/cat.png": make_image_bytes(96, 64, seed=5)}
+    files = {
+        "/cat.png": make_image_bytes(96, 64, seed=5),
+        "/stages.png": make_image_bytes(70, 56, seed=613),
+        "/traced.png": make_image_bytes(56, 70, seed=614),
+    }
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:

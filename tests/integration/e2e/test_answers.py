@@ -30,6 +30,9 @@ pytestmark = pytest.mark.usefixtures("app")  # the package's one app (conftest.p
 def test_models_and_health(client: OpenAI) -> None:
     assert sorted(m.id for m in client.models.list().data) == [AUDIO, VL]
     assert httpx.get(f"http://127.0.0.1:{PORT}/health").json() == {"status": "ok"}
+    # KubeRay's readiness probe of a serving pod: `wget -q -O- localhost:<serve port>/-/healthz | grep success`
+    probe = httpx.get(f"http://127.0.0.1:{PORT}/-/healthz")
+    assert (probe.status_code, probe.text) == (200, "success")
 
 
 def test_text_matches_hf(client: OpenAI, app: dict[str, Any]) -> None:

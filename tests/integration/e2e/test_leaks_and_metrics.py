@@ -3,6 +3,13 @@ metrics Ray exports carry real values."""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import json
+import secrets
+import time
+from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -16,9 +23,11 @@ from tests.integration.e2e.common import (
     PORT,
     VL,
     data_url,
+    send_concurrently,
     wait_for,
 )
 from tests.media import make_image_bytes
+from tests.metric_names import EXPORTED, STAGES
 
 pytestmark = pytest.mark.usefixtures("app")  # the package's one app (conftest.py)
 
@@ -136,6 +145,171 @@ def test_metrics_report_real_values(client: OpenAI, app: dict[str, Any]) -> None
         )
 
 
+def _scrape(app: dict[str, Any]) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of the scrape, summed over the workers exporting it: (name, labels) -> value,
+    the labels without Ray's own (worker, node, session)."""
+    ray_labels = {"Component", "NodeAddress", "SessionName", "Version", "WorkerId", "deployment", "replica"}
+    out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    text = httpx.get(app["metrics_url"], timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = tuple(
+                sorted(
+                    (k, v) for k, v in s.labels.items() if k not in ray_labels and not k.startswith("otel_")
+                )
+            )
+            out[(s.name, labels)] = out.get((s.name, labels), 0.0) + s.value
+    return out
+
+
+def _stage_counts(
+    scrape: dict[tuple[str, tuple[tuple[str, str], ...]], float], model: str
+) -> dict[str, float]:
+    """``pool/stage`` -> observations of ``ray_mmserve_stage_seconds`` for ``model``."""
+    counts: dict[str, float] = {}
+    for (name, labels), value in scrape.items():
+        got = dict(labels)
+        if name == "ray_mmserve_stage_seconds_count" and got.get("model") == model:
+            counts[f"{got['pool']}/{got['stage']}"] = value
+    return counts
+
+
+def _sample(scrape: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
+    return sum(v for (n, ls), v in scrape.items() if n == name and labels.items() <= dict(ls).items())
+
+
+def _families(scrape: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> set[str]:
+    names = {n for n, _ in scrape}
+    return names | {
+        n.removesuffix(end) for n in names for end in ("_bucket", "_count", "_sum") if n.endswith(end)
+    }
+
+
+def _eventually(condition: Any, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def test_every_stage_histogram_counts_the_requests_sent(
+    client: OpenAI, app: dict[str, Any], media_server: str
+) -> None:
+    """Known traffic — a text request, a fresh inline image, the same image again (an encoder-cache
+    hit), a fresh image by URL, a request for an unknown model — shows up in every per-stage
+    histogram with exactly the observations those requests make; then pairs of concurrent requests
+    for one fresh image make one of them wait for the other's encode (cache_wait)."""
+    lookups = "ray_mmserve_encoder_cache_lookups_total"
+    before = _scrape(app)
+    stages0 = _stage_counts(before, VL)
+    png = make_image_bytes(63, 49, seed=620)
+    image = [{"type": "image_url", "image_url": {"url": data_url(png, "image/png")}}]
+    by_url = [{"type": "image_url", "image_url": {"url": f"{media_server}/stages.png"}}]
+    for content in ("Stages?", [*image, {"type": "text", "text": "Stages?"}], image, by_url):
+        got = client.chat.completions.create(
+            model=VL,
+            messages=[{"role": "user", "content": content}],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        assert got.usage is not None and got.usage.completion_tokens == MAX_TOKENS
+    assert (
+        httpx.post(
+            f"http://127.0.0.1:{PORT}/v1/chat/completions",
+            json={"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]},
+        ).status_code
+        == 404
+    )
+    # per pool/stage: what the four requests observe (sequential: each item alone in its encoder step)
+    expected = {
+        "ingress/prepare": 3,  # the media requests
+        "ingress/cache_lookup": 2,  # the inline ones go through the hit path (the URL does not)
+        "encoder/fetch": 1,  # the URL
+        "encoder/cache_lookup": 2,  # the miss handed on by the hit path, and the URL
+        "encoder/media_decode": 2,  # the two misses
+        "encoder/preprocess": 2,
+        "encoder/encoder_queue": 2,
+        "encoder/encode": 2,
+        "encoder/cache_wait": 0,
+        "llm/llm_queue": 4,  # every request, once finished
+        "llm/prefill": 4,
+        "llm/decode": 4,
+    }
+    latency = (
+        "ttft_seconds",
+        "inter_token_latency_seconds",
+        "time_per_output_token_seconds",
+        "e2e_latency_seconds",
+    )
+    counts = {f"ray_mmserve_{n}_count": 4 for n in latency}
+    answers = {("ingress", "miss"): 1, ("ingress", "hit"): 1, ("encoder", "miss"): 1, ("encoder", "hit"): 0}
+
+    def delta(scrape: dict[Any, float]) -> dict[str, float]:
+        stages = _stage_counts(scrape, VL)
+        out = {k: stages.get(k, 0.0) - stages0.get(k, 0.0) for k in [*expected, "llm/engine_step"]}
+        out.update({n: _sample(scrape, n, model=VL) - _sample(before, n, model=VL) for n in counts})
+        for pool, result in answers:
+            key = dict(model=VL, pool=pool, result=result)
+            out[f"{pool}/{result}"] = _sample(scrape, lookups, **key) - _sample(before, lookups, **key)
+        out["rejected"] = _sample(
+            scrape, "ray_mmserve_requests_rejected_total", reason="model_not_found"
+        ) - _sample(before, "ray_mmserve_requests_rejected_total", reason="model_not_found")
+        return out
+
+    want = {**expected, **counts, **{f"{p}/{r}": n for (p, r), n in answers.items()}, "rejected": 1}
+    wait_for(
+        lambda: all(delta(_scrape(app))[k] >= n for k, n in want.items()),
+        20.0,
+        f"{want} more in {app['metrics_url']}",
+    )
+    after = _scrape(app)
+    got = delta(after)
+    assert {k: got[k] for k in want} == want
+    # one step per token of each request, each alone in the batch (no prefill is chunked here)
+    assert got["llm/engine_step"] >= 4 * MAX_TOKENS
+    missing = set(EXPORTED) - _families(after)
+    assert not missing, f"not in the scrape: {sorted(missing)}"
+
+    # cache_wait: two requests for one fresh image at once; the second's lookup finds the first's
+    # reservation and waits for its encode (timing decides whether it does: up to three pairs)
+    async def pair(seed: int) -> None:
+        fresh = [
+            {
+                "type": "image_url",
+                "image_url": {"url": data_url(make_image_bytes(49, 63, seed=seed), "image/png")},
+            }
+        ]
+
+        async def send(c: Any, i: int) -> int:
+            r = await c.chat.completions.create(
+                model=VL, messages=[{"role": "user", "content": fresh}], max_tokens=2, temperature=0
+            )
+            return int(r.usage.completion_tokens) if r.usage else 0
+
+        await send_concurrently(f"http://127.0.0.1:{PORT}/v1", send, [0, 1], 2)
+
+    counted = _stage_counts(_scrape(app), VL)
+
+    def grown(key: str) -> float:
+        return _stage_counts(_scrape(app), VL).get(key, 0.0) - counted.get(key, 0.0)
+
+    pairs = 0
+    for seed in (630, 631, 632):
+        asyncio.run(pair(seed))  # both answered: every observation of the pair is made
+        pairs += 1
+        if _eventually(lambda: grown("encoder/cache_wait") >= 1, 5.0):  # exported within a few ticks
+            break
+    wait_for(lambda: grown("encoder/encoder_queue") >= pairs, 20.0, "the pairs' encodes in the scrape")
+    assert grown("encoder/cache_wait") == 1  # the pair that waited (one request of it), none before
+    assert grown("encoder/encoder_queue") == pairs  # each pair's image encoded once
+    every = {f"{pool}/{stage}" for pool, stage in STAGES}
+    assert every == {*expected, "llm/engine_step"}  # the list the dashboard test reads is this test's
+    assert every <= set(_stage_counts(_scrape(app), VL))
+
+
 def test_stats_with_pools_shows_each_pools_own_counters(client: OpenAI) -> None:
     """``GET /stats?pools=true`` adds what the pools count themselves: each LLM replica this ingress
     reads from (by its id, and agreeing with that replica's own ``stats``) and the preparing replica's
@@ -209,3 +383,112 @@ def test_non_streamed_client_timeout_aborts_the_generation(
     wait_for(_nothing_held, 20.0, "the LLM replica to drop the abandoned request and the reservations to go")
     generated = _tokens_generated_since(client, app, before)
     assert generated < LONG // 4, generated
+
+
+def _spans(trace_dir: Path) -> list[dict[str, Any]]:
+    """Every span the app's processes wrote (cluster/tracing.py: one JSON line each, a file per pid)."""
+    out = []
+    for path in sorted(trace_dir.glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            span = json.loads(line)
+            span["pid"] = path.stem
+            span["trace"] = span["context"]["trace_id"].removeprefix("0x")
+            for edge in ("start_time", "end_time"):  # ISO 8601 with microseconds, UTC
+                span[edge] = datetime.fromisoformat(span[edge].replace("Z", "+00:00")).timestamp()
+            out.append(span)
+    return out
+
+
+def _one(spans: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    found = [s for s in spans if s["name"] == name]
+    assert len(found) == 1, f"{len(found)} spans named {name}: {[s['name'] for s in spans]}"
+    return found[0]
+
+
+def _in_order(spans: list[dict[str, Any]], names: list[str]) -> None:
+    """Each stage starts no earlier than the one before ended (1 ms for clocks read apart)."""
+    steps = [_one(spans, n) for n in names]
+    for before, after in itertools.pairwise(steps):
+        assert before["end_time"] <= after["start_time"] + 1e-3, (before["name"], after["name"])
+        assert before["start_time"] <= after["start_time"], (before["name"], after["name"])
+
+
+def test_one_trace_per_sampled_request_across_the_processes(
+    client: OpenAI, app: dict[str, Any], media_server: str
+) -> None:
+    """Requests whose client sent a sampled W3C traceparent each leave one trace: its spans link up
+    to the client's span, a media request's cross the ingress, encoder and LLM processes with its
+    stages in order, and they carry the request id and the item's mm_hash. A request without a
+    traceparent leaves nothing (the e2e app samples only those: conftest.py)."""
+    png = make_image_bytes(77, 56, seed=640)
+    sent: dict[str, tuple[str, str]] = {}
+    requests = {
+        "text": "Traced?",
+        "image": [{"type": "image_url", "image_url": {"url": data_url(png, "image/png")}}],
+        "url": [{"type": "image_url", "image_url": {"url": f"{media_server}/traced.png"}}],
+        "untraced": [{"type": "image_url", "image_url": {"url": data_url(png, "image/png")}}],
+    }
+    for name, content in requests.items():
+        trace_id, parent = secrets.token_hex(16), secrets.token_hex(8)
+        headers = {} if name == "untraced" else {"traceparent": f"00-{trace_id}-{parent}-01"}
+        got = client.chat.completions.create(
+            model=VL,
+            messages=[{"role": "user", "content": content}],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            extra_headers=headers,
+        )
+        assert got.choices[0].message.content is not None
+        sent[name] = (trace_id, parent)
+    traced = {n: ids for n, ids in sent.items() if n != "untraced"}
+
+    def traces() -> dict[str, list[dict[str, Any]]]:
+        by_trace: dict[str, list[dict[str, Any]]] = {}
+        for span in _spans(app["trace_dir"]):
+            by_trace.setdefault(span["trace"], []).append(span)
+        return by_trace
+
+    def whole(spans: list[dict[str, Any]], parent: str) -> bool:
+        """One tree under the client's span (FastAPI's HTTP span, if it traces, ends after the body)."""
+        ids = {s["context"]["span_id"] for s in spans}
+        tops = [s for s in spans if s["parent_id"] not in ids]
+        return len(tops) == 1 and tops[0]["parent_id"].removeprefix("0x") == parent
+
+    wait_for(
+        lambda: all(whole(traces().get(t, []), parent) for t, parent in traced.values()),
+        20.0,
+        "every traced request's spans on disk, in one tree",
+    )
+    by_trace = traces()
+    assert set(by_trace) == {t for t, _ in traced.values()}  # the untraced request recorded nothing
+    for name, (trace_id, parent) in traced.items():
+        spans = by_trace[trace_id]
+        assert whole(spans, parent)
+        root = _one(spans, "mmserve.chat")
+        request_id = root["attributes"]["mmserve.request_id"]
+        roles = {s["pid"]: s["resource"]["attributes"]["mmserve.role"] for s in spans}
+        llm = _one(spans, "llm.request")
+        assert llm["attributes"]["mmserve.request_id"] == request_id
+        _in_order(spans, ["llm_queue", "prefill", "decode"])
+        assert root["start_time"] <= llm["start_time"] and llm["end_time"] <= root["end_time"] + 1e-3
+        if name == "text":
+            assert sorted(roles.values()) == ["ingress", "llm"]
+            continue
+        assert sorted(set(roles.values())) == ["encoder", "ingress", "llm"] and len(roles) >= 3
+        encoder = _one(spans, "encoder.prepare")
+        assert encoder["attributes"]["mmserve.request_id"] == request_id
+        (mm_hash,) = encoder["attributes"]["mmserve.mm_hashes"]
+        assert llm["attributes"]["mmserve.mm_hashes"] == [mm_hash]
+        stages = ["cache_lookup", "media_decode", "preprocess", "encoder_queue", "encode"]
+        if name == "url":
+            stages = ["fetch", *stages]
+        encoder_side = [s for s in spans if roles[s["pid"]] == "encoder"]
+        _in_order(encoder_side, [*stages])
+        for stage in ("media_decode", "preprocess", "encoder_queue", "encode"):
+            assert _one(encoder_side, stage)["attributes"]["mmserve.mm_hash"] == mm_hash
+        prepare = _one(spans, "prepare")  # the ingress's view of it
+        assert (
+            prepare["start_time"] <= encoder["start_time"]
+            and encoder["end_time"] <= prepare["end_time"] + 1e-3
+        )
+        assert _one(spans, "encode")["end_time"] <= _one(spans, "llm_queue")["start_time"] + 1e-3

@@ -63,6 +63,17 @@ def test_serve_configs_validate(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["serve-gpu.yaml", "serve-cpu.yaml"])
+def test_serve_configs_take_the_one_journey(name: str) -> None:
+    """Every shipped config serves HTTP from the ingress replicas (no Serve proxy hop), on the port and
+    interface the header promises, as `mmserve serve` and the Helm chart's default do."""
+    doc = _load(name)
+    (cfg,) = validate_serve_config(doc)
+    assert doc["proxy_location"] == "Disabled"
+    assert cfg.ingress.http_mode == "direct"
+    assert cfg.port == doc["http_options"]["port"] and cfg.host == doc["http_options"]["host"]
+
+
+@pytest.mark.parametrize("name", ["serve-gpu.yaml", "serve-cpu.yaml"])
 def test_pools_push_metrics_often_enough_to_react(name: str) -> None:
     """What the headers promise: metrics every 2 s (not Ray's 10 s), averaged over a window that holds
     several samples."""

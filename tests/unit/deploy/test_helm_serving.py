@@ -19,6 +19,7 @@ import jsonschema
 import pytest
 import yaml
 
+from cluster.config import AppConfig
 from cluster.serve_env import SERVE_ENV_DEFAULTS
 from tests.unit.deploy.test_helm_chart import CHART, _gpu_values, _rayservice_schema, _render, _serve_config
 
@@ -128,7 +129,7 @@ def test_the_service_reaches_every_worker_of_one_cluster_on_the_port_it_serves(v
     rs = _rayservice(values)
     port = (values or {}).get("service", {}).get("port", 8000)
     assert yaml.safe_load(rs["spec"]["serveConfigV2"])["http_options"]["port"] == port
-    assert yaml.safe_load(rs["spec"]["serveConfigV2"])["proxy_location"] == "EveryNode"
+    assert yaml.safe_load(rs["spec"]["serveConfigV2"])["proxy_location"] == "Disabled"  # direct HTTP
     old, new = kuberay_pods(rs, "mm-mmserve-old"), kuberay_pods(rs, "mm-mmserve-new")
     for active in (old, new):
         svc = kuberay_serve_service(rs, active[0]["labels"][CLUSTER_LABEL])
@@ -145,6 +146,23 @@ def test_the_service_reaches_every_worker_of_one_cluster_on_the_port_it_serves(v
             assert _serving_port(container) == port  # where KubeRay's readiness probe GETs /-/healthz
             # a probe of the chart's own would replace KubeRay's, and with it the /-/healthz check
             assert "readinessProbe" not in container and "livenessProbe" not in container
+
+
+@pytest.mark.parametrize(
+    ("mode", "proxy_location"), [("direct", "Disabled"), ("proxy", "EveryNode")], ids=["direct", "proxy"]
+)
+def test_http_mode_decides_who_listens_on_the_serving_port(mode: str, proxy_location: str) -> None:
+    """direct: the ingress replicas bind the pods' serving port themselves (and answer KubeRay's probe
+    there, tests/integration/e2e/test_answers.py); proxy: Serve's proxy binds it and relays."""
+    rs = _rayservice(_values(**{"service.httpMode": mode, "service.port": 8123}))
+    cfg = yaml.safe_load(rs["spec"]["serveConfigV2"])
+    assert cfg["proxy_location"] == proxy_location
+    args = cfg["applications"][0]["args"]
+    assert args["ingress"]["http_mode"] == mode
+    assert (args["host"], args["port"]) == ("0.0.0.0", 8123)  # every pod's `serve` port, all interfaces
+    for c in _ray_containers(rs):
+        assert _serving_port(c) == 8123, c["name"]
+    AppConfig.model_validate(args)  # the app takes it as rendered
 
 
 def test_no_chart_service_reaches_the_serving_port_without_selecting_one_cluster() -> None:
@@ -201,13 +219,17 @@ def test_serve_env_reaches_every_ray_container(values: dict | None) -> None:
 
 
 def test_haproxy_mode_and_removed_defaults_reach_every_container() -> None:
-    vals = {"serveEnv": {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": None}}
+    vals = {
+        "service": {"httpMode": "proxy"},  # HAProxy replaces Serve's proxy: there must be one
+        "serveEnv": {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": None},
+    }
     rs = _rayservice(vals)  # merged into values.yaml; null removes a default
     expected = {k: v for k, v in SERVE_ENV_DEFAULTS.items() if k != "RAY_SERVE_CONTROL_LOOP_INTERVAL_S"}
     expected["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
     for c in _ray_containers(rs):
         assert _env(c) == expected, c["name"]
         assert _serving_port(c) == 8000  # HAProxy binds http_options.port: same port, same probe
+    assert yaml.safe_load(rs["spec"]["serveConfigV2"])["proxy_location"] == "EveryNode"
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ def test_pure_modules_do_not_import_torch() -> None:
 
     code = (
         "import sys; import llm_service.scheduler, llm_service.prefix_hash, llm_service.kv_cache_manager;"
+        "import llm_service.state_cache, llm_service.hybrid_kv_cache_manager;"
         "sys.exit(1 if 'torch' in sys.modules else 0)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
@@ -148,3 +149,24 @@ def test_hit_on_freed_block_counts_against_free_pool() -> None:
     assert kv.allocate_slots(r2, 1, hits)
     assert kv.num_free_blocks == 0
     assert all(b.ref_count == 1 for b in hits)
+
+
+def test_a_held_duplicate_takes_the_hash_from_a_free_one() -> None:
+    """A block computed again while its cached twin sits free takes over the hash, so the prefix
+    stays findable after the free twin is reused (the twin's reuse drops nothing)."""
+    pool = BlockPool(3)
+    evicted: list[bytes] = []
+    pool.on_evict = evicted.append
+    a, b = pool.allocate(2)
+    key = (None, (1, 2), ())
+    pool.cache(a, b"h", key)
+    pool.free([a])
+    pool.cache(b, b"h", key)  # a is free: b takes the hash
+    assert pool.lookup(b"h", key) is b and a.block_hash is None
+    pool.allocate(2)  # reuses the free ones, a among them
+    assert pool.lookup(b"h", key) is b and evicted == []
+    c = BlockPool(2)
+    x, y = c.allocate(2)
+    c.cache(x, b"h", key)
+    c.cache(y, b"h", key)  # x is held: the first writer keeps it
+    assert c.lookup(b"h", key) is x and y.block_hash is None

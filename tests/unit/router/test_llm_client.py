@@ -149,10 +149,17 @@ def test_replica_stats_asks_each_replica_it_reads_from_and_reports_one_that_fail
 
         handle.stats = SimpleNamespace(remote=lambda target: never())  # type: ignore[attr-defined]
         stuck = await client.replica_stats(timeout_s=0.05)
-        await _settle(handle)
-        return ok, stuck, server
 
-    ok, stuck, server = asyncio.run(scenario())
+        async def another() -> dict[str, Any]:  # the replica is gone: Serve's router sent it elsewhere
+            return {**server.stats(None), "replica_id": "someone-else"}
+
+        handle.stats = SimpleNamespace(remote=lambda target: another())  # type: ignore[attr-defined]
+        gone = await client.replica_stats()
+        await _settle(handle)
+        return ok, stuck, gone, server
+
+    ok, stuck, gone, server = asyncio.run(scenario())
     rid = server.replica_id
     assert ok[rid]["replica_id"] == rid and ok[rid]["num_total_blocks"] == 128
     assert list(stuck) == [rid] and "TimeoutError" in stuck[rid]["error"]
+    assert gone == {rid: {"error": "replica gone (the call reached someone-else)"}}

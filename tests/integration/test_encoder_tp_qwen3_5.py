@@ -1,0 +1,28 @@
+"""Qwen3.5's tower (Qwen3-VL's layers, no DeepStack) at encoder TP=2 (weights and data modes, two gloo
+processes on CPU) equals TP=1."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from encoder_service.runner import EncoderRunner
+from tests.integration.encoder_tp_gloo import MODES, assert_tp2_equals_tp1, run_tp2
+from tests.unit.encoder_models.inputs import image_input
+from tests.unit.qwen3_5_dir import tiny_qwen3_5_dir
+
+
+@pytest.fixture(scope="module")
+def gloo_results(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, ...]:
+    model_dir = tiny_qwen3_5_dir()
+    items = [image_input(model_dir, w, h, seed=s) for w, h, s in [(300, 200, 1), (64, 64, 2)]]
+    ranks = run_tp2(model_dir, items, tmp_path_factory.mktemp("encoder-tp-qwen3.5"))
+    return items, ranks, EncoderRunner(model_dir, device="cpu")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gloo_tp2_equals_tp1(gloo_results: tuple[Any, ...], mode: str) -> None:
+    items, ranks, reference = gloo_results
+    assert all(o.shape[1] == 64 for rank in ranks for o in rank[mode])  # one merger: LLM-width rows
+    assert_tp2_equals_tp1(items, ranks, reference, mode)
