@@ -40,6 +40,9 @@ class Family:
     # other request decodes in that step, so concurrent requests would take turns instead of preempting.
     max_num_batched_tokens: int = 16
     audio: bool = False  # the family takes audio too
+    # Gemma 4's images are many more tokens (a 96x64 one: 60): its three-turn chat needs more room,
+    # with a KV pool of the same length (the burst still cannot run at once)
+    max_model_len: int = 160
     llm_replicas: int = 1  # 2: its encoder outputs are shown shared across LLM replicas
     num_state_slots: int | None = None  # hybrids: sequences whose linear-attention states fit at once
 
@@ -60,6 +63,7 @@ FAMILIES = [
         max_num_batched_tokens=72,
         audio=True,
         llm_replicas=2,
+        max_model_len=192,
     ),
     # hybrid: linear-attention states in the state cache (two sequences' worth, so the burst also
     # waits for state slots); a prefix hit restores a state snapshot
@@ -81,6 +85,8 @@ def _model_config(f: Family) -> dict[str, Any]:
         "tiny": f.tiny,
         "llm": {
             **ENGINE,
+            "max_model_len": f.max_model_len,
+            "num_kv_blocks": f.max_model_len // ENGINE["block_size"],
             "max_num_batched_tokens": f.max_num_batched_tokens,
             **({"deployment": {"num_replicas": f.llm_replicas}} if f.llm_replicas > 1 else {}),
             **({"num_state_slots": f.num_state_slots} if f.num_state_slots else {}),
