@@ -21,6 +21,7 @@ import base64
 import dataclasses
 import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -153,6 +154,19 @@ def vllm_server(name: str, path: Path, args: argparse.Namespace) -> ServerProces
     return ServerProcess(name, argv, args.vllm_port, log, env=env, root_kind="API server")
 
 
+def root_cause(log: Path) -> str | None:
+    """The first ``SomethingError: text`` line of a server's log that is not a consequence (a dead engine)."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        m = re.search(r"\b(\w+(?:Error|Exception)): (.+)$", line)
+        if m and m.group(1) not in ("EngineDeadError", "APIError") and "ulimit" not in line:
+            return f"{m.group(1)}: {m.group(2)}"
+    return None
+
+
 def run_server(server: ServerProcess, model: str, args: argparse.Namespace) -> list[TurnResult] | str:
     """The workload against one server; the error text when it does not start."""
     print(f"{server.name}: {server.describe()}", file=sys.stderr, flush=True)
@@ -216,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         names.append(VLLM)
     results: dict[str, list[TurnResult]] = {}
     errors: dict[str, str] = {}
+    causes: dict[str, str] = {}
     for name, server in zip(names, servers, strict=True):
         out = run_server(server, server.name, args)
         if isinstance(out, str):
@@ -240,8 +255,12 @@ def main(argv: list[str] | None = None) -> int:
     for name, err in errors.items():
         print(f"\n{name} failed: {err.splitlines()[-1] if err.strip() else err}")
     failed = [r for rs in results.values() for r in rs if not r.ok]
-    for r in failed[:5]:
+    for r in failed[:3]:
         print(f"failed request (conversation {r.conversation}, turn {r.turn}): {r.error}", file=sys.stderr)
+    for name, server in zip(names, servers, strict=True):
+        if any(not r.ok for r in results.get(name, [])) and (cause := root_cause(server.log_path)):
+            causes[name] = cause
+            print(f"\n{name}: requests failed; the server's log says: {cause}")
     if args.json:
         args.json.write_text(
             json.dumps(
@@ -254,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                     },
                     "goal": {k: (None if math.isnan(v) else v) for k, v in verdict.items()},
                     "errors": errors,
+                    "causes": causes,
                 },
                 indent=2,
             )
