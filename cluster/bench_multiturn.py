@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         hit, ttft = verdict["hit_rate_ratio"], verdict["turn3_ttft_ratio"]
         print(
             f"\ngoal: hit rate {HYBRID}/{ATTENTION} {hit:.2f} (>= 0.9: {hit >= 0.9}), "
-            f"turn-3 mean TTFT {ttft:.2f} (<= 1.2: {ttft <= 1.2})"
+            f"turn-3 mean TTFT {ttft:.2f} (<= 1.2: {ttft <= 1.2}), turn-3 p50 TTFT {verdict['turn3_ttft_p50_ratio']:.2f}"
         )
     for name, err in errors.items():
         print(f"\n{name} failed: {err.splitlines()[-1] if err.strip() else err}")
