@@ -6,11 +6,12 @@ each one in turn starts ``mmserve serve --model DIR`` on 127.0.0.1, runs one unm
 then ``--conversations`` conversations of ``--turns`` turns, at most ``--concurrency`` conversations
 at once, and stops it. Turn 1 sends a distinct image (per conversation) and a question; every later
 turn re-sends the whole conversation, image included, with the server's own previous answers and a
-new question (``--answers fixed``: one fixed answer text instead). Streaming, temperature 0, ``--max-tokens`` with ``ignore_eos``. Per turn it reports mean
-and p50 TTFT (to the first chunk with content) and the prefix-cache hit rate, Σ
-``usage.prompt_tokens_details.cached_tokens`` / Σ ``usage.prompt_tokens``, and the hybrid over the
-attention model. ``--vllm`` runs the same workload against vLLM 0.32 (CPU, the peer venv) serving
-the same Qwen3.5 directory.
+new question (``--answers fixed``: one fixed answer text instead). Streaming, temperature 0,
+``--max-tokens`` with ``ignore_eos``. Per turn it reports mean and p50 TTFT (to the first chunk with
+content) and the prefix-cache hit rate, Σ ``usage.prompt_tokens_details.cached_tokens`` / Σ
+``usage.prompt_tokens``, and the hybrid over the attention model. ``--vllm`` runs the same workload
+against vLLM 0.32 (CPU, the peer venv, bfloat16) serving the same Qwen3.5 directory, and prints the
+first error line of its log when its requests fail.
 """
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ def vllm_server(name: str, path: Path, args: argparse.Namespace) -> ServerProces
     argv = [str(args.vllm_venv / "bin/python"), str(args.peer_dir / "vllm_cli.py"), "serve", str(path)]
     argv += ["--served-model-name", name, "--host", "127.0.0.1", "--port", str(args.vllm_port)]
     argv += ["--max-model-len", "4096", "--dtype", args.vllm_dtype, "--enable-prefix-caching"]
-    log = args.out_dir / f"{name}-serve.log"
+    log = args.out_dir / f"vllm-{name}-serve.log"
     return ServerProcess(name, argv, args.vllm_port, log, env=env, root_kind="API server")
 
 
