@@ -175,7 +175,11 @@ def _llm_server(model: ModelConfig, cache_dir: str, links: bool) -> Any:
             return {**super().record_routing_stats(), **await self.link_stats()}
 
         def stats(self, target: Any = None) -> dict[str, Any]:
-            return {**super().stats(target), "link_calls": self.link_calls()}
+            return {
+                **super().stats(target),
+                "link_calls": self.link_calls(),
+                "link_channel_batches": self.linked_channel_batches,
+            }
 
         def __init__(self, model_json: dict[str, Any], cache_dir: str) -> None:
             from llm_service.config import EngineConfig

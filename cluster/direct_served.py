@@ -10,8 +10,9 @@ environment (set it where ``ray start`` runs) makes them PLAIN keys: authenticat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, ClassVar
 
 from router.direct_link import DEFAULT_TIMEOUT_S, DirectLink, LinkKeys, LinkServer
@@ -122,13 +123,28 @@ class DirectServed:
 
 class DirectLLM(DirectServed):
     """An LLM replica's direct link: ``submit`` as ``submit_detached`` (the request's life is its output
-    channel's), ``abort``. Serve counts no call for such a request, so its graceful shutdown would not
-    wait for it: ``__del__`` (Serve's hook) refuses new frames, then waits for every request that came
-    over the link to finish (Serve's ``graceful_shutdown_timeout_s`` bounds the wait)."""
+    channel's), ``abort``, and ``channel``: the output channel as a stream on the link (one MORE frame
+    per ``ChannelBatch``), in place of Serve's streaming call. Serve counts no call for such a request,
+    so its graceful shutdown would not wait for it: ``__del__`` (Serve's hook) refuses new frames, then
+    waits for every request that came over the link to finish (Serve's ``graceful_shutdown_timeout_s``
+    bounds the wait)."""
 
-    DIRECT_METHODS: ClassVar[dict[str, str]] = {"submit": "direct_submit", "abort": "abort"}
+    DIRECT_METHODS: ClassVar[dict[str, str]] = {
+        "submit": "direct_submit",
+        "abort": "abort",
+        "channel": "direct_channel",
+    }
     channels: Any
     submit_detached: Any
+    linked_channel_batches = 0  # channel batches sent over the link (``stats``: ``link_channel_batches``)
+
+    async def direct_channel(self, target: Any) -> AsyncIterator[Any]:
+        """``channel`` over the link: the output channel's batches as stream items. The reader leaving
+        (a cancel frame, or its connection gone) closes the channel, which aborts its requests."""
+        async with contextlib.aclosing(self.channels.stream(target.channel_id)) as batches:
+            async for batch in batches:
+                self.linked_channel_batches += 1
+                yield batch
 
     async def direct_submit(self, spec: Any) -> Any:
         reply = await self.submit_detached(spec)

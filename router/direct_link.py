@@ -56,9 +56,10 @@ No Ray here: the replica's wiring (cluster/direct_served.py) gives the keys, cod
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import pickle
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 from router.link_client import LinkClient
@@ -139,12 +140,31 @@ class DirectLink:
         try:
             return await client.call(method, *args, timeout_s=timeout_s)
         except LinkLost:
-            if self._client is client:
-                self._client = None
-            client.retire()  # (a draining replica still answers the calls it runs)
-            self.losses += 1
-            self._down_until = time.monotonic() + LOST_BACKOFF_S
+            self._lost(client)
             raise
+
+    async def stream(
+        self, method: str, *args: Any, timeout_s: float | None = None
+    ) -> AsyncGenerator[Any, None]:
+        """The items ``method(*args)`` yields on the replica (``LinkClient.stream``); no deadline
+        unless ``timeout_s``. A lost connection raises ``LinkLost`` here, at any point."""
+        client = self._client
+        if client is None or client.lost is not None or client.retiring:
+            client = await self._connect()
+        try:
+            async with contextlib.aclosing(client.stream(method, *args, timeout_s=timeout_s)) as items:
+                async for item in items:
+                    yield item
+        except LinkLost:
+            self._lost(client)
+            raise
+
+    def _lost(self, client: LinkClient) -> None:
+        if self._client is client:
+            self._client = None
+        client.retire()  # (a draining replica still answers the calls it runs)
+        self.losses += 1
+        self._down_until = time.monotonic() + LOST_BACKOFF_S
 
     async def _connect(self) -> LinkClient:
         if self._connecting is None:

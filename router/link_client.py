@@ -8,6 +8,7 @@ import contextlib
 import functools
 import logging
 import pickle
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import msgpack
@@ -22,8 +23,10 @@ from router.link_wire import (
     FAILURES,
     HWM,
     MAX_FRAME_BYTES,
+    MORE,
     OK,
     PLAIN_USER,
+    RAISED,
     BadFrame,
     Dumps,
     FrameTooLarge,
@@ -88,6 +91,7 @@ class LinkClient:
         self._timeout_s = timeout_s
         self._max_frame_bytes = max_frame_bytes
         self._waiting: dict[int, asyncio.Future[Any]] = {}
+        self._streams: dict[int, asyncio.Queue[tuple[int, Any]]] = {}  # seq -> (status, item) as they come
         self._timers: dict[int, asyncio.TimerHandle] = {}
         self._seq = 0
         self.lost: BaseException | None = None
@@ -134,23 +138,7 @@ class LinkClient:
 
     async def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         """``handlers[method](*args)`` on the replica; ``timeout_s`` (else the link's) is its deadline."""
-        if self.lost is not None:
-            raise LinkLost(f"link to {self._where} lost: {self.lost!r}")
-        body = self._dumps(args)
-        if len(body) > self._max_frame_bytes:
-            raise FrameTooLarge(
-                f"the arguments of {method!r} take {len(body)} bytes, past the link's "
-                f"{self._max_frame_bytes}-byte frame bound; not sent"
-            )
-        self._seq += 1
-        seq = self._seq
-        timeout = self._timeout_s if timeout_s is None else timeout_s
-        header = msgpack.packb([seq, method, None if timeout is None else max(1, int(1000 * timeout))])
-        error = send_nowait(self._sock, [header, body])
-        if isinstance(error, zmq.Again):
-            raise LinkBusy(f"the queue to {self._where} is full; {method!r} not sent")
-        if error is not None:
-            raise LinkLost(f"link to {self._where}: {error!r}") from error
+        seq, timeout = self._send(method, args, self._timeout_s if timeout_s is None else timeout_s)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
         self._waiting[seq] = fut
@@ -163,17 +151,69 @@ class LinkClient:
                 self._cancel_remote(seq)  # stop it on the replica
             raise
         finally:
-            if (timer := self._timers.pop(seq, None)) is not None:
-                timer.cancel()
-            if self.retiring and not self._waiting:
-                self.close()
+            self._settled(seq)
+
+    async def stream(
+        self, method: str, *args: Any, timeout_s: float | None = None
+    ) -> AsyncGenerator[Any, None]:
+        """The items of ``handlers[method](*args)``, an async generator on the replica, in the order it
+        yields them (one MORE frame each, same sequence number), until it returns (an OK frame) or
+        raises (that error, here). ``timeout_s`` bounds the whole stream (None: no deadline; the
+        connection's heartbeats still fail it with ``LinkLost``). Leaving early cancels it there."""
+        seq, timeout = self._send(method, args, timeout_s)
+        loop = asyncio.get_running_loop()
+        items: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        self._streams[seq] = items
+        if timeout is not None:
+            self._timers[seq] = loop.call_later(timeout, self._expire, seq, method, timeout)
+        try:
+            while True:
+                status, value = await items.get()
+                if status == MORE:
+                    yield value
+                elif status == OK:
+                    return
+                else:
+                    raise value
+        finally:
+            if self._streams.pop(seq, None) is not None:  # left before its end: stop it on the replica
+                self._cancel_remote(seq)
+            self._settled(seq)
+
+    def _send(self, method: str, args: tuple[Any, ...], timeout: float | None) -> tuple[int, float | None]:
+        """Send a call's frames; its sequence number. Raises before anything is sent."""
+        if self.lost is not None:
+            raise LinkLost(f"link to {self._where} lost: {self.lost!r}")
+        body = self._dumps(args)
+        if len(body) > self._max_frame_bytes:
+            raise FrameTooLarge(
+                f"the arguments of {method!r} take {len(body)} bytes, past the link's "
+                f"{self._max_frame_bytes}-byte frame bound; not sent"
+            )
+        self._seq += 1
+        seq = self._seq
+        header = msgpack.packb([seq, method, None if timeout is None else max(1, int(1000 * timeout))])
+        error = send_nowait(self._sock, [header, body])
+        if isinstance(error, zmq.Again):
+            raise LinkBusy(f"the queue to {self._where} is full; {method!r} not sent")
+        if error is not None:
+            raise LinkLost(f"link to {self._where}: {error!r}") from error
+        return seq, timeout
+
+    def _settled(self, seq: int) -> None:
+        if (timer := self._timers.pop(seq, None)) is not None:
+            timer.cancel()
+        if self.retiring and not self._waiting and not self._streams:
+            self.close()
 
     def _expire(self, seq: int, method: str, timeout: float) -> None:
+        error = LinkTimeout(f"{method!r} on {self._where}: no answer in {timeout} s; cancelled")
         fut = self._waiting.pop(seq, None)
         if fut is not None and not fut.done():
-            fut.set_exception(
-                LinkTimeout(f"{method!r} on {self._where}: no answer in {timeout} s; cancelled")
-            )
+            fut.set_exception(error)
+            self._cancel_remote(seq)
+        elif (items := self._streams.pop(seq, None)) is not None:
+            items.put_nowait((RAISED, error))
             self._cancel_remote(seq)
 
     def _cancel_remote(self, seq: int) -> None:
@@ -183,7 +223,7 @@ class LinkClient:
     def retire(self) -> None:
         """Take no new calls; close once every call already sent is answered."""
         self.retiring = True
-        if not self._waiting:
+        if not self._waiting and not self._streams:
             self.close()
 
     def close(self) -> None:
@@ -198,6 +238,9 @@ class LinkClient:
         for fut in waiting.values():
             if not fut.done():
                 fut.set_exception(LinkLost(f"link to {self._where} broke: {e}"))
+        streams, self._streams = self._streams, {}
+        for items in streams.values():
+            items.put_nowait((RAISED, LinkLost(f"link to {self._where} broke: {e}")))
         for task in self._tasks:
             if task is not asyncio.current_task():
                 task.cancel()
@@ -222,24 +265,45 @@ class LinkClient:
             logger.warning("direct link: dropped a reply from %s whose header did not decode", self._where)
             return
         seq, status = header[0], header[1]
+        if seq in self._streams:
+            self._stream_item(seq, status, header, frames)
+            return
         fut = self._waiting.pop(seq, None)
         if fut is None or fut.done():
             return  # its caller left, or its deadline passed
+        status, value = self._decode(status, header, frames)
+        if status == OK:
+            fut.set_result(value)
+        elif status == MORE:  # the method streams: ``stream`` reads it, ``call`` cannot
+            fut.set_exception(BadFrame(f"direct link: seq {seq} answers a stream; read it with stream()"))
+            self._cancel_remote(seq)
+        else:
+            fut.set_exception(value)
+
+    def _stream_item(self, seq: int, status: int, header: list[Any], frames: list[bytes]) -> None:
+        """One frame of a stream: an item (MORE) queued in order, or its end (which ends it here)."""
+        items = self._streams[seq]
+        status, value = self._decode(status, header, frames)
+        if status != MORE:
+            del self._streams[seq]
+            if isinstance(value, BadFrame) and header[1] == MORE:  # an item lost: the rest is no use
+                self._cancel_remote(seq)
+        items.put_nowait((status, value))
+
+    def _decode(self, status: int, header: list[Any], frames: list[bytes]) -> tuple[int, Any]:
+        """``(OK or MORE, value)``, or ``(RAISED, the exception to raise)``."""
         if status == FAILED:
             code, message = (header[2], header[3]) if len(header) > 3 else ("bad_frame", repr(header))
-            fut.set_exception(FAILURES.get(code, BadFrame)(message))
-            return
+            return RAISED, FAILURES.get(code, BadFrame)(message)
         try:
             value = self._loads(frames[1])
         except Exception as e:
-            fut.set_exception(BadFrame(f"direct link: undecodable reply from {self._where}: {e!r}"))
-            return
-        if status == OK:
-            fut.set_result(value)
-        elif isinstance(value, Exception):
-            fut.set_exception(value)
-        else:
-            fut.set_exception(BadFrame(f"direct link: an error reply that is no exception: {value!r}"))
+            return RAISED, BadFrame(f"direct link: undecodable reply from {self._where}: {e!r}")
+        if status in (OK, MORE):
+            return status, value
+        if isinstance(value, Exception):
+            return RAISED, value
+        return RAISED, BadFrame(f"direct link: an error reply that is no exception: {value!r}")
 
 
 def _close_socket(sock: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket) -> None:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import logging
 import pickle
 import time
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import msgpack
@@ -18,12 +20,14 @@ from router.link_wire import (
     HWM,
     MAX_FRAME_BYTES,
     MAX_IN_FLIGHT,
+    MORE,
     OK,
     PLAIN_USER,
     RAISED,
     REPLY_PATIENCE_S,
     ClientKeyCheck,
     Dumps,
+    FrameTooLarge,
     Handler,
     LinkKeys,
     Loads,
@@ -39,8 +43,20 @@ from router.link_wire import (
 logger = logging.getLogger("mmserve.router")
 
 
+class _ReaderGone(Exception):
+    """A stream's client is gone, or read nothing for ``reply_patience_s``: the stream ends unanswered."""
+
+
 class LinkServer:
-    """The replica's end: one ROUTER socket, any number of authenticated client connections."""
+    """The replica's end: one ROUTER socket, any number of authenticated client connections.
+
+    A handler that is an async generator function answers a stream (``LinkClient.stream``): each item
+    it yields goes out as it comes, one MORE frame with the call's sequence number, then an OK frame
+    (or its error). Its items are encoded by ``item_dumps`` (plain ``pickle``, no ObjectRef books: a
+    stream's items must be plain records), falling back to ``dumps``. While the client's queue is full
+    the generator is not resumed (it holds what it makes, as a gRPC stream does); a client that reads
+    nothing for ``reply_patience_s``, or is gone, ends the stream: the generator is closed.
+    """
 
     def __init__(
         self,
@@ -49,6 +65,7 @@ class LinkServer:
         dumps: Dumps = pickle_dumps,
         loads: Loads = pickle.loads,
         *,
+        item_dumps: Dumps = pickle_dumps,
         max_in_flight: int = MAX_IN_FLIGHT,
         max_frame_bytes: int = MAX_FRAME_BYTES,
         hwm: int = HWM,
@@ -58,6 +75,7 @@ class LinkServer:
         self.keys = keys
         self.dumps = dumps
         self.loads = loads
+        self.item_dumps = item_dumps
         self.max_in_flight = max_in_flight
         self.max_frame_bytes = max_frame_bytes
         self.hwm = hwm
@@ -73,6 +91,7 @@ class LinkServer:
         self.refused = 0  # answered LinkBusy
         self.garbled = 0  # frames that did not decode
         self.dropped = 0  # replies given up on (their client did not read)
+        self.items = 0  # stream items sent
         self.draining = False
 
     async def address(self, host: str) -> tuple[str, int]:
@@ -171,12 +190,33 @@ class LinkServer:
         try:
             if handler is None:
                 raise LookupError(f"direct link: no method {method!r}")
-            reply = self._reply(seq, OK, await handler(*args))
-        except asyncio.CancelledError:
-            raise  # its caller left (or its deadline passed): nobody waits for an answer
+            result = handler(*args)
+            if inspect.isasyncgen(result):
+                await self._stream(ident, seq, result)
+                reply = self._reply(seq, OK, None)
+            else:
+                reply = self._reply(seq, OK, await result)
+        except (asyncio.CancelledError, _ReaderGone):
+            return  # its caller left (or its deadline passed): nobody waits for an answer
         except BaseException as e:  # the caller gets the error as Serve would give it
             reply = self._reply(seq, RAISED, e)
         await self._deliver(ident, reply)
+
+    async def _stream(self, ident: bytes, seq: int, items: AsyncGenerator[Any, Any]) -> None:
+        """Send each item as it comes; the generator is resumed only once the last one was queued."""
+        try:
+            async for item in items:
+                try:
+                    body = self.item_dumps(item)
+                except Exception:  # not a plain record after all (an exception Ray made, say)
+                    body = self.dumps(item)
+                if len(body) > self.max_frame_bytes:
+                    raise FrameTooLarge(f"a stream item of {len(body)} bytes is past the link's bound")
+                if not await self._deliver(ident, [msgpack.packb([seq, MORE]), body]):
+                    raise _ReaderGone
+                self.items += 1
+        finally:
+            await items.aclose()  # its ``finally`` runs now, whatever ended the stream
 
     def _reply(self, seq: int, status: int, value: Any) -> list[bytes]:
         """The reply's frames; one whose body does not encode, or is past the bound, still answers."""
@@ -193,21 +233,20 @@ class LinkServer:
             )
         return [msgpack.packb([seq, status]), body]
 
-    async def _deliver(self, ident: bytes, frames: list[bytes]) -> None:
+    async def _deliver(self, ident: bytes, frames: list[bytes]) -> bool:
         """Send a reply; while its client's queue is full, retry (the call keeps its slot in flight)
-        for ``reply_patience_s``, then drop it."""
+        for ``reply_patience_s``, then drop it. False: dropped, or its client is gone."""
         delay, give_up = 0.001, time.monotonic() + self.reply_patience_s
         while True:
             try:
-                self._send_now(ident, frames)
-                return
+                return self._send_now(ident, frames)
             except zmq.Again:
                 if time.monotonic() > give_up:
                     self.dropped += 1
                     logger.warning(
                         "direct link: a client read no reply for %.0f s; one dropped", self.reply_patience_s
                     )
-                    return
+                    return False
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 0.05)
 
@@ -218,15 +257,17 @@ class LinkServer:
         except zmq.Again:
             self.dropped += 1
 
-    def _send_now(self, ident: bytes, frames: list[bytes]) -> None:
-        """Raises ``zmq.Again`` if the client's queue is full; a client that is gone is skipped."""
+    def _send_now(self, ident: bytes, frames: list[bytes]) -> bool:
+        """Raises ``zmq.Again`` if the client's queue is full; False: the client is gone (skipped)."""
         if self._sock is None:
-            return
+            return False
         error = send_nowait(self._sock, [ident, *frames])
         if isinstance(error, zmq.Again):
             raise error
         if error is not None:  # EHOSTUNREACH: that client disconnected
             logger.debug("direct link: reply to a departed client dropped: %r", error)
+            return False
+        return True
 
 
 def _forget(running: dict[Any, asyncio.Task[None]], key: Any, _: asyncio.Task[None]) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import pickle
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -24,9 +24,9 @@ REPLY_PATIENCE_S = 10.0  # how long a reply waits for a client that does not rea
 LOST_BACKOFF_S = 5.0  # after a lost link, calls go through Serve this long
 PLAIN_USER = b"mmserve"  # PLAIN's user name (the password is the secret)
 
-OK, RAISED, FAILED = 0, 1, 2  # a reply's status
+OK, RAISED, FAILED, MORE = 0, 1, 2, 3  # a reply's status; MORE: one item of a stream, more to come
 
-Handler = Callable[..., Awaitable[Any]]
+Handler = Callable[..., Any]  # an async function, or an async generator function (a stream)
 Dumps = Callable[[Any], bytes]
 Loads = Callable[[bytes], Any]
 

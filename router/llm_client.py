@@ -16,6 +16,7 @@ already streaming fails with ``ChannelLost`` (a 503 on the stream, never a hang)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -25,6 +26,7 @@ from typing import Any
 from llm_service.output_channels import ChannelBatch
 from llm_service.outputs import RequestOutput
 from llm_service.request_spec import LLMRequestSpec, ReplicaTarget, SubmitReply
+from router.direct_link import LinkBusy, LinkLost
 from router.errors import replica_gone
 from router.pool_links import PoolLinks
 
@@ -79,6 +81,7 @@ class LLMClient:
         self.reroute_timeout_s = reroute_timeout_s
         self._specs: dict[str, LLMRequestSpec] = {}  # submitted, no output yet: may be submitted again
         self.rerouted = 0
+        self.linked_channels = 0  # output channels read over a direct link (the rest: Serve's calls)
         self._queues: dict[str, asyncio.Queue[_Item]] = {}
         self._readers: dict[str, _Reader] = {}  # channel id -> reader
         self._calls: dict[str, Any] = {}  # request id -> its open submit call
@@ -247,13 +250,10 @@ class LLMClient:
         target = ReplicaTarget(reader.replica_id, channel_id=reader.channel_id)
         error: BaseException | None = None
         try:
-            stream = self.handle.options(stream=True).channel.remote(target)
-            hello: ChannelBatch = await asyncio.wait_for(stream.__anext__(), self.connect_timeout_s)
-            if hello.replica_id != reader.replica_id:
-                raise ChannelLost(f"channel {reader.channel_id} reached {hello.replica_id}")
-            self._dispatch(hello, reader)
-            async for batch in stream:
-                self._dispatch(batch, reader)
+            stream = await self._open_channel(target)
+            async with contextlib.aclosing(stream):
+                async for batch in stream:
+                    self._dispatch(batch, reader)
         except asyncio.CancelledError:
             error = ChannelLost("the ingress is shutting down")
             raise
@@ -267,6 +267,28 @@ class LLMClient:
             for rid in reader.requests:
                 if (q := self._queues.get(rid)) is not None:
                     q.put_nowait(why)
+
+    async def _open_channel(self, target: ReplicaTarget) -> AsyncGenerator[ChannelBatch, None]:
+        """The channel's batches, its hello checked: a stream on the replica's direct link if this
+        process has one open (``transport: auto``), else (or if the link fails before the hello)
+        Serve's streaming call. The hello is read here, and yielded first."""
+        link = self.links.link(target.target_replica) if self.links is not None else None
+        if link is not None:
+            linked = link.stream("channel", target)
+            try:
+                hello = await asyncio.wait_for(anext(linked), self.connect_timeout_s)
+            except (LinkLost, LinkBusy) as e:  # not started there: Serve still reaches the replica
+                logger.debug("output channel %s: no link (%r); through Serve", target.channel_id, e)
+                await linked.aclose()
+            except BaseException:
+                await linked.aclose()
+                raise
+            else:
+                self.linked_channels += 1
+                return _checked(hello, target, linked)
+        call = self.handle.options(stream=True).channel.remote(target)
+        hello = await asyncio.wait_for(call.__anext__(), self.connect_timeout_s)
+        return _checked(hello, target, call)
 
     def _dispatch(self, batch: ChannelBatch, reader: _Reader) -> None:
         orphans: set[str] = set()
@@ -286,6 +308,21 @@ class LLMClient:
         for reader in list(self._readers.values()):
             if reader.task is not None:
                 reader.task.cancel()
+
+
+async def _checked(
+    hello: ChannelBatch, target: ReplicaTarget, rest: AsyncIterator[ChannelBatch]
+) -> AsyncGenerator[ChannelBatch, None]:
+    """``hello``, if it comes from the replica that was asked for, then the rest of the channel."""
+    try:
+        if hello.replica_id != target.target_replica:
+            raise ChannelLost(f"channel {target.channel_id} reached {hello.replica_id}")
+        yield hello
+        async for batch in rest:
+            yield batch
+    finally:
+        if (close := getattr(rest, "aclose", None)) is not None:
+            await close()
 
 
 async def _drain(call: Any) -> None:
