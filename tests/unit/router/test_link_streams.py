@@ -144,7 +144,9 @@ def test_a_reader_that_does_not_read_holds_the_generator_and_then_gets_every_ite
         sock.setsockopt(zmq.CURVE_SECRETKEY, KEYS.client_secret)
         sock.connect(f"tcp://{host}:{port}")
         n = 4000  # 64 KiB each: past what the sockets' buffers hold
-        await sock.send_multipart([msgpack.packb([1, "count", None]), pickle.dumps(("slow", n, None, 64 << 10))])
+        await sock.send_multipart(
+            [msgpack.packb([1, "count", None]), pickle.dumps(("slow", n, None, 64 << 10))]
+        )
         await _until(lambda: h.made.get("slow", 0) > 0, "the stream started")
         await asyncio.sleep(0.5)
         held = h.made["slow"]
