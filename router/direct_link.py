@@ -11,6 +11,8 @@ server and engine. Each message is multipart: a small msgpack header and a body:
     client ◀──[seq, OK] + dumps(value)──                         the answer
     client ◀──[seq, RAISED] + dumps(exception)──                 the handler raised
     client ◀──[seq, FAILED, code, message]──                     not run, or not answerable (below)
+    client ◀──[seq, MORE] + dumps(item)── … ──[seq, OK]──           a stream: an async generator handler's
+                                                                   items in order, then its end
 
 **Who may talk.** Every connection is authenticated during ZeroMQ's handshake, before any message
 is delivered, by a ZAP authenticator in the server's own context (``zmq.auth.asyncio``). With

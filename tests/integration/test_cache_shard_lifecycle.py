@@ -1,5 +1,6 @@
 """The encoder cache's index shards live and die with the application (cluster/cache_shards.py), and
-``ingress.transport: serve`` opens no side channel, to them or to the pool replicas.
+``ingress.transport: serve`` opens no side channel, to them or to the pool replicas (the LLM
+replica's outputs come back on Serve's stream; with ``auto``, on the link).
 
 One Ray for the module; the whole app (tiny Qwen2-VL, one replica per pool) deployed twice on it,
 with ``transport: auto`` and with ``serve``. Each time: image requests go through the shards, the
@@ -143,6 +144,9 @@ def test_shards_end_with_the_app_and_serve_transport_opens_no_link(
             assert opened == {pid: set() for pid in before}, f"a shard listens on {opened}"
         else:  # the same check sees a link when there is one: the hot calls went over it
             assert any(opened.values()), f"no shard opened a link: {before} -> {after}"
+        llm = httpx.get(f"http://127.0.0.1:{port}/stats?pools=true", timeout=30).json()[model]["pools"]
+        (outputs,) = llm["llm_replicas"].values()  # how the tokens came back: the link, or Serve's stream
+        assert (outputs["link_channel_batches"] > 0) == (transport == "auto"), outputs
         for pool in ("EncoderPool", "LLMServer"):  # Ray's core worker, Serve's gRPC, and a link or not
             (replica,) = _alive(f"SERVE_REPLICA::{APP}#{pool}-{model}#")
             sockets = _listening_at(_pid(replica))

@@ -326,6 +326,7 @@ def test_stats_with_pools_shows_each_pools_own_counters(client: OpenAI) -> None:
     pools = httpx.get(f"http://127.0.0.1:{PORT}/stats?pools=true", timeout=30).json()[VL]["pools"]
     own = _llm_stats()  # the pool's one replica, asked directly
     assert pools["llm_replicas"][own["replica_id"]]["num_total_blocks"] == own["num_total_blocks"]
+    assert own["link_channel_batches"] >= 1  # ``transport: auto``: the outputs came back on the link
     for rid, llm in pools["llm_replicas"].items():
         assert llm["replica_id"] == rid
     preparing = pools["preparing_replica"]
