@@ -187,6 +187,13 @@ class DirectLink:
         self.connects += 1
         return client
 
+    def retire(self) -> None:
+        """No new calls; the connection closes once what runs on it (calls, streams) has ended."""
+        self._down_until = float("inf")
+        if self._client is not None:
+            self._client.retire()
+            self._client = None
+
     def close(self) -> None:
         if self._client is not None:
             self._client.close()

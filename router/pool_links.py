@@ -113,9 +113,12 @@ class PoolLinks:
         return link
 
     def forget(self, live: set[str]) -> None:
-        """Close the links of replicas no longer in ``live``."""
+        """Retire the links of replicas no longer in ``live``: a replica leaves the set before it
+        drains, so what runs on its link (an output channel's stream) goes on to its end."""
         for uid in [u for u in self._links if u not in live]:
-            self._links.pop(uid)[1].close()
+            self._links.pop(uid)[1].retire()
 
     def close(self) -> None:
-        self.forget(set())
+        for _, link in self._links.values():
+            link.close()
+        self._links.clear()

@@ -184,3 +184,23 @@ def test_a_server_that_goes_away_mid_stream_fails_it_with_link_lost() -> None:
         link.close()
 
     asyncio.run(run())
+
+
+def test_a_retired_link_lets_its_running_stream_finish_and_takes_no_new_calls() -> None:
+    """What ``PoolLinks.forget`` does to the link of a replica that left the pool's set (it drains)."""
+
+    async def run() -> None:
+        h = Counting()
+        server = _server(h)
+        link = DirectLink(lambda: server.address("127.0.0.1"), KEYS)
+        items = link.stream("count", "draining", 20)
+        assert await anext(items) == ("draining", 0)
+        client = link._client
+        assert client is not None
+        link.retire()
+        assert not link.usable() and client.lost is None  # the connection stays for the stream
+        assert [item async for item in items] == [("draining", i) for i in range(1, 20)]
+        assert client.lost is not None and not server._running  # closed once the stream ended
+        await server.close()
+
+    asyncio.run(run())
