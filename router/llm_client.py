@@ -34,6 +34,7 @@ from router.pool_links import PoolLinks
 logger = logging.getLogger("mmserve.router")
 
 _Item = RequestOutput | BaseException
+LINKED = "+link"  # ingress id suffix of requests submitted over a link: a channel of their own
 
 
 class ChannelLost(RuntimeError):
@@ -61,6 +62,7 @@ class _Reader:
     channel_id: str
     requests: set[str] = field(default_factory=set)
     aborted: set[str] = field(default_factory=set)  # orphans this reader already asked to abort
+    linked: bool = False  # its requests were submitted over the direct link: read it there too
     task: asyncio.Task[None] | None = None
 
 
@@ -124,8 +126,9 @@ class LLMClient:
                     if picked is not None:
                         uid, link = picked
                         self.links.routed(spec.request_id, uid, spec)
-                        try:
-                            reply: SubmitReply = await link.call("submit", spec)
+                        try:  # its own channel, read over the link too (Serve's submits: Serve's)
+                            linked = _with_ingress(spec, self.ingress_id + LINKED)
+                            reply: SubmitReply = await link.call("submit", linked)
                         except BaseException:
                             self.links.done(spec.request_id)
                             raise
@@ -149,7 +152,7 @@ class LLMClient:
             self._calls[rid] = call
         reader = self._readers.get(reply.channel_id)
         if reader is None:
-            reader = _Reader(reply.replica_id, reply.channel_id)
+            reader = _Reader(reply.replica_id, reply.channel_id, linked=call is None)
             self._readers[reply.channel_id] = reader
             self._replicas_seen[reply.replica_id] = None
             if len(self._replicas_seen) > MAX_REPLICAS_LISTED:  # replicas churn: forget the oldest
@@ -251,7 +254,7 @@ class LLMClient:
         target = ReplicaTarget(reader.replica_id, channel_id=reader.channel_id)
         error: BaseException | None = None
         try:
-            stream = await self._open_channel(target)
+            stream = await self._open_channel(target, reader.linked)
             async with contextlib.aclosing(stream):
                 async for batch in stream:
                     self._dispatch(batch, reader)
@@ -269,24 +272,24 @@ class LLMClient:
                 if (q := self._queues.get(rid)) is not None:
                     q.put_nowait(why)
 
-    async def _open_channel(self, target: ReplicaTarget) -> AsyncGenerator[ChannelBatch, None]:
-        """The channel's batches, its hello checked: a stream on the replica's direct link if this
-        process has one open (``transport: auto``), else (or if the link fails before the hello)
-        Serve's streaming call. The hello is read here, and yielded first."""
-        link = self.links.link(target.target_replica) if self.links is not None else None
+    async def _open_channel(self, target: ReplicaTarget, linked: bool) -> AsyncGenerator[ChannelBatch, None]:
+        """The channel's batches, its hello checked: a stream on the replica's direct link for a
+        channel of requests submitted over it, else (or if the link fails before the hello) Serve's
+        streaming call. The hello is read here, and yielded first."""
+        link = self.links.link(target.target_replica) if linked and self.links is not None else None
         if link is not None:
-            linked = link.stream("channel", target)
+            stream = link.stream("channel", target)
             try:
-                hello = await asyncio.wait_for(anext(linked), self.connect_timeout_s)
+                hello = await asyncio.wait_for(anext(stream), self.connect_timeout_s)
             except (LinkLost, LinkBusy) as e:  # not started there: Serve still reaches the replica
                 logger.debug("output channel %s: no link (%r); through Serve", target.channel_id, e)
-                await linked.aclose()
+                await stream.aclose()
             except BaseException:
-                await linked.aclose()
+                await stream.aclose()
                 raise
             else:
                 self.linked_channels += 1
-                return _checked(hello, target, linked)
+                return _checked(hello, target, stream)
         call = self.handle.options(stream=True).channel.remote(target)
         hello = await asyncio.wait_for(call.__anext__(), self.connect_timeout_s)
         return _checked(hello, target, call)
