@@ -1,7 +1,7 @@
 """The LLM replica's output channel over a direct link (no Ray): a real LLMServer (fake engine whose
 tokens count up per request) served by a real LinkServer on loopback ZeroMQ, read by a real
 LLMClient through PoolLinks. Concurrent requests get every token in order over the link, and Serve's
-channel call is not made; an ingress that leaves its channel, or whose connection vanishes, gets its
+channel call is not made (it is for a request submitted through Serve); an ingress that leaves its channel, or whose connection vanishes, gets its
 requests aborted on the replica and their KV blocks freed."""
 
 from __future__ import annotations
@@ -106,7 +106,8 @@ def test_concurrent_requests_stream_every_token_in_order_over_the_link() -> None
 
             return DirectLink(locate, KEYS)
 
-        links = PoolLinks(lambda: OneReplica(server.replica_id, address), connect)
+        router: OneReplica | None = OneReplica(server.replica_id, address)
+        links = PoolLinks(lambda: router, connect)
         handle = ServeHandle(server)
         client = LLMClient(handle, ingress_id="ing-link", links=links)
 
@@ -120,6 +121,9 @@ def test_concurrent_requests_stream_every_token_in_order_over_the_link() -> None
         assert got == [list(range(100, 105 + 3 * i)) for i in range(6)]
         assert handle.channel_calls == 0 and client.linked_channels >= 1
         assert server.linked_channel_batches > 0 and link_server.items == server.linked_channel_batches
+        router = None  # no link known (Serve's fallback): submitted and read through Serve, the link open
+        assert await run(9) == list(range(100, 132))
+        assert handle.channel_calls == 1 and link_server.items == server.linked_channel_batches
         await _until_idle(server)
         await client.close()
         links.close()
