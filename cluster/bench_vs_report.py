@@ -25,11 +25,13 @@ class Load:
     # both servers' capacity it does not, and TTFT is what a request waits at that load.
     request_rate: float = math.inf
     key: str = ""  # what `--loads` names it by
+    items: int = 1  # media items per request (random-mm), all distinct
 
 
 LOADS = [
     Load("image, 128 req, c=32", "random-mm", 128, 32, key="image-c32"),
     Load("image, 48 req, c=1", "random-mm", 48, 1, key="image-c1"),
+    Load("4 images, 128 req, c=32", "random-mm", 128, 32, key="image4-c32", items=4),
     Load("text, 128 req, c=32", "random", 128, 32, key="text-c32"),
     Load("image, 256 req, 30 req/s", "random-mm", 256, 256, request_rate=30.0, key="image-rate30"),
 ]

@@ -74,10 +74,11 @@ def bench_argv(args: argparse.Namespace, load: Load, base_url: str, seed: int, r
     argv += ["--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len)]
     argv += ["--random-range-ratio", "0.0"]
     if load.dataset == "random-mm":
-        argv += ["--random-mm-base-items-per-request", "1", "--random-mm-num-mm-items-range-ratio", "0"]
+        argv += ["--random-mm-base-items-per-request", str(load.items)]
+        argv += ["--random-mm-num-mm-items-range-ratio", "0"]
         argv += [
             "--random-mm-limit-mm-per-prompt",
-            '{"image": 1, "video": 0}',
+            json.dumps({"image": load.items, "video": 0}),
             "--random-mm-bucket-config",
             BUCKETS,
         ]
@@ -290,7 +291,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--loads",
-        help="which loads, comma-separated (image-c32, image-c1, text-c32, image-rate30: 30 req/s "
+        help="which loads, comma-separated (image-c32, image-c1, image4-c32: 4 distinct images per request, text-c32, image-rate30: 30 req/s "
         "arriving at random, open loop); default all",
     )
     p.add_argument(
