@@ -247,6 +247,7 @@ def test_idle_column_is_cpu_ms_per_second() -> None:
 
 def test_vs_vllm_bench_argv_matches_the_peer_script_flags() -> None:
     import argparse
+    import json
     from pathlib import Path
 
     from cluster.bench_vs_report import LOADS
@@ -267,8 +268,13 @@ def test_vs_vllm_bench_argv_matches_the_peer_script_flags() -> None:
     assert opts["--max-concurrency"] == "32" and opts["--random-output-len"] == "16"
     assert opts["--random-mm-bucket-config"].startswith("{(64, 64, 1): 0.25")
     assert "--ignore-eos" in image and image[-4:] == ["--result-dir", "/r", "--result-filename", "x.json"]
-    text = bench_argv(args, LOADS[2], "http://127.0.0.1:9", 0, Path("/r/y.json"))
+    by_key = {load.key: load for load in LOADS}
+    text = bench_argv(args, by_key["text-c32"], "http://127.0.0.1:9", 0, Path("/r/y.json"))
     assert "random" in text and not any(a.startswith("--random-mm") for a in text)
+    four = bench_argv(args, by_key["image4-c32"], "http://127.0.0.1:9", 0, Path("/r/w.json"))
+    four_opts = dict(zip(four[4::2], four[5::2], strict=False))
+    assert four_opts["--random-mm-base-items-per-request"] == "4"
+    assert json.loads(four_opts["--random-mm-limit-mm-per-prompt"]) == {"image": 4, "video": 0}
     assert opts["--request-rate"] == "inf"  # closed loop: `--max-concurrency` clients back to back
     (rate,) = [load for load in LOADS if load.key == "image-rate30"]
     open_loop = bench_argv(args, rate, "http://127.0.0.1:9", 0, Path("/r/z.json"))
