@@ -363,6 +363,14 @@ def test_median_rounds_picks_each_pairs_median_round_whole_and_reports_the_range
     two, _ = median_rounds(rounds[:2])  # an even count: the lower middle
     assert two[0].value("request_throughput") == 60.0
     assert median_rounds(rounds[:1])[0] == rounds[0]
+    # a round whose client saw more in flight than its concurrency is not a measurement: left out
+    broken = result("vLLM", 0, 41.0, 690.0)
+    broken.metrics["max_concurrent_requests"] = 95
+    ok = result("vLLM", 0, 108.0, 166.0)
+    ok.metrics["max_concurrent_requests"] = 32
+    kept, ranges = median_rounds([[broken], [ok]])
+    assert kept[0] is ok and ranges[("vLLM", LOADS[0].name)] == "108.0–108.0 (1 suspect round(s) left out)"
+    assert median_rounds([[broken]])[0] == [broken]  # nothing else to pick: kept, not dropped
 
 
 def test_ray_is_joined_only_on_loopback() -> None:
