@@ -58,15 +58,15 @@ def test_a_deep_wide_tower_before_the_tiny_llm(hf: tuple[Any, Any]) -> None:
         HEAVY.vision_hidden_size,
         HEAVY.vision_num_heads,
     )
-    tiny = PRESETS["tiny"]
-    assert (text.hidden_size, text.num_hidden_layers, text.vocab_size) == (
-        tiny.hidden_size,
-        tiny.num_layers,
-        tiny.vocab_size,
+    assert (text.hidden_size, text.num_hidden_layers, text.num_attention_heads) == (
+        HEAVY.hidden_size,
+        HEAVY.num_layers,
+        HEAVY.num_heads,
     )
+    assert text.hidden_size // text.num_attention_heads == 32  # vLLM's CPU attention takes no narrower
     tower = sum(p.numel() for p in model.model.visual.parameters())
     rest = sum(p.numel() for p in model.parameters()) - tower
-    assert tower > 50 * rest  # the tower is the model; the LLM stays tiny
+    assert tower > 25 * rest  # the tower is the model; the LLM stays tiny
 
 
 def test_one_image_through_our_tower_and_engine_equals_hf(heavy_dir: Path, hf: tuple[Any, Any]) -> None:
