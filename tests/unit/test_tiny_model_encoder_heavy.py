@@ -100,4 +100,4 @@ def test_one_image_through_our_tower_and_engine_equals_hf(heavy_dir: Path, hf: t
     (ours,) = engine(heavy_dir).generate([GenerateRequest(out.prompt_token_ids, GREEDY, mm)])
     with torch.no_grad():
         ref = model.generate(**inputs, max_new_tokens=N, do_sample=False)[0, len(out.prompt_token_ids) :]
-    assert ours.token_ids == ref.tolist()
+    assert len(ref) == N and ours.token_ids == ref.tolist()
