@@ -93,7 +93,7 @@ def encoder_placement(model: ModelConfig) -> dict[str, Any]:
 def preprocess_args(m: ModelConfig) -> dict[str, Any]:
     """What preparing a model's requests takes from its config (an encoder replica, and the ingress's
     hit path)."""
-    from encoder_service.media.limits import MediaLimits
+    from encoder_service.preprocess.media.limits import MediaLimits
 
     return {
         "limits": MediaLimits(**m.preprocess.media.model_dump()),

@@ -35,9 +35,9 @@ import torch
 from PIL import Image
 
 from cluster.bench_media import make_image_bytes
-from encoder_service.media.image import decode_opened, image_header
-from encoder_service.media.limits import MediaLimits
-from encoder_service.processing import Preprocessor
+from encoder_service.preprocess.media.image import decode_opened, image_header
+from encoder_service.preprocess.media.limits import MediaLimits
+from encoder_service.preprocess.processing import Preprocessor
 from encoder_service.types import MediaRef
 
 KINDS: dict[str, tuple[str, int, int, str]] = {  # --kinds key: (label, width, height, format)

@@ -30,8 +30,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from encoder_service.cache_index import RELEASED, CacheIndexShard, RequestReleased, shard_of
 from encoder_service.call_coalescing import CallCoalescer
 from encoder_service.encoder_cache import COMPUTE, DEFAULT_LEASE_S, HIT
-from encoder_service.errors import EncoderCacheBusy
-from encoder_service.gathering import gather
+from encoder_service.preprocess.errors import EncoderCacheBusy
+from encoder_service.preprocess.gathering import gather
 from encoder_service.types import EmbeddingMeta
 
 logger = logging.getLogger("mmserve.encoder")

@@ -34,7 +34,7 @@ from collections import OrderedDict
 from typing import Any
 
 from encoder_service.encoder_cache import DEFAULT_LEASE_S, HIT, WAIT, EncoderCacheBooks
-from encoder_service.errors import EncoderCacheFull
+from encoder_service.preprocess.errors import EncoderCacheFull
 from encoder_service.types import EmbeddingMeta
 from encoder_service.uuid_aliases import MAX_ALIASES, UuidAliases
 

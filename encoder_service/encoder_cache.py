@@ -23,7 +23,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from encoder_service.errors import EncoderCacheFull
+from encoder_service.preprocess.errors import EncoderCacheFull
 from encoder_service.types import EmbeddingMeta
 
 HIT, COMPUTE, WAIT = "hit", "compute", "wait"

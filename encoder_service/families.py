@@ -127,21 +127,21 @@ ENCODER_FAMILIES: dict[str, EncoderFamily] = {
     "qwen2_vl": EncoderFamily(
         "qwen2-vl",
         ("image", "video"),
-        "encoder_service.processors.qwen2_vl:Qwen2VLFamily",
+        "encoder_service.preprocess.processors.qwen2_vl:Qwen2VLFamily",
         "encoder_service.models.qwen2_vl_vision:Qwen2VLVisionEncoder",
         vision_largest_item,
     ),
     "qwen2_5_vl": EncoderFamily(
         "qwen2.5-vl",
         ("image", "video"),
-        "encoder_service.processors.qwen2_5_vl:Qwen25VLFamily",
+        "encoder_service.preprocess.processors.qwen2_5_vl:Qwen25VLFamily",
         "encoder_service.models.qwen2_5_vl_vision:Qwen25VLVisionEncoder",
         vision_largest_item,
     ),
     "qwen3_vl": EncoderFamily(
         "qwen3-vl",
         ("image", "video"),
-        "encoder_service.processors.qwen3_vl:Qwen3VLFamily",
+        "encoder_service.preprocess.processors.qwen3_vl:Qwen3VLFamily",
         "encoder_service.models.qwen3_vl_vision:Qwen3VLVisionEncoder",
         vision_largest_item,
         lambda config: deepstack_row_units(config),
@@ -149,28 +149,28 @@ ENCODER_FAMILIES: dict[str, EncoderFamily] = {
     "qwen3_5": EncoderFamily(
         "qwen3.5",
         ("image", "video"),
-        "encoder_service.processors.qwen3_vl:Qwen3VLFamily",  # transformers maps qwen3_5 to Qwen3VLProcessor
+        "encoder_service.preprocess.processors.qwen3_vl:Qwen3VLFamily",  # transformers maps qwen3_5 to Qwen3VLProcessor
         "encoder_service.models.qwen3_5_vision:Qwen35VisionEncoder",
         vision_largest_item,
     ),
     "gemma3": EncoderFamily(
         "gemma3",
         ("image",),
-        "encoder_service.processors.gemma3:Gemma3Family",
+        "encoder_service.preprocess.processors.gemma3:Gemma3Family",
         "encoder_service.models.gemma3_vision:Gemma3VisionEncoder",
         gemma3_largest_item,
     ),
     "gemma4": EncoderFamily(
         "gemma4",
         ("image", "audio"),
-        "encoder_service.processors.gemma4:Gemma4Family",
+        "encoder_service.preprocess.processors.gemma4:Gemma4Family",
         "encoder_service.models.gemma4:Gemma4Encoder",
         gemma4_largest_item,
     ),
     "qwen2_audio": EncoderFamily(
         "qwen2-audio",
         ("audio",),
-        "encoder_service.processors:qwen2_audio_processor",
+        "encoder_service.preprocess.processors:qwen2_audio_processor",
         "encoder_service.models.qwen2_audio_encoder:Qwen2AudioEncoder",
         whisper_largest_item,
     ),

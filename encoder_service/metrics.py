@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from encoder_service.stage_timing import CacheLookups, MediaStages, Stage
+from encoder_service.preprocess.stage_timing import CacheLookups, MediaStages, Stage
 
 STAGE_METRIC = "mmserve_stage_seconds"
 STAGE_TAGS = ("model", "pool", "stage")

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from encoder_service import tracing
 from encoder_service.deployment import EncoderPoolServer
 from encoder_service.metrics import media_stages
-from encoder_service.prepare import make_preparer, preparer_stats
-from encoder_service.prepared import LookedUp, PreparedRequest, with_values
+from encoder_service.preprocess import tracing
+from encoder_service.preprocess.prepare import make_preparer, preparer_stats
+from encoder_service.preprocess.prepared import LookedUp, PreparedRequest, with_values
 
 
 class PreparingEncoderServer(EncoderPoolServer):
@@ -53,10 +53,10 @@ class PreparingEncoderServer(EncoderPoolServer):
         looked_up: LookedUp | None = None,
         trace_headers: dict[str, str] | None = None,
     ) -> PreparedRequest:
-        """The router's one call per media request (encoder_service/prepare.py). Items
+        """The router's one call per media request (encoder_service/preprocess/prepare.py). Items
         whose embeddings this replica put lately carry them inline when small (``RecentValues``):
         the LLM replica then takes them instead of fetching them. ``trace_headers``: the caller's
-        trace context, for a sampled request (encoder_service/tracing.py)."""
+        trace context, for a sampled request (encoder_service/preprocess/tracing.py)."""
         with tracing.remote_span("encoder.prepare", trace_headers, request_id) as span:
             prepared = await self.preparer.prepare(request_id, messages, looked_up)
             if span is not None:

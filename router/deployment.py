@@ -82,7 +82,7 @@ def _hit_path(m: IngressModel) -> Any:
     ``prepare`` with what it looked up)."""
     if m.preprocess is None:
         return None
-    from encoder_service.prepare import make_preparer
+    from encoder_service.preprocess.prepare import make_preparer
 
     async def no_encode(batch: Any) -> Any:
         raise RuntimeError("the ingress's hit path encodes nothing")

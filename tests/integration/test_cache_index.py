@@ -14,8 +14,8 @@ import ray
 from encoder_service.cache_client import EncoderCacheClient, create_cache_index
 from encoder_service.cache_index import ref_id
 from encoder_service.encoder_cache import COMPUTE, HIT, WAIT
-from encoder_service.errors import EncoderCacheBusy
-from encoder_service.hashing import compute_mm_hash
+from encoder_service.preprocess.errors import EncoderCacheBusy
+from encoder_service.preprocess.hashing import compute_mm_hash
 from encoder_service.types import EmbeddingMeta
 from tests.integration.local_app import own_ray
 
@@ -217,8 +217,8 @@ def test_a_dead_shard_comes_back_empty_whether_ray_restarts_it_or_not(ray_sessio
 def test_encoder_replica_shutdown_invalidates_only_what_it_still_owns(ray_session, tiny_vl_dir):
     """``__del__`` as Serve calls it on graceful shutdown: returns a coroutine, awaited on the loop."""
     from encoder_service.deployment import EncodeBatch, EncoderPoolServer
-    from encoder_service.media import MediaLimits
-    from encoder_service.processing import Preprocessor
+    from encoder_service.preprocess.media import MediaLimits
+    from encoder_service.preprocess.processing import Preprocessor
     from encoder_service.types import MediaRef
     from tests.media import make_image_bytes
 

@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
-from encoder_service.errors import MMCacheMiss
-from encoder_service.media import MediaLimits
-from encoder_service.processing import Preprocessor
+from encoder_service.preprocess.errors import MMCacheMiss
+from encoder_service.preprocess.media import MediaLimits
+from encoder_service.preprocess.processing import Preprocessor
 from encoder_service.types import EmbeddingMeta, MediaRef
 from encoder_service.uuid_aliases import LocalAliases, UuidAliases
 from tests.media import make_image_bytes

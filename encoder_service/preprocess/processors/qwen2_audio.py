@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from encoder_service.processors.base import FamilyProcessor, ProcessedItem, processor_config
+from encoder_service.preprocess.processors.base import FamilyProcessor, ProcessedItem, processor_config
 from encoder_service.types import Modality
 
 

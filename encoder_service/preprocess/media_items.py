@@ -12,8 +12,8 @@ from typing import Any
 
 from PIL import Image
 
-from encoder_service.errors import InvalidMediaInput, TooManyItems
-from encoder_service.media.fetch import FetchedMedia
+from encoder_service.preprocess.errors import InvalidMediaInput, TooManyItems
+from encoder_service.preprocess.media.fetch import FetchedMedia
 from encoder_service.types import MODALITIES, EncoderInput, MediaRef, Modality
 
 

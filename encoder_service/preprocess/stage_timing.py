@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from encoder_service.tracing import stage_span
+from encoder_service.preprocess.tracing import stage_span
 
 
 class Observer(Protocol):

@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from encoder_service.errors import MediaDecodeError, MediaTooLarge, UnsupportedMediaType
-from encoder_service.media.containers import AUDIO_CONTAINERS, open_container, require_container
-from encoder_service.media.limits import MediaLimits
+from encoder_service.preprocess.errors import MediaDecodeError, MediaTooLarge, UnsupportedMediaType
+from encoder_service.preprocess.media.containers import AUDIO_CONTAINERS, open_container, require_container
+from encoder_service.preprocess.media.limits import MediaLimits
 
 _BLOCK_SAMPLES = 1 << 17  # samples (frames x channels) per soundfile read: 512 KB of float32
 # what libsndfile calls each accepted container

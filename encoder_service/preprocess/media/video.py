@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from encoder_service.errors import MediaDecodeError, MediaTooLarge, UnsupportedMediaType
-from encoder_service.media.containers import VIDEO_CONTAINERS, open_container, require_container
-from encoder_service.media.limits import MediaLimits
+from encoder_service.preprocess.errors import MediaDecodeError, MediaTooLarge, UnsupportedMediaType
+from encoder_service.preprocess.media.containers import VIDEO_CONTAINERS, open_container, require_container
+from encoder_service.preprocess.media.limits import MediaLimits
 
 
 def sample_frame_indices(total: int, want: int) -> list[int]:

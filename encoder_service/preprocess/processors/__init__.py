@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from encoder_service.families import encoder_family
-from encoder_service.media.limits import MediaLimits
-from encoder_service.processors.base import FamilyProcessor, ProcessedItem
-from encoder_service.processors.qwen2_5_vl import Qwen25VLFamily
-from encoder_service.processors.qwen2_audio import Qwen2AudioFamily, audio_num_embeds
-from encoder_service.processors.qwen2_vl import Qwen2VLFamily
+from encoder_service.preprocess.media.limits import MediaLimits
+from encoder_service.preprocess.processors.base import FamilyProcessor, ProcessedItem
+from encoder_service.preprocess.processors.qwen2_5_vl import Qwen25VLFamily
+from encoder_service.preprocess.processors.qwen2_audio import Qwen2AudioFamily, audio_num_embeds
+from encoder_service.preprocess.processors.qwen2_vl import Qwen2VLFamily
 
 __all__ = [
     "FamilyProcessor",

@@ -12,13 +12,13 @@ from typing import Any
 
 import httpx
 
-from encoder_service.errors import InvalidMediaInput, decoding
-from encoder_service.media.audio import decode_audio
-from encoder_service.media.fetch import FetchedMedia, fetch_media_bytes
-from encoder_service.media.image import decode_image
-from encoder_service.media.limits import MediaLimits
-from encoder_service.media.url_safety import Resolver, resolve_host
-from encoder_service.media.video import decode_video
+from encoder_service.preprocess.errors import InvalidMediaInput, decoding
+from encoder_service.preprocess.media.audio import decode_audio
+from encoder_service.preprocess.media.fetch import FetchedMedia, fetch_media_bytes
+from encoder_service.preprocess.media.image import decode_image
+from encoder_service.preprocess.media.limits import MediaLimits
+from encoder_service.preprocess.media.url_safety import Resolver, resolve_host
+from encoder_service.preprocess.media.video import decode_video
 from encoder_service.types import MediaRef, Modality
 
 

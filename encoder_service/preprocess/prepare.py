@@ -25,12 +25,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 from encoder_service.encoder_cache import COMPUTE, DEFAULT_LEASE_S, HIT
-from encoder_service.errors import EncoderCacheFull
-from encoder_service.gathering import gather
 from encoder_service.near_cache import NearCache
-from encoder_service.prepared import LookedUp, PreparedItem, PreparedRequest
-from encoder_service.processing import NeedsEncoding
-from encoder_service.stage_timing import CacheLookups, MediaStages
+from encoder_service.preprocess.errors import EncoderCacheFull
+from encoder_service.preprocess.gathering import gather
+from encoder_service.preprocess.prepared import LookedUp, PreparedItem, PreparedRequest
+from encoder_service.preprocess.processing import NeedsEncoding
+from encoder_service.preprocess.stage_timing import CacheLookups, MediaStages
 from encoder_service.types import EmbeddingMeta, EncodeBatch, EncodedItem, MultiModalItem, PreprocessedRequest
 
 logger = logging.getLogger("mmserve.encoder")
@@ -326,7 +326,7 @@ def make_preparer(
 ) -> Any:
     """A ``RequestPreparer`` over this model's processor, the shared cache client and ``encode`` (the
     encoder pool's handle, or an encoder replica's own FIFO when it prepares itself)."""
-    from encoder_service.processing import Preprocessor
+    from encoder_service.preprocess.processing import Preprocessor
 
     preprocessor = Preprocessor(
         model_dir,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import zlib
 from typing import Any
 
-from encoder_service.errors import MediaFetchError, MediaTooLarge, UnsupportedMediaType
+from encoder_service.preprocess.errors import MediaFetchError, MediaTooLarge, UnsupportedMediaType
 
 ACCEPT_ENCODING = "gzip, deflate"
 

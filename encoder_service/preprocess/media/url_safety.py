@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from encoder_service.errors import InvalidMediaInput, URLNotAllowed
-from encoder_service.media.address_classes import address_refusal
+from encoder_service.preprocess.errors import InvalidMediaInput, URLNotAllowed
+from encoder_service.preprocess.media.address_classes import address_refusal
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from encoder_service.processors.pil_view import rgb_view
+from encoder_service.preprocess.processors.pil_view import rgb_view
 
 
 @dataclass(frozen=True)

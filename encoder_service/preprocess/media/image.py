@@ -17,14 +17,14 @@ from typing import Any
 
 from PIL import Image, JpegImagePlugin, UnidentifiedImageError
 
-from encoder_service.errors import (
+from encoder_service.preprocess.errors import (
     MediaDecodeError,
     MediaTooLarge,
     UnsupportedMediaType,
     decoder_error,
     decoding,
 )
-from encoder_service.media.limits import MediaLimits
+from encoder_service.preprocess.media.limits import MediaLimits
 
 # Pillow guesses among every plugin it has (PPM, IM, SGI, DDS, PSD, EPS, ...); a hostile body picks the
 # least-tested one. Only these are opened; GIF and WEBP give their first frame, and a JPEG with more

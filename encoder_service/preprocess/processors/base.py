@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from encoder_service.media.image import DecodedImage
+from encoder_service.preprocess.media.image import DecodedImage
 from encoder_service.types import Modality
 
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from encoder_service.media.image import DecodedImage
-from encoder_service.media.limits import MediaLimits
-from encoder_service.processors.base import FamilyProcessor, ProcessedItem, processor_config
-from encoder_service.processors.qwen2_vl_image import Qwen2VLImageTransform, smart_target_size
+from encoder_service.preprocess.media.image import DecodedImage
+from encoder_service.preprocess.media.limits import MediaLimits
+from encoder_service.preprocess.processors.base import FamilyProcessor, ProcessedItem, processor_config
+from encoder_service.preprocess.processors.qwen2_vl_image import Qwen2VLImageTransform, smart_target_size
 from encoder_service.types import Modality
 
 # What a JPEG draft decode changes goes into the image's mm_hash: embeddings computed from a

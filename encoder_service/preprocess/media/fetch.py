@@ -12,17 +12,17 @@ from urllib.parse import unquote_to_bytes, urljoin
 import httpx
 import pybase64
 
-from encoder_service.errors import (
+from encoder_service.preprocess.errors import (
     InvalidMediaInput,
     MediaFetchError,
     MediaFetchTimeout,
     MediaTooLarge,
     URLNotAllowed,
 )
-from encoder_service.media.content_encoding import ACCEPT_ENCODING, CappedDecoder
-from encoder_service.media.limits import MediaLimits
-from encoder_service.media.pinned_client import PinnedClient
-from encoder_service.media.url_safety import (
+from encoder_service.preprocess.media.content_encoding import ACCEPT_ENCODING, CappedDecoder
+from encoder_service.preprocess.media.limits import MediaLimits
+from encoder_service.preprocess.media.pinned_client import PinnedClient
+from encoder_service.preprocess.media.url_safety import (
     CheckedHost,
     Resolver,
     resolve_checked,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from encoder_service.errors import InvalidMediaInput
+from encoder_service.preprocess.errors import InvalidMediaInput
 from encoder_service.types import EncoderInput, MediaRef, Modality, MultiModalItem, PlaceholderRange
 
 

@@ -27,25 +27,25 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from encoder_service.errors import (
+from encoder_service.preprocess.errors import (
     InvalidMediaInput,
     MediaDecodeError,
     MMCacheMiss,
     processed_or_422,
 )
-from encoder_service.gathering import gather
-from encoder_service.hashing import canonical_kwargs, compute_mm_hash, uuid_alias_key
-from encoder_service.media.fetch import FetchedMedia, fetch_media_bytes, inline_media_bytes
-from encoder_service.media.image import decode_opened, image_header
-from encoder_service.media.limits import MediaLimits
-from encoder_service.media.loader import decode_media
-from encoder_service.media.pinned_client import PinnedClient
-from encoder_service.media.url_safety import Resolver, resolve_host
-from encoder_service.media_items import MediaItem, collect_media
-from encoder_service.placeholders import expand_placeholders
-from encoder_service.processor_cache import ProcessorCache
-from encoder_service.processors import FamilyProcessor, ProcessedItem, load_family_processor
-from encoder_service.stage_timing import MediaStages
+from encoder_service.preprocess.gathering import gather
+from encoder_service.preprocess.hashing import canonical_kwargs, compute_mm_hash, uuid_alias_key
+from encoder_service.preprocess.media.fetch import FetchedMedia, fetch_media_bytes, inline_media_bytes
+from encoder_service.preprocess.media.image import decode_opened, image_header
+from encoder_service.preprocess.media.limits import MediaLimits
+from encoder_service.preprocess.media.loader import decode_media
+from encoder_service.preprocess.media.pinned_client import PinnedClient
+from encoder_service.preprocess.media.url_safety import Resolver, resolve_host
+from encoder_service.preprocess.media_items import MediaItem, collect_media
+from encoder_service.preprocess.placeholders import expand_placeholders
+from encoder_service.preprocess.processor_cache import ProcessorCache
+from encoder_service.preprocess.processors import FamilyProcessor, ProcessedItem, load_family_processor
+from encoder_service.preprocess.stage_timing import MediaStages
 from encoder_service.types import (
     MODALITIES,
     EmbeddingMeta,

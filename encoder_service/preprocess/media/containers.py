@@ -16,7 +16,7 @@ from __future__ import annotations
 import io
 from typing import Any
 
-from encoder_service.errors import UnsupportedMediaType, URLNotAllowed
+from encoder_service.preprocess.errors import UnsupportedMediaType, URLNotAllowed
 
 VIDEO_CONTAINERS: tuple[str, ...] = ("mp4", "matroska", "avi", "mpegts")
 AUDIO_CONTAINERS: tuple[str, ...] = ("wav", "flac", "mp3", "ogg")

@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from encoder_service.media.video import sample_frame_indices
-from encoder_service.processors.base import ProcessedItem
-from encoder_service.processors.qwen2_vl import Qwen2VLFamily
+from encoder_service.preprocess.media.video import sample_frame_indices
+from encoder_service.preprocess.processors.base import ProcessedItem
+from encoder_service.preprocess.processors.qwen2_vl import Qwen2VLFamily
 from encoder_service.types import Modality
 
 FRAME_TIMES = "frame_times"  # the item-metadata key

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from encoder_service.processors.qwen2_vl import Qwen2VLFamily
+from encoder_service.preprocess.processors.qwen2_vl import Qwen2VLFamily
 from encoder_service.types import Modality
 
 SECOND_PER_GRID_TS = "second_per_grid_ts"  # the item-metadata key (HF's name for the per-video value)
