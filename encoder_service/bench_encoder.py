@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from encoder_service.runner import EncoderRunner
-from encoder_service.tp.launch import exit_spawned_rank, free_port, init_tp_process_group
+from encoder_service.encode.runner import EncoderRunner
+from encoder_service.encode.tp.launch import exit_spawned_rank, free_port, init_tp_process_group
 from encoder_service.types import EncoderInput
 
 

@@ -26,12 +26,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from encoder_service.cache_index import ref_id
-from encoder_service.encoder_queue import EncoderQueue
+from encoder_service.encode.encoder_queue import EncoderQueue
+from encoder_service.encode.recent_values import RecentValues
 from encoder_service.metrics import EncoderMetrics
 from encoder_service.owned_embeddings import OwnedEmbeddings
 from encoder_service.preprocess import tracing
 from encoder_service.preprocess.gathering import gather
-from encoder_service.recent_values import RecentValues
 from encoder_service.types import EmbeddingMeta, EncodeBatch, EncodedItem, EncoderInput
 
 logger = logging.getLogger("mmserve.encoder")
@@ -82,13 +82,13 @@ class EncoderPoolServer:
         self.max_num_encoder_input_tokens = max_num_encoder_input_tokens
         self.model_name = model_name
         if tp_size == 1:
-            from encoder_service.runner import EncoderRunner
+            from encoder_service.encode.runner import EncoderRunner
 
             self._runner: Any = EncoderRunner(model_dir, dtype=dtype, device=device, tp_mode=tp_mode)  # type: ignore[arg-type]
             self._group: Any = None
             self.hidden_size = self._runner.hidden_size
         else:
-            from encoder_service.tp_group import EncoderTPGroup
+            from encoder_service.encode.tp_group import EncoderTPGroup
 
             self._runner = None
             self._group = EncoderTPGroup(

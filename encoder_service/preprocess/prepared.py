@@ -27,7 +27,7 @@ class PreparedItem:
     second_per_grid_ts: float | None = None  # a video's seconds per temporal patch (Qwen2.5-VL positions)
     rows: tuple[int, int] | None = None  # the rows of the embeddings this run takes (None: all)
     # The object's stored form itself, from the encoder replica that put it, when small
-    # (encoder_service/recent_values.py): the LLM replica takes it instead of fetching ``ref``.
+    # (encoder_service/encode/recent_values.py): the LLM replica takes it instead of fetching ``ref``.
     value: Any = field(default=None, compare=False, repr=False)
 
 

@@ -296,7 +296,7 @@ def test_a_commit_that_fails_still_answers_the_step_and_the_loop_goes_on(ray_ses
     """Commits are off the callers' path: an index that refuses every commit costs the entry, not the
     answer, and the next step runs."""
     from encoder_service.deployment import EncodeBatch, EncoderPoolServer
-    from encoder_service.runner import EncoderRunner
+    from encoder_service.encode.runner import EncoderRunner
     from tests.unit.encoder_models.inputs import image_input
 
     class RefusingIndex:

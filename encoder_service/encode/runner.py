@@ -19,9 +19,9 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from encoder_service.batching import plan_encoder_batches, split_items_across_ranks
-from encoder_service.models import EncoderModel, load_encoder_model
-from encoder_service.tp.parallel import TPContext, all_gather_rows
+from encoder_service.encode.batching import plan_encoder_batches, split_items_across_ranks
+from encoder_service.encode.models import EncoderModel, load_encoder_model
+from encoder_service.encode.tp.parallel import TPContext, all_gather_rows
 from encoder_service.types import EncoderInput
 
 TPMode = Literal["weights", "data"]

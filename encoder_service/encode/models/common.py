@@ -8,8 +8,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from encoder_service.models.weights import CheckpointReader
-from encoder_service.tp.parallel import ColumnParallelLinear, RowParallelLinear, TPContext, unit_rows
+from encoder_service.encode.models.weights import CheckpointReader
+from encoder_service.encode.tp.parallel import ColumnParallelLinear, RowParallelLinear, TPContext, unit_rows
 from encoder_service.types import EncoderInput
 
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from encoder_service.models.common import GatedParallelMLP, RMSNorm
-from encoder_service.models.qwen2_vl_vision import (
+from encoder_service.encode.models.common import GatedParallelMLP, RMSNorm
+from encoder_service.encode.models.qwen2_vl_vision import (
     PatchMerger,
     QwenVisionTower,
     VisionAttention,
@@ -31,8 +31,8 @@ from encoder_service.models.qwen2_vl_vision import (
     packed_pixels,
     vision_positions,
 )
-from encoder_service.models.weights import CheckpointReader
-from encoder_service.tp.parallel import TPContext
+from encoder_service.encode.models.weights import CheckpointReader
+from encoder_service.encode.tp.parallel import TPContext
 from encoder_service.types import EncoderInput
 
 DEFAULT_FULLATT_BLOCKS = (7, 15, 23, 31)  # transformers' default (the released checkpoints')

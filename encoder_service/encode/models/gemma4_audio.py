@@ -19,10 +19,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from encoder_service.models.common import activation
-from encoder_service.models.gemma4_vision import Clipped, Gemma4RMSNorm
-from encoder_service.models.weights import CheckpointReader
-from encoder_service.tp.parallel import ColumnParallelLinear
+from encoder_service.encode.models.common import activation
+from encoder_service.encode.models.gemma4_vision import Clipped, Gemma4RMSNorm
+from encoder_service.encode.models.weights import CheckpointReader
+from encoder_service.encode.tp.parallel import ColumnParallelLinear
 
 TOWER_PREFIXES = ("model.audio_tower.", "audio_tower.")
 EMBEDDER_PREFIXES = ("model.embed_audio.", "embed_audio.")

@@ -28,8 +28,8 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from encoder_service.runner import EncoderRunner, TPMode
-from encoder_service.tp.launch import (
+from encoder_service.encode.runner import EncoderRunner, TPMode
+from encoder_service.encode.tp.launch import (
     default_backend,
     free_port,
     init_tp_process_group,

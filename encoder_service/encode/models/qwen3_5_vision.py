@@ -7,8 +7,8 @@ DeepStack. transformers' ``Qwen3_5VisionModel`` is ``Qwen3VLVisionModel`` with
 
 from __future__ import annotations
 
-from encoder_service.models.qwen3_vl_vision import Qwen3VLVisionEncoder
-from encoder_service.tp.parallel import TPContext
+from encoder_service.encode.models.qwen3_vl_vision import Qwen3VLVisionEncoder
+from encoder_service.encode.tp.parallel import TPContext
 
 
 class Qwen35VisionEncoder(Qwen3VLVisionEncoder):

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from encoder_service.models.gemma4_audio import Gemma4AudioTower, subsample_mask
-from encoder_service.models.gemma4_vision import Gemma4VisionEncoder
-from encoder_service.models.weights import CheckpointReader
-from encoder_service.tp.parallel import TPContext
+from encoder_service.encode.models.gemma4_audio import Gemma4AudioTower, subsample_mask
+from encoder_service.encode.models.gemma4_vision import Gemma4VisionEncoder
+from encoder_service.encode.models.weights import CheckpointReader
+from encoder_service.encode.tp.parallel import TPContext
 from encoder_service.types import EncoderInput
 
 

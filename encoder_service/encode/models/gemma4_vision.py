@@ -21,9 +21,9 @@ import math
 import torch
 from torch import nn
 
-from encoder_service.models.common import EncoderModel, activation
-from encoder_service.models.weights import CheckpointReader
-from encoder_service.tp.parallel import (
+from encoder_service.encode.models.common import EncoderModel, activation
+from encoder_service.encode.models.weights import CheckpointReader
+from encoder_service.encode.tp.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     TPContext,
@@ -183,7 +183,7 @@ class Gemma4VisionLayer(nn.Module):
 
 
 class Gemma4VisionEncoder(EncoderModel):
-    """The vision side alone (``encoder_service/models/gemma4.py`` adds the audio tower)."""
+    """The vision side alone (``encoder_service/encode/models/gemma4.py`` adds the audio tower)."""
 
     family = "gemma4"
     modalities: tuple[str, ...] = ("image",)

@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from encoder_service.models.common import EncoderModel, ParallelMLP, load_layer_norm
-from encoder_service.models.weights import CheckpointReader
-from encoder_service.tp.parallel import ColumnParallelLinear, RowParallelLinear, TPContext, head_rows
+from encoder_service.encode.models.common import EncoderModel, ParallelMLP, load_layer_norm
+from encoder_service.encode.models.weights import CheckpointReader
+from encoder_service.encode.tp.parallel import ColumnParallelLinear, RowParallelLinear, TPContext, head_rows
 from encoder_service.types import EncoderInput
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from encoder_service.tp.parallel import (
+from encoder_service.encode.tp.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     TPContext,

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
+from encoder_service.encode.models.common import EncoderModel
+from encoder_service.encode.models.weights import CheckpointReader, read_config
+from encoder_service.encode.tp.parallel import TPContext
 from encoder_service.families import encoder_family
-from encoder_service.models.common import EncoderModel
-from encoder_service.models.weights import CheckpointReader, read_config
-from encoder_service.tp.parallel import TPContext
 
 
 def load_encoder_model(

@@ -22,16 +22,16 @@ import math
 import torch
 from torch import nn
 
-from encoder_service.models.common import load_layer_norm
-from encoder_service.models.qwen2_vl_vision import (
+from encoder_service.encode.models.common import load_layer_norm
+from encoder_service.encode.models.qwen2_vl_vision import (
     QwenVisionTower,
     VisionBlock,
     VisionRotary,
     packed_pixels,
     vision_positions,
 )
-from encoder_service.models.weights import CheckpointReader
-from encoder_service.tp.parallel import ColumnParallelLinear, RowParallelLinear, TPContext, unit_rows
+from encoder_service.encode.models.weights import CheckpointReader
+from encoder_service.encode.tp.parallel import ColumnParallelLinear, RowParallelLinear, TPContext, unit_rows
 from encoder_service.types import EncoderInput
 
 

@@ -18,9 +18,9 @@ import math
 import torch
 from torch import nn
 
-from encoder_service.models.common import EncoderModel, ParallelMLP, load_layer_norm
-from encoder_service.models.weights import CheckpointReader
-from encoder_service.tp.parallel import ColumnParallelLinear, RowParallelLinear, TPContext, head_rows
+from encoder_service.encode.models.common import EncoderModel, ParallelMLP, load_layer_norm
+from encoder_service.encode.models.weights import CheckpointReader
+from encoder_service.encode.tp.parallel import ColumnParallelLinear, RowParallelLinear, TPContext, head_rows
 from encoder_service.types import EncoderInput
 
 TOWER_PREFIXES = ("model.vision_tower.vision_model.", "vision_tower.vision_model.", "model.vision_tower.")
