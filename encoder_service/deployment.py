@@ -25,11 +25,11 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
-from encoder_service.cache_index import ref_id
+from encoder_service.cache.cache_index import ref_id
+from encoder_service.cache.owned_embeddings import OwnedEmbeddings
 from encoder_service.encode.encoder_queue import EncoderQueue
 from encoder_service.encode.recent_values import RecentValues
 from encoder_service.metrics import EncoderMetrics
-from encoder_service.owned_embeddings import OwnedEmbeddings
 from encoder_service.preprocess import tracing
 from encoder_service.preprocess.gathering import gather
 from encoder_service.types import EmbeddingMeta, EncodeBatch, EncodedItem, EncoderInput

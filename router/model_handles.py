@@ -24,7 +24,7 @@ class PreprocessPool(Protocol):
 
 
 class CacheIndex(Protocol):
-    """The shared encoder cache as the router uses it (encoder_service.cache_client.EncoderCacheClient)."""
+    """The shared encoder cache as the router uses it (encoder_service.cache.cache_client.EncoderCacheClient)."""
 
     async def release(self, request_id: str, hashes: list[str] | None = None) -> None: ...
 

@@ -7,7 +7,7 @@ stable across processes and Python versions.
 
 An mm_hash always names content: a client's ``uuid`` never replaces the bytes in it (that let one
 client's bytes answer another's request). A uuid is a NAME in its tenant's namespace, pointing at an
-mm_hash (``uuid_alias_key`` → mm_hash, encoder_service/uuid_aliases.py): a part that carries bytes
+mm_hash (``uuid_alias_key`` → mm_hash, encoder_service/cache/uuid_aliases.py): a part that carries bytes
 and a uuid re-points the name at those bytes' mm_hash; a part with a uuid alone is served through it.
 """
 

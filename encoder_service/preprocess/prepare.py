@@ -24,8 +24,8 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
-from encoder_service.encoder_cache import COMPUTE, DEFAULT_LEASE_S, HIT
-from encoder_service.near_cache import NearCache
+from encoder_service.cache.encoder_cache import COMPUTE, DEFAULT_LEASE_S, HIT
+from encoder_service.cache.near_cache import NearCache
 from encoder_service.preprocess.errors import EncoderCacheFull
 from encoder_service.preprocess.gathering import gather
 from encoder_service.preprocess.prepared import LookedUp, PreparedItem, PreparedRequest
@@ -40,7 +40,7 @@ Encode = Callable[[EncodeBatch], Awaitable[list[EncodedItem]]]
 
 
 class CacheIndex(Protocol):
-    """What preparing needs of the shared encoder cache (encoder_service.cache_client.EncoderCacheClient)."""
+    """What preparing needs of the shared encoder cache (encoder_service.cache.cache_client.EncoderCacheClient)."""
 
     @property
     def shard_capacity(self) -> int | None: ...

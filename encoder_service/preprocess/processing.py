@@ -8,7 +8,7 @@ An item the encoder cache holds is never decoded nor processed: its length and g
 cache entry. Only misses carry an ``EncoderInput``.
 
 mm_hashes name content only. A ``uuid`` is a name in the sender's tenant namespace
-(encoder_service/uuid_aliases.py): sent with bytes, it is pointed at their mm_hash; sent alone, it
+(encoder_service/cache/uuid_aliases.py): sent with bytes, it is pointed at their mm_hash; sent alone, it
 resolves to the mm_hash it was last pointed at by that tenant, and an unknown name is a 400.
 
 Images: the header is opened and checked once (formats, pixels, the processor's size rules) before
@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from encoder_service.cache.uuid_aliases import AliasStore, LocalAliases
 from encoder_service.preprocess.errors import (
     InvalidMediaInput,
     MediaDecodeError,
@@ -54,7 +55,6 @@ from encoder_service.types import (
     Modality,
     PreprocessedRequest,
 )
-from encoder_service.uuid_aliases import AliasStore, LocalAliases
 
 INLINE_TEMPLATE_CHARS = 16_384  # prompts with more text are templated and tokenized on a worker thread
 Lookup = Callable[[list[str]], "dict[str, EmbeddingMeta] | Awaitable[dict[str, EmbeddingMeta]]"]

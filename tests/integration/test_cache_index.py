@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import ray
 
-from encoder_service.cache_client import EncoderCacheClient, create_cache_index
-from encoder_service.cache_index import ref_id
-from encoder_service.encoder_cache import COMPUTE, HIT, WAIT
+from encoder_service.cache.cache_client import EncoderCacheClient, create_cache_index
+from encoder_service.cache.cache_index import ref_id
+from encoder_service.cache.encoder_cache import COMPUTE, HIT, WAIT
 from encoder_service.preprocess.errors import EncoderCacheBusy
 from encoder_service.preprocess.hashing import compute_mm_hash
 from encoder_service.types import EmbeddingMeta

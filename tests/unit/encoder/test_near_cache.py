@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from encoder_service.near_cache import NearCache
+from encoder_service.cache.near_cache import NearCache
 from encoder_service.types import EmbeddingMeta
 from tests.fakes import Clock
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from encoder_service.encoder_cache import COMPUTE
+from encoder_service.cache.encoder_cache import COMPUTE
 from encoder_service.preprocess.prepare import RequestPreparer
 
 

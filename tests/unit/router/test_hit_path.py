@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from encoder_service.cache_client import EncoderCacheClient
-from encoder_service.cache_index import CacheIndexShard
-from encoder_service.near_cache import NearCache
+from encoder_service.cache.cache_client import EncoderCacheClient
+from encoder_service.cache.cache_index import CacheIndexShard
+from encoder_service.cache.near_cache import NearCache
 from encoder_service.preprocess.media import MediaLimits
 from encoder_service.preprocess.prepare import RequestPreparer
 from encoder_service.preprocess.prepared import LookedUp

@@ -33,10 +33,10 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from encoder_service.encoder_cache import DEFAULT_LEASE_S, HIT, WAIT, EncoderCacheBooks
+from encoder_service.cache.encoder_cache import DEFAULT_LEASE_S, HIT, WAIT, EncoderCacheBooks
+from encoder_service.cache.uuid_aliases import MAX_ALIASES, UuidAliases
 from encoder_service.preprocess.errors import EncoderCacheFull
 from encoder_service.types import EmbeddingMeta
-from encoder_service.uuid_aliases import MAX_ALIASES, UuidAliases
 
 logger = logging.getLogger("mmserve.encoder")
 

@@ -24,7 +24,7 @@ import logging
 from collections import OrderedDict
 from typing import Any
 
-from encoder_service.cache_index import ref_id
+from encoder_service.cache.cache_index import ref_id
 
 logger = logging.getLogger("mmserve.encoder")
 

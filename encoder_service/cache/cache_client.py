@@ -27,9 +27,9 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from encoder_service.cache_index import RELEASED, CacheIndexShard, RequestReleased, shard_of
-from encoder_service.call_coalescing import CallCoalescer
-from encoder_service.encoder_cache import COMPUTE, DEFAULT_LEASE_S, HIT
+from encoder_service.cache.cache_index import RELEASED, CacheIndexShard, RequestReleased, shard_of
+from encoder_service.cache.call_coalescing import CallCoalescer
+from encoder_service.cache.encoder_cache import COMPUTE, DEFAULT_LEASE_S, HIT
 from encoder_service.preprocess.errors import EncoderCacheBusy
 from encoder_service.preprocess.gathering import gather
 from encoder_service.types import EmbeddingMeta
@@ -140,7 +140,7 @@ class EncoderCacheClient:
 
     def _lookup_batches(self, index: int) -> CallCoalescer[tuple[str, list[str]], dict[str, Any]]:
         """Shard ``index``'s lookups: one ``lookup_or_reserve_batch`` in flight, the rest queued for
-        the next (encoder_service/call_coalescing.py)."""
+        the next (encoder_service/cache/call_coalescing.py)."""
         if index not in self._lookups:
 
             async def send(requests: list[tuple[str, list[str]]]) -> list[dict[str, Any]]:
@@ -318,7 +318,7 @@ class EncoderCacheClient:
         indexes = range(len(self.shards)) if hashes is None else list(self._groups(hashes))
         await gather(*(self._call(s, "release", request_id) for s in indexes))
 
-    # ---- uuid names (encoder_service.uuid_aliases.AliasStore): each on the shard its key hashes to ----
+    # ---- uuid names (encoder_service.cache.uuid_aliases.AliasStore): each on the shard its key hashes to ----
     async def resolve(self, keys: list[str]) -> dict[str, str]:
         groups = self._groups(keys)
         answers = await gather(*(self._call(s, "alias_resolve", ks) for s, ks in groups.items()))
