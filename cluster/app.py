@@ -113,7 +113,7 @@ def direct_pools(cfg: AppConfig, model: ModelConfig) -> tuple[str, ...]:
 def _encoder_pool(model: ModelConfig, cache_dir: str, cache_index: Any, links: bool) -> Any:
     """The model's encoder pool; ``cache_index`` (its ``EncoderCacheIndex`` deployment) is bound here
     so that Serve deploys it with the app: the replicas find its shards by name."""
-    from encoder_service.preparing_encoder import PreparingEncoderServer
+    from encoder_service.serve.preparing_encoder import PreparingEncoderServer
     from router.request_routers import LeastQueuedEmbeddingsRouter
 
     class EncoderPool(PreparingEncoderServer, DirectServed):
@@ -301,7 +301,7 @@ def build_app(config: AppConfig) -> serve.Application:
     for m in config.models:
         llm = _llm_server(m, config.models_cache_dir, links)
         index = cache_index_deployment(config, m)
-        # the encoder replicas answer `prepare` themselves (encoder_service/preparing_encoder.py)
+        # the encoder replicas answer `prepare` themselves (encoder_service/serve/preparing_encoder.py)
         encoder = _encoder_pool(m, config.models_cache_dir, index, links)
         pools[m.name] = {"preprocess": encoder, "encoder": encoder, "llm": llm}
     return _ingress(config, pools)

@@ -13,7 +13,7 @@ from typing import Any
 
 from llm_service.outputs import RequestOutput
 
-STAGE_METRIC = "mmserve_stage_seconds"  # the same family as encoder_service.metrics'
+STAGE_METRIC = "mmserve_stage_seconds"  # the same family as encoder_service.serve.metrics'
 STAGE_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
 
 

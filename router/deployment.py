@@ -88,7 +88,7 @@ def _hit_path(m: IngressModel) -> Any:
         raise RuntimeError("the ingress's hit path encodes nothing")
 
     from encoder_service.cache.near_cache import NearCache
-    from encoder_service.metrics import media_stages
+    from encoder_service.serve.metrics import media_stages
 
     args = {**m.preprocess, "processor_cache_bytes": 0}  # it processes nothing either
     preparer = make_preparer(

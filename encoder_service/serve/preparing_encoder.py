@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from encoder_service.deployment import EncoderPoolServer
-from encoder_service.metrics import media_stages
 from encoder_service.preprocess import tracing
 from encoder_service.preprocess.prepare import make_preparer, preparer_stats
 from encoder_service.preprocess.prepared import LookedUp, PreparedRequest, with_values
+from encoder_service.serve.deployment import EncoderPoolServer
+from encoder_service.serve.metrics import media_stages
 
 
 class PreparingEncoderServer(EncoderPoolServer):

@@ -29,9 +29,9 @@ from encoder_service.cache.cache_index import ref_id
 from encoder_service.cache.owned_embeddings import OwnedEmbeddings
 from encoder_service.encode.encoder_queue import EncoderQueue
 from encoder_service.encode.recent_values import RecentValues
-from encoder_service.metrics import EncoderMetrics
 from encoder_service.preprocess import tracing
 from encoder_service.preprocess.gathering import gather
+from encoder_service.serve.metrics import EncoderMetrics
 from encoder_service.types import EmbeddingMeta, EncodeBatch, EncodedItem, EncoderInput
 
 logger = logging.getLogger("mmserve.encoder")
