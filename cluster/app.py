@@ -164,7 +164,7 @@ def _encoder_pool(model: ModelConfig, cache_dir: str, cache_index: Any, links: b
 
 
 def _llm_server(model: ModelConfig, cache_dir: str, links: bool) -> Any:
-    from llm_service.deployment import LLMServer
+    from llm_service.serve.deployment import LLMServer
     from router.request_routers import PrefixAffinityRouter
 
     class LLMPool(LLMServer, DirectLLM):

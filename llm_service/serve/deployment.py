@@ -17,12 +17,12 @@ from typing import Any
 from llm_service.config import EngineConfig
 from llm_service.embeddings import resolve_embeddings, unfetched
 from llm_service.engine_loop import EngineLoop
-from llm_service.metrics import LLMMetrics
 from llm_service.output_channels import ChannelBatch, OutputChannels
 from llm_service.outputs import RequestOutput
 from llm_service.request_spec import EmbeddingRef, LLMRequestSpec, ReplicaTarget, SubmitReply
 from llm_service.scheduler import WaitingBound
 from llm_service.sequence import Request
+from llm_service.serve.metrics import LLMMetrics
 from llm_service.tracing import RequestTraces
 
 logger = logging.getLogger("mmserve.llm")
