@@ -10,7 +10,7 @@ huge request cannot hold the rest for longer than one step. Entries whose caller
 ``step_embeds`` ends a step early, once it holds that many embeddings. Every item of a step waits for
 the whole step, so a step larger than the device needs to run at full speed only delays its first
 items: on CPU a step of 4 small images encodes as many embeddings per second as one of 32
-(``python -m encoder_service.bench_encoder``), and a burst of 29 requests cut into steps of ~6 has its
+(``python -m cluster.bench.encoder``), and a burst of 29 requests cut into steps of ~6 has its
 first items in the LLM's queue while the rest still encode.
 
 The FIFO is bounded in embeddings (``max_queued_embeds``): ``admit`` refuses a request's items at once

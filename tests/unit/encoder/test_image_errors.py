@@ -9,7 +9,7 @@ import zlib
 import pytest
 from PIL import Image
 
-from cluster.bench_media import make_image_array, make_image_bytes
+from cluster.bench.media import make_image_array, make_image_bytes
 from encoder_service.preprocess.errors import (
     MediaDecodeError,
     MediaError,

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from cluster.bench_media import make_image_array
+from cluster.bench.media import make_image_array
 from encoder_service.preprocess.errors import MediaError
 from encoder_service.preprocess.media import MediaLimits
 from encoder_service.preprocess.media.image import ALLOWED_IMAGE_FORMATS, decode_image_scaled

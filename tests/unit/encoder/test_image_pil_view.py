@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from cluster.bench_media import make_image_array
+from cluster.bench.media import make_image_array
 from encoder_service.preprocess.processors.pil_view import rgb_view
 
 

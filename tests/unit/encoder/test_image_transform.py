@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 from transformers import AutoImageProcessor
 
-from cluster.bench_media import make_image_array
+from cluster.bench.media import make_image_array
 from encoder_service.preprocess.hashing import compute_mm_hash
 from encoder_service.preprocess.media import MediaLimits
 from encoder_service.preprocess.media.image import decode_image_scaled

@@ -1,5 +1,5 @@
 """Pure figures of a chaos run (no I/O): each request's fate around one fault, and how fast the
-service came back. ``cluster/chaos.py`` drives the load and the kills and feeds these.
+service came back. ``cluster/bench/chaos.py`` drives the load and the kills and feeds these.
 
     ──── before ────┬── kill ──┬──────────── after ────────────▶ time
                     │          └ first success of a request sent after the kill
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cluster.bench_stats import percentile
+from cluster.bench.stats import percentile
 
 
 @dataclass(frozen=True)

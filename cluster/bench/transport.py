@@ -1,5 +1,5 @@
 """What one request and its reply cost between two Serve replicas, by transport:
-``python -m cluster.bench_transport``.
+``python -m cluster.bench.transport``.
 
 A caller replica sends ``--calls`` small requests (an LLM request spec's size: 120 prompt ids) to a
 callee replica and awaits each reply, one at a time and 32 at a time, through:
@@ -25,7 +25,7 @@ import struct
 import time
 from typing import Any
 
-from cluster.bench_procs import list_procs
+from cluster.bench.procs import list_procs
 from cluster.serve_env import apply_serve_env
 
 SPEC = {"request_id": "x" * 36, "prompt_token_ids": list(range(120)), "max_tokens": 16, "temperature": 0.0}
@@ -126,7 +126,7 @@ def build(num_cpus: float, plain_keys: bytes, token: str) -> Any:
         DIRECT_METHODS = {"submit": "submit"}  # noqa: RUF012
 
         def __init__(self) -> None:
-            from cluster.bench_transport import _OldLinkServer  # by reference, not pickled by value
+            from cluster.bench.transport import _OldLinkServer  # by reference, not pickled by value
 
             handlers: dict[str, Any] = {"submit": self.submit}
             self.plain = LinkServer(handlers, LinkKeys.from_bytes(plain_keys), dumps=frame_dumps)
@@ -142,7 +142,7 @@ def build(num_cpus: float, plain_keys: bytes, token: str) -> Any:
 
     class Caller:
         def __init__(self, callee: Any) -> None:
-            from cluster.bench_transport import _OldLink
+            from cluster.bench.transport import _OldLink
             from cluster.direct_served import direct_link
             from router.direct_link import DirectLink
 
@@ -195,7 +195,7 @@ async def measure(handle: Any, calls: int, rounds: int) -> list[tuple[str, int, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cluster.bench_transport", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m cluster.bench.transport", description=__doc__.split("\n")[0])
     p.add_argument("--calls", type=int, default=600, help="calls per measurement")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--num-cpus", type=int, default=2, help="the local Ray's CPUs")

@@ -11,8 +11,8 @@ from typing import Any, cast
 import httpx
 import openai
 
-from cluster.bench_stats import RequestResult
-from cluster.bench_workload import RequestSpec
+from cluster.bench.stats import RequestResult
+from cluster.bench.workload import RequestSpec
 
 
 def make_client(base_url: str, timeout_s: float) -> openai.AsyncOpenAI:

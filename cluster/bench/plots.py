@@ -1,4 +1,4 @@
-"""The figures of ``cluster.bench_vs_vllm``, beside its tables: latency percentiles per server and
+"""The figures of ``cluster.bench.vs_vllm``, beside its tables: latency percentiles per server and
 CPU-ms per request by process, one panel per load (matplotlib, no display: the Agg backend).
 
 Each function builds the figure from the same ``LoadResult``s the tables come from and returns it;
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cluster.bench_vs_report import Load, LoadResult
+from cluster.bench.vs_report import Load, LoadResult
 
 PERCENTILES = (("p50", "median"), ("p90", "p90"), ("p99", "p99"))
 LATENCIES = (("TTFT", "ttft"), ("ITL", "itl"))

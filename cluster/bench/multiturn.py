@@ -1,4 +1,4 @@
-"""Multi-turn image chat, hybrid against pure attention: ``python -m cluster.bench_multiturn``.
+"""Multi-turn image chat, hybrid against pure attention: ``python -m cluster.bench.multiturn``.
 
 Writes a tiny Qwen3.5 (hybrid: Gated DeltaNet + gated attention) and a tiny Qwen3-VL (pure attention)
 with the project's generator (same tokenizer, template and sizes, 4 decoder layers each), then for
@@ -30,14 +30,14 @@ from typing import Any, cast
 
 import openai
 
-from cluster.bench_client import make_client
-from cluster.bench_media import make_image_bytes
-from cluster.bench_multiturn_stats import TurnResult, TurnRow, goal, render_table, turn_rows
-from cluster.bench_servers import ServerProcess
-from cluster.bench_vs_vllm import QUIET_ENV, TCMALLOC
+from cluster.bench.client import make_client
+from cluster.bench.media import make_image_bytes
+from cluster.bench.multiturn_stats import TurnResult, TurnRow, goal, render_table, turn_rows
+from cluster.bench.servers import ServerProcess
+from cluster.bench.vs_vllm import QUIET_ENV, TCMALLOC
 from cluster.tiny_model import ModelSize, make_tiny_model
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 HYBRID, ATTENTION, VLLM = "qwen3.5", "qwen3-vl", "vllm-qwen3.5"
 QUESTIONS = ["Describe this image.", "What colours are in it?", "Is there anything else in it?"]
 FIXED_ANSWER = "It shows soft waves of colour, a little noise, and no text."  # --answers fixed
@@ -143,7 +143,7 @@ def mmserve_server(name: str, path: Path, args: argparse.Namespace) -> ServerPro
 
 
 def vllm_server(name: str, path: Path, args: argparse.Namespace) -> ServerProcess:
-    """vLLM 0.32 CPU as ``cluster.bench_vs_vllm`` starts it (peer venv, loopback, tcmalloc + iomp)."""
+    """vLLM 0.32 CPU as ``cluster.bench.vs_vllm`` starts it (peer venv, loopback, tcmalloc + iomp)."""
     env = {**QUIET_ENV, "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "2"}
     iomp = args.vllm_venv / "lib/libiomp5.so"
     if TCMALLOC.exists() and iomp.exists():
@@ -184,7 +184,7 @@ def run_server(server: ServerProcess, model: str, args: argparse.Namespace) -> l
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m cluster.bench_multiturn", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m cluster.bench.multiturn", description=__doc__.split("\n")[0])
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--concurrency", type=int, default=1, help="conversations in flight at once")

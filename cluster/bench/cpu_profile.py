@@ -1,7 +1,7 @@
 """CPU time per request by process of the app: the benchmark's ``--profile``.
 
 Before and after each scenario the benchmark reads the CPU time (user + sys, every thread) of every
-process of the app's Ray cluster (found by ``cluster.bench_profiler``) and of itself; the difference, summed over
+process of the app's Ray cluster (found by ``cluster.bench.profiler``) and of itself; the difference, summed over
 the processes of one kind (the replicas of one deployment, the shards of the cache index, ...) and
 divided by the requests the scenario completed, is that kind's CPU-ms per request. A process's kind
 comes from its Ray actor class (Ray's state API, or the GCS actor table when the dashboard has no
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
-from cluster.bench_stats import fmt_num, markdown_table
+from cluster.bench.stats import fmt_num, markdown_table
 
 BENCH_CLIENT = "bench client"
 DRIVER = "driver"

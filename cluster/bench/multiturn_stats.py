@@ -8,7 +8,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cluster.bench_stats import percentile
+from cluster.bench.stats import percentile
 
 
 @dataclass(frozen=True)

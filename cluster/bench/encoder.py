@@ -1,6 +1,6 @@
 """Encoder throughput at TP=1 vs TP=2 (weights, data) on gloo CPU processes; prints a table.
 
-    python -m encoder_service.bench_encoder --preset small --num-images 8 --size 224
+    python -m cluster.bench.encoder --preset small --num-images 8 --size 224
 
 TP=1 runs in one process with ``--threads`` torch threads; each TP=2 rank gets ``--threads`` too,
 so TP=2 uses twice the cores. Times are the median of ``--repeats`` encode calls after a warm-up.

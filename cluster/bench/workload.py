@@ -11,8 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.bench_media import make_audio_bytes, make_image_bytes
-from cluster.bench_stats import Comparison
+from cluster.bench.media import make_audio_bytes, make_image_bytes
+from cluster.bench.stats import Comparison
 
 VL_MODEL = "tiny-qwen2-vl"
 AUDIO_MODEL = "tiny-qwen2-audio"

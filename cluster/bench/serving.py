@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from cluster.bench_client import fetch_counters, make_client, run_requests
-from cluster.bench_procs import CLOCK_TICKS_PER_S
-from cluster.bench_profile import IdleProfile, ScenarioProfile, process_costs, profile_table
-from cluster.bench_profiler import Profiler
-from cluster.bench_stats import (
+from cluster.bench.client import fetch_counters, make_client, run_requests
+from cluster.bench.cpu_profile import IdleProfile, ScenarioProfile, process_costs, profile_table
+from cluster.bench.procs import CLOCK_TICKS_PER_S
+from cluster.bench.profiler import Profiler
+from cluster.bench.stats import (
     RequestResult,
     ScenarioStats,
     comparison_ratios,
@@ -36,7 +36,7 @@ from cluster.bench_stats import (
     ratio_table,
     summarize,
 )
-from cluster.bench_workload import COMPARISONS, Scenario, WorkloadConfig, build_scenarios, warmup_requests
+from cluster.bench.workload import COMPARISONS, Scenario, WorkloadConfig, build_scenarios, warmup_requests
 
 BASELINE = "text"
 

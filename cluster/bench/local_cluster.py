@@ -32,10 +32,10 @@ from typing import Any
 
 import yaml
 
-from cluster.bench_procs import ProcInfo, descendants, is_raylet, list_procs
+from cluster.bench.procs import ProcInfo, descendants, is_raylet, list_procs
 from cluster.serve_env import SERVE_ENV_DEFAULTS
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 # The README's environment for `ray start` and every `serve` command.
 README_ENV: dict[str, str] = {"RAY_AUTH_MODE": "token", **SERVE_ENV_DEFAULTS}

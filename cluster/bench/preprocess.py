@@ -1,6 +1,6 @@
 """Image preprocessing throughput, one core: decode, HF's processors, and mmserve's ``Preprocessor``.
 
-    python -m encoder_service.bench_preprocess [--rounds 7] [--seconds 0.4] [--threads 1]
+    python -m cluster.bench.preprocess [--rounds 7] [--seconds 0.4] [--threads 1]
 
 Rows per image kind (a 720p JPEG, a 12 MP JPEG photo, a 224 px PNG):
   decode only            PIL open + load (full size), RGB
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from cluster.bench_media import make_image_bytes
+from cluster.bench.media import make_image_bytes
 from encoder_service.preprocess.media.image import decode_opened, image_header
 from encoder_service.preprocess.media.limits import MediaLimits
 from encoder_service.preprocess.processing import Preprocessor

@@ -1,5 +1,5 @@
 """The app's processes for ``--profile``: which processes are the app, what kind each is, and their
-CPU time at one instant (``Profiler.snapshot``); the arithmetic and tables are in ``bench_profile``."""
+CPU time at one instant (``Profiler.snapshot``); the arithmetic and tables are in ``cpu_profile``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import ipaddress
 import os
 import sys
 
-from cluster.bench_procs import (
+from cluster.bench.cpu_profile import BENCH_CLIENT, DRIVER, PROGRAM_KINDS, ProcSample, process_kind
+from cluster.bench.procs import (
     ProcInfo,
     cluster_members,
     find_raylet,
@@ -15,7 +16,6 @@ from cluster.bench_procs import (
     list_procs,
     pid_listening_on,
 )
-from cluster.bench_profile import BENCH_CLIENT, DRIVER, PROGRAM_KINDS, ProcSample, process_kind
 
 
 class Profiler:

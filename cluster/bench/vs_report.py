@@ -1,4 +1,4 @@
-"""The loads of ``cluster.bench_vs_vllm`` and its tables (pure: no processes, no I/O)."""
+"""The loads of ``cluster.bench.vs_vllm`` and its tables (pure: no processes, no I/O)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.bench_profile import IdleProfile, ScenarioProfile, profile_table
-from cluster.bench_stats import fmt_num, markdown_table, ratio
+from cluster.bench.cpu_profile import IdleProfile, ScenarioProfile, profile_table
+from cluster.bench.stats import fmt_num, markdown_table, ratio
 
 REFERENCE = "vLLM"
 

@@ -1,4 +1,4 @@
-"""``python -m cluster.chaos``: kill one process of each kind under steady load, and burst past capacity.
+"""``python -m cluster.bench.chaos``: kill one process of each kind under steady load, and burst past capacity.
 
 Starts the app on an embedded Ray in this process (the default tiny models unless ``--config``),
 drives a steady streamed load of mixed requests with the bench client (text, a repeated image,
@@ -27,9 +27,10 @@ from typing import Any
 
 import httpx
 
-from cluster.bench_client import fetch_counters, make_client, send_request
-from cluster.bench_stats import fmt_ms, fmt_num, markdown_table
-from cluster.bench_workload import (
+from cluster.bench.chaos_stats import BurstReport, FaultReport, Sent, burst_report, fault_report
+from cluster.bench.client import fetch_counters, make_client, send_request
+from cluster.bench.stats import fmt_ms, fmt_num, markdown_table
+from cluster.bench.workload import (
     RequestSpec,
     WorkloadConfig,
     audio_request,
@@ -37,14 +38,13 @@ from cluster.bench_workload import (
     image_request,
     text_request,
 )
-from cluster.chaos_stats import BurstReport, FaultReport, Sent, burst_report, fault_report
 
 KINDS = ("encoder", "llm", "cache-shard", "ingress")
 _DEPLOYMENT = {"encoder": "EncoderPool-{m}", "llm": "LLMServer-{m}"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m cluster.chaos", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m cluster.bench.chaos", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", help="AppConfig YAML (default: the tiny default models)")
     p.add_argument("--port", type=int, default=8470)
     p.add_argument("--num-cpus", type=int, default=None)
@@ -69,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def workload(args: argparse.Namespace) -> list[RequestSpec]:
     """A cycle of mixed requests: text, one image repeated, distinct images, a video, audio."""
     cfg = WorkloadConfig(vl_model=args.model, audio_model=args.audio_model or None, run_id=os.getpid())
-    from cluster.bench_media import make_video_bytes
+    from cluster.bench.media import make_video_bytes
 
     video = {"type": "video_url", "video_url": {"url": data_url(make_video_bytes(), "video/mp4")}}
     specs = []

@@ -3,7 +3,7 @@ it answers ``GET /health``, read the CPU time of all its processes, and stop it 
 
 ``ServerProcess`` is one command (``vllm serve``, ``mmserve serve``); ``ClusterServer`` is the cluster
 deployment, ``ray start`` (one node or more) and ``serve deploy`` of a shipped config
-(``cluster.bench_cluster``). Both are a ``BenchServer``.
+(``cluster.bench.local_cluster``). Both are a ``BenchServer``.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from cluster.bench_cluster import LocalRayCluster, deploy_config
-from cluster.bench_procs import ProcInfo, descendants, list_procs, pid_listening_on
-from cluster.bench_profile import DRIVER, ProcSample, process_kind
+from cluster.bench.cpu_profile import DRIVER, ProcSample, process_kind
+from cluster.bench.local_cluster import LocalRayCluster, deploy_config
+from cluster.bench.procs import ProcInfo, descendants, list_procs, pid_listening_on
 
 
 class BenchServer(Protocol):

@@ -1,5 +1,5 @@
 """mmserve against vLLM 0.32 (CPU), one server after the other, same model directory, same load from
-vLLM's own client: ``python -m cluster.bench_vs_vllm``.
+vLLM's own client: ``python -m cluster.bench.vs_vllm``.
 
 For each server: start it on 127.0.0.1, wait for ``/health``, run one unmeasured warm-up pass, then
 ``vllm bench serve`` (``--backend openai-chat``, streaming, ``ignore_eos``, temperature 0) for every
@@ -39,11 +39,11 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from cluster import bench_plots
-from cluster.bench_procs import CLOCK_TICKS_PER_S, anyone_connected_to
-from cluster.bench_profile import IdleProfile, ScenarioProfile, process_costs
-from cluster.bench_servers import BenchServer, ClusterServer, RayNode, ServerProcess
-from cluster.bench_vs_report import (
+from cluster.bench import plots as bench_plots
+from cluster.bench.cpu_profile import IdleProfile, ScenarioProfile, process_costs
+from cluster.bench.procs import CLOCK_TICKS_PER_S, anyone_connected_to
+from cluster.bench.servers import BenchServer, ClusterServer, RayNode, ServerProcess
+from cluster.bench.vs_report import (
     WARMUP,
     Load,
     LoadResult,
@@ -53,7 +53,7 @@ from cluster.bench_vs_report import (
     select_loads,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BUCKETS = "{(64, 64, 1): 0.25, (112, 112, 1): 0.25, (168, 168, 1): 0.25, (224, 224, 1): 0.25}"
 QUIET_ENV = {
     "HF_HUB_OFFLINE": "1",
@@ -147,7 +147,7 @@ def cluster_server(
     markers: dict[str, dict[str, float]] | None = None,
 ) -> ClusterServer:
     """``ray start`` of ``nodes`` and ``serve deploy`` of ``--cluster-config``, importing the app from
-    ``--mmserve-root`` (cluster.bench_cluster: the README's environment, its own HOME and temp dir)."""
+    ``--mmserve-root`` (cluster.bench.local_cluster: the README's environment, its own HOME and temp dir)."""
     return ClusterServer(
         name,
         args.cluster_config,
@@ -228,7 +228,7 @@ def measure_idle(server: BenchServer, seconds: float) -> IdleProfile:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m cluster.bench_vs_vllm", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m cluster.bench.vs_vllm", description=__doc__.split("\n\n")[0])
     p.add_argument("--model-dir", type=Path, default=Path("/tmp/peer_vllm/tiny-qwen2-vl"))
     p.add_argument("--served-name", default="tiny-qwen2-vl")
     p.add_argument("--peer-dir", type=Path, default=REPO.parent / "shared/tools/peer_vllm")
