@@ -9,7 +9,20 @@ import time
 
 import pytest
 
-from cluster.bench_procs import (
+from cluster.bench.cpu_profile import (
+    IDLE_WORKERS,
+    IdleProfile,
+    ProcessCost,
+    ProcSample,
+    ScenarioProfile,
+    by_kind,
+    class_kind,
+    per_request,
+    process_costs,
+    process_kind,
+    profile_table,
+)
+from cluster.bench.procs import (
     CLOCK_TICKS_PER_S,
     ProcInfo,
     anyone_connected_to,
@@ -22,19 +35,6 @@ from cluster.bench_procs import (
     pid_listening_on,
     read_proc,
     session_name,
-)
-from cluster.bench_profile import (
-    IDLE_WORKERS,
-    IdleProfile,
-    ProcessCost,
-    ProcSample,
-    ScenarioProfile,
-    by_kind,
-    class_kind,
-    per_request,
-    process_costs,
-    process_kind,
-    profile_table,
 )
 
 SESSION = "session_2026-12-01_02-49-56_924887_11751"
@@ -250,8 +250,8 @@ def test_vs_vllm_bench_argv_matches_the_peer_script_flags() -> None:
     import json
     from pathlib import Path
 
-    from cluster.bench_vs_report import LOADS
-    from cluster.bench_vs_vllm import bench_argv
+    from cluster.bench.vs_report import LOADS
+    from cluster.bench.vs_vllm import bench_argv
 
     args = argparse.Namespace(
         vllm_venv=Path("/v"),
@@ -285,7 +285,7 @@ def test_vs_vllm_bench_argv_matches_the_peer_script_flags() -> None:
 def test_loads_are_picked_by_key_in_the_tables_order_and_an_unknown_key_is_refused() -> None:
     import pytest
 
-    from cluster.bench_vs_report import LOADS, select_loads
+    from cluster.bench.vs_report import LOADS, select_loads
 
     assert select_loads(None) == LOADS
     picked = select_loads("image-rate30, image-c32")
@@ -295,7 +295,7 @@ def test_loads_are_picked_by_key_in_the_tables_order_and_an_unknown_key_is_refus
 
 
 def test_vs_vllm_table_gives_each_server_its_ratio_to_vllm() -> None:
-    from cluster.bench_vs_report import LOADS, LoadResult, comparison_table
+    from cluster.bench.vs_report import LOADS, LoadResult, comparison_table
 
     def result(server: str, rps: float, ttft: float, cpu_ms: float) -> LoadResult:
         m = {"request_throughput": rps, "mean_ttft_ms": ttft, "mean_tpot_ms": 4.0, "median_itl_ms": 2.0}
@@ -338,7 +338,7 @@ def test_vs_vllm_table_gives_each_server_its_ratio_to_vllm() -> None:
 
 
 def test_median_rounds_picks_each_pairs_median_round_whole_and_reports_the_range() -> None:
-    from cluster.bench_vs_report import LOADS, LoadResult, median_rounds
+    from cluster.bench.vs_report import LOADS, LoadResult, median_rounds
 
     def result(server: str, load: int, rps: float, ttft: float) -> LoadResult:
         prof = ScenarioProfile(LOADS[load].name, 10, rps, None, [ProcessCost(1, "x", "", rps)])
@@ -374,7 +374,7 @@ def test_median_rounds_picks_each_pairs_median_round_whole_and_reports_the_range
 
 
 def test_ray_is_joined_only_on_loopback() -> None:
-    from cluster.bench_profiler import loopback_refusal
+    from cluster.bench.profiler import loopback_refusal
 
     assert loopback_refusal("127.0.0.1:39867", "0") is None
     assert loopback_refusal("[::1]:6379", "0") is None

@@ -15,8 +15,8 @@ from PIL import Image
 
 from cluster.cli import main as cli_main
 from cluster.tiny_model import PRESETS, make_tiny_model
-from encoder_service.processing import Preprocessor
-from encoder_service.runner import EncoderRunner
+from encoder_service.encode.runner import EncoderRunner
+from encoder_service.preprocess.processing import Preprocessor
 from encoder_service.types import MediaRef
 from llm_service.multimodal import MultiModalInput
 from llm_service.outputs import GenerateRequest
