@@ -93,7 +93,7 @@ def encoder_placement(model: ModelConfig) -> dict[str, Any]:
 def preprocess_args(m: ModelConfig) -> dict[str, Any]:
     """What preparing a model's requests takes from its config (an encoder replica, and the ingress's
     hit path)."""
-    from encoder_service.media.limits import MediaLimits
+    from encoder_service.preprocess.media.limits import MediaLimits
 
     return {
         "limits": MediaLimits(**m.preprocess.media.model_dump()),
@@ -113,7 +113,7 @@ def direct_pools(cfg: AppConfig, model: ModelConfig) -> tuple[str, ...]:
 def _encoder_pool(model: ModelConfig, cache_dir: str, cache_index: Any, links: bool) -> Any:
     """The model's encoder pool; ``cache_index`` (its ``EncoderCacheIndex`` deployment) is bound here
     so that Serve deploys it with the app: the replicas find its shards by name."""
-    from encoder_service.preparing_encoder import PreparingEncoderServer
+    from encoder_service.serve.preparing_encoder import PreparingEncoderServer
     from router.request_routers import LeastQueuedEmbeddingsRouter
 
     class EncoderPool(PreparingEncoderServer, DirectServed):
@@ -164,7 +164,7 @@ def _encoder_pool(model: ModelConfig, cache_dir: str, cache_index: Any, links: b
 
 
 def _llm_server(model: ModelConfig, cache_dir: str, links: bool) -> Any:
-    from llm_service.deployment import LLMServer
+    from llm_service.serve.deployment import LLMServer
     from router.request_routers import PrefixAffinityRouter
 
     class LLMPool(LLMServer, DirectLLM):
@@ -305,7 +305,7 @@ def build_app(config: AppConfig) -> serve.Application:
     for m in config.models:
         llm = _llm_server(m, config.models_cache_dir, links)
         index = cache_index_deployment(config, m)
-        # the encoder replicas answer `prepare` themselves (encoder_service/preparing_encoder.py)
+        # the encoder replicas answer `prepare` themselves (encoder_service/serve/preparing_encoder.py)
         encoder = _encoder_pool(m, config.models_cache_dir, index, links)
         pools[m.name] = {"preprocess": encoder, "encoder": encoder, "llm": llm}
     return _ingress(config, pools)

@@ -34,8 +34,8 @@ from ray import serve
 from cluster.budgets import encoder_budgets, largest_item_embeds, row_units
 from cluster.config import AppConfig, ModelConfig
 from cluster.direct_served import DirectServed, direct_link
-from encoder_service.cache_client import LINK_METHODS, EncoderCacheClient, ShardSpec, shard_capacity
-from encoder_service.cache_index import CacheIndexShard as ShardBooks
+from encoder_service.cache.cache_client import LINK_METHODS, EncoderCacheClient, ShardSpec, shard_capacity
+from encoder_service.cache.cache_index import CacheIndexShard as ShardBooks
 
 logger = logging.getLogger("mmserve.encoder")
 

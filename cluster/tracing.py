@@ -12,7 +12,7 @@ Sampling is the SDK's own (``OTEL_TRACES_SAMPLER``, ``OTEL_TRACES_SAMPLER_ARG``;
 request, or as the client's ``traceparent`` says). ``OTEL_SERVICE_NAME`` names the service
 (default ``mmserve``); each process adds its role (``mmserve.role``: ingress, encoder, llm).
 
-The services only use the OpenTelemetry API (encoder_service/tracing.py, llm_service/tracing.py):
+The services only use the OpenTelemetry API (encoder_service/preprocess/tracing.py, llm_service/tracing.py):
 nothing is recorded in a process where this did not set a provider.
 """
 

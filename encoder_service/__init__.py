@@ -1,1 +1,1 @@
-"""Encoder service: media loading, preprocessing, mm_hash, encoder models with TP, the encoder cache, Serve deployments."""
+"""Encoder service, by runtime role: preprocess/ (CPU, no Ray), encode/ (towers, TP, runner, step policy), cache/ (the shared encoder cache), serve/ (the Serve replicas); families, types and wire are shared by all."""

@@ -219,15 +219,16 @@ class TorchPagedAttention:
         out = torch.empty_like(q)
         for s in meta.seqs:
             qq = q[s.q_start : s.q_start + s.q_len].transpose(0, 1)[None]
-            kk = k_flat[s.context_slots].transpose(0, 1)[None]
-            vv = v_flat[s.context_slots].transpose(0, 1)[None]
+            kk = k_flat.index_select(0, s.context_slots).transpose(0, 1)[None]  # a gather, as [slots]
+            vv = v_flat.index_select(0, s.context_slots).transpose(0, 1)[None]
             mask = s.mask_for(sliding_window, bidirectional)
             o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale, enable_gqa=True)
             out[s.q_start : s.q_start + s.q_len] = o[0].transpose(0, 1)
         if (g := meta.decode) is not None:
             qq = q[g.rows][:, :, None, :]  # [B, heads, 1, dim]
-            kk = k_flat[g.slots].transpose(1, 2)  # [B, kv_heads, max_ctx, dim]
-            vv = v_flat[g.slots].transpose(1, 2)
+            flat, shape = g.slots.flatten(), (*g.slots.shape, num_kv_heads, head_dim)
+            kk = k_flat.index_select(0, flat).view(shape).transpose(1, 2)  # [B, kv_heads, max_ctx, dim]
+            vv = v_flat.index_select(0, flat).view(shape).transpose(1, 2)
             o = F.scaled_dot_product_attention(
                 qq, kk, vv, attn_mask=g.mask_for(sliding_window), scale=scale, enable_gqa=True
             )

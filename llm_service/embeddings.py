@@ -94,7 +94,7 @@ def _input(it: EmbeddingRef, embeddings: Any) -> MultiModalInput:
 
 
 def from_stored(obj: Any) -> Any:
-    """A torch tensor of what an encoder replica put (``encoder_service.deployment.stored_form``): a
+    """A torch tensor of what an encoder replica put (``encoder_service.serve.deployment.stored_form``): a
     numpy array, or ``(dtype name, integer bits)`` for a dtype numpy lacks; anything else (a tensor)
     passes as is. Copied out of the object store's read-only buffer, so the tensor is writable and
     holds no store memory."""

@@ -267,9 +267,9 @@ def _check_finite(chunks: list[ScheduledChunk], hidden: torch.Tensor) -> None:
     position of a chunk reaches the earlier ones too (masked attention weights are 0, and 0 * NaN is
     NaN): such blocks must never enter the prefix cache under a hash that other prompts share.
     """
-    bad = ~torch.isfinite(hidden).all(-1)
-    if not bool(bad.any()):
+    if bool(torch.isfinite(hidden).all()):  # the common case in one reduction
         return
+    bad = ~torch.isfinite(hidden).all(-1)
     parts = bad.split([c.num_tokens for c in chunks])
     msg = "the model produced NaN or infinite activations for this request's inputs"
     raise RequestFaults(

@@ -28,7 +28,7 @@ class EmbeddingRef:
     grid_thw: tuple[int, int, int] | None = None
     second_per_grid_ts: float | None = None  # a video's seconds per temporal patch (Qwen2.5-VL positions)
     rows: tuple[int, int] | None = None  # the rows of the fetched tensor this item takes (None: all)
-    # The object's stored form itself (``encoder_service.deployment.stored_form``), sent along by the
+    # The object's stored form itself (``encoder_service.serve.deployment.stored_form``), sent along by the
     # replica that put it when it is small: taken instead of fetching ``ref``, which still travels.
     value: Any = field(default=None, compare=False, repr=False)
 

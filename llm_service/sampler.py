@@ -37,6 +37,8 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 
 def check_finite(logits: torch.Tensor) -> None:
     """Raise NonFiniteLogits naming each row with a NaN, a +inf, or no finite value at all."""
+    if bool(torch.isfinite(logits).all()):  # the common case: no NaN, no inf at all
+        return
     bad = logits.isnan().any(-1) | ~torch.isfinite(logits.amax(-1))
     if bool(bad.any()):
         raise NonFiniteLogits(bad.nonzero().flatten().tolist())

@@ -9,7 +9,7 @@ Only SHA-256 digests of the keys are kept in memory. A presented key's digest is
 stored digest in constant time (``hmac.compare_digest``, no early exit), so neither the comparison
 time nor its position tells anything about the keys. Keys never reach a log line or an error body.
 
-The tenant name scopes what a client can name: its media ``uuid`` values (encoder_service/hashing.py)
+The tenant name scopes what a client can name: its media ``uuid`` values (encoder_service/preprocess/hashing.py)
 and, by default, its prefix-cache salt (``effective_cache_salt``).
 """
 

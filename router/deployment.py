@@ -51,7 +51,7 @@ class IngressModel:
     modalities: list[str]
     cache: Any  # EncoderCacheClient of the model's shared encoder cache
     preprocess: dict[str, Any] | None = None  # cluster.app.preprocess_args: the hit path's; None: off
-    near_cache_entries: int = 0  # the hit path's near cache (encoder_service/near_cache.py); 0: none
+    near_cache_entries: int = 0  # the hit path's near cache (encoder_service/cache/near_cache.py); 0: none
     near_cache_ttl_s: float = 0.0
     direct: tuple[str, ...] = ()  # pools ("llm", "preprocess") called over direct links (pool_links.py)
     link_to: Callable[[Any], Any] | None = None  # handle -> its PoolLinks (cluster/direct_served.py)
@@ -82,13 +82,13 @@ def _hit_path(m: IngressModel) -> Any:
     ``prepare`` with what it looked up)."""
     if m.preprocess is None:
         return None
-    from encoder_service.prepare import make_preparer
+    from encoder_service.preprocess.prepare import make_preparer
 
     async def no_encode(batch: Any) -> Any:
         raise RuntimeError("the ingress's hit path encodes nothing")
 
-    from encoder_service.metrics import media_stages
-    from encoder_service.near_cache import NearCache
+    from encoder_service.cache.near_cache import NearCache
+    from encoder_service.serve.metrics import media_stages
 
     args = {**m.preprocess, "processor_cache_bytes": 0}  # it processes nothing either
     preparer = make_preparer(

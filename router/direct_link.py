@@ -1,7 +1,7 @@
 """ZeroMQ sockets between an ingress replica and the one replica of a pool (``transport``).
 
 A Serve handle call costs ~1.2–1.5 CPU-ms over all processes; a request and its reply on an open
-ZeroMQ connection ~0.1–0.2 (``python -m cluster.bench_transport``). So where a pool runs exactly one
+ZeroMQ connection ~0.1–0.2 (``python -m cluster.bench.transport``). So where a pool runs exactly one
 replica, and there is no routing to do and no autoscaling to feed, the ingress sends ``prepare`` and
 ``submit`` on a ZeroMQ DEALER socket to the replica's ROUTER, as vLLM and SGLang connect their API
 server and engine. Each message is multipart: a small msgpack header and a body::

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from encoder_service.prepared import PreparedRequest
+from encoder_service.preprocess.prepared import PreparedRequest
 from llm_service.prefix_hash import compute_block_hashes
 from llm_service.request_spec import EmbeddingRef, LLMRequestSpec
 from llm_service.sampling_params import SamplingParams

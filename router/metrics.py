@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from encoder_service.metrics import stage
+from encoder_service.serve.metrics import stage
 
 BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
 # inter-token latency: 1 ms (a small model on a GPU) to 1 s

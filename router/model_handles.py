@@ -8,7 +8,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from encoder_service.prepared import LookedUp, PreparedRequest
+from encoder_service.preprocess.prepared import LookedUp, PreparedRequest
 from router.llm_client import LLMClient, counters_or_error
 from router.pool_links import PoolLinks
 
@@ -24,7 +24,7 @@ class PreprocessPool(Protocol):
 
 
 class CacheIndex(Protocol):
-    """The shared encoder cache as the router uses it (encoder_service.cache_client.EncoderCacheClient)."""
+    """The shared encoder cache as the router uses it (encoder_service.cache.cache_client.EncoderCacheClient)."""
 
     async def release(self, request_id: str, hashes: list[str] | None = None) -> None: ...
 
@@ -32,7 +32,7 @@ class CacheIndex(Protocol):
 
 
 class HitPath(Protocol):
-    """Preparing at the ingress what the encoder cache holds whole (encoder_service.prepare.RequestPreparer)."""
+    """Preparing at the ingress what the encoder cache holds whole (encoder_service.preprocess.prepare.RequestPreparer)."""
 
     async def prepare_hits(
         self, request_id: str, messages: list[dict[str, Any]], deferred: list[asyncio.Task[None]]

@@ -26,8 +26,8 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from encoder_service import tracing
-from encoder_service.cache_index import ref_id
+from encoder_service.cache.cache_index import ref_id
+from encoder_service.preprocess import tracing
 from llm_service.embeddings import EmbeddingsLost
 from llm_service.errors import RequestFailed
 from llm_service.outputs import RequestOutput

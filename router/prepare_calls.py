@@ -19,8 +19,8 @@ import functools
 import logging
 from typing import Any
 
-from encoder_service import tracing
-from encoder_service.prepared import PreparedRequest
+from encoder_service.preprocess import tracing
+from encoder_service.preprocess.prepared import PreparedRequest
 from router.errors import is_client_error, replica_gone
 from router.messages import inline_media
 from router.model_handles import ModelHandles

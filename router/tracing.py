@@ -1,6 +1,6 @@
 """The ingress's span of a request (``mmserve.chat``): a child of FastAPI's own HTTP span where FastAPI
 traces (it does once a tracer provider is set), else of the client's W3C ``traceparent``, else a
-root. Its context goes on to the pools in their calls' records (encoder_service/tracing.py)."""
+root. Its context goes on to the pools in their calls' records (encoder_service/preprocess/tracing.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 
-from encoder_service.tracing import REQUEST_ID, TRACER
+from encoder_service.preprocess.tracing import REQUEST_ID, TRACER
 
 
 def start_request_span(headers: Mapping[str, str], request_id: str, model: str) -> tuple[Any, Any]:

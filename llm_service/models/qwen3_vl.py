@@ -7,7 +7,7 @@ mrope_section[2]``, else from the temporal row (transformers' ``recomposition_fr
 Qwen2-VL takes contiguous sections.
 
 DeepStack: an image row of the encoder's output is ``[main | level 0 | ... | level k-1]``
-(``encoder_service/models/qwen3_vl_vision.py``). The runner writes whole rows into the step's
+(``encoder_service/encode/models/qwen3_vl_vision.py``). The runner writes whole rows into the step's
 ``inputs_embeds`` (``mm_row_width`` wide; text and decode rows are zero past ``hidden_size``) and
 this model adds level ``j`` to the hidden states after decoder layer ``j``, position by position, as
 transformers' ``_deepstack_process`` does over the visual mask. Adding the zeros of a text row

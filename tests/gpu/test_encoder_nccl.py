@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from encoder_service.runner import EncoderRunner
-from encoder_service.tp.launch import exit_spawned_rank, free_port, init_tp_process_group
+from encoder_service.encode.runner import EncoderRunner
+from encoder_service.encode.tp.launch import exit_spawned_rank, free_port, init_tp_process_group
 from tests.unit.encoder_models.inputs import audio_input, image_input, video_input
 
 pytestmark = pytest.mark.gpu

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from encoder_service.runner import EncoderRunner
-from encoder_service.tp.launch import exit_spawned_rank, free_port, init_tp_process_group
+from encoder_service.encode.runner import EncoderRunner
+from encoder_service.encode.tp.launch import exit_spawned_rank, free_port, init_tp_process_group
 from encoder_service.types import EncoderInput
 
 ATOL, RTOL = 1e-5, 1e-5

@@ -12,10 +12,10 @@ from openai import OpenAI
 
 def free_port() -> int:
     """A loopback port nothing listens on, outside Ray's worker ports and the kernel's ephemeral range
-    (``cluster.bench_cluster.free_port``, which the benchmark's clusters use too). A port the kernel
+    (``cluster.bench.local_cluster.free_port``, which the benchmark's clusters use too). A port the kernel
     handed out (bind to 0) is from the range Ray's processes draw from while the app starts: once one
     of them took it before the ingress bound it (EADDRINUSE, the module's start failed)."""
-    from cluster.bench_cluster import free_port as free_loopback_port
+    from cluster.bench.local_cluster import free_port as free_loopback_port
 
     return free_loopback_port()
 

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import ray
 
-from encoder_service.cache_client import EncoderCacheClient, create_cache_index
-from encoder_service.cache_index import ref_id
-from encoder_service.encoder_cache import COMPUTE, HIT, WAIT
-from encoder_service.errors import EncoderCacheBusy
-from encoder_service.hashing import compute_mm_hash
+from encoder_service.cache.cache_client import EncoderCacheClient, create_cache_index
+from encoder_service.cache.cache_index import ref_id
+from encoder_service.cache.encoder_cache import COMPUTE, HIT, WAIT
+from encoder_service.preprocess.errors import EncoderCacheBusy
+from encoder_service.preprocess.hashing import compute_mm_hash
 from encoder_service.types import EmbeddingMeta
 from tests.integration.local_app import own_ray
 
@@ -216,9 +216,9 @@ def test_a_dead_shard_comes_back_empty_whether_ray_restarts_it_or_not(ray_sessio
 
 def test_encoder_replica_shutdown_invalidates_only_what_it_still_owns(ray_session, tiny_vl_dir):
     """``__del__`` as Serve calls it on graceful shutdown: returns a coroutine, awaited on the loop."""
-    from encoder_service.deployment import EncodeBatch, EncoderPoolServer
-    from encoder_service.media import MediaLimits
-    from encoder_service.processing import Preprocessor
+    from encoder_service.preprocess.media import MediaLimits
+    from encoder_service.preprocess.processing import Preprocessor
+    from encoder_service.serve.deployment import EncodeBatch, EncoderPoolServer
     from encoder_service.types import MediaRef
     from tests.media import make_image_bytes
 
@@ -295,8 +295,8 @@ def test_shards_created_inside_a_placement_group_live_outside_it(ray_session) ->
 def test_a_commit_that_fails_still_answers_the_step_and_the_loop_goes_on(ray_session, tiny_vl_dir):
     """Commits are off the callers' path: an index that refuses every commit costs the entry, not the
     answer, and the next step runs."""
-    from encoder_service.deployment import EncodeBatch, EncoderPoolServer
-    from encoder_service.runner import EncoderRunner
+    from encoder_service.encode.runner import EncoderRunner
+    from encoder_service.serve.deployment import EncodeBatch, EncoderPoolServer
     from tests.unit.encoder_models.inputs import image_input
 
     class RefusingIndex:
@@ -344,7 +344,7 @@ def test_embeddings_cross_the_object_store_as_numpy_and_come_back_as_the_same_te
     beside its name: read back in another process it is the tensor that was put, dtype and all."""
     import torch
 
-    from encoder_service.deployment import stored_form
+    from encoder_service.serve.deployment import stored_form
 
     torch.manual_seed(0)
     tensors = [torch.randn(64, 128), torch.randn(5, 8).to(torch.bfloat16), torch.randn(3, 4).half()]

@@ -4,7 +4,7 @@ shipped ``cluster/deploy/serve-cpu.yaml``, ``serve status`` until RUNNING, one c
 and ``serve`` command lines, in the README's environment (``RAY_AUTH_MODE=token``, Serve's settings).
 
 The cluster has its own ``HOME`` (a fresh machine: no auth token until ``ray get-auth-token
---generate``), temp dir and ports (``cluster.bench_cluster``); the deployed config is the shipped file
+--generate``), temp dir and ports (``cluster.bench.local_cluster``); the deployed config is the shipped file
 with only Serve's HTTP port changed. The tiny model is generated where the file's ``models_cache_dir``
 says, under that ``HOME``, and the answer is checked against HF generate on it.
 """
@@ -19,7 +19,7 @@ import yaml
 from openai import OpenAI
 from PIL import Image
 
-from cluster.bench_cluster import REPO, LocalRayCluster, deploy_config, free_port
+from cluster.bench.local_cluster import REPO, LocalRayCluster, deploy_config, free_port
 from tests.hf_oracle import hf_generate
 from tests.media import make_image_bytes
 
@@ -80,7 +80,7 @@ def test_readme_cluster_commands_deploy_the_shipped_cpu_config(tmp_path: Path) -
 
 
 def test_bench_config_rewrites_only_model_port_and_missing_markers(tmp_path: Path) -> None:
-    """What `cluster.bench_vs_vllm --servers cluster2` deploys: the shipped file, with the model's path
+    """What `cluster.bench.vs_vllm --servers cluster2` deploys: the shipped file, with the model's path
     and name, the port, and node markers on the pools that set no resources; nothing else."""
     out = tmp_path / "c.yaml"
     markers = {"encoder": {"encoder_node": 0.001}, "llm": {"llm_node": 0.001}}

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from encoder_service.runner import EncoderRunner
-from encoder_service.tp.launch import exit_spawned_rank, free_port, init_tp_process_group
+from encoder_service.encode.runner import EncoderRunner
+from encoder_service.encode.tp.launch import exit_spawned_rank, free_port, init_tp_process_group
 from tests.integration.local_app import own_ray
 from tests.unit.encoder_models.inputs import audio_input, image_input, video_input
 
@@ -83,7 +83,7 @@ def ray_local():  # type: ignore[no-untyped-def]
 
 
 def test_ray_tp_group_weights_and_data(ray_local, tiny_vl_dir: Path) -> None:  # type: ignore[no-untyped-def]
-    from encoder_service.tp_group import EncoderTPGroup
+    from encoder_service.encode.tp_group import EncoderTPGroup
 
     items = vision_items(tiny_vl_dir)
     expected = EncoderRunner(tiny_vl_dir, device="cpu").encode(items)

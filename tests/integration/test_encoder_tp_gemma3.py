@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from encoder_service.runner import EncoderRunner
+from encoder_service.encode.runner import EncoderRunner
 from tests.integration.encoder_tp_gloo import MODES, assert_tp2_equals_tp1, run_tp2
 from tests.unit.encoder_models.test_tower_gemma3 import gemma3_image
 from tests.unit.gemma3_dir import tiny_gemma3_dir

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from encoder_service.media import MediaLimits
-from encoder_service.processors.gemma4 import Gemma4Family
-from encoder_service.runner import EncoderRunner
+from encoder_service.encode.runner import EncoderRunner
+from encoder_service.preprocess.media import MediaLimits
+from encoder_service.preprocess.processors.gemma4 import Gemma4Family
 from encoder_service.types import EncoderInput
 from tests.integration.encoder_tp_gloo import MODES, assert_tp2_equals_tp1, run_tp2
 from tests.media import make_audio_array

@@ -200,8 +200,8 @@ def test_video_at_non_default_fps_equals_hf(app: dict[str, Any], f: Family) -> N
     import numpy as np
     from transformers.video_utils import VideoMetadata
 
-    from encoder_service.media import MediaLimits
-    from encoder_service.media.video import decode_video, sample_frame_indices
+    from encoder_service.preprocess.media import MediaLimits
+    from encoder_service.preprocess.media.video import decode_video, sample_frame_indices
 
     mp4 = make_video_bytes(84, 56, num_frames=24, fps=8, seed=4)  # 3 s: 4 frames kept at 1 fps
     url = "data:video/mp4;base64," + base64.b64encode(mp4).decode()

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from cluster.bench_multiturn_stats import TurnResult, goal, later_turns_hit_rate, render_table, turn_rows
+from cluster.bench.multiturn_stats import TurnResult, goal, later_turns_hit_rate, render_table, turn_rows
 
 
 def _results(ttfts: dict[int, list[float]], prompt: int, cached: dict[int, int]) -> list[TurnResult]:

@@ -1,12 +1,12 @@
-"""cluster/bench_plots.py: the figures show the numbers of the tables they sit beside."""
+"""cluster/bench/plots.py: the figures show the numbers of the tables they sit beside."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from cluster.bench_plots import cpu_figure, latency_figure, write
-from cluster.bench_profile import ProcessCost, ScenarioProfile
-from cluster.bench_vs_report import LOADS, LoadResult
+from cluster.bench.cpu_profile import ProcessCost, ScenarioProfile
+from cluster.bench.plots import cpu_figure, latency_figure, write
+from cluster.bench.vs_report import LOADS, LoadResult
 
 IMAGE, TEXT = LOADS[0], LOADS[2]
 

@@ -9,7 +9,20 @@ import time
 
 import pytest
 
-from cluster.bench_procs import (
+from cluster.bench.cpu_profile import (
+    IDLE_WORKERS,
+    IdleProfile,
+    ProcessCost,
+    ProcSample,
+    ScenarioProfile,
+    by_kind,
+    class_kind,
+    per_request,
+    process_costs,
+    process_kind,
+    profile_table,
+)
+from cluster.bench.procs import (
     CLOCK_TICKS_PER_S,
     ProcInfo,
     anyone_connected_to,
@@ -22,19 +35,6 @@ from cluster.bench_procs import (
     pid_listening_on,
     read_proc,
     session_name,
-)
-from cluster.bench_profile import (
-    IDLE_WORKERS,
-    IdleProfile,
-    ProcessCost,
-    ProcSample,
-    ScenarioProfile,
-    by_kind,
-    class_kind,
-    per_request,
-    process_costs,
-    process_kind,
-    profile_table,
 )
 
 SESSION = "session_2026-12-01_02-49-56_924887_11751"
@@ -247,10 +247,11 @@ def test_idle_column_is_cpu_ms_per_second() -> None:
 
 def test_vs_vllm_bench_argv_matches_the_peer_script_flags() -> None:
     import argparse
+    import json
     from pathlib import Path
 
-    from cluster.bench_vs_report import LOADS
-    from cluster.bench_vs_vllm import bench_argv
+    from cluster.bench.vs_report import LOADS
+    from cluster.bench.vs_vllm import bench_argv
 
     args = argparse.Namespace(
         vllm_venv=Path("/v"),
@@ -267,8 +268,13 @@ def test_vs_vllm_bench_argv_matches_the_peer_script_flags() -> None:
     assert opts["--max-concurrency"] == "32" and opts["--random-output-len"] == "16"
     assert opts["--random-mm-bucket-config"].startswith("{(64, 64, 1): 0.25")
     assert "--ignore-eos" in image and image[-4:] == ["--result-dir", "/r", "--result-filename", "x.json"]
-    text = bench_argv(args, LOADS[2], "http://127.0.0.1:9", 0, Path("/r/y.json"))
+    by_key = {load.key: load for load in LOADS}
+    text = bench_argv(args, by_key["text-c32"], "http://127.0.0.1:9", 0, Path("/r/y.json"))
     assert "random" in text and not any(a.startswith("--random-mm") for a in text)
+    four = bench_argv(args, by_key["image4-c32"], "http://127.0.0.1:9", 0, Path("/r/w.json"))
+    four_opts = dict(zip(four[4::2], four[5::2], strict=False))
+    assert four_opts["--random-mm-base-items-per-request"] == "4"
+    assert json.loads(four_opts["--random-mm-limit-mm-per-prompt"]) == {"image": 4, "video": 0}
     assert opts["--request-rate"] == "inf"  # closed loop: `--max-concurrency` clients back to back
     (rate,) = [load for load in LOADS if load.key == "image-rate30"]
     open_loop = bench_argv(args, rate, "http://127.0.0.1:9", 0, Path("/r/z.json"))
@@ -279,7 +285,7 @@ def test_vs_vllm_bench_argv_matches_the_peer_script_flags() -> None:
 def test_loads_are_picked_by_key_in_the_tables_order_and_an_unknown_key_is_refused() -> None:
     import pytest
 
-    from cluster.bench_vs_report import LOADS, select_loads
+    from cluster.bench.vs_report import LOADS, select_loads
 
     assert select_loads(None) == LOADS
     picked = select_loads("image-rate30, image-c32")
@@ -289,7 +295,7 @@ def test_loads_are_picked_by_key_in_the_tables_order_and_an_unknown_key_is_refus
 
 
 def test_vs_vllm_table_gives_each_server_its_ratio_to_vllm() -> None:
-    from cluster.bench_vs_report import LOADS, LoadResult, comparison_table
+    from cluster.bench.vs_report import LOADS, LoadResult, comparison_table
 
     def result(server: str, rps: float, ttft: float, cpu_ms: float) -> LoadResult:
         m = {"request_throughput": rps, "mean_ttft_ms": ttft, "mean_tpot_ms": 4.0, "median_itl_ms": 2.0}
@@ -332,7 +338,7 @@ def test_vs_vllm_table_gives_each_server_its_ratio_to_vllm() -> None:
 
 
 def test_median_rounds_picks_each_pairs_median_round_whole_and_reports_the_range() -> None:
-    from cluster.bench_vs_report import LOADS, LoadResult, median_rounds
+    from cluster.bench.vs_report import LOADS, LoadResult, median_rounds
 
     def result(server: str, load: int, rps: float, ttft: float) -> LoadResult:
         prof = ScenarioProfile(LOADS[load].name, 10, rps, None, [ProcessCost(1, "x", "", rps)])
@@ -357,10 +363,18 @@ def test_median_rounds_picks_each_pairs_median_round_whole_and_reports_the_range
     two, _ = median_rounds(rounds[:2])  # an even count: the lower middle
     assert two[0].value("request_throughput") == 60.0
     assert median_rounds(rounds[:1])[0] == rounds[0]
+    # a round whose client saw more in flight than its concurrency is not a measurement: left out
+    broken = result("vLLM", 0, 41.0, 690.0)
+    broken.metrics["max_concurrent_requests"] = 95
+    ok = result("vLLM", 0, 108.0, 166.0)
+    ok.metrics["max_concurrent_requests"] = 32
+    kept, ranges = median_rounds([[broken], [ok]])
+    assert kept[0] is ok and ranges[("vLLM", LOADS[0].name)] == "108.0–108.0 (1 suspect round(s) left out)"
+    assert median_rounds([[broken]])[0] == [broken]  # nothing else to pick: kept, not dropped
 
 
 def test_ray_is_joined_only_on_loopback() -> None:
-    from cluster.bench_profiler import loopback_refusal
+    from cluster.bench.profiler import loopback_refusal
 
     assert loopback_refusal("127.0.0.1:39867", "0") is None
     assert loopback_refusal("[::1]:6379", "0") is None

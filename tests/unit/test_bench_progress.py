@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from cluster import bench_client
-from cluster.bench import progress_bar
+from cluster.bench import client as bench_client
+from cluster.bench.serving import progress_bar
 
 
 def test_the_bar_counts_each_request_as_it_ends(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.bench_client import flatten_stats, server_root
-from cluster.bench_stats import (
+from cluster.bench.client import flatten_stats, server_root
+from cluster.bench.stats import (
     Comparison,
     Distribution,
     RequestResult,
@@ -19,7 +19,7 @@ from cluster.bench_stats import (
     ratio_table,
     summarize,
 )
-from cluster.bench_workload import WorkloadConfig, build_scenarios
+from cluster.bench.workload import WorkloadConfig, build_scenarios
 
 
 def test_percentile_interpolates_linearly_between_order_statistics() -> None:

@@ -1,8 +1,8 @@
-"""cluster/chaos_stats.py: a fault's figures from hand-built request records."""
+"""cluster/bench/chaos_stats.py: a fault's figures from hand-built request records."""
 
 from __future__ import annotations
 
-from cluster.chaos_stats import Sent, burst_report, fault_report, recovery_s
+from cluster.bench.chaos_stats import Sent, burst_report, fault_report, recovery_s
 
 
 def _steady(t0: float, t1: float, every: float = 0.25) -> list[Sent]:

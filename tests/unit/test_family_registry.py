@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from cluster.tiny_model import FAMILIES
+from encoder_service.encode.models.common import EncoderModel
 from encoder_service.families import (
     ENCODER_FAMILIES,
     FAMILY_NAMES,
@@ -17,8 +18,7 @@ from encoder_service.families import (
     model_type_of,
     vision_largest_item,
 )
-from encoder_service.media import MediaLimits
-from encoder_service.models.common import EncoderModel
+from encoder_service.preprocess.media import MediaLimits
 from llm_service.models import DECODER_FAMILIES
 from tests.unit.qwen2_5_vl_dir import tiny_qwen2_5_vl_dir
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 from PIL import Image
 
-from encoder_service.media import MediaLimits
-from encoder_service.processing import Preprocessor
-from encoder_service.processors.gemma3 import Gemma3Family
-from encoder_service.runner import EncoderRunner
+from encoder_service.encode.runner import EncoderRunner
+from encoder_service.preprocess.media import MediaLimits
+from encoder_service.preprocess.processing import Preprocessor
+from encoder_service.preprocess.processors.gemma3 import Gemma3Family
 from encoder_service.types import MediaRef
 from llm_service.config import EngineConfig
 from llm_service.engine import LLMEngine

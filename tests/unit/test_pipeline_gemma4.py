@@ -13,10 +13,10 @@ import soundfile as sf
 import torch
 from PIL import Image
 
-from encoder_service.media import MediaLimits
-from encoder_service.processing import Preprocessor
-from encoder_service.processors.gemma4 import Gemma4Family
-from encoder_service.runner import EncoderRunner
+from encoder_service.encode.runner import EncoderRunner
+from encoder_service.preprocess.media import MediaLimits
+from encoder_service.preprocess.processing import Preprocessor
+from encoder_service.preprocess.processors.gemma4 import Gemma4Family
 from encoder_service.types import MediaRef
 from llm_service.config import EngineConfig
 from llm_service.engine import LLMEngine

@@ -13,10 +13,10 @@ import pytest
 import torch
 from PIL import Image
 
-from encoder_service.media import MediaLimits
-from encoder_service.media.video import decode_video, sample_frame_indices
-from encoder_service.processing import Preprocessor
-from encoder_service.runner import EncoderRunner
+from encoder_service.encode.runner import EncoderRunner
+from encoder_service.preprocess.media import MediaLimits
+from encoder_service.preprocess.media.video import decode_video, sample_frame_indices
+from encoder_service.preprocess.processing import Preprocessor
 from encoder_service.types import MediaRef
 from llm_service.config import EngineConfig
 from llm_service.engine import LLMEngine

@@ -11,8 +11,8 @@ import pytest
 import torch
 from PIL import Image
 
-from encoder_service.processing import Preprocessor
-from encoder_service.runner import EncoderRunner
+from encoder_service.encode.runner import EncoderRunner
+from encoder_service.preprocess.processing import Preprocessor
 from encoder_service.types import MediaRef
 from llm_service.config import EngineConfig
 from llm_service.engine import LLMEngine
@@ -79,8 +79,8 @@ def test_video_runs_through_the_pipeline_equal_hf(model_dir: Path) -> None:
     from transformers import Qwen3VLForConditionalGeneration
     from transformers.video_utils import VideoMetadata
 
-    from encoder_service.media import MediaLimits
-    from encoder_service.media.video import decode_video, sample_frame_indices
+    from encoder_service.preprocess.media import MediaLimits
+    from encoder_service.preprocess.media.video import decode_video, sample_frame_indices
     from tests.media import make_video_bytes
 
     torch.set_num_threads(1)
@@ -130,7 +130,7 @@ def test_video_cache_hit_builds_the_same_prompt(model_dir: Path) -> None:
     """A hit is never decoded: the entry's grid and frame times alone rebuild the timestamped runs."""
     import pickle
 
-    from encoder_service.media import MediaLimits
+    from encoder_service.preprocess.media import MediaLimits
     from encoder_service.types import EmbeddingMeta
     from tests.media import make_video_bytes
 

@@ -8,7 +8,7 @@ from cluster.budgets import encoder_budgets, largest_item_embeds, row_units
 from cluster.config import ModelConfig
 from cluster.tiny_model.families import ModelSize
 from cluster.tiny_model.qwen3_vl import deepstack_indexes
-from encoder_service.encoder_cache import COMPUTE, EncoderCacheBooks
+from encoder_service.cache.encoder_cache import COMPUTE, EncoderCacheBooks
 from encoder_service.families import TINY_QWEN3_VL_DEEPSTACK_LEVELS, deepstack_row_units
 from encoder_service.types import EmbeddingMeta
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from encoder_service.media import MediaLimits
-from encoder_service.prepared import PreparedItem, PreparedRequest
-from encoder_service.processing import Preprocessor
+from encoder_service.preprocess.media import MediaLimits
+from encoder_service.preprocess.prepared import PreparedItem, PreparedRequest
+from encoder_service.preprocess.processing import Preprocessor
 from encoder_service.types import EmbeddingMeta, MediaRef, PreprocessedRequest
 from llm_service.embeddings import resolve_embeddings
 from llm_service.request_spec import EmbeddingRef, LLMRequestSpec

@@ -94,7 +94,7 @@ def test_hf_processes_and_generates_offline(variant: str) -> None:
 def test_largest_item_is_a_30_s_clip() -> None:
     """Images pool to at most max_soft_tokens (70 here); a clip to at most 750 (30 s, 40 ms each)."""
     from encoder_service.families import largest_item_embeds
-    from encoder_service.media import MediaLimits
+    from encoder_service.preprocess.media import MediaLimits
 
     assert largest_item_embeds(tiny_gemma4_dir(), None, MediaLimits()) == 750
     assert largest_item_embeds(None, "gemma4", MediaLimits()) == 750

@@ -96,8 +96,8 @@ def test_two_images_one_by_http_url(client: OpenAI, app: dict[str, Any], media_s
 
 
 def test_video_matches_hf(client: OpenAI, app: dict[str, Any]) -> None:
-    from encoder_service.media.limits import MediaLimits
-    from encoder_service.media.loader import load_media_sync
+    from encoder_service.preprocess.media.limits import MediaLimits
+    from encoder_service.preprocess.media.loader import load_media_sync
     from encoder_service.types import MediaRef
 
     mp4 = make_video_bytes(width=56, height=56, num_frames=8, fps=4)
@@ -135,8 +135,8 @@ def test_32_concurrent_streams_mixing_modalities(client: OpenAI, app: dict[str, 
     """Images (repeated), a video and audio clips, 32 streams at once; each distinct item encoded once."""
     import librosa
 
-    from encoder_service.media.limits import MediaLimits
-    from encoder_service.media.loader import load_media_sync
+    from encoder_service.preprocess.media.limits import MediaLimits
+    from encoder_service.preprocess.media.loader import load_media_sync
     from encoder_service.types import MediaRef
 
     images = [make_image_bytes(56 + 28 * (i % 2), 56, seed=100 + i) for i in range(4)]

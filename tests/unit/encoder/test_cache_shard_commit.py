@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from encoder_service.cache_index import CacheIndexShard
-from encoder_service.encoder_cache import COMPUTE, HIT
+from encoder_service.cache.cache_index import CacheIndexShard
+from encoder_service.cache.encoder_cache import COMPUTE, HIT
 from encoder_service.types import EmbeddingMeta
 
 H = "ab" * 32

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from encoder_service.cache_index import CacheIndexShard
-from encoder_service.encoder_cache import COMPUTE, WAIT
+from encoder_service.cache.cache_index import CacheIndexShard
+from encoder_service.cache.encoder_cache import COMPUTE, WAIT
 
 A, B = "aa" * 32, "bb" * 32
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from encoder_service.call_coalescing import CallCoalescer
+from encoder_service.cache.call_coalescing import CallCoalescer
 
 
 async def settle() -> None:

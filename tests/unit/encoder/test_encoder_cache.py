@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from encoder_service.encoder_cache import COMPUTE, HIT, WAIT, EncoderCacheBooks
-from encoder_service.errors import EncoderCacheFull
-from encoder_service.processor_cache import ProcessorCache
+from encoder_service.cache.encoder_cache import COMPUTE, HIT, WAIT, EncoderCacheBooks
+from encoder_service.preprocess.errors import EncoderCacheFull
+from encoder_service.preprocess.processor_cache import ProcessorCache
 from encoder_service.types import EmbeddingMeta, EncoderInput
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from encoder_service.encoder_cache import COMPUTE, EncoderCacheBooks
+from encoder_service.cache.encoder_cache import COMPUTE, EncoderCacheBooks
 from encoder_service.types import EmbeddingMeta
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from encoder_service.encoder_queue import EncoderQueue
+from encoder_service.encode.encoder_queue import EncoderQueue
 
 
 @dataclass
@@ -43,7 +43,7 @@ def test_an_item_larger_than_a_step_is_refused_at_admission() -> None:
 
 
 def test_fifo_bound_refuses_a_request_that_would_overflow_it_unless_empty() -> None:
-    from encoder_service.encoder_queue import EncoderOverloaded
+    from encoder_service.encode.encoder_queue import EncoderOverloaded
 
     q: EncoderQueue[E] = EncoderQueue(100, lambda e: False, max_queued_embeds=150)
     q.admit([E("x", 120), E("x", 80)])  # empty FIFO: taken whatever its size

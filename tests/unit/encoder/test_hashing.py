@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from encoder_service.hashing import compute_mm_hash, uuid_alias_key
+from encoder_service.preprocess.hashing import compute_mm_hash, uuid_alias_key
 from tests.media import make_image_bytes
 
 KW = {"size": {"shortest_edge": 3136, "longest_edge": 802816}, "patch_size": 14, "merge_size": 2}
@@ -15,7 +15,7 @@ KW = {"size": {"shortest_edge": 3136, "longest_edge": 802816}, "patch_size": 14,
 def test_same_hash_in_another_process():
     data = make_image_bytes(32, 24)
     code = (
-        "import sys; from encoder_service.hashing import compute_mm_hash; from tests.media import make_image_bytes;"
+        "import sys; from encoder_service.preprocess.hashing import compute_mm_hash; from tests.media import make_image_bytes;"
         f"print(compute_mm_hash('m', 'image', data=make_image_bytes(32, 24), processor_kwargs={KW!r}))"
     )
     root = Path(__file__).resolve().parents[3]

@@ -9,11 +9,16 @@ import zlib
 import pytest
 from PIL import Image
 
-from cluster.bench_media import make_image_array, make_image_bytes
-from encoder_service.errors import MediaDecodeError, MediaError, MediaTooLarge, UnsupportedMediaType
-from encoder_service.media import MediaLimits
-from encoder_service.media.image import decode_image, decode_image_scaled
-from encoder_service.processing import Preprocessor
+from cluster.bench.media import make_image_array, make_image_bytes
+from encoder_service.preprocess.errors import (
+    MediaDecodeError,
+    MediaError,
+    MediaTooLarge,
+    UnsupportedMediaType,
+)
+from encoder_service.preprocess.media import MediaLimits
+from encoder_service.preprocess.media.image import decode_image, decode_image_scaled
+from encoder_service.preprocess.processing import Preprocessor
 from encoder_service.types import MediaRef
 
 LIMITS = MediaLimits(max_pixels=4096 * 4096)

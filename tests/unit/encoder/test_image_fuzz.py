@@ -12,11 +12,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from cluster.bench_media import make_image_array
-from encoder_service.errors import MediaError
-from encoder_service.media import MediaLimits
-from encoder_service.media.image import ALLOWED_IMAGE_FORMATS, decode_image_scaled
-from encoder_service.processing import Preprocessor
+from cluster.bench.media import make_image_array
+from encoder_service.preprocess.errors import MediaError
+from encoder_service.preprocess.media import MediaLimits
+from encoder_service.preprocess.media.image import ALLOWED_IMAGE_FORMATS, decode_image_scaled
+from encoder_service.preprocess.processing import Preprocessor
 from encoder_service.types import MediaRef
 
 # Mutations may declare large sizes; this bound keeps a decode (and the test's memory) small.

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from cluster.bench_media import make_image_array
-from encoder_service.processors.pil_view import rgb_view
+from cluster.bench.media import make_image_array
+from encoder_service.preprocess.processors.pil_view import rgb_view
 
 
 @pytest.mark.parametrize(("w", "h", "zero_copy"), [(64, 48, True), (1, 1, True), (2100, 2100, False)])

@@ -16,12 +16,12 @@ import torch
 from PIL import Image
 from transformers import AutoImageProcessor
 
-from cluster.bench_media import make_image_array
-from encoder_service.hashing import compute_mm_hash
-from encoder_service.media import MediaLimits
-from encoder_service.media.image import decode_image_scaled
-from encoder_service.processing import Preprocessor
-from encoder_service.processors.qwen2_vl_image import Qwen2VLImageTransform
+from cluster.bench.media import make_image_array
+from encoder_service.preprocess.hashing import compute_mm_hash
+from encoder_service.preprocess.media import MediaLimits
+from encoder_service.preprocess.media.image import decode_image_scaled
+from encoder_service.preprocess.processing import Preprocessor
+from encoder_service.preprocess.processors.qwen2_vl_image import Qwen2VLImageTransform
 from encoder_service.types import MediaRef
 
 LIMITS = MediaLimits()

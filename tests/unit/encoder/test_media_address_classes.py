@@ -10,9 +10,9 @@ import ipaddress
 
 import pytest
 
-from encoder_service.errors import URLNotAllowed
-from encoder_service.media.address_classes import address_refusal
-from encoder_service.media.url_safety import check_addresses, resolve_checked
+from encoder_service.preprocess.errors import URLNotAllowed
+from encoder_service.preprocess.media.address_classes import address_refusal
+from encoder_service.preprocess.media.url_safety import check_addresses, resolve_checked
 
 # one address inside every IPv4 special-purpose block (and its edges where the old check slipped)
 REFUSED_V4 = [

@@ -21,10 +21,10 @@ import pytest
 import soundfile as sf
 from PIL import Image
 
-from encoder_service.errors import MediaTooLarge
-from encoder_service.media import MediaLimits
-from encoder_service.media.fetch import FetchedMedia
-from encoder_service.media.loader import decode_media
+from encoder_service.preprocess.errors import MediaTooLarge
+from encoder_service.preprocess.media import MediaLimits
+from encoder_service.preprocess.media.fetch import FetchedMedia
+from encoder_service.preprocess.media.loader import decode_media
 from tests.media import make_video_bytes
 from tests.unit.encoder.test_media_samples import encode_video, flac_bomb
 
@@ -66,10 +66,10 @@ def _rss_growth_mb(data: bytes, modality: str, limits: str, tmp_path) -> int:
     script = textwrap.dedent(
         f"""
         import sys
-        from encoder_service.errors import MediaTooLarge
-        from encoder_service.media import MediaLimits
-        from encoder_service.media.fetch import FetchedMedia
-        from encoder_service.media.loader import decode_media
+        from encoder_service.preprocess.errors import MediaTooLarge
+        from encoder_service.preprocess.media import MediaLimits
+        from encoder_service.preprocess.media.fetch import FetchedMedia
+        from encoder_service.preprocess.media.loader import decode_media
         import av, soundfile, soxr  # loaded before the baseline, as in a serving process
         def peak_kb():  # VmHWM: this process image's peak RSS (ru_maxrss carries the parent's over exec)
             line = [ln for ln in open("/proc/self/status") if ln.startswith("VmHWM:")][0]

@@ -13,11 +13,11 @@ import av
 import numpy as np
 import pytest
 
-from encoder_service.errors import MediaError, UnsupportedMediaType
-from encoder_service.media import MediaLimits
-from encoder_service.media.containers import SAFE_CONTAINER_OPTIONS, sniff_container
-from encoder_service.media.fetch import FetchedMedia
-from encoder_service.media.loader import decode_media
+from encoder_service.preprocess.errors import MediaError, UnsupportedMediaType
+from encoder_service.preprocess.media import MediaLimits
+from encoder_service.preprocess.media.containers import SAFE_CONTAINER_OPTIONS, sniff_container
+from encoder_service.preprocess.media.fetch import FetchedMedia
+from encoder_service.preprocess.media.loader import decode_media
 from tests.media import make_audio_bytes, make_video_bytes
 from tests.unit.encoder.test_media_samples import encode_audio, encode_video
 

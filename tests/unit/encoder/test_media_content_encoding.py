@@ -14,9 +14,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from encoder_service.errors import MediaError, MediaFetchError, MediaTooLarge, UnsupportedMediaType
-from encoder_service.media import MediaLimits, load_media_sync
-from encoder_service.media.content_encoding import CappedDecoder
+from encoder_service.preprocess.errors import MediaError, MediaFetchError, MediaTooLarge, UnsupportedMediaType
+from encoder_service.preprocess.media import MediaLimits, load_media_sync
+from encoder_service.preprocess.media.content_encoding import CappedDecoder
 from encoder_service.types import MediaRef
 from tests.media import make_audio_bytes
 

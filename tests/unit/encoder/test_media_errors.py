@@ -17,7 +17,7 @@ import pytest
 import soundfile as sf
 from PIL import UnidentifiedImageError
 
-from encoder_service.errors import (
+from encoder_service.preprocess.errors import (
     InvalidMediaInput,
     MediaDecodeError,
     MediaError,
@@ -26,9 +26,9 @@ from encoder_service.errors import (
     decoder_error,
     decoding,
 )
-from encoder_service.media import MediaLimits
-from encoder_service.media.fetch import FetchedMedia
-from encoder_service.media.loader import decode_media
+from encoder_service.preprocess.media import MediaLimits
+from encoder_service.preprocess.media.fetch import FetchedMedia
+from encoder_service.preprocess.media.loader import decode_media
 from tests.media import make_audio_bytes, make_image_bytes, make_video_bytes
 
 

@@ -16,10 +16,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from encoder_service.errors import MediaError
-from encoder_service.media import MediaLimits
-from encoder_service.media.fetch import FetchedMedia
-from encoder_service.media.loader import LoadedMedia, decode_media
+from encoder_service.preprocess.errors import MediaError
+from encoder_service.preprocess.media import MediaLimits
+from encoder_service.preprocess.media.fetch import FetchedMedia
+from encoder_service.preprocess.media.loader import LoadedMedia, decode_media
 from tests.media import make_audio_bytes, make_image_bytes
 from tests.unit.encoder.test_media_samples import encode_audio, encode_video
 

@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 
-from encoder_service.errors import (
+from encoder_service.preprocess.errors import (
     MediaDecodeError,
     MediaError,
     MediaFetchTimeout,
@@ -24,7 +24,7 @@ from encoder_service.errors import (
     UnsupportedMediaType,
     URLNotAllowed,
 )
-from encoder_service.media import MediaLimits, load_media_sync
+from encoder_service.preprocess.media import MediaLimits, load_media_sync
 from encoder_service.types import MediaRef
 from tests.media import make_audio_bytes, make_image_bytes, make_video_bytes
 
@@ -222,7 +222,7 @@ def test_redirect_rechecked_per_hop(server):
 def test_a_large_data_url_is_decoded_off_the_event_loop_with_the_same_bytes_and_errors(monkeypatch):
     import asyncio
 
-    from encoder_service.media import fetch
+    from encoder_service.preprocess.media import fetch
 
     monkeypatch.setattr(fetch, "THREAD_DECODE_CHARS", 512 * 1024)  # 8 MiB by default: a smaller body does
     big = make_image_bytes(600, 400, seed=3)  # a noisy PNG: well past that threshold as base64

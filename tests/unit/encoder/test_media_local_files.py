@@ -15,9 +15,9 @@ import time
 
 import pytest
 
-from encoder_service.errors import InvalidMediaInput, MediaError, MediaTooLarge, URLNotAllowed
-from encoder_service.media import MediaLimits
-from encoder_service.media.fetch import fetch_media_bytes, read_local_file
+from encoder_service.preprocess.errors import InvalidMediaInput, MediaError, MediaTooLarge, URLNotAllowed
+from encoder_service.preprocess.media import MediaLimits
+from encoder_service.preprocess.media.fetch import fetch_media_bytes, read_local_file
 from encoder_service.types import MediaRef
 
 

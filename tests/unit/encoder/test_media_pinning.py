@@ -16,10 +16,10 @@ import httpcore
 import httpx
 import pytest
 
-from encoder_service.errors import URLNotAllowed
-from encoder_service.media import MediaLimits
-from encoder_service.media.fetch import fetch_http
-from encoder_service.media.pinned_client import PinnedBackend, PinnedClient
+from encoder_service.preprocess.errors import URLNotAllowed
+from encoder_service.preprocess.media import MediaLimits
+from encoder_service.preprocess.media.fetch import fetch_http
+from encoder_service.preprocess.media.pinned_client import PinnedBackend, PinnedClient
 
 PUBLIC, PUBLIC2 = "93.184.216.34", "93.184.216.35"
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: image/png\r\nContent-Length: 3\r\n\r\nabc"
@@ -126,7 +126,7 @@ def test_backend_maps_host_to_pinned_addresses_only():
 
 
 def test_pins_are_bounded_oldest_first():
-    from encoder_service.media.pinned_client import MAX_PINS
+    from encoder_service.preprocess.media.pinned_client import MAX_PINS
 
     backend = PinnedBackend(FakeNetwork({}))
     for i in range(MAX_PINS + 10):

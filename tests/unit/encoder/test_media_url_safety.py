@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from encoder_service.errors import URLNotAllowed
-from encoder_service.media.url_safety import (
+from encoder_service.preprocess.errors import URLNotAllowed
+from encoder_service.preprocess.media.url_safety import (
     CheckedHost,
     address_refusal,
     check_url,

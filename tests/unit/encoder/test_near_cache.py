@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from encoder_service.near_cache import NearCache
+from encoder_service.cache.near_cache import NearCache
 from encoder_service.types import EmbeddingMeta
 from tests.fakes import Clock
 
@@ -62,7 +62,7 @@ def test_a_prepare_reply_carries_its_metas_across_pickling() -> None:
     """What the ingress's near cache learns from a ``prepare`` reply survives Ray's pickling."""
     import pickle
 
-    from encoder_service.prepared import PreparedItem, PreparedRequest
+    from encoder_service.preprocess.prepared import PreparedItem, PreparedRequest
 
     meta = EmbeddingMeta("h", "video", 12, 8, "float32", (2, 4, 6), 0.5, [0.0, 1.0], units=2)
     prepared = PreparedRequest([1] * 20, [PreparedItem("h", "video", 3, 12, (2, 4, 6), ["r"])], 1, {}, [meta])

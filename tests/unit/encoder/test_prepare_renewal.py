@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from encoder_service.encoder_cache import COMPUTE
-from encoder_service.prepare import RequestPreparer
+from encoder_service.cache.encoder_cache import COMPUTE
+from encoder_service.preprocess.prepare import RequestPreparer
 
 
 class Cache:

@@ -11,10 +11,10 @@ import pytest
 import torch
 from PIL import Image
 
-from encoder_service.errors import MediaError, MMCacheMiss, TooManyItems
-from encoder_service.media import MediaLimits
-from encoder_service.media.video import decode_video
-from encoder_service.processing import Preprocessor
+from encoder_service.preprocess.errors import MediaError, MMCacheMiss, TooManyItems
+from encoder_service.preprocess.media import MediaLimits
+from encoder_service.preprocess.media.video import decode_video
+from encoder_service.preprocess.processing import Preprocessor
 from encoder_service.types import EmbeddingMeta, MediaRef
 from tests.media import make_audio_bytes, make_image_bytes, make_video_bytes
 

@@ -1,11 +1,11 @@
-"""``python -m encoder_service.bench_preprocess`` runs and prints its table (no timing is asserted:
+"""``python -m cluster.bench.preprocess`` runs and prints its table (no timing is asserted:
 benchmarks print numbers, tests check that the tool works)."""
 
 from __future__ import annotations
 
 import pytest
 
-from encoder_service import bench_preprocess
+from cluster.bench import preprocess as bench_preprocess
 
 
 def test_bench_prints_every_row(tiny_vl_dir, capsys: pytest.CaptureFixture[str]):

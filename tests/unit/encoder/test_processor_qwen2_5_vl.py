@@ -11,10 +11,10 @@ import pytest
 import torch
 from PIL import Image
 
-from encoder_service.media import MediaLimits
-from encoder_service.media.video import decode_video
-from encoder_service.processing import Preprocessor
-from encoder_service.processors import Qwen25VLFamily, load_family_processor
+from encoder_service.preprocess.media import MediaLimits
+from encoder_service.preprocess.media.video import decode_video
+from encoder_service.preprocess.processing import Preprocessor
+from encoder_service.preprocess.processors import Qwen25VLFamily, load_family_processor
 from encoder_service.types import MediaRef
 from tests.media import make_image_bytes, make_video_bytes
 from tests.unit.qwen2_5_vl_dir import tiny_qwen2_5_vl_dir

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from encoder_service.recent_values import RecentValues
+from encoder_service.encode.recent_values import RecentValues
 
 
 def test_keeps_small_values_and_lets_the_oldest_go() -> None:

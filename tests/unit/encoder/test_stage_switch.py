@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from encoder_service.metrics import media_stages, stage, stage_metrics_on
+from encoder_service.serve.metrics import media_stages, stage, stage_metrics_on
 
 
 @pytest.mark.parametrize("value", ["0", "false", "off", "no"])

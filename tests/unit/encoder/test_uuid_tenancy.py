@@ -7,11 +7,11 @@ import asyncio
 
 import pytest
 
-from encoder_service.errors import MMCacheMiss
-from encoder_service.media import MediaLimits
-from encoder_service.processing import Preprocessor
+from encoder_service.cache.uuid_aliases import LocalAliases, UuidAliases
+from encoder_service.preprocess.errors import MMCacheMiss
+from encoder_service.preprocess.media import MediaLimits
+from encoder_service.preprocess.processing import Preprocessor
 from encoder_service.types import EmbeddingMeta, MediaRef
-from encoder_service.uuid_aliases import LocalAliases, UuidAliases
 from tests.media import make_image_bytes
 
 RED, BLUE, GREEN = (make_image_bytes(64, 48, seed=s) for s in (1, 2, 3))

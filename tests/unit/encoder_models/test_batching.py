@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from encoder_service.batching import EncoderBudgetError, plan_encoder_batches, split_items_across_ranks
+from encoder_service.encode.batching import EncoderBudgetError, plan_encoder_batches, split_items_across_ranks
 
 
 def test_plan_respects_budget_and_order() -> None:

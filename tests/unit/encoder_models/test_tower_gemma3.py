@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from encoder_service.runner import EncoderRunner
+from encoder_service.encode.runner import EncoderRunner
 from encoder_service.types import EncoderInput
 from tests.media import make_image_array
 from tests.unit.encoder_models.inputs import processor

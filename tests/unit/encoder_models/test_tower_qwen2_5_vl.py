@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import torch
 
-from encoder_service.models.qwen2_5_vl_vision import window_order
-from encoder_service.runner import EncoderRunner
+from encoder_service.encode.models.qwen2_5_vl_vision import window_order
+from encoder_service.encode.runner import EncoderRunner
 from encoder_service.types import EncoderInput
 from tests.unit.encoder_models.inputs import image_input, video_input
 from tests.unit.qwen2_5_vl_dir import tiny_qwen2_5_vl_dir

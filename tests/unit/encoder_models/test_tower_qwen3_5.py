@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from encoder_service.encode.runner import EncoderRunner
 from encoder_service.families import encoder_family, row_units
-from encoder_service.runner import EncoderRunner
 from encoder_service.types import EncoderInput
 from tests.unit.encoder_models.inputs import image_input, video_input
 from tests.unit.qwen3_5_dir import tiny_qwen3_5_dir

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from encoder_service.models.qwen3_vl_vision import bilinear_taps
-from encoder_service.runner import EncoderRunner
+from encoder_service.encode.models.qwen3_vl_vision import bilinear_taps
+from encoder_service.encode.runner import EncoderRunner
 from encoder_service.types import EncoderInput
 from tests.unit.encoder_models.inputs import image_input, video_input
 from tests.unit.qwen3_vl_dir import tiny_qwen3_vl_dir

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from encoder_service.batching import EncoderBudgetError
-from encoder_service.models import load_encoder_model
-from encoder_service.runner import EncoderRunner
-from encoder_service.tp.parallel import TPContext
+from encoder_service.encode.batching import EncoderBudgetError
+from encoder_service.encode.models import load_encoder_model
+from encoder_service.encode.runner import EncoderRunner
+from encoder_service.encode.tp.parallel import TPContext
 from encoder_service.types import EncoderInput
 from tests.media import make_audio_array
 from tests.unit.encoder_models.inputs import audio_input, image_input, processor, video_input

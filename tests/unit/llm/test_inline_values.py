@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from encoder_service.deployment import stored_form
-from encoder_service.prepared import PreparedItem, PreparedRequest, with_values
+from encoder_service.preprocess.prepared import PreparedItem, PreparedRequest, with_values
+from encoder_service.serve.deployment import stored_form
 from llm_service.embeddings import EmbeddingsLost, resolve_embeddings
 from llm_service.request_spec import EmbeddingRef, LLMRequestSpec
 from llm_service.sampling_params import SamplingParams

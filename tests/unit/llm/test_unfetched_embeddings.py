@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from llm_service.config import EngineConfig
-from llm_service.deployment import LLMServer
 from llm_service.request_spec import EmbeddingRef, LLMRequestSpec
+from llm_service.serve.deployment import LLMServer
 from router.llm_client import LLMClient
 from tests.unit.llm.hf_ref import GREEDY, IMG, N, build_case, hf_generate, hf_model, image
 from tests.unit.router.test_llm_client import FakeLLMHandle

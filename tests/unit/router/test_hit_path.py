@@ -20,13 +20,13 @@ from typing import Any
 
 import pytest
 
-from encoder_service.cache_client import EncoderCacheClient
-from encoder_service.cache_index import CacheIndexShard
-from encoder_service.media import MediaLimits
-from encoder_service.near_cache import NearCache
-from encoder_service.prepare import RequestPreparer
-from encoder_service.prepared import LookedUp
-from encoder_service.processing import Preprocessor
+from encoder_service.cache.cache_client import EncoderCacheClient
+from encoder_service.cache.cache_index import CacheIndexShard
+from encoder_service.cache.near_cache import NearCache
+from encoder_service.preprocess.media import MediaLimits
+from encoder_service.preprocess.prepare import RequestPreparer
+from encoder_service.preprocess.prepared import LookedUp
+from encoder_service.preprocess.processing import Preprocessor
 from encoder_service.types import EmbeddingMeta, EncodeBatch, EncodedItem, MediaRef
 from llm_service.outputs import RequestOutput
 from llm_service.sampling_params import SamplingParams

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 from typing import Any
 
 from llm_service.config import EngineConfig
-from llm_service.deployment import LLMServer
 from llm_service.request_spec import LLMRequestSpec, ReplicaTarget
 from llm_service.sampling_params import SamplingParams
+from llm_service.serve.deployment import LLMServer
 from router.llm_client import LLMClient
 from tests.unit.llm.test_engine_loop import PROMPT, FakeEngine
 

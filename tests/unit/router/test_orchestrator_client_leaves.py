@@ -11,8 +11,8 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
-from encoder_service.cache_client import EncoderCacheClient
-from encoder_service.cache_index import CacheIndexShard
+from encoder_service.cache.cache_client import EncoderCacheClient
+from encoder_service.cache.cache_index import CacheIndexShard
 from encoder_service.types import EncodeBatch, EncodedItem
 from tests.unit.router.test_orchestrator_lost_embeddings import (
     H1,

@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 from ray.exceptions import ActorDiedError, OwnerDiedError, RayTaskError
 
-from encoder_service.cache_client import EncoderCacheClient
-from encoder_service.cache_index import CacheIndexShard
-from encoder_service.hashing import compute_mm_hash
-from encoder_service.prepare import RequestPreparer
+from encoder_service.cache.cache_client import EncoderCacheClient
+from encoder_service.cache.cache_index import CacheIndexShard
+from encoder_service.preprocess.hashing import compute_mm_hash
+from encoder_service.preprocess.prepare import RequestPreparer
 from encoder_service.types import (
     EmbeddingMeta,
     EncodeBatch,

@@ -177,7 +177,7 @@ def test_error_mapping_unwraps_causes() -> None:
 
 
 def test_service_unavailable_errors_map_to_503_with_retry_after() -> None:
-    from encoder_service.errors import EncoderCacheBusy
+    from encoder_service.preprocess.errors import EncoderCacheBusy
 
     class Wrapper(Exception):
         def __init__(self, cause: BaseException) -> None:

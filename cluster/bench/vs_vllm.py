@@ -1,0 +1,376 @@
+"""mmserve against vLLM 0.32 (CPU), one server after the other, same model directory, same load from
+vLLM's own client: ``python -m cluster.bench.vs_vllm``.
+
+For each server: start it on 127.0.0.1, wait for ``/health``, run one unmeasured warm-up pass, then
+``vllm bench serve`` (``--backend openai-chat``, streaming, ``ignore_eos``, temperature 0) for every
+load: 1 image of 64-224 px + 64 random text tokens and 16 output tokens (``random-mm``) at 128 requests
+and concurrency 32 and at 48 requests and concurrency 1, the same lengths text only (``random``) at
+concurrency 32, and 256 image requests arriving at random at 30 per second (an open loop: below both
+servers' capacity here, so each request's TTFT is what it waits at that load, not a share of a
+closed loop's fixed round trip); stop it. ``--loads`` picks some. Every load uses the same seed on
+both servers, so both see the same requests. Around every load it reads the CPU time of each process of the server's tree (``/proc``) and
+reports CPU-ms per completed request; the window opens when the client first connects (not when it
+starts: it spends ~10 s importing vLLM and drawing its dataset, while the server idles). Needs the
+peer venv: ``../shared/tools/peer_vllm/setup.sh``.
+
+The servers (``--servers``, in order): ``vllm``; ``mmserve`` (``mmserve serve --model DIR``); ``cluster``,
+the cluster deployment as the README tells users to start it (``ray start --head --num-cpus=4`` with
+the README's environment, then ``serve deploy`` of ``cluster/deploy/serve-cpu.yaml`` with only the
+model's path and name and Serve's HTTP port rewritten); ``cluster2``, the same on a local two-node
+cluster: ``ray start --head --num-cpus=2 --resources='{"encoder_node": 1}'`` and ``ray start
+--address=HEAD --num-cpus=2 --resources='{"llm_node": 1}'``, the encoder pool asking for a sliver of
+``encoder_node`` and the LLM pool of ``llm_node`` (added to the config where it sets no resources), so
+embeddings cross from one raylet's object store to the other's. A cluster's CPU counts every process
+of it (GCS, raylets, dashboard, monitors, agents, Serve's controller, proxy and replicas).
+
+``--mmserve-baseline DIR`` also runs mmserve from another checkout (e.g. ``git archive <commit> | tar -x
+-C DIR``), so a change is measured before and after in one run, under the same conditions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from cluster.bench import plots as bench_plots
+from cluster.bench.cpu_profile import IdleProfile, ScenarioProfile, process_costs
+from cluster.bench.procs import CLOCK_TICKS_PER_S, anyone_connected_to
+from cluster.bench.servers import BenchServer, ClusterServer, RayNode, ServerProcess
+from cluster.bench.vs_report import (
+    WARMUP,
+    Load,
+    LoadResult,
+    median_rounds,
+    render,
+    results_json,
+    select_loads,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+BUCKETS = "{(64, 64, 1): 0.25, (112, 112, 1): 0.25, (168, 168, 1): 0.25, (224, 224, 1): 0.25}"
+QUIET_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
+ENCODER_NODE, LLM_NODE = {"encoder_node": 0.001}, {"llm_node": 0.001}  # as serve-gpu.yaml asks
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+
+
+def bench_argv(args: argparse.Namespace, load: Load, base_url: str, seed: int, result: Path) -> list[str]:
+    """``vllm bench serve`` as ``run_bench_against.sh`` of the peer folder runs it, for one load."""
+    argv = [str(args.vllm_venv / "bin/python"), str(args.peer_dir / "vllm_cli.py"), "bench", "serve"]
+    argv += ["--backend", "openai-chat", "--base-url", base_url, "--endpoint", "/v1/chat/completions"]
+    argv += ["--model", args.served_name, "--tokenizer", str(args.model_dir), "--dataset-name", load.dataset]
+    argv += ["--num-prompts", str(load.num_prompts), "--max-concurrency", str(load.concurrency)]
+    argv += ["--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len)]
+    argv += ["--random-range-ratio", "0.0"]
+    if load.dataset == "random-mm":
+        argv += ["--random-mm-base-items-per-request", str(load.items)]
+        argv += ["--random-mm-num-mm-items-range-ratio", "0"]
+        argv += [
+            "--random-mm-limit-mm-per-prompt",
+            json.dumps({"image": load.items, "video": 0}),
+            "--random-mm-bucket-config",
+            BUCKETS,
+        ]
+    argv += [
+        "--request-rate",
+        str(load.request_rate),
+        "--seed",
+        str(seed),
+        "--temperature",
+        "0",
+        "--num-warmups",
+        "1",
+        "--ignore-eos",
+    ]
+    argv += ["--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99"]
+    argv += ["--ready-check-timeout-sec", "60", "--disable-tqdm", "--save-result"]
+    argv += ["--result-dir", str(result.parent), "--result-filename", result.name]
+    return argv
+
+
+def make_servers(args: argparse.Namespace) -> dict[str, BenchServer]:
+    common = ["--host", "127.0.0.1"]
+    vllm_env = {**QUIET_ENV, "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    iomp = args.vllm_venv / "lib/libiomp5.so"
+    if TCMALLOC.exists() and iomp.exists():  # as vLLM's CPU docs ask (~30 % more throughput here)
+        vllm_env["LD_PRELOAD"] = f"{TCMALLOC}:{iomp}"
+    py, cli = str(args.vllm_venv / "bin/python"), str(args.peer_dir / "vllm_cli.py")
+    vllm_argv = [py, cli, "serve", str(args.model_dir), "--served-model-name", args.served_name, *common]
+    vllm_argv += ["--port", str(args.vllm_port), "--max-model-len", "4096", "--dtype", "float32"]
+    vllm_log = args.out_dir / "vllm-serve.log"
+    vllm = ServerProcess("vLLM", vllm_argv, args.vllm_port, vllm_log, env=vllm_env, root_kind="API server")
+    servers: dict[str, BenchServer] = {
+        "vllm": vllm,
+        "mmserve": mmserve_server(args, "mmserve", args.mmserve_root, args.mmserve_port),
+        "cluster": cluster_server(args, "cluster", args.cluster_port, [RayNode(args.cluster_num_cpus)]),
+        "cluster2": cluster_server(
+            args,
+            "cluster2",
+            args.cluster2_port,
+            [
+                RayNode(args.cluster_num_cpus // 2, {"encoder_node": 1}),
+                RayNode(args.cluster_num_cpus - args.cluster_num_cpus // 2, {"llm_node": 1}),
+            ],
+            markers={"encoder": ENCODER_NODE, "llm": LLM_NODE},
+        ),
+    }
+    if args.mmserve_baseline is not None:
+        base = args.mmserve_baseline
+        servers["baseline"] = mmserve_server(args, "mmserve@baseline", base, args.baseline_port)
+    return servers
+
+
+def mmserve_server(args: argparse.Namespace, name: str, root: Path, port: int) -> ServerProcess:
+    """``mmserve serve`` of the checkout at ``root`` (its own ``cluster`` package, this venv)."""
+    argv = [sys.executable, "-m", "cluster.cli", "serve", "--model", str(args.model_dir)]
+    argv += ["--model-name", args.served_name, "--host", "127.0.0.1", "--port", str(port)]
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    log_path = args.out_dir / f"{name}-serve.log"
+    return ServerProcess(name, argv, port, log_path, env=env, cwd=root, root_kind="Ray driver")
+
+
+def cluster_server(
+    args: argparse.Namespace,
+    name: str,
+    port: int,
+    nodes: list[RayNode],
+    markers: dict[str, dict[str, float]] | None = None,
+) -> ClusterServer:
+    """``ray start`` of ``nodes`` and ``serve deploy`` of ``--cluster-config``, importing the app from
+    ``--mmserve-root`` (cluster.bench.local_cluster: the README's environment, its own HOME and temp dir)."""
+    return ClusterServer(
+        name,
+        args.cluster_config,
+        port,
+        args.model_dir,
+        args.served_name,
+        args.out_dir,
+        nodes,
+        markers or {},
+        root=args.mmserve_root,
+        env=dict(kv.split("=", 1) for kv in args.cluster_env),
+    )
+
+
+def run_load(
+    args: argparse.Namespace, server: BenchServer, load: Load, seed: int, round_no: int = 0
+) -> LoadResult:
+    """One ``vllm bench serve`` run. The client takes seconds to start (importing vLLM, drawing its
+    dataset) before its first connection, while the server idles; the CPU window opens at that
+    connection (its ready check, then the run) and closes when the client exits, and the JSON keeps
+    it (``window_s``) beside the run's own ``duration``."""
+    rate = "" if math.isinf(load.request_rate) else f"-r{load.request_rate:g}"
+    name = f"{server.name}-{load.dataset}-c{load.concurrency}{rate}-n{load.num_prompts}-round{round_no}"
+    result = args.out_dir / f"{name}.json"  # one per round: --json keeps only each pair's median
+    argv = bench_argv(args, load, server.base_url, seed, result)
+    log_path = result.with_suffix(".log")
+    with log_path.open("wb") as out:
+        client = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **QUIET_ENV})
+        while client.poll() is None and not anyone_connected_to(server.port):
+            time.sleep(0.02)
+        before = server.snapshot()
+        t0 = time.monotonic()
+        rc = client.wait()
+        window_s = time.monotonic() - t0
+    after = server.snapshot()
+    if rc != 0 or not result.exists():
+        raise RuntimeError(f"vllm bench serve failed ({rc}) for {server.name} / {load.name}; see {log_path}")
+    metrics = json.loads(result.read_text())
+    metrics["window_s"] = window_s
+    profile = ScenarioProfile(
+        name=load.name,
+        requests=int(metrics["completed"]),
+        request_throughput=float(metrics["request_throughput"]),
+        ttft_p50_s=float(metrics["median_ttft_ms"]) / 1000,
+        costs=process_costs(before, after, CLOCK_TICKS_PER_S),
+    )
+    log(
+        f"{server.name} / {load.name}: {metrics['completed']} ok, {metrics.get('failed', 0)} failed, "
+        f"{metrics['request_throughput']:.1f} req/s, mean TTFT {metrics['mean_ttft_ms']:.0f} ms; "
+        f"run {float(metrics.get('duration') or 0):.1f} s of a {window_s:.1f} s CPU window"
+    )
+    return LoadResult(server.name, load, metrics, profile)
+
+
+def run_server(
+    args: argparse.Namespace, server: BenchServer, round_no: int = 0
+) -> tuple[list[LoadResult], IdleProfile]:
+    log(f"starting {server.name}: {server.describe()}")
+    try:
+        server.start()
+        log(f"{server.name} healthy after {server.wait_healthy(args.startup_timeout):.0f} s")
+        run_load(args, server, WARMUP, seed=1000)
+        idle = measure_idle(server, args.idle_seconds)
+        return [run_load(args, server, load, args.seed, round_no) for load in args.loads], idle
+    finally:
+        server.stop()
+        left = server.leftovers()
+        log(f"{server.name} stopped" + (f"; still alive: {left}" if left else ""))
+
+
+def measure_idle(server: BenchServer, seconds: float) -> IdleProfile:
+    """The server's background CPU with nothing in flight (health checks, metrics, autoscaling)."""
+    before = server.snapshot()
+    t0 = time.monotonic()
+    time.sleep(seconds)
+    after = server.snapshot()
+    return IdleProfile(time.monotonic() - t0, process_costs(before, after, CLOCK_TICKS_PER_S))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m cluster.bench.vs_vllm", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-dir", type=Path, default=Path("/tmp/peer_vllm/tiny-qwen2-vl"))
+    p.add_argument("--served-name", default="tiny-qwen2-vl")
+    p.add_argument("--peer-dir", type=Path, default=REPO.parent / "shared/tools/peer_vllm")
+    p.add_argument("--vllm-venv", type=Path, default=Path("/tmp/peer_vllm/venv"))
+    p.add_argument("--mmserve-root", type=Path, default=REPO, help="checkout whose `cluster.cli serve` runs")
+    p.add_argument("--vllm-port", type=int, default=8711)
+    p.add_argument("--mmserve-port", type=int, default=8712)
+    p.add_argument(
+        "--mmserve-baseline", type=Path, help="also run mmserve from this checkout, as `mmserve@baseline`"
+    )
+    p.add_argument("--baseline-port", type=int, default=8713)
+    p.add_argument("--cluster-port", type=int, default=8714)
+    p.add_argument("--cluster2-port", type=int, default=8715)
+    p.add_argument(
+        "--cluster-config",
+        type=Path,
+        default=REPO / "cluster/deploy/serve-cpu.yaml",
+        help="what `serve deploy` gets",
+    )
+    p.add_argument(
+        "--cluster-num-cpus",
+        type=int,
+        default=4,
+        help="`ray start --num-cpus` of `cluster` (the README's 4); `cluster2` splits it between its two nodes",
+    )
+    p.add_argument(
+        "--cluster-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="also set this where the clusters' `ray start` runs (repeatable), e.g. RAY_SERVE_ENABLE_HA_PROXY=1",
+    )
+    p.add_argument(
+        "--servers",
+        default="vllm,baseline,mmserve",
+        help="which, in order (comma-separated): vllm, baseline (if given), mmserve, cluster, cluster2",
+    )
+    p.add_argument(
+        "--num-prompts",
+        type=int,
+        help="every load with this many requests instead (a quick check of the command)",
+    )
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--idle-seconds", type=float, default=5.0, help="idle background measured after the warm-up"
+    )
+    p.add_argument("--startup-timeout", type=float, default=600)
+    p.add_argument(
+        "--out-dir", type=Path, default=Path("/tmp/bench_vs_vllm") / time.strftime("%Y%m%d-%H%M%S")
+    )
+    p.add_argument("--json", type=Path, help="write every load's metrics and CPU profile here")
+    p.add_argument(
+        "--plots",
+        type=Path,
+        help="write latency.png (TTFT/ITL percentiles per server) and cpu.png (CPU-ms per request by "
+        "process) here; default: --out-dir",
+    )
+    p.add_argument(
+        "--loads",
+        help="which loads, comma-separated (image-c32, image-c1, image4-c32: 4 distinct images per request, text-c32, image-rate30: 30 req/s "
+        "arriving at random, open loop); default all",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every server this many times (every other round in the reverse order) and report, per "
+        "server and load, the round with the median req/s; this host's noise is ±10 %% between runs",
+    )
+    args = p.parse_args(argv)
+    try:
+        args.loads = select_loads(args.loads)
+    except ValueError as e:
+        p.error(str(e))
+    bad = [kv for kv in args.cluster_env if "=" not in kv]
+    if bad:
+        p.error(f"--cluster-env takes KEY=VALUE, got {bad}")
+    if args.num_prompts is not None:
+        args.loads = [resized(load, args.num_prompts) for load in args.loads]
+    return args
+
+
+def resized(load: Load, num_prompts: int) -> Load:
+    """``load`` with ``num_prompts`` requests, named so (``image, 32 req, c=32``)."""
+    name = load.name.replace(f"{load.num_prompts} req", f"{num_prompts} req")
+    return replace(load, name=name, num_prompts=num_prompts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    for need in (
+        args.vllm_venv / "bin/python",
+        args.peer_dir / "vllm_cli.py",
+        args.model_dir / "config.json",
+    ):
+        if not need.exists():
+            raise SystemExit(f"{need} is missing: run {args.peer_dir}/setup.sh first")
+    servers = make_servers(args)
+    order = [s.strip() for s in args.servers.split(",") if s.strip()]
+    if args.mmserve_baseline is None and "baseline" in order and args.servers == "vllm,baseline,mmserve":
+        order.remove("baseline")  # the default order names it; only --mmserve-baseline adds it
+    unknown = [s for s in order if s not in servers]
+    if unknown:
+        raise SystemExit(f"--servers: unknown or not configured {unknown}; have {sorted(servers)}")
+    load_avg = os.getloadavg()
+    rounds: list[list[LoadResult]] = []
+    idles: dict[str, IdleProfile] = {}
+    for n in range(args.rounds):  # odd rounds in the reverse order: no server always goes first
+        results: list[LoadResult] = []
+        for key in order if n % 2 == 0 else order[::-1]:
+            server_results, idles[servers[key].name] = run_server(args, servers[key], n)
+            results += server_results
+        rounds.append(results)
+    picked, spread = median_rounds(rounds)
+    header = (
+        f"model_dir={args.model_dir}, input_len={args.input_len}, output_len={args.output_len}, seed={args.seed}, "
+        f"cores={os.cpu_count()}, load average at start {load_avg[0]:.2f}, at end {os.getloadavg()[0]:.2f}"
+    )
+    if args.rounds > 1:
+        ranges = "; ".join(f"{srv} / {load}: {r}" for (srv, load), r in spread.items())
+        header += (
+            f"\n\nmedian of {args.rounds} rounds by req/s (each row is that round's); req/s ranges: {ranges}"
+        )
+    names = [servers[k].name for k in order]
+    print(render(picked, idles, names, header, args.loads), flush=True)
+    for path in bench_plots.write(picked, names, args.loads, args.plots or args.out_dir):
+        log(f"figure written to {path}")
+    if args.json:
+        data = results_json(picked, idles, header)
+        if args.rounds > 1:
+            data["rounds"] = [results_json(r, {}, f"round {i + 1}")["results"] for i, r in enumerate(rounds)]
+        args.json.write_text(json.dumps(data, indent=2))
+        log(f"raw numbers written to {args.json}")
+    return 0
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""A request's media items: the record the preprocessor fills per item, and ``collect_media``, which
+finds the media parts of a chat in prompt order (their index is the item index), checks each
+modality's ``limit_mm_per_prompt``, and gives the messages the chat template sees. Pure: no torch,
+no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from PIL import Image
+
+from encoder_service.preprocess.errors import InvalidMediaInput, TooManyItems
+from encoder_service.preprocess.media.fetch import FetchedMedia
+from encoder_service.types import MODALITIES, EncoderInput, MediaRef, Modality
+
+
+@dataclass
+class MediaItem:
+    index: int
+    ref: MediaRef
+    fetched: FetchedMedia | None = None
+    mm_hash: str = ""
+    num_embeds: int = 0
+    grid_thw: tuple[int, int, int] | None = None
+    encoder_input: EncoderInput | None = None
+    metadata: dict[str, Any] | None = None
+    second_per_grid_ts: float | None = None  # from the decode (or the cache entry); video positions
+    frame_times: list[float] | None = None  # likewise: a Qwen3-VL video's prompt timestamps
+    header: Image.Image | None = None  # an image opened (header only) and checked when fetched
+
+
+def collect_media(
+    messages: list[dict[str, Any]], limit_mm_per_prompt: Mapping[Modality, int], model_id: str
+) -> tuple[list[dict[str, Any]], list[MediaItem]]:
+    """The messages the template sees (each media part reduced to its type) and the media items."""
+    items: list[MediaItem] = []
+    counts = dict.fromkeys(MODALITIES, 0)
+    out = []
+    for msg in messages:
+        content = msg.get("content")
+        if not isinstance(content, list):
+            out.append({"role": msg["role"], "content": content or ""})
+            continue
+        parts = []
+        for part in content:
+            kind = part.get("type")
+            if kind == "text":
+                parts.append({"type": "text", "text": part.get("text", "")})
+                continue
+            ref = part.get("media")
+            if kind not in MODALITIES or not isinstance(ref, MediaRef) or ref.modality != kind:
+                raise InvalidMediaInput(f"content part of type {kind!r} is not a media part", item=len(items))
+            counts[kind] += 1
+            if counts[kind] > limit_mm_per_prompt[kind]:
+                raise TooManyItems(
+                    f"{kind} {len(items)}: more than {limit_mm_per_prompt[kind]} {kind} item(s) per "
+                    f"prompt (limit_mm_per_prompt) for model {model_id!r}",
+                    item=len(items),
+                )
+            items.append(MediaItem(len(items), ref))
+            parts.append({"type": kind})
+        out.append({"role": msg["role"], "content": parts})
+    return out, items

@@ -1,0 +1,345 @@
+"""One media request's way to its embeddings, taken in the preprocessor pool, next to the cache:
+
+    preprocess ──lookup──▶ lookup_or_reserve (one call per shard touched): per item
+        │                    hit (its ref) / compute (reserved for us, leased) / wait (another
+        │                    request computes it)
+        │ process the non-hits only
+        ▼
+    compute ──▶ encoder pool (one call for all of them; the encoder commits to the index)
+    wait ─────▶ get_or_reserve after our own encodes (no request waits while holding a
+                reservation another one waits for, so two requests never deadlock)
+
+The router gets prompt ids and, per item, the ObjectRef of its embeddings: one round trip. Nothing is
+pinned: the request holds its refs itself. While it holds reservations it renews their lease; on any
+failure (or when the caller leaves) they are released here.
+No Ray import: the cache client and the encoder call are injected (deployment.py wires them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol
+
+from encoder_service.cache.encoder_cache import COMPUTE, DEFAULT_LEASE_S, HIT
+from encoder_service.cache.near_cache import NearCache
+from encoder_service.preprocess.errors import EncoderCacheFull
+from encoder_service.preprocess.gathering import gather
+from encoder_service.preprocess.prepared import LookedUp, PreparedItem, PreparedRequest
+from encoder_service.preprocess.processing import NeedsEncoding
+from encoder_service.preprocess.stage_timing import CacheLookups, MediaStages
+from encoder_service.types import EmbeddingMeta, EncodeBatch, EncodedItem, MultiModalItem, PreprocessedRequest
+
+logger = logging.getLogger("mmserve.encoder")
+
+Found = tuple[EmbeddingMeta, Any]  # metadata, ObjectRef
+Encode = Callable[[EncodeBatch], Awaitable[list[EncodedItem]]]
+
+
+class CacheIndex(Protocol):
+    """What preparing needs of the shared encoder cache (encoder_service.cache.cache_client.EncoderCacheClient)."""
+
+    @property
+    def shard_capacity(self) -> int | None: ...
+
+    async def lookup_or_reserve(
+        self, request_id: str, hashes: list[str]
+    ) -> dict[str, tuple[str, Found | None]]: ...
+
+    async def get_or_reserve(self, request_id: str, mm_hash: str) -> tuple[str, Found | None]: ...
+
+    async def renew(self, request_id: str, hashes: list[str]) -> None: ...
+
+    async def release(self, request_id: str, hashes: list[str] | None = None) -> None: ...
+
+
+class Preprocess(Protocol):
+    async def preprocess(
+        self,
+        messages: list[dict[str, Any]],
+        lookup: Any = None,
+        *,
+        hashes: list[str] | None = None,
+        process: bool = True,
+        deferred: list[asyncio.Task[None]] | None = None,
+    ) -> PreprocessedRequest: ...
+
+
+class RequestPreparer:
+    def __init__(
+        self,
+        preprocessor: Preprocess,
+        cache: CacheIndex,
+        encode: Encode,
+        lease_s: float = DEFAULT_LEASE_S,
+        near: NearCache | None = None,
+        stages: MediaStages | None = None,
+    ) -> None:
+        self.preprocessor = preprocessor
+        self.stages = stages  # cache lookup and wait timings, answers counted (stage_timing.py)
+        self.cache = cache
+        self.encode = encode
+        self.renew_every_s = lease_s / 3
+        self.near = near  # the ingress's hit path: entries seen lately, asked before the index
+
+    def _lookup(
+        self, request_id: str, hits: dict[str, Found], kinds: dict[str, str], given: LookedUp | None
+    ) -> Callable[[list[str]], Awaitable[dict[str, EmbeddingMeta]]]:
+        """The preprocessor's lookup: reserve-or-hit per item, the answers ``given`` first."""
+
+        async def lookup(hashes: list[str]) -> dict[str, EmbeddingMeta]:
+            start = time.perf_counter()
+            answers = {h: given.found[h] for h in hashes if h in given.found} if given else {}
+            num_given = len(answers)
+            if self.near is not None:
+                for h in hashes:
+                    if h not in answers and (near := self.near.get(h)) is not None:
+                        answers[h] = (HIT, near)
+            todo = [h for h in hashes if h not in answers]
+            if todo:
+                asked = await self.cache.lookup_or_reserve(request_id, todo)
+                if self.near is not None:
+                    for kind, found in asked.values():
+                        if kind == HIT and found is not None:
+                            self.near.put(*found)
+                answers.update(asked)
+            if self.stages is not None:
+                self.stages.cache_lookup.observe(time.perf_counter() - start)
+                if self.stages.lookups is not None and len(answers) > num_given:
+                    _count_answers(self.stages.lookups, answers, given)
+            for h, (kind, found) in answers.items():
+                if kind == HIT and found is not None:
+                    hits[h] = found
+                else:
+                    kinds[h] = kind
+            return {h: meta for h, (meta, _) in hits.items()}
+
+        return lookup
+
+    async def prepare(
+        self, request_id: str, messages: list[dict[str, Any]], looked_up: LookedUp | None = None
+    ) -> PreparedRequest:
+        """Prompt ids and embedding refs for every media item of ``messages``. ``looked_up``: what
+        the ingress's hit path found under ``request_id`` (its reservations are ours now)."""
+        hits: dict[str, Found] = {}
+        kinds: dict[str, str] = {}  # the non-hits: compute (reserved for us) or wait
+        lookup = self._lookup(request_id, hits, kinds, looked_up)
+        hashes = looked_up.hashes if looked_up is not None else None
+        try:
+            async with self._renewing(request_id, kinds):
+                pre = await self.preprocessor.preprocess(messages, lookup, hashes=hashes)
+                refs, num_encoded = await self._embeddings(request_id, pre, hits, kinds)
+        except BaseException:
+            if kinds:  # shielded: a cancelled caller must still give back what it reserved
+                await asyncio.shield(self._release(request_id, list(kinds)))
+            raise
+        return _prepared(pre, refs, num_encoded)
+
+    async def prepare_hits(
+        self,
+        request_id: str,
+        messages: list[dict[str, Any]],
+        deferred: list[asyncio.Task[None]] | None = None,
+    ) -> PreparedRequest | LookedUp:
+        """The ingress's hit path: hash, name and look up (reserving the misses) without decoding
+        anything. The prepared request when the cache holds every item; else what was found, for
+        ``prepare`` on a replica that processes and encodes. The reservations go with it: a caller
+        that fails before handing them on releases ``request_id`` itself. ``deferred``: see
+        ``Preprocessor.preprocess`` (the uuid pointing, for the caller to await before answering)."""
+        hits: dict[str, Found] = {}
+        kinds: dict[str, str] = {}
+        lookup = self._lookup(request_id, hits, kinds, None)
+        try:
+            pre = await self.preprocessor.preprocess(messages, lookup, process=False, deferred=deferred)
+        except NeedsEncoding as e:
+            found: dict[str, tuple[str, Any]] = {h: (HIT, f) for h, f in hits.items()}
+            found.update((h, (kind, None)) for h, kind in kinds.items())
+            return LookedUp(e.hashes, found)
+        except BaseException:
+            if kinds:
+                await asyncio.shield(self._release(request_id, list(kinds)))
+            raise
+        return _prepared(pre, hits, 0)
+
+    def remember(self, prepared: PreparedRequest, looked_up: LookedUp | None = None) -> None:
+        """What a ``prepare`` reply says the index holds now, for the hit path's next requests. The
+        items ``looked_up`` already answered as hits are not put again: the index did not see them
+        there (a near-cache hit must not renew its own TTL)."""
+        if self.near is None:
+            return
+        known = {h for h, (kind, _) in looked_up.found.items() if kind == HIT} if looked_up else set()
+        refs = {it.mm_hash: it.ref[0] for it in prepared.items}
+        for meta in prepared.metas:
+            if meta.mm_hash in refs and meta.mm_hash not in known:
+                self.near.put(meta, refs[meta.mm_hash])
+
+    def renewing(self, request_id: str, held: dict[str, str]) -> contextlib.AbstractAsyncContextManager[None]:
+        """Renew what ``request_id`` holds (``held``: mm_hash -> kind) while the caller waits."""
+        return self._renewing(request_id, held)
+
+    def sweep(self) -> None:
+        """Release the near cache's expired entries (the ingress calls it every few seconds)."""
+        if self.near is not None:
+            self.near.purge()
+
+    def forget(self, mm_hashes: list[str]) -> None:
+        """Their objects were lost: never serve them from the near cache again."""
+        if self.near is not None:
+            self.near.drop(mm_hashes)
+
+    @contextlib.asynccontextmanager
+    async def _renewing(self, request_id: str, held: dict[str, str]) -> AsyncIterator[None]:
+        """Renew the lease of what ``request_id`` reserved while it prepares. Only a slow request
+        ever gets that far (the first renewal is ``lease_s / 3`` in), so until then this is a timer,
+        not a task: a task per request would cost every request its start and its cancellation,
+        two turns of a busy loop."""
+        loop = asyncio.get_running_loop()
+        renewer: asyncio.Task[None] | None = None
+
+        async def renew_forever() -> None:
+            while True:
+                reserved = [h for h, kind in held.items() if kind == COMPUTE]
+                if reserved:
+                    try:
+                        await self.cache.renew(request_id, reserved)
+                    except Exception as e:  # the lease may run out: another request then computes it too
+                        logger.warning("renewing the reservations of %s failed: %r", request_id, e)
+                await asyncio.sleep(self.renew_every_s)
+
+        def start() -> None:
+            nonlocal renewer
+            renewer = loop.create_task(renew_forever())
+
+        timer = loop.call_later(self.renew_every_s, start)
+        try:
+            yield
+        finally:
+            timer.cancel()
+            if renewer is not None:
+                renewer.cancel()
+
+    async def _release(self, request_id: str, hashes: list[str]) -> None:
+        try:
+            await self.cache.release(request_id, hashes or None)
+        except Exception:
+            logger.exception("releasing the encoder-cache reservations of %s failed", request_id)
+
+    async def _embeddings(
+        self, request_id: str, pre: PreprocessedRequest, hits: dict[str, Found], kinds: dict[str, str]
+    ) -> tuple[dict[str, Found], int]:
+        refs = dict(hits)  # mm_hash -> (meta, ref), the encodes and waits added below
+        compute: dict[str, MultiModalItem] = {}
+        wait: dict[str, MultiModalItem] = {}
+        capacity = self.cache.shard_capacity
+        for it in pre.items:
+            if it.mm_hash in refs:
+                continue
+            # A run of a several-run item (a Qwen3-VL video frame) is charged the whole item's rows.
+            rows = it.encoder_input.num_embeds if it.encoder_input is not None else it.num_embeds
+            if capacity is not None and rows > capacity:
+                raise EncoderCacheFull(
+                    f"{it.modality} {it.index}: {rows} embeddings, more than an encoder-cache "
+                    f"shard holds ({capacity}); raise encoder_cache_size or lower the media limits",
+                    item=it.index,
+                )
+            (compute if kinds.get(it.mm_hash) == COMPUTE else wait).setdefault(it.mm_hash, it)
+        num_encoded = await self._encode(request_id, list(compute.values()), refs)
+        for retry in await gather(*(self._wait(request_id, it, refs) for it in wait.values())):
+            if retry is not None:
+                kinds[retry.mm_hash] = COMPUTE
+                num_encoded += await self._encode(request_id, [retry], refs)
+        return refs, num_encoded
+
+    async def _wait(
+        self, request_id: str, it: MultiModalItem, refs: dict[str, Found]
+    ) -> MultiModalItem | None:
+        """Another request was computing ``it``: its result, or ``it`` back if we must compute it."""
+        start = time.perf_counter()
+        kind, found = await self.cache.get_or_reserve(request_id, it.mm_hash)
+        if self.stages is not None:
+            self.stages.cache_wait.observe(time.perf_counter() - start, mm_hash=it.mm_hash)
+        if kind == HIT and found is not None:
+            refs[it.mm_hash] = found
+            return None
+        return it
+
+    async def _encode(self, request_id: str, items: list[MultiModalItem], refs: dict[str, Found]) -> int:
+        if not items:
+            return 0
+        inputs = []
+        for it in items:
+            if it.encoder_input is None:  # processed items always carry it: a bug, not bad input
+                raise RuntimeError(f"{it.modality} {it.index} was not processed but must be encoded")
+            inputs.append(it.encoder_input)
+        encoded = await self.encode(EncodeBatch(request_id, inputs))
+        for out in encoded:
+            refs[out.meta.mm_hash] = (out.meta, out.ref[0])
+        return len(encoded)
+
+
+def _count_answers(
+    lookups: CacheLookups, answers: dict[str, tuple[str, Any]], given: LookedUp | None
+) -> None:
+    """Count the answers this lookup got itself (near cache or shard), not the ones ``given``."""
+    for h, (kind, _) in answers.items():
+        if given is not None and h in given.found:
+            continue
+        if kind == HIT:
+            lookups.hit.inc()
+        elif kind == COMPUTE:
+            lookups.miss.inc()
+        else:
+            lookups.wait.inc()
+
+
+def _prepared(pre: PreprocessedRequest, found: dict[str, Found], num_encoded: int) -> PreparedRequest:
+    items = [
+        PreparedItem(
+            it.mm_hash,
+            it.modality,
+            it.placeholder.offset,
+            it.placeholder.length,
+            it.grid_thw,
+            [found[it.mm_hash][1]],
+            second_per_grid_ts=it.second_per_grid_ts,
+            rows=it.rows,
+        )
+        for it in pre.items
+    ]
+    metas = [meta for meta, _ in found.values()]
+    return PreparedRequest(list(pre.prompt_token_ids), items, num_encoded, pre.to_log(), metas)
+
+
+def make_preparer(
+    model_dir: str,
+    *,
+    limits: Any,
+    limit_mm_per_prompt: dict[str, int],
+    processor_cache_bytes: int,
+    cache: Any,
+    encode: Any,
+    model_name: str = "",
+    stages: MediaStages | None = None,
+) -> Any:
+    """A ``RequestPreparer`` over this model's processor, the shared cache client and ``encode`` (the
+    encoder pool's handle, or an encoder replica's own FIFO when it prepares itself)."""
+    from encoder_service.preprocess.processing import Preprocessor
+
+    preprocessor = Preprocessor(
+        model_dir,
+        limits,
+        limit_mm_per_prompt,
+        processor_cache_bytes,
+        model_id=model_name or None,
+        stages=stages,
+    )
+    preprocessor.aliases = cache  # uuid names live in the cache shards (uuid_aliases.py)
+    return RequestPreparer(preprocessor, cache, encode, stages=stages)
+
+
+def preparer_stats(preparer: Any) -> dict[str, Any]:
+    pre = preparer.preprocessor
+    return {"processor_calls": pre.num_processor_calls, "processor_cache": pre.processor_cache.stats()}

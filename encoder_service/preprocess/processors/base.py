@@ -1,0 +1,91 @@
+"""What the preprocessor needs from one model family: placeholders, hash kwargs, per-item processing."""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from encoder_service.preprocess.media.image import DecodedImage
+from encoder_service.types import Modality
+
+
+@dataclass
+class ProcessedItem:
+    """The HF processor's output for one item and how many embeddings it becomes."""
+
+    tensors: dict[str, Any]
+    num_embeds: int
+    grid_thw: tuple[int, int, int] | None
+
+
+def processor_config(proc: Any) -> dict[str, Any]:
+    """A sub-processor's full serialised config (what ``save_pretrained`` writes): stable across processes."""
+    return dict(json.loads(proc.to_json_string()))
+
+
+class FamilyProcessor(ABC):
+    """One model family (Qwen2-VL, Qwen2-Audio) on top of its HF ``AutoProcessor``.
+
+    Contract: ``process(modality, value)`` returns exactly what the HF processor produces for that one
+    item, and ``num_embeds`` equals how many placeholder tokens the HF processor would insert for it.
+    """
+
+    modalities: tuple[Modality, ...]
+    placeholder_tokens: ClassVar[dict[Modality, str]]
+    uses_mrope: bool
+    sampling_rate: int | None = None
+    frame_multiple: int = 1  # sampled video frames are rounded up to a multiple of this
+
+    def __init__(self, hf_processor: Any) -> None:
+        self.hf = hf_processor
+        self.tokenizer = hf_processor.tokenizer
+        self.placeholder_token_ids: dict[Modality, int] = {
+            m: int(self.tokenizer.convert_tokens_to_ids(t)) for m, t in self.placeholder_tokens.items()
+        }
+
+    @abstractmethod
+    def hash_kwargs(self, modality: Modality) -> dict[str, Any]:
+        """Every setting that changes how an item of ``modality`` is encoded (goes into mm_hash)."""
+
+    @abstractmethod
+    def log_kwargs(self, modality: Modality) -> dict[str, Any]:
+        """The few settings worth a log line (a subset of ``hash_kwargs``)."""
+
+    @abstractmethod
+    def process(self, modality: Modality, value: Any) -> ProcessedItem:
+        """Run the HF processor on one decoded item."""
+
+    def item_metadata(self, modality: Modality, media_metadata: Any) -> dict[str, Any]:
+        """Facts the LLM's positions need beyond the grid, from the decode's metadata (Qwen2.5-VL: a
+        video's ``second_per_grid_ts``). The default: none."""
+        return {}
+
+    def prompt_text(self, text: str) -> str:
+        """The templated prompt as the HF processor tokenizes it, one placeholder token per item
+        (Gemma 3 widens each image marker into its start/soft/end tokens). The default: as is."""
+        return text
+
+    def expand_placeholder(
+        self, modality: Modality, token_id: int, num_embeds: int, frame_times: list[float] | None
+    ) -> list[int]:
+        """The prompt ids one item's placeholder token becomes; its embeddings fill the runs of
+        ``token_id`` in order. The default: ``num_embeds`` placeholders in one run."""
+        return [token_id] * num_embeds
+
+    def check_image_size(self, width: int, height: int) -> None:
+        """Raise ``ValueError`` (a message a client can act on) for a size the processor refuses."""
+        return None
+
+    def image_decode_size(self, width: int, height: int) -> tuple[int, int] | None:
+        """The least (width, height) an image of this size needs to be decoded at for ``process_image``
+        (a JPEG may then be decoded at reduced scale); None: decode at full size."""
+        return None
+
+    def process_image(self, image: DecodedImage) -> ProcessedItem:
+        """``process("image", ...)`` for an image that may have been decoded at reduced scale: the
+        output's grid is the one its ORIGINAL size gets. The default only takes full-size images."""
+        if image.reduced:
+            raise ValueError(f"{type(self).__name__} cannot process a reduced-scale decode")
+        return self.process("image", image.image)

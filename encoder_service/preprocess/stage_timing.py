@@ -1,0 +1,61 @@
+"""Where a media request's time goes on the encoder side, as the code that does the work reports it
+(no Ray here: ``metrics.py`` binds each stage to a Prometheus histogram per model and pool).
+
+    fetch (URLs only) ─▶ cache_lookup ─▶ media_decode ─▶ preprocess ─▶ encoder_queue ─▶ encode
+                              └─ an item another request computes: cache_wait
+
+A ``Stage`` observation goes to its histogram (bound to its labels once: no label map is built per
+call; None when ``MMSERVE_STAGE_METRICS=0``) and, for a sampled request, becomes a span of its trace.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from encoder_service.preprocess.tracing import stage_span
+
+
+class Observer(Protocol):
+    def observe(self, value: float) -> None: ...
+
+
+class Count(Protocol):
+    def inc(self, value: float = 1.0) -> None: ...
+
+
+class Stage:
+    __slots__ = ("histogram", "name")
+
+    def __init__(self, name: str, histogram: Observer | None = None) -> None:
+        self.name = name
+        self.histogram = histogram
+
+    def observe(
+        self, seconds: float, *, ago: float = 0.0, mm_hash: str | None = None, parent: Any = None
+    ) -> None:
+        """The stage took ``seconds`` and ended ``ago`` seconds back; ``parent``: the request's trace
+        context when this runs outside the request's own task."""
+        if self.histogram is not None:
+            self.histogram.observe(seconds)
+        stage_span(self.name, seconds, ago, mm_hash, parent)
+
+
+@dataclass(frozen=True)
+class CacheLookups:
+    """Encoder-cache answers per item, counted where the answer came from (the near cache or a
+    shard), not where it was handed on: a ``prepare`` given the hit path's answers counts nothing."""
+
+    hit: Count
+    miss: Count  # reserved for this request: it computes the item
+    wait: Count  # another request computes it
+
+
+@dataclass(frozen=True)
+class MediaStages:
+    fetch: Stage  # one per item fetched from a URL or a local file
+    media_decode: Stage  # one per item decoded (processor-cache hits are not)
+    preprocess: Stage  # the family's processor, one per item decoded
+    cache_lookup: Stage  # one per request's lookup (near cache, then one call per shard touched)
+    cache_wait: Stage  # one per item another request was computing, until it is ours
+    lookups: CacheLookups | None  # None: metrics off

@@ -1,0 +1,67 @@
+"""``PreparingEncoderServer``: the encoder replica, which also prepares its media requests.
+
+    Ingress ──prepare──▶ EncoderPool replica: fetch, decode, hash, look up and reserve, process the
+                         misses, queue them on its own FIFO (shared with every request it serves),
+                         commit ──▶ prompt ids + refs back
+
+One Serve hop fewer per media request than a separate preprocessor pool (removed 12-04): the
+pixels never cross a process, the embeddings' refs go straight from their owner to the ingress, and
+one Ray worker fewer runs. This is how vLLM's encoder-only instances work (the processor runs where the
+vision tower does). The price: preprocessing shares the encoder replica's CPUs and scales with the
+encoder pool: give the encoder nodes the CPUs for it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from encoder_service.preprocess import tracing
+from encoder_service.preprocess.prepare import make_preparer, preparer_stats
+from encoder_service.preprocess.prepared import LookedUp, PreparedRequest, with_values
+from encoder_service.serve.deployment import EncoderPoolServer
+from encoder_service.serve.metrics import media_stages
+
+
+class PreparingEncoderServer(EncoderPoolServer):
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        limits: Any,
+        limit_mm_per_prompt: dict[str, int],
+        processor_cache_bytes: int,
+        **encoder: Any,
+    ) -> None:
+        super().__init__(model_dir, **encoder)
+        if self._cache is None:
+            raise ValueError("an encoder replica that prepares needs the shared cache index (cache=)")
+        self.preparer = make_preparer(
+            model_dir,
+            limits=limits,
+            limit_mm_per_prompt=limit_mm_per_prompt,
+            processor_cache_bytes=processor_cache_bytes,
+            cache=self._cache,
+            encode=self.encode,  # this replica's own FIFO: no hop, batched with every other request's items
+            model_name=self.model_name,
+            stages=media_stages(self.model_name, "encoder"),
+        )
+
+    async def prepare(
+        self,
+        request_id: str,
+        messages: list[dict[str, Any]],
+        looked_up: LookedUp | None = None,
+        trace_headers: dict[str, str] | None = None,
+    ) -> PreparedRequest:
+        """The router's one call per media request (encoder_service/preprocess/prepare.py). Items
+        whose embeddings this replica put lately carry them inline when small (``RecentValues``):
+        the LLM replica then takes them instead of fetching them. ``trace_headers``: the caller's
+        trace context, for a sampled request (encoder_service/preprocess/tracing.py)."""
+        with tracing.remote_span("encoder.prepare", trace_headers, request_id) as span:
+            prepared = await self.preparer.prepare(request_id, messages, looked_up)
+            if span is not None:
+                span.set_attribute(tracing.MM_HASHES, [it.mm_hash for it in prepared.items])
+        return with_values(prepared, self.recent_value)
+
+    def stats(self) -> dict[str, Any]:
+        return {**super().stats(), **preparer_stats(self.preparer)}

@@ -1,0 +1,253 @@
+"""The LLM pool's Ray Serve replica: one engine, its step loop, and output channels to the ingresses.
+
+A request arrives with ``submit`` (a short unary call: embeddings fetched, request queued); its
+tokens leave on the calling ingress's output channel (``channel``: one long-lived stream per
+ingress, one message per engine step — see output_channels.py); ``abort`` stops requests whose
+client left. Ray lives here and nowhere else in llm_service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from llm_service.config import EngineConfig
+from llm_service.embeddings import resolve_embeddings, unfetched
+from llm_service.engine_loop import EngineLoop
+from llm_service.output_channels import ChannelBatch, OutputChannels
+from llm_service.outputs import RequestOutput
+from llm_service.request_spec import EmbeddingRef, LLMRequestSpec, ReplicaTarget, SubmitReply
+from llm_service.scheduler import WaitingBound
+from llm_service.sequence import Request
+from llm_service.serve.metrics import LLMMetrics
+from llm_service.tracing import RequestTraces
+
+logger = logging.getLogger("mmserve.llm")
+
+
+def _replica_id() -> str:
+    try:
+        from ray import serve
+
+        return str(serve.get_replica_context().replica_id.unique_id)
+    except Exception:  # outside Serve (tests): any unique name will do
+        return f"local-{uuid.uuid4().hex[:8]}"
+
+
+class LLMServer:
+    """Serve replica body (wrapped by ``serve.deployment`` in cluster/app.py)."""
+
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        model_name: str,
+        engine_cls: Any = None,
+        embedding_fetch_timeout_s: float = 60.0,
+        channel_linger_s: float = 5.0,
+        max_waiting_requests: int | None = None,
+        max_waiting_tokens: int | None = None,
+    ) -> None:
+        if engine_cls is None:
+            from llm_service.engine import LLMEngine
+
+            engine_cls = LLMEngine
+        self.model_name = model_name
+        self.replica_id = _replica_id()
+        self.engine = engine_cls(engine_config)
+        self._metrics = LLMMetrics(model_name)
+        self.channels = OutputChannels(self.replica_id, self._abort_all, linger_s=channel_linger_s)
+        self.loop = EngineLoop(
+            self.engine,
+            on_outputs=self._on_outputs,
+            on_error=self.channels.fail,
+            waiting_bound=WaitingBound(max_waiting_requests, max_waiting_tokens),
+            on_parked=self._on_parked,
+        )
+        self.embedding_fetch_timeout_s = embedding_fetch_timeout_s
+        self._unfetched: dict[str, list[EmbeddingRef]] = {}  # request id -> items sent without rows
+        self._supplies: set[asyncio.Task[None]] = set()
+        self.skipped_fetches = 0  # items whose embeddings were never fetched (prefix cache)
+        self._traces = RequestTraces()  # sampled requests' trace contexts (llm_service/tracing.py)
+
+    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        self.channels.deliver(outputs)
+        self._metrics.observe_step(outputs, self.loop.last_step_s)
+        if self._traces:  # sampled requests in flight: their spans, once done
+            for out in outputs:
+                if out.timing is not None:
+                    self._traces.finish(out)
+
+    def _abort_all(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.loop.abort(rid)
+
+    async def submit(self, spec: LLMRequestSpec) -> AsyncIterator[SubmitReply]:
+        """Fetch the request's embeddings and queue it; yield where its outputs go (``spec.ingress_id``'s
+        channel), then stay open until it is done. Cancelled before that (its client left): aborted.
+
+        Raises ``EmbeddingsLost`` (before the engine sees the request) if an embedding cannot be
+        fetched: its encoder replica died, or the fetch took longer than the timeout (an item not
+        fetched here, its span prefix-cached, that is lost when a parked request fetches it: the
+        same error on the request's channel, before any output); and
+        ``WaitingQueueFull`` at once, before any fetch, if the engine's waiting queue is at its bound.
+        """
+        reply, later = await self._enqueue(spec)
+        rid = spec.request_id
+        done = self.channels.done(rid)
+        try:
+            yield reply
+            await done
+        finally:
+            self._forget_unfetched(rid, later)
+            if not done.done():  # the caller went away: stop generating, free its KV blocks
+                self.channels.forget(rid)
+                self.loop.abort(rid)
+
+    async def submit_detached(self, spec: LLMRequestSpec) -> SubmitReply:
+        """``submit`` for a request whose life its ingress's output channel holds, not this call
+        (a call over a direct link: cluster/direct_served.py): answers once queued.
+        It ends with its last output, an ``abort`` from its ingress, or the channel's reader going
+        away (orphaned: aborted). Raises what ``submit`` raises, before queueing anything."""
+        reply, later = await self._enqueue(spec)
+        if later:
+            rid = spec.request_id
+            self.channels.done(rid).add_done_callback(lambda _: self._forget_unfetched(rid, later))
+        return reply
+
+    async def _enqueue(self, spec: LLMRequestSpec) -> tuple[SubmitReply, list[EmbeddingRef]]:
+        """Fetch what must be fetched, put the request on its ingress's channel and in the engine's
+        queue; returns where its outputs go and the items sent without their embeddings."""
+        self.loop.check_capacity(len(spec.prompt_token_ids))
+        if spec.trace_headers:
+            self._traces.start(spec.request_id, spec.trace_headers, [m.mm_hash for m in spec.mm_items])
+        # Items whose whole span the prefix cache holds are not fetched: those positions are never
+        # computed. If their blocks are evicted before the request is admitted, the engine parks
+        # it and ``_on_parked`` fetches them then.
+        cached = self._cached_prefix_tokens(spec)
+        later = [it for it in spec.mm_items if it.offset + it.length <= cached]
+        now = [it for it in spec.mm_items if it.offset + it.length > cached]
+        mm_inputs = await resolve_embeddings(now, self._fetch) if now else []
+        mm_inputs += unfetched(later)
+        rid = spec.request_id
+        channel_id = self.channels.register(spec.ingress_id, rid)
+        try:
+            self.loop.submit(
+                rid, list(spec.prompt_token_ids), spec.sampling_params, mm_inputs, cache_salt=spec.cache_salt
+            )
+        except BaseException:
+            self.channels.forget(rid)
+            self.loop.abort(rid)
+            raise
+        if later:  # set after submit (a duplicate id raised there), before any step can park it
+            self._unfetched[rid] = later
+            self.skipped_fetches += len(later)
+        return SubmitReply(self.replica_id, channel_id), later
+
+    def _forget_unfetched(self, request_id: str, later: list[EmbeddingRef]) -> None:
+        if later and self._unfetched.get(request_id) is later:
+            del self._unfetched[request_id]
+
+    async def _fetch(self, ref: Any) -> Any:
+        async with asyncio.timeout(self.embedding_fetch_timeout_s):  # no task, unlike wait_for
+            return await ref
+
+    def _cached_prefix_tokens(self, spec: LLMRequestSpec) -> int:
+        """How many leading prompt tokens the engine's prefix cache holds for ``spec`` now. Read on
+        the event loop while a step may run on the engine thread, so only a hint: the scheduler
+        checks again when it admits the request, and parks it if an unfetched item fell out."""
+        kv = getattr(self.engine, "kv", None)
+        if kv is None or not spec.mm_items:
+            return 0
+        try:
+            probe = Request(
+                spec.request_id,
+                list(spec.prompt_token_ids),
+                spec.sampling_params,
+                mm_spans=sorted((m.offset, m.length, m.mm_hash) for m in spec.mm_items),
+                cache_salt=spec.cache_salt,
+            )
+            # The router hashed the same blocks for its prefix affinity: reused when they are this
+            # engine's blocks (a lookup checks each block's tokens and keys too, so a wrong hash
+            # can only miss).
+            if len(spec.block_hashes) == len(spec.prompt_token_ids) // int(kv.block_size):
+                probe.block_hashes = [bytes(h) for h in spec.block_hashes]
+            return len(kv.get_computed_blocks(probe)) * int(kv.block_size)
+        except Exception:  # a block changed under the read: fetch everything
+            logger.debug("prefix probe of %s failed", spec.request_id, exc_info=True)
+            return 0
+
+    def _on_parked(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            task = asyncio.get_running_loop().create_task(self._supply(rid))
+            self._supplies.add(task)
+            task.add_done_callback(self._supplies.discard)
+
+    async def _supply(self, request_id: str) -> None:
+        """Fetch what a parked request was sent without, and hand it to the engine; a loss fails it."""
+        items = self._unfetched.get(request_id)
+        if not items:  # nothing to fetch for it: it would wait forever
+            self.loop.abort(request_id)
+            self.channels.fail(request_id, RuntimeError(f"{request_id} was parked with nothing to fetch"))
+            return
+
+        try:
+            mm_inputs = await resolve_embeddings(items, self._fetch)
+        except Exception as e:
+            logger.warning("embeddings of parked request %s could not be fetched: %r", request_id, e)
+            self.loop.abort(request_id)
+            self.channels.fail(request_id, e)
+            return
+        self.skipped_fetches -= len(items)  # fetched after all
+        self.loop.supply(request_id, mm_inputs)
+
+    async def channel(self, target: ReplicaTarget) -> AsyncIterator[ChannelBatch]:
+        """Stream one output channel (``submit`` named it); it ends when the channel closes."""
+        async for batch in self.channels.stream(target.channel_id):
+            yield batch
+
+    async def abort(self, target: ReplicaTarget) -> None:
+        for rid in target.request_ids:
+            self.channels.forget(rid)
+            self.loop.abort(rid)
+
+    def stats(self, target: ReplicaTarget | None = None) -> dict[str, Any]:
+        """Engine counters; ``target`` (a ``ReplicaTarget``) routes the call to one replica."""
+        s = self.loop.last_stats or self.engine.stats()
+        return {
+            "num_running": s.num_running,
+            "num_waiting": s.num_waiting,
+            "num_free_blocks": s.num_free_blocks,
+            "num_total_blocks": s.num_total_blocks,
+            "kv_usage": s.kv_usage,
+            "prefix_hit_tokens": s.prefix_hit_tokens,
+            "skipped_embedding_fetches": self.skipped_fetches,
+            "prefix_query_tokens": s.prefix_query_tokens,
+            "num_preemptions": s.num_preemptions,
+            "output_channels": len(self.channels),
+            "replica_id": self.replica_id,
+        }
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Called by Serve's controller; read by router.request_routers.PrefixAffinityRouter."""
+        self.channels.drop_unconnected()
+        stats = self.stats()
+        self._metrics.export(stats)
+        return stats
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Custom autoscaling metrics read by cluster.autoscaling_policy.LLMLoadPolicy."""
+        s = self.stats()
+        return {
+            "kv_usage": float(s["kv_usage"]),
+            "num_running": float(s["num_running"]),
+            "num_waiting": float(s["num_waiting"]),
+        }
+
+    def check_health(self) -> None:
+        task = self.loop.task
+        if task is not None and task.done():
+            why = "cancelled" if task.cancelled() else repr(task.exception())
+            raise RuntimeError(f"engine loop died: {why}")
