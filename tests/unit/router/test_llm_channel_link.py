@@ -12,10 +12,10 @@ from typing import Any
 
 from cluster.direct_served import DirectLLM
 from llm_service.config import EngineConfig
-from llm_service.deployment import LLMServer
 from llm_service.outputs import RequestOutput
 from llm_service.request_spec import LLMRequestSpec, ReplicaTarget
 from llm_service.sampling_params import SamplingParams
+from llm_service.serve.deployment import LLMServer
 from router.direct_link import DirectLink, LinkClient, LinkKeys, LinkServer
 from router.llm_client import LLMClient
 from router.pool_links import Address, PoolLinks
