@@ -1,9 +1,9 @@
 """The ingress end of the LLM pool's output channels (llm_service/output_channels.py).
 
 ``LLMClient.stream(spec)`` submits a request (a unary call, routed by prefix affinity) and yields
-its outputs as they arrive on the channel of the replica that took it: a stream on the direct link
-to that replica when this process has one (``transport: auto``), else Serve's streaming call. One reader task per open
-channel receives each engine step's outputs for every request of this ingress on that replica as
+its outputs as they arrive on the channel of the replica that took it: requests submitted over the
+direct link (``transport: auto``) have a channel of their own, read as a stream on that link; the
+others' channel is read with Serve's streaming call. One reader task per open channel receives each engine step's outputs for every request of this ingress on that replica as
 one message and fans them out to the requests' queues. If a channel breaks (the replica died),
 every request still waiting on it gets ``ChannelLost``; a request whose caller leaves is aborted on
 its replica by cancelling its submit call, which stays open until the request is done.
