@@ -34,6 +34,7 @@ MODEL = "tiny-qwen2-vl"
 KEYS = {"alpha": "sk-alpha-7d1f0c", "beta": "sk-beta-93ab2e"}
 TIMEOUT_S = 8.0
 MAX_TOKENS = 8
+LONG_TOKENS = 60_000  # a generation no 2-core host finishes within TIMEOUT_S (~0.7 ms a token at best)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,18 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     direct, proxy = free_port(), free_port()
     cfg = AppConfig.model_validate(
         {
-            "models": [{"name": MODEL, "tiny": "qwen2-vl"}],
+            # room for generations that outlast request_timeout_s however fast decoding gets
+            # (4,000 tokens of two requests once finished inside 8 s)
+            "models": [
+                {
+                    "name": MODEL,
+                    "tiny": "qwen2-vl",
+                    "llm": {
+                        "max_model_len": LONG_TOKENS + 512,
+                        "num_kv_blocks": 2 * (LONG_TOKENS + 512) // 16 + 64,
+                    },
+                }
+            ],
             "models_cache_dir": str(tmp / "models"),
             "port": direct,
             "ingress": {
@@ -188,7 +200,7 @@ def _long(stream: bool, content: Any) -> dict[str, Any]:
     return {
         "model": MODEL,
         "messages": [{"role": "user", "content": content}],
-        "max_tokens": 4000,
+        "max_tokens": LONG_TOKENS,
         "ignore_eos": True,
         "temperature": 0,
         "stream": stream,
