@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -171,11 +172,9 @@ class ChatService:
         orch = model.orchestrator
         # ``max_tokens`` is fitted to the prompt once it is prepared.
         base, requested = request_sampling_params(req), requested_max_tokens(req)
-        prepare_start = time.monotonic()
-        prepared = await orch.prepare(request_id, chat)
         timed = self.metrics.model(model.name) if self.metrics is not None else None
-        if timed is not None and chat.has_media:
-            timed.prepare.observe(time.monotonic() - prepare_start)
+        with timed.prepare.timing() if timed is not None and chat.has_media else contextlib.nullcontext():
+            prepared = await orch.prepare(request_id, chat)
         params = fit_to_prompt(base, requested, len(prepared.prompt_token_ids), model.max_model_len)
         stream = deadline.stream(orch.stream(request_id, prepared, params, cache_salt))
         detok = IncrementalDetokenizer(orch.decode, stop=req.stop_strings)

@@ -10,10 +10,13 @@ call; None when ``MMSERVE_STAGE_METRICS=0``) and, for a sampled request, becomes
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from encoder_service.preprocess.tracing import stage_span
+from encoder_service.preprocess.tracing import span_between, stage_span
 
 
 class Observer(Protocol):
@@ -39,6 +42,18 @@ class Stage:
         if self.histogram is not None:
             self.histogram.observe(seconds)
         stage_span(self.name, seconds, ago, mm_hash, parent)
+
+    @contextlib.contextmanager
+    def timing(self) -> Iterator[None]:
+        """Times the block (nothing is observed if it raises). Its span runs between wall-clock reads
+        taken at entry and exit, not back from a duration, so it encloses all the block caused in
+        other processes even when a thread switch falls between the exit's clock reads."""
+        start_ns, start = time.time_ns(), time.perf_counter()
+        yield
+        seconds = time.perf_counter() - start
+        if self.histogram is not None:
+            self.histogram.observe(seconds)
+        span_between(self.name, start_ns, time.time_ns())
 
 
 @dataclass(frozen=True)

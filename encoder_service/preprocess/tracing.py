@@ -67,10 +67,20 @@ def stage_span(
     if not trace.get_current_span(parent).is_recording():
         return
     end = time.time_ns() - int(ago * 1e9)
+    span_between(name, end - int(seconds * 1e9), end, mm_hash, parent)
+
+
+def span_between(
+    name: str,
+    start_ns: int,
+    end_ns: int,
+    mm_hash: str | None = None,
+    parent: otel_context.Context | None = None,
+) -> None:
+    """A child span of ``parent`` (default: the current context) between two wall-clock reads."""
+    if not trace.get_current_span(parent).is_recording():
+        return
     span = TRACER.start_span(
-        name,
-        context=parent,
-        start_time=end - int(seconds * 1e9),
-        attributes={MM_HASH: mm_hash} if mm_hash else None,
+        name, context=parent, start_time=start_ns, attributes={MM_HASH: mm_hash} if mm_hash else None
     )
-    span.end(end_time=end)
+    span.end(end_time=end_ns)
