@@ -78,27 +78,28 @@ class LLMEngine:
             max_model_len=self.config.max_model_len,
             mm_spans=[(m.offset, m.length, m.mm_hash) for m in items],
             cache_salt=cache_salt,
-            unfetched_end=max((m.end for m in items if m.embeddings is None), default=0),
+            missing=[(m.offset, m.end) for m in items if m.embeddings is None],
         )
         self.runner.prepare_request(req, items)
         self.scheduler.add_request(req)
 
     def take_parked(self) -> list[str]:
-        """Requests set aside since the last call because their admission would compute a media item
-        they were given without embeddings (it left the prefix cache): ``supply_embeddings`` them."""
+        """Requests held up since the last call by a media item they have no embeddings for: one sent
+        without them whose span left the prefix cache, or one still being encoded. Their owner
+        fetches or awaits them and calls ``supply_embeddings`` (reported once per request)."""
         return self.scheduler.take_parked()
 
     def supply_embeddings(self, request_id: str, mm_inputs: Sequence[MultiModalInput]) -> None:
-        """The embeddings a request was given without; a parked one goes back to the queue's front.
-        Unknown ids (aborted meanwhile) are ignored; raises RequestRejected for a bad shape."""
+        """Embeddings for some or all of the items a request was given without, in any order; it
+        computes on up to the next item it still lacks. Unknown ids (aborted meanwhile) are ignored;
+        raises RequestRejected for a bad shape."""
         req = self.scheduler.requests.get(request_id)
         if req is None:
             return
         self._validate_mm(req.num_prompt_tokens, sorted(mm_inputs, key=lambda m: m.offset))
         self.runner.supply(req, list(mm_inputs))
-        req.unfetched_end = max((off + n for off, n, e in req.runner_state["mm"] if e is None), default=0)
-        if req.unfetched_end == 0 and request_id in self.scheduler.parked:
-            self.scheduler.unpark(request_id)
+        req.missing = [(off, off + n) for off, n, e in req.runner_state["mm"] if e is None]
+        self.scheduler.unpark(request_id)
 
     def step(self) -> list[RequestOutput]:
         """One engine iteration; returns the requests that got a new token (finished ones included)

@@ -6,6 +6,13 @@ blocks allow. When a running request cannot get a block, the most recently admit
 preempted: its blocks go back to the pool and it returns to the front of the waiting queue, to be
 recomputed later from whatever prefix the cache still holds. A chunk never ends inside a request's
 bidirectional span (``chunk_size``): the chunk stops before it and the span goes whole into a later one.
+
+A request may arrive before all its media items' embeddings (``Request.missing``: still encoding,
+or sent without because their span was cached). It is computed up to the first item it lacks and
+then waits, holding its KV blocks and its seat but no step's budget (``Request.blocked``); one that
+cannot compute a single token when it reaches the queue's front is set aside (``parked``) so the
+ones behind it go on. Either way it is reported once (``take_parked``) for its owner to fetch what
+it lacks; each arrival (``unpark``) puts a parked one back at the front.
 """
 
 from __future__ import annotations
@@ -99,9 +106,9 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: the last one is preempted first
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
-        # Requests whose admission would compute an item they hold no embeddings for (its blocks
-        # left the prefix cache since submit): out of the queue until ``unpark``; ``newly_parked``
-        # are the ones the engine has not reported yet.
+        # Requests at the queue's front that could not compute a token for want of embeddings: out
+        # of the queue until ``unpark``. ``newly_parked``: requests held up by a missing item (here
+        # or blocked while running) that the engine has not reported yet.
         self.parked: dict[str, Request] = {}
         self.newly_parked: list[str] = []
 
@@ -110,16 +117,17 @@ class Scheduler:
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Work for a step: a queued request, or a running one not waiting for embeddings."""
+        return bool(self.waiting) or any(not r.blocked for r in self.running)
 
     def take_parked(self) -> list[str]:
-        """Requests parked since the last call (their embeddings are to be fetched and supplied)."""
+        """Requests held up by missing embeddings since the last call (to be fetched and supplied)."""
         out, self.newly_parked = self.newly_parked, []
         return out
 
     def unpark(self, request_id: str) -> None:
-        """Its embeddings are in (``unfetched_end`` cleared by the caller): it goes first in the queue
-        again (it had reached the front)."""
+        """Embeddings arrived for it (``Request.missing`` updated by the caller): a parked request goes
+        first in the queue again (it had reached the front); a running one just goes on."""
         req = self.parked.pop(request_id, None)
         if req is not None:
             self.waiting.appendleft(req)
@@ -146,9 +154,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = chunk_size(req, req.num_computed_tokens, budget)
-            if n == 0:  # its next tokens start a bidirectional span the budget left cannot hold
-                i += 1
+            start = req.num_computed_tokens
+            n = chunk_size(req, start, min(budget, req.ready_end(start) - start))
+            if n == 0:  # blocked on an item's embeddings, or its next tokens start a bidirectional
+                i += 1  # span the budget left cannot hold
                 continue
             while not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()
@@ -170,12 +179,14 @@ class Scheduler:
             req = self.waiting[0]
             hits = self.kv.get_computed_blocks(req)
             num_computed = len(hits) * self.kv.block_size
-            if req.unfetched_end > num_computed:  # it would compute an item it has no embeddings for
-                self.waiting.popleft()
-                self.parked[req.request_id] = req
-                self.newly_parked.append(req.request_id)
-                continue
-            n = chunk_size(req, num_computed, budget)
+            ready = req.ready_end(num_computed)
+            if ready < req.num_tokens:  # it lacks the embeddings of an item it must compute
+                self._report(req)
+                if ready == num_computed:  # not a token it can compute: set aside
+                    self.waiting.popleft()
+                    self.parked[req.request_id] = req
+                    continue
+            n = chunk_size(req, num_computed, min(budget, ready - num_computed))
             if n == 0 or not self.kv.allocate_slots(req, n, hits):
                 break
             self.waiting.popleft()
@@ -211,6 +222,11 @@ class Scheduler:
                     self.requests.pop(req.request_id, None)
                     self.kv.free(req)
         return touched
+
+    def _report(self, req: Request) -> None:
+        if not req.missing_reported:
+            req.missing_reported = True
+            self.newly_parked.append(req.request_id)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)

@@ -61,10 +61,12 @@ class Request:
     num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)
     num_hashed_blocks: int = 0  # leading blocks already registered in (or taken from) the prefix cache
-    # Prompt positions below this hold a media item given without embeddings (its span was in the
-    # prefix cache at submit): the request is admitted only with at least that much of it cached,
-    # else parked until the embeddings are supplied (Scheduler.parked). 0: nothing unfetched.
-    unfetched_end: int = 0
+    # ``(offset, end)`` of the media items it holds no embeddings for yet, in prompt order: sent
+    # without them because their span was prefix-cached at submit (fetched if it falls out), or
+    # still being encoded (they arrive one by one). Its tokens are computed up to the first of them
+    # not covered by its computed prefix (``ready_end``); past that it waits (Scheduler.parked).
+    missing: list[tuple[int, int]] = field(default_factory=list)
+    missing_reported: bool = False  # reported once by Scheduler.take_parked, for the owner to fetch
     # time.monotonic() when it entered the engine, was first admitted to the running batch, and got
     # its first token (0.0: not yet): its queue, prefill and decode times (RequestTiming)
     arrival_time: float = field(default_factory=time.monotonic)
@@ -89,6 +91,20 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    def ready_end(self, start: int) -> int:
+        """How far its tokens from ``start`` can be computed: to the first item without embeddings
+        that ends after ``start`` (``start`` itself when inside it), else to the end."""
+        for offset, end in self.missing:
+            if end > start:
+                return max(offset, start)
+        return self.num_tokens
+
+    @property
+    def blocked(self) -> bool:
+        """Running, with its next token held up by an item whose embeddings have not arrived."""
+        start = self.num_computed_tokens
+        return start < self.num_tokens and self.ready_end(start) == start
 
     def append_output(self, token_id: int, logprob: Any = None) -> None:
         """Record a sampled token and set a finished status if it ends the request."""

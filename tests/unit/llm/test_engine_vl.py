@@ -256,15 +256,17 @@ def test_an_image_whose_span_is_prefix_cached_needs_no_embeddings(vl, tiny_vl_di
     assert_all_free(eng)
 
 
-def test_an_unfetched_image_outside_the_prefix_cache_is_parked_until_supplied(vl, tiny_vl_dir) -> None:
-    """A fresh engine caches nothing: the request is parked before any computation, and once its
-    embeddings are supplied it answers as if it had had them from the start."""
+def test_an_unfetched_image_outside_the_prefix_cache_waits_until_supplied(vl, tiny_vl_dir) -> None:
+    """A fresh engine caches nothing: the request computes its text up to the image, is reported
+    for its embeddings and waits (no step to run meanwhile); once they are supplied it answers as if
+    it had had them from the start."""
     hf, proc = vl
     case = build_case(hf, proc, f"describe {IMG} please", images=[image(120, 90, 1)])
     eng = engine(tiny_vl_dir)
     eng.add_request("r", case.prompt, GREEDY, _without_rows(case))
     assert eng.step() == [] and eng.take_parked() == ["r"]
-    assert not eng.has_unfinished_requests() and eng.stats().num_free_blocks == eng.stats().num_total_blocks
+    assert eng.scheduler.requests["r"].num_computed_tokens == case.mm_inputs[0].offset
+    assert not eng.has_unfinished_requests()
     with pytest.raises(RequestRejected):  # rows that do not fit the item it was sent without
         m = case.mm_inputs[0]
         eng.supply_embeddings("r", [dataclasses.replace(m, embeddings=m.embeddings[:-1])])

@@ -148,13 +148,13 @@ def test_no_prefix_hits_when_caching_disabled() -> None:
     assert b.num_cached_tokens == 0 and s.kv.prefix_query_tokens == 0
 
 
-def test_a_request_whose_unfetched_item_is_not_cached_is_parked_not_blocking_the_queue() -> None:
-    """An item sent without embeddings (its span was cached at submit) must not be computed: a
-    request whose cached prefix no longer covers it is parked, the ones behind it are admitted, and
-    it goes first again when unparked; an abort while parked frees it."""
+def test_a_request_lacking_its_first_item_is_parked_not_blocking_the_queue() -> None:
+    """An item without embeddings must not be computed: a request that cannot compute a token
+    without it is parked (reported once), the ones behind it are admitted, and it goes first again
+    when unparked; an abort while parked frees it."""
     s = make()
     a = req("a", 12)
-    a.unfetched_end = 8  # nothing is cached: it would compute positions 0..7
+    a.missing = [(0, 8)]  # nothing is cached: its first token is the item's
     b = req("b", 12, base=100)
     s.add_request(a)
     s.add_request(b)
@@ -162,7 +162,7 @@ def test_a_request_whose_unfetched_item_is_not_cached_is_parked_not_blocking_the
     assert [c.request.request_id for c in out.chunks] == ["b"]
     assert s.take_parked() == ["a"] and s.take_parked() == []
     assert "a" in s.parked and a not in s.waiting and s.has_unfinished()
-    a.unfetched_end = 0  # what LLMEngine.supply_embeddings does before it unparks
+    a.missing = []  # what LLMEngine.supply_embeddings does before it unparks
     s.unpark("a")
     assert s.waiting[0] is a and "a" not in s.parked
     s.update(out, {})
@@ -170,11 +170,67 @@ def test_a_request_whose_unfetched_item_is_not_cached_is_parked_not_blocking_the
     assert "a" in [c.request.request_id for c in out.chunks]
 
     c = req("c", 12, base=200)
-    c.unfetched_end = 4
+    c.missing = [(0, 4)]
     s.add_request(c)
     s.schedule()
     assert s.take_parked() == ["c"]
     assert s.abort("c") is c and "c" not in s.parked and "c" not in s.requests
+
+
+def test_a_request_computes_up_to_each_item_as_it_arrives_in_any_order() -> None:
+    """Text before the first missing item is computed at once; the request then waits, holding its
+    blocks and its seat but no budget (the others go on, and an empty engine has no step to run);
+    each arrival lets it compute up to the next item it lacks, whatever order they come in."""
+    s = make(budget=32)
+    r = req("r", 30, max_tokens=2)
+    r.missing = [(4, 10), (12, 20), (22, 26)]
+    other = req("o", 6, base=100, max_tokens=3)
+    s.add_request(r)
+    s.add_request(other)
+    out = fake_step(s)
+    assert [(c.request.request_id, c.start, c.num_tokens) for c in out.chunks] == [("r", 0, 4), ("o", 0, 6)]
+    assert s.take_parked() == ["r"] and r.blocked and len(s.kv.block_table("r")) == 1
+    while other.request_id in s.requests:
+        assert [c.request.request_id for c in fake_step(s).chunks] == ["o"]
+    assert not s.has_unfinished() and s.running == [r]  # nothing to step until an item comes
+    r.missing = [(4, 10), (12, 20)]  # the last item first: still held up by the first
+    s.unpark("r")
+    assert not s.has_unfinished()
+    r.missing = [(12, 20)]
+    s.unpark("r")
+    assert [(c.start, c.num_tokens) for c in fake_step(s).chunks] == [(4, 8)]
+    assert not s.has_unfinished()
+    r.missing = []
+    s.unpark("r")
+    out = fake_step(s)
+    assert [(c.start, c.num_tokens, c.samples) for c in out.chunks] == [(12, 18, True)]
+    run_all(s)
+    assert r.output_token_ids == [1, 1] and s.take_parked() == []
+    assert s.kv.num_free_blocks == s.kv.num_total_blocks
+
+
+def test_a_blocked_request_is_preempted_first_and_resumes_from_the_cache() -> None:
+    """A request waiting for an item is the most recent admission when blocks run out: preempted,
+    it frees its blocks for the others and, once its items are in, is admitted again over its
+    cached prefix."""
+    s = make(num_blocks=6, block_size=4, budget=32)
+    first = req("first", 12, max_tokens=8)
+    s.add_request(first)
+    fake_step(s)  # first holds 3 blocks and decodes
+    r = req("r", 12, base=100, max_tokens=1)
+    r.missing = [(8, 12)]
+    s.add_request(r)
+    out = fake_step(s)
+    assert ("r", 0, 8) in [(c.request.request_id, c.start, c.num_tokens) for c in out.chunks]
+    assert r.blocked and s.num_preemptions == 0
+    while not s.num_preemptions:  # first's decode needs r's blocks
+        fake_step(s)
+    assert r.status.value == "waiting" and r in s.waiting and not s.kv.block_table("r")
+    r.missing = []
+    s.unpark("r")
+    run_all(s)
+    assert first.status.value == "length" and r.status.value == "length"
+    assert r.num_preemptions == 1 and r.num_cached_tokens == 0
 
 
 def test_a_request_whose_unfetched_item_is_cached_is_admitted_past_it() -> None:
@@ -183,7 +239,7 @@ def test_a_request_whose_unfetched_item_is_cached_is_admitted_past_it() -> None:
     s.add_request(first)
     run_all(s)  # its full blocks (0..7 of 12 prompt tokens + outputs) stay in the prefix cache
     again = req("again", 12)
-    again.unfetched_end = 8
+    again.missing = [(0, 8)]
     s.add_request(again)
     out = s.schedule()
     assert [(c.request.request_id, c.start) for c in out.chunks] == [("again", 8)]
