@@ -117,7 +117,7 @@ def _encoder_pool(model: ModelConfig, cache_dir: str, cache_index: Any, links: b
     from router.request_routers import LeastQueuedEmbeddingsRouter
 
     class EncoderPool(PreparingEncoderServer, DirectServed):
-        DIRECT_METHODS: ClassVar[dict[str, str]] = {"prepare": "prepare"}
+        DIRECT_METHODS: ClassVar[dict[str, str]] = {"prepare": "prepare", "prepare_stream": "prepare_stream"}
         LINKS_ON = links
 
         # Serve awaits either form; async here to start the link's listener on the first call.
@@ -261,6 +261,7 @@ def _ingress(config: AppConfig, pools: dict[str, dict[str, Any]]) -> Any:
                         direct=direct_pools(cfg, m),
                         # each link call's deadline: the request's own, not the link's 300 s default
                         link_to=functools.partial(pool_links, timeout_s=cfg.ingress.request_timeout_s),
+                        overlap_prefill=m.preprocess.overlap_prefill,
                     )
                 )
             ing = cfg.ingress

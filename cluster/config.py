@@ -186,6 +186,11 @@ class PreprocessConfig(_Strict):
         "(it keeps their objects alive up to hit_path_cache_ttl_s); 0: always ask",
     )
     hit_path_cache_ttl_s: float = Field(30.0, ge=0)
+    overlap_prefill: bool = Field(
+        False,
+        description="submit a media request to the LLM as soon as its prompt is known and hand it each "
+        "item as its encode commits: the LLM prefills up to the first item still encoding meanwhile",
+    )
     limit_mm_per_prompt: dict[str, int] = Field(default_factory=lambda: {"image": 4, "video": 1, "audio": 2})
     processor_cache_bytes: int = Field(256 * 1024 * 1024, ge=0)
     media: MediaLimitsConfig = Field(default_factory=MediaLimitsConfig)

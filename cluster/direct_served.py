@@ -132,6 +132,7 @@ class DirectLLM(DirectServed):
     DIRECT_METHODS: ClassVar[dict[str, str]] = {
         "submit": "direct_submit",
         "abort": "abort",
+        "arrived": "arrived",
         "channel": "direct_channel",
     }
     channels: Any

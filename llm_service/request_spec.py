@@ -32,6 +32,11 @@ class EmbeddingRef:
     # replica that put it when it is small: taken instead of fetching ``ref``, which still travels.
     value: Any = field(default=None, compare=False, repr=False)
 
+    @property
+    def pending(self) -> bool:
+        """Still being encoded: no ref yet (it arrives later, ``LLMServer.arrived``)."""
+        return not self.ref and self.value is None
+
     def to_wire(self) -> dict[str, Any]:
         grid = list(self.grid_thw) if self.grid_thw else None
         return {

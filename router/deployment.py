@@ -55,6 +55,7 @@ class IngressModel:
     near_cache_ttl_s: float = 0.0
     direct: tuple[str, ...] = ()  # pools ("llm", "preprocess") called over direct links (pool_links.py)
     link_to: Callable[[Any], Any] | None = None  # handle -> its PoolLinks (cluster/direct_served.py)
+    overlap_prefill: bool = False  # items handed to the LLM as they are encoded (Orchestrator)
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,7 @@ class IngressServer:
                 m.block_size,
                 m.max_model_len,
                 on_encoder_run=self._counter(m.name),
+                overlap_prefill=m.overlap_prefill,
             )
             served[m.name] = ServedModel(m.name, orch, m.limits, m.max_model_len, m.modalities)
         self.admission = AdmissionController(admission or AdmissionLimits())

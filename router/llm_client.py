@@ -21,12 +21,12 @@ import contextlib
 import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from llm_service.output_channels import ChannelBatch
 from llm_service.outputs import RequestOutput
-from llm_service.request_spec import LLMRequestSpec, ReplicaTarget, SubmitReply
+from llm_service.request_spec import EmbeddingRef, LLMRequestSpec, ReplicaTarget, SubmitReply
 from router.direct_link import LinkBusy, LinkLost
 from router.errors import replica_gone
 from router.pool_links import PoolLinks
@@ -88,6 +88,7 @@ class LLMClient:
         self._queues: dict[str, asyncio.Queue[_Item]] = {}
         self._readers: dict[str, _Reader] = {}  # channel id -> reader
         self._calls: dict[str, Any] = {}  # request id -> its open submit call
+        self._replies: dict[str, SubmitReply] = {}  # request id -> where it runs, until its outputs end
         self._tasks: set[asyncio.Task[None]] = set()
         self._replicas_seen: dict[str, None] = {}  # every replica this client had a channel to
 
@@ -147,7 +148,28 @@ class LLMClient:
                 self.rerouted += 1
                 await asyncio.sleep(min(0.1 * attempt, 1.0))
 
+    async def arrived(
+        self, request_id: str, items: list[EmbeddingRef], error: BaseException | None = None
+    ) -> None:
+        """Hand the replica running ``request_id`` items that were still encoding at submit (or the
+        error that ended their encoding: the request fails with it there). A request submitted
+        again later (its replica lost) carries the items that have arrived by then."""
+        reply = self._replies.get(request_id)
+        if reply is None:  # over: nothing waits for them
+            return
+        if (spec := self._specs.get(request_id)) is not None and items:
+            by_offset = {it.offset: it for it in items}
+            merged = [by_offset.get(m.offset, m) for m in spec.mm_items]
+            self._specs[request_id] = replace(spec, mm_items=merged)
+        target = ReplicaTarget(reply.replica_id, request_ids=(request_id,))
+        link = self.links.link(reply.replica_id) if self.links is not None else None
+        if link is not None:
+            await link.call("arrived", target, items, error)
+        else:
+            await self.handle.arrived.remote(target, items, error)
+
     def _attach(self, rid: str, reply: SubmitReply, call: Any) -> None:
+        self._replies[rid] = reply
         if call is not None:
             self._calls[rid] = call
         reader = self._readers.get(reply.channel_id)
@@ -203,6 +225,7 @@ class LLMClient:
                 self.links.done(request_id)
             self._queues.pop(request_id, None)
             self._specs.pop(request_id, None)
+            self._replies.pop(request_id, None)
             reader = self._readers.get(reply.channel_id)
             if reader is not None:
                 reader.requests.discard(request_id)

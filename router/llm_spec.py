@@ -5,14 +5,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from encoder_service.preprocess.prepared import PreparedRequest
+from encoder_service.preprocess.prepared import PreparedItem
 from llm_service.prefix_hash import compute_block_hashes
 from llm_service.request_spec import EmbeddingRef, LLMRequestSpec
 from llm_service.sampling_params import SamplingParams
 
 
-def embedding_refs(prepared: PreparedRequest) -> list[EmbeddingRef]:
-    """A prepared request's items as the LLM side names them (an inline value goes along)."""
+def embedding_refs(items: Sequence[PreparedItem]) -> list[EmbeddingRef]:
+    """A prepared request's items as the LLM side names them (an inline value goes along; an item
+    still encoding has no ref yet)."""
     return [
         EmbeddingRef(
             ref=list(it.ref),
@@ -25,7 +26,7 @@ def embedding_refs(prepared: PreparedRequest) -> list[EmbeddingRef]:
             rows=it.rows,
             value=it.value,
         )
-        for it in prepared.items
+        for it in items
     ]
 
 

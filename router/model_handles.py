@@ -5,10 +5,12 @@ fills it with Serve handles, shard clients and links; the unit tests with in-pro
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from encoder_service.preprocess.prepared import LookedUp, PreparedRequest
+from encoder_service.preprocess.prepared import LookedUp, PreparedItem, PreparedRequest
 from router.llm_client import LLMClient, counters_or_error
 from router.pool_links import PoolLinks
 
@@ -21,6 +23,8 @@ class PreprocessPool(Protocol):
 
     @property
     def stats(self) -> Any: ...
+
+    def options(self, **kw: Any) -> Any: ...
 
 
 class CacheIndex(Protocol):
@@ -71,6 +75,32 @@ class ModelHandles:
         finally:
             links.done(request_id)
         return prepared
+
+    async def prepare_stream(
+        self, request_id: str, *args: Any, via_link: bool = True
+    ) -> AsyncGenerator[PreparedRequest | list[PreparedItem], None]:
+        """``prepare_stream`` on a preparing replica (as ``prepare`` picks it): the prepared request,
+        its items still encoding without refs, then those items as they are committed. Leaving
+        early cancels it there (its reservations are released, its queued encodes dropped)."""
+        links = self.prepare_links
+        picked = links.pick(request_id, *args) if via_link and links is not None else None
+        if picked is None:
+            call = self.preprocess.options(stream=True).prepare_stream.remote(request_id, *args)
+            try:
+                async for frame in call:
+                    yield frame
+            finally:
+                call.cancel()
+            return
+        assert links is not None
+        uid, link = picked
+        links.routed(request_id, uid, request_id, *args)
+        try:
+            async with contextlib.aclosing(link.stream("prepare_stream", request_id, *args)) as frames:
+                async for frame in frames:
+                    yield frame
+        finally:
+            links.done(request_id)
 
     async def pool_stats(self, timeout_s: float = 5.0) -> dict[str, Any]:
         """The pools' own counters: the preparing replica Serve picks (queued encoder work, inline

@@ -33,11 +33,11 @@ from llm_service.errors import RequestFailed
 from llm_service.outputs import RequestOutput
 from llm_service.request_spec import EmbeddingRef, LLMRequestSpec, SubmitReply
 from llm_service.sampling_params import SamplingParams
-from router.errors import bad_request, find_cause, lost_twice
+from router.errors import bad_request, find_cause, lost_twice, replica_gone
 from router.llm_spec import embedding_refs, request_spec
 from router.messages import NormalizedChat, text_only_messages
 from router.model_handles import ModelHandles
-from router.prepare_calls import PrepareCalls
+from router.prepare_calls import Arrivals, PrepareCalls
 
 logger = logging.getLogger("mmserve.router")
 
@@ -47,10 +47,14 @@ INLINE_TOKENIZE_CHARS = 16_384  # longer text-only prompts are templated and tok
 
 @dataclass
 class Prepared:
-    """A request ready for the LLM: prompt ids, and its items' embedding refs."""
+    """A request ready for the LLM: prompt ids, and its items' embedding refs. With overlap on,
+    items still encoding come without refs (``EmbeddingRef.pending``) and ``arrivals`` yields them
+    as their encodes commit (``attempt_id``: whose reservations to release if that fails)."""
 
     prompt_token_ids: list[int]
     mm_items: list[EmbeddingRef]
+    arrivals: Arrivals | None = None
+    attempt_id: str = ""
 
 
 class Orchestrator:
@@ -61,8 +65,12 @@ class Orchestrator:
         block_size: int,
         max_model_len: int = 1 << 30,
         on_encoder_run: Callable[[int], None] | None = None,
+        overlap_prefill: bool = False,
     ) -> None:
         self.h = handles
+        # submit a media request when its prompt is known, its items following as they are encoded
+        self.overlap_prefill = overlap_prefill
+        self._forwarders: dict[str, asyncio.Task[None]] = {}  # request id -> its arrivals' forwarding
         self.tokenizer = tokenizer
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -92,8 +100,10 @@ class Orchestrator:
         if not chat.has_media:
             return Prepared(await self.tokenize_text_chat(chat), [])
         self._messages[request_id] = chat.messages
-        prepared = await self._prepare_media(request_id, request_id)
+        prepared = await self._prepare_media(request_id, request_id, self.overlap_prefill)
         if len(prepared.prompt_token_ids) >= self.max_model_len:
+            if prepared.arrivals is not None:
+                await prepared.arrivals.aclose()
             raise bad_request(
                 f"the prompt has {len(prepared.prompt_token_ids)} tokens with its media expanded; "
                 f"max_model_len is {self.max_model_len}",
@@ -102,9 +112,16 @@ class Orchestrator:
             )
         return prepared
 
-    async def _prepare_media(self, request_id: str, attempt_id: str) -> Prepared:
+    async def _prepare_media(self, request_id: str, attempt_id: str, overlap: bool = False) -> Prepared:
+        """Prepared on a replica (or the hit path); ``overlap``: answered once the prompt is known
+        (a re-preparation after a loss never overlaps)."""
+        arrivals = None
         try:
-            pre = await self.calls.call(request_id, attempt_id, self._messages[request_id])
+            messages = self._messages[request_id]
+            if overlap:
+                pre, arrivals = await self.calls.call_overlapped(request_id, attempt_id, messages)
+            else:
+                pre = await self.calls.call(request_id, attempt_id, messages)
         except BaseException:
             self._messages.pop(request_id, None)
             raise
@@ -113,7 +130,7 @@ class Orchestrator:
             self._replay.popitem(last=False)
         if pre.num_encoded:
             self._on_encoder_run(pre.num_encoded)
-        return Prepared(list(pre.prompt_token_ids), embedding_refs(pre))
+        return Prepared(list(pre.prompt_token_ids), embedding_refs(pre.items), arrivals, attempt_id)
 
     def hit_path_stats(self) -> dict[str, Any]:
         return self.calls.stats()
@@ -144,6 +161,10 @@ class Orchestrator:
             outs, first = await self._started(request_id, prepared, params, cache_salt)
         finally:
             self._messages.pop(request_id, None)
+            if (forwarder := self._forwarders.pop(request_id, None)) is not None:
+                forwarder.cancel()  # every item is in by the first output; else it failed
+            if prepared.arrivals is not None:
+                await prepared.arrivals.aclose()
         try:
             out = first
             while out is not None:
@@ -166,6 +187,8 @@ class Orchestrator:
         for attempt in (1, 2):
             reply = await self._submit(request_id, prepared, params, cache_salt)
             outs = self.h.llm.outputs(request_id, reply)
+            if prepared.arrivals is not None and attempt == 1:
+                self._forwarders[request_id] = asyncio.create_task(self._forward(request_id, prepared))
             try:
                 return outs, await anext(outs, None)
             except BaseException as e:
@@ -178,6 +201,28 @@ class Orchestrator:
                 await self._invalidate(request_id, lost.mm_hashes, prepared.mm_items, attempt)
                 prepared = await self._prepare_media(request_id, f"{request_id}#late")
         raise AssertionError("unreachable: the second attempt returns or raises")
+
+    async def _forward(self, request_id: str, prepared: Prepared) -> None:
+        """Hand the LLM replica each item of ``prepared`` as its encode commits. An encode that fails
+        fails the request there with its error (a lost encoder replica as ``EmbeddingsLost``:
+        ``_started`` prepares it again without overlap); the attempt's reservations are released."""
+        assert prepared.arrivals is not None
+        waiting = {m.mm_hash for m in prepared.mm_items if m.pending}
+        try:
+            async for items in prepared.arrivals:
+                await self.h.llm.arrived(request_id, embedding_refs(items))
+                waiting -= {it.mm_hash for it in items}
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            await asyncio.shield(self.calls.release(prepared.attempt_id))
+            error: BaseException = e
+            if replica_gone(e):
+                error = EmbeddingsLost(sorted(waiting), f"the encoder replica was lost ({type(e).__name__})")
+            try:
+                await self.h.llm.arrived(request_id, [], error)
+            except Exception:  # its replica is gone too: its channel reports that
+                logger.warning("could not fail %s on its LLM replica", request_id, exc_info=True)
 
     async def _submit(
         self, request_id: str, prepared: Prepared, params: SamplingParams, cache_salt: str | None = None
@@ -216,7 +261,10 @@ class Orchestrator:
         logger.warning(
             "request %s (attempt %d): embeddings lost for %s; invalidating", request_id, attempt, lost
         )
-        sent = {m.mm_hash: ref_id(m.ref[0]) for m in mm_items if m.mm_hash in lost}
+        sent = {m.mm_hash: ref_id(m.ref[0]) for m in mm_items if m.mm_hash in lost and m.ref}
+        lost = [h for h in lost if h in sent] if any(m.pending for m in mm_items) else lost
+        if not lost:  # never committed (its encode was cut off): nothing to invalidate
+            return
         if self.h.hit_path is not None:
             self.h.hit_path.forget(lost)
         await self.h.cache.invalidate(lost, sent)

@@ -17,15 +17,18 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from encoder_service.preprocess import tracing
-from encoder_service.preprocess.prepared import PreparedRequest
+from encoder_service.preprocess.prepared import PreparedItem, PreparedRequest
 from router.errors import is_client_error, replica_gone
 from router.messages import inline_media
 from router.model_handles import ModelHandles
 
 logger = logging.getLogger("mmserve.router")
+
+Arrivals = AsyncGenerator[list[PreparedItem], None]  # a request's items as their encodes commit
 
 PREPARE_ATTEMPTS = 3  # a replica that dies while preparing a request: prepared again on another
 HIT_PATH_MAX_CHARS = 4 << 20  # inline media past this is hashed by the preparing replica, off this loop
@@ -48,6 +51,21 @@ class PrepareCalls:
     ) -> PreparedRequest:
         """``messages`` prepared: by the hit path, or by ``prepare`` on a replica (sent again while
         the replica preparing it dies: Serve routes the next to a live one or its successor)."""
+        pre, _ = await self._call(request_id, attempt_id, messages, overlap=False)
+        return pre
+
+    async def call_overlapped(
+        self, request_id: str, attempt_id: str, messages: list[dict[str, Any]]
+    ) -> tuple[PreparedRequest, Arrivals | None]:
+        """``call``, answered as soon as the prompt is known: items still encoding come without a
+        ref, and the returned stream (None: nothing to come) yields them as they are committed. Its
+        consumer closes it (which cancels what is left on the replica) and, if it fails, releases
+        ``attempt_id``'s reservations (``release``)."""
+        return await self._call(request_id, attempt_id, messages, overlap=True)
+
+    async def _call(
+        self, request_id: str, attempt_id: str, messages: list[dict[str, Any]], overlap: bool
+    ) -> tuple[PreparedRequest, Arrivals | None]:
         use_hit_path = self.h.hit_path is not None and inline_media(messages, HIT_PATH_MAX_CHARS)
         if use_hit_path:
             self._ensure_sweeper()
@@ -65,21 +83,21 @@ class PrepareCalls:
                         self._defer(request_id, deferred)
                     if isinstance(got, PreparedRequest):
                         self.hit_path_served += 1
-                        return got
+                        return got, None
                     looked_up, from_hit_path = got, False
                 args: tuple[Any, ...] = (looked_up,) if looked_up else ()
                 if (trace := tracing.headers()) is not None:  # a sampled request's trace, to the replica
                     args = (looked_up, trace)
                 if looked_up is None:
-                    pre: PreparedRequest = await self.h.prepare(aid, messages, *args, via_link=attempt == 1)
+                    pre, rest = await self._prepare(aid, messages, args, attempt == 1, overlap)
                 else:  # its reservations are ours until the replica takes them: renewed meanwhile
                     assert self.h.hit_path is not None
                     held = {h: kind for h, (kind, _) in looked_up.found.items()}
                     async with self.h.hit_path.renewing(aid, held):
-                        pre = await self.h.prepare(aid, messages, *args, via_link=attempt == 1)
+                        pre, rest = await self._prepare(aid, messages, args, attempt == 1, overlap)
                 if self.h.hit_path is not None:
                     self.h.hit_path.remember(pre, looked_up)
-                return pre
+                return pre, rest
             except BaseException as e:
                 # The replica may still be running (a cancel need not reach it): release on every
                 # shard. Final there: its later reservations are refused.
@@ -97,6 +115,29 @@ class PrepareCalls:
                 )
                 await asyncio.sleep(0.2 * attempt)
         raise AssertionError("unreachable: the last attempt returns or raises")
+
+    async def _prepare(
+        self, aid: str, messages: list[dict[str, Any]], args: tuple[Any, ...], via_link: bool, overlap: bool
+    ) -> tuple[PreparedRequest, Arrivals | None]:
+        if not overlap:
+            return await self.h.prepare(aid, messages, *args, via_link=via_link), None
+        frames = self.h.prepare_stream(aid, messages, *args, via_link=via_link)
+        try:
+            first = await anext(frames)
+        except BaseException:
+            await frames.aclose()
+            raise
+        if not isinstance(first, PreparedRequest):
+            await frames.aclose()
+            raise TypeError(f"prepare_stream began with {type(first).__name__}, not the prepared request")
+        if all(it.ref for it in first.items):  # all hits: nothing to come
+            await frames.aclose()
+            return first, None
+        return first, frames  # type: ignore[return-value]  # the rest are item lists
+
+    async def release(self, attempt_id: str) -> None:
+        """Give back what ``attempt_id`` reserved, on every shard (final there); never raises."""
+        await self._release(attempt_id)
 
     async def settle(self, request_id: str) -> None:
         """Finish what the request's answer must not go out before (its uuid pointing); the ingress

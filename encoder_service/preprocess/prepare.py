@@ -22,6 +22,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import Any, Protocol
 
 from encoder_service.cache.encoder_cache import COMPUTE, DEFAULT_LEASE_S, HIT
@@ -37,6 +38,9 @@ logger = logging.getLogger("mmserve.encoder")
 
 Found = tuple[EmbeddingMeta, Any]  # metadata, ObjectRef
 Encode = Callable[[EncodeBatch], Awaitable[list[EncodedItem]]]
+# One future per input (EncoderPoolServer.submit): what lets ``prepare_stream`` hand on each item
+# as its own encoder step ends.
+EncodeEach = Callable[[EncodeBatch], list["asyncio.Future[EncodedItem]"]]
 
 
 class CacheIndex(Protocol):
@@ -77,8 +81,10 @@ class RequestPreparer:
         lease_s: float = DEFAULT_LEASE_S,
         near: NearCache | None = None,
         stages: MediaStages | None = None,
+        encode_each: EncodeEach | None = None,
     ) -> None:
         self.preprocessor = preprocessor
+        self.encode_each = encode_each  # None: no ``prepare_stream`` (the ingress's hit path)
         self.stages = stages  # cache lookup and wait timings, answers counted (stage_timing.py)
         self.cache = cache
         self.encode = encode
@@ -138,6 +144,63 @@ class RequestPreparer:
             raise
         return _prepared(pre, refs, num_encoded)
 
+    async def prepare_stream(
+        self, request_id: str, messages: list[dict[str, Any]], looked_up: LookedUp | None = None
+    ) -> AsyncIterator[PreparedRequest | list[PreparedItem]]:
+        """``prepare``, handed on as it goes: first the prompt ids and every item, those still being
+        encoded (or computed by another request) without a ref; then, as each one's embeddings
+        are committed, its items with their refs (every placeholder run of it), in the order they
+        finish. Raises as ``prepare`` does (before the first frame for bad media or a full cache;
+        after it when an encode fails), releasing what it reserved; leaving early cancels the
+        encodes still queued."""
+        if self.encode_each is None:
+            raise RuntimeError("prepare_stream needs the encoder's per-item futures (encode_each)")
+        hits: dict[str, Found] = {}
+        kinds: dict[str, str] = {}
+        lookup = self._lookup(request_id, hits, kinds, looked_up)
+        hashes = looked_up.hashes if looked_up is not None else None
+        futures: dict[str, asyncio.Future[Found]] = {}
+        try:
+            async with self._renewing(request_id, kinds):
+                pre = await self.preprocessor.preprocess(messages, lookup, hashes=hashes)
+                compute, wait = self._classify(pre, hits, kinds)
+                if compute:
+                    batch = EncodeBatch(request_id, [_encoder_input(it) for it in compute.values()])
+                    for h, encoding in zip(compute, self.encode_each(batch), strict=True):
+                        futures[h] = _found(encoding)
+                for h, it in wait.items():
+                    futures[h] = asyncio.ensure_future(self._wait_or_encode(request_id, it, kinds))
+                yield _prepared(pre, hits, len(compute), partial=True)
+                runs: dict[str, list[PreparedItem]] = {}
+                for item in _items(pre, {}, partial=True):
+                    runs.setdefault(item.mm_hash, []).append(item)
+                todo = set(futures.values())
+                by_future = {f: h for h, f in futures.items()}
+                while todo:
+                    done, todo = await asyncio.wait(todo, return_when=asyncio.FIRST_COMPLETED)
+                    ready = []
+                    for finished in done:
+                        meta, ref = finished.result()  # an encode that failed raises here
+                        h = by_future[finished]
+                        hits[h] = (meta, ref)
+                        ready += [replace(it, ref=[ref]) for it in runs[h]]
+                    yield sorted(ready, key=lambda it: it.offset)
+        except BaseException:
+            for pending in futures.values():
+                pending.cancel()
+            if kinds:  # shielded: a cancelled caller must still give back what it reserved
+                await asyncio.shield(self._release(request_id, list(kinds)))
+            raise
+
+    async def _wait_or_encode(self, request_id: str, it: MultiModalItem, kinds: dict[str, str]) -> Found:
+        """An item another request was computing: its result, or ours if it falls to us."""
+        refs: dict[str, Found] = {}
+        retry = await self._wait(request_id, it, refs)
+        if retry is not None:
+            kinds[retry.mm_hash] = COMPUTE
+            await self._encode(request_id, [retry], refs)
+        return refs[it.mm_hash]
+
     async def prepare_hits(
         self,
         request_id: str,
@@ -171,7 +234,7 @@ class RequestPreparer:
         if self.near is None:
             return
         known = {h for h, (kind, _) in looked_up.found.items() if kind == HIT} if looked_up else set()
-        refs = {it.mm_hash: it.ref[0] for it in prepared.items}
+        refs = {it.mm_hash: it.ref[0] for it in prepared.items if it.ref}  # not those still encoding
         for meta in prepared.metas:
             if meta.mm_hash in refs and meta.mm_hash not in known:
                 self.near.put(meta, refs[meta.mm_hash])
@@ -231,11 +294,24 @@ class RequestPreparer:
         self, request_id: str, pre: PreprocessedRequest, hits: dict[str, Found], kinds: dict[str, str]
     ) -> tuple[dict[str, Found], int]:
         refs = dict(hits)  # mm_hash -> (meta, ref), the encodes and waits added below
+        compute, wait = self._classify(pre, hits, kinds)
+        num_encoded = await self._encode(request_id, list(compute.values()), refs)
+        for retry in await gather(*(self._wait(request_id, it, refs) for it in wait.values())):
+            if retry is not None:
+                kinds[retry.mm_hash] = COMPUTE
+                num_encoded += await self._encode(request_id, [retry], refs)
+        return refs, num_encoded
+
+    def _classify(
+        self, pre: PreprocessedRequest, hits: dict[str, Found], kinds: dict[str, str]
+    ) -> tuple[dict[str, MultiModalItem], dict[str, MultiModalItem]]:
+        """The non-hits by mm_hash: reserved for us to compute, or computed by another request.
+        Raises ``EncoderCacheFull`` for an item no shard can hold."""
         compute: dict[str, MultiModalItem] = {}
         wait: dict[str, MultiModalItem] = {}
         capacity = self.cache.shard_capacity
         for it in pre.items:
-            if it.mm_hash in refs:
+            if it.mm_hash in hits:
                 continue
             # A run of a several-run item (a Qwen3-VL video frame) is charged the whole item's rows.
             rows = it.encoder_input.num_embeds if it.encoder_input is not None else it.num_embeds
@@ -246,12 +322,7 @@ class RequestPreparer:
                     item=it.index,
                 )
             (compute if kinds.get(it.mm_hash) == COMPUTE else wait).setdefault(it.mm_hash, it)
-        num_encoded = await self._encode(request_id, list(compute.values()), refs)
-        for retry in await gather(*(self._wait(request_id, it, refs) for it in wait.values())):
-            if retry is not None:
-                kinds[retry.mm_hash] = COMPUTE
-                num_encoded += await self._encode(request_id, [retry], refs)
-        return refs, num_encoded
+        return compute, wait
 
     async def _wait(
         self, request_id: str, it: MultiModalItem, refs: dict[str, Found]
@@ -269,12 +340,7 @@ class RequestPreparer:
     async def _encode(self, request_id: str, items: list[MultiModalItem], refs: dict[str, Found]) -> int:
         if not items:
             return 0
-        inputs = []
-        for it in items:
-            if it.encoder_input is None:  # processed items always carry it: a bug, not bad input
-                raise RuntimeError(f"{it.modality} {it.index} was not processed but must be encoded")
-            inputs.append(it.encoder_input)
-        encoded = await self.encode(EncodeBatch(request_id, inputs))
+        encoded = await self.encode(EncodeBatch(request_id, [_encoder_input(it) for it in items]))
         for out in encoded:
             refs[out.meta.mm_hash] = (out.meta, out.ref[0])
         return len(encoded)
@@ -295,21 +361,48 @@ def _count_answers(
             lookups.wait.inc()
 
 
-def _prepared(pre: PreprocessedRequest, found: dict[str, Found], num_encoded: int) -> PreparedRequest:
-    items = [
+def _encoder_input(it: MultiModalItem) -> Any:
+    if it.encoder_input is None:  # processed items always carry it: a bug, not bad input
+        raise RuntimeError(f"{it.modality} {it.index} was not processed but must be encoded")
+    return it.encoder_input
+
+
+def _found(fut: asyncio.Future[EncodedItem]) -> asyncio.Future[Found]:
+    """An encode's future as (meta, ref); cancelling it cancels the encode's."""
+
+    async def found() -> Found:
+        out = await fut
+        return out.meta, out.ref[0]
+
+    task = asyncio.ensure_future(found())
+    task.add_done_callback(lambda t: fut.cancel() if t.cancelled() else None)
+    return task
+
+
+def _items(pre: PreprocessedRequest, found: dict[str, Found], partial: bool = False) -> list[PreparedItem]:
+    """Every placeholder run with its ref; ``partial``: where ``found`` has it (else none: to come)."""
+    if not partial and (missing := [it.mm_hash for it in pre.items if it.mm_hash not in found]):
+        raise RuntimeError(f"prepared without the embeddings of {missing}")  # a bug, not bad input
+    return [
         PreparedItem(
             it.mm_hash,
             it.modality,
             it.placeholder.offset,
             it.placeholder.length,
             it.grid_thw,
-            [found[it.mm_hash][1]],
+            [found[it.mm_hash][1]] if it.mm_hash in found else [],
             second_per_grid_ts=it.second_per_grid_ts,
             rows=it.rows,
         )
         for it in pre.items
     ]
+
+
+def _prepared(
+    pre: PreprocessedRequest, found: dict[str, Found], num_encoded: int, partial: bool = False
+) -> PreparedRequest:
     metas = [meta for meta, _ in found.values()]
+    items = _items(pre, found, partial)
     return PreparedRequest(list(pre.prompt_token_ids), items, num_encoded, pre.to_log(), metas)
 
 
@@ -323,6 +416,7 @@ def make_preparer(
     encode: Any,
     model_name: str = "",
     stages: MediaStages | None = None,
+    encode_each: EncodeEach | None = None,
 ) -> Any:
     """A ``RequestPreparer`` over this model's processor, the shared cache client and ``encode`` (the
     encoder pool's handle, or an encoder replica's own FIFO when it prepares itself)."""
@@ -337,7 +431,7 @@ def make_preparer(
         stages=stages,
     )
     preprocessor.aliases = cache  # uuid names live in the cache shards (uuid_aliases.py)
-    return RequestPreparer(preprocessor, cache, encode, stages=stages)
+    return RequestPreparer(preprocessor, cache, encode, stages=stages, encode_each=encode_each)
 
 
 def preparer_stats(preparer: Any) -> dict[str, Any]:

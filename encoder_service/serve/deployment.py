@@ -124,6 +124,12 @@ class EncoderPoolServer:
     async def encode(self, batch: EncodeBatch) -> list[EncodedItem]:
         """Embed ``batch.inputs``, commit each to the shared cache under ``batch.request_id``'s
         reservation, and return their metadata and refs, in order."""
+        return await gather(*self.submit(batch))
+
+    def submit(self, batch: EncodeBatch) -> list[asyncio.Future[EncodedItem]]:
+        """``encode``, one future per input, each done when its own step is (a request's items go on
+        the FIFO in prompt order, so its first item is ready first). Raises ``EncoderQueueFull``
+        before queueing any; cancelling a future takes its item off the FIFO if not yet stepped."""
         self._ensure_started()
         assert self._wakeup is not None
         loop = asyncio.get_running_loop()
@@ -137,7 +143,7 @@ class EncoderPoolServer:
             self._queue.push(q)
         self._metrics.queued.set(self._queued_embeds)
         self._wakeup.set()
-        return await gather(*(q.future for q in queued))
+        return [q.future for q in queued]
 
     def _ensure_started(self) -> None:
         if self._task is None or self._task.done():

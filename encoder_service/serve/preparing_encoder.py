@@ -13,11 +13,14 @@ encoder pool: give the encoder nodes the CPUs for it.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from encoder_service.preprocess import tracing
 from encoder_service.preprocess.prepare import make_preparer, preparer_stats
-from encoder_service.preprocess.prepared import LookedUp, PreparedRequest, with_values
+from encoder_service.preprocess.prepared import LookedUp, PreparedItem, PreparedRequest, with_values
 from encoder_service.serve.deployment import EncoderPoolServer
 from encoder_service.serve.metrics import media_stages
 
@@ -42,6 +45,7 @@ class PreparingEncoderServer(EncoderPoolServer):
             processor_cache_bytes=processor_cache_bytes,
             cache=self._cache,
             encode=self.encode,  # this replica's own FIFO: no hop, batched with every other request's items
+            encode_each=self.submit,
             model_name=self.model_name,
             stages=media_stages(self.model_name, "encoder"),
         )
@@ -62,6 +66,28 @@ class PreparingEncoderServer(EncoderPoolServer):
             if span is not None:
                 span.set_attribute(tracing.MM_HASHES, [it.mm_hash for it in prepared.items])
         return with_values(prepared, self.recent_value)
+
+    async def prepare_stream(
+        self,
+        request_id: str,
+        messages: list[dict[str, Any]],
+        looked_up: LookedUp | None = None,
+        trace_headers: dict[str, str] | None = None,
+    ) -> AsyncIterator[PreparedRequest | list[PreparedItem]]:
+        """``prepare`` handed on item by item (``RequestPreparer.prepare_stream``): the prompt and its
+        items first, the ones still encoding without a ref; then each item as its step ends. The
+        ingress submits to the LLM on the first frame and forwards the rest (encoding overlaps the
+        prefill of everything before the first item still missing)."""
+        with tracing.remote_span("encoder.prepare", trace_headers, request_id) as span:
+            frames = self.preparer.prepare_stream(request_id, messages, looked_up)
+            async with contextlib.aclosing(frames):
+                async for frame in frames:
+                    if isinstance(frame, PreparedRequest):
+                        if span is not None:
+                            span.set_attribute(tracing.MM_HASHES, [it.mm_hash for it in frame.items])
+                        yield with_values(frame, self.recent_value)
+                    else:
+                        yield [replace(it, value=self.recent_value(it.ref[0])) for it in frame]
 
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), **preparer_stats(self.preparer)}

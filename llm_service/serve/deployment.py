@@ -68,6 +68,8 @@ class LLMServer:
         )
         self.embedding_fetch_timeout_s = embedding_fetch_timeout_s
         self._unfetched: dict[str, list[EmbeddingRef]] = {}  # request id -> items sent without rows
+        # request id -> offset -> its items still being encoded, until they arrive (``arrived``)
+        self._arriving: dict[str, dict[int, EmbeddingRef]] = {}
         self._supplies: set[asyncio.Task[None]] = set()
         self.skipped_fetches = 0  # items whose embeddings were never fetched (prefix cache)
         self._traces = RequestTraces()  # sampled requests' trace contexts (llm_service/tracing.py)
@@ -126,21 +128,30 @@ class LLMServer:
         # Items whose whole span the prefix cache holds are not fetched: those positions are never
         # computed. If their blocks are evicted before the request is admitted, the engine parks
         # it and ``_on_parked`` fetches them then.
-        cached = self._cached_prefix_tokens(spec)
-        later = [it for it in spec.mm_items if it.offset + it.length <= cached]
-        now = [it for it in spec.mm_items if it.offset + it.length > cached]
+        # Items still being encoded (no ref yet) arrive later (``arrived``): the engine computes up to
+        # the first of them meanwhile.
+        arriving = [it for it in spec.mm_items if it.pending]
+        present = [it for it in spec.mm_items if not it.pending]
+        cached = self._cached_prefix_tokens(spec) if present else 0
+        later = [it for it in present if it.offset + it.length <= cached]
+        now = [it for it in present if it.offset + it.length > cached]
         mm_inputs = await resolve_embeddings(now, self._fetch) if now else []
-        mm_inputs += unfetched(later)
+        mm_inputs += unfetched(later) + unfetched(arriving)
         rid = spec.request_id
+        if arriving:  # before submit: an arrival may come as soon as the reply has gone
+            self._arriving[rid] = {it.offset: it for it in arriving}
         channel_id = self.channels.register(spec.ingress_id, rid)
         try:
             self.loop.submit(
                 rid, list(spec.prompt_token_ids), spec.sampling_params, mm_inputs, cache_salt=spec.cache_salt
             )
         except BaseException:
+            self._arriving.pop(rid, None)
             self.channels.forget(rid)
             self.loop.abort(rid)
             raise
+        if arriving:
+            self.channels.done(rid).add_done_callback(lambda _: self._arriving.pop(rid, None))
         if later:  # set after submit (a duplicate id raised there), before any step can park it
             self._unfetched[rid] = later
             self.skipped_fetches += len(later)
@@ -181,6 +192,8 @@ class LLMServer:
 
     def _on_parked(self, request_ids: list[str]) -> None:
         for rid in request_ids:
+            if rid in self._arriving and rid not in self._unfetched:  # its items are on their way
+                continue
             task = asyncio.get_running_loop().create_task(self._supply(rid))
             self._supplies.add(task)
             task.add_done_callback(self._supplies.discard)
@@ -202,6 +215,39 @@ class LLMServer:
             return
         self.skipped_fetches -= len(items)  # fetched after all
         self.loop.supply(request_id, mm_inputs)
+
+    async def arrived(
+        self, target: ReplicaTarget, items: list[EmbeddingRef], error: BaseException | None = None
+    ) -> None:
+        """Items of ``target.request_ids[0]`` that were still encoding when it was submitted, now
+        committed: fetched and handed to the engine, which goes on up to the next item it lacks.
+        ``error``: its encoding failed; the request fails with it (its KV blocks freed). An item
+        that cannot be fetched fails it with ``EmbeddingsLost`` (the ingress encodes it again).
+        Unknown requests (finished, aborted) are ignored."""
+        rid = target.request_ids[0]
+        waiting = self._arriving.get(rid)
+        if waiting is None:
+            return
+        if error is None:
+            unknown = [it for it in items if waiting.get(it.offset) is None or it.pending]
+            if unknown:
+                error = ValueError(f"{rid}: no item still to come at offset(s) {[it.offset for it in unknown]}")
+        if error is None:
+            for it in items:
+                del waiting[it.offset]
+            if not waiting:
+                del self._arriving[rid]
+            try:
+                mm_inputs = await resolve_embeddings(items, self._fetch)
+            except Exception as e:
+                error = e
+            else:
+                self.loop.supply(rid, mm_inputs)
+                return
+        logger.warning("request %s failed while its items were encoding: %r", rid, error)
+        self._arriving.pop(rid, None)
+        self.loop.abort(rid)
+        self.channels.fail(rid, error)
 
     async def channel(self, target: ReplicaTarget) -> AsyncIterator[ChannelBatch]:
         """Stream one output channel (``submit`` named it); it ends when the channel closes."""

@@ -34,7 +34,7 @@ def _items() -> list[EmbeddingRef]:
     held = {"ref1": stored_form(torch.full((4, 3), 1.5, dtype=torch.bfloat16))}
     back = pickle.loads(pickle.dumps(with_values(pre, held.get)))  # the answer to the ingress
     assert back == pre and back.items[1].value is None
-    return embedding_refs(back)
+    return embedding_refs(back.items)
 
 
 def test_values_cross_the_spec_wire_form_beside_their_refs() -> None:
