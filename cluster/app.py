@@ -118,6 +118,7 @@ def _encoder_pool(model: ModelConfig, cache_dir: str, cache_index: Any, links: b
 
     class EncoderPool(PreparingEncoderServer, DirectServed):
         DIRECT_METHODS: ClassVar[dict[str, str]] = {"prepare": "prepare", "prepare_stream": "prepare_stream"}
+        REF_STREAMS = frozenset({"prepare_stream"})  # its items hold the embeddings' refs
         LINKS_ON = links
 
         # Serve awaits either form; async here to start the link's listener on the first call.

@@ -85,6 +85,7 @@ class DirectServed:
     ``link_stats()``: the same, for its routing stats (``LINK_STAT``), which is how callers find it."""
 
     DIRECT_METHODS: ClassVar[dict[str, str]] = {}  # frame method -> this replica's method
+    REF_STREAMS: ClassVar[frozenset[str]] = frozenset()  # streaming methods whose items carry ObjectRefs
     LINKS_ON: ClassVar[bool] = True  # False under ``ingress.transport: serve``: no listener at all
     _link_server: LinkServer | None = None
 
@@ -107,7 +108,9 @@ class DirectServed:
 
         if self._link_server is None:
             handlers = {name: getattr(self, attr) for name, attr in self.DIRECT_METHODS.items()}
-            self._link_server = LinkServer(handlers, link_keys(), dumps=frame_dumps)
+            self._link_server = LinkServer(
+                handlers, link_keys(), dumps=frame_dumps, ref_streams=self.REF_STREAMS
+            )
         return await self._link_server.address(ray.util.get_node_ip_address())
 
     def drain_link(self) -> None:

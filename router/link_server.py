@@ -53,7 +53,8 @@ class LinkServer:
     A handler that is an async generator function answers a stream (``LinkClient.stream``): each item
     it yields goes out as it comes, one MORE frame with the call's sequence number, then an OK frame
     (or its error). Its items are encoded by ``item_dumps`` (plain ``pickle``, no ObjectRef books: a
-    stream's items must be plain records), falling back to ``dumps``. While the client's queue is full
+    stream's items must be plain records), falling back to ``dumps``; the items of ``ref_streams``
+    (methods whose items carry ObjectRefs) by ``dumps`` alone, which keeps their owners. While the client's queue is full
     the generator is not resumed (it holds what it makes, as a gRPC stream does); a client that reads
     nothing for ``reply_patience_s``, or is gone, ends the stream: the generator is closed.
     """
@@ -66,6 +67,7 @@ class LinkServer:
         loads: Loads = pickle.loads,
         *,
         item_dumps: Dumps = pickle_dumps,
+        ref_streams: frozenset[str] = frozenset(),
         max_in_flight: int = MAX_IN_FLIGHT,
         max_frame_bytes: int = MAX_FRAME_BYTES,
         hwm: int = HWM,
@@ -76,6 +78,7 @@ class LinkServer:
         self.dumps = dumps
         self.loads = loads
         self.item_dumps = item_dumps
+        self.ref_streams = ref_streams
         self.max_in_flight = max_in_flight
         self.max_frame_bytes = max_frame_bytes
         self.hwm = hwm
@@ -192,7 +195,8 @@ class LinkServer:
                 raise LookupError(f"direct link: no method {method!r}")
             result = handler(*args)
             if inspect.isasyncgen(result):
-                await self._stream(ident, seq, result)
+                dumps = self.dumps if method in self.ref_streams else self.item_dumps
+                await self._stream(ident, seq, result, dumps)
                 reply = self._reply(seq, OK, None)
             else:
                 reply = self._reply(seq, OK, await result)
@@ -202,12 +206,14 @@ class LinkServer:
             reply = self._reply(seq, RAISED, e)
         await self._deliver(ident, reply)
 
-    async def _stream(self, ident: bytes, seq: int, items: AsyncGenerator[Any, Any]) -> None:
+    async def _stream(
+        self, ident: bytes, seq: int, items: AsyncGenerator[Any, Any], item_dumps: Dumps
+    ) -> None:
         """Send each item as it comes; the generator is resumed only once the last one was queued."""
         try:
             async for item in items:
                 try:
-                    body = self.item_dumps(item)
+                    body = item_dumps(item)
                 except Exception:  # not a plain record after all (an exception Ray made, say)
                     body = self.dumps(item)
                 if len(body) > self.max_frame_bytes:

@@ -68,7 +68,8 @@ class LLMServer:
         )
         self.embedding_fetch_timeout_s = embedding_fetch_timeout_s
         self._unfetched: dict[str, list[EmbeddingRef]] = {}  # request id -> items sent without rows
-        # request id -> offset -> its items still being encoded, until they arrive (``arrived``)
+        # request id -> offset -> its items still being encoded, until they arrive (``arrived``);
+        # kept, empty, until the request ends
         self._arriving: dict[str, dict[int, EmbeddingRef]] = {}
         self._supplies: set[asyncio.Task[None]] = set()
         self.skipped_fetches = 0  # items whose embeddings were never fetched (prefix cache)
@@ -231,12 +232,12 @@ class LLMServer:
         if error is None:
             unknown = [it for it in items if waiting.get(it.offset) is None or it.pending]
             if unknown:
-                error = ValueError(f"{rid}: no item still to come at offset(s) {[it.offset for it in unknown]}")
+                error = ValueError(
+                    f"{rid}: no item still to come at offset(s) {[it.offset for it in unknown]}"
+                )
         if error is None:
-            for it in items:
+            for it in items:  # (its entry stays, empty, until it ends: a report may still come)
                 del waiting[it.offset]
-            if not waiting:
-                del self._arriving[rid]
             try:
                 mm_inputs = await resolve_embeddings(items, self._fetch)
             except Exception as e:

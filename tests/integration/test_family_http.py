@@ -3,7 +3,8 @@ openai client) and checked against transformers' ``generate`` on the same weight
 
 Every family runs with the same small engine (``ENGINE``): 16-token prefill chunks, so a prompt's
 chunks cut through its images; 4-token KV blocks; a KV pool too small for the concurrent burst, so
-some requests are preempted and recomputed. A family is one line in ``FAMILIES``; every test runs
+some requests are preempted and recomputed. All but Gemma 3 hand their items to the LLM as they are
+encoded (``overlap_prefill``), so their answers also show the prefill up to a missing item. A family is one line in ``FAMILIES``; every test runs
 for each (parametrized), in one Ray start.
 """
 
@@ -45,6 +46,9 @@ class Family:
     max_model_len: int = 160
     llm_replicas: int = 1  # 2: its encoder outputs are shown shared across LLM replicas
     num_state_slots: int | None = None  # hybrids: sequences whose linear-attention states fit at once
+    # items handed to the LLM as their encodes commit (preprocess.overlap_prefill): each answer below
+    # then also shows the prefill up to a missing item and the resumption equal HF
+    overlap: bool = True
 
     @property
     def model(self) -> str:
@@ -54,7 +58,7 @@ class Family:
 FAMILIES = [
     Family("qwen2.5-vl", video=True),
     Family("qwen3-vl", video=True, embeds_224=49),  # patch 16: 224 px -> 14x14 patches -> 7x7
-    Family("gemma3", video=False, embeds_224=16, burst_images=4, max_num_batched_tokens=24),
+    Family("gemma3", video=False, embeds_224=16, burst_images=4, max_num_batched_tokens=24, overlap=False),
     # Gemma 4: a 224x224 image is 96x96 pixels of 4x4 patches, pooled 3x3: 64 soft tokens, in one chunk
     Family(
         "gemma4",
@@ -99,6 +103,7 @@ def _model_config(f: Family) -> dict[str, Any]:
                 **({"audio": 2} if f.audio else {}),
             },
             "media": {"video_fps": VIDEO_FPS},
+            "overlap_prefill": f.overlap,
         },
     }
 
