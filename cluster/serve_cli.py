@@ -31,6 +31,13 @@ def add_serve_command(sub: Any) -> None:
     p.add_argument("--mm-encoder-tp-mode", choices=["weights", "data"], default=None)
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs for the embedded Ray")
     p.add_argument(
+        "--overlap-prefill",
+        action="store_true",
+        default=None,
+        help="hand each media item to the LLM as its encode ends (preprocess.overlap_prefill): the LLM "
+        "prefills up to the first item still encoding meanwhile",
+    )
+    p.add_argument(
         "--http-mode",
         choices=["direct", "proxy"],
         default=None,
@@ -92,6 +99,8 @@ def config_from_args(args: argparse.Namespace) -> AppConfig:
             m["encoder"]["mm_encoder_tp_size"] = args.mm_encoder_tp_size
         if args.mm_encoder_tp_mode is not None:
             m["encoder"]["mm_encoder_tp_mode"] = args.mm_encoder_tp_mode
+        if getattr(args, "overlap_prefill", None):
+            m["preprocess"]["overlap_prefill"] = True
     return AppConfig.model_validate(data)
 
 

@@ -32,6 +32,8 @@ LOADS = [
     Load("image, 128 req, c=32", "random-mm", 128, 32, key="image-c32"),
     Load("image, 48 req, c=1", "random-mm", 48, 1, key="image-c1"),
     Load("4 images, 128 req, c=32", "random-mm", 128, 32, key="image4-c32", items=4),
+    Load("4 images, 32 req, c=1", "random-mm", 32, 1, key="image4-c1", items=4),
+    Load("4 images, 64 req, c=8", "random-mm", 64, 8, key="image4-c8", items=4),
     Load("text, 128 req, c=32", "random", 128, 32, key="text-c32"),
     Load("image, 256 req, 30 req/s", "random-mm", 256, 256, request_rate=30.0, key="image-rate30"),
 ]

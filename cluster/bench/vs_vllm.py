@@ -113,6 +113,9 @@ def make_servers(args: argparse.Namespace) -> dict[str, BenchServer]:
     servers: dict[str, BenchServer] = {
         "vllm": vllm,
         "mmserve": mmserve_server(args, "mmserve", args.mmserve_root, args.mmserve_port),
+        "overlap": mmserve_server(
+            args, "mmserve+overlap", args.mmserve_root, args.overlap_port, ["--overlap-prefill"]
+        ),
         "cluster": cluster_server(args, "cluster", args.cluster_port, [RayNode(args.cluster_num_cpus)]),
         "cluster2": cluster_server(
             args,
@@ -131,9 +134,11 @@ def make_servers(args: argparse.Namespace) -> dict[str, BenchServer]:
     return servers
 
 
-def mmserve_server(args: argparse.Namespace, name: str, root: Path, port: int) -> ServerProcess:
+def mmserve_server(
+    args: argparse.Namespace, name: str, root: Path, port: int, extra: list[str] | None = None
+) -> ServerProcess:
     """``mmserve serve`` of the checkout at ``root`` (its own ``cluster`` package, this venv)."""
-    argv = [sys.executable, "-m", "cluster.cli", "serve", "--model", str(args.model_dir)]
+    argv = [sys.executable, "-m", "cluster.cli", "serve", "--model", str(args.model_dir), *(extra or [])]
     argv += ["--model-name", args.served_name, "--host", "127.0.0.1", "--port", str(port)]
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     log_path = args.out_dir / f"{name}-serve.log"
@@ -241,6 +246,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--mmserve-baseline", type=Path, help="also run mmserve from this checkout, as `mmserve@baseline`"
     )
     p.add_argument("--baseline-port", type=int, default=8713)
+    p.add_argument("--overlap-port", type=int, default=8716)
     p.add_argument("--cluster-port", type=int, default=8714)
     p.add_argument("--cluster2-port", type=int, default=8715)
     p.add_argument(
@@ -265,7 +271,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--servers",
         default="vllm,baseline,mmserve",
-        help="which, in order (comma-separated): vllm, baseline (if given), mmserve, cluster, cluster2",
+        help="which, in order (comma-separated): vllm, baseline (if given), mmserve, overlap (mmserve "
+        "--overlap-prefill), cluster, cluster2",
     )
     p.add_argument(
         "--num-prompts",
@@ -291,7 +298,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--loads",
-        help="which loads, comma-separated (image-c32, image-c1, image4-c32: 4 distinct images per request, text-c32, image-rate30: 30 req/s "
+        help="which loads, comma-separated (image-c32, image-c1, image4-c32: 4 distinct images per request, "
+        "image4-c1, image4-c8, text-c32, image-rate30: 30 req/s "
         "arriving at random, open loop); default all",
     )
     p.add_argument(
