@@ -53,6 +53,10 @@ class FakeLLMHandle:
         return SimpleNamespace(remote=lambda target: _Call(self, self.server.channel(target)))
 
     @property
+    def arrived(self) -> Any:
+        return SimpleNamespace(remote=self.server.arrived)
+
+    @property
     def abort(self) -> Any:
         async def abort(target: ReplicaTarget) -> None:
             self.aborted.extend(target.request_ids)
