@@ -154,6 +154,7 @@ def _encoder_pool(model: ModelConfig, cache_dir: str, cache_index: Any, links: b
                 cache=open_cache_index(*cache_index_args(m), links=links),
                 max_queued_embeddings=m.encoder.max_queued_embeddings or 16 * compute_budget,
                 step_embeds=m.encoder.encoder_step_embeds,
+                torch_threads=m.encoder.torch_threads,
             )
 
     opts = deployment_options(model.encoder.deployment, f"EncoderPool-{model.name}", ENCODER_POLICY)

@@ -171,6 +171,12 @@ class EncoderConfig(_Strict):
         description="a step ends once it holds this many embeddings (each item waits for its whole step); "
         "default 256 on CPU, where bigger steps encode no faster, and the step budget on a GPU",
     )
+    torch_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch intra-op threads of each encoder replica's tower (TP=1); default: what Ray "
+        "gives the replica's process (1 for a fractional num_cpus)",
+    )
     deployment: DeploymentOptions = Field(default_factory=DeploymentOptions)
 
 

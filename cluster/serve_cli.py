@@ -31,6 +31,18 @@ def add_serve_command(sub: Any) -> None:
     p.add_argument("--mm-encoder-tp-mode", choices=["weights", "data"], default=None)
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs for the embedded Ray")
     p.add_argument(
+        "--encoder-threads",
+        type=int,
+        default=None,
+        help="torch threads of each encoder replica's tower (encoder.torch_threads; default 1 under Ray)",
+    )
+    p.add_argument(
+        "--encoder-step-embeds",
+        type=int,
+        default=None,
+        help="an encoder step ends once it holds this many embeddings (encoder.encoder_step_embeds)",
+    )
+    p.add_argument(
         "--overlap-prefill",
         action="store_true",
         default=None,
@@ -99,6 +111,10 @@ def config_from_args(args: argparse.Namespace) -> AppConfig:
             m["encoder"]["mm_encoder_tp_size"] = args.mm_encoder_tp_size
         if args.mm_encoder_tp_mode is not None:
             m["encoder"]["mm_encoder_tp_mode"] = args.mm_encoder_tp_mode
+        if getattr(args, "encoder_threads", None) is not None:
+            m["encoder"]["torch_threads"] = args.encoder_threads
+        if getattr(args, "encoder_step_embeds", None) is not None:
+            m["encoder"]["encoder_step_embeds"] = args.encoder_step_embeds
         if getattr(args, "overlap_prefill", None):
             m["preprocess"]["overlap_prefill"] = True
     return AppConfig.model_validate(data)

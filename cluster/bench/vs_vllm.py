@@ -112,9 +112,15 @@ def make_servers(args: argparse.Namespace) -> dict[str, BenchServer]:
     vllm = ServerProcess("vLLM", vllm_argv, args.vllm_port, vllm_log, env=vllm_env, root_kind="API server")
     servers: dict[str, BenchServer] = {
         "vllm": vllm,
-        "mmserve": mmserve_server(args, "mmserve", args.mmserve_root, args.mmserve_port),
+        "mmserve": mmserve_server(
+            args, "mmserve", args.mmserve_root, args.mmserve_port, args.mmserve_args.split()
+        ),
         "overlap": mmserve_server(
-            args, "mmserve+overlap", args.mmserve_root, args.overlap_port, ["--overlap-prefill"]
+            args,
+            "mmserve+" + args.overlap_args.replace("--", "").replace(" ", "_"),
+            args.mmserve_root,
+            args.overlap_port,
+            args.overlap_args.split(),
         ),
         "cluster": cluster_server(args, "cluster", args.cluster_port, [RayNode(args.cluster_num_cpus)]),
         "cluster2": cluster_server(
@@ -247,6 +253,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--baseline-port", type=int, default=8713)
     p.add_argument("--overlap-port", type=int, default=8716)
+    p.add_argument(
+        "--overlap-args",
+        default="--overlap-prefill",
+        help="`mmserve serve` flags of the `overlap` server (e.g. add --encoder-step-embeds 64)",
+    )
+    p.add_argument("--mmserve-args", default="", help="more `mmserve serve` flags of the `mmserve` server")
     p.add_argument("--cluster-port", type=int, default=8714)
     p.add_argument("--cluster2-port", type=int, default=8715)
     p.add_argument(

@@ -74,7 +74,12 @@ class EncoderPoolServer:
         cache: Any = None,
         max_queued_embeddings: int | None = None,
         step_embeds: int | None = None,
+        torch_threads: int | None = None,
     ) -> None:
+        if torch_threads is not None and tp_size == 1:  # the tower's forward runs in this process
+            import torch
+
+            torch.set_num_threads(torch_threads)
         self._cache = cache  # EncoderCacheClient: outputs are committed to it; invalidated on shutdown
         self._owned = OwnedEmbeddings(cache)
         self._recent = RecentValues()  # small outputs' values, for the requests forwarded from here
