@@ -203,6 +203,10 @@ def _llm_server(model: ModelConfig, cache_dir: str, links: bool) -> Any:
                 max_num_batched_tokens=llm.max_num_batched_tokens,
                 enable_prefix_caching=llm.enable_prefix_caching,
             )
+            if llm.torch_threads is not None:  # before the model is built: the step's forward uses it
+                import torch
+
+                torch.set_num_threads(llm.torch_threads)
             super().__init__(
                 engine_config,
                 m.name,

@@ -147,6 +147,12 @@ class LLMConfig(_Strict):
         ge=1,
         description="prompt tokens queued in one replica's engine; default max_waiting_requests x max_model_len",
     )
+    torch_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch intra-op threads of each LLM replica's model; default: what Ray gives the "
+        "replica's process (1 for a fractional num_cpus)",
+    )
     deployment: DeploymentOptions = Field(default_factory=DeploymentOptions)
 
 

@@ -37,6 +37,12 @@ def add_serve_command(sub: Any) -> None:
         help="torch threads of each encoder replica's tower (encoder.torch_threads; default 1 under Ray)",
     )
     p.add_argument(
+        "--llm-threads",
+        type=int,
+        default=None,
+        help="torch threads of each LLM replica's model (llm.torch_threads; default 1 under Ray)",
+    )
+    p.add_argument(
         "--encoder-step-embeds",
         type=int,
         default=None,
@@ -111,6 +117,8 @@ def config_from_args(args: argparse.Namespace) -> AppConfig:
             m["encoder"]["mm_encoder_tp_size"] = args.mm_encoder_tp_size
         if args.mm_encoder_tp_mode is not None:
             m["encoder"]["mm_encoder_tp_mode"] = args.mm_encoder_tp_mode
+        if getattr(args, "llm_threads", None) is not None:
+            m["llm"]["torch_threads"] = args.llm_threads
         if getattr(args, "encoder_threads", None) is not None:
             m["encoder"]["torch_threads"] = args.encoder_threads
         if getattr(args, "encoder_step_embeds", None) is not None:

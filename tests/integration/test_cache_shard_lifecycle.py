@@ -50,6 +50,9 @@ def _config(tmp_path: Path, port: int, transport: str, model: str) -> Any:
                     "tiny": "qwen2-vl",
                     "llm": {"max_model_len": 2048, "num_kv_blocks": 256, "deployment": one},
                     "encoder": {"deployment": one, "cache_index_shards": 2},
+                    # `serve` also carries overlap prefill's calls: prepare_stream as Serve's streaming
+                    # call, each item's arrival at the LLM replica as a handle call to that replica
+                    "preprocess": {"overlap_prefill": transport == "serve"},
                 }
             ],
         }
