@@ -170,10 +170,12 @@ class RequestPreparer:
                         futures[h] = _found(encoding)
                 for h, it in wait.items():
                     futures[h] = asyncio.ensure_future(self._wait_or_encode(request_id, it, kinds))
-                yield _prepared(pre, hits, len(compute), partial=True)
-                runs: dict[str, list[PreparedItem]] = {}
-                for item in _items(pre, {}, partial=True):
-                    runs.setdefault(item.mm_hash, []).append(item)
+                first = _prepared(pre, hits, len(compute), partial=True)
+                yield first
+                runs: dict[str, list[PreparedItem]] = {}  # the placeholder runs still to come
+                for item in first.items:
+                    if not item.ref:
+                        runs.setdefault(item.mm_hash, []).append(item)
                 todo = set(futures.values())
                 by_future = {f: h for h, f in futures.items()}
                 while todo:
