@@ -9,12 +9,16 @@ Token ``t`` (after the conv, q and k L2-normalised, q scaled by ``d_k^-1/2``) do
     o_t = S^T q_t
 
 ``chunk_rule`` computes a prefill chunk in blocks of 64 tokens (the WY/UT form transformers'
-``torch_chunk_gated_delta_rule`` uses, so prefill rounds as its prefill does); ``recurrent_step``
+``torch_chunk_gated_delta_rule`` uses, so prefill rounds as its prefill does; a chunk shorter than
+64 is one block of its own length, not padded), and reads the states at snapshot points inside
+its blocks instead of cutting the chunk there (a call costs ~60 small ops); ``recurrent_step``
 is one token for a batch of decodes (its ``torch_recurrent_gated_delta_rule``). Starting from a
 zero state is a fresh sequence; from a saved one, the continuation of a chunked prefill or a decode.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +36,11 @@ def causal_conv(
     """``x`` ``[L, C]`` after ``state`` ``[C, K-1]``: SiLU(depthwise conv) ``[L, C]`` and the conv's
     whole input ``[C, K-1+L]``, whose columns ``[j, j + K-1)`` are the state after ``j`` tokens."""
     full = torch.cat([state, x.t().to(state.dtype)], dim=1)
-    out = F.conv1d(full[None].to(weight.dtype), weight[:, None, :], groups=weight.shape[0])[0]
+    n, taps = x.shape[0], weight.shape[1]
+    src = full.to(weight.dtype)
+    out = src[:, :n] * weight[:, :1]
+    for j in range(1, taps):  # a depthwise conv of a few taps: cheaper as taps than as a conv call
+        out = out + src[:, j : j + n] * weight[:, j : j + 1]
     return F.silu(out).t().to(x.dtype), full
 
 
@@ -52,32 +60,49 @@ def chunk_rule(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    cuts: Sequence[int] = (),
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """One sequence's chunk. ``q, k`` ``[H, L, d_k]`` (normalised, scaled), ``v`` ``[H, L, d_v]``,
-    ``g, beta`` ``[H, L]``, ``state`` ``[H, d_k, d_v]``; all float32. Returns ``o`` ``[H, L, d_v]``
-    and the state after the chunk."""
+    ``g, beta`` ``[H, L]``, ``state`` ``[H, d_k, d_v]``; all float32. Returns ``o`` ``[H, L, d_v]``,
+    the state after the chunk and the state after each of ``cuts`` tokens (``0 < cut < L``), read
+    inside the chunk's blocks rather than by cutting the chunk there."""
     h, n, dv = q.shape[0], q.shape[1], v.shape[2]
-    pad = (-n) % CHUNK
-    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-    g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    size = max(1, min(CHUNK, n))  # a short chunk is one block of its own length: the same rows, unpadded
+    if pad := (-n) % size:
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
-    q, k, k_beta, v_beta = (x.reshape(h, -1, CHUNK, x.shape[-1]) for x in (q, k, k_beta, v_beta))
-    cum = g.reshape(h, -1, CHUNK).cumsum(-1)  # log of the decay from the chunk's start
-    upper = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).triu(1)
-    pair = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
+    q, k, k_beta, v_beta = (x.reshape(h, -1, size, x.shape[-1]) for x in (q, k, k_beta, v_beta))
+    cum = g.reshape(h, -1, size).cumsum(-1)  # log of the decay from the chunk's start
+    grow = cum.exp()[..., None]
+    pair = (cum[..., :, None] - cum[..., None, :]).exp().tril()  # decay from column to row (0 above)
     ut = (k_beta @ k.transpose(-1, -2)) * pair
     intra = (q @ k.transpose(-1, -2)) * pair
-    new_v = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)
-    k_cum = torch.linalg.solve_triangular(ut, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
-    q = q * cum.exp()[..., None]
+    # one triangular solve for both right-hand sides: the corrected values and the keys' state reads
+    solved = torch.linalg.solve_triangular(
+        ut, torch.cat([v_beta, k_beta * grow], -1), upper=False, unitriangular=True
+    )
+    new_v, k_cum = solved[..., :dv], solved[..., dv:]
+    q = q * grow
+    k_in = k
     k = k * (cum[..., -1:] - cum).exp()[..., None]
     chunk_decay = cum[..., -1].exp()[..., None, None]
-    out = torch.zeros_like(new_v)
+    blocks = []
+    at: dict[int, list[int]] = {}
+    for cut in cuts:
+        at.setdefault((cut - 1) // size, []).append(cut)
+    cut_states: dict[int, torch.Tensor] = {}
     for i in range(new_v.shape[1]):
         v_i = new_v[:, i] - k_cum[:, i] @ state
-        out[:, i] = q[:, i] @ state + intra[:, i] @ v_i
+        blocks.append(q[:, i] @ state + intra[:, i] @ v_i)
+        for cut in at.get(i, ()):  # S after r tokens of this block: decayed S plus its first r writes
+            r = cut - i * size
+            c = cum[:, i, :r]
+            k_r = k_in[:, i, :r] * (c[:, -1:] - c).exp()[..., None]
+            cut_states[cut] = state * c[:, -1, None, None].exp() + k_r.transpose(-1, -2) @ v_i[:, :r]
         state = state * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ v_i
-    return out.reshape(h, -1, dv)[:, :n], state
+    out = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
+    return out[:, :n], state, [cut_states[c] for c in cuts]
 
 
 def recurrent_step(

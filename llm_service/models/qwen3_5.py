@@ -213,15 +213,12 @@ class GatedDeltaNet(nn.Module):
         out, full = causal_conv(mixed, conv, self.conv1d.weight[:, 0, :])
         q, k, v = (y.transpose(0, 1) for y in self._heads(out))  # [H, n, d]
         g, beta = g.t(), beta.t()
-        core, prev = [], 0
-        for cut in sorted({*captures, n}):
-            part = slice(prev, cut)
-            o, state = chunk_rule(q[:, part], k[:, part], v[:, part], g[:, part], beta[:, part], state)
-            core.append(o)
-            if cut in captures:
-                snaps.append((captures[cut], full[:, cut : cut + self.kernel - 1], state))
-            prev = cut
-        return torch.cat(core, dim=1).transpose(0, 1), full[:, n:], state
+        inner = sorted(c for c in captures if 0 < c < n)
+        core, end, at_inner = chunk_rule(q, k, v, g, beta, state, inner)
+        at = {0: state, n: end, **dict(zip(inner, at_inner, strict=True))}
+        for cut in sorted(captures):
+            snaps.append((captures[cut], full[:, cut : cut + self.kernel - 1], at[cut]))
+        return core.transpose(0, 1), full[:, n:], end
 
     def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k (L2-normalised, q scaled, grouped up to the value heads) and v, float32, ``[..., H, d]``."""
