@@ -20,13 +20,16 @@ from encoder_service.preprocess.media import MediaLimits
 from encoder_service.preprocess.media.image import decode_image, decode_image_scaled
 from encoder_service.preprocess.processing import Preprocessor
 from encoder_service.types import MediaRef
+from tests.unit.qwen3_5_dir import tiny_qwen3_5_dir
 
 LIMITS = MediaLimits(max_pixels=4096 * 4096)
 
 
-@pytest.fixture(scope="module")
-def vl(tiny_vl_dir):
-    return Preprocessor(tiny_vl_dir, LIMITS, {"image": 2}, processor_cache_bytes=0)
+@pytest.fixture(scope="module", params=["qwen2-vl", "qwen3.5"])
+def vl(request, tiny_vl_dir):
+    """The default Qwen2-VL's processor and the hybrid Qwen3.5's: the same refusals for both."""
+    model_dir = tiny_vl_dir if request.param == "qwen2-vl" else tiny_qwen3_5_dir()
+    return Preprocessor(model_dir, LIMITS, {"image": 2}, processor_cache_bytes=0)
 
 
 def _second_item_error(pre: Preprocessor, bad: bytes) -> MediaError:

@@ -5,7 +5,9 @@ item — never another exception. Seeds are small valid files made here."""
 from __future__ import annotations
 
 import io
-from typing import Any
+import json
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -18,6 +20,7 @@ from encoder_service.preprocess.media import MediaLimits
 from encoder_service.preprocess.media.image import ALLOWED_IMAGE_FORMATS, decode_image_scaled
 from encoder_service.preprocess.processing import Preprocessor
 from encoder_service.types import MediaRef
+from tests.unit.qwen3_5_dir import tiny_qwen3_5_dir
 
 # Mutations may declare large sizes; this bound keeps a decode (and the test's memory) small.
 LIMITS = MediaLimits(max_pixels=512 * 512)
@@ -111,21 +114,30 @@ def magic_then_noise(draw: st.DrawFn) -> bytes:
     return magic + draw(st.binary(max_size=300))
 
 
-@pytest.fixture(scope="module")
-def vl(tiny_vl_dir):
-    return Preprocessor(tiny_vl_dir, LIMITS, {"image": 1}, processor_cache_bytes=0)
+class Family(NamedTuple):
+    pre: Preprocessor
+    patch_width: int  # one flattened patch: channels x temporal patch x patch x patch
 
 
-def _check(pre: Preprocessor, data: bytes) -> None:
+@pytest.fixture(scope="module", params=["qwen2-vl", "qwen3.5"])
+def vl(request, tiny_vl_dir):
+    """Each family's own processor under the fuzz: the default Qwen2-VL and the hybrid Qwen3.5."""
+    model_dir = tiny_vl_dir if request.param == "qwen2-vl" else tiny_qwen3_5_dir()
+    cfg = json.loads((Path(model_dir) / "processor_config.json").read_text())["image_processor"]
+    pre = Preprocessor(model_dir, LIMITS, {"image": 1}, processor_cache_bytes=0)
+    return Family(pre, 3 * cfg["temporal_patch_size"] * cfg["patch_size"] ** 2)
+
+
+def _check(vl: Family, data: bytes) -> None:
     msgs = [{"role": "user", "content": [{"type": "image", "media": MediaRef("image", data=data)}]}]
     try:
-        out = pre.preprocess_sync(msgs)
+        out = vl.pre.preprocess_sync(msgs)
     except MediaError as e:
         assert 400 <= e.status_code < 500 and e.item == 0 and "image 0" in e.message, e
         return
     (item,) = out.items
     pixels = item.encoder_input.tensors["pixel_values"]
-    assert item.num_embeds * 4 == pixels.shape[0] and pixels.shape[1] == 3 * 2 * 14 * 14
+    assert item.num_embeds * 4 == pixels.shape[0] and pixels.shape[1] == vl.patch_width
 
 
 def test_seeds_decode(vl):
