@@ -133,6 +133,11 @@ class LLMConfig(_Strict):
         ge=0,
         description="hybrid models' prefix caching: state snapshots kept at block boundaries; default num_state_slots",
     )
+    snapshot_interval_blocks: int = Field(
+        16,
+        ge=0,
+        description="hybrid models: besides prompt ends, a state snapshot every this many prompt blocks; 0: none",
+    )
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=16)
     enable_prefix_caching: bool = True

@@ -26,6 +26,13 @@ def add_serve_command(sub: Any) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--num-state-snapshots", type=int, default=None, help="hybrid models: snapshot slots")
+    p.add_argument(
+        "--snapshot-interval-blocks",
+        type=int,
+        default=None,
+        help="hybrid models: a state snapshot every this many prompt blocks (0: prompt ends only)",
+    )
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     p.add_argument("--mm-encoder-tp-size", type=int, default=None)
     p.add_argument("--mm-encoder-tp-mode", choices=["weights", "data"], default=None)
@@ -110,7 +117,15 @@ def config_from_args(args: argparse.Namespace) -> AppConfig:
     if args.http_mode:
         data["ingress"]["http_mode"] = args.http_mode
     for m in data["models"]:
-        for key in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "dtype"):
+        for key in (
+            "max_model_len",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "num_kv_blocks",
+            "num_state_snapshots",
+            "snapshot_interval_blocks",
+            "dtype",
+        ):
             if getattr(args, key) is not None:
                 m["llm"][key] = getattr(args, key)
         if args.mm_encoder_tp_size is not None:

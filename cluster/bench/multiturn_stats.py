@@ -117,3 +117,32 @@ def goal(
         f"turn{turn}_ttft_ratio": ratio(th.ttft_mean_s, ta.ttft_mean_s) if th and ta else math.nan,
         f"turn{turn}_ttft_p50_ratio": ratio(th.ttft_p50_s, ta.ttft_p50_s) if th and ta else math.nan,
     }
+
+
+def all_turns_hit_rate(rows: Sequence[TurnRow]) -> float:
+    """Σ cached / Σ prompt over every turn, the first included (it can hit a shared template head)."""
+    prompt = sum(r.prompt_tokens for r in rows)
+    return sum(r.cached_tokens for r in rows) / prompt if prompt else math.nan
+
+
+def policy_table(by_server: dict[str, list[TurnRow]], variants: dict[str, int], attention: str) -> str:
+    """A markdown table, one row per snapshot policy (``variants``: server -> snapshot interval in
+    blocks, 0: prompt ends only): hit rate over all turns and over turns 2+, mean TTFT per turn (ms),
+    and the last turn's mean TTFT over ``attention``'s."""
+    turns = sorted({r.turn for rows in by_server.values() for r in rows})
+    head = ["snapshots", "hit all turns", "hit turns 2+"] + [f"turn {t} TTFT" for t in turns]
+    head.append(f"turn {turns[-1]} x {attention}" if turns else "x")
+    lines = ["| " + " | ".join(head) + " |", "| " + " | ".join([":---"] + ["---:"] * (len(head) - 1)) + " |"]
+    last_a = next((r for r in by_server.get(attention, []) if turns and r.turn == turns[-1]), None)
+    for name, interval in variants.items():
+        rows = by_server.get(name)
+        if rows is None:
+            continue
+        label = f"every {interval} blocks" if interval else "prompt ends only"
+        cells = [label, fmt(all_turns_hit_rate(rows)), fmt(later_turns_hit_rate(rows))]
+        by_turn = {r.turn: r for r in rows}
+        cells += [fmt(by_turn[t].ttft_mean_s * 1e3, 1) if t in by_turn else "—" for t in turns]
+        last = by_turn.get(turns[-1]) if turns else None
+        cells.append(fmt(ratio(last.ttft_mean_s, last_a.ttft_mean_s)) if last and last_a else "—")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

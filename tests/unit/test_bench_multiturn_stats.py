@@ -6,7 +6,15 @@ import math
 
 import pytest
 
-from cluster.bench.multiturn_stats import TurnResult, goal, later_turns_hit_rate, render_table, turn_rows
+from cluster.bench.multiturn_stats import (
+    TurnResult,
+    all_turns_hit_rate,
+    goal,
+    later_turns_hit_rate,
+    policy_table,
+    render_table,
+    turn_rows,
+)
 
 
 def _results(ttfts: dict[int, list[float]], prompt: int, cached: dict[int, int]) -> list[TurnResult]:
@@ -55,3 +63,22 @@ def test_goal_without_the_turn_is_nan() -> None:
     rows = turn_rows([TurnResult(0, 1, ok=True, ttft_s=0.01, prompt_tokens=10)])
     g = goal(rows, rows)
     assert all(math.isnan(v) for v in g.values()) and len(g) == 3
+
+
+def test_policy_table_one_row_per_snapshot_interval() -> None:
+    ttfts = {1: [0.04, 0.04], 2: [0.02, 0.02], 3: [0.03, 0.03]}
+    prompt_ends = turn_rows(_results(ttfts, 100, {1: 0, 2: 54, 3: 180}))
+    every_block = turn_rows(_results(ttfts, 100, {1: 32, 2: 54, 3: 180}))
+    attention = turn_rows(
+        _results({t: [v / 2 for v in vs] for t, vs in ttfts.items()}, 100, {1: 16, 2: 60, 3: 200})
+    )
+    assert all_turns_hit_rate(every_block) == pytest.approx(2 * (32 + 54 + 180) / 1200)  # 2 conversations
+    table = policy_table({"h0": prompt_ends, "h1": every_block, "a": attention}, {"h0": 0, "h1": 1}, "a")
+    lines = table.splitlines()
+    assert (
+        lines[0]
+        == "| snapshots | hit all turns | hit turns 2+ | turn 1 TTFT | turn 2 TTFT | turn 3 TTFT | turn 3 x a |"
+    )
+    assert lines[2] == "| prompt ends only | 0.39 | 0.47 | 40.0 | 20.0 | 30.0 | 2.00 |"
+    assert lines[3].startswith("| every 1 blocks | 0.44 | 0.47 |")
+    assert len(lines) == 4
