@@ -46,7 +46,11 @@ class LLMEngine:
         if states is not None:
             r = self.runner
             return HybridKVCacheManager(
-                r.num_blocks, c.block_size, r.num_state_slots, r.num_state_snapshots, c.snapshot_interval_blocks
+                r.num_blocks,
+                c.block_size,
+                r.num_state_slots,
+                r.num_state_snapshots,
+                c.snapshot_interval_blocks,
             )
         return KVCacheManager(self.runner.num_blocks, c.block_size, c.enable_prefix_caching)
 

@@ -36,6 +36,7 @@ class StepStates:
     write_slots: torch.Tensor  # [n] long
     fresh: torch.Tensor  # [n] bool
     captures: list[list[tuple[int, int]]]
+    num_fresh: int = 0  # how many of ``fresh`` are set (none or all: ``read`` needs no select)
     staged: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     snapshots: dict[int, list[Snapshot]] = field(default_factory=dict)
 
@@ -89,13 +90,18 @@ class LinearStates:
             longs([s.write_slot for s in seqs]),
             torch.tensor([s.fresh for s in seqs], dtype=torch.bool, device=self.device),
             [list(s.captures) for s in seqs],
+            sum(s.fresh for s in seqs),
         )
 
     def read(self, layer: int, step: StepStates) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the step's sequences' states for linear layer ``layer`` (zero where fresh)."""
-        keep = (~step.fresh)[:, None, None]  # where(), not a product: a slot's stale NaN must not leak
         conv = self.conv[layer][step.read_slots]
         rec = self.recurrent[layer][step.read_slots]
+        if step.num_fresh == 0:
+            return conv, rec
+        if step.num_fresh == len(step.q_lens):
+            return torch.zeros_like(conv), torch.zeros_like(rec)
+        keep = (~step.fresh)[:, None, None]  # where(), not a product: a slot's stale NaN must not leak
         return torch.where(keep, conv, 0.0), torch.where(keep[..., None], rec, 0.0)
 
     def commit(self, step: StepStates) -> None:

@@ -67,6 +67,8 @@ def chunk_rule(
     the state after the chunk and the state after each of ``cuts`` tokens (``0 < cut < L``), read
     inside the chunk's blocks rather than by cutting the chunk there."""
     h, n, dv = q.shape[0], q.shape[1], v.shape[2]
+    if 0 < n <= CHUNK:
+        return _one_block(q, k, v, g, beta, state, cuts)
     size = max(1, min(CHUNK, n))  # a short chunk is one block of its own length: the same rows, unpadded
     if pad := (-n) % size:
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
@@ -103,6 +105,37 @@ def chunk_rule(
         state = state * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ v_i
     out = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
     return out[:, :n], state, [cut_states[c] for c in cuts]
+
+
+def _one_block(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    cuts: Sequence[int],
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """``chunk_rule`` for ``L <= CHUNK`` tokens: the same block algebra without the block axis (a
+    prefill chunk's tail or a next turn's new tokens are mostly this: about half the ops)."""
+    dv = v.shape[2]
+    k_beta = k * beta[..., None]
+    cum = g.cumsum(-1)  # [H, L]
+    grow = cum.exp()[..., None]
+    pair = (cum[:, :, None] - cum[:, None, :]).exp().tril()
+    kt = k.transpose(-1, -2)
+    ut = (k_beta @ kt) * pair
+    intra = (q @ kt) * pair
+    rhs = torch.cat([v * beta[..., None], k_beta * grow], -1)
+    solved = torch.linalg.solve_triangular(ut, rhs, upper=False, unitriangular=True)
+    v_new = solved[..., :dv] - solved[..., dv:] @ state
+    out = (q * grow) @ state + intra @ v_new
+    at = []
+    for r in (*cuts, q.shape[1]):  # the state after r tokens: decayed S plus the first r writes
+        c = cum[:, :r]
+        k_r = k[:, :r] * (c[:, -1:] - c).exp()[..., None]
+        at.append(state * c[:, -1, None, None].exp() + k_r.transpose(-1, -2) @ v_new[:, :r])
+    return out, at[-1], at[:-1]
 
 
 def recurrent_step(

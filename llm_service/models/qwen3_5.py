@@ -95,9 +95,8 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x.float()
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * (1.0 + self.weight.float())).to(x.dtype)
+        # fused: the same bits as HF's ops (x * rsqrt(mean(x²) + eps), then the weight; test_model_ops.py)
+        return F.rms_norm(x.float(), self.weight.shape, 1.0 + self.weight.float(), self.eps).to(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):
@@ -109,8 +108,9 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        y = x.float()
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        if x.dtype == torch.float32 == self.weight.dtype:  # fused, as ZeroCenteredRMSNorm
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps) * F.silu(gate)
+        y = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
         y = self.weight * y.to(x.dtype)
         return (y * F.silu(gate.float())).to(x.dtype)
 
