@@ -4,7 +4,8 @@ Writes a tiny Qwen3.5 (hybrid: Gated DeltaNet + gated attention) and a tiny Qwen
 with the project's generator (same tokenizer, template and sizes, 4 decoder layers each), then for
 each one in turn starts ``mmserve serve --model DIR`` on 127.0.0.1, runs one unmeasured conversation,
 then ``--conversations`` conversations of ``--turns`` turns, at most ``--concurrency`` conversations
-at once, and stops it. Turn 1 sends a distinct image (per conversation) and a question; every later
+at once, and stops it; ``--rounds`` repeats that for every server in turn and pools the turns.
+``--snapshot-intervals`` runs the hybrid once per snapshot policy (``llm.snapshot_interval_blocks``). Turn 1 sends a distinct image (per conversation) and a question; every later
 turn re-sends the whole conversation, image included, with the server's own previous answers and a
 new question (``--answers fixed``: one fixed answer text instead). Streaming, temperature 0,
 ``--max-tokens`` with ``ignore_eos``. Per turn it reports mean and p50 TTFT (to the first chunk with
@@ -228,6 +229,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the hybrid's snapshot policies to run, comma-separated `llm.snapshot_interval_blocks` "
         "(0: prompt ends only); the first is the one compared in the main table",
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every server this many times, one after the other each round, and pool the turns "
+        "(a server's TTFT moves by a few ms from one start to the next on this host)",
+    )
     p.add_argument("--json", type=Path, help="write every request and row here")
     return p.parse_args(argv)
 
@@ -254,16 +262,20 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list[TurnResult]] = {}
     errors: dict[str, str] = {}
     causes: dict[str, str] = {}
-    for name, server in zip(names, servers, strict=True):
-        out = run_server(server, server.name, args)
-        if isinstance(out, str):
-            errors[name] = out
-            print(f"{name}: FAILED: {out}", file=sys.stderr)
-        else:
-            results[name] = out
+    for _ in range(args.rounds):  # servers in turn, each round: a slow spell of the host hits all
+        for name, server in zip(names, servers, strict=True):
+            if name in errors:
+                continue
+            out = run_server(server, server.name, args)
+            if isinstance(out, str):
+                errors[name] = out
+                print(f"{name}: FAILED: {out}", file=sys.stderr)
+            else:
+                results.setdefault(name, []).extend(out)
     rows: dict[str, list[TurnRow]] = {n: turn_rows(r) for n, r in results.items()}
     print(
-        f"\n{args.conversations} conversations x {args.turns} turns, concurrency {args.concurrency}, "
+        f"\n{args.conversations} conversations x {args.turns} turns x {args.rounds} rounds, "
+        f"concurrency {args.concurrency}, "
         f"{args.image_size} px image, max_tokens {args.max_tokens}, answers: {args.answers}\n"
     )
     print(render_table(rows, HYBRID, ATTENTION))

@@ -49,10 +49,15 @@ class Family:
     # items handed to the LLM as their encodes commit (preprocess.overlap_prefill): each answer below
     # then also shows the prefill up to a missing item and the resumption equal HF
     overlap: bool = True
+    variant: str = "base"  # the tiny generator's --variant (Gemma 4: k_eq_v, moe)
 
     @property
     def model(self) -> str:
-        return f"tiny-{self.tiny}"
+        return f"tiny-{self.tiny}" + ("" if self.variant == "base" else f"-{self.variant}")
+
+    @property
+    def label(self) -> str:
+        return self.model.removeprefix("tiny-")
 
 
 FAMILIES = [
@@ -69,6 +74,20 @@ FAMILIES = [
         llm_replicas=2,
         max_model_len=192,
     ),
+    # Gemma 4's other recipes: full layers whose values are their keys (one KV head), and the MoE
+    # block beside every MLP; one LLM replica each
+    *(
+        Family(
+            "gemma4",
+            video=False,
+            embeds_224=64,
+            max_num_batched_tokens=72,
+            audio=True,
+            max_model_len=192,
+            variant=v,
+        )
+        for v in ("k_eq_v", "moe")
+    ),
     # hybrid: linear-attention states in the state cache (two sequences' worth, so the burst also
     # waits for state slots); a prefix hit restores a state snapshot
     Family("qwen3.5", video=True, embeds_224=49, num_state_slots=2),
@@ -83,10 +102,16 @@ ENGINE = {
 }
 
 
-def _model_config(f: Family) -> dict[str, Any]:
+def _model_config(f: Family, cache_dir: Path) -> dict[str, Any]:
+    if f.variant == "base":
+        source: dict[str, str] = {"tiny": f.tiny}
+    else:  # the config's `tiny` generates base recipes only: the variant is written here
+        from cluster.tiny_model import make_tiny_model
+
+        source = {"path": str(make_tiny_model(cache_dir / f.model, f.tiny, variant=f.variant))}
     return {
         "name": f.model,
-        "tiny": f.tiny,
+        **source,
         "llm": {
             **ENGINE,
             "max_model_len": f.max_model_len,
@@ -111,7 +136,7 @@ def _model_config(f: Family) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     cache_dir = tmp_path_factory.mktemp("models")
-    models = [_model_config(f) for f in FAMILIES]
+    models = [_model_config(f, Path(cache_dir)) for f in FAMILIES]
     with local_app({"models": models, "models_cache_dir": str(cache_dir)}) as client:
         yield {"client": client, "cache_dir": Path(cache_dir)}
 
@@ -172,7 +197,7 @@ def _replica_stats(f: Family) -> dict[str, dict[str, Any]]:
     return _STATS_LOOP.run_until_complete(ask())
 
 
-@pytest.mark.parametrize("f", FAMILIES, ids=lambda f: f.tiny)
+@pytest.mark.parametrize("f", FAMILIES, ids=lambda f: f.label)
 def test_text_and_images_equal_hf(app: dict[str, Any], f: Family) -> None:
     client, model_dir = app["client"], app["cache_dir"] / f.model
     text = "hello there, tell me more"
@@ -185,7 +210,7 @@ def test_text_and_images_equal_hf(app: dict[str, Any], f: Family) -> None:
         assert served == _hf(f, app, n, "Compare.", images=list(images[:n])), n
 
 
-@pytest.mark.parametrize("f", FAMILIES, ids=lambda f: f.tiny)
+@pytest.mark.parametrize("f", FAMILIES, ids=lambda f: f.label)
 def test_chunks_through_an_image_and_prefix_hit_equal_hf(app: dict[str, Any], f: Family) -> None:
     """A 224x224 image is 64 embeddings: 16-token chunks cut through it (Gemma 3: 16 embeddings, in
     one chunk: its scheduler never cuts an image). Asked again, the prompt's full blocks come from the
@@ -200,7 +225,7 @@ def test_chunks_through_an_image_and_prefix_hit_equal_hf(app: dict[str, Any], f:
     assert again == expected and cached_again >= cached_first + f.embeds_224
 
 
-@pytest.mark.parametrize("f", [f for f in FAMILIES if f.video], ids=lambda f: f.tiny)
+@pytest.mark.parametrize("f", [f for f in FAMILIES if f.video], ids=lambda f: f.label)
 def test_video_at_non_default_fps_equals_hf(app: dict[str, Any], f: Family) -> None:
     import numpy as np
     from transformers.video_utils import VideoMetadata
@@ -222,7 +247,7 @@ def test_video_at_non_default_fps_equals_hf(app: dict[str, Any], f: Family) -> N
     assert served == _hf(f, app, 0, "what?", **videos)  # Qwen3-VL: timestamped runs, one per patch
 
 
-@pytest.mark.parametrize("f", FAMILIES, ids=lambda f: f.tiny)
+@pytest.mark.parametrize("f", FAMILIES, ids=lambda f: f.label)
 def test_preempted_burst_equals_hf(app: dict[str, Any], f: Family) -> None:
     """Four concurrent requests of about 100 prompt tokens + 40 generated on a 160-token KV pool: two
     cannot run at once, so requests are preempted (their KV freed) and recomputed; every answer still
@@ -239,7 +264,7 @@ def test_preempted_burst_equals_hf(app: dict[str, Any], f: Family) -> None:
         assert got == _hf(f, app, k, text, n, images=[_image(*size)[1]] * k), size
 
 
-@pytest.mark.parametrize("f", [f for f in FAMILIES if f.audio], ids=lambda f: f.tiny)
+@pytest.mark.parametrize("f", [f for f in FAMILIES if f.audio], ids=lambda f: f.label)
 def test_audio_and_image_with_audio_equal_hf(app: dict[str, Any], f: Family) -> None:
     """A clip alone, then an image and a clip in one request (both through the encoder pool)."""
     import io
@@ -264,7 +289,7 @@ def test_audio_and_image_with_audio_equal_hf(app: dict[str, Any], f: Family) -> 
     assert served == expected
 
 
-@pytest.mark.parametrize("f", [f for f in FAMILIES if f.llm_replicas > 1], ids=lambda f: f.tiny)
+@pytest.mark.parametrize("f", [f for f in FAMILIES if f.llm_replicas > 1], ids=lambda f: f.label)
 def test_repeated_media_is_one_encoder_forward_across_llm_replicas(app: dict[str, Any], f: Family) -> None:
     """Ten conversations, each with the same image and the same clip: the encoder pool runs each item
     once, every other request takes its embeddings from the shared encoder cache, and every answer
@@ -308,7 +333,7 @@ def test_repeated_media_is_one_encoder_forward_across_llm_replicas(app: dict[str
         assert got == hf_generate(model_dir, messages, MAX_TOKENS, images=[image], audio=[waveform]), text
 
 
-@pytest.mark.parametrize("f", FAMILIES, ids=lambda f: f.tiny)
+@pytest.mark.parametrize("f", FAMILIES, ids=lambda f: f.label)
 def test_bad_input_gets_the_coded_4xx(app: dict[str, Any], f: Family) -> None:
     """The same coded refusals as the default pair's (tests/integration/e2e/test_errors.py)."""
     import httpx
@@ -338,7 +363,7 @@ def test_bad_input_gets_the_coded_4xx(app: dict[str, Any], f: Family) -> None:
     assert r.status_code == 400 and "max_model_len" in r.json()["error"]["message"], r.text
 
 
-@pytest.mark.parametrize("f", FAMILIES, ids=lambda f: f.tiny)
+@pytest.mark.parametrize("f", FAMILIES, ids=lambda f: f.label)
 def test_three_turn_chat_resending_its_image_hits_the_prefix_cache(app: dict[str, Any], f: Family) -> None:
     """Each turn re-sends the conversation with its image: every answer equals HF's, and each turn
     after the first finds at least the previous turn's prompt (its full blocks) in the prefix cache
