@@ -19,7 +19,8 @@ layers; the cache is the source layer's).
 
 A bidirectional span must lie whole inside the context of any chunk that queries it (the scheduler
 never ends a chunk inside one), so an image token sees every token of its image, as in transformers'
-``token_type_ids`` masks. Blocks that fall out of every layer's window stay allocated.
+``token_type_ids`` masks. When the window layers keep their own blocks (``meta.windowed``), those
+that fell out of the window are a null block in their table: the window mask never reads them.
 """
 
 from __future__ import annotations
@@ -115,6 +116,9 @@ class AttentionMetadata:
     seqs: list[SeqAttention]  # attended one by one (prefill chunks; a lone decode)
     decode: DecodeGroup | None = None  # two or more decodes, attended together
     states: StepStates | None = None  # hybrid models: the state-cache slots the step's sequences use
+    # the sliding-window layers' metadata when they keep their own blocks (``WindowKVCacheManager``):
+    # the same rows over their block tables, whose entries out of every window are a null block
+    windowed: AttentionMetadata | None = None
 
 
 MIN_DECODE_GROUP = 2  # one decode alone gains nothing from padding
@@ -210,6 +214,8 @@ def _decode_group(
 
 class TorchPagedAttention:
     def forward(self, q, k, v, kv_cache, meta, scale, sliding_window=None, bidirectional=True):  # type: ignore[no-untyped-def]
+        if sliding_window is not None and meta.windowed is not None:
+            meta = meta.windowed  # a window layer's cache is indexed by the window group's blocks
         num_kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
         k_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)
         v_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)

@@ -35,6 +35,10 @@ class EngineConfig:
     # ... and besides each prompt's end and a request's latest generated block, a snapshot every this
     # many blocks of a prompt (long shared prefixes); 0: none (README "Qwen3.5": the measured choice)
     snapshot_interval_blocks: int = 16
+    # Models with sliding-window layers beside full ones (Gemma 3, Gemma 4): the window layers keep
+    # their own blocks, only those their window still reads (``window_kv_cache_manager.py``); False:
+    # one block table for every layer, blocks held for the whole context (the comparison)
+    sliding_window_blocks: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.max_model_len <= 0:

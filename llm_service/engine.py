@@ -18,6 +18,7 @@ from llm_service.outputs import EngineStats, GenerateOutput, GenerateRequest, Re
 from llm_service.sampling_params import SamplingParams
 from llm_service.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from llm_service.sequence import Request, RequestStatus
+from llm_service.window_kv_cache_manager import WindowKVCacheManager
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,14 @@ class LLMEngine:
                 r.num_state_slots,
                 r.num_state_snapshots,
                 c.snapshot_interval_blocks,
+            )
+        if (window := self.runner.window) is not None:
+            return WindowKVCacheManager(
+                self.runner.num_blocks,
+                c.block_size,
+                self.runner.num_window_blocks,
+                window,
+                c.enable_prefix_caching,
             )
         return KVCacheManager(self.runner.num_blocks, c.block_size, c.enable_prefix_caching)
 

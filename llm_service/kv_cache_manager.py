@@ -42,6 +42,10 @@ class KVCacheManager:
     def block_table(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._blocks.get(request_id, [])]
 
+    def window_table(self, request_id: str) -> list[int] | None:
+        """The sliding-window layers' own blocks (``WindowKVCacheManager``); None: they use the table above."""
+        return None
+
     def get_computed_blocks(self, req: Request) -> list[KVBlock]:
         """The cached blocks covering ``req``'s leading tokens (not yet referenced: see allocate_slots)."""
         if not self.enable_caching:

@@ -19,6 +19,7 @@ from llm_service.outputs import TokenLogprob
 from llm_service.sampler import NonFiniteLogits, sample
 from llm_service.scheduler import ScheduledChunk, SchedulerOutput
 from llm_service.sequence import Request
+from llm_service.window_kv_cache_manager import window_blocks_needed
 
 logger = logging.getLogger(__name__)
 
@@ -42,12 +43,24 @@ class ModelRunner:
         load_weights(model, config.model)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.linear_states = self._make_linear_states()
+        self.window = self._window()
         self.num_blocks = config.num_kv_blocks or self._derive_num_blocks()
-        nb, bs = self.num_blocks, config.block_size
-        # one cache per KV-writing layer (Gemma 4: shared layers own none, full layers are wider)
+        self.num_window_blocks = 0  # the window layers' own pool (a null block besides), if they have one
+        if self.window is not None:
+            cap = window_blocks_needed(
+                config.max_num_seqs, config.max_num_batched_tokens, self.window, config.block_size
+            )
+            self.num_window_blocks = min(self.num_blocks, cap)
+        bs = config.block_size
+        # one cache per KV-writing layer (Gemma 4: shared layers own none, full layers are wider);
+        # a sliding-window layer's holds the window group's blocks only
         self.kv_caches = [
-            torch.zeros((2, nb, bs, h, d), dtype=self.dtype, device=self.device)
-            for h, d in self.text_config.kv_layer_specs()
+            torch.zeros(
+                (2, self.num_blocks if w is None else self.num_window_blocks + 1, bs, h, d),
+                dtype=self.dtype,
+                device=self.device,
+            )
+            for (h, d), w in zip(self.text_config.kv_layer_specs(), self._layer_windows(), strict=True)
         ]
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
 
@@ -75,27 +88,69 @@ class ModelRunner:
         self.model.linear_states = states
         return states
 
+    def _layer_windows(self) -> list[int | None]:
+        """Per KV cache: its layers' window when the window layers keep their own blocks, else None."""
+        windows = self.text_config.kv_layer_windows()
+        return windows if self.window is not None else [None] * len(windows)
+
+    def _window(self) -> int | None:
+        """The sliding window whose layers get their own block group: models with one window size and
+        full layers beside (a model of window layers only, or of several sizes, keeps one group)."""
+        windows = self.text_config.kv_layer_windows()
+        sizes = {w for w in windows if w is not None}
+        if len(sizes) != 1 or None not in windows or not self.config.sliding_window_blocks:
+            return None
+        return sizes.pop()
+
+    def _bytes_per_block(self, windowed: bool | None) -> int:
+        """One block's K and V over the layers that write KV (``windowed``: only the window layers'
+        caches, or only the others'; None: all of them: what a block of tokens costs unwindowed)."""
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        per_token = sum(
+            h * d
+            for (h, d), w in zip(
+                self.text_config.kv_layer_specs(), self.text_config.kv_layer_windows(), strict=True
+            )
+            if windowed is None or (w is not None) == windowed
+        )
+        return 2 * self.config.block_size * per_token * elem
+
     @property
     def block_bytes(self) -> int:
         """One block's K and V over every layer that writes KV (what a block of tokens costs)."""
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        per_token = sum(h * d for h, d in self.text_config.kv_layer_specs())
-        return 2 * self.config.block_size * per_token * elem
+        return self._bytes_per_block(None)
+
+    def _blocks_for(self, budget: int, want: int | None) -> int:
+        """Full-group blocks that ``budget`` bytes hold (at most ``want``), after the window group's
+        blocks (as many as the batch can hold at once, ``window_blocks_needed``) where there is one."""
+        if self.window is None:
+            n = budget // self.block_bytes
+            return n if want is None else min(want, n)
+        c = self.config
+        cap = window_blocks_needed(c.max_num_seqs, c.max_num_batched_tokens, self.window, c.block_size)
+        both = budget // self.block_bytes  # every layer's block: no fewer full blocks than this
+        n_window = min(cap, both if want is None else min(want, both))
+        n = (budget - (n_window + 1) * self._bytes_per_block(True)) // self._bytes_per_block(False)
+        return max(0, n if want is None else min(want, n))
 
     def _derive_num_blocks(self) -> int:
         c = self.config
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = int(total * c.kv_cache_memory_fraction) - (total - free)
-            n = budget // self.block_bytes
+            n = self._blocks_for(budget, None)
             if n <= 0:
                 raise RuntimeError(f"no GPU memory left for the KV cache ({free / 2**30:.1f} GiB free)")
         else:
             want = c.max_num_seqs * cdiv(min(c.max_model_len, 2048), c.block_size)
-            n = max(1, min(want, CPU_KV_CACHE_CAP_BYTES // self.block_bytes))
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB)", n, c.block_size, n * self.block_bytes / 2**20
-        )
+            n = max(1, self._blocks_for(CPU_KV_CACHE_CAP_BYTES, want))
+        if self.window is None:
+            mib = n * self.block_bytes / 2**20
+        else:
+            cap = window_blocks_needed(c.max_num_seqs, c.max_num_batched_tokens, self.window, c.block_size)
+            n_window = min(n, cap) + 1
+            mib = (n * self._bytes_per_block(False) + n_window * self._bytes_per_block(True)) / 2**20
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", n, c.block_size, mib)
         return int(n)
 
     def prepare_request(self, req: Request, mm_inputs: list[MultiModalInput]) -> None:
@@ -215,6 +270,13 @@ class ModelRunner:
             self.device,
             [c.request.attention_spans for c in chunks],
         )
+        if self.window is not None:
+            meta.windowed = build_metadata(
+                [(c.start, c.num_tokens, c.window_table or []) for c in chunks],
+                self.config.block_size,
+                self.device,
+                [c.request.attention_spans for c in chunks],
+            )
         if self.linear_states is not None:
             meta.states = self.linear_states.step([_step_seq(c) for c in chunks])
         if getattr(self.model, "takes_token_ids", False):  # Gemma 4's per-layer embeddings

@@ -33,6 +33,7 @@ class ScheduledChunk:
     start: int
     num_tokens: int
     block_table: list[int]
+    window_table: list[int] | None = None  # the sliding-window layers' blocks, when they have their own
     samples: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -166,9 +167,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.chunks.append(
-                    ScheduledChunk(req, req.num_computed_tokens, n, self.kv.block_table(req.request_id))
-                )
+                out.chunks.append(self._chunk(req, req.num_computed_tokens, n))
                 budget -= n
                 i += 1
                 continue
@@ -197,7 +196,7 @@ class Scheduler:
                 req.num_cached_tokens = num_computed
                 req.scheduled_time = time.monotonic()
             self.running.append(req)
-            out.chunks.append(ScheduledChunk(req, num_computed, n, self.kv.block_table(req.request_id)))
+            out.chunks.append(self._chunk(req, num_computed, n))
             budget -= n
         return out
 
@@ -222,6 +221,10 @@ class Scheduler:
                     self.requests.pop(req.request_id, None)
                     self.kv.free(req)
         return touched
+
+    def _chunk(self, req: Request, start: int, n: int) -> ScheduledChunk:
+        rid = req.request_id
+        return ScheduledChunk(req, start, n, self.kv.block_table(rid), self.kv.window_table(rid))
 
     def _report(self, req: Request) -> None:
         if not req.missing_reported:

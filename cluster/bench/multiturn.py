@@ -56,6 +56,12 @@ def question(turn: int) -> str:
     return QUESTIONS[turn - 1] if turn <= len(QUESTIONS) else f"Tell me more, part {turn}."
 
 
+def system_prompt(words: int) -> str:
+    """``words`` words of the project's corpus: the same text for every conversation."""
+    text = (REPO / "cluster/data/corpus.txt").read_text().split()
+    return " ".join(text[i % len(text)] for i in range(words))
+
+
 def image_part(seed: int, size: int) -> dict[str, Any]:
     data = base64.b64encode(make_image_bytes(size, size, "PNG", seed=seed)).decode()
     return {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}}
@@ -93,6 +99,8 @@ async def conversation(
 ) -> list[TurnResult]:
     """``args.turns`` turns, each re-sending the conversation so far; a failed turn ends it."""
     messages: list[dict[str, Any]] = []
+    if args.system_words:  # one long system prompt shared by every conversation (ahead of its image)
+        messages.append({"role": "system", "content": system_prompt(args.system_words)})
     results = []
     for turn in range(1, args.turns + 1):
         text = {"type": "text", "text": question(turn)}
@@ -230,6 +238,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(0: prompt ends only); the first is the one compared in the main table",
     )
     p.add_argument(
+        "--system-words",
+        type=int,
+        default=0,
+        help="a system prompt of this many words, shared by every conversation (a long common prefix "
+        "that ends inside each first prompt: where interval snapshots pay)",
+    )
+    p.add_argument(
         "--rounds",
         type=int,
         default=1,
@@ -275,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, list[TurnRow]] = {n: turn_rows(r) for n, r in results.items()}
     print(
         f"\n{args.conversations} conversations x {args.turns} turns x {args.rounds} rounds, "
-        f"concurrency {args.concurrency}, "
+        f"concurrency {args.concurrency}, system prompt {args.system_words} words, "
         f"{args.image_size} px image, max_tokens {args.max_tokens}, answers: {args.answers}\n"
     )
     print(render_table(rows, HYBRID, ATTENTION))

@@ -51,6 +51,9 @@ class Gemma3TextConfig(TextConfig):
     query_pre_attn_scalar: float = 256.0
     final_logit_softcapping: float | None = None
 
+    def kv_layer_windows(self) -> list[int | None]:
+        return [self.sliding_window if s else None for s in self.layer_is_sliding]
+
     @classmethod
     def from_hf_config(cls, model_dir: str | Path, cfg: dict[str, Any], scheme: PositionScheme) -> TextConfig:
         text: dict[str, Any] = {**TEXT_DEFAULTS, **(cfg.get("text_config") or cfg)}

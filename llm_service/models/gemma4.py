@@ -219,7 +219,8 @@ def last_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, AttentionMetadata]
         sub = torch.arange(len(rows), len(rows) + g.rows.numel(), device=device)
         decode = DecodeGroup(sub, g.slots, g.valid, g.lengths)
         out = torch.cat([out, g.rows])
-    return out, AttentionMetadata(meta.slot_mapping[:0], seqs, decode)
+    windowed = None if meta.windowed is None else last_rows(meta.windowed)[1]
+    return out, AttentionMetadata(meta.slot_mapping[:0], seqs, decode, windowed=windowed)
 
 
 class Gemma4ForCausalLM(Qwen2ForCausalLM):

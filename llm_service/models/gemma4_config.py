@@ -125,6 +125,14 @@ class Gemma4TextConfig(TextConfig):
             if self.kv_source[i] == i
         ]
 
+    def kv_layer_windows(self) -> list[int | None]:
+        """A shared layer reads a cache of its own kind, so a cache's window is its writer's."""
+        return [
+            self.sliding_window if self.layer_is_sliding[i] else None
+            for i, src in enumerate(self.kv_source)
+            if src == i
+        ]
+
     def kv_cache_index(self) -> list[int]:
         """Per layer: the index (into ``kv_layer_specs``' caches) of the KV cache it attends."""
         owners = [i for i, src in enumerate(self.kv_source) if src == i]

@@ -81,6 +81,10 @@ class TextConfig:
         here (Gemma 4's KV-shared layers own none, and its full layers have other shapes)."""
         return [(self.num_kv_heads, self.head_dim)] * self.num_layers
 
+    def kv_layer_windows(self) -> list[int | None]:
+        """Per KV cache of ``kv_layer_specs``: the sliding window of the layers that read it (None: full)."""
+        return [None] * len(self.kv_layer_specs())
+
 
 def _eos_ids(d: Path, cfg: dict[str, Any], text: dict[str, Any]) -> tuple[int, ...]:
     gen_path = d / "generation_config.json"

@@ -197,9 +197,10 @@ def test_variants(variant: str) -> None:
 
 def test_shared_layers_own_no_kv(model_dir) -> None:
     """KV bytes per token = the KV-writing layers' (num_kv_heads x head_dim) x 2 (K, V) x 4 bytes:
-    sliding layers 2 x 16, full layers 2 x 32; the shared layers 3 and 4 add nothing."""
-    shared = engine(model_dir, block_size=4).runner
-    unshared = engine(tiny_gemma4_dir("unshared"), block_size=4).runner
+    sliding layers 2 x 16, full layers 2 x 32; the shared layers 3 and 4 add nothing. (One block
+    group for every layer here: the window layers' own group is ``test_window_layers_own_blocks``.)"""
+    shared = engine(model_dir, block_size=4, sliding_window_blocks=False).runner
+    unshared = engine(tiny_gemma4_dir("unshared"), block_size=4, sliding_window_blocks=False).runner
     assert len(shared.kv_caches) == 3 and len(unshared.kv_caches) == 5
     assert shared.model.cache_index == [0, 1, 2, 2, 1]
     assert shared.block_bytes == 4 * 2 * (32 + 64 + 32) * 4
@@ -217,7 +218,12 @@ def test_sharing_admits_proportionally_more(monkeypatch, model_dir) -> None:
     admitted = {}
     for name, d in (("unshared", tiny_gemma4_dir("unshared")), ("shared", model_dir)):
         eng = engine(
-            d, num_kv_blocks=None, block_size=4, max_num_batched_tokens=4096, enable_prefix_caching=False
+            d,
+            num_kv_blocks=None,
+            block_size=4,
+            max_num_batched_tokens=4096,
+            enable_prefix_caching=False,
+            sliding_window_blocks=False,  # sharing alone (the window group: test_windows_admit_more)
         )
         for i in range(20):
             eng.add_request(f"r{i}", [2, *range(100 + i, 119 + i)], SamplingParams(max_tokens=2))
@@ -226,6 +232,62 @@ def test_sharing_admits_proportionally_more(monkeypatch, model_dir) -> None:
         assert eng.stats().num_running == eng.stats().num_total_blocks // 5  # 20 tokens: 5 blocks each
     assert admitted["unshared"][0] == 28 and admitted["shared"][0] == 49  # 28 x 1792 / 1024
     assert admitted["shared"][1] / admitted["unshared"][1] == 9 / 5
+
+
+def test_window_layers_own_blocks(gemma, model_dir) -> None:
+    """The sliding layers (window 8) keep their own block group, sized for the batch (2 sequences,
+    16-token chunks: 2 x (2 + 3) + 2 x 4 = 18 blocks and the null block), and give back what falls out
+    of the window: long prompts, an audio clip cut by chunks, preemption and a prefix hit equal HF (an
+    image is one chunk, longer than these 16 tokens: the other tests here run images on it)."""
+    texts = ["the quick brown fox jumps over the lazy dog and keeps running far away from home", "hi"]
+    cases = [case(gemma, t) for t in texts] + [case(gemma, "hear <audio> now", audios=[make_audio_array(0.8)])]
+    refs = [hf_generate(gemma[0], c, 24) for c in cases]
+    eng = engine(model_dir, num_kv_blocks=20, block_size=4, max_num_seqs=2, max_num_batched_tokens=16)
+    runner, kv = eng.runner, eng.scheduler.kv
+    assert runner.window == 8 and runner.num_window_blocks == 18
+    sliding = [w is not None for w in runner.model.cfg.kv_layer_windows()]
+    assert sliding == [True, False, True]
+    assert [t.shape[1] for t in runner.kv_caches] == [19, 20, 19]
+    peak: list[int] = []
+    real = runner.execute
+
+    def spy(out):  # type: ignore[no-untyped-def]
+        peak.extend(kv.num_window_blocks_held(c.request.request_id) for c in out.chunks if c.num_tokens == 1)
+        return real(out)
+
+    runner.execute = spy  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    outs = eng.generate([GenerateRequest(c.prompt, params, c.mm_inputs) for c in cases])
+    assert [o.token_ids for o in outs] == refs
+    assert max(peak) <= 8 // 4 + 2  # a decoding sequence: its window and the block being filled
+    assert eng.stats().num_preemptions > 0  # 20 full blocks cannot hold the first two at once
+    again = eng.generate([GenerateRequest(cases[0].prompt, params, [])])
+    assert again[0].token_ids == refs[0] and eng.stats().prefix_hit_tokens > 0
+    assert_all_free(eng)
+    assert kv.num_free_window_blocks == kv.num_window_blocks
+
+
+def test_windows_admit_more(monkeypatch, model_dir) -> None:
+    """Under one KV memory budget (400 blocks of every layer), giving the window layers only what the
+    batch can read (4 sequences, 32-token chunks: 36 blocks + the null block) leaves the full layer
+    (half of each block's bytes here) 763 blocks: 1.9x the context."""
+    budget = 400 * 4 * 1024  # 1024 bytes per token over the three KV-writing layers
+    monkeypatch.setattr(model_runner, "CPU_KV_CACHE_CAP_BYTES", budget)
+    blocks = {}
+    for windowed in (False, True):
+        eng = engine(
+            model_dir,
+            num_kv_blocks=None,
+            block_size=4,
+            max_num_seqs=4,
+            max_num_batched_tokens=32,
+            max_model_len=4096,
+            sliding_window_blocks=windowed,
+        )
+        blocks[windowed] = eng.stats().num_total_blocks
+        held = sum(t.numel() * t.element_size() for t in eng.runner.kv_caches)
+        assert held <= budget
+    assert blocks == {False: 400, True: (budget - 37 * 2048) // 2048}
 
 
 def test_config_without_per_layer_config(model_dir) -> None:
