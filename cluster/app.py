@@ -200,6 +200,7 @@ def _llm_server(model: ModelConfig, cache_dir: str, links: bool) -> Any:
                 num_state_slots=llm.num_state_slots,
                 num_state_snapshots=llm.num_state_snapshots,
                 snapshot_interval_blocks=llm.snapshot_interval_blocks,
+                sliding_window_blocks=llm.sliding_window_blocks,
                 max_num_seqs=llm.max_num_seqs,
                 max_num_batched_tokens=llm.max_num_batched_tokens,
                 enable_prefix_caching=llm.enable_prefix_caching,

@@ -133,6 +133,10 @@ class LLMConfig(_Strict):
         ge=0,
         description="hybrid models' prefix caching: state snapshots kept at block boundaries; default num_state_slots",
     )
+    sliding_window_blocks: bool = Field(
+        True,
+        description="sliding-window layers (Gemma 3/4) keep only the blocks their window reads; false: one block table for all",
+    )
     snapshot_interval_blocks: int = Field(
         16,
         ge=0,

@@ -9,7 +9,9 @@ than any test prompt.
 
 Variants (``make_tiny_model(..., variant=)``): ``base``; ``k_eq_v`` (``attention_k_eq_v``: the full
 layers' values are their keys, with one KV head); ``moe`` (the MoE block beside every MLP);
-``unshared`` (no KV-shared layers: the base model's shapes otherwise, for memory comparisons).
+``unshared`` (no KV-shared layers: the base model's shapes otherwise, for memory comparisons);
+``causal_vision`` (``use_bidirectional_attention: null``: image soft tokens attend causally, so a
+prefill chunk may end inside an image).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ GEMMA4_CHAT_TEMPLATE = (
     "<turn|>\n{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}"
 )
 
-VARIANTS = ("base", "k_eq_v", "moe", "unshared")
+VARIANTS = ("base", "k_eq_v", "moe", "unshared", "causal_vision")
 SLIDING_WINDOW = 8
 NUM_KV_SHARED_LAYERS = 2
 PATCH_SIZE, POOLING_KERNEL, MAX_SOFT_TOKENS = 4, 3, 70  # <= 70 soft tokens per image (630 patches)
@@ -121,7 +123,7 @@ def build_gemma4(size: Any, tok: PreTrainedTokenizerFast, variant: str = "base")
         },
         "rms_norm_eps": 1e-6,
         "final_logit_softcapping": 30.0,
-        "use_bidirectional_attention": "vision",
+        "use_bidirectional_attention": None if variant == "causal_vision" else "vision",
         "vocab_size_per_layer_input": size.vocab_size,
         "hidden_size_per_layer_input": PLE_DIM,
         "num_kv_shared_layers": 0 if variant == "unshared" else NUM_KV_SHARED_LAYERS,

@@ -88,6 +88,9 @@ FAMILIES = [
         )
         for v in ("k_eq_v", "moe")
     ),
+    # image soft tokens attending causally (no `use_bidirectional_attention`): 16-token chunks cut
+    # through its 64-token images
+    Family("gemma4", video=False, embeds_224=64, audio=True, max_model_len=192, variant="causal_vision"),
     # hybrid: linear-attention states in the state cache (two sequences' worth, so the burst also
     # waits for state slots); a prefix hit restores a state snapshot
     Family("qwen3.5", video=True, embeds_224=49, num_state_slots=2),

@@ -195,6 +195,29 @@ def test_variants(variant: str) -> None:
     assert run(engine(model_dir), cases) == [hf_generate(ref[0], c, N) for c in cases]
 
 
+def test_causal_images_are_cut_by_chunks() -> None:
+    """Without ``use_bidirectional_attention`` image soft tokens attend causally: 16-token chunks cut
+    through a 60-token image and the answers equal HF's (the bidirectional base recipe never is cut:
+    ``test_chunked_prefill_splits_audio_never_an_image``)."""
+    model_dir = tiny_gemma4_dir("causal_vision")
+    ref = hf_model(model_dir)
+    c = case(ref, "look <image> and say", [image(96, 64, 8)])
+    (img,) = c.mm_inputs
+    eng = engine(model_dir, max_num_batched_tokens=16)
+    assert eng.runner.model.bidirectional_mm is False
+    ends: list[int] = []
+    real = eng.runner.execute
+
+    def spy(out):  # type: ignore[no-untyped-def]
+        ends.extend(ch.start + ch.num_tokens for ch in out.chunks)
+        return real(out)
+
+    eng.runner.execute = spy  # type: ignore[method-assign]
+    assert run(eng, [c]) == [hf_generate(ref[0], c, N)]
+    assert sum(img.offset < e < img.end for e in ends) >= 2  # the image's span was cut more than once
+    assert_all_free(eng)
+
+
 def test_shared_layers_own_no_kv(model_dir) -> None:
     """KV bytes per token = the KV-writing layers' (num_kv_heads x head_dim) x 2 (K, V) x 4 bytes:
     sliding layers 2 x 16, full layers 2 x 32; the shared layers 3 and 4 add nothing. (One block
