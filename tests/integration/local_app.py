@@ -41,9 +41,12 @@ def own_ray(address: str = "local", **init: Any) -> Iterator[None]:
 
 
 @contextmanager
-def local_app(config: dict[str, Any]) -> Iterator[OpenAI]:
+def local_app(config: dict[str, Any], num_cpus: int = 2) -> Iterator[OpenAI]:
     """``config`` (an AppConfig dict without port) served directly on a free port, on this module's
-    own Ray; yields its client, and shuts Serve and Ray down on the way out."""
+    own Ray; yields its client, and shuts Serve and Ray down on the way out. ``num_cpus``: Ray's
+    logical CPUs (a scheduling budget: an app of many models' fractional replicas needs more than
+    the machine's 2, although they mostly idle; short of it, a replica waits to be scheduled forever
+    and the requests routed to it hang)."""
     from cluster.config import AppConfig
     from cluster.serve_cli import start
     from cluster.serve_env import apply_serve_env
@@ -51,6 +54,6 @@ def local_app(config: dict[str, Any]) -> Iterator[OpenAI]:
     port = free_port()
     cfg = AppConfig.model_validate({**config, "port": port, "ingress": {"http_mode": "direct"}})
     apply_serve_env()  # what `mmserve serve` runs with, before Ray starts its processes
-    with own_ray():
+    with own_ray(num_cpus=num_cpus):
         start(cfg)
         yield OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120, max_retries=0)

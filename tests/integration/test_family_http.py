@@ -140,7 +140,8 @@ def _model_config(f: Family, cache_dir: Path) -> dict[str, Any]:
 def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     cache_dir = tmp_path_factory.mktemp("models")
     models = [_model_config(f, Path(cache_dir)) for f in FAMILIES]
-    with local_app({"models": models, "models_cache_dir": str(cache_dir)}) as client:
+    # 9 models x (encoder, LLM, cache index) fractional replicas: more than 2 logical CPUs' worth
+    with local_app({"models": models, "models_cache_dir": str(cache_dir)}, num_cpus=4) as client:
         yield {"client": client, "cache_dir": Path(cache_dir)}
 
 
