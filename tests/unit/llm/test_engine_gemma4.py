@@ -263,7 +263,9 @@ def test_window_layers_own_blocks(gemma, model_dir) -> None:
     of the window: long prompts, an audio clip cut by chunks, preemption and a prefix hit equal HF (an
     image is one chunk, longer than these 16 tokens: the other tests here run images on it)."""
     texts = ["the quick brown fox jumps over the lazy dog and keeps running far away from home", "hi"]
-    cases = [case(gemma, t) for t in texts] + [case(gemma, "hear <audio> now", audios=[make_audio_array(0.8)])]
+    cases = [case(gemma, t) for t in texts] + [
+        case(gemma, "hear <audio> now", audios=[make_audio_array(0.8)])
+    ]
     refs = [hf_generate(gemma[0], c, 24) for c in cases]
     eng = engine(model_dir, num_kv_blocks=20, block_size=4, max_num_seqs=2, max_num_batched_tokens=16)
     runner, kv = eng.runner, eng.scheduler.kv

@@ -86,4 +86,6 @@ def test_admission_waits_for_window_blocks_and_frees_both_on_abort() -> None:
 
 def test_the_window_pool_size_covers_a_full_batch() -> None:
     # every sequence at its window plus two partial blocks, the last and the next step's chunks
-    assert window_blocks_needed(max_num_seqs=4, max_num_batched_tokens=16, window=8, block_size=4) == 4 * 5 + 8
+    assert (
+        window_blocks_needed(max_num_seqs=4, max_num_batched_tokens=16, window=8, block_size=4) == 4 * 5 + 8
+    )
