@@ -44,13 +44,16 @@ class ModelRunner:
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.linear_states = self._make_linear_states()
         self.window = self._window()
-        self.num_blocks = config.num_kv_blocks or self._derive_num_blocks()
-        self.num_window_blocks = 0  # the window layers' own pool (a null block besides), if they have one
-        if self.window is not None:
-            cap = window_blocks_needed(
+        # what the batch can read of the window layers' own pool at once (0: they have none)
+        self.window_cap = (
+            0
+            if self.window is None
+            else window_blocks_needed(
                 config.max_num_seqs, config.max_num_batched_tokens, self.window, config.block_size
             )
-            self.num_window_blocks = min(self.num_blocks, cap)
+        )
+        self.num_blocks = config.num_kv_blocks or self._derive_num_blocks()
+        self.num_window_blocks = min(self.num_blocks, self.window_cap)  # and a null block besides
         bs = config.block_size
         # one cache per KV-writing layer (Gemma 4: shared layers own none, full layers are wider);
         # a sliding-window layer's holds the window group's blocks only
@@ -126,10 +129,8 @@ class ModelRunner:
         if self.window is None:
             n = budget // self.block_bytes
             return n if want is None else min(want, n)
-        c = self.config
-        cap = window_blocks_needed(c.max_num_seqs, c.max_num_batched_tokens, self.window, c.block_size)
         both = budget // self.block_bytes  # every layer's block: no fewer full blocks than this
-        n_window = min(cap, both if want is None else min(want, both))
+        n_window = min(self.window_cap, both if want is None else min(want, both))
         n = (budget - (n_window + 1) * self._bytes_per_block(True)) // self._bytes_per_block(False)
         return max(0, n if want is None else min(want, n))
 
@@ -147,8 +148,7 @@ class ModelRunner:
         if self.window is None:
             mib = n * self.block_bytes / 2**20
         else:
-            cap = window_blocks_needed(c.max_num_seqs, c.max_num_batched_tokens, self.window, c.block_size)
-            n_window = min(n, cap) + 1
+            n_window = min(n, self.window_cap) + 1
             mib = (n * self._bytes_per_block(False) + n_window * self._bytes_per_block(True)) / 2**20
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", n, c.block_size, mib)
         return int(n)

@@ -85,9 +85,6 @@ class WindowKVCacheManager(KVCacheManager):
     def _window_lookup(self, req: Request, tokens: list[int], i: int) -> KVBlock | None:
         return self.window_pool.lookup(req.block_hashes[i], self._key(req, tokens, i))
 
-    def can_ever_fit(self, num_tokens: int) -> bool:
-        return super().can_ever_fit(num_tokens)  # the window pool is sized for the whole batch
-
     def allocate_slots(
         self, req: Request, num_new_tokens: int, computed: list[KVBlock] | None = None
     ) -> bool:

@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import base64
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -56,6 +57,7 @@ def question(turn: int) -> str:
     return QUESTIONS[turn - 1] if turn <= len(QUESTIONS) else f"Tell me more, part {turn}."
 
 
+@functools.cache
 def system_prompt(words: int) -> str:
     """``words`` words of the project's corpus: the same text for every conversation."""
     text = (REPO / "cluster/data/corpus.txt").read_text().split()

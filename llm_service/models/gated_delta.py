@@ -67,9 +67,11 @@ def chunk_rule(
     the state after the chunk and the state after each of ``cuts`` tokens (``0 < cut < L``), read
     inside the chunk's blocks rather than by cutting the chunk there."""
     h, n, dv = q.shape[0], q.shape[1], v.shape[2]
-    if 0 < n <= CHUNK:
+    if n == 0:
+        return v.new_zeros(h, 0, dv), state, []
+    if n <= CHUNK:  # one block of its own length: the same rows, unpadded
         return _one_block(q, k, v, g, beta, state, cuts)
-    size = max(1, min(CHUNK, n))  # a short chunk is one block of its own length: the same rows, unpadded
+    size = CHUNK
     if pad := (-n) % size:
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
         g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
@@ -97,14 +99,21 @@ def chunk_rule(
     for i in range(new_v.shape[1]):
         v_i = new_v[:, i] - k_cum[:, i] @ state
         blocks.append(q[:, i] @ state + intra[:, i] @ v_i)
-        for cut in at.get(i, ()):  # S after r tokens of this block: decayed S plus its first r writes
-            r = cut - i * size
-            c = cum[:, i, :r]
-            k_r = k_in[:, i, :r] * (c[:, -1:] - c).exp()[..., None]
-            cut_states[cut] = state * c[:, -1, None, None].exp() + k_r.transpose(-1, -2) @ v_i[:, :r]
+        for cut in at.get(i, ()):
+            cut_states[cut] = _state_after(state, k_in[:, i], cum[:, i], v_i, cut - i * size)
         state = state * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ v_i
-    out = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
-    return out[:, :n], state, [cut_states[c] for c in cuts]
+    return torch.cat(blocks, dim=1)[:, :n], state, [cut_states[c] for c in cuts]
+
+
+def _state_after(
+    state: torch.Tensor, k: torch.Tensor, cum: torch.Tensor, v_new: torch.Tensor, r: int
+) -> torch.Tensor:
+    """The state after the first ``r`` tokens of a block that started from ``state``: the decayed
+    state plus those tokens' writes (``k``, ``cum``, ``v_new``: the block's keys, cumulative log
+    decays and corrected values)."""
+    c = cum[:, :r]
+    k_r = k[:, :r] * (c[:, -1:] - c).exp()[..., None]
+    return state * c[:, -1, None, None].exp() + k_r.transpose(-1, -2) @ v_new[:, :r]
 
 
 def _one_block(
@@ -130,11 +139,7 @@ def _one_block(
     solved = torch.linalg.solve_triangular(ut, rhs, upper=False, unitriangular=True)
     v_new = solved[..., :dv] - solved[..., dv:] @ state
     out = (q * grow) @ state + intra @ v_new
-    at = []
-    for r in (*cuts, q.shape[1]):  # the state after r tokens: decayed S plus the first r writes
-        c = cum[:, :r]
-        k_r = k[:, :r] * (c[:, -1:] - c).exp()[..., None]
-        at.append(state * c[:, -1, None, None].exp() + k_r.transpose(-1, -2) @ v_new[:, :r])
+    at = [_state_after(state, k, cum, v_new, r) for r in (*cuts, q.shape[1])]
     return out, at[-1], at[:-1]
 
 

@@ -60,37 +60,23 @@ class Family:
         return self.model.removeprefix("tiny-")
 
 
+def gemma4(variant: str = "base", **kw: Any) -> Family:
+    """Gemma 4: a 224x224 image is 96x96 pixels of 4x4 patches, pooled 3x3: 64 soft tokens, in one
+    72-token chunk (its image spans attend both ways, so a chunk never cuts one)."""
+    return Family("gemma4", video=False, embeds_224=64, audio=True, max_model_len=192, variant=variant, **kw)
+
+
 FAMILIES = [
     Family("qwen2.5-vl", video=True),
     Family("qwen3-vl", video=True, embeds_224=49),  # patch 16: 224 px -> 14x14 patches -> 7x7
     Family("gemma3", video=False, embeds_224=16, burst_images=4, max_num_batched_tokens=24, overlap=False),
-    # Gemma 4: a 224x224 image is 96x96 pixels of 4x4 patches, pooled 3x3: 64 soft tokens, in one chunk
-    Family(
-        "gemma4",
-        video=False,
-        embeds_224=64,
-        max_num_batched_tokens=72,
-        audio=True,
-        llm_replicas=2,
-        max_model_len=192,
-    ),
-    # Gemma 4's other recipes: full layers whose values are their keys (one KV head), and the MoE
-    # block beside every MLP; one LLM replica each
-    *(
-        Family(
-            "gemma4",
-            video=False,
-            embeds_224=64,
-            max_num_batched_tokens=72,
-            audio=True,
-            max_model_len=192,
-            variant=v,
-        )
-        for v in ("k_eq_v", "moe")
-    ),
-    # image soft tokens attending causally (no `use_bidirectional_attention`): 16-token chunks cut
-    # through its 64-token images
-    Family("gemma4", video=False, embeds_224=64, audio=True, max_model_len=192, variant="causal_vision"),
+    gemma4(max_num_batched_tokens=72, llm_replicas=2),
+    # its other recipes: full layers whose values are their keys (one KV head), and the MoE block
+    # beside every MLP (one LLM replica each); image soft tokens attending causally (no
+    # `use_bidirectional_attention`): 16-token chunks cut through its 64-token images
+    gemma4("k_eq_v", max_num_batched_tokens=72),
+    gemma4("moe", max_num_batched_tokens=72),
+    gemma4("causal_vision"),
     # hybrid: linear-attention states in the state cache (two sequences' worth, so the burst also
     # waits for state slots); a prefix hit restores a state snapshot
     Family("qwen3.5", video=True, embeds_224=49, num_state_slots=2),

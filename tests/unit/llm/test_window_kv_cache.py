@@ -84,8 +84,21 @@ def test_admission_waits_for_window_blocks_and_frees_both_on_abort() -> None:
     assert kv.num_free_window_blocks == 6 and kv.num_free_blocks == 64
 
 
-def test_the_window_pool_size_covers_a_full_batch() -> None:
-    # every sequence at its window plus two partial blocks, the last and the next step's chunks
-    assert (
-        window_blocks_needed(max_num_seqs=4, max_num_batched_tokens=16, window=8, block_size=4) == 4 * 5 + 8
-    )
+def test_a_pool_of_window_blocks_needed_never_holds_up_the_batch() -> None:
+    """A full batch (4 sequences, 16-token chunks, long prompts and generations) is scheduled step for
+    step the same with a window pool of ``window_blocks_needed`` blocks as with an unbounded one."""
+
+    def schedule(num_window_blocks: int) -> list[list[tuple[str, int, int]]]:
+        kv = WindowKVCacheManager(256, BS, num_window_blocks, WINDOW)
+        sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=16)
+        for i in range(6):
+            sched.add_request(req(f"r{i}", list(range(100 * i, 100 * i + 10 + 7 * i)), max_tokens=12 + i))
+        steps = []
+        while sched.has_unfinished():
+            out = sched.schedule()
+            steps.append([(c.request.request_id, c.start, c.num_tokens) for c in out.chunks])
+            sched.update(out, {c.request.request_id: (7, None) for c in out.chunks if c.samples})
+        return steps
+
+    sized = window_blocks_needed(max_num_seqs=4, max_num_batched_tokens=16, window=WINDOW, block_size=BS)
+    assert sized < 256 and schedule(sized) == schedule(256)
