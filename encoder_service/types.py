@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from encoder_service.wire import (
+from mmcore.wire import (
     grid_from_wire,
     grid_to_wire,
     pack,

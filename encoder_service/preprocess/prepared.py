@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from encoder_service.types import EmbeddingMeta, Modality
-from encoder_service.wire import grid_from_wire, pack, plain, rows_from_wire, unpack
+from mmcore.wire import grid_from_wire, pack, plain, rows_from_wire, unpack
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from encoder_service.types import (
     PlaceholderRange,
     PreprocessedRequest,
 )
-from encoder_service.wire import WireVersionError as EncoderWireVersionError
+from mmcore.wire import WireVersionError as EncoderWireVersionError
 from llm_service.outputs import RequestOutput, TokenLogprob
 from llm_service.request_spec import EmbeddingRef, LLMRequestSpec
 from llm_service.sampling_params import SamplingParams
