@@ -6,7 +6,7 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 from llm_service.config import EngineConfig
 from llm_service.errors import RequestFaults, RequestRejected
@@ -14,11 +14,21 @@ from llm_service.hybrid_kv_cache_manager import HybridKVCacheManager
 from llm_service.kv_cache_manager import KVCacheManager, cdiv
 from llm_service.model_runner import ModelRunner
 from llm_service.multimodal import MultiModalInput
-from llm_service.outputs import EngineStats, GenerateOutput, GenerateRequest, RequestOutput, RequestTiming
+from llm_service.outputs import (
+    EngineStats,
+    GenerateOutput,
+    GenerateRequest,
+    RequestOutput,
+    RequestTiming,
+    TokenLogprob,
+)
 from llm_service.sampling_params import SamplingParams
 from llm_service.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from llm_service.sequence import Request, RequestStatus
 from llm_service.window_kv_cache_manager import WindowKVCacheManager
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -112,8 +122,7 @@ class LLMEngine:
         if req is None:
             return
         self._validate_mm(req.num_prompt_tokens, sorted(mm_inputs, key=lambda m: m.offset))
-        self.runner.supply(req, list(mm_inputs))
-        req.missing = [(off, off + n) for off, n, e in req.runner_state["mm"] if e is None]
+        req.missing = self.runner.supply(req, list(mm_inputs))
         self.scheduler.unpark(request_id)
 
     def step(self) -> list[RequestOutput]:
@@ -124,14 +133,18 @@ class LLMEngine:
         outputs = [self._fail(rid, msg) for rid, msg in faults.items()]
         now = time.monotonic()
         for req in self.scheduler.update(sched, sampled):
-            lp = req.output_logprobs[-1]
+            if req.is_finished:
+                self.runner.release(req.request_id)
+            lp = req.output_logprobs[-1]  # the runner's TokenLogprob when asked for (execute)
             if len(req.output_token_ids) == 1:
                 req.first_token_time = now
             outputs.append(
                 RequestOutput(
                     request_id=req.request_id,
                     new_token_ids=[req.output_token_ids[-1]],
-                    new_logprobs=[lp] if req.sampling_params.logprobs is not None else None,
+                    new_logprobs=[cast(TokenLogprob, lp)]
+                    if req.sampling_params.logprobs is not None
+                    else None,
                     finished=req.is_finished,
                     finish_reason=req.status.value if req.is_finished else None,
                     num_prompt_tokens=req.num_prompt_tokens,
@@ -186,7 +199,7 @@ class LLMEngine:
             logger.warning("request %s failed in an engine step (the others went on): %s", rid, msg)
         return sampled, faults
 
-    def _attempt(self, chunks: list[ScheduledChunk], rng: dict[str, Any]) -> Sampled | Exception:
+    def _attempt(self, chunks: list[ScheduledChunk], rng: dict[str, torch.Tensor]) -> Sampled | Exception:
         self.runner.restore_rng_states(SchedulerOutput(chunks), rng)
         try:
             return self.runner.execute(SchedulerOutput(chunks))
@@ -197,6 +210,7 @@ class LLMEngine:
         """Retire a culprit (its KV blocks freed) and say so in its last output."""
         req = self.scheduler.abort(request_id, RequestStatus.FINISHED_ERROR)
         assert req is not None, f"failed request {request_id!r} is not in the engine"
+        self.runner.release(request_id)
         return RequestOutput(
             request_id=request_id,
             new_token_ids=[],
@@ -211,6 +225,7 @@ class LLMEngine:
     def abort(self, request_id: str) -> None:
         """Drop a request and free its blocks; unknown or finished ids are ignored. Emits no output."""
         self.scheduler.abort(request_id)
+        self.runner.release(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

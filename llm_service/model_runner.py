@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,6 +26,21 @@ logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_CACHE_CAP_BYTES = 1 << 30
+
+
+@dataclass
+class RunnerState:
+    """What the runner keeps for one request, from ``prepare_request`` until it leaves (``release``)."""
+
+    # (offset, length, embeddings on the device) per media item, in prompt order; None: not supplied yet
+    mm: list[tuple[int, int, torch.Tensor | None]] = field(default_factory=list)
+    mrope: torch.Tensor | None = None  # M-RoPE models: the prompt's positions [3, num_prompt_tokens]
+    delta: int = 0  # M-RoPE models: past the prompt, text positions are shifted by it
+    generator: torch.Generator | None = None  # a seeded request's own RNG
+
+    def missing(self) -> list[tuple[int, int]]:
+        """``(offset, end)`` of the items it has no embeddings for, in prompt order."""
+        return [(off, off + n) for off, n, emb in self.mm if emb is None]
 
 
 def resolve_device(device: str) -> torch.device:
@@ -66,6 +82,7 @@ class ModelRunner:
             for (h, d), w in zip(self.text_config.kv_layer_specs(), self._layer_windows(), strict=True)
         ]
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.states: dict[str, RunnerState] = {}  # by request id, while the request is in the engine
 
     def _make_linear_states(self) -> LinearStates | None:
         """A hybrid model's state cache (its ``state_shapes``): running slots, then snapshot slots."""
@@ -154,39 +171,46 @@ class ModelRunner:
         return int(n)
 
     def prepare_request(self, req: Request, mm_inputs: list[MultiModalInput]) -> None:
-        """Move the request's embeddings to the device, precompute M-RoPE positions and its RNG."""
-        state = req.runner_state
-        state["mm"] = [(m.offset, m.length, self._on_device(m.embeddings)) for m in mm_inputs]
+        """Move the request's embeddings to the device, precompute M-RoPE positions and its RNG; kept
+        in ``states`` once every check passed."""
+        state = RunnerState([(m.offset, m.length, self._on_device(m.embeddings)) for m in mm_inputs])
         if self.model.uses_mrope:
             cfg = self.text_config
             pos, delta = prompt_mrope_positions(
                 req.num_prompt_tokens, mm_inputs, cfg.spatial_merge_size, cfg.tokens_per_second
             )
-            state["mrope"], state["delta"] = pos.to(self.device), delta
+            state.mrope, state.delta = pos.to(self.device), delta
         if getattr(self.model, "bidirectional_mm", False):
             req.attention_spans = [(m.offset, m.length) for m in mm_inputs if m.modality == "image"]
             self._check_spans_fit(req)
         seed = req.sampling_params.seed
         if seed is not None:
-            state["generator"] = torch.Generator(device=self.device).manual_seed(seed)
+            state.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.states[req.request_id] = state
+
+    def release(self, request_id: str) -> None:
+        """The request left the engine (finished, aborted or failed): drop its state; unknown ids are ignored."""
+        self.states.pop(request_id, None)
 
     def _on_device(self, embeddings: torch.Tensor | None) -> torch.Tensor | None:
         return None if embeddings is None else embeddings.to(device=self.device, dtype=self.dtype)
 
-    def supply(self, req: Request, mm_inputs: list[MultiModalInput]) -> None:
-        """Embeddings for items the request was given without (matched by offset)."""
+    def supply(self, req: Request, mm_inputs: list[MultiModalInput]) -> list[tuple[int, int]]:
+        """Embeddings for items the request was given without (matched by offset); returns the
+        ``(offset, end)`` of those it still lacks."""
+        state = self.states[req.request_id]
         by_offset = {m.offset: m for m in mm_inputs}
-        missing = {off: n for off, n, emb in req.runner_state.get("mm", ()) if emb is None}
+        missing = {off: end - off for off, end in state.missing()}
         for off, m in by_offset.items():
             if missing.get(off) != m.length:
                 raise RequestRejected(
                     "bad_mm_input", f"no item without embeddings of {m.length} rows at {off}"
                 )
-        state = req.runner_state
-        state["mm"] = [
+        state.mm = [
             (off, n, self._on_device(by_offset[off].embeddings) if emb is None and off in by_offset else emb)
-            for off, n, emb in state.get("mm", ())
+            for off, n, emb in state.mm
         ]
+        return state.missing()
 
     def _check_spans_fit(self, req: Request) -> None:
         budget = self.config.max_num_batched_tokens
@@ -201,12 +225,13 @@ class ModelRunner:
     def _positions(self, req: Request, start: int, end: int) -> torch.Tensor:
         if not self.model.uses_mrope:
             return torch.arange(start, end, device=self.device)
-        state, n = req.runner_state, req.num_prompt_tokens
+        state, n = self.states[req.request_id], req.num_prompt_tokens
+        assert state.mrope is not None, f"request {req.request_id} has no M-RoPE positions"
         parts = []
         if start < n:
-            parts.append(state["mrope"][:, start : min(end, n)])
+            parts.append(state.mrope[:, start : min(end, n)])
         if end > n:
-            parts.append(torch.arange(max(start, n), end, device=self.device).expand(3, -1) + state["delta"])
+            parts.append(torch.arange(max(start, n), end, device=self.device).expand(3, -1) + state.delta)
         return torch.cat(parts, dim=1)
 
     def _positions_all(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
@@ -220,7 +245,8 @@ class ModelRunner:
             if start < req.num_prompt_tokens:
                 parts.append(self._positions(req, start, end))
                 continue
-            delta = req.runner_state["delta"]  # past the prompt: text positions, shifted; all 3 axes alike
+            # past the prompt: text positions, shifted; all 3 axes alike
+            delta = self.states[req.request_id].delta
             if not parts or not isinstance(parts[-1], list):
                 parts.append([])
             parts[-1].extend(range(start + delta, end + delta))  # type: ignore[union-attr]
@@ -246,12 +272,13 @@ class ModelRunner:
         row = 0
         for c in chunks:
             start, end = c.start, c.start + c.num_tokens
-            for offset, length, embeds in c.request.runner_state.get("mm", ()):
+            for offset, length, embeds in self.states[c.request.request_id].mm:
                 lo, hi = max(start, offset), min(end, offset + length)
-                if lo < hi and embeds is None:  # the scheduler parks such a request: never here
+                if lo >= hi:  # a chunk may hold only a slice of the item, or none of it
+                    continue
+                if embeds is None:  # the scheduler parks such a request: never here
                     raise RequestFaults({c.request.request_id: f"no embeddings for the item at {offset}"})
-                if lo < hi:  # a chunk may hold only a slice of the item
-                    emb[row + lo - start : row + hi - start] = embeds[lo - offset : hi - offset]
+                emb[row + lo - start : row + hi - start] = embeds[lo - offset : hi - offset]
             row += c.num_tokens
         return emb
 
@@ -303,7 +330,7 @@ class ModelRunner:
         if not sampling:
             return {}
         logits = self.model.compute_logits(hidden[rows])
-        gens = [r.runner_state.get("generator", self.default_generator) for r in sampling]
+        gens = [self._generator(r.request_id) for r in sampling]
         try:
             tokens, logprobs = sample(logits, [r.sampling_params for r in sampling], gens)
         except NonFiniteLogits as e:
@@ -311,15 +338,21 @@ class ModelRunner:
             raise RequestFaults({sampling[i].request_id: msg for i in e.rows}) from e
         return {r.request_id: (t, lp) for r, t, lp in zip(sampling, tokens, logprobs, strict=True)}
 
+    def _generator(self, request_id: str) -> torch.Generator:
+        own = self.states[request_id].generator
+        return self.default_generator if own is None else own
+
     def rng_states(self, out: SchedulerOutput) -> dict[str, torch.Tensor]:
         """The seeded generators' states of the step's requests, to replay the step exactly."""
-        gens = ((c.request.request_id, c.request.runner_state.get("generator")) for c in out.chunks)
+        gens = ((c.request.request_id, self.states[c.request.request_id].generator) for c in out.chunks)
         return {rid: g.get_state() for rid, g in gens if g is not None}
 
     def restore_rng_states(self, out: SchedulerOutput, states: dict[str, torch.Tensor]) -> None:
         for c in out.chunks:
             if (state := states.get(c.request.request_id)) is not None:
-                c.request.runner_state["generator"].set_state(state)
+                generator = self.states[c.request.request_id].generator
+                assert generator is not None, f"request {c.request.request_id} has no seeded generator"
+                generator.set_state(state)
 
 
 def _check_finite(chunks: list[ScheduledChunk], hidden: torch.Tensor) -> None:

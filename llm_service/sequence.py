@@ -5,7 +5,6 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from llm_service.prefix_hash import MMItemSpan
 from llm_service.sampling_params import SamplingParams
@@ -36,8 +35,8 @@ class Request:
     have KV in the cache. A request is due a new sample when ``num_computed_tokens == num_tokens``.
 
     ``mm_spans`` are the media items' ``(offset, length, mm_hash)``; ``cache_salt`` separates its cached
-    prefix from other salts' (vLLM's semantics); ``mm_inputs`` and ``runner_state``
-    are opaque here (tensors, positions, RNG) and belong to the model runner.
+    prefix from other salts' (vLLM's semantics). Its tensors (embeddings, positions, RNG) are not
+    here: the model runner keeps them by request id (``ModelRunner.states``).
     """
 
     request_id: str
@@ -47,15 +46,14 @@ class Request:
     max_model_len: int = 1 << 30
     mm_spans: list[MMItemSpan] = field(default_factory=list)
     cache_salt: str | None = None  # enters the first block's hash only (llm_service/prefix_hash.py)
-    mm_inputs: Any = ()
-    runner_state: dict[str, Any] = field(default_factory=dict)
     # (offset, length) of prompt tokens that attend each other both ways (Gemma 3's images): the
     # scheduler never ends a chunk inside one; set by the model runner.
     attention_spans: list[tuple[int, int]] = field(default_factory=list)
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[Any] = field(default_factory=list)
+    # the runner's TokenLogprob | None per output token (llm_service/outputs.py): passed through here
+    output_logprobs: list[object] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
     num_preemptions: int = 0
@@ -106,7 +104,7 @@ class Request:
         start = self.num_computed_tokens
         return start < self.num_tokens and self.ready_end(start) == start
 
-    def append_output(self, token_id: int, logprob: Any = None) -> None:
+    def append_output(self, token_id: int, logprob: object = None) -> None:
         """Record a sampled token and set a finished status if it ends the request."""
         self.output_token_ids.append(token_id)
         self.output_logprobs.append(logprob)

@@ -132,3 +132,4 @@ def assert_all_free(eng: LLMEngine) -> None:
     st = eng.stats()
     assert not eng.has_unfinished_requests()
     assert st.num_free_blocks == st.num_total_blocks and st.kv_usage == 0.0
+    assert not eng.runner.states  # every request's tensors dropped as it left

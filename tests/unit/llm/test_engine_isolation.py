@@ -58,6 +58,7 @@ def assert_all_free(eng: LLMEngine) -> None:
     st = eng.stats()
     assert not eng.has_unfinished_requests()
     assert st.num_free_blocks == st.num_total_blocks and st.kv_usage == 0.0
+    assert not eng.runner.states  # every request's tensors dropped as it left
 
 
 def poisoned(case: RefCase) -> list[MultiModalInput]:
@@ -124,8 +125,8 @@ def test_seeded_neighbour_of_a_culprit_samples_as_if_alone(vl, tiny_vl_dir, case
 def corrupt(eng: LLMEngine, request_id: str) -> None:
     """Break one admitted request's own runner state (its item's embeddings lose rows), so the real
     forward raises a plain RuntimeError for it alone: no culprit is named, bisection must find it."""
-    state = eng.scheduler.requests[request_id].runner_state
-    state["mm"] = [(off, n, emb[: n // 2]) for off, n, emb in state["mm"]]
+    state = eng.runner.states[request_id]
+    state.mm = [(off, n, None if emb is None else emb[: n // 2]) for off, n, emb in state.mm]
 
 
 def test_unnamed_fault_is_bisected_to_its_request(vl, tiny_vl_dir, cases) -> None:
