@@ -19,22 +19,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol, TypeVar, cast
 
 import ray
+from ray.actor import ActorHandle
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from encoder_service.cache.cache_index import RELEASED, CacheIndexShard, RequestReleased, shard_of
+from encoder_service.cache.cache_index import Answer, CacheIndexShard, RequestReleased, shard_of
 from encoder_service.cache.call_coalescing import CallCoalescer
-from encoder_service.cache.encoder_cache import COMPUTE, DEFAULT_LEASE_S, HIT
+from encoder_service.cache.encoder_cache import DEFAULT_LEASE_S, CacheReply
 from encoder_service.preprocess.errors import EncoderCacheBusy
 from encoder_service.preprocess.gathering import gather
 from encoder_service.types import EmbeddingMeta
 
 logger = logging.getLogger("mmserve.encoder")
+
+R = TypeVar("R")
+Found = tuple[EmbeddingMeta, object]  # a hit: the entry's metadata and its ObjectRef (passed through)
+Lookup = tuple[str, list[str]]  # one request's lookup on one shard: (request id, hashes)
 
 
 # The shard methods a client calls over a side channel (a ``ShardLink``) once one is up: the hot
@@ -59,12 +64,12 @@ class ShardLink(Protocol):
 
     def usable(self) -> bool: ...
 
-    async def call(self, method: str, *args: Any) -> Any: ...
+    async def call(self, method: str, *args: object) -> object: ...
 
     def close(self) -> None: ...
 
 
-LinkTo = Callable[[Any], ShardLink]  # a shard's actor handle -> a link to it
+LinkTo = Callable[[ActorHandle], ShardLink]  # a shard's actor handle -> a link to it
 
 
 @dataclass(frozen=True)
@@ -86,15 +91,15 @@ class ShardSpec:
     def name(self, index: int) -> str:
         return f"{self.name_prefix}-{index}"
 
-    def open(self, index: int) -> Any:
+    def open(self, index: int) -> ActorHandle:
         """Shard ``index``'s handle: created (or got) where clients create shards, else found by
         name; ``ValueError`` while there is none."""
         if self.created_by_clients:
             return self.create(index)
         return ray.get_actor(self.name(index), namespace=self.namespace)
 
-    def create(self, index: int) -> Any:
-        opts: dict[str, Any] = {
+    def create(self, index: int) -> ActorHandle:
+        opts: dict[str, object] = {
             "name": self.name(index),
             "get_if_exists": True,
             "num_cpus": self.num_cpus,
@@ -123,29 +128,31 @@ class EncoderCacheClient:
     link factory). A shard whose handle is ``None`` is opened on first use (``ShardSpec.open``)."""
 
     def __init__(
-        self, shard_actor_handles: list[Any], spec: ShardSpec | None = None, link_to: LinkTo | None = None
+        self,
+        shard_actor_handles: list[ActorHandle | None],
+        spec: ShardSpec | None = None,
+        link_to: LinkTo | None = None,
     ) -> None:
         if not shard_actor_handles:
             raise ValueError("need at least one cache index shard")
         if spec is None and None in shard_actor_handles:
             raise ValueError("a shard without a handle needs a ShardSpec to open it")
-        self.shards: list[Any] = list(shard_actor_handles)
+        self.shards: list[ActorHandle | None] = list(shard_actor_handles)
         self.spec = spec
         self.link_to = link_to
-        self._lookups: dict[int, CallCoalescer[tuple[str, list[str]], dict[str, Any]]] = {}
+        self._lookups: dict[int, CallCoalescer[Lookup, dict[str, Answer]]] = {}
         self._links: dict[int, ShardLink] = {}  # shard index -> this process's link, made on first use
 
-    def __reduce__(self) -> tuple[Any, ...]:  # a copy in another process starts with its own batches
-        return (EncoderCacheClient, (self.shards, self.spec, self.link_to))
+    def __reduce__(self) -> tuple[type[EncoderCacheClient], tuple[object, ...]]:
+        return (EncoderCacheClient, (self.shards, self.spec, self.link_to))  # a copy starts its own batches
 
-    def _lookup_batches(self, index: int) -> CallCoalescer[tuple[str, list[str]], dict[str, Any]]:
+    def _lookup_batches(self, index: int) -> CallCoalescer[Lookup, dict[str, Answer]]:
         """Shard ``index``'s lookups: one ``lookup_or_reserve_batch`` in flight, the rest queued for
         the next (encoder_service/cache/call_coalescing.py)."""
         if index not in self._lookups:
 
-            async def send(requests: list[tuple[str, list[str]]]) -> list[dict[str, Any]]:
-                answers: list[dict[str, Any]] = await self._call(index, "lookup_or_reserve_batch", requests)
-                return answers
+            async def send(requests: list[Lookup]) -> list[dict[str, Answer]]:
+                return await self._call(index, CacheIndexShard.lookup_or_reserve_batch, requests)
 
             self._lookups[index] = CallCoalescer(send)
         return self._lookups[index]
@@ -161,30 +168,30 @@ class EncoderCacheClient:
             self._links[index] = self.link_to(self.shards[index])
         return self._links[index]
 
-    async def _call(self, index: int, method: str, *args: Any) -> Any:
-        """``shards[index].method(*args)``: a frame on the shard's link where the method allows and
-        the link is up; else (and after a lost link) an actor call, once more on a new incarnation
-        if the shard died."""
+    async def _call(self, index: int, method: Callable[..., Awaitable[R]], *args: object) -> R:
+        """``shards[index].method(*args)``, ``method`` a ``CacheIndexShard`` method (its name is sent,
+        its return type is the reply's): a frame on the shard's link where the method allows and the
+        link is up; else (and after a lost link) an actor call, once more on a new incarnation if the
+        shard died."""
+        name = method.__name__
         if self.shards[index] is None:
             await self._revive(index)
-        if method in LINK_METHODS and (link := self._link(index)) is not None and link.usable():
+        if name in LINK_METHODS and (link := self._link(index)) is not None and link.usable():
             try:
-                return await link.call(method, *args)
+                return cast(R, await link.call(name, *args))  # the shard method's reply, as it returned it
             except (ConnectionError, ActorDiedError, ActorUnavailableError) as e:
-                logger.warning(
-                    "encoder-cache shard %d's link lost (%r); %s as an actor call", index, e, method
-                )
+                logger.warning("encoder-cache shard %d's link lost (%r); %s as an actor call", index, e, name)
         handle = self.shards[index]
         try:
-            return await getattr(handle, method).remote(*args)
+            return await getattr(handle, name).remote(*args)
         except (ActorDiedError, ActorUnavailableError) as e:
             if self.spec is None:
                 raise
             logger.warning(
-                "encoder-cache shard %d died (%s); retrying %s on a new one", index, type(e).__name__, method
+                "encoder-cache shard %d died (%s); retrying %s on a new one", index, type(e).__name__, name
             )
         await self._revive(index)
-        return await getattr(self.shards[index], method).remote(*args)
+        return await getattr(self.shards[index], name).remote(*args)
 
     async def _revive(self, index: int, attempts: int = 20) -> None:
         """Open shard ``index`` (first use), or after it died: wait for Ray to restart it, or for it
@@ -210,22 +217,22 @@ class EncoderCacheClient:
             groups.setdefault(shard_of(h, len(self.shards)), []).append(h)
         return groups
 
-    async def lookup_many(self, hashes: list[str]) -> dict[str, tuple[EmbeddingMeta, Any]]:
+    async def lookup_many(self, hashes: list[str]) -> dict[str, Found]:
         groups = self._groups(hashes)
-        answers = await gather(*(self._call(s, "lookup_many", hs) for s, hs in groups.items()))
+        answers = await gather(*(self._call(s, CacheIndexShard.lookup_many, hs) for s, hs in groups.items()))
         return {h: (EmbeddingMeta.from_msgpack(m), ref[0]) for ans in answers for h, (m, ref) in ans.items()}
 
     async def lookup_or_reserve(
         self, request_id: str, hashes: list[str]
-    ) -> dict[str, tuple[str, tuple[EmbeddingMeta, Any] | None]]:
+    ) -> dict[str, tuple[CacheReply, Found | None]]:
         """``CacheIndexShard.lookup_or_reserve`` over the shards of ``hashes``: one call each, shared
         with the lookups of other requests made while the shard's last one was in flight."""
         groups = self._groups(hashes)
         answers = await gather(*(self._lookup_batches(s)((request_id, hs)) for s, hs in groups.items()))
-        out: dict[str, tuple[str, tuple[EmbeddingMeta, Any] | None]] = {}
+        out: dict[str, tuple[CacheReply, Found | None]] = {}
         for ans in answers:
             for h, (kind, payload) in ans.items():
-                if kind == RELEASED:
+                if kind == CacheReply.RELEASED:
                     raise RequestReleased(f"request {request_id} was released while looking up {h[:16]}")
                 out[h] = (
                     kind,
@@ -233,30 +240,29 @@ class EncoderCacheClient:
                 )
         return out
 
-    async def get_or_reserve(
-        self, request_id: str, mm_hash: str
-    ) -> tuple[str, tuple[EmbeddingMeta, Any] | None]:
-        """``("hit", (meta, ref))`` or ``("compute", None)``; raises ``EncoderCacheBusy`` past the wait."""
+    async def get_or_reserve(self, request_id: str, mm_hash: str) -> tuple[CacheReply, Found | None]:
+        """``(HIT, (meta, ref))`` or ``(COMPUTE, None)``; raises ``EncoderCacheBusy`` past the wait."""
         try:
             kind, payload = await self._call(
-                shard_of(mm_hash, len(self.shards)), "get_or_reserve", request_id, mm_hash
+                shard_of(mm_hash, len(self.shards)), CacheIndexShard.get_or_reserve, request_id, mm_hash
             )
         except Exception as e:  # Ray wraps actor errors; map ours back to MediaErrors
             cause = getattr(e, "cause", None) or e
             if isinstance(cause, TimeoutError):
                 raise EncoderCacheBusy(f"encoder cache: {cause}") from e
             raise
-        if kind == HIT:
+        if kind == CacheReply.HIT:
+            assert payload is not None  # a hit carries its entry
             meta, ref = payload
-            return HIT, (EmbeddingMeta.from_msgpack(meta), ref[0])
-        if kind == RELEASED:
+            return CacheReply.HIT, (EmbeddingMeta.from_msgpack(meta), ref[0])
+        if kind == CacheReply.RELEASED:
             raise RequestReleased(f"request {request_id} was released while waiting for {mm_hash[:16]}")
-        return COMPUTE, None
+        return CacheReply.COMPUTE, None
 
     async def renew(self, request_id: str, hashes: Iterable[str]) -> None:
-        await gather(*(self._call(s, "renew", request_id) for s in self._groups(hashes)))
+        await gather(*(self._call(s, CacheIndexShard.renew, request_id) for s in self._groups(hashes)))
 
-    async def commit_many(self, commits: list[tuple[EmbeddingMeta, Any, str | None]]) -> list[bool]:
+    async def commit_many(self, commits: list[tuple[EmbeddingMeta, object, str | None]]) -> list[bool]:
         """Commit ``(meta, ref, reserving request id)`` items, one call per shard; per item whether it
         is now cached (see ``CacheIndexShard.commit_many``)."""
         groups: dict[int, list[int]] = {}
@@ -266,7 +272,7 @@ class EncoderCacheClient:
             *(
                 self._call(
                     s,
-                    "commit_many",
+                    CacheIndexShard.commit_many,
                     [
                         (commits[i][0].mm_hash, commits[i][0].to_msgpack(), [commits[i][1]], commits[i][2])
                         for i in idx
@@ -282,7 +288,7 @@ class EncoderCacheClient:
         return done
 
     async def commit(
-        self, mm_hash: str, meta: EmbeddingMeta, ref: Any, request_id: str | None = None
+        self, mm_hash: str, meta: EmbeddingMeta, ref: object, request_id: str | None = None
     ) -> bool:
         if meta.mm_hash != mm_hash:
             raise ValueError(f"commit of {mm_hash[:16]} with the meta of {meta.mm_hash[:16]}")
@@ -300,7 +306,7 @@ class EncoderCacheClient:
         for h in dict.fromkeys(mm_hashes):
             rid = None if ref_ids is None else ref_ids.get(h)
             groups.setdefault(shard_of(h, len(self.shards)), {})[h] = rid
-        answers = await gather(*(self._call(s, "invalidate", g) for s, g in groups.items()))
+        answers = await gather(*(self._call(s, CacheIndexShard.invalidate, g) for s, g in groups.items()))
         return [h for dropped in answers for h in dropped]
 
     async def holding(self, ref_ids: Mapping[str, str]) -> list[str]:
@@ -309,29 +315,31 @@ class EncoderCacheClient:
         groups: dict[int, dict[str, str]] = {}
         for h, rid in ref_ids.items():
             groups.setdefault(shard_of(h, len(self.shards)), {})[h] = rid
-        answers = await gather(*(self._call(s, "holding", g) for s, g in groups.items()))
+        answers = await gather(*(self._call(s, CacheIndexShard.holding, g) for s, g in groups.items()))
         return [h for held in answers for h in held]
 
     async def release(self, request_id: str, hashes: Iterable[str] | None = None) -> None:
         """Drop the reservations ``request_id`` holds (failure, disconnect): on the shards of ``hashes``
         when the caller knows which it touched, else on every shard. Final for that request id."""
         indexes = range(len(self.shards)) if hashes is None else list(self._groups(hashes))
-        await gather(*(self._call(s, "release", request_id) for s in indexes))
+        await gather(*(self._call(s, CacheIndexShard.release, request_id) for s in indexes))
 
     # ---- uuid names (encoder_service.cache.uuid_aliases.AliasStore): each on the shard its key hashes to ----
     async def resolve(self, keys: list[str]) -> dict[str, str]:
         groups = self._groups(keys)
-        answers = await gather(*(self._call(s, "alias_resolve", ks) for s, ks in groups.items()))
+        answers = await gather(
+            *(self._call(s, CacheIndexShard.alias_resolve, ks) for s, ks in groups.items())
+        )
         return {k: h for ans in answers for k, h in ans.items()}
 
     async def point(self, aliases: Mapping[str, str]) -> None:
         groups: dict[int, dict[str, str]] = {}
         for key, mm_hash in aliases.items():
             groups.setdefault(shard_of(key, len(self.shards)), {})[key] = mm_hash
-        await gather(*(self._call(s, "alias_point", g) for s, g in groups.items()))
+        await gather(*(self._call(s, CacheIndexShard.alias_point, g) for s, g in groups.items()))
 
-    async def stats(self) -> dict[str, Any]:
-        per_shard = await gather(*(self._call(s, "stats") for s in range(len(self.shards))))
+    async def stats(self) -> dict[str, int | list[dict[str, int]]]:
+        per_shard = await gather(*(self._call(s, CacheIndexShard.stats) for s in range(len(self.shards))))
         total = {k: sum(int(d[k]) for d in per_shard) for k in per_shard[0]}
         return {**total, "shards": per_shard}
 

@@ -4,7 +4,7 @@ through ``cache_client.EncoderCacheClient``.
 
 One call per shard per request on the way in: ``lookup_or_reserve`` answers each hash with a hit
 (meta and ref; the request keeps the ref itself, nothing is pinned), a reservation for this request
-(``"compute"``) or ``"wait"`` (another live request is computing it: ``get_or_reserve`` it after
+(``COMPUTE``) or ``WAIT`` (another live request is computing it: ``get_or_reserve`` it after
 computing your own, so no two requests wait on each other). The encoder replica commits a step's
 outputs with one ``commit_many`` per shard. A reservation is leased: its holder renews it while it
 computes; a dead holder's reservation is freeable when the lease runs out.
@@ -31,32 +31,40 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from typing import Any
+from typing import Protocol, cast
 
-from encoder_service.cache.encoder_cache import DEFAULT_LEASE_S, HIT, WAIT, EncoderCacheBooks
+from encoder_service.cache.encoder_cache import DEFAULT_LEASE_S, CacheReply, EncoderCacheBooks
 from encoder_service.cache.uuid_aliases import MAX_ALIASES, UuidAliases
 from encoder_service.preprocess.errors import EncoderCacheFull
 from encoder_service.types import EmbeddingMeta
 
 logger = logging.getLogger("mmserve.encoder")
 
-RELEASED = "released"
 MAX_RELEASED_IDS = 65536  # request ids remembered as released, per shard (ids are never reused)
 MAX_DOOMED_REFS = 4096  # refs invalidated before their commit arrived, remembered per shard
 MAX_RECENT_EVICTED = 65536
 EVICT_GRACE_S = 60.0  # an evicted ref is still reported as held this long (requests may hold it)
 
-Payload = tuple[bytes, list[Any]]  # (meta msgpack, [ObjectRef])
-Commit = tuple[str, bytes, list[Any], "str | None"]  # (mm_hash, meta msgpack, [ref], reserving request)
+# ObjectRefs are ``object`` here: held and handed back, never resolved (``ref_id`` names them).
+Payload = tuple[bytes, list[object]]  # (meta msgpack, [ObjectRef])
+Answer = tuple[CacheReply, "Payload | None"]  # per hash: the reply, and a hit's payload
+Commit = tuple[str, bytes, list[object], "str | None"]  # (mm_hash, meta msgpack, [ref], reserving request)
 
 
 class RequestReleased(RuntimeError):
     """The request's reservations were released (its client left) while this call waited."""
 
 
-def ref_id(ref: Any) -> str:
+class ObjectRefLike(Protocol):
+    """What ``ref_id`` needs of a Ray ObjectRef (the shard and the records hold refs as ``object``:
+    passed through, never resolved here; this module may not import Ray)."""
+
+    def hex(self) -> str: ...
+
+
+def ref_id(ref: object) -> str:
     """An ObjectRef's id, comparable across processes without resolving the object."""
-    return str(ref.hex())
+    return str(cast(ObjectRefLike, ref).hex())
 
 
 def shard_of(mm_hash: str, num_shards: int) -> int:
@@ -76,7 +84,7 @@ class CacheIndexShard:
         max_aliases: int = MAX_ALIASES,
     ) -> None:
         self.books = EncoderCacheBooks(capacity, lease_s)
-        self.refs: dict[str, list[Any]] = {}  # mm_hash -> [ObjectRef]
+        self.refs: dict[str, list[object]] = {}  # mm_hash -> [ObjectRef]
         self.wait_timeout_s = wait_timeout_s
         self.evict_grace_s = evict_grace_s
         self._changed = asyncio.Condition()
@@ -96,39 +104,37 @@ class CacheIndexShard:
         """A peek at the committed entries among ``hashes`` (not counted, nothing reserved)."""
         return {h: self._hit(h) for h in hashes if self.books.lookup(h, count=False) is not None}
 
-    async def lookup_or_reserve(self, request_id: str, hashes: list[str]) -> dict[str, tuple[str, Any]]:
-        """Without waiting, per hash: ``("hit", (meta, [ref]))``, ``("compute", None)`` (reserved for
-        ``request_id``) or ``("wait", None)``. A released request gets ``("released", None)``."""
+    async def lookup_or_reserve(self, request_id: str, hashes: list[str]) -> dict[str, Answer]:
+        """Without waiting, per hash: ``(HIT, (meta, [ref]))``, ``(COMPUTE, None)`` (reserved for
+        ``request_id``) or ``(WAIT, None)``. A released request gets ``(RELEASED, None)``."""
         if request_id in self._released:
-            return {h: (RELEASED, None) for h in hashes}
+            return {h: (CacheReply.RELEASED, None) for h in hashes}
         now = time.monotonic()
-        out: dict[str, tuple[str, Any]] = {}
+        out: dict[str, Answer] = {}
         for h in hashes:
             kind = self.books.lookup_or_reserve(request_id, h, now)
-            out[h] = (kind, self._hit(h) if kind == HIT else None)
+            out[h] = (kind, self._hit(h) if kind == CacheReply.HIT else None)
         return out
 
-    async def lookup_or_reserve_batch(
-        self, requests: list[tuple[str, list[str]]]
-    ) -> list[dict[str, tuple[str, Any]]]:
+    async def lookup_or_reserve_batch(self, requests: list[tuple[str, list[str]]]) -> list[dict[str, Answer]]:
         """``lookup_or_reserve`` for each ``(request_id, hashes)``, in order: one call for the lookups
         of many requests (the client coalesces those made while one is in flight)."""
         self.lookup_calls += 1
         self.lookup_requests += len(requests)
         return [await self.lookup_or_reserve(rid, hashes) for rid, hashes in requests]
 
-    async def get_or_reserve(self, request_id: str, mm_hash: str) -> tuple[str, Any]:
-        """Wait (bounded) while another live request computes ``mm_hash``; then ``("hit", ...)`` or
-        ``("compute", None)`` (its computation failed or its lease ran out: ours now)."""
+    async def get_or_reserve(self, request_id: str, mm_hash: str) -> Answer:
+        """Wait (bounded) while another live request computes ``mm_hash``; then ``(HIT, ...)`` or
+        ``(COMPUTE, None)`` (its computation failed or its lease ran out: ours now)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.wait_timeout_s
         async with self._changed:
             while True:
                 if request_id in self._released:
-                    return RELEASED, None  # its client left while this call waited
+                    return CacheReply.RELEASED, None  # its client left while this call waited
                 kind = self.books.lookup_or_reserve(request_id, mm_hash, time.monotonic())
-                if kind != WAIT:
-                    return kind, self._hit(mm_hash) if kind == HIT else None
+                if kind != CacheReply.WAIT:
+                    return kind, self._hit(mm_hash) if kind == CacheReply.HIT else None
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     raise TimeoutError(
@@ -155,11 +161,11 @@ class CacheIndexShard:
             return done
 
     async def commit(
-        self, mm_hash: str, meta_msgpack: bytes, ref: list[Any], request_id: str | None = None
+        self, mm_hash: str, meta_msgpack: bytes, ref: list[object], request_id: str | None = None
     ) -> bool:
         return (await self.commit_many([(mm_hash, meta_msgpack, ref, request_id)]))[0]
 
-    def _commit(self, mm_hash: str, meta_msgpack: bytes, ref: list[Any], request_id: str | None) -> bool:
+    def _commit(self, mm_hash: str, meta_msgpack: bytes, ref: list[object], request_id: str | None) -> bool:
         entry = self.books.entries.get(mm_hash)
         if entry is None or entry.committed or (request_id is not None and entry.holder != request_id):
             return False
@@ -224,7 +230,7 @@ class CacheIndexShard:
 
     async def release(self, request_id: str) -> list[str]:
         """Drop every reservation ``request_id`` holds. Final: its ``get_or_reserve`` calls still
-        waiting here (its client left meanwhile) return ``"released"`` instead of reserving later."""
+        waiting here (its client left meanwhile) return ``RELEASED`` instead of reserving later."""
         async with self._changed:
             self._released[request_id] = None
             while len(self._released) > MAX_RELEASED_IDS:
@@ -256,7 +262,7 @@ class CacheIndexShard:
     async def alias_point(self, aliases: dict[str, str]) -> None:
         self.aliases.point(aliases)
 
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self) -> dict[str, int]:
         async with self._changed:
             if self.books.expire(time.monotonic()):
                 self._changed.notify_all()

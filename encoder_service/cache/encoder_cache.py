@@ -21,13 +21,26 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from enum import StrEnum
 
 from encoder_service.preprocess.errors import EncoderCacheFull
 from encoder_service.types import EmbeddingMeta
 
-HIT, COMPUTE, WAIT = "hit", "compute", "wait"
 DEFAULT_LEASE_S = 15.0
+
+
+class CacheReply(StrEnum):
+    """The cache's answer for one mm_hash. A ``str`` Enum: each member equals its string
+    (``CacheReply.HIT == "hit"``), so code that compares the strings keeps working."""
+
+    HIT = "hit"  # committed: its meta and ref come with the answer (counted, LRU refreshed)
+    COMPUTE = "compute"  # reserved for the asking request: it computes and commits, or releases
+    WAIT = "wait"  # another live request holds the reservation: ask again after your own encodes
+    RELEASED = "released"  # the asking request was released meanwhile (a shard's answer, not the books')
+
+
+# The names before ``CacheReply`` (preprocess/prepare.py and tests import them); prefer the members.
+HIT, COMPUTE, WAIT = CacheReply.HIT, CacheReply.COMPUTE, CacheReply.WAIT
 
 
 @dataclass
@@ -93,17 +106,17 @@ class EncoderCacheBooks:
         return None if entry is None or entry.committed else entry.lease_until
 
     # ---- mutations -----------------------------------------------------------------------------------
-    def lookup_or_reserve(self, request_id: str, mm_hash: str, now: float) -> str:
-        """``"hit"`` (counted, LRU refreshed), ``"compute"`` (reserved for ``request_id`` until
-        ``now + lease_s``; also when it already holds it) or ``"wait"`` (another live request holds
+    def lookup_or_reserve(self, request_id: str, mm_hash: str, now: float) -> CacheReply:
+        """``HIT`` (counted, LRU refreshed), ``COMPUTE`` (reserved for ``request_id`` until
+        ``now + lease_s``; also when it already holds it) or ``WAIT`` (another live request holds
         the reservation). An expired reservation is taken over."""
         entry = self.entries.get(mm_hash)
         if entry is not None and entry.meta is not None:
             self.hits += 1
             self._lru.move_to_end(mm_hash)
-            return HIT
+            return CacheReply.HIT
         if entry is not None and entry.holder != request_id and entry.lease_until > now:
-            return WAIT
+            return CacheReply.WAIT
         if entry is not None and entry.holder != request_id:
             self._drop_reservation(mm_hash, expired=True)
             entry = None
@@ -113,7 +126,7 @@ class EncoderCacheBooks:
             self.misses += 1
         else:
             entry.lease_until = now + self.lease_s
-        return COMPUTE
+        return CacheReply.COMPUTE
 
     def renew(self, request_id: str, now: float) -> int:
         """Extend every reservation ``request_id`` holds; how many it holds."""
@@ -202,7 +215,7 @@ class EncoderCacheBooks:
                 del self._by_request[entry.holder]
         entry.holder = None
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, int]:
         return {
             "capacity": self.capacity,
             "used": self.used,

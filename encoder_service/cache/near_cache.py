@@ -21,7 +21,6 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import Any
 
 from encoder_service.types import EmbeddingMeta
 
@@ -41,14 +40,15 @@ class NearCache:
         self.max_entries = max_entries
         self.ttl_s = ttl_s
         self._clock = clock
-        self._entries: OrderedDict[str, tuple[EmbeddingMeta, Any, float]] = OrderedDict()
+        # mm_hash -> (meta, ObjectRef: held, never resolved here, deadline)
+        self._entries: OrderedDict[str, tuple[EmbeddingMeta, object, float]] = OrderedDict()
         self.hits = 0
         self.misses = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, mm_hash: str) -> tuple[EmbeddingMeta, Any] | None:
+    def get(self, mm_hash: str) -> tuple[EmbeddingMeta, object] | None:
         entry = self._entries.get(mm_hash)
         if entry is not None and entry[2] <= self._clock():
             del self._entries[mm_hash]
@@ -60,7 +60,7 @@ class NearCache:
         self.hits += 1
         return entry[0], entry[1]
 
-    def put(self, meta: EmbeddingMeta, ref: Any) -> None:
+    def put(self, meta: EmbeddingMeta, ref: object) -> None:
         """Remember ``meta``'s entry for ``ttl_s`` from now. Only what the index (or a ``prepare``
         that just asked it) answered is put, never an entry served from here."""
         if self.max_entries == 0 or self.ttl_s == 0:

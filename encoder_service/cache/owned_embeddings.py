@@ -22,7 +22,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import Protocol
 
 from encoder_service.cache.cache_index import ref_id
 
@@ -33,16 +34,26 @@ SWEEP_INTERVAL_S = 5.0
 SHUTDOWN_INVALIDATE_TIMEOUT_S = 5.0  # well inside Serve's graceful_shutdown_timeout_s (20 s default)
 
 
+class OwnedIndex(Protocol):
+    """What keeping owned embeddings needs of the shared index (``cache_client.EncoderCacheClient``)."""
+
+    async def holding(self, ref_ids: Mapping[str, str]) -> list[str]: ...
+
+    async def invalidate(
+        self, mm_hashes: Iterable[str], ref_ids: Mapping[str, str] | None = None
+    ) -> list[str]: ...
+
+
 class OwnedEmbeddings:
-    def __init__(self, cache: Any, max_held: int = MAX_HELD) -> None:
-        self.cache = cache  # EncoderCacheClient, or None (no shared index: nothing to keep alive for)
+    def __init__(self, cache: OwnedIndex | None, max_held: int = MAX_HELD) -> None:
+        self.cache = cache  # None: no shared index, nothing to keep alive for
         self.max_held = max_held
-        self._refs: OrderedDict[str, Any] = OrderedDict()  # mm_hash -> ObjectRef this replica put
+        self._refs: OrderedDict[str, object] = OrderedDict()  # mm_hash -> ObjectRef this replica put
 
     def __len__(self) -> int:
         return len(self._refs)
 
-    def add(self, mm_hash: str, ref: Any) -> None:
+    def add(self, mm_hash: str, ref: object) -> None:
         if self.cache is None:
             return
         self._refs[mm_hash] = ref
