@@ -7,7 +7,7 @@ import dataclasses
 import sys
 from collections.abc import Sequence
 
-from cluster.tiny_model import FAMILIES, PRESETS, ModelSize, make_tiny_model
+from cluster.tiny_model import FAMILIES, PRESETS, TINY_RECIPES, ModelSize, make_tiny_model
 
 
 def _add_make_tiny_model(sub: argparse._SubParsersAction) -> None:
@@ -15,9 +15,10 @@ def _add_make_tiny_model(sub: argparse._SubParsersAction) -> None:
     p.add_argument("dir", help="output directory")
     p.add_argument("--family", choices=FAMILIES, required=True)
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
-    p.add_argument(
-        "--variant", default="base", help="a family's alternative recipe (gemma4: k_eq_v, moe, unshared)"
+    variants = "; ".join(
+        f"{r.name}: {', '.join(r.variants[1:])}" for r in TINY_RECIPES.values() if r.variants[1:]
     )
+    p.add_argument("--variant", default="base", help=f"a family's alternative recipe ({variants})")
     for field in dataclasses.fields(ModelSize):
         p.add_argument(f"--{field.name.replace('_', '-')}", type=int, default=None)
     p.set_defaults(func=_cmd_make_tiny_model)

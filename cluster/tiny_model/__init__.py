@@ -1,7 +1,15 @@
-"""Deterministic tiny random-weight models (Qwen2-VL, Qwen2-Audio) written as real HF model directories."""
+"""Deterministic tiny random-weight models written as real HF model directories, one ``TinyRecipe`` per family."""
 
 from __future__ import annotations
 
-from cluster.tiny_model.families import FAMILIES, PRESETS, ModelSize, make_tiny_model
+from cluster.tiny_model.families import (
+    FAMILIES,
+    PRESETS,
+    TINY_RECIPES,
+    ModelSize,
+    TinyRecipe,
+    make_tiny_model,
+    tiny_recipe,
+)
 
-__all__ = ["FAMILIES", "PRESETS", "ModelSize", "make_tiny_model"]
+__all__ = ["FAMILIES", "PRESETS", "TINY_RECIPES", "ModelSize", "TinyRecipe", "make_tiny_model", "tiny_recipe"]

@@ -8,11 +8,14 @@ with linear scaling 8, as the 4B+ checkpoints).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from transformers import PreTrainedTokenizerFast
 
 from cluster.tiny_model.tokenizer import train_bpe
+
+if TYPE_CHECKING:
+    from cluster.tiny_model.families import ModelSize
 
 GEMMA3_SPECIAL_TOKENS = [
     "<pad>",
@@ -48,7 +51,7 @@ SLIDING_WINDOW = 8
 IMAGE_SIZE, PATCH_SIZE, TOKENS_PER_IMAGE = 64, 8, 16  # 8x8 patches pooled 2x2 -> 16 soft tokens
 
 
-def gemma3_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+def gemma3_tokenizer(vocab_size: int, chat_template: str) -> PreTrainedTokenizerFast:
     tok = PreTrainedTokenizerFast(
         tokenizer_object=train_bpe(vocab_size, GEMMA3_SPECIAL_TOKENS),
         bos_token="<bos>",
@@ -64,7 +67,7 @@ def gemma3_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
         model_max_length=32768,
     )
     tok.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
-    tok.chat_template = GEMMA3_CHAT_TEMPLATE
+    tok.chat_template = chat_template
     return tok
 
 
@@ -73,7 +76,7 @@ def layer_types(num_layers: int) -> list[str]:
     return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
 
 
-def build_gemma3(size: Any, tok: PreTrainedTokenizerFast):  # type: ignore[no-untyped-def]
+def build_gemma3(size: ModelSize, tok: PreTrainedTokenizerFast) -> tuple[Any, Any]:
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
     ids = {t: tok.convert_tokens_to_ids(t) for t in GEMMA3_SPECIAL_TOKENS}
@@ -128,7 +131,7 @@ def build_gemma3(size: Any, tok: PreTrainedTokenizerFast):  # type: ignore[no-un
     return config, Gemma3ForConditionalGeneration
 
 
-def save_gemma3_processor(out: str, tok: PreTrainedTokenizerFast) -> None:
+def save_gemma3_processor(out: str, tok: PreTrainedTokenizerFast, chat_template: str) -> None:
     from transformers import Gemma3ImageProcessor, Gemma3Processor
 
     image = Gemma3ImageProcessor(
@@ -140,7 +143,7 @@ def save_gemma3_processor(out: str, tok: PreTrainedTokenizerFast) -> None:
     proc = Gemma3Processor(
         image_processor=image,
         tokenizer=tok,
-        chat_template=GEMMA3_CHAT_TEMPLATE,
+        chat_template=chat_template,
         image_seq_length=TOKENS_PER_IMAGE,
     )
     proc.save_pretrained(out)

@@ -16,11 +16,14 @@ prefill chunk may end inside an image).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from transformers import PreTrainedTokenizerFast
 
 from cluster.tiny_model.tokenizer import train_bpe
+
+if TYPE_CHECKING:
+    from cluster.tiny_model.families import ModelSize
 
 BOI, EOI, IMAGE = "<|image>", "<image|>", "<|image|>"
 BOA, EOA, AUDIO = "<|audio>", "<audio|>", "<|audio|>"
@@ -63,7 +66,7 @@ PATCH_SIZE, POOLING_KERNEL, MAX_SOFT_TOKENS = 4, 3, 70  # <= 70 soft tokens per 
 PLE_DIM = 8  # hidden_size_per_layer_input
 
 
-def gemma4_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+def gemma4_tokenizer(vocab_size: int, chat_template: str) -> PreTrainedTokenizerFast:
     tok = PreTrainedTokenizerFast(
         tokenizer_object=train_bpe(vocab_size, GEMMA4_SPECIAL_TOKENS),
         bos_token="<bos>",
@@ -82,7 +85,7 @@ def gemma4_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
         model_max_length=32768,
     )
     tok.add_special_tokens({"additional_special_tokens": ["<|turn>", "<turn|>", VIDEO]})
-    tok.chat_template = GEMMA4_CHAT_TEMPLATE
+    tok.chat_template = chat_template
     return tok
 
 
@@ -93,7 +96,7 @@ def layer_types(num_layers: int) -> list[str]:
     return types
 
 
-def build_gemma4(size: Any, tok: PreTrainedTokenizerFast, variant: str = "base"):  # type: ignore[no-untyped-def]
+def build_gemma4(size: ModelSize, tok: PreTrainedTokenizerFast, variant: str = "base") -> tuple[Any, Any]:
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
     if variant not in VARIANTS:
@@ -188,7 +191,7 @@ def build_gemma4(size: Any, tok: PreTrainedTokenizerFast, variant: str = "base")
     return config, Gemma4ForConditionalGeneration
 
 
-def save_gemma4_processor(out: str, tok: PreTrainedTokenizerFast) -> None:
+def save_gemma4_processor(out: str, tok: PreTrainedTokenizerFast, chat_template: str) -> None:
     from transformers import (
         Gemma4AudioFeatureExtractor,
         Gemma4ImageProcessor,
@@ -206,7 +209,7 @@ def save_gemma4_processor(out: str, tok: PreTrainedTokenizerFast) -> None:
         image_processor=Gemma4ImageProcessor(**vision),
         tokenizer=tok,
         video_processor=Gemma4VideoProcessor(**vision),
-        chat_template=GEMMA4_CHAT_TEMPLATE,
+        chat_template=chat_template,
         image_seq_length=MAX_SOFT_TOKENS,
     )
     proc.save_pretrained(out)

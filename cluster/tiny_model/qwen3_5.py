@@ -8,10 +8,13 @@ as in the released checkpoints). The processor is Qwen3-VL's (transformers maps 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cluster.tiny_model.qwen3_vl import POSITION_TABLE_SIDE, interleaved_mrope_section
 from cluster.tiny_model.qwen_vl import qwen_token_ids, qwen_vl_config
+
+if TYPE_CHECKING:
+    from cluster.tiny_model.families import ModelSize
 
 FULL_ATTENTION_INTERVAL = 4
 MIN_LAYERS = 4  # at least one full-attention layer after three linear ones
@@ -26,7 +29,7 @@ def layer_types(num_layers: int) -> list[str]:
     ]
 
 
-def build_qwen3_5(size: Any, tok: Any) -> tuple[Any, Any]:
+def build_qwen3_5(size: ModelSize, tok: Any) -> tuple[Any, Any]:
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     ids = qwen_token_ids(tok)

@@ -6,9 +6,12 @@ processor classes (Qwen2-VL's image processor at patch 16, Qwen3-VL's video proc
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cluster.tiny_model.qwen_vl import qwen_token_ids, qwen_vl_config
+
+if TYPE_CHECKING:
+    from cluster.tiny_model.families import ModelSize
 
 POSITION_TABLE_SIDE = 6  # 36 learned positions: images of 4..32 patches a side interpolate them
 TINY_PIXELS = {"min_pixels": 64 * 64, "max_pixels": 32 * 32 * 1024}  # <= 1024 embeddings an image
@@ -26,7 +29,7 @@ def interleaved_mrope_section(head_dim: int) -> list[int]:
     return [half - 2 * hw, hw, hw]
 
 
-def build_qwen3_vl(size: Any, tok: Any) -> tuple[Any, Any]:
+def build_qwen3_vl(size: ModelSize, tok: Any) -> tuple[Any, Any]:
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     ids = qwen_token_ids(tok)
