@@ -7,10 +7,12 @@ The services take frozen dataclasses built from these sections; pydantic stays h
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Literal, TypedDict
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, WithJsonSchema, field_validator, model_validator
+
+from encoder_service.families import FAMILY_NAMES
 
 
 class _Strict(BaseModel):
@@ -62,6 +64,14 @@ class AutoscalingConfig(_Strict):
         return self
 
 
+class RayActorOptions(TypedDict, total=False):
+    """Ray's ``ray_actor_options`` for one pool's replicas (what ``DeploymentOptions`` sets)."""
+
+    num_cpus: float
+    num_gpus: float
+    resources: dict[str, float]
+
+
 class DeploymentOptions(_Strict):
     """What Ray Serve needs to place and scale one pool's replicas."""
 
@@ -84,8 +94,8 @@ class DeploymentOptions(_Strict):
     num_gpus: float = Field(0.0, ge=0)
     resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources")
 
-    def ray_actor_options(self) -> dict[str, Any]:
-        opts: dict[str, Any] = {"num_cpus": self.num_cpus}
+    def ray_actor_options(self) -> RayActorOptions:
+        opts: RayActorOptions = {"num_cpus": self.num_cpus}
         if self.num_gpus:
             opts["num_gpus"] = self.num_gpus
         if self.resources:
@@ -217,15 +227,27 @@ class PreprocessConfig(_Strict):
     media: MediaLimitsConfig = Field(default_factory=MediaLimitsConfig)
 
 
+# A tiny family's name: one of the registry's (``EncoderFamily.name``; the tiny generator's recipes
+# carry the same names, a test checks), so JSON Schema readers see the list too.
+TinyFamily = Annotated[str, WithJsonSchema({"type": "string", "enum": list(FAMILY_NAMES)})]
+
+
 class ModelConfig(_Strict):
     name: str = Field(..., min_length=1, description="the OpenAI `model` name clients send")
     path: str | None = Field(None, description="HF model directory; omit with `tiny` to generate one")
-    tiny: (
-        Literal["qwen2-vl", "qwen2.5-vl", "qwen2-audio", "gemma3", "qwen3-vl", "qwen3.5", "gemma4"] | None
-    ) = Field(None, description="generate this tiny model (encoder_service.families.FAMILY_NAMES)")
+    tiny: TinyFamily | None = Field(
+        None, description="generate this tiny model (encoder_service.families.FAMILY_NAMES)"
+    )
     llm: LLMConfig = Field(default_factory=LLMConfig)
     encoder: EncoderConfig = Field(default_factory=EncoderConfig)
     preprocess: PreprocessConfig = Field(default_factory=PreprocessConfig)
+
+    @field_validator("tiny")
+    @classmethod
+    def _known_family(cls, tiny: str | None) -> str | None:
+        if tiny is not None and tiny not in FAMILY_NAMES:
+            raise ValueError(f"unknown tiny family {tiny!r}; supported: {', '.join(FAMILY_NAMES)}")
+        return tiny
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:

@@ -7,7 +7,9 @@ read family facts cheaply; the adapter and tower classes are imported from their
 only when a model is loaded.
 
 Adding a family: its adapter (``processors/<family>.py``), its tower (``models/<family>_*.py``) and one
-line here; on the LLM side one line in ``llm_service/models/families.py``.
+entry here; on the LLM side one line in ``llm_service/models/families.py``; for its tiny model one
+``TinyRecipe`` in ``cluster/tiny_model/families.py`` (same name and model_type: a test checks). The
+config's ``tiny`` choices are ``FAMILY_NAMES``.
 """
 
 from __future__ import annotations
@@ -15,12 +17,17 @@ from __future__ import annotations
 import importlib
 import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol, TypedDict, cast
 
 from encoder_service.types import Modality
+
+if TYPE_CHECKING:
+    from encoder_service.encode.models.common import EncoderModel
+    from encoder_service.preprocess.media.limits import MediaLimits
+    from encoder_service.preprocess.processors.base import FamilyProcessor
 
 TINY_MAX_PIXELS = 28 * 28 * 1024  # the tiny models' processor cap (cluster/tiny_model)
 WHISPER_MAX_EMBEDS = 750  # 30 s padded: 3000 mel frames -> 1500 after the conv -> 750 after pooling
@@ -39,7 +46,44 @@ class MediaSizeLimits(Protocol):
     def max_video_frames(self) -> int: ...
 
 
-LargestItem = Callable[[Mapping[str, Any], MediaSizeLimits], int]
+class PixelRange(TypedDict, total=False):
+    shortest_edge: int  # min pixels
+    longest_edge: int  # max pixels
+
+
+class SubProcessorConfig(TypedDict, total=False):
+    """One sub-processor's section of ``processor_config.json`` (what the bounds read of it)."""
+
+    size: PixelRange
+    patch_size: int
+    merge_size: int
+    temporal_patch_size: int
+    max_soft_tokens: int  # Gemma 4's image processor
+
+
+class ProcessorConfig(TypedDict, total=False):
+    """What the largest-item bounds read of a model's ``processor_config.json`` ({}: the tiny defaults)."""
+
+    image_processor: SubProcessorConfig
+    video_processor: SubProcessorConfig
+    image_seq_length: int  # Gemma 3
+    audio_seq_length: int  # Gemma 4
+
+
+class VisionConfig(TypedDict, total=False):
+    deepstack_visual_indexes: list[int]
+
+
+class HFConfig(TypedDict, total=False):
+    """What the registry reads of a model's ``config.json``."""
+
+    model_type: str
+    vision_config: VisionConfig
+
+
+LargestItem = Callable[[ProcessorConfig, MediaSizeLimits], int]
+# (hf_processor, media_limits) -> the family's adapter; the HF processor is transformers' own object
+ProcessorFactory = Callable[[object, "MediaLimits"], "FamilyProcessor"]
 
 
 def max_resized_units(pixel_limit: int, min_pixels: int, max_pixels: int, side: int) -> int:
@@ -64,12 +108,12 @@ def max_resized_units(pixel_limit: int, min_pixels: int, max_pixels: int, side: 
     return max(units, scaled_up)
 
 
-def vision_largest_item(processor_config: Mapping[str, Any], limits: MediaSizeLimits) -> int:
+def vision_largest_item(processor_config: ProcessorConfig, limits: MediaSizeLimits) -> int:
     """Qwen2-VL-style patching: one embedding per ``(patch * merge)^2`` pixels after ``smart_resize``,
     ``temporal_patch`` frames per temporal step. ``processor_config``: the model's
     ``processor_config.json`` ({}: the tiny models' defaults)."""
 
-    def units(sub: str, pixel_limit: int) -> tuple[int, int]:
+    def units(sub: Literal["image_processor", "video_processor"], pixel_limit: int) -> tuple[int, int]:
         cfg = processor_config.get(sub) or {}
         size = cfg.get("size") or {}
         side = int(cfg.get("patch_size", 14)) * int(cfg.get("merge_size", 2))
@@ -81,17 +125,17 @@ def vision_largest_item(processor_config: Mapping[str, Any], limits: MediaSizeLi
     return max(per_image, math.ceil(limits.max_video_frames / temporal) * per_frame)
 
 
-def whisper_largest_item(processor_config: Mapping[str, Any], limits: MediaSizeLimits) -> int:
+def whisper_largest_item(processor_config: ProcessorConfig, limits: MediaSizeLimits) -> int:
     return WHISPER_MAX_EMBEDS
 
 
-def gemma3_largest_item(processor_config: Mapping[str, Any], limits: MediaSizeLimits) -> int:
+def gemma3_largest_item(processor_config: ProcessorConfig, limits: MediaSizeLimits) -> int:
     """Every Gemma 3 image is resized to one square size: ``image_seq_length`` soft tokens
     (256 in the released checkpoints; {}: the tiny model's 16)."""
     return int(processor_config.get("image_seq_length", 16 if not processor_config else 256))
 
 
-def gemma4_largest_item(processor_config: Mapping[str, Any], limits: MediaSizeLimits) -> int:
+def gemma4_largest_item(processor_config: ProcessorConfig, limits: MediaSizeLimits) -> int:
     """A Gemma 4 image becomes at most ``max_soft_tokens`` soft tokens, whatever its size (280 in the
     released checkpoints; {}: the tiny model's 70); an audio clip at most ``audio_seq_length`` (750:
     the feature extractor keeps 30 s, one soft token per 40 ms)."""
@@ -109,16 +153,16 @@ class EncoderFamily:
     largest_item: LargestItem  # embeddings of the largest item the limits admit (before max_model_len)
     # How many LLM-width rows one output row is (config.json, or None for the tiny generator's
     # defaults): 1 + DeepStack levels for Qwen3-VL, whose rows carry them beside the main embedding.
-    row_units: Callable[[Mapping[str, Any] | None], int] = lambda config: 1
+    row_units: Callable[[HFConfig | None], int] = lambda config: 1
 
-    def processor_factory(self) -> Any:
-        return _resolve(self.processor)
+    def processor_factory(self) -> ProcessorFactory:
+        return cast("ProcessorFactory", _resolve(self.processor))
 
-    def tower_class(self) -> Any:
-        return _resolve(self.tower)
+    def tower_class(self) -> type[EncoderModel]:
+        return cast("type[EncoderModel]", _resolve(self.tower))
 
 
-def _resolve(path: str) -> Any:
+def _resolve(path: str) -> object:
     module, _, attr = path.partition(":")
     return getattr(importlib.import_module(module), attr)
 
@@ -201,7 +245,7 @@ def model_type_of(name: str) -> str:
 TINY_QWEN3_VL_DEEPSTACK_LEVELS = 2  # cluster/tiny_model/qwen3_vl.py: deepstack_indexes (a test checks)
 
 
-def deepstack_row_units(config: Mapping[str, Any] | None) -> int:
+def deepstack_row_units(config: HFConfig | None) -> int:
     """One Qwen3-VL output row: the main embedding plus one per DeepStack level, each LLM-width."""
     if config is None:
         return 1 + TINY_QWEN3_VL_DEEPSTACK_LEVELS
@@ -226,7 +270,7 @@ def largest_item_embeds(
     """Embeddings of the largest item ``limits`` admit for a model: its directory's ``config.json`` and
     ``processor_config.json`` when given, else the tiny generator's ``family_name`` defaults.
     (What ``cluster/budgets.py`` needs, before capping at ``max_model_len``.)"""
-    processor_config: dict[str, Any] = {}
+    processor_config: ProcessorConfig = {}
     if model_dir is not None:
         config = json.loads((Path(model_dir) / "config.json").read_text())
         family = encoder_family(config.get("model_type"), str(model_dir))

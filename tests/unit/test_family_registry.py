@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
-from cluster.tiny_model import FAMILIES
+from cluster.tiny_model import FAMILIES, TINY_RECIPES, make_tiny_model
 from encoder_service.encode.models.common import EncoderModel
 from encoder_service.families import (
     ENCODER_FAMILIES,
@@ -20,18 +21,37 @@ from encoder_service.families import (
 )
 from encoder_service.preprocess.media import MediaLimits
 from llm_service.models import DECODER_FAMILIES
+from llm_service.models.families import decoder_family
 from tests.unit.qwen2_5_vl_dir import tiny_qwen2_5_vl_dir
 
 
 def test_sides_agree() -> None:
+    """Every encoder family has a decoder family and a tiny recipe under the same model_type and name."""
     assert set(FAMILY_NAMES) == set(FAMILIES)
+    assert {r.model_type for r in TINY_RECIPES.values()} == set(ENCODER_FAMILIES)
     for model_type, enc in ENCODER_FAMILIES.items():
         dec = DECODER_FAMILIES[model_type]
         assert dec.modalities == enc.modalities, model_type
         assert model_type_of(enc.name) == model_type
+        recipe = TINY_RECIPES[enc.name]
+        assert (recipe.name, recipe.model_type) == (enc.name, model_type)
+        assert recipe.variants[0] == "base", enc.name
     assert DECODER_FAMILIES["qwen2_5_vl"].position_scheme == "mrope_abs_time"
     assert DECODER_FAMILIES["qwen2_vl"].position_scheme == "mrope"
     assert DECODER_FAMILIES["qwen2_audio"].position_scheme == "rope"
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_tiny_model_dir_maps_to_both_sides(name: str, tmp_path: Path) -> None:
+    """The model_type HF writes into a generated tiny model's config.json finds the family on both sides."""
+    from transformers import AutoConfig
+
+    model_dir = make_tiny_model(tmp_path / name, name)
+    model_type = json.loads((model_dir / "config.json").read_text())["model_type"]
+    assert AutoConfig.from_pretrained(model_dir).model_type == model_type == TINY_RECIPES[name].model_type
+    assert encoder_family(model_type, str(model_dir)).name == name
+    assert decoder_family(model_type, model_dir) is DECODER_FAMILIES[model_type]
+    assert json.loads((model_dir / "mmserve_tiny.json").read_text())["family"] == name
 
 
 @pytest.mark.parametrize("model_type", sorted(ENCODER_FAMILIES))
@@ -89,15 +109,25 @@ def test_largest_item_by_model_dir_and_by_tiny_name(tiny_audio_dir: Path) -> Non
         largest_item_embeds(None, None, limits)
 
 
-def test_config_and_chart_name_every_family() -> None:
-    """The config's `tiny` Literal and the Helm chart's enum list exactly the registry's families."""
-    from typing import get_args
+def test_config_cli_and_chart_name_every_family() -> None:
+    """The config's `tiny` (its check and its JSON schema), the CLI's --family choices and the Helm chart's
+    enum list exactly the registry's families."""
+    from pydantic import ValidationError
 
+    from cluster.cli import build_parser
     from cluster.config import ModelConfig
 
-    literal = ModelConfig.model_fields["tiny"].annotation
-    names = {a for arg in get_args(literal) for a in get_args(arg)}
-    assert names == set(FAMILY_NAMES)
+    for name in FAMILY_NAMES:
+        assert ModelConfig(name="m", tiny=name).tiny == name
+    listed = f"unknown tiny family 'llava'; supported: {', '.join(FAMILY_NAMES)}"
+    with pytest.raises(ValidationError, match=re.escape(listed)):
+        ModelConfig(name="m", tiny="llava")
+    (string, null) = ModelConfig.model_json_schema()["properties"]["tiny"]["anyOf"]
+    assert set(string["enum"]) == set(FAMILY_NAMES) and null == {"type": "null"}
+
+    make = build_parser()._subparsers._group_actions[0].choices["make-tiny-model"]
+    (family,) = [a for a in make._actions if a.dest == "family"]
+    assert set(family.choices or ()) == set(FAMILY_NAMES)
     schema = json.loads((Path(__file__).parents[2] / "helm/mmserve/values.schema.json").read_text())
 
     def enums(node: object) -> list[list[str]]:
