@@ -62,6 +62,7 @@ import contextlib
 import pickle
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from router.link_client import LinkClient
@@ -97,6 +98,17 @@ __all__ = [
 ]
 
 
+@dataclass(frozen=True)
+class _ClientOptions:
+    """What ``DirectLink`` opens each ``LinkClient`` with."""
+
+    dumps: Dumps
+    loads: Loads
+    timeout_s: float | None
+    max_frame_bytes: int
+    hwm: int
+
+
 class DirectLink:
     """Calls to a pool's one replica, reconnecting after a loss. ``locate()`` answers where that
     replica listens (the ingress asks it through Serve: ``handle.direct_address.remote()``). Callers
@@ -116,13 +128,7 @@ class DirectLink:
     ) -> None:
         self._locate = locate
         self._keys = keys
-        self._options: dict[str, Any] = {
-            "dumps": dumps,
-            "loads": loads,
-            "timeout_s": timeout_s,
-            "max_frame_bytes": max_frame_bytes,
-            "hwm": hwm,
-        }
+        self._options = _ClientOptions(dumps, loads, timeout_s, max_frame_bytes, hwm)
         self._client: LinkClient | None = None
         self._connecting: asyncio.Task[LinkClient] | None = None
         self.connects = 0
@@ -134,7 +140,9 @@ class DirectLink:
         when the replica's successor is up (asking it for an address might reach the dying one)."""
         return time.monotonic() >= self._down_until
 
-    async def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+    async def call(
+        self, method: str, *args: object, timeout_s: float | None = None
+    ) -> Any:  # Any: what the replica's method returns; its caller names the type
         """``method(*args)`` on the replica; ``timeout_s`` (else the link's) is the call's deadline."""
         client = self._client
         if client is None or client.lost is not None or client.retiring:
@@ -146,8 +154,8 @@ class DirectLink:
             raise
 
     async def stream(
-        self, method: str, *args: Any, timeout_s: float | None = None
-    ) -> AsyncGenerator[Any, None]:
+        self, method: str, *args: object, timeout_s: float | None = None
+    ) -> AsyncGenerator[Any, None]:  # Any: what the replica's method yields; its caller names the type
         """The items ``method(*args)`` yields on the replica (``LinkClient.stream``); no deadline
         unless ``timeout_s``. A lost connection raises ``LinkLost`` here, at any point."""
         client = self._client
@@ -177,7 +185,17 @@ class DirectLink:
     async def _open(self) -> LinkClient:
         try:
             host, port = await self._locate()
-            client = await LinkClient.connect(host, port, self._keys, **self._options)
+            o = self._options
+            client = await LinkClient.connect(
+                host,
+                port,
+                self._keys,
+                dumps=o.dumps,
+                loads=o.loads,
+                timeout_s=o.timeout_s,
+                max_frame_bytes=o.max_frame_bytes,
+                hwm=o.hwm,
+            )
         except Exception:
             self._down_until = time.monotonic() + LOST_BACKOFF_S
             raise
@@ -200,6 +218,6 @@ class DirectLink:
             self._client = None
 
 
-def _retrieve(task: asyncio.Task[Any]) -> None:
+def _retrieve(task: asyncio.Task[LinkClient]) -> None:
     if not task.cancelled():
         task.exception()  # read by its waiters, if any are left; never "never retrieved"

@@ -9,7 +9,7 @@ import functools
 import logging
 import pickle
 from collections.abc import AsyncGenerator
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 import zmq
@@ -69,6 +69,9 @@ async def _event(monitor: zmq.asyncio.Socket) -> int:
     return int(parse_monitor_message(await monitor.recv_multipart())["event"])
 
 
+_Reply = tuple[int, object]  # (OK or MORE, a value), or (RAISED, the exception to raise)
+
+
 class LinkClient:
     """One authenticated connection to a replica's ``LinkServer``; calls are multiplexed on it by
     sequence number. Built by ``connect``, which returns once the handshake succeeded."""
@@ -90,8 +93,8 @@ class LinkClient:
         self._loads = loads
         self._timeout_s = timeout_s
         self._max_frame_bytes = max_frame_bytes
-        self._waiting: dict[int, asyncio.Future[Any]] = {}
-        self._streams: dict[int, asyncio.Queue[tuple[int, Any]]] = {}  # seq -> (status, item) as they come
+        self._waiting: dict[int, asyncio.Future[object]] = {}
+        self._streams: dict[int, asyncio.Queue[_Reply]] = {}  # seq -> (status, item) as they come
         self._timers: dict[int, asyncio.TimerHandle] = {}
         self._seq = 0
         self.lost: BaseException | None = None
@@ -136,11 +139,13 @@ class LinkClient:
             raise
         return cls(sock, monitor, where, dumps, loads, timeout_s, max_frame_bytes)
 
-    async def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+    async def call(
+        self, method: str, *args: object, timeout_s: float | None = None
+    ) -> Any:  # Any: what the replica's handler returns; its caller names the type
         """``handlers[method](*args)`` on the replica; ``timeout_s`` (else the link's) is its deadline."""
         seq, timeout = self._send(method, args, self._timeout_s if timeout_s is None else timeout_s)
         loop = asyncio.get_running_loop()
-        fut: asyncio.Future[Any] = loop.create_future()
+        fut: asyncio.Future[object] = loop.create_future()
         self._waiting[seq] = fut
         if timeout is not None:
             self._timers[seq] = loop.call_later(timeout, self._expire, seq, method, timeout)
@@ -154,15 +159,15 @@ class LinkClient:
             self._settled(seq)
 
     async def stream(
-        self, method: str, *args: Any, timeout_s: float | None = None
-    ) -> AsyncGenerator[Any, None]:
+        self, method: str, *args: object, timeout_s: float | None = None
+    ) -> AsyncGenerator[Any, None]:  # Any: what the replica's handler yields; its caller names the type
         """The items of ``handlers[method](*args)``, an async generator on the replica, in the order it
         yields them (one MORE frame each, same sequence number), until it returns (an OK frame) or
         raises (that error, here). ``timeout_s`` bounds the whole stream (None: no deadline; the
         connection's heartbeats still fail it with ``LinkLost``). Leaving early cancels it there."""
         seq, timeout = self._send(method, args, timeout_s)
         loop = asyncio.get_running_loop()
-        items: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        items: asyncio.Queue[_Reply] = asyncio.Queue()
         self._streams[seq] = items
         if timeout is not None:
             self._timers[seq] = loop.call_later(timeout, self._expire, seq, method, timeout)
@@ -174,13 +179,13 @@ class LinkClient:
                 elif status == OK:
                     return
                 else:
-                    raise value
+                    raise cast(BaseException, value)  # RAISED: the error (_decode)
         finally:
             if self._streams.pop(seq, None) is not None:  # left before its end: stop it on the replica
                 self._cancel_remote(seq)
             self._settled(seq)
 
-    def _send(self, method: str, args: tuple[Any, ...], timeout: float | None) -> tuple[int, float | None]:
+    def _send(self, method: str, args: tuple[object, ...], timeout: float | None) -> tuple[int, float | None]:
         """Send a call's frames; its sequence number. Raises before anything is sent."""
         if self.lost is not None:
             raise LinkLost(f"link to {self._where} lost: {self.lost!r}")
@@ -260,47 +265,48 @@ class LinkClient:
         self._lose(LinkLost(f"{self._where}: {_HANDSHAKE_FAILED.get(event, event)}"))
 
     def _answer(self, frames: list[bytes]) -> None:
-        header = decode_header(frames[0])
-        if header is None:
+        decoded = decode_header(frames[0])
+        if decoded is None:
             logger.warning("direct link: dropped a reply from %s whose header did not decode", self._where)
             return
-        seq, status = header[0], header[1]
+        seq, header = decoded
         if seq in self._streams:
-            self._stream_item(seq, status, header, frames)
+            self._stream_item(seq, header, frames)
             return
         fut = self._waiting.pop(seq, None)
         if fut is None or fut.done():
             return  # its caller left, or its deadline passed
-        status, value = self._decode(status, header, frames)
+        status, value = self._decode(header, frames)
         if status == OK:
             fut.set_result(value)
         elif status == MORE:  # the method streams: ``stream`` reads it, ``call`` cannot
             fut.set_exception(BadFrame(f"direct link: seq {seq} answers a stream; read it with stream()"))
             self._cancel_remote(seq)
         else:
-            fut.set_exception(value)
+            fut.set_exception(cast(BaseException, value))  # RAISED: the error (_decode)
 
-    def _stream_item(self, seq: int, status: int, header: list[Any], frames: list[bytes]) -> None:
+    def _stream_item(self, seq: int, header: list[object], frames: list[bytes]) -> None:
         """One frame of a stream: an item (MORE) queued in order, or its end (which ends it here)."""
         items = self._streams[seq]
-        status, value = self._decode(status, header, frames)
+        status, value = self._decode(header, frames)
         if status != MORE:
             del self._streams[seq]
             if isinstance(value, BadFrame) and header[1] == MORE:  # an item lost: the rest is no use
                 self._cancel_remote(seq)
         items.put_nowait((status, value))
 
-    def _decode(self, status: int, header: list[Any], frames: list[bytes]) -> tuple[int, Any]:
-        """``(OK or MORE, value)``, or ``(RAISED, the exception to raise)``."""
+    def _decode(self, header: list[object], frames: list[bytes]) -> _Reply:
+        """``(OK or MORE, value)``, or ``(RAISED, the exception to raise)``; ``header[1]`` is the status."""
+        status = header[1]
         if status == FAILED:
             code, message = (header[2], header[3]) if len(header) > 3 else ("bad_frame", repr(header))
-            return RAISED, FAILURES.get(code, BadFrame)(message)
+            return RAISED, FAILURES.get(str(code), BadFrame)(message)
         try:
             value = self._loads(frames[1])
         except Exception as e:
             return RAISED, BadFrame(f"direct link: undecodable reply from {self._where}: {e!r}")
         if status in (OK, MORE):
-            return status, value
+            return (OK if status == OK else MORE), value
         if isinstance(value, Exception):
             return RAISED, value
         return RAISED, BadFrame(f"direct link: an error reply that is no exception: {value!r}")

@@ -8,8 +8,8 @@ import inspect
 import logging
 import pickle
 import time
-from collections.abc import AsyncGenerator
-from typing import Any
+from collections.abc import AsyncGenerator, Awaitable
+from typing import Never, cast
 
 import msgpack
 import zmq
@@ -147,12 +147,13 @@ class LinkServer:
     def _take(self, frames: list[bytes]) -> None:
         """One message from a client (authenticated by now): a call, a cancel, or garbage."""
         ident = frames[0]
-        header = decode_header(frames[1]) if len(frames) > 1 else None
-        if header is None:
+        decoded = decode_header(frames[1]) if len(frames) > 1 else None
+        if decoded is None:
             self.garbled += 1
             logger.warning("direct link: dropped a message whose header did not decode")
             return
-        seq, method = header[0], header[1]
+        seq, header = decoded
+        method = header[1]
         if method is None:  # its caller left
             if (task := self._running.get((ident, seq))) is not None:
                 task.cancel()
@@ -188,7 +189,7 @@ class LinkServer:
             timer = loop.call_later(timeout_ms / 1000, task.cancel)
             task.add_done_callback(lambda _: timer.cancel())
 
-    async def _run(self, ident: bytes, seq: int, method: str, args: tuple[Any, ...]) -> None:
+    async def _run(self, ident: bytes, seq: int, method: str, args: tuple[object, ...]) -> None:
         handler = self.handlers.get(method)
         try:
             if handler is None:
@@ -199,7 +200,7 @@ class LinkServer:
                 await self._stream(ident, seq, result, dumps)
                 reply = self._reply(seq, OK, None)
             else:
-                reply = self._reply(seq, OK, await result)
+                reply = self._reply(seq, OK, await cast("Awaitable[object]", result))  # not a stream
         except (asyncio.CancelledError, _ReaderGone):
             return  # its caller left (or its deadline passed): nobody waits for an answer
         except BaseException as e:  # the caller gets the error as Serve would give it
@@ -207,7 +208,7 @@ class LinkServer:
         await self._deliver(ident, reply)
 
     async def _stream(
-        self, ident: bytes, seq: int, items: AsyncGenerator[Any, Any], item_dumps: Dumps
+        self, ident: bytes, seq: int, items: AsyncGenerator[object, Never], item_dumps: Dumps
     ) -> None:
         """Send each item as it comes; the generator is resumed only once the last one was queued."""
         try:
@@ -224,7 +225,7 @@ class LinkServer:
         finally:
             await items.aclose()  # its ``finally`` runs now, whatever ended the stream
 
-    def _reply(self, seq: int, status: int, value: Any) -> list[bytes]:
+    def _reply(self, seq: int, status: int, value: object) -> list[bytes]:
         """The reply's frames; one whose body does not encode, or is past the bound, still answers."""
         try:
             body = self.dumps(value)
@@ -276,5 +277,7 @@ class LinkServer:
         return True
 
 
-def _forget(running: dict[Any, asyncio.Task[None]], key: Any, _: asyncio.Task[None]) -> None:
+def _forget(
+    running: dict[tuple[bytes, int], asyncio.Task[None]], key: tuple[bytes, int], _: asyncio.Task[None]
+) -> None:
     running.pop(key, None)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 import hmac
 import pickle
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import cast
 
 import msgpack
 import zmq
@@ -26,9 +26,10 @@ PLAIN_USER = b"mmserve"  # PLAIN's user name (the password is the secret)
 
 OK, RAISED, FAILED, MORE = 0, 1, 2, 3  # a reply's status; MORE: one item of a stream, more to come
 
-Handler = Callable[..., Any]  # an async function, or an async generator function (a stream)
-Dumps = Callable[[Any], bytes]
-Loads = Callable[[bytes], Any]
+# an async function, or an async generator function (a stream), called with the call's arguments
+Handler = Callable[..., Awaitable[object] | AsyncGenerator[object, None]]
+Dumps = Callable[[object], bytes]
+Loads = Callable[[bytes], object]
 
 
 class LinkLost(ConnectionError):
@@ -115,7 +116,7 @@ class ClientKeyCheck:
         return hmac.compare_digest(key, self.key)
 
 
-def pickle_dumps(obj: Any) -> bytes:
+def pickle_dumps(obj: object) -> bytes:
     return pickle.dumps(obj, protocol=5)
 
 
@@ -141,7 +142,7 @@ def failed_reply(seq: int, code: str, message: str) -> list[bytes]:
 def send_nowait(sock: zmq.asyncio.Socket, frames: list[bytes]) -> BaseException | None:
     """Send without waiting; what went wrong (``zmq.Again``: the queue is full), or None. With
     ``DONTWAIT`` pyzmq's future is done on return (no send here ever waits in its queue)."""
-    sent = cast("asyncio.Future[Any]", sock.send_multipart(frames, flags=zmq.DONTWAIT))
+    sent = cast("asyncio.Future[object]", sock.send_multipart(frames, flags=zmq.DONTWAIT))
     return sent.exception() if sent.done() else None
 
 
@@ -160,11 +161,13 @@ async def recv_batch(sock: zmq.asyncio.Socket, most: int = 256) -> list[list[byt
     return batch
 
 
-def decode_header(raw: bytes) -> list[Any] | None:
+def decode_header(raw: bytes) -> tuple[int, list[object]] | None:
+    """A message's msgpack header: its sequence number and the whole list (``[seq, method, timeout_ms]``
+    for a call, ``[seq, status, ...]`` for a reply); None: not a list that starts with an int."""
     try:
         header = msgpack.unpackb(raw)
     except Exception:
         return None
     if not isinstance(header, list) or len(header) < 2 or not isinstance(header[0], int):
         return None
-    return header
+    return header[0], header

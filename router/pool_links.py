@@ -22,7 +22,7 @@ a link, ``pick`` answers None and the caller goes through Serve's handle. No Ray
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 from router.direct_link import DirectLink
 
@@ -33,9 +33,9 @@ LINK_STAT = "link"  # routing-stats key: (host, port) where a replica takes dire
 class LinkRouter(Protocol):
     """What ``PoolLinks`` needs of a pool's router (request_routers._LoadAwareRouter)."""
 
-    def choose_linked(self, args: tuple[Any, ...]) -> tuple[str, Address] | None: ...
+    def choose_linked(self, args: tuple[object, ...]) -> tuple[str, Address] | None: ...
 
-    def linked_routed(self, request_id: str, replica_uid: str, args: tuple[Any, ...]) -> None: ...
+    def linked_routed(self, request_id: str, replica_uid: str, args: tuple[object, ...]) -> None: ...
 
     def linked_done(self, request_id: str) -> None: ...
 
@@ -68,7 +68,7 @@ class PoolLinks:
         self._routed: dict[str, LinkRouter] = {}  # request id -> the router that counts it
         self._picks = 0
 
-    def pick(self, *args: Any) -> tuple[str, DirectLink] | None:
+    def pick(self, *args: object) -> tuple[str, DirectLink] | None:
         """The replica a call with ``args`` goes to and its link; None: send it through Serve."""
         router = self._router()
         if router is None:
@@ -85,7 +85,7 @@ class PoolLinks:
             return None
         return uid, link
 
-    def routed(self, request_id: str, replica_uid: str, *args: Any) -> None:
+    def routed(self, request_id: str, replica_uid: str, *args: object) -> None:
         """``request_id`` went to ``replica_uid``: counted in flight there until ``done``."""
         router = self._router()
         if router is not None:

@@ -14,8 +14,8 @@ current as the pool scales: a replica is dropped before it is asked to stop.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Hashable, Sequence
+from typing import TypeVar
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
@@ -26,12 +26,18 @@ from router.prefix_affinity import deployment_key, least_loaded, shared_index
 class _Args:
     """A call's arguments where ``_request_arg`` looks for routing hints (a ``PendingRequest``'s shape)."""
 
-    def __init__(self, args: tuple[Any, ...]) -> None:
+    def __init__(self, args: tuple[object, ...]) -> None:
         self.args = args
-        self.kwargs: dict[str, Any] = {}
+        self.kwargs: dict[str, object] = {}
 
 
-def _request_arg(pending: PendingRequest | _Args | None, attr: str, default: Any) -> Any:
+_T = TypeVar("_T")
+_NO_HASHES: tuple[Hashable, ...] = ()
+
+
+def _request_arg(pending: PendingRequest | _Args | None, attr: str, default: _T) -> _T:
+    """``attr`` of the first argument that has it (a request record's routing hint, of ``default``'s
+    type: ``num_embeds``, ``target_replica``, ``block_hashes``), else ``default``."""
     if pending is None:
         return default
     for arg in [*pending.args, *pending.kwargs.values()]:
@@ -59,11 +65,11 @@ class _InFlight:
 class _LoadAwareRouter(RequestRouter):
     """Shared machinery: exact in-flight amounts per replica, and an ordering hook ``_rank``."""
 
-    def initialize_state(self, **kwargs: Any) -> None:
+    def initialize_state(self, **kwargs: object) -> None:
         self._inflight = _InFlight()
         register_router(deployment_key(self._deployment_id), self)
 
-    def choose_linked(self, args: tuple[Any, ...]) -> tuple[str, tuple[str, int]] | None:
+    def choose_linked(self, args: tuple[object, ...]) -> tuple[str, tuple[str, int]] | None:
         """For a call sent over a direct link: the replica this router would choose among the live ones
         that announced a link address (its unique id and the address); None while none has."""
         linked = {rid: r for rid, r in self.curr_replicas.items() if r.routing_stats.get(LINK_STAT)}
@@ -76,7 +82,7 @@ class _LoadAwareRouter(RequestRouter):
         host, port = linked[best].routing_stats[LINK_STAT]
         return best.unique_id, (str(host), int(port))
 
-    def linked_routed(self, request_id: str, replica_uid: str, args: tuple[Any, ...]) -> None:
+    def linked_routed(self, request_id: str, replica_uid: str, args: tuple[object, ...]) -> None:
         """A call went to ``replica_uid`` over its link: count it as ``on_request_routed`` counts Serve's."""
         for rid in self.curr_replicas:
             if rid.unique_id == replica_uid:
@@ -116,7 +122,9 @@ class _LoadAwareRouter(RequestRouter):
         by_id = {r.replica_id: r for r in candidate_replicas}
         return [[by_id[rid]] for rid in self._rank(pending_request, load)]
 
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: object
+    ) -> None:
         self._inflight.add(
             pending_request.metadata.internal_request_id, replica_id, self._amount(pending_request)
         )
@@ -148,7 +156,7 @@ class PrefixAffinityRouter(_LoadAwareRouter):
     own choice was, which would break both affinity and targeting.
     """
 
-    def initialize_state(self, **kwargs: Any) -> None:
+    def initialize_state(self, **kwargs: object) -> None:
         super().initialize_state(**kwargs)
         # Keyed by replica unique id: the ingress records forwarded requests by the id they report.
         self._index = shared_index(deployment_key(self._deployment_id))
@@ -170,18 +178,22 @@ class PrefixAffinityRouter(_LoadAwareRouter):
                     return [rid]
             return least_loaded(load)
         by_uid = {rid.unique_id: rid for rid in load}
-        hashes = list(_request_arg(pending_request, "block_hashes", ()))
+        hashes = list(_request_arg(pending_request, "block_hashes", _NO_HASHES))
         order = self._index.choose(hashes, {rid.unique_id: v for rid, v in load.items()})
         return [by_uid[uid] for uid in order]
 
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: object
+    ) -> None:
         if not _request_arg(pending_request, "target_replica", ""):
-            self._index.record(replica_id.unique_id, list(_request_arg(pending_request, "block_hashes", ())))
+            self._index.record(
+                replica_id.unique_id, list(_request_arg(pending_request, "block_hashes", _NO_HASHES))
+            )
         super().on_request_routed(pending_request, replica_id, result)
 
     def _on_linked(self, args: _Args, replica_id: ReplicaID) -> None:
         if not _request_arg(args, "target_replica", ""):
-            self._index.record(replica_id.unique_id, list(_request_arg(args, "block_hashes", ())))
+            self._index.record(replica_id.unique_id, list(_request_arg(args, "block_hashes", _NO_HASHES)))
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
