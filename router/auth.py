@@ -20,12 +20,11 @@ import hmac
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import yaml
 
 from router.errors import APIError
-from router.protocol import error_body
+from router.protocol import ErrorBody, error_body
 
 DEFAULT_TENANT = "default"  # the tenant of the single --api-key / MMSERVE_API_KEY key
 API_KEY_ENV = "MMSERVE_API_KEY"
@@ -37,7 +36,7 @@ class Unauthorized(APIError):
     def __init__(self, message: str) -> None:
         super().__init__(401, message, code="invalid_api_key")
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> ErrorBody:
         return error_body(self.message, type_="invalid_request_error", code=self.code)
 
     def headers(self) -> dict[str, str]:

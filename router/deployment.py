@@ -11,7 +11,7 @@ reads the app config.
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -28,6 +28,13 @@ from router.messages import MessageLimits
 from router.metrics import IngressMetrics
 from router.model_handles import ModelHandles
 from router.orchestrator import Orchestrator
+from router.pool_links import PoolLinks
+
+if TYPE_CHECKING:  # annotations only (strings: this module has no ``from __future__ import annotations``)
+    from ray.serve.handle import DeploymentHandle
+
+    from encoder_service.cache.cache_client import EncoderCacheClient
+    from encoder_service.preprocess.prepare import RequestPreparer
 
 logger = logging.getLogger("mmserve.ingress")
 
@@ -49,12 +56,13 @@ class IngressModel:
     max_model_len: int
     limits: MessageLimits
     modalities: list[str]
-    cache: Any  # EncoderCacheClient of the model's shared encoder cache
-    preprocess: dict[str, Any] | None = None  # cluster.app.preprocess_args: the hit path's; None: off
+    cache: "EncoderCacheClient"  # the model's shared encoder cache
+    # the hit path's make_preparer keywords (cluster.app.preprocess_args); None: off
+    preprocess: dict[str, Any] | None = None  # Any: their TypedDict is cluster's; router may not import it
     near_cache_entries: int = 0  # the hit path's near cache (encoder_service/cache/near_cache.py); 0: none
     near_cache_ttl_s: float = 0.0
     direct: tuple[str, ...] = ()  # pools ("llm", "preprocess") called over direct links (pool_links.py)
-    link_to: Callable[[Any], Any] | None = None  # handle -> its PoolLinks (cluster/direct_served.py)
+    link_to: Callable[["DeploymentHandle"], PoolLinks] | None = None  # cluster/direct_served.py
     overlap_prefill: bool = False  # items handed to the LLM as they are encoded (Orchestrator)
 
 
@@ -69,7 +77,7 @@ class HTTPOptions:
     request_timeout_s: float | None = None  # end to end, router/deadline.py
 
 
-def _link(m: IngressModel, pool: str, handle: Any) -> Any:
+def _link(m: IngressModel, pool: str, handle: "DeploymentHandle") -> PoolLinks | None:
     """``PoolLinks`` to the replicas behind ``handle`` if ``pool`` is called directly; else None."""
     if pool not in m.direct:
         return None
@@ -78,14 +86,14 @@ def _link(m: IngressModel, pool: str, handle: Any) -> Any:
     return m.link_to(handle)
 
 
-def _hit_path(m: IngressModel) -> Any:
+def _hit_path(m: IngressModel) -> "RequestPreparer | None":
     """A ``RequestPreparer`` that never encodes: the Orchestrator's hit path (its misses go on to
     ``prepare`` with what it looked up)."""
     if m.preprocess is None:
         return None
     from encoder_service.preprocess.prepare import make_preparer
 
-    async def no_encode(batch: Any) -> Any:
+    async def no_encode(batch: object) -> NoReturn:
         raise RuntimeError("the ingress's hit path encodes nothing")
 
     from encoder_service.cache.near_cache import NearCache
@@ -119,7 +127,7 @@ class IngressServer:
     def __init__(
         self,
         models: list[IngressModel],
-        pools: dict[str, dict[str, Any]],
+        pools: dict[str, dict[str, "DeploymentHandle"]],  # model -> "preprocess" and "llm" pools
         http: HTTPOptions,
         admission: AdmissionLimits | None = None,
         keys: KeyRing | None = None,
@@ -130,7 +138,7 @@ class IngressServer:
 
         self.metrics = IngressMetrics(m.name for m in models)
         self.encoder_items_dispatched: dict[str, int] = {}
-        self.caches: dict[str, Any] = {}
+        self.caches: dict[str, EncoderCacheClient] = {}
         from router.deployment import _hit_path, _link  # pickled by value: see build_direct_app below
 
         served: dict[str, ServedModel] = {}
@@ -172,7 +180,7 @@ class IngressServer:
 
             self.http = DirectHTTPServer(build_direct_app(self), http.host, http.port)
 
-    def _counter(self, model: str) -> Any:
+    def _counter(self, model: str) -> Callable[[int], None]:
         def bump(n: int) -> None:
             self.encoder_items_dispatched[model] += n
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import TypeVar
 
-from router.protocol import error_body
+from router.protocol import ErrorBody, error_body
 
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
@@ -40,7 +40,7 @@ class APIError(Exception):
         self.param = param
         self.retry_after_s = retry_after_s
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> ErrorBody:
         type_ = _TYPE_BY_STATUS.get(self.status_code, "server_error")
         return error_body(self.message, type_=type_, code=self.code, param=self.param)
 

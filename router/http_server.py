@@ -14,7 +14,10 @@ import contextlib
 import ipaddress
 import logging
 import socket
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp
 
 logger = logging.getLogger("mmserve.ingress")
 
@@ -36,7 +39,7 @@ def bind_reuseport(host: str, port: int) -> socket.socket:
 class DirectHTTPServer:
     """uvicorn on the current event loop, over a socket shared by the node's ingress replicas."""
 
-    def __init__(self, app: Any, host: str, port: int) -> None:
+    def __init__(self, app: ASGIApp, host: str, port: int) -> None:
         import uvicorn
 
         self.host, self.port = host, port

@@ -7,7 +7,6 @@ once, so an observation builds no label map.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 from encoder_service.serve.metrics import stage
 
@@ -22,7 +21,7 @@ class RequestMetrics:
     def __init__(self, model: str) -> None:
         from ray.serve import metrics
 
-        def histogram(name: str, doc: str, buckets: list[float]) -> Any:
+        def histogram(name: str, doc: str, buckets: list[float]) -> metrics.Histogram:
             hist = metrics.Histogram(name, doc, buckets, ("model",))
             hist.set_default_tags({"model": model})  # Serve's returns None, not the metric
             return hist

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -231,5 +231,18 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-def error_body(message: str, *, type_: str, code: str, param: str | None = None) -> dict[str, Any]:
+class ErrorDetail(TypedDict):
+    message: str
+    type: str
+    param: str | None
+    code: str
+
+
+class ErrorBody(TypedDict):
+    """An error response's JSON, in OpenAI's shape."""
+
+    error: ErrorDetail
+
+
+def error_body(message: str, *, type_: str, code: str, param: str | None = None) -> ErrorBody:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}

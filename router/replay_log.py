@@ -15,10 +15,28 @@ from __future__ import annotations
 import json
 import logging
 import re
-from typing import Any
+from collections.abc import Mapping
+from typing import NotRequired, TypedDict
 from urllib.parse import urlsplit
 
 from encoder_service.types import MediaRef
+
+
+class MediaSource(TypedDict):
+    modality: str
+    source: str  # "bytes", "uuid", or the redacted URL
+    uuid: str | None
+
+
+class FailureRecord(TypedDict):
+    event: str
+    request_id: str
+    status: int
+    code: str
+    error: str
+    media: list[MediaSource]
+    preprocessed: NotRequired[Mapping[str, object]]  # Orchestrator.replay's facts
+
 
 _URL_IN_TEXT = re.compile(r"(?i)\b(?:https?|file)://[^\s'\"<>]+")
 _DATA_URL_IN_TEXT = re.compile(r"(?i)\bdata:[^\s'\"<>]*")
@@ -43,9 +61,9 @@ def redact_text(text: str) -> str:
     return _URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)), text)
 
 
-def media_summary(media: list[MediaRef]) -> list[dict[str, Any]]:
+def media_summary(media: list[MediaRef]) -> list[MediaSource]:
     """Where each item came from, without its bytes (see ``redact_url``)."""
-    out = []
+    out: list[MediaSource] = []
     for m in media:
         if m.data is not None:
             source = "bytes"
@@ -63,9 +81,9 @@ def failure_record(
     code: str,
     error: BaseException,
     media: list[MediaRef],
-    preprocessed: dict[str, Any] | None,
-) -> dict[str, Any]:
-    record: dict[str, Any] = {
+    preprocessed: Mapping[str, object] | None,
+) -> FailureRecord:
+    record: FailureRecord = {
         "event": "request_failed",
         "request_id": request_id,
         "status": status,
@@ -78,7 +96,7 @@ def failure_record(
     return record
 
 
-def log_failure(logger: logging.Logger, record: dict[str, Any], error: BaseException) -> None:
+def log_failure(logger: logging.Logger, record: FailureRecord, error: BaseException) -> None:
     line = json.dumps(record, default=str, sort_keys=True)
     if record["status"] < 500:
         logger.info("%s", line)

@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from fastapi.responses import StreamingResponse
+
+if TYPE_CHECKING:
+    from starlette.types import Send
 
 DONE = "data: [DONE]\n\n"
 _DONE_BYTES = DONE.encode()
@@ -51,7 +54,7 @@ class ChunkRenderer:
 class SSEResponse(StreamingResponse):
     """``StreamingResponse`` whose event ending in ``[DONE]`` closes the body in the same write."""
 
-    async def stream_response(self, send: Any) -> None:
+    async def stream_response(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         ended = False
         async for chunk in self.body_iterator:

@@ -5,15 +5,19 @@ root. Its context goes on to the pools in their calls' records (encoder_service/
 from __future__ import annotations
 
 from collections.abc import AsyncIterable, AsyncIterator, Mapping
-from typing import Any
+from typing import TypeVar
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 
 from encoder_service.preprocess.tracing import REQUEST_ID, TRACER
 
+_Chunk = TypeVar("_Chunk")
 
-def start_request_span(headers: Mapping[str, str], request_id: str, model: str) -> tuple[Any, Any]:
+
+def start_request_span(
+    headers: Mapping[str, str], request_id: str, model: str
+) -> tuple[trace.Span, otel_context.Token[otel_context.Context]]:
     """The request's span, made current; returns it and the token ``end_request_span`` detaches."""
     within_http_span = trace.get_current_span().get_span_context().is_valid
     parent = propagate.extract(headers) if not within_http_span and "traceparent" in headers else None
@@ -26,7 +30,13 @@ def start_request_span(headers: Mapping[str, str], request_id: str, model: str) 
     return span, otel_context.attach(trace.set_span_in_context(span))
 
 
-def end_request_span(span: Any, token: Any, error: BaseException | None = None, *, end: bool = True) -> None:
+def end_request_span(
+    span: trace.Span,
+    token: otel_context.Token[otel_context.Context],
+    error: BaseException | None = None,
+    *,
+    end: bool = True,
+) -> None:
     """Detach the request's context; end its span (``end=False``: a streamed body ends it later)."""
     otel_context.detach(token)
     if error is not None and span.is_recording():
@@ -36,7 +46,7 @@ def end_request_span(span: Any, token: Any, error: BaseException | None = None, 
         span.end()
 
 
-async def ended_after(body: AsyncIterable[Any], span: Any) -> AsyncIterator[Any]:
+async def ended_after(body: AsyncIterable[_Chunk], span: trace.Span) -> AsyncIterator[_Chunk]:
     """A streamed response's body; its request's span ends with it."""
     try:
         async for chunk in body:
