@@ -9,33 +9,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
+from mmcore.feature import MODALITIES, MediaFeature, Modality, PlaceholderRange
 from mmcore.wire import (
-    grid_from_wire,
-    grid_to_wire,
+    from_fields,
     pack,
     pack_tensor,
     plain,
-    rows_from_wire,
+    to_fields,
     unpack,
     unpack_tensor,
 )
 
-Modality = Literal["image", "video", "audio"]
-MODALITIES: tuple[Modality, ...] = ("image", "video", "audio")
-
-
-@dataclass(frozen=True)
-class PlaceholderRange:
-    """Where an item's embeddings sit in the prompt: token positions ``[offset, offset + length)``."""
-
-    offset: int
-    length: int
-
-    @property
-    def end(self) -> int:
-        return self.offset + self.length
+__all__ = ["MODALITIES", "Modality", "PlaceholderRange"]  # the item's own terms, from mmcore.feature
 
 
 @dataclass(frozen=True)
@@ -69,27 +56,12 @@ class EncoderInput:
     frame_times: list[float] | None = None  # seconds of each temporal patch (Qwen3-VL's prompt timestamps)
 
     def to_wire(self, buffers: list[Any]) -> dict[str, Any]:
-        return {
-            "mm_hash": self.mm_hash,
-            "modality": self.modality,
-            "num_embeds": self.num_embeds,
-            "grid_thw": grid_to_wire(self.grid_thw),
-            "tensors": {k: pack_tensor(t, buffers) for k, t in self.tensors.items()},
-            "second_per_grid_ts": self.second_per_grid_ts,
-            "frame_times": self.frame_times,
-        }
+        tensors = {k: pack_tensor(t, buffers) for k, t in self.tensors.items()}
+        return {**to_fields(self, ("tensors",)), "tensors": tensors}
 
     @classmethod
     def from_wire(cls, d: dict[str, Any], buffers: list[Any]) -> EncoderInput:
-        return cls(
-            mm_hash=d["mm_hash"],
-            modality=d["modality"],
-            num_embeds=int(d["num_embeds"]),
-            grid_thw=grid_from_wire(d["grid_thw"]),
-            tensors={k: unpack_tensor(t, buffers) for k, t in d["tensors"].items()},
-            second_per_grid_ts=d.get("second_per_grid_ts"),
-            frame_times=d.get("frame_times"),
-        )
+        return from_fields(cls, d, tensors={k: unpack_tensor(t, buffers) for k, t in d["tensors"].items()})
 
     def __reduce__(self) -> tuple[Any, ...]:
         buffers: list[Any] = []
@@ -97,67 +69,20 @@ class EncoderInput:
 
 
 @dataclass(frozen=True)
-class MultiModalItem:
-    """One item of a preprocessed prompt. ``encoder_input`` is None when the encoder cache holds it."""
-
-    index: int  # position among the request's media items, for error messages
-    mm_hash: str
-    modality: Modality
-    placeholder: PlaceholderRange
-    grid_thw: tuple[int, int, int] | None
-    metadata: dict[str, Any]  # parsed facts for logs: width/height, frames, seconds, source kind
-    encoder_input: EncoderInput | None = None
-    second_per_grid_ts: float | None = None  # what the LLM's positions need beyond the grid (video)
-    # One run of an item whose placeholder is several runs (a Qwen3-VL video: one run per temporal
-    # patch, timestamps between them): the rows of the item's embeddings this run takes.
-    rows: tuple[int, int] | None = None
-
-    @property
-    def num_embeds(self) -> int:
-        return self.placeholder.length
-
-    def to_wire(self, buffers: list[Any]) -> dict[str, Any]:
-        return {
-            "index": self.index,
-            "mm_hash": self.mm_hash,
-            "modality": self.modality,
-            "offset": self.placeholder.offset,
-            "length": self.placeholder.length,
-            "grid_thw": grid_to_wire(self.grid_thw),
-            "metadata": plain(self.metadata),
-            "encoder_input": self.encoder_input.to_wire(buffers) if self.encoder_input else None,
-            "second_per_grid_ts": self.second_per_grid_ts,
-            "rows": list(self.rows) if self.rows else None,
-        }
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any], buffers: list[Any]) -> MultiModalItem:
-        enc = d["encoder_input"]
-        return cls(
-            index=int(d["index"]),
-            mm_hash=d["mm_hash"],
-            modality=d["modality"],
-            placeholder=PlaceholderRange(int(d["offset"]), int(d["length"])),
-            grid_thw=grid_from_wire(d["grid_thw"]),
-            metadata=dict(d["metadata"]),
-            encoder_input=EncoderInput.from_wire(enc, buffers) if enc is not None else None,
-            second_per_grid_ts=d.get("second_per_grid_ts"),
-            rows=rows_from_wire(d.get("rows")),
-        )
-
-
-@dataclass(frozen=True)
 class PreprocessedRequest:
+    """A templated prompt with its media: the expanded prompt ids and one ``MediaFeature`` per
+    placeholder run, those processed here with the encoder's input as their ``data``."""
+
     prompt_token_ids: list[int]
-    items: list[MultiModalItem]
+    items: list[MediaFeature]
     processor_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __reduce__(self) -> tuple[Any, ...]:
         buffers: list[Any] = []
         fields = {
-            "prompt_token_ids": list(self.prompt_token_ids),
-            "items": [it.to_wire(buffers) for it in self.items],
-            "processor_kwargs": plain(self.processor_kwargs),
+            **to_fields(self, ("items",)),
+            "items": [it.to_wire() for it in self.items],
+            "inputs": [_input_of(it).to_wire(buffers) if it.data is not None else None for it in self.items],
         }
         return (_preprocessed_from_bytes, (pack("PreprocessedRequest", fields), buffers))
 
@@ -171,10 +96,10 @@ class PreprocessedRequest:
                     "index": it.index,
                     "mm_hash": it.mm_hash,
                     "modality": it.modality,
-                    "offset": it.placeholder.offset,
-                    "length": it.placeholder.length,
+                    "offset": it.offset,
+                    "length": it.length,
                     "grid_thw": it.grid_thw,
-                    **it.metadata,
+                    **(it.metadata or {}),
                 }
                 for it in self.items
             ],
@@ -200,36 +125,12 @@ class EmbeddingMeta:
         return self.num_embeds * self.units
 
     def to_msgpack(self) -> bytes:
-        fields: dict[str, Any] = {
-            "mm_hash": self.mm_hash,
-            "modality": self.modality,
-            "num_embeds": self.num_embeds,
-            "hidden_size": self.hidden_size,
-            "dtype": self.dtype,
-            "grid_thw": grid_to_wire(self.grid_thw),
-        }
-        if self.second_per_grid_ts is not None:  # optional: absent on images, audio, Qwen2-VL
-            fields["second_per_grid_ts"] = self.second_per_grid_ts
-        if self.frame_times is not None:  # optional: Qwen3-VL videos only
-            fields["frame_times"] = list(self.frame_times)
-        if self.units != 1:  # optional: Qwen3-VL (DeepStack rows) only
-            fields["units"] = self.units
-        return pack("EmbeddingMeta", fields)
+        # the optional fields only where set (second_per_grid_ts, frame_times: videos; units: DeepStack)
+        return pack("EmbeddingMeta", to_fields(self, omit_defaults=True))
 
     @classmethod
     def from_msgpack(cls, raw: bytes) -> EmbeddingMeta:
-        d = unpack("EmbeddingMeta", raw)
-        return cls(
-            mm_hash=d["mm_hash"],
-            modality=d["modality"],
-            num_embeds=int(d["num_embeds"]),
-            hidden_size=int(d["hidden_size"]),
-            dtype=d["dtype"],
-            grid_thw=grid_from_wire(d["grid_thw"]),
-            second_per_grid_ts=d.get("second_per_grid_ts"),
-            frame_times=d.get("frame_times"),
-            units=int(d.get("units", 1)),
-        )
+        return from_fields(cls, unpack("EmbeddingMeta", raw))
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (EmbeddingMeta.from_msgpack, (self.to_msgpack(),))
@@ -270,11 +171,18 @@ def _encoder_input_from_bytes(raw: bytes, buffers: list[Any]) -> EncoderInput:
 
 def _preprocessed_from_bytes(raw: bytes, buffers: list[Any]) -> PreprocessedRequest:
     d = unpack("PreprocessedRequest", raw)
-    return PreprocessedRequest(
-        prompt_token_ids=[int(t) for t in d["prompt_token_ids"]],
-        items=[MultiModalItem.from_wire(it, buffers) for it in d["items"]],
-        processor_kwargs=dict(d["processor_kwargs"]),
-    )
+    items = [
+        MediaFeature.from_wire(it, data=EncoderInput.from_wire(inp, buffers) if inp is not None else None)
+        for it, inp in zip(d["items"], d["inputs"], strict=True)
+    ]
+    return from_fields(PreprocessedRequest, d, items=items)
+
+
+def _input_of(it: MediaFeature) -> EncoderInput:
+    """The encoder's input an item carries (its ``data``)."""
+    if not isinstance(it.data, EncoderInput):
+        raise TypeError(f"{it.modality} {it.index}: data is {type(it.data).__name__}, not an EncoderInput")
+    return it.data
 
 
 def _encode_batch_from_bytes(raw: bytes, buffers: list[Any]) -> EncodeBatch:

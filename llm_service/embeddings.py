@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from llm_service.multimodal import MultiModalInput
-from llm_service.request_spec import EmbeddingRef
+from mmcore.feature import MediaFeature
 
 
 class EmbeddingsLost(Exception):
@@ -38,15 +38,15 @@ def is_lost_object(exc: BaseException) -> bool:
 
 
 async def resolve_embeddings(
-    items: Sequence[EmbeddingRef], fetch: Callable[[Any], Any]
+    items: Sequence[MediaFeature], fetch: Callable[[Any], Any]
 ) -> list[MultiModalInput]:
     """Fetch each item's embeddings (from the object store) into MultiModalInputs; an item sent with
-    its value (``EmbeddingRef.value``) is not fetched.
+    its value (``MediaFeature.value``) is not fetched.
 
     Raises ``EmbeddingsLost`` naming every item whose object is lost (not just the first one).
     """
     if all(it.value is not None for it in items):
-        return [_input(it, _take_rows(from_stored(it.value), it.rows)) for it in items]
+        return [MultiModalInput(it, _take_rows(from_stored(it.value), it.rows)) for it in items]
     if len(items) == 1:  # awaited in the caller's task: a gather's task costs two turns of the loop
         tensors: list[Any] = [await _settled(fetch(items[0].ref[0]))]
     else:
@@ -60,7 +60,9 @@ async def resolve_embeddings(
     if errors:
         lost = [it.mm_hash for it, t in zip(items, tensors, strict=True) if isinstance(t, BaseException)]
         raise EmbeddingsLost(list(dict.fromkeys(lost)), type(errors[0]).__name__) from errors[0]
-    return [_input(it, _take_rows(from_stored(t), it.rows)) for it, t in zip(items, tensors, strict=True)]
+    return [
+        MultiModalInput(it, _take_rows(from_stored(t), it.rows)) for it, t in zip(items, tensors, strict=True)
+    ]
 
 
 async def _given(value: Any) -> Any:
@@ -75,22 +77,10 @@ async def _settled(aw: Any) -> Any:
         return e
 
 
-def unfetched(items: Sequence[EmbeddingRef]) -> list[MultiModalInput]:
+def unfetched(items: Sequence[MediaFeature]) -> list[MultiModalInput]:
     """The items as the engine takes them without their embeddings (their spans are in its prefix
     cache): everything but the rows."""
-    return [_input(it, None) for it in items]
-
-
-def _input(it: EmbeddingRef, embeddings: Any) -> MultiModalInput:
-    return MultiModalInput(
-        embeddings=embeddings,
-        offset=it.offset,
-        mm_hash=it.mm_hash,
-        modality=it.modality,
-        grid_thw=it.grid_thw,
-        second_per_grid_ts=it.second_per_grid_ts,
-        num_rows=None if embeddings is not None else it.length,
-    )
+    return [MultiModalInput(it, None) for it in items]
 
 
 def from_stored(obj: Any) -> Any:

@@ -299,13 +299,13 @@ class LLMEngine:
             name = f"{m.modality} item {i} (mm_hash={m.mm_hash!r}, offset={m.offset})"
             if m.modality not in MODALITIES:
                 raise RequestRejected("bad_mm_input", f"{name}: unknown modality {m.modality!r}")
-            if m.embeddings is None:
-                if not m.num_rows:
-                    raise RequestRejected("bad_mm_input", f"{name}: no embeddings and no row count")
-            elif m.embeddings.dim() != 2 or m.embeddings.shape[1] != self.mm_row_width:
+            if m.embeddings is not None and (
+                m.embeddings.dim() != 2 or tuple(m.embeddings.shape) != (m.length, self.mm_row_width)
+            ):
                 raise RequestRejected(
                     "bad_mm_input",
-                    f"{name}: embeddings have shape {tuple(m.embeddings.shape)}, expected [n, {self.mm_row_width}]",
+                    f"{name}: embeddings have shape {tuple(m.embeddings.shape)}, "
+                    f"expected [{m.length}, {self.mm_row_width}]",
                 )
             if m.length == 0 or m.offset < 0 or m.end > num_tokens:
                 raise RequestRejected(

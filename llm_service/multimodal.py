@@ -1,9 +1,11 @@
-"""Media items as the LLM sees them: encoder embeddings and where they go in the prompt."""
+"""Media items as the engine sees them: each item's record and its embeddings."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from mmcore.feature import MediaFeature, Modality
 
 if TYPE_CHECKING:
     import torch
@@ -11,26 +13,54 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class MultiModalInput:
-    """One item's embeddings ``[num_embeds, hidden]`` placed at prompt positions
-    ``[offset, offset + num_embeds)``. ``grid_thw`` is the item's patch grid before the 2x2 spatial
-    merge (what the HF processor reports); image/video items of an M-RoPE model need it.
-    ``second_per_grid_ts``: seconds of video one temporal patch spans (HF's per-video
-    ``second_per_grid_ts``); Qwen2.5-VL places a video's temporal positions by it (absolute time)."""
+    """The engine's view of one item: its record (``MediaFeature``: prompt positions
+    ``[offset, offset + length)``, ``grid_thw`` before the 2x2 spatial merge for an M-RoPE model, a
+    video's ``second_per_grid_ts`` for Qwen2.5-VL's absolute-time positions) and its embeddings
+    ``[length, hidden]``, None when not fetched (its whole span is in the prefix cache)."""
 
-    embeddings: torch.Tensor | None  # None: not fetched, its whole span was in the prefix cache
-    offset: int
-    mm_hash: str
-    modality: str  # "image" | "video" | "audio"
-    grid_thw: tuple[int, int, int] | None = None
-    second_per_grid_ts: float | None = None
-    num_rows: int | None = None  # the item's length when ``embeddings`` is None
+    feature: MediaFeature
+    embeddings: torch.Tensor | None
+
+    @classmethod
+    def of(
+        cls,
+        embeddings: torch.Tensor,
+        offset: int,
+        mm_hash: str,
+        modality: Modality,
+        grid_thw: tuple[int, int, int] | None = None,
+        second_per_grid_ts: float | None = None,
+    ) -> MultiModalInput:
+        """An item given by its embeddings (offline callers and tests): the length is their rows."""
+        feature = MediaFeature(
+            0, modality, mm_hash, offset, int(embeddings.shape[0]), grid_thw, second_per_grid_ts
+        )
+        return cls(feature, embeddings)
+
+    @property
+    def offset(self) -> int:
+        return self.feature.offset
 
     @property
     def length(self) -> int:
-        if self.embeddings is None:
-            return int(self.num_rows or 0)
-        return int(self.embeddings.shape[0])
+        return self.feature.length
 
     @property
     def end(self) -> int:
-        return self.offset + self.length
+        return self.feature.end
+
+    @property
+    def mm_hash(self) -> str:
+        return self.feature.mm_hash
+
+    @property
+    def modality(self) -> str:
+        return self.feature.modality
+
+    @property
+    def grid_thw(self) -> tuple[int, int, int] | None:
+        return self.feature.grid_thw
+
+    @property
+    def second_per_grid_ts(self) -> float | None:
+        return self.feature.second_per_grid_ts

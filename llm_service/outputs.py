@@ -8,7 +8,7 @@ from typing import Any
 
 from llm_service.multimodal import MultiModalInput
 from llm_service.sampling_params import SamplingParams
-from llm_service.wire import pack, unpack
+from mmcore.wire import pack, unpack
 
 
 @dataclass

@@ -1,6 +1,7 @@
-"""The versioned msgpack wire form of the encoder side's records, tensors as raw buffers.
+"""The one versioned msgpack wire form of every record that crosses a process boundary, tensors as raw
+buffers.
 
-Records that cross a process boundary (preprocessor → router → encoder pool → router) pickle as
+Records (preprocessor → router → encoder pool → router → LLM replica → router) pickle as
 ``(Class.from_wire, (msgpack bytes, refs))`` through ``__reduce__``: Ray still carries the envelope
 and sees any ObjectRefs (so its reference counting holds), but the record's contents are an explicit
 schema with a version, not Python object state, so a replica on a newer build reads an older one's
@@ -12,11 +13,15 @@ raw buffers that travels beside the record (C order), so tensor bytes are never 
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from collections.abc import Collection, Mapping
+from typing import Any, TypeVar
 
 import msgpack
 
-WIRE_VERSION = 2  # 2: tensor bytes out of band, beside the record
+R = TypeVar("R")
+
+WIRE_VERSION = 3  # 2: tensor bytes out of band, beside the record; 3: one codec for both services
 
 
 class WireVersionError(ValueError):
@@ -85,13 +90,42 @@ def unpack_tensor(d: dict[str, Any], buffers: list[Any]) -> Any:
     return flat.view(dtype).reshape([int(n) for n in d["shape"]])
 
 
-def grid_to_wire(grid: tuple[int, int, int] | None) -> list[int] | None:
-    return list(grid) if grid else None
+def to_fields(record: object, beside: Collection[str] = (), omit_defaults: bool = False) -> dict[str, Any]:
+    """A dataclass record's fields as msgpack values, those named in ``beside`` left out (they travel
+    next to the bytes: ObjectRefs, arrays, records of their own). Derived from the fields, so none can
+    be dropped. ``omit_defaults``: a field at its (plain) default is left out too (``from_fields``
+    gives it back), for records stored many times over."""
+    assert dataclasses.is_dataclass(record) and not isinstance(record, type)
+    out = {}
+    for f in dataclasses.fields(record):
+        if f.name in beside:
+            continue
+        value = getattr(record, f.name)
+        if omit_defaults and f.default is not dataclasses.MISSING and value == f.default:
+            continue
+        out[f.name] = plain(value)
+    return out
 
 
-def grid_from_wire(grid: list[int] | None) -> tuple[int, int, int] | None:
-    return (int(grid[0]), int(grid[1]), int(grid[2])) if grid else None
+def from_fields(cls: type[R], d: Mapping[str, Any], **beside: Any) -> R:
+    """``cls`` from ``to_fields``'s form plus the fields that travelled ``beside`` it. A field missing
+    from ``d`` takes its default (a record from a build before the field was added); a tuple field
+    (a grid, a row range) comes back as a tuple."""
+    tuples, names = _field_names(cls)
+    values = {name: d[name] for name in names if name in d and name not in beside}
+    for name in tuples:
+        if values.get(name) is not None:
+            values[name] = tuple(values[name])
+    return cls(**values, **beside)
 
 
-def rows_from_wire(rows: list[int] | None) -> tuple[int, int] | None:
-    return (int(rows[0]), int(rows[1])) if rows else None
+_FIELD_NAMES: dict[type, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+
+
+def _field_names(cls: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the fields annotated as tuples, every field) of a dataclass."""
+    if (names := _FIELD_NAMES.get(cls)) is None:
+        fields = dataclasses.fields(cls)
+        tuples = tuple(f.name for f in fields if str(f.type).startswith("tuple["))
+        names = _FIELD_NAMES[cls] = (tuples, tuple(f.name for f in fields))
+    return names

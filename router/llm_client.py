@@ -26,7 +26,8 @@ from typing import Any
 
 from llm_service.output_channels import ChannelBatch
 from llm_service.outputs import RequestOutput
-from llm_service.request_spec import EmbeddingRef, LLMRequestSpec, ReplicaTarget, SubmitReply
+from llm_service.request_spec import LLMRequestSpec, ReplicaTarget, SubmitReply
+from mmcore.feature import MediaFeature
 from router.direct_link import LinkBusy, LinkLost
 from router.errors import replica_gone
 from router.pool_links import PoolLinks
@@ -149,7 +150,7 @@ class LLMClient:
                 await asyncio.sleep(min(0.1 * attempt, 1.0))
 
     async def arrived(
-        self, request_id: str, items: list[EmbeddingRef], error: BaseException | None = None
+        self, request_id: str, items: list[MediaFeature], error: BaseException | None = None
     ) -> None:
         """Hand the replica running ``request_id`` items that were still encoding at submit (or the
         error that ended their encoding: the request fails with it there). A request submitted

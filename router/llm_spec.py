@@ -1,39 +1,20 @@
-"""What the ingress hands the LLM pool: a prepared request's items as the LLM side names them, and the
-``LLMRequestSpec`` with the block hashes its router chooses a replica by."""
+"""What the ingress hands the LLM pool: the ``LLMRequestSpec`` with the block hashes its router chooses
+a replica by. The prepared request's item records go as they are."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from encoder_service.preprocess.prepared import PreparedItem
 from llm_service.prefix_hash import compute_block_hashes
-from llm_service.request_spec import EmbeddingRef, LLMRequestSpec
+from llm_service.request_spec import LLMRequestSpec
 from llm_service.sampling_params import SamplingParams
-
-
-def embedding_refs(items: Sequence[PreparedItem]) -> list[EmbeddingRef]:
-    """A prepared request's items as the LLM side names them (an inline value goes along; an item
-    still encoding has no ref yet)."""
-    return [
-        EmbeddingRef(
-            ref=list(it.ref),
-            offset=it.offset,
-            length=it.length,
-            mm_hash=it.mm_hash,
-            modality=it.modality,
-            grid_thw=it.grid_thw,
-            second_per_grid_ts=it.second_per_grid_ts,
-            rows=it.rows,
-            value=it.value,
-        )
-        for it in items
-    ]
+from mmcore.feature import MediaFeature
 
 
 def request_spec(
     request_id: str,
     prompt_token_ids: list[int],
-    items: Sequence[EmbeddingRef],
+    items: Sequence[MediaFeature],
     params: SamplingParams,
     block_size: int,
     *,

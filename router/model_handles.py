@@ -10,7 +10,8 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from encoder_service.preprocess.prepared import LookedUp, PreparedItem, PreparedRequest
+from encoder_service.preprocess.prepared import LookedUp, PreparedRequest
+from mmcore.feature import MediaFeature
 from router.llm_client import LLMClient, counters_or_error
 from router.pool_links import PoolLinks
 
@@ -78,7 +79,7 @@ class ModelHandles:
 
     async def prepare_stream(
         self, request_id: str, *args: Any, via_link: bool = True
-    ) -> AsyncGenerator[PreparedRequest | list[PreparedItem], None]:
+    ) -> AsyncGenerator[PreparedRequest | list[MediaFeature], None]:
         """``prepare_stream`` on a preparing replica (as ``prepare`` picks it): the prepared request,
         its items still encoding without refs, then those items as they are committed. Leaving
         early cancels it there (its reservations are released, its queued encodes dropped)."""

@@ -31,10 +31,11 @@ from encoder_service.preprocess import tracing
 from llm_service.embeddings import EmbeddingsLost
 from llm_service.errors import RequestFailed
 from llm_service.outputs import RequestOutput
-from llm_service.request_spec import EmbeddingRef, LLMRequestSpec, SubmitReply
+from llm_service.request_spec import LLMRequestSpec, SubmitReply
 from llm_service.sampling_params import SamplingParams
+from mmcore.feature import MediaFeature
 from router.errors import bad_request, find_cause, lost_twice, replica_gone
-from router.llm_spec import embedding_refs, request_spec
+from router.llm_spec import request_spec
 from router.messages import NormalizedChat, text_only_messages
 from router.model_handles import ModelHandles
 from router.prepare_calls import Arrivals, PrepareCalls
@@ -48,11 +49,11 @@ INLINE_TOKENIZE_CHARS = 16_384  # longer text-only prompts are templated and tok
 @dataclass
 class Prepared:
     """A request ready for the LLM: prompt ids, and its items' embedding refs. With overlap on,
-    items still encoding come without refs (``EmbeddingRef.pending``) and ``arrivals`` yields them
+    items still encoding come without refs (``MediaFeature.pending``) and ``arrivals`` yields them
     as their encodes commit (``attempt_id``: whose reservations to release if that fails)."""
 
     prompt_token_ids: list[int]
-    mm_items: list[EmbeddingRef]
+    mm_items: list[MediaFeature]
     arrivals: Arrivals | None = None
     attempt_id: str = ""
 
@@ -130,7 +131,7 @@ class Orchestrator:
             self._replay.popitem(last=False)
         if pre.num_encoded:
             self._on_encoder_run(pre.num_encoded)
-        return Prepared(list(pre.prompt_token_ids), embedding_refs(pre.items), arrivals, attempt_id)
+        return Prepared(list(pre.prompt_token_ids), list(pre.items), arrivals, attempt_id)
 
     def hit_path_stats(self) -> dict[str, Any]:
         return self.calls.stats()
@@ -210,7 +211,7 @@ class Orchestrator:
         waiting = {m.mm_hash for m in prepared.mm_items if m.pending}
         try:
             async for items in prepared.arrivals:
-                await self.h.llm.arrived(request_id, embedding_refs(items))
+                await self.h.llm.arrived(request_id, items)
                 waiting -= {it.mm_hash for it in items}
         except asyncio.CancelledError:
             raise
@@ -255,7 +256,7 @@ class Orchestrator:
         )
 
     async def _invalidate(
-        self, request_id: str, lost: list[str], mm_items: list[EmbeddingRef], attempt: int
+        self, request_id: str, lost: list[str], mm_items: list[MediaFeature], attempt: int
     ) -> None:
         """Drop the lost entries from the shared index, but only while they hold the refs we sent."""
         logger.warning(

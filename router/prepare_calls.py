@@ -21,14 +21,15 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from encoder_service.preprocess import tracing
-from encoder_service.preprocess.prepared import PreparedItem, PreparedRequest
+from encoder_service.preprocess.prepared import PreparedRequest
+from mmcore.feature import MediaFeature
 from router.errors import is_client_error, replica_gone
 from router.messages import inline_media
 from router.model_handles import ModelHandles
 
 logger = logging.getLogger("mmserve.router")
 
-Arrivals = AsyncGenerator[list[PreparedItem], None]  # a request's items as their encodes commit
+Arrivals = AsyncGenerator[list[MediaFeature], None]  # a request's items as their encodes commit
 
 PREPARE_ATTEMPTS = 3  # a replica that dies while preparing a request: prepared again on another
 HIT_PATH_MAX_CHARS = 4 << 20  # inline media past this is hashed by the preparing replica, off this loop

@@ -2,7 +2,7 @@
 for the requests it prepares.
 
 The replica that computed an item holds its value anyway until the put returns; keeping the last few
-lets a prepared request carry each small item inline beside its ref (``EmbeddingRef.value``), as
+lets a prepared request carry each small item inline beside its ref (``MediaFeature.value``), as
 Ray inlines a task argument under ``max_direct_call_object_size`` (100 KiB), and the LLM replica
 skips the fetch: a core-worker round trip to this replica, ~0.55 CPU-ms in the fetcher and ~0.1 in
 the raylet per item on this machine (README, "Benchmarks"). The ref still travels and is counted,

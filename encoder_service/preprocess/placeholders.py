@@ -1,5 +1,5 @@
 """Placeholder expansion: each media placeholder token of a templated prompt becomes its item's run(s)
-of embedding positions (``family.expand_placeholder``), and each run one ``MultiModalItem``.
+of embedding positions (``family.expand_placeholder``), and each run one ``MediaFeature``.
 
 Pure (no torch, no Ray): the family adapter and the preprocessor's items are passed in.
 """
@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from encoder_service.preprocess.errors import InvalidMediaInput
-from encoder_service.types import EncoderInput, MediaRef, Modality, MultiModalItem, PlaceholderRange
+from encoder_service.types import EncoderInput, MediaRef
+from mmcore.feature import MediaFeature, Modality, PlaceholderRange
 
 
 class Placed(Protocol):
@@ -41,7 +42,7 @@ class Family(Protocol):
 
 def expand_placeholders(
     family: Family, ids: list[int], items: Sequence[Placed]
-) -> tuple[list[int], list[MultiModalItem]]:
+) -> tuple[list[int], list[MediaFeature]]:
     """The prompt ids with every placeholder expanded, and one record per placeholder run, in item
     order (``items`` in prompt order)."""
     queues = {m: [it for it in items if it.ref.modality == m] for m in family.modalities}
@@ -80,7 +81,7 @@ def _placeholder_runs(expansion: list[int], token_id: int, start: int) -> list[P
     return out
 
 
-def _items_of(it: Placed, runs: list[PlaceholderRange]) -> list[MultiModalItem]:
+def _items_of(it: Placed, runs: list[PlaceholderRange]) -> list[MediaFeature]:
     """One record per placeholder run. An item of several runs (a Qwen3-VL video: one per temporal
     patch) gives each run its rows of the item's embeddings and its own ``(1, h, w)`` grid; they
     share the mm_hash, and only the first carries the encoder input (the item is encoded once)."""
@@ -96,16 +97,17 @@ def _items_of(it: Placed, runs: list[PlaceholderRange]) -> list[MultiModalItem]:
     out, row = [], 0
     for i, run in enumerate(runs):
         out.append(
-            MultiModalItem(
+            MediaFeature(
                 index=it.index,
-                mm_hash=it.mm_hash,
                 modality=it.ref.modality,
-                placeholder=run,
+                mm_hash=it.mm_hash,
+                offset=run.offset,
+                length=run.length,
                 grid_thw=grid,
-                metadata=dict(it.metadata or {}),
-                encoder_input=it.encoder_input if i == 0 else None,
                 second_per_grid_ts=it.second_per_grid_ts,
                 rows=(row, row + run.length) if len(runs) > 1 else None,
+                metadata=dict(it.metadata or {}),
+                data=it.encoder_input if i == 0 else None,
             )
         )
         row += run.length

@@ -29,10 +29,11 @@ from encoder_service.cache.encoder_cache import COMPUTE, DEFAULT_LEASE_S, HIT
 from encoder_service.cache.near_cache import NearCache
 from encoder_service.preprocess.errors import EncoderCacheFull
 from encoder_service.preprocess.gathering import gather
-from encoder_service.preprocess.prepared import LookedUp, PreparedItem, PreparedRequest
+from encoder_service.preprocess.prepared import LookedUp, PreparedRequest
 from encoder_service.preprocess.processing import NeedsEncoding
 from encoder_service.preprocess.stage_timing import CacheLookups, MediaStages
-from encoder_service.types import EmbeddingMeta, EncodeBatch, EncodedItem, MultiModalItem, PreprocessedRequest
+from encoder_service.types import EmbeddingMeta, EncodeBatch, EncodedItem, EncoderInput, PreprocessedRequest
+from mmcore.feature import MediaFeature
 
 logger = logging.getLogger("mmserve.encoder")
 
@@ -146,7 +147,7 @@ class RequestPreparer:
 
     async def prepare_stream(
         self, request_id: str, messages: list[dict[str, Any]], looked_up: LookedUp | None = None
-    ) -> AsyncIterator[PreparedRequest | list[PreparedItem]]:
+    ) -> AsyncIterator[PreparedRequest | list[MediaFeature]]:
         """``prepare``, handed on as it goes: first the prompt ids and every item, those still being
         encoded (or computed by another request) without a ref; then, as each one's embeddings
         are committed, its items with their refs (every placeholder run of it), in the order they
@@ -172,7 +173,7 @@ class RequestPreparer:
                     futures[h] = asyncio.ensure_future(self._wait_or_encode(request_id, it, kinds))
                 first = _prepared(pre, hits, len(compute), partial=True)
                 yield first
-                runs: dict[str, list[PreparedItem]] = {}  # the placeholder runs still to come
+                runs: dict[str, list[MediaFeature]] = {}  # the placeholder runs still to come
                 for item in first.items:
                     if not item.ref:
                         runs.setdefault(item.mm_hash, []).append(item)
@@ -194,7 +195,7 @@ class RequestPreparer:
                 await asyncio.shield(self._release(request_id, list(kinds)))
             raise
 
-    async def _wait_or_encode(self, request_id: str, it: MultiModalItem, kinds: dict[str, str]) -> Found:
+    async def _wait_or_encode(self, request_id: str, it: MediaFeature, kinds: dict[str, str]) -> Found:
         """An item another request was computing: its result, or ours if it falls to us."""
         refs: dict[str, Found] = {}
         retry = await self._wait(request_id, it, refs)
@@ -306,17 +307,17 @@ class RequestPreparer:
 
     def _classify(
         self, pre: PreprocessedRequest, hits: dict[str, Found], kinds: dict[str, str]
-    ) -> tuple[dict[str, MultiModalItem], dict[str, MultiModalItem]]:
+    ) -> tuple[dict[str, MediaFeature], dict[str, MediaFeature]]:
         """The non-hits by mm_hash: reserved for us to compute, or computed by another request.
         Raises ``EncoderCacheFull`` for an item no shard can hold."""
-        compute: dict[str, MultiModalItem] = {}
-        wait: dict[str, MultiModalItem] = {}
+        compute: dict[str, MediaFeature] = {}
+        wait: dict[str, MediaFeature] = {}
         capacity = self.cache.shard_capacity
         for it in pre.items:
             if it.mm_hash in hits:
                 continue
             # A run of a several-run item (a Qwen3-VL video frame) is charged the whole item's rows.
-            rows = it.encoder_input.num_embeds if it.encoder_input is not None else it.num_embeds
+            rows = it.data.num_embeds if isinstance(it.data, EncoderInput) else it.length
             if capacity is not None and rows > capacity:
                 raise EncoderCacheFull(
                     f"{it.modality} {it.index}: {rows} embeddings, more than an encoder-cache "
@@ -326,9 +327,7 @@ class RequestPreparer:
             (compute if kinds.get(it.mm_hash) == COMPUTE else wait).setdefault(it.mm_hash, it)
         return compute, wait
 
-    async def _wait(
-        self, request_id: str, it: MultiModalItem, refs: dict[str, Found]
-    ) -> MultiModalItem | None:
+    async def _wait(self, request_id: str, it: MediaFeature, refs: dict[str, Found]) -> MediaFeature | None:
         """Another request was computing ``it``: its result, or ``it`` back if we must compute it."""
         start = time.perf_counter()
         kind, found = await self.cache.get_or_reserve(request_id, it.mm_hash)
@@ -339,7 +338,7 @@ class RequestPreparer:
             return None
         return it
 
-    async def _encode(self, request_id: str, items: list[MultiModalItem], refs: dict[str, Found]) -> int:
+    async def _encode(self, request_id: str, items: list[MediaFeature], refs: dict[str, Found]) -> int:
         if not items:
             return 0
         encoded = await self.encode(EncodeBatch(request_id, [_encoder_input(it) for it in items]))
@@ -363,10 +362,10 @@ def _count_answers(
             lookups.wait.inc()
 
 
-def _encoder_input(it: MultiModalItem) -> Any:
-    if it.encoder_input is None:  # processed items always carry it: a bug, not bad input
+def _encoder_input(it: MediaFeature) -> EncoderInput:
+    if not isinstance(it.data, EncoderInput):  # processed items always carry it: a bug, not bad input
         raise RuntimeError(f"{it.modality} {it.index} was not processed but must be encoded")
-    return it.encoder_input
+    return it.data
 
 
 def _found(fut: asyncio.Future[EncodedItem]) -> asyncio.Future[Found]:
@@ -381,23 +380,11 @@ def _found(fut: asyncio.Future[EncodedItem]) -> asyncio.Future[Found]:
     return task
 
 
-def _items(pre: PreprocessedRequest, found: dict[str, Found], partial: bool = False) -> list[PreparedItem]:
+def _items(pre: PreprocessedRequest, found: dict[str, Found], partial: bool = False) -> list[MediaFeature]:
     """Every placeholder run with its ref; ``partial``: where ``found`` has it (else none: to come)."""
     if not partial and (missing := [it.mm_hash for it in pre.items if it.mm_hash not in found]):
         raise RuntimeError(f"prepared without the embeddings of {missing}")  # a bug, not bad input
-    return [
-        PreparedItem(
-            it.mm_hash,
-            it.modality,
-            it.placeholder.offset,
-            it.placeholder.length,
-            it.grid_thw,
-            [found[it.mm_hash][1]] if it.mm_hash in found else [],
-            second_per_grid_ts=it.second_per_grid_ts,
-            rows=it.rows,
-        )
-        for it in pre.items
-    ]
+    return [it.encoded([found[it.mm_hash][1]] if it.mm_hash in found else None) for it in pre.items]
 
 
 def _prepared(

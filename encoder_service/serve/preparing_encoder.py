@@ -20,9 +20,10 @@ from typing import Any
 
 from encoder_service.preprocess import tracing
 from encoder_service.preprocess.prepare import make_preparer, preparer_stats
-from encoder_service.preprocess.prepared import LookedUp, PreparedItem, PreparedRequest, with_values
+from encoder_service.preprocess.prepared import LookedUp, PreparedRequest, with_values
 from encoder_service.serve.deployment import EncoderPoolServer
 from encoder_service.serve.metrics import media_stages
+from mmcore.feature import MediaFeature
 
 
 class PreparingEncoderServer(EncoderPoolServer):
@@ -73,7 +74,7 @@ class PreparingEncoderServer(EncoderPoolServer):
         messages: list[dict[str, Any]],
         looked_up: LookedUp | None = None,
         trace_headers: dict[str, str] | None = None,
-    ) -> AsyncIterator[PreparedRequest | list[PreparedItem]]:
+    ) -> AsyncIterator[PreparedRequest | list[MediaFeature]]:
         """``prepare`` handed on item by item (``RequestPreparer.prepare_stream``): the prompt and its
         items first, the ones still encoding without a ref; then each item as its step ends. The
         ingress submits to the LLM on the first frame and forwards the rest (encoding overlaps the

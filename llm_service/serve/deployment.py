@@ -19,11 +19,12 @@ from llm_service.embeddings import resolve_embeddings, unfetched
 from llm_service.engine_loop import EngineLoop
 from llm_service.output_channels import ChannelBatch, OutputChannels
 from llm_service.outputs import RequestOutput
-from llm_service.request_spec import EmbeddingRef, LLMRequestSpec, ReplicaTarget, SubmitReply
+from llm_service.request_spec import LLMRequestSpec, ReplicaTarget, SubmitReply
 from llm_service.scheduler import WaitingBound
 from llm_service.sequence import Request
 from llm_service.serve.metrics import LLMMetrics
 from llm_service.tracing import RequestTraces
+from mmcore.feature import MediaFeature
 
 logger = logging.getLogger("mmserve.llm")
 
@@ -67,10 +68,10 @@ class LLMServer:
             on_parked=self._on_parked,
         )
         self.embedding_fetch_timeout_s = embedding_fetch_timeout_s
-        self._unfetched: dict[str, list[EmbeddingRef]] = {}  # request id -> items sent without rows
+        self._unfetched: dict[str, list[MediaFeature]] = {}  # request id -> items sent without rows
         # request id -> offset -> its items still being encoded, until they arrive (``arrived``);
         # kept, empty, until the request ends
-        self._arriving: dict[str, dict[int, EmbeddingRef]] = {}
+        self._arriving: dict[str, dict[int, MediaFeature]] = {}
         self._supplies: set[asyncio.Task[None]] = set()
         self.skipped_fetches = 0  # items whose embeddings were never fetched (prefix cache)
         self._traces = RequestTraces()  # sampled requests' trace contexts (llm_service/tracing.py)
@@ -120,7 +121,7 @@ class LLMServer:
             self.channels.done(rid).add_done_callback(lambda _: self._forget_unfetched(rid, later))
         return reply
 
-    async def _enqueue(self, spec: LLMRequestSpec) -> tuple[SubmitReply, list[EmbeddingRef]]:
+    async def _enqueue(self, spec: LLMRequestSpec) -> tuple[SubmitReply, list[MediaFeature]]:
         """Fetch what must be fetched, put the request on its ingress's channel and in the engine's
         queue; returns where its outputs go and the items sent without their embeddings."""
         self.loop.check_capacity(len(spec.prompt_token_ids))
@@ -158,7 +159,7 @@ class LLMServer:
             self.skipped_fetches += len(later)
         return SubmitReply(self.replica_id, channel_id), later
 
-    def _forget_unfetched(self, request_id: str, later: list[EmbeddingRef]) -> None:
+    def _forget_unfetched(self, request_id: str, later: list[MediaFeature]) -> None:
         if later and self._unfetched.get(request_id) is later:
             del self._unfetched[request_id]
 
@@ -218,7 +219,7 @@ class LLMServer:
         self.loop.supply(request_id, mm_inputs)
 
     async def arrived(
-        self, target: ReplicaTarget, items: list[EmbeddingRef], error: BaseException | None = None
+        self, target: ReplicaTarget, items: list[MediaFeature], error: BaseException | None = None
     ) -> None:
         """Items of ``target.request_ids[0]`` that were still encoding when it was submitted, now
         committed: fetched and handed to the engine, which goes on up to the next item it lacks.

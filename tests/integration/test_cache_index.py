@@ -235,8 +235,8 @@ def test_encoder_replica_shutdown_invalidates_only_what_it_still_owns(ray_sessio
     async def scenario():
         for it in items:
             assert (await client.get_or_reserve("r", it.mm_hash))[0] == COMPUTE
-            assert it.encoder_input is not None
-            (out,) = await server.encode(EncodeBatch("r", [it.encoder_input]))
+            assert it.data is not None
+            (out,) = await server.encode(EncodeBatch("r", [it.data]))
             assert out.meta.mm_hash == it.mm_hash  # the server committed it itself
         await client.get_or_reserve("r", elsewhere)  # another replica's entry
         await client.commit(elsewhere, _meta(elsewhere, 3), ray.put(np.zeros(3)))
@@ -245,7 +245,7 @@ def test_encoder_replica_shutdown_invalidates_only_what_it_still_owns(ray_sessio
         assert await client.invalidate([moved], {moved: ref_id(ref)}) == [moved]
         assert (await client.get_or_reserve("s", moved))[0] == COMPUTE
         await client.commit(
-            moved, EmbeddingMeta(moved, "image", items[1].num_embeds, 4, "float32"), ray.put(0)
+            moved, EmbeddingMeta(moved, "image", items[1].length, 4, "float32"), ray.put(0)
         )
         shutdown = server.__del__()
         assert shutdown is not None

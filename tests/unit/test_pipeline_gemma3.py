@@ -54,11 +54,11 @@ def test_preprocess_encode_generate_equals_hf(model_dir: Path) -> None:
     assert isinstance(pre.family, Gemma3Family)
     assert [(it.placeholder.length, it.grid_thw) for it in out.items] == [(16, None), (16, None)]
     runner = EncoderRunner(model_dir, device="cpu")
-    inputs_ = [it.encoder_input for it in out.items]
+    inputs_ = [it.data for it in out.items]
     assert all(i is not None for i in inputs_)
     embeds = runner.encode(inputs_)  # type: ignore[arg-type]
     mm = [
-        MultiModalInput(e, it.placeholder.offset, it.mm_hash, it.modality)
+        MultiModalInput.of(e, it.placeholder.offset, it.mm_hash, it.modality)
         for it, e in zip(out.items, embeds, strict=True)
     ]
     engine = LLMEngine(EngineConfig(model=str(model_dir), block_size=4, num_kv_blocks=256))

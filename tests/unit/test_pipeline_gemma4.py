@@ -66,11 +66,11 @@ def test_preprocess_encode_generate_equals_hf(parts, name: str) -> None:  # type
     content.append({"type": "text", "text": "what changed?"})
     out = pre.preprocess_sync([{"role": "user", "content": content}])
     assert isinstance(pre.family, Gemma4Family)
-    inputs_ = [it.encoder_input for it in out.items]
+    inputs_ = [it.data for it in out.items]
     assert all(i is not None for i in inputs_)
     embeds = runner.encode(inputs_)  # type: ignore[arg-type]
     mm = [
-        MultiModalInput(e, it.placeholder.offset, it.mm_hash, it.modality)
+        MultiModalInput.of(e, it.placeholder.offset, it.mm_hash, it.modality)
         for it, e in zip(out.items, embeds, strict=True)
     ]
     (ours,) = engine.generate([GenerateRequest(out.prompt_token_ids, SamplingParams(max_tokens=N), mm)])
@@ -108,9 +108,9 @@ def test_multi_turn_chat_equals_hf(parts) -> None:  # type: ignore[no-untyped-de
         {"role": "user", "content": "which is louder?"},
     ]
     out = pre.preprocess_sync([{"role": "user", "content": first}, *turns])
-    embeds = runner.encode([it.encoder_input for it in out.items])
+    embeds = runner.encode([it.data for it in out.items])
     mm = [
-        MultiModalInput(e, it.placeholder.offset, it.mm_hash, it.modality)
+        MultiModalInput.of(e, it.placeholder.offset, it.mm_hash, it.modality)
         for it, e in zip(out.items, embeds, strict=True)
     ]
     (ours,) = engine.generate([GenerateRequest(out.prompt_token_ids, SamplingParams(max_tokens=N), mm)])

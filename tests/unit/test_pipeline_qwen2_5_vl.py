@@ -59,12 +59,12 @@ def test_preprocess_encode_generate_equals_hf(model_dir: Path) -> None:
     runner = EncoderRunner(model_dir, device="cpu")
     mm = []
     for item in out.items:
-        assert item.encoder_input is not None
-        (emb,) = runner.encode([item.encoder_input])
-        assert item.encoder_input.second_per_grid_ts == item.second_per_grid_ts  # what the cache keeps
+        assert item.data is not None
+        (emb,) = runner.encode([item.data])
+        assert item.data.second_per_grid_ts == item.second_per_grid_ts  # what the cache keeps
         spgt = item.second_per_grid_ts  # the preprocessor's hand-off, as the app carries it
         mm.append(
-            MultiModalInput(emb, item.placeholder.offset, item.mm_hash, item.modality, item.grid_thw, spgt)
+            MultiModalInput.of(emb, item.placeholder.offset, item.mm_hash, item.modality, item.grid_thw, spgt)
         )
     assert mm[0].second_per_grid_ts is None
     assert mm[1].second_per_grid_ts == pytest.approx(2 * 3 / 4)  # 2 frames a temporal patch, 3 s, 4 frames

@@ -63,10 +63,12 @@ def test_two_images_equal_hf(model_dir: Path, hf) -> None:  # type: ignore[no-un
     runner = EncoderRunner(model_dir, device="cpu")
     mm = []
     for item in out.items:
-        assert item.encoder_input is not None
-        (rows,) = runner.encode([item.encoder_input])
-        assert rows.shape == (item.num_embeds, 64)
-        mm.append(MultiModalInput(rows, item.placeholder.offset, item.mm_hash, item.modality, item.grid_thw))
+        assert item.data is not None
+        (rows,) = runner.encode([item.data])
+        assert rows.shape == (item.length, 64)
+        mm.append(
+            MultiModalInput.of(rows, item.placeholder.offset, item.mm_hash, item.modality, item.grid_thw)
+        )
     ours = _serve(model_dir, out.prompt_token_ids, mm)
 
     proc = pre.family.hf
@@ -93,11 +95,11 @@ def test_video_equals_hf(model_dir: Path, hf) -> None:  # type: ignore[no-untype
     pre = Preprocessor(model_dir, limits, {"video": 1})
     out = pre.preprocess_sync([{"role": "user", "content": content}])
     assert [(it.grid_thw, it.rows) for it in out.items] == [((1, 4, 6), (6 * i, 6 * i + 6)) for i in range(3)]
-    first = out.items[0].encoder_input
+    first = out.items[0].data
     assert first is not None
     (rows,) = EncoderRunner(model_dir, device="cpu").encode([first])
     mm = [
-        MultiModalInput(
+        MultiModalInput.of(
             rows[it.rows[0] : it.rows[1]], it.placeholder.offset, it.mm_hash, "video", it.grid_thw
         )
         for it in out.items

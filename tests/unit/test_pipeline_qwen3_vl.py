@@ -46,10 +46,12 @@ def test_preprocess_encode_generate_equals_hf(model_dir: Path) -> None:
     runner = EncoderRunner(model_dir, device="cpu")
     mm = []
     for item in out.items:
-        assert item.encoder_input is not None
-        (rows,) = runner.encode([item.encoder_input])
-        assert rows.shape == (item.num_embeds, 64 * 3)  # main + 2 DeepStack levels
-        mm.append(MultiModalInput(rows, item.placeholder.offset, item.mm_hash, item.modality, item.grid_thw))
+        assert item.data is not None
+        (rows,) = runner.encode([item.data])
+        assert rows.shape == (item.length, 64 * 3)  # main + 2 DeepStack levels
+        mm.append(
+            MultiModalInput.of(rows, item.placeholder.offset, item.mm_hash, item.modality, item.grid_thw)
+        )
     engine = LLMEngine(EngineConfig(model=str(model_dir), block_size=4, num_kv_blocks=256))
     (ours,) = engine.generate([GenerateRequest(out.prompt_token_ids, SamplingParams(max_tokens=N), mm)])
 
@@ -63,9 +65,7 @@ def test_preprocess_encode_generate_equals_hf(model_dir: Path) -> None:
     assert inputs["input_ids"][0].tolist() == out.prompt_token_ids
     for item, grid in zip(out.items, inputs["image_grid_thw"].tolist(), strict=True):
         assert item.grid_thw == tuple(grid)
-    ours_pixels = torch.cat(
-        [it.encoder_input.tensors["pixel_values"] for it in out.items if it.encoder_input]
-    )
+    ours_pixels = torch.cat([it.data.tensors["pixel_values"] for it in out.items if it.data])
     torch.testing.assert_close(ours_pixels, inputs["pixel_values"], atol=1e-5, rtol=1e-5)
     with torch.no_grad():
         ref = hf.generate(**inputs, max_new_tokens=N, do_sample=False)[0, len(out.prompt_token_ids) :]
@@ -93,11 +93,11 @@ def test_video_runs_through_the_pipeline_equal_hf(model_dir: Path) -> None:
     pre = Preprocessor(model_dir, limits, {"video": 1})
     out = pre.preprocess_sync([{"role": "user", "content": content}])
     assert [(it.grid_thw, it.rows) for it in out.items] == [((1, 4, 6), (6 * i, 6 * i + 6)) for i in range(3)]
-    first = out.items[0].encoder_input
-    assert first is not None and all(it.encoder_input is None for it in out.items[1:])
+    first = out.items[0].data
+    assert first is not None and all(it.data is None for it in out.items[1:])
     (rows,) = EncoderRunner(model_dir, device="cpu").encode([first])
     mm = [
-        MultiModalInput(
+        MultiModalInput.of(
             rows[it.rows[0] : it.rows[1]], it.placeholder.offset, it.mm_hash, "video", it.grid_thw
         )
         for it in out.items
@@ -138,7 +138,7 @@ def test_video_cache_hit_builds_the_same_prompt(model_dir: Path) -> None:
     video = make_video_bytes(84, 56, num_frames=40, fps=8, seed=5)
     msgs = [{"role": "user", "content": [{"type": "video", "media": MediaRef("video", data=video)}]}]
     miss = Preprocessor(model_dir, limits, {"video": 1}).preprocess_sync(msgs)
-    enc = miss.items[0].encoder_input
+    enc = miss.items[0].data
     assert enc is not None and enc.frame_times is not None and len(enc.frame_times) == 3
     meta = EmbeddingMeta(
         enc.mm_hash, "video", enc.num_embeds, 192, "float32", enc.grid_thw, None, enc.frame_times

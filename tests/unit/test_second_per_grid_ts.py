@@ -5,17 +5,19 @@ wire form on the way, and a cache hit (no decode) carries the value the miss com
 from __future__ import annotations
 
 import pickle
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from encoder_service.preprocess.media import MediaLimits
-from encoder_service.preprocess.prepared import PreparedItem, PreparedRequest
+from encoder_service.preprocess.prepared import PreparedRequest
 from encoder_service.preprocess.processing import Preprocessor
 from encoder_service.types import EmbeddingMeta, MediaRef, PreprocessedRequest
 from llm_service.embeddings import resolve_embeddings
-from llm_service.request_spec import EmbeddingRef, LLMRequestSpec
+from llm_service.request_spec import LLMRequestSpec
 from llm_service.sampling_params import SamplingParams
+from mmcore.feature import MediaFeature
 from tests.media import make_video_bytes
 from tests.unit.qwen2_5_vl_dir import tiny_qwen2_5_vl_dir
 
@@ -43,47 +45,24 @@ def test_miss_then_hit_carry_second_per_grid_ts(model_dir: Path) -> None:
     assert isinstance(miss, PreprocessedRequest)
     (item,) = miss.items
     assert item.second_per_grid_ts == pytest.approx(SPGT)
-    assert item.encoder_input is not None and item.encoder_input.second_per_grid_ts == pytest.approx(SPGT)
+    assert item.data is not None and item.data.second_per_grid_ts == pytest.approx(SPGT)
 
     # The encoder replica's cache entry, read back by a preprocessor on another build of the record.
     meta = pickle.loads(
-        pickle.dumps(EmbeddingMeta(item.mm_hash, "video", item.num_embeds, 8, "float32", item.grid_thw, SPGT))
+        pickle.dumps(EmbeddingMeta(item.mm_hash, "video", item.length, 8, "float32", item.grid_thw, SPGT))
     )
     fresh = Preprocessor(model_dir, LIMITS, {"video": 1})  # no processor cache: a hit must not decode
     hit = fresh.preprocess_sync(_messages(video), lambda hashes: {h: meta for h in hashes})
     assert fresh.num_processor_calls == 0
     (hit_item,) = hit.items
-    assert hit_item.encoder_input is None and hit_item.second_per_grid_ts == pytest.approx(SPGT)
+    assert hit_item.data is None and hit_item.second_per_grid_ts == pytest.approx(SPGT)
 
-    prepared = PreparedRequest(
-        hit.prompt_token_ids,
-        [
-            PreparedItem(
-                hit_item.mm_hash,
-                "video",
-                hit_item.placeholder.offset,
-                hit_item.placeholder.length,
-                hit_item.grid_thw,
-                ["ref"],
-                hit_item.second_per_grid_ts,
-            )
-        ],
-        0,
-        {},
-    )
+    # The same record goes on: with its ref in the prepared request, then as it is in the LLM spec.
+    prepared = PreparedRequest(hit.prompt_token_ids, [replace(hit_item, ref=["ref"])], 0, {})
     (p_item,) = pickle.loads(pickle.dumps(prepared)).items
     assert p_item.second_per_grid_ts == pytest.approx(SPGT)
-    ref = EmbeddingRef(
-        ["ref"],
-        p_item.offset,
-        p_item.length,
-        p_item.mm_hash,
-        "video",
-        p_item.grid_thw,
-        p_item.second_per_grid_ts,
-    )
     spec = pickle.loads(
-        pickle.dumps(LLMRequestSpec("r", prepared.prompt_token_ids, SamplingParams(max_tokens=1), [ref]))
+        pickle.dumps(LLMRequestSpec("r", prepared.prompt_token_ids, SamplingParams(max_tokens=1), [p_item]))
     )
     (e_ref,) = spec.mm_items
     assert e_ref.second_per_grid_ts == pytest.approx(SPGT)
@@ -113,19 +92,14 @@ def test_run_rows_cross_every_wire_form() -> None:
 
     import torch
 
-    from encoder_service.types import MultiModalItem, PlaceholderRange, PreprocessedRequest
-
-    item = MultiModalItem(0, "h", "video", PlaceholderRange(30, 6), (1, 4, 6), {}, rows=(6, 12))
+    item = MediaFeature(0, "video", "h", 30, 6, grid_thw=(1, 4, 6), rows=(6, 12))
     back = pickle.loads(pickle.dumps(PreprocessedRequest([1] * 40, [item], {})))
     assert back.items[0].rows == (6, 12)
-    prepared = PreparedRequest(
-        [1] * 40, [PreparedItem("h", "video", 30, 6, (1, 4, 6), ["r"], rows=(6, 12))], 0, {}
-    )
+    prepared = PreparedRequest([1] * 40, [replace(back.items[0], ref=["r"])], 0, {})
     (p_item,) = pickle.loads(pickle.dumps(prepared)).items
     assert p_item.rows == (6, 12)
-    ref = EmbeddingRef(["r"], 30, 6, "h", "video", (1, 4, 6), rows=p_item.rows)
     (e_ref,) = pickle.loads(
-        pickle.dumps(LLMRequestSpec("r", [1] * 40, SamplingParams(max_tokens=1), [ref]))
+        pickle.dumps(LLMRequestSpec("r", [1] * 40, SamplingParams(max_tokens=1), [p_item]))
     ).mm_items
     assert e_ref.rows == (6, 12)
     whole = torch.arange(18.0)[:, None].expand(18, 4)

@@ -83,8 +83,8 @@ def test_one_image_through_our_tower_and_engine_equals_hf(heavy_dir: Path, hf: t
     ]
     out = Preprocessor(heavy_dir, None, {"image": 1}).preprocess_sync(msgs)
     (item,) = out.items
-    assert item.encoder_input is not None
-    (emb,) = EncoderRunner(heavy_dir, device="cpu").encode([item.encoder_input])
+    assert item.data is not None
+    (emb,) = EncoderRunner(heavy_dir, device="cpu").encode([item.data])
     assert emb.shape[0] == (224 // 28) * (168 // 28)
 
     content = [{"type": "image"}, {"type": "text", "text": "describe it"}]
@@ -96,7 +96,7 @@ def test_one_image_through_our_tower_and_engine_equals_hf(heavy_dir: Path, hf: t
     ref_emb = capture_lm_inputs(model, inputs)[rows]
     torch.testing.assert_close(emb, ref_emb, rtol=1e-4, atol=1e-4)  # 1e-5-scale drift over the tower
 
-    mm = [MultiModalInput(emb, item.placeholder.offset, item.mm_hash, item.modality, item.grid_thw)]
+    mm = [MultiModalInput.of(emb, item.placeholder.offset, item.mm_hash, item.modality, item.grid_thw)]
     (ours,) = engine(heavy_dir).generate([GenerateRequest(out.prompt_token_ids, GREEDY, mm)])
     with torch.no_grad():
         ref = model.generate(**inputs, max_new_tokens=N, do_sample=False)[0, len(out.prompt_token_ids) :]

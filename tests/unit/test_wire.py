@@ -13,15 +13,13 @@ from encoder_service.types import (
     EncodeBatch,
     EncodedItem,
     EncoderInput,
-    MultiModalItem,
-    PlaceholderRange,
     PreprocessedRequest,
 )
-from mmcore.wire import WireVersionError as EncoderWireVersionError
 from llm_service.outputs import RequestOutput, TokenLogprob
-from llm_service.request_spec import EmbeddingRef, LLMRequestSpec
+from llm_service.request_spec import LLMRequestSpec
 from llm_service.sampling_params import SamplingParams
-from llm_service.wire import WireVersionError as LLMWireVersionError
+from mmcore.feature import MediaFeature
+from mmcore.wire import WireVersionError
 
 
 def roundtrip(obj: object) -> object:
@@ -69,28 +67,24 @@ def test_encoder_input_and_batch_roundtrip_bit_exact() -> None:
 
 def test_preprocessed_request_roundtrip() -> None:
     items = [
-        MultiModalItem(
-            0, "a" * 64, "image", PlaceholderRange(3, 4), (1, 4, 4), {"width": 56}, encoder_input()
-        ),
-        MultiModalItem(1, "b" * 64, "audio", PlaceholderRange(9, 2), None, {"seconds": 1.5}, None),
+        MediaFeature(0, "image", "a" * 64, 3, 4, (1, 4, 4), metadata={"width": 56}, data=encoder_input()),
+        MediaFeature(1, "video", "b" * 64, 9, 2, (2, 2, 2), 0.5, rows=(2, 4), metadata={"seconds": 1.5}),
     ]
     pre = PreprocessedRequest([1, 2, 3] + [7] * 4 + [5, 6] + [8] * 2, items, {"fps": 2.0})
     back = roundtrip(pre)
     assert isinstance(back, PreprocessedRequest)
     assert back.prompt_token_ids == pre.prompt_token_ids and back.processor_kwargs == {"fps": 2.0}
-    assert [(i.index, i.mm_hash, i.modality, i.placeholder, i.grid_thw, i.metadata) for i in back.items] == [
-        (i.index, i.mm_hash, i.modality, i.placeholder, i.grid_thw, i.metadata) for i in items
-    ]
-    assert back.items[1].encoder_input is None
-    assert back.items[0].encoder_input is not None
-    assert_same_input(back.items[0].encoder_input, encoder_input())
+    assert back.items == items and back.items[1].rows == (2, 4) and back.items[1].grid_thw == (2, 2, 2)
+    assert [it.metadata for it in back.items] == [{"width": 56}, {"seconds": 1.5}]
+    assert back.items[1].data is None and isinstance(back.items[0].data, EncoderInput)
+    assert_same_input(back.items[0].data, encoder_input())
 
 
 def test_embedding_meta_wire_bytes_are_the_documented_msgpack() -> None:
     meta = EmbeddingMeta("c" * 64, "video", 12, 64, "bfloat16", (2, 4, 6))
     expected = msgpack.packb(
         {
-            "v": 2,
+            "v": 3,
             "kind": "EmbeddingMeta",
             "mm_hash": "c" * 64,
             "modality": "video",
@@ -110,8 +104,8 @@ def test_embedding_meta_wire_bytes_are_the_documented_msgpack() -> None:
 def test_llm_request_spec_and_outputs_roundtrip() -> None:
     params = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=5, seed=3, stop_token_ids=(4, 9))
     items = [
-        EmbeddingRef(["ref-a"], 2, 4, "d" * 64, "image", (1, 4, 4)),
-        EmbeddingRef(["ref-b"], 8, 3, "e" * 64, "audio"),
+        MediaFeature(0, "image", "d" * 64, 2, 4, grid_thw=(1, 4, 4), ref=["ref-a"]),
+        MediaFeature(0, "audio", "e" * 64, 8, 3, ref=["ref-b"]),
     ]
     spec = LLMRequestSpec("r", [1, 2, 3], params, items, [b"\x01" * 16, b"\x02" * 16])
     back = roundtrip(spec)
@@ -119,7 +113,7 @@ def test_llm_request_spec_and_outputs_roundtrip() -> None:
     assert (back.request_id, back.prompt_token_ids, back.sampling_params) == ("r", [1, 2, 3], params)
     assert list(back.mm_items) == items and list(back.block_hashes) == [b"\x01" * 16, b"\x02" * 16]
     # The pickle carries the msgpack bytes and the refs, not the dataclasses' Python state.
-    assert b"SamplingParams" not in pickle.dumps(spec) and b"EmbeddingRef" not in pickle.dumps(spec)
+    assert b"SamplingParams" not in pickle.dumps(spec) and b"MediaFeature" not in pickle.dumps(spec)
 
     out = RequestOutput(
         "r",
@@ -135,18 +129,36 @@ def test_llm_request_spec_and_outputs_roundtrip() -> None:
     assert roundtrip(plain) == plain
 
 
+def test_a_records_wire_form_is_derived_from_its_fields() -> None:
+    """A field added to the item record crosses every hop with no codec edit: the wire form is its
+    fields (those beside it excepted), so no side can drop it."""
+    import dataclasses
+
+    from mmcore.wire import from_fields, to_fields
+
+    Grown = dataclasses.make_dataclass(
+        "Grown",
+        [("new_fact", "tuple[int, int] | None", dataclasses.field(default=None))],
+        bases=(MediaFeature,),
+        frozen=True,
+    )
+    grown = Grown(2, "video", "g" * 64, 5, 6, (2, 2, 6), new_fact=(7, 8), ref=["r"], data="tensors")
+    d = msgpack.unpackb(msgpack.packb(to_fields(grown, MediaFeature.BESIDE)), raw=False)
+    assert d["new_fact"] == [7, 8] and "ref" not in d and "data" not in d
+    back = from_fields(Grown, d, ref=["r"])
+    assert back == grown and back.new_fact == (7, 8) and back.data is None
+
+
 def test_other_wire_versions_and_kinds_are_refused_by_name() -> None:
     from encoder_service.types import _encoder_input_from_bytes
     from llm_service.outputs import _request_output_from_bytes
 
-    newer = msgpack.packb({"v": 2, "kind": "RequestOutput"}, use_bin_type=True)
-    with pytest.raises(LLMWireVersionError, match="RequestOutput wire version 2"):
+    newer = msgpack.packb({"v": 4, "kind": "RequestOutput"}, use_bin_type=True)
+    with pytest.raises(WireVersionError, match="RequestOutput wire version 4"):
         _request_output_from_bytes(newer)
-    with pytest.raises(
-        EncoderWireVersionError, match="expected a record of kind 'EncoderInput', got 'EncodeBatch'"
-    ):
-        _encoder_input_from_bytes(msgpack.packb({"v": 2, "kind": "EncodeBatch"}, use_bin_type=True), [])
-    with pytest.raises(EncoderWireVersionError, match="EmbeddingMeta wire version 0"):
+    with pytest.raises(WireVersionError, match="expected a record of kind 'EncoderInput', got 'EncodeBatch'"):
+        _encoder_input_from_bytes(msgpack.packb({"v": 3, "kind": "EncodeBatch"}, use_bin_type=True), [])
+    with pytest.raises(WireVersionError, match="EmbeddingMeta wire version 0"):
         EmbeddingMeta.from_msgpack(msgpack.packb({"v": 0, "kind": "EmbeddingMeta"}, use_bin_type=True))
 
 
@@ -161,9 +173,7 @@ def test_numpy_tensors_and_non_msgpack_metadata_cross_as_plain_values() -> None:
     back = roundtrip(x)
     assert isinstance(back, EncoderInput)
     assert torch.equal(back.tensors["input_features"], torch.arange(6, dtype=torch.float32).reshape(1, 2, 3))
-    item = MultiModalItem(
-        0, "f" * 64, "audio", PlaceholderRange(1, 2), None, {"seconds": np.float32(1.5), "shape": (2, 3)}
-    )
+    item = MediaFeature(0, "audio", "f" * 64, 1, 2, metadata={"seconds": np.float32(1.5), "shape": (2, 3)})
     pre = roundtrip(PreprocessedRequest([1, 2, 3], [item], {"fps": np.int64(2), "root": Path("/m")}))
     assert isinstance(pre, PreprocessedRequest)
     assert pre.items[0].metadata == {"seconds": 1.5, "shape": [2, 3]}

@@ -136,8 +136,8 @@ def _check(vl: Family, data: bytes) -> None:
         assert 400 <= e.status_code < 500 and e.item == 0 and "image 0" in e.message, e
         return
     (item,) = out.items
-    pixels = item.encoder_input.tensors["pixel_values"]
-    assert item.num_embeds * 4 == pixels.shape[0] and pixels.shape[1] == vl.patch_width
+    pixels = item.data.tensors["pixel_values"]
+    assert item.length * 4 == pixels.shape[0] and pixels.shape[1] == vl.patch_width
 
 
 def test_seeds_decode(vl):

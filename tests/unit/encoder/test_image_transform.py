@@ -81,7 +81,7 @@ def test_preprocess_equals_hf_on_a_720p_jpeg(vl, hf_tv):
     msgs = [{"role": "user", "content": [{"type": "image", "media": MediaRef("image", data=data)}]}]
     (item,) = vl.preprocess_sync(msgs).items
     ref = hf_tv(images=[Image.open(io.BytesIO(data)).convert("RGB")], return_tensors="pt")
-    assert torch.equal(item.encoder_input.tensors["pixel_values"], ref["pixel_values"])
+    assert torch.equal(item.data.tensors["pixel_values"], ref["pixel_values"])
     assert item.metadata["width"] == 1280 and "decoded_size" not in item.metadata
     # mm_hash covers the ORIGINAL bytes (and the processor config with the decode policy)
     assert item.mm_hash == compute_mm_hash(
@@ -143,7 +143,7 @@ def test_draft_is_in_the_hash_and_can_be_turned_off(tiny_vl_dir, hf_tv):
     full = pre.preprocess_sync(msgs).items[0]
     assert full.mm_hash != drafted.mm_hash  # embeddings of one decode are never served for the other
     ref = hf_tv(images=[Image.open(io.BytesIO(data)).convert("RGB")], return_tensors="pt")
-    assert torch.equal(full.encoder_input.tensors["pixel_values"], ref["pixel_values"])
+    assert torch.equal(full.data.tensors["pixel_values"], ref["pixel_values"])
 
 
 def test_unsupported_processor_settings_fall_back_to_hf(tiny_vl_dir):

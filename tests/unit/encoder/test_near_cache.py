@@ -62,10 +62,13 @@ def test_a_prepare_reply_carries_its_metas_across_pickling() -> None:
     """What the ingress's near cache learns from a ``prepare`` reply survives Ray's pickling."""
     import pickle
 
-    from encoder_service.preprocess.prepared import PreparedItem, PreparedRequest
+    from encoder_service.preprocess.prepared import PreparedRequest
+    from mmcore.feature import MediaFeature
 
     meta = EmbeddingMeta("h", "video", 12, 8, "float32", (2, 4, 6), 0.5, [0.0, 1.0], units=2)
-    prepared = PreparedRequest([1] * 20, [PreparedItem("h", "video", 3, 12, (2, 4, 6), ["r"])], 1, {}, [meta])
+    prepared = PreparedRequest(
+        [1] * 20, [MediaFeature(0, "video", "h", 3, 12, grid_thw=(2, 4, 6), ref=["r"])], 1, {}, [meta]
+    )
     back = pickle.loads(pickle.dumps(prepared))
     assert back.metas == [meta] and back.items[0].ref == ["r"]
 

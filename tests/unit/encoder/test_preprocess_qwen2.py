@@ -59,11 +59,11 @@ def test_image_matches_hf(vl, w, h):
     ref = _hf_vl(vl, msgs, images=[Image.open(io.BytesIO(make_image_bytes(w, h))).convert("RGB")])
     assert out.prompt_token_ids == ref["input_ids"][0].tolist()
     (item,) = out.items
-    enc = item.encoder_input
+    enc = item.data
     assert torch.equal(enc.tensors["pixel_values"], ref["pixel_values"])
     assert torch.equal(enc.tensors["image_grid_thw"], ref["image_grid_thw"])
     t, gh, gw = ref["image_grid_thw"][0].tolist()
-    assert item.grid_thw == (t, gh, gw) and item.num_embeds == t * gh * gw // 4
+    assert item.grid_thw == (t, gh, gw) and item.length == t * gh * gw // 4
     pad = vl.placeholder_token_ids["image"]
     ids = out.prompt_token_ids
     assert all(i == pad for i in ids[item.placeholder.offset : item.placeholder.end])
@@ -96,13 +96,13 @@ def test_mixed_images_and_video_match_hf(vl):
     img0, vid, img1 = out.items
     assert [it.modality for it in out.items] == ["image", "video", "image"]
     assert img0.placeholder.end < vid.placeholder.offset < img1.placeholder.offset
-    n0 = img0.encoder_input.tensors["pixel_values"].shape[0]
+    n0 = img0.data.tensors["pixel_values"].shape[0]
     assert torch.equal(
-        torch.cat([img0.encoder_input.tensors["pixel_values"], img1.encoder_input.tensors["pixel_values"]]),
+        torch.cat([img0.data.tensors["pixel_values"], img1.data.tensors["pixel_values"]]),
         ref["pixel_values"],
     )
     assert n0 == int(ref["image_grid_thw"][0].prod())
-    assert torch.equal(vid.encoder_input.tensors["pixel_values_videos"], ref["pixel_values_videos"])
+    assert torch.equal(vid.data.tensors["pixel_values_videos"], ref["pixel_values_videos"])
     assert vid.grid_thw == tuple(ref["video_grid_thw"][0].tolist()) and vid.grid_thw[0] == 4
 
 
@@ -135,11 +135,9 @@ def test_audio_matches_hf(audio):
     ref = hf(text=[text], audio=[a1, a2], sampling_rate=16000, return_tensors="pt")
     assert out.prompt_token_ids == ref["input_ids"][0].tolist()
     for k, it in enumerate(out.items):
-        assert torch.allclose(it.encoder_input.tensors["input_features"][0], ref["input_features"][k])
-        assert torch.equal(
-            it.encoder_input.tensors["feature_attention_mask"][0], ref["feature_attention_mask"][k]
-        )
-    assert out.items[0].num_embeds == 32  # 130 frames → conv (stride 2) 65 → avg-pool (2, 2) 32
+        assert torch.allclose(it.data.tensors["input_features"][0], ref["input_features"][k])
+        assert torch.equal(it.data.tensors["feature_attention_mask"][0], ref["feature_attention_mask"][k])
+    assert out.items[0].length == 32  # 130 frames → conv (stride 2) 65 → avg-pool (2, 2) 32
     assert not audio.uses_mrope and audio.sampling_rate == 16000
 
 
@@ -152,7 +150,7 @@ def test_cache_hit_skips_processor_and_keeps_ids(vl):
     ]
     first = vl.preprocess_sync(msgs)
     it = first.items[0]
-    meta = EmbeddingMeta(it.mm_hash, "image", it.num_embeds, 64, "float32", it.grid_thw)
+    meta = EmbeddingMeta(it.mm_hash, "image", it.length, 64, "float32", it.grid_thw)
     calls, pcache = vl.num_processor_calls, vl.processor_cache.stats()
     seen: list[list[str]] = []
 
@@ -163,7 +161,7 @@ def test_cache_hit_skips_processor_and_keeps_ids(vl):
     again = vl.preprocess_sync(msgs, lookup)
     assert seen == [[it.mm_hash]]
     assert again.prompt_token_ids == first.prompt_token_ids
-    assert again.items[0].encoder_input is None and again.items[0].grid_thw == it.grid_thw
+    assert again.items[0].data is None and again.items[0].grid_thw == it.grid_thw
     assert vl.num_processor_calls == calls and vl.processor_cache.stats()["hits"] == pcache["hits"]
     # uuid only: an unknown name is a miss naming the item; once sent with the bytes, the name
     # resolves to their mm_hash and is served from the cache; an evicted entry is a miss again
@@ -192,7 +190,7 @@ def test_cache_hit_skips_processor_and_keeps_ids(vl):
     ]
     assert vl.preprocess_sync(named, lambda hs: {it.mm_hash: meta}).items[0].mm_hash == it.mm_hash
     served = vl.preprocess_sync(msgs_uuid, lambda hs: {it.mm_hash: meta})
-    assert served.items[0].mm_hash == it.mm_hash and served.items[0].num_embeds == it.num_embeds
+    assert served.items[0].mm_hash == it.mm_hash and served.items[0].length == it.length
     with pytest.raises(MMCacheMiss):
         vl.preprocess_sync(msgs_uuid, lambda hs: {})
 
@@ -215,7 +213,7 @@ def test_an_inline_cache_hit_is_prepared_without_a_turn_of_the_loop(vl):
     ]
     first = vl.preprocess_sync(msgs)
     metas = {
-        it.mm_hash: EmbeddingMeta(it.mm_hash, "image", it.num_embeds, 64, "float32", it.grid_thw)
+        it.mm_hash: EmbeddingMeta(it.mm_hash, "image", it.length, 64, "float32", it.grid_thw)
         for it in first.items
     }
 
@@ -239,9 +237,7 @@ def test_processor_cache_skips_repeat_work(vl):
     calls = vl.num_processor_calls
     b = vl.preprocess_sync(msgs)
     assert vl.num_processor_calls == calls
-    assert torch.equal(
-        a.items[0].encoder_input.tensors["pixel_values"], b.items[0].encoder_input.tensors["pixel_values"]
-    )
+    assert torch.equal(a.items[0].data.tensors["pixel_values"], b.items[0].data.tensors["pixel_values"])
 
 
 def test_limit_mm_per_prompt(vl, audio):

@@ -76,14 +76,14 @@ def test_images_and_video_match_hf(pre: Preprocessor) -> None:
     assert out.prompt_token_ids == ref["input_ids"][0].tolist()
     img0, img1, vid = out.items
     for item, i in ((img0, 0), (img1, 1)):
-        assert item.encoder_input is not None
-        pv = item.encoder_input.tensors["pixel_values"]
+        assert item.data is not None
+        pv = item.data.tensors["pixel_values"]
         rows = [int(g.prod()) for g in ref["image_grid_thw"]]
         ref_pv = ref["pixel_values"].split(rows)[i]
         torch.testing.assert_close(pv, ref_pv, atol=1e-5, rtol=1e-5)
         assert item.grid_thw == tuple(ref["image_grid_thw"][i].tolist())
-    assert vid.encoder_input is not None
-    assert torch.equal(vid.encoder_input.tensors["pixel_values_videos"], ref["pixel_values_videos"])
+    assert vid.data is not None
+    assert torch.equal(vid.data.tensors["pixel_values_videos"], ref["pixel_values_videos"])
     assert vid.grid_thw == tuple(ref["video_grid_thw"][0].tolist())
     assert meta["sampled_frames"] == 4  # 2 s of video at video_fps=2
 

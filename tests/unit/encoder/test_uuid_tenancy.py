@@ -36,8 +36,8 @@ def _send(vl: Preprocessor, cache: Cache, tenant: str | None, data: bytes | None
     ref = MediaRef("image", data=data, uuid=uuid, tenant=tenant)
     out = vl.preprocess_sync([{"role": "user", "content": [{"type": "image", "media": ref}]}], cache.lookup)
     (item,) = out.items
-    if item.encoder_input is not None:  # processed: it is in the cache from now on
-        cache.metas[item.mm_hash] = EmbeddingMeta(item.mm_hash, "image", item.num_embeds, 8, "float32")
+    if item.data is not None:  # processed: it is in the cache from now on
+        cache.metas[item.mm_hash] = EmbeddingMeta(item.mm_hash, "image", item.length, 8, "float32")
     return item.mm_hash
 
 

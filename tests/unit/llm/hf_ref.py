@@ -79,7 +79,7 @@ def build_case(
     for i, (off, n, modality, grid) in enumerate(spans):
         assert embeds is not None
         mm_hash = mm_hashes[i] if mm_hashes else f"{modality}-{i}"
-        mm_inputs.append(MultiModalInput(embeds[off : off + n].clone(), off, mm_hash, modality, grid))
+        mm_inputs.append(MultiModalInput.of(embeds[off : off + n].clone(), off, mm_hash, modality, grid))
     return RefCase(ids, mm_inputs, inputs)
 
 

@@ -72,12 +72,12 @@ def test_audio_model_rejects_bad_items(audio, tiny_audio_dir) -> None:
     clip = build_case(hf, proc, f"x {AUDIO}", audio=[make_audio_array(0.5)], sampling_rate=16000)
     eng = LLMEngine(EngineConfig(model=str(tiny_audio_dir), num_kv_blocks=16))
     item = clip.mm_inputs[0]
-    shifted = type(item)(item.embeddings, len(clip.prompt) - 2, item.mm_hash, "audio")
+    shifted = type(item).of(item.embeddings, len(clip.prompt) - 2, item.mm_hash, "audio")
     with pytest.raises(RequestRejected, match="audio item 0") as e:
         eng.add_request("r", clip.prompt, GREEDY, [shifted])
     assert e.value.code == "bad_mm_input"
     with pytest.raises(RequestRejected, match="modality"):
-        eng.add_request("r", clip.prompt, GREEDY, [type(item)(item.embeddings, item.offset, "h", "smell")])
+        eng.add_request("r", clip.prompt, GREEDY, [type(item).of(item.embeddings, item.offset, "h", "smell")])
 
 
 def test_half_precision_and_derived_pool(audio, tiny_audio_dir) -> None:

@@ -73,7 +73,7 @@ def case(gemma: tuple[Any, Any], text: str, images: list[Image.Image] | None = N
     for i, (off, n) in enumerate(spans):
         assert embeds is not None
         items.append(
-            MultiModalInput(embeds[off : off + n].clone(), off, (hashes or {}).get(i, f"img-{i}"), "image")
+            MultiModalInput.of(embeds[off : off + n].clone(), off, (hashes or {}).get(i, f"img-{i}"), "image")
         )
     return RefCase(ids, items, inputs)
 

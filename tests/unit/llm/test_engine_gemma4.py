@@ -72,7 +72,7 @@ def case(gemma: tuple[Any, Any], text: str, images=None, audios=None, hashes=Non
     for i, (off, n, modality) in enumerate(spans):
         assert embeds is not None
         mm_hash = (hashes or {}).get(i, f"{modality}-{i}")
-        items.append(MultiModalInput(embeds[off : off + n].clone(), off, mm_hash, modality))
+        items.append(MultiModalInput.of(embeds[off : off + n].clone(), off, mm_hash, modality))
     return RefCase(ids, items, inputs)
 
 

@@ -67,7 +67,7 @@ def poisoned(case: RefCase) -> list[MultiModalInput]:
     (m,) = case.mm_inputs
     emb = m.embeddings.clone()
     emb[1, 3] = float("inf")
-    return [MultiModalInput(emb, m.offset, "poison-" + m.mm_hash, m.modality, m.grid_thw)]
+    return [MultiModalInput.of(emb, m.offset, "poison-" + m.mm_hash, m.modality, m.grid_thw)]
 
 
 def run_all(eng: LLMEngine, reqs: dict[str, GenerateRequest]) -> dict[str, list[Any]]:

@@ -52,7 +52,7 @@ def three_items(vl: tuple[Any, Any]) -> tuple[RefCase, list[int]]:
 
 def _pending(items: list[MultiModalInput]) -> list[MultiModalInput]:
     """The items as the engine is first given them: everything but their rows."""
-    return [dataclasses.replace(m, embeddings=None, num_rows=m.length) for m in items]
+    return [dataclasses.replace(m, embeddings=None) for m in items]
 
 
 def _step_until_waiting(eng: Any, tokens: list[int]) -> None:

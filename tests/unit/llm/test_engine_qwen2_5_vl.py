@@ -59,7 +59,9 @@ def video_case(hf: Any, proc: Any, text: str, num_frames: int, fps: float, seed:
     case = build_case(hf, proc, text, [mm_hash], videos=[frames], video_metadata=[meta])
     seconds = iter(case.hf_inputs["second_per_grid_ts"].tolist())
     items = [
-        dataclasses.replace(m, second_per_grid_ts=next(seconds)) if m.modality == "video" else m
+        dataclasses.replace(m, feature=dataclasses.replace(m.feature, second_per_grid_ts=next(seconds)))
+        if m.modality == "video"
+        else m
         for m in case.mm_inputs
     ]
     return RefCase(case.prompt, items, case.hf_inputs)

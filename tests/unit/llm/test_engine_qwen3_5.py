@@ -64,13 +64,13 @@ def video_case(hf: Any, proc: Any, text: str, images: list[Any] | None = None) -
     for i, grid in enumerate(inputs.get("image_grid_thw", [])):
         off, n = runs(ids, hf.config.image_token_id)[i]
         items.append(
-            MultiModalInput(main[off : off + n].clone(), off, f"image-{i}", "image", tuple(grid.tolist()))
+            MultiModalInput.of(main[off : off + n].clone(), off, f"image-{i}", "image", tuple(grid.tolist()))
         )
     t, h, w = inputs["video_grid_thw"][0].tolist()
     video_runs = runs(ids, hf.config.video_token_id)
     assert len(video_runs) == t == 3
     for off, n in video_runs:
-        items.append(MultiModalInput(main[off : off + n].clone(), off, "video-0", "video", (1, h, w)))
+        items.append(MultiModalInput.of(main[off : off + n].clone(), off, "video-0", "video", (1, h, w)))
     items.sort(key=lambda m: m.offset)
     return RefCase(ids, items, inputs)
 
@@ -199,7 +199,7 @@ def test_poisoned_neighbour_fails_alone_and_states_stay_right(vl, model_dir, bud
     for i, c in enumerate(normal):
         eng.add_request(f"ok{i}", c.prompt, GREEDY, c.mm_inputs)
     eng.add_request(
-        "bad", bad.prompt, GREEDY, [MultiModalInput(emb, m.offset, "poison", "image", m.grid_thw)]
+        "bad", bad.prompt, GREEDY, [MultiModalInput.of(emb, m.offset, "poison", "image", m.grid_thw)]
     )
     got: dict[str, list[int]] = {"ok0": [], "ok1": [], "bad": []}
     errors = {}

@@ -73,7 +73,7 @@ def with_levels(hf: Any, case: RefCase) -> RefCase:
     for m in case.mm_inputs:
         rows = [row_of[p] for p in range(m.offset, m.end)]
         full = torch.cat([m.embeddings, *(level[rows] for level in levels)], dim=-1)
-        items.append(MultiModalInput(full, m.offset, m.mm_hash, m.modality, m.grid_thw))
+        items.append(MultiModalInput.of(full, m.offset, m.mm_hash, m.modality, m.grid_thw))
     return RefCase(case.prompt, items, case.hf_inputs)
 
 
@@ -99,13 +99,13 @@ def video_case(hf: Any, proc: Any, text: str, images: list[Any] | None = None) -
     for i, grid in enumerate(inputs.get("image_grid_thw", [])):
         off, n = runs(ids, hf.config.image_token_id)[i]
         items.append(
-            MultiModalInput(main[off : off + n].clone(), off, f"image-{i}", "image", tuple(grid.tolist()))
+            MultiModalInput.of(main[off : off + n].clone(), off, f"image-{i}", "image", tuple(grid.tolist()))
         )
     t, h, w = inputs["video_grid_thw"][0].tolist()
     video_runs = runs(ids, hf.config.video_token_id)
     assert len(video_runs) == t == 3
     for off, n in video_runs:
-        items.append(MultiModalInput(main[off : off + n].clone(), off, "video-0", "video", (1, h, w)))
+        items.append(MultiModalInput.of(main[off : off + n].clone(), off, "video-0", "video", (1, h, w)))
     items.sort(key=lambda m: m.offset)
     return with_levels(hf, RefCase(ids, items, inputs))
 
@@ -142,7 +142,7 @@ def test_one_image_and_deepstack_matters(vl, model_dir) -> None:
     assert run(engine(model_dir), [case]) == [expected]
     flat = item.embeddings.clone()
     flat[:, HIDDEN:] = 0  # the same image without its DeepStack levels answers otherwise
-    plain = RefCase(case.prompt, [MultiModalInput(flat, item.offset, "no-ds", "image", item.grid_thw)], {})
+    plain = RefCase(case.prompt, [MultiModalInput.of(flat, item.offset, "no-ds", "image", item.grid_thw)], {})
     assert run(engine(model_dir), [plain]) != [expected]
 
 

@@ -183,7 +183,7 @@ def test_stop_at_eos_and_rejections(vl, tiny_vl_dir) -> None:
     assert e.value.code == "bad_sampling_params"
     img = build_case(hf, proc, f"x {IMG}", images=[image(64, 48, 1)])
     item = img.mm_inputs[0]
-    bad_grid = type(item)(item.embeddings, item.offset, item.mm_hash, "image", (1, 2, 2))
+    bad_grid = type(item).of(item.embeddings, item.offset, item.mm_hash, "image", (1, 2, 2))
     with pytest.raises(RequestRejected, match="grid_thw") as e:
         eng.add_request("g", img.prompt, GREEDY, [bad_grid])
     assert e.value.code == "bad_mm_input"
@@ -191,10 +191,13 @@ def test_stop_at_eos_and_rejections(vl, tiny_vl_dir) -> None:
         eng.add_request("o", img.prompt[:-3], GREEDY, [item])
     with pytest.raises(RequestRejected, match="overlaps"):
         eng.add_request("ov", img.prompt, GREEDY, [item, item])
-    with pytest.raises(RequestRejected, match=r"expected \[n, 64\]"):
+    n = item.length
+    with pytest.raises(RequestRejected, match=rf"shape \({n}, 8\), expected \[{n}, 64\]"):
         eng.add_request(
-            "h", img.prompt, GREEDY, [type(item)(item.embeddings[:, :8], item.offset, "h", "image")]
+            "h", img.prompt, GREEDY, [type(item).of(item.embeddings[:, :8], item.offset, "h", "image")]
         )
+    with pytest.raises(RequestRejected, match=rf"shape \({n - 1}, 64\), expected \[{n}, 64\]"):
+        eng.add_request("rows", img.prompt, GREEDY, [type(item)(item.feature, item.embeddings[1:])])
     assert not eng.has_unfinished_requests()
 
 
@@ -233,12 +236,7 @@ def _drive(eng: Any, rid: str) -> list[int]:
 def _without_rows(case: RefCase) -> list[Any]:
     from llm_service.multimodal import MultiModalInput
 
-    return [
-        MultiModalInput(
-            None, m.offset, m.mm_hash, m.modality, m.grid_thw, m.second_per_grid_ts, num_rows=m.length
-        )
-        for m in case.mm_inputs
-    ]
+    return [MultiModalInput(m.feature, None) for m in case.mm_inputs]
 
 
 def test_an_image_whose_span_is_prefix_cached_needs_no_embeddings(vl, tiny_vl_dir) -> None:

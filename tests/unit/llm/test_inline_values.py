@@ -13,20 +13,20 @@ import numpy as np
 import pytest
 import torch
 
-from encoder_service.preprocess.prepared import PreparedItem, PreparedRequest, with_values
+from encoder_service.preprocess.prepared import PreparedRequest, with_values
 from encoder_service.serve.deployment import stored_form
 from llm_service.embeddings import EmbeddingsLost, resolve_embeddings
-from llm_service.request_spec import EmbeddingRef, LLMRequestSpec
+from llm_service.request_spec import LLMRequestSpec
 from llm_service.sampling_params import SamplingParams
-from router.llm_spec import embedding_refs
+from mmcore.feature import MediaFeature
 
 
-def _items() -> list[EmbeddingRef]:
+def _items() -> list[MediaFeature]:
     pre = PreparedRequest(
         [1] * 20,
         [
-            PreparedItem("h1", "image", 2, 4, (1, 4, 4), ["ref1"]),
-            PreparedItem("h2", "image", 8, 4, (1, 4, 4), ["ref2"]),
+            MediaFeature(0, "image", "h1", 2, 4, grid_thw=(1, 4, 4), ref=["ref1"]),
+            MediaFeature(1, "image", "h2", 8, 4, grid_thw=(1, 4, 4), ref=["ref2"]),
         ],
         1,
         {},
@@ -34,7 +34,7 @@ def _items() -> list[EmbeddingRef]:
     held = {"ref1": stored_form(torch.full((4, 3), 1.5, dtype=torch.bfloat16))}
     back = pickle.loads(pickle.dumps(with_values(pre, held.get)))  # the answer to the ingress
     assert back == pre and back.items[1].value is None
-    return embedding_refs(back.items)
+    return back.items
 
 
 def test_values_cross_the_spec_wire_form_beside_their_refs() -> None:
@@ -45,7 +45,7 @@ def test_values_cross_the_spec_wire_form_beside_their_refs() -> None:
     name, bits = with_value.value
     assert name == "bfloat16" and isinstance(bits, np.ndarray)
     plain = LLMRequestSpec(
-        "r", [1] * 20, SamplingParams(max_tokens=1), [EmbeddingRef(["r"], 0, 4, "h", "image")]
+        "r", [1] * 20, SamplingParams(max_tokens=1), [MediaFeature(0, "image", "h", 0, 4, ref=["r"])]
     )
     assert pickle.loads(pickle.dumps(plain)).mm_items[0].value is None
 

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from llm_service.embeddings import EmbeddingsLost
-from llm_service.request_spec import EmbeddingRef, LLMRequestSpec
+from llm_service.request_spec import LLMRequestSpec
+from mmcore.feature import MediaFeature
 from llm_service.serve.deployment import LLMServer
 from router.llm_client import LLMClient
 from tests.unit.llm.hf_ref import GREEDY, IMG, N, build_case, hf_generate, hf_model, image
@@ -32,7 +33,9 @@ def case(tiny_vl_dir: Path) -> Any:
 def _items(case: Any) -> list[EmbeddingRef]:
     """The request's items with their refs (what each arrival carries)."""
     return [
-        EmbeddingRef([Ref(m.embeddings)], m.offset, m.length, m.mm_hash, m.modality, m.grid_thw)
+        MediaFeature(
+            0, m.modality, m.mm_hash, m.offset, m.length, grid_thw=m.grid_thw, ref=[Ref(m.embeddings)]
+        )
         for m in sorted(case.mm_inputs, key=lambda m: m.offset)
     ]
 

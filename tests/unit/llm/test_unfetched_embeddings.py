@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from llm_service.config import EngineConfig
-from llm_service.request_spec import EmbeddingRef, LLMRequestSpec
+from llm_service.request_spec import LLMRequestSpec
+from mmcore.feature import MediaFeature
 from llm_service.serve.deployment import LLMServer
 from router.llm_client import LLMClient
 from tests.unit.llm.hf_ref import GREEDY, IMG, N, build_case, hf_generate, hf_model, image
@@ -33,14 +34,7 @@ def _server(tiny_vl_dir: Path) -> LLMServer:
 
 def _spec(rid: str, case: Any, ref: Any) -> LLMRequestSpec:
     m = case.mm_inputs[0]
-    item = EmbeddingRef(
-        ref=[ref],
-        offset=m.offset,
-        length=m.length,
-        mm_hash=m.mm_hash,
-        modality=m.modality,
-        grid_thw=m.grid_thw,
-    )
+    item = MediaFeature(0, m.modality, m.mm_hash, m.offset, m.length, grid_thw=m.grid_thw, ref=[ref])
     return LLMRequestSpec(rid, list(case.prompt), GREEDY, [item])
 
 

@@ -28,13 +28,12 @@ from encoder_service.types import (
     EncodedItem,
     EncoderInput,
     MediaRef,
-    MultiModalItem,
-    PlaceholderRange,
     PreprocessedRequest,
 )
 from llm_service.embeddings import EmbeddingsLost, resolve_embeddings
 from llm_service.outputs import RequestOutput
-from llm_service.request_spec import EmbeddingRef, LLMRequestSpec, SubmitReply
+from llm_service.request_spec import LLMRequestSpec, SubmitReply
+from mmcore.feature import MediaFeature
 from llm_service.sampling_params import SamplingParams
 from router.errors import APIError
 from router.messages import NormalizedChat
@@ -75,14 +74,14 @@ class FakePreprocess:
         hashes = [p["hash"] for p in messages[0]["content"]]
         found = await lookup(hashes) if lookup is not None else {}
         items = [
-            MultiModalItem(
-                index=i,
-                mm_hash=h,
-                modality="image",
-                placeholder=PlaceholderRange(1 + i * N, N),
-                grid_thw=(1, 4, 4),
-                metadata={},
-                encoder_input=None if h in found else EncoderInput(h, "image", N, (1, 4, 4)),
+            MediaFeature(
+                i,
+                "image",
+                h,
+                1 + i * N,
+                N,
+                (1, 4, 4),
+                data=None if h in found else EncoderInput(h, "image", N, (1, 4, 4)),
             )
             for i, h in enumerate(hashes)
         ]
@@ -281,7 +280,7 @@ def test_other_llm_errors_pass_through_and_leave_nothing_held() -> None:
 
 
 def test_resolve_embeddings_names_every_lost_item_and_prefers_other_errors() -> None:
-    items = [EmbeddingRef([FakeRef(o)], 0, N, h, "image") for o, h in (("dead", H1), ("ok", H2))]
+    items = [MediaFeature(0, "image", h, 0, N, ref=[FakeRef(o)]) for o, h in (("dead", H1), ("ok", H2))]
 
     async def lost_or_ok(ref: FakeRef) -> str:
         if ref.owner == "dead":

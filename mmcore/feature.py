@@ -1,0 +1,82 @@
+"""One media item's record from the preprocessed prompt to the model runner (vLLM's
+``MultiModalFeatureSpec``): what it is (modality, content hash), where its embeddings go in the prompt,
+the facts the LLM's positions need, and, once encoded, where its embeddings are. Each stage passes the
+same record on and adds what it learns with ``dataclasses.replace``; none copies it into one of its own.
+
+An item is one record per placeholder run: most items are one run; a Qwen3-VL video is one run per
+temporal patch (timestamps between them), the runs sharing the mm_hash, each taking its ``rows`` of
+the item's embeddings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from mmcore.wire import from_fields, to_fields
+
+Modality = Literal["image", "video", "audio"]
+MODALITIES: tuple[Modality, ...] = ("image", "video", "audio")
+
+
+@dataclass(frozen=True)
+class PlaceholderRange:
+    """Where an item's embeddings sit in the prompt: token positions ``[offset, offset + length)``."""
+
+    offset: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+@dataclass(frozen=True)
+class MediaFeature:
+    index: int  # the item's position among the request's media items (errors name it)
+    modality: Modality
+    mm_hash: str  # content hash: the encoder cache's key, and part of the prefix-cache block hashes
+    offset: int  # the run's first prompt position
+    length: int  # its number of embeddings (prompt positions)
+    grid_thw: tuple[int, int, int] | None = None  # patch grid before the spatial merge (M-RoPE)
+    second_per_grid_ts: float | None = None  # a video's seconds per temporal patch (Qwen2.5-VL positions)
+    rows: tuple[int, int] | None = None  # the rows of the item's embeddings this run takes (None: all)
+    metadata: dict[str, object] | None = None  # facts for logs (size, frames, source): preprocessor only
+    # What the encoder takes for it (``encoder_service.types.EncoderInput``), on the first run of an
+    # item the preprocessor processed; dropped once it is encoded or cached. Never in the msgpack.
+    data: object = field(default=None, compare=False, repr=False)
+    # Where the embeddings are once encoded: ``[ObjectRef]`` (empty while still encoding), and the
+    # stored form itself when small (the encoder replica that put it sends it along; the LLM replica
+    # takes it instead of fetching). Both travel beside the record's msgpack, so Ray counts the ref.
+    ref: list[object] = field(default_factory=list, compare=False)
+    value: object = field(default=None, compare=False, repr=False)
+
+    BESIDE = ("ref", "value", "data")
+
+    @property
+    def placeholder(self) -> PlaceholderRange:
+        return PlaceholderRange(self.offset, self.length)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+    @property
+    def pending(self) -> bool:
+        """Still being encoded: no ref and no value yet (they arrive later)."""
+        return not self.ref and self.value is None
+
+    def to_wire(self) -> dict[str, Any]:
+        return to_fields(self, self.BESIDE, omit_defaults=True)
+
+    @classmethod
+    def from_wire(
+        cls, d: Mapping[str, Any], ref: list[object] | None = None, value: object = None, data: object = None
+    ) -> MediaFeature:
+        return from_fields(cls, d, ref=list(ref or []), value=value, data=data)
+
+    def encoded(self, ref: list[object] | None = None) -> MediaFeature:
+        """The record as it goes on once its embeddings exist (or are still to come, ``ref`` None):
+        where they are, and nothing the preprocessor alone needed."""
+        return replace(self, ref=list(ref or []), data=None, metadata=None)
