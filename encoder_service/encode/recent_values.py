@@ -13,7 +13,6 @@ Bounded by entries and by each value's size; the oldest go first. Pure Python: n
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any
 
 INLINE_VALUE_BYTES = 100 * 1024  # Ray's max_direct_call_object_size default
 MAX_ENTRIES = 256  # a few encoder steps' items; at most 25 MiB held
@@ -23,13 +22,14 @@ class RecentValues:
     def __init__(self, max_entries: int = MAX_ENTRIES, max_bytes: int = INLINE_VALUE_BYTES) -> None:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
-        self._values: OrderedDict[str, Any] = OrderedDict()
+        # ref id -> the stored form (``serve/deployment.stored_form``): kept and handed back as it is
+        self._values: OrderedDict[str, object] = OrderedDict()
         self.taken = 0  # values handed to forwarded requests
 
     def __len__(self) -> int:
         return len(self._values)
 
-    def put(self, ref_id: str, value: Any, nbytes: int) -> None:
+    def put(self, ref_id: str, value: object, nbytes: int) -> None:
         """Keep ``value`` (the object ``ref_id`` names) if it is small enough to send inline."""
         if nbytes > self.max_bytes or self.max_entries <= 0:
             return
@@ -38,7 +38,7 @@ class RecentValues:
         while len(self._values) > self.max_entries:
             self._values.popitem(last=False)
 
-    def get(self, ref_id: str) -> Any | None:
+    def get(self, ref_id: str) -> object | None:
         value = self._values.get(ref_id)
         if value is not None:
             self.taken += 1

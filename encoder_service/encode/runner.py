@@ -14,7 +14,7 @@ most that many embeddings (``plan_encoder_batches``).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -48,7 +48,7 @@ class EncoderRunner:
         tp_rank: int = 0,
         tp_size: int = 1,
         tp_mode: TPMode = "weights",
-        process_group: Any = None,
+        process_group: dist.ProcessGroup | None = None,
         max_num_encoder_input_tokens: int | None = None,
     ) -> None:
         if dtype not in DTYPES:

@@ -21,11 +21,12 @@ from __future__ import annotations
 import asyncio
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TypedDict, cast
 
 import ray
 import torch
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.actor import ActorHandle
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from encoder_service.encode.runner import EncoderRunner, TPMode
@@ -44,11 +45,19 @@ RANK_START_TIMEOUT_S = 120.0  # actors into bundles that are already reserved
 LOAD_TIMEOUT_S = 900.0  # process-group rendezvous and loading a large tower's weights
 
 
-def _get(refs: Any, timeout_s: float, what: str) -> Any:
+def _get(refs: ray.ObjectRef | list[ray.ObjectRef], timeout_s: float, what: str) -> object:
+    """``ray.get`` bounded; its callers name what the ranks' methods return (``cast``)."""
     try:
         return ray.get(refs, timeout=timeout_s)
     except ray.exceptions.GetTimeoutError as e:
         raise RuntimeError(f"encoder TP group: gave up after {timeout_s:.0f} s waiting for {what}") from e
+
+
+class RankInfo(TypedDict):
+    """Rank 0's model facts (``EncoderRankWorker.info``)."""
+
+    family: str
+    hidden_size: int
 
 
 class EncoderRankWorker:
@@ -84,7 +93,7 @@ class EncoderRankWorker:
             max_num_encoder_input_tokens=max_num_encoder_input_tokens,
         )
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> RankInfo:
         return {"family": self.runner.family, "hidden_size": self.runner.hidden_size}
 
     def encode(self, inputs: list[EncoderInput]) -> list[torch.Tensor] | None:
@@ -114,8 +123,8 @@ class EncoderTPGroup:
         self.tp_mode = tp_mode
         self._lock = threading.Lock()
         self._runner: EncoderRunner | None = None
-        self._actors: list[Any] = []
-        self._pg: Any = None
+        self._actors: list[ActorHandle] = []
+        self._pg: PlacementGroup | None = None
         if tp_size == 1:
             self._runner = EncoderRunner(
                 model_dir,
@@ -150,14 +159,19 @@ class EncoderTPGroup:
 
     def _start_ranks(
         self, model_dir: str, tp_mode: TPMode, dtype: str, device: str, max_tokens: int | None
-    ) -> dict[str, Any]:
+    ) -> RankInfo:
         """Rendezvous at rank 0's node, every rank loads its shard; rank 0's model facts."""
-        nodes = _get(
-            [a.node_address.remote() for a in self._actors], RANK_START_TIMEOUT_S, "rank actors to start"
+        nodes = cast(
+            "list[tuple[str, str]]",  # EncoderRankWorker.node_address's, per rank
+            _get(
+                [a.node_address.remote() for a in self._actors], RANK_START_TIMEOUT_S, "rank actors to start"
+            ),
         )
         # One node: loopback. Several (PACK may spread CPU ranks): rank 0's node IP.
         host = "127.0.0.1" if len({n for n, _ in nodes}) == 1 else nodes[0][1]
-        port = _get(self._actors[0].pick_port.remote(host), RANK_START_TIMEOUT_S, "rank 0 to pick a port")
+        port = cast(
+            int, _get(self._actors[0].pick_port.remote(host), RANK_START_TIMEOUT_S, "rank 0 to pick a port")
+        )
         init_method = f"tcp://{host}:{port}"
         size = len(self._actors)
         starts = [
@@ -165,11 +179,13 @@ class EncoderTPGroup:
             for rank, a in enumerate(self._actors)
         ]
         _get(starts, LOAD_TIMEOUT_S, "every rank to join the process group and load its weights")
-        return dict(_get(self._actors[0].info.remote(), RANK_START_TIMEOUT_S, "rank 0's model info"))
+        return cast(
+            RankInfo, _get(self._actors[0].info.remote(), RANK_START_TIMEOUT_S, "rank 0's model info")
+        )
 
     def _placement(
         self, tp_size: int, cpus: float, gpus: float, resources: dict[str, float] | None
-    ) -> tuple[Any, int]:
+    ) -> tuple[PlacementGroup, int]:
         """The placement group the ranks go in, and the bundle index of rank 0.
 
         Inside a Serve replica deployed with ``placement_group_bundles`` (cluster/app.py), that group
@@ -192,7 +208,7 @@ class EncoderTPGroup:
         self._pg = placement_group([dict(bundle) for _ in range(tp_size)], strategy=strategy)
         return self._pg, 0
 
-    def _submit(self, inputs: list[EncoderInput]) -> Any:
+    def _submit(self, inputs: list[EncoderInput]) -> ray.ObjectRef:
         """Send the batch to every rank; the ref of rank 0's result."""
         if not self._actors:
             raise RuntimeError("EncoderTPGroup is shut down")

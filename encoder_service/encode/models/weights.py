@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -21,7 +20,7 @@ class CheckpointReader:
     def __init__(self, model_dir: str | Path, dtype: torch.dtype) -> None:
         self.model_dir = Path(model_dir)
         self.dtype = dtype
-        self._handles: dict[Path, Any] = {}
+        self._handles: dict[Path, safe_open] = {}  # open files, read lazily
         index = self.model_dir / "model.safetensors.index.json"
         if index.exists():
             weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]

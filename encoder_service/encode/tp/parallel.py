@@ -12,7 +12,6 @@ One all-reduce per row-parallel layer; the bias is added once, after the reducti
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,7 +24,7 @@ class TPContext:
 
     rank: int = 0
     size: int = 1
-    group: Any = None
+    group: dist.ProcessGroup | None = None
 
     @property
     def enabled(self) -> bool:
