@@ -14,7 +14,7 @@ and a uuid re-points the name at those bytes' mm_hash; a part with a uuid alone 
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Mapping
 
 import blake3
 
@@ -22,7 +22,11 @@ HASH_VERSION = b"mmserve-mm-hash-v2"  # v2: content only (v1 let a uuid replace 
 ALIAS_VERSION = b"mmserve-uuid-alias-v1"
 
 
-def _canonical(value: Any) -> Any:
+# What canonical JSON is made of: JSON's own values, each dict key a string.
+Canonical = dict[str, "Canonical"] | list["Canonical"] | str | int | float | bool | None
+
+
+def _canonical(value: object) -> Canonical:
     if isinstance(value, dict):
         return {str(k): _canonical(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -36,7 +40,7 @@ def _canonical(value: Any) -> Any:
     return str(value)
 
 
-def canonical_kwargs(kwargs: dict[str, Any]) -> bytes:
+def canonical_kwargs(kwargs: Mapping[str, object]) -> bytes:
     return json.dumps(_canonical(kwargs), sort_keys=True, separators=(",", ":")).encode()
 
 
@@ -52,7 +56,7 @@ def compute_mm_hash(
     model_id: str,
     modality: str,
     data: bytes,
-    processor_kwargs: dict[str, Any] | bytes | None = None,
+    processor_kwargs: Mapping[str, object] | bytes | None = None,
 ) -> str:
     """Hex digest identifying one item's encoder output: its bytes under these processor settings.
 

@@ -11,13 +11,18 @@ from __future__ import annotations
 
 import io
 import math
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from encoder_service.preprocess.errors import MediaDecodeError, MediaTooLarge, UnsupportedMediaType
 from encoder_service.preprocess.media.containers import AUDIO_CONTAINERS, open_container, require_container
+from encoder_service.preprocess.media.decoded import MediaMetadata
 from encoder_service.preprocess.media.limits import MediaLimits
+
+if TYPE_CHECKING:
+    import soxr
+    from av.audio.frame import AudioFrame
 
 _BLOCK_SAMPLES = 1 << 17  # samples (frames x channels) per soundfile read: 512 KB of float32
 # what libsndfile calls each accepted container
@@ -33,7 +38,7 @@ class _MonoSink:
         self.frames = 0
         self.samples = 0
         self.parts: list[np.ndarray] = []
-        self._stream: Any = None
+        self._stream: soxr.ResampleStream | None = None
 
     def start(self, sr: int, channels: int, declared_frames: int | None) -> None:
         if sr <= 0 or channels <= 0:
@@ -93,7 +98,7 @@ def decode_audio(
     *,
     item: int | None = None,
     label: str = "audio",
-) -> tuple[np.ndarray, dict[str, Any]]:
+) -> tuple[np.ndarray, MediaMetadata]:
     """Decoder exceptions are left to ``loader.decode_media``'s one mapping (``errors.decoding``)."""
     import soundfile as sf
 
@@ -113,7 +118,11 @@ def decode_audio(
                 sink.push(block)
             name = snd.format
     wave = sink.finish()
-    meta = {"seconds": round(sink.frames / sink.sr, 3), "orig_sampling_rate": sink.sr, "format": name}
+    meta: MediaMetadata = {
+        "seconds": round(sink.frames / sink.sr, 3),
+        "orig_sampling_rate": sink.sr,
+        "format": name,
+    }
     return wave, meta
 
 
@@ -131,7 +140,7 @@ def _decode_with_av(data: bytes, fmt: str, sink: _MonoSink, label: str, item: in
         return str(container.format.name)
 
 
-def _frame_to_block(frame: Any, channels: int) -> np.ndarray:
+def _frame_to_block(frame: AudioFrame, channels: int) -> np.ndarray:
     """A PyAV audio frame → ``[frames, channels]`` float32 in [-1, 1]."""
     raw = frame.to_ndarray()
     arr = raw.astype(np.float32)

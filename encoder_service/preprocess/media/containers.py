@@ -14,9 +14,12 @@ demuxer named explicitly (no probing), from an in-memory buffer, with every nest
 from __future__ import annotations
 
 import io
-from typing import Any
+from typing import TYPE_CHECKING, NoReturn
 
 from encoder_service.preprocess.errors import UnsupportedMediaType, URLNotAllowed
+
+if TYPE_CHECKING:
+    from av.container import InputContainer
 
 VIDEO_CONTAINERS: tuple[str, ...] = ("mp4", "matroska", "avi", "mpegts")
 AUDIO_CONTAINERS: tuple[str, ...] = ("wav", "flac", "mp3", "ogg")
@@ -91,12 +94,12 @@ def require_container(data: bytes, allowed: tuple[str, ...], kind: str, label: s
 SAFE_CONTAINER_OPTIONS = {"protocol_whitelist": "memory_only_no_protocol", "enable_drefs": "0"}
 
 
-def _refuse_nested_open(url: str, flags: int, options: dict[str, Any]) -> Any:
+def _refuse_nested_open(url: str, flags: int, options: dict[str, str]) -> NoReturn:
     """PyAV's ``io_open`` hook: a demuxer asked to open another URL (playlist, reference). Never."""
     raise URLNotAllowed(f"media tried to open {url!r}; containers may not reference other files or URLs")
 
 
-def open_container(data: bytes, container: str) -> Any:
+def open_container(data: bytes, container: str) -> InputContainer:
     """``av.open`` on the in-memory bytes with the demuxer named; no probing, no nested opens."""
     import av
 

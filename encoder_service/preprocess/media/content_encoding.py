@@ -10,7 +10,6 @@ refused with 415.
 from __future__ import annotations
 
 import zlib
-from typing import Any
 
 from encoder_service.preprocess.errors import MediaFetchError, MediaTooLarge, UnsupportedMediaType
 
@@ -28,7 +27,7 @@ class CappedDecoder:
         if len(codings) > 1:
             raise UnsupportedMediaType(f"{label}: stacked Content-Encoding {content_encoding!r}", item=item)
         self.coding = codings[0] if codings else None
-        self._z: Any = None
+        self._z: zlib._Decompress | None = None
         if self.coding in ("gzip", "x-gzip"):
             self._z = zlib.decompressobj(16 + zlib.MAX_WBITS)
         elif self.coding not in (None, "deflate"):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass
-from typing import Any
 
 from PIL import Image, JpegImagePlugin, UnidentifiedImageError
 
@@ -24,6 +23,7 @@ from encoder_service.preprocess.errors import (
     decoder_error,
     decoding,
 )
+from encoder_service.preprocess.media.decoded import MediaMetadata
 from encoder_service.preprocess.media.limits import MediaLimits
 
 # Pillow guesses among every plugin it has (PPM, IM, SGI, DDS, PSD, EPS, ...); a hostile body picks the
@@ -45,7 +45,7 @@ class DecodedImage:
     def reduced(self) -> bool:
         return self.image.size != (self.width, self.height)
 
-    def metadata(self) -> dict[str, Any]:
+    def metadata(self) -> MediaMetadata:
         return {"width": self.width, "height": self.height, "format": self.format}
 
 
@@ -111,7 +111,7 @@ def decode_opened(
 
 def decode_image(
     data: bytes, limits: MediaLimits, *, item: int | None = None, label: str = "image"
-) -> tuple[Image.Image, dict[str, Any]]:
+) -> tuple[Image.Image, MediaMetadata]:
     """Full-size RGB image and its metadata (width, height, format)."""
     decoded = decode_image_scaled(data, limits, item=item, label=label)
     return decoded.image, decoded.metadata()

@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol, cast
+
+
+class _Config(Protocol):
+    """A pydantic model with ``MediaLimits``' fields (``cluster.config.MediaLimitsConfig``)."""
+
+    def model_dump(self) -> Mapping[str, object]: ...
 
 
 @dataclass(frozen=True)
@@ -34,11 +41,12 @@ class MediaLimits:
         return int(self.max_audio_seconds * self.max_audio_samples_per_second)
 
     @classmethod
-    def from_config(cls, cfg: Any) -> MediaLimits:
+    def from_config(cls, cfg: _Config | dict[str, object]) -> MediaLimits:
         """Build from a ``MediaLimitsConfig`` (or anything with its fields, e.g. a dict)."""
         raw = cfg if isinstance(cfg, dict) else cfg.model_dump()
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in raw.items() if k in names}
-        if kwargs.get("allowed_domains") is not None:
-            kwargs["allowed_domains"] = tuple(kwargs["allowed_domains"])
-        return cls(**kwargs)
+        domains = kwargs.get("allowed_domains")
+        if domains is not None:
+            kwargs["allowed_domains"] = tuple(cast("Iterable[str]", domains))
+        return cls(**kwargs)  # type: ignore[arg-type]  # each value as the config gives it, unchecked

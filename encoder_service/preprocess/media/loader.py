@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any
 
 import httpx
 
 from encoder_service.preprocess.errors import InvalidMediaInput, decoding
 from encoder_service.preprocess.media.audio import decode_audio
+from encoder_service.preprocess.media.decoded import MediaMetadata, MediaValue
 from encoder_service.preprocess.media.fetch import FetchedMedia, fetch_media_bytes
 from encoder_service.preprocess.media.image import decode_image
 from encoder_service.preprocess.media.limits import MediaLimits
@@ -28,8 +28,8 @@ class LoadedMedia:
 
     modality: Modality
     data: bytes
-    value: Any
-    metadata: dict[str, Any] = field(default_factory=dict)
+    value: MediaValue
+    metadata: MediaMetadata = field(default_factory=MediaMetadata)
 
 
 def decode_media(
@@ -51,8 +51,8 @@ def decode_media(
     (``errors.decoding``): the decoders themselves raise only their limit and format errors.
     """
     label = modality if item is None else f"{modality} {item}"
-    meta: dict[str, Any]
-    value: Any
+    meta: MediaMetadata
+    value: MediaValue
     with decoding(label, item):
         if modality == "image":
             value, meta = decode_image(fetched.data, limits, item=item, label=label)
@@ -96,6 +96,25 @@ async def load_media(
     )
 
 
-def load_media_sync(ref: MediaRef, limits: MediaLimits, **kwargs: Any) -> LoadedMedia:
+def load_media_sync(
+    ref: MediaRef,
+    limits: MediaLimits,
+    *,
+    item: int | None = None,
+    sampling_rate: int = 16000,
+    frame_multiple: int = 1,
+    client: httpx.AsyncClient | None = None,
+    resolver: Resolver = resolve_host,
+) -> LoadedMedia:
     """``load_media`` for callers without an event loop."""
-    return asyncio.run(load_media(ref, limits, **kwargs))
+    return asyncio.run(
+        load_media(
+            ref,
+            limits,
+            item=item,
+            sampling_rate=sampling_rate,
+            frame_multiple=frame_multiple,
+            client=client,
+            resolver=resolver,
+        )
+    )

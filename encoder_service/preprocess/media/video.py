@@ -14,13 +14,19 @@ scaled, as they are decoded, to the size the clip started with, so the output is
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from encoder_service.preprocess.errors import MediaDecodeError, MediaTooLarge, UnsupportedMediaType
 from encoder_service.preprocess.media.containers import VIDEO_CONTAINERS, open_container, require_container
+from encoder_service.preprocess.media.decoded import MediaMetadata
 from encoder_service.preprocess.media.limits import MediaLimits
+
+if TYPE_CHECKING:
+    from av.container import InputContainer
+    from av.video.frame import VideoFrame
+    from av.video.stream import VideoStream
 
 
 def sample_frame_indices(total: int, want: int) -> list[int]:
@@ -54,7 +60,7 @@ def target_frame_size(width: int, height: int, max_pixels: int | None) -> tuple[
     return max(1, math.floor(width * scale)), max(1, math.floor(height * scale))
 
 
-def _seconds(container: Any, stream: Any, rate: float) -> float:
+def _seconds(container: InputContainer, stream: VideoStream, rate: float) -> float:
     if stream.duration is not None and stream.time_base is not None:
         return float(stream.duration * stream.time_base)
     if container.duration is not None:
@@ -70,7 +76,7 @@ def decode_video(
     item: int | None = None,
     label: str = "video",
     max_frame_pixels: int | None = None,
-) -> tuple[np.ndarray, dict[str, Any]]:
+) -> tuple[np.ndarray, MediaMetadata]:
     """Decoder exceptions are left to ``loader.decode_media``'s one mapping (``errors.decoding``).
 
     ``max_frame_pixels``: what the processor keeps of a frame (e.g. Qwen2-VL video's ``max_pixels``);
@@ -102,7 +108,7 @@ def decode_video(
         picked = sampler.run(stream, container)
         name = container.format.name
     height, width = picked.shape[1:3]
-    meta = {
+    meta: MediaMetadata = {
         "width": int(width),
         "height": int(height),
         "seconds": round(seconds, 3),
@@ -138,7 +144,7 @@ class _FrameSampler:
         self.filled = [False] * len(indices)
         self.decoded_pixels = 0
 
-    def run(self, stream: Any, container: Any) -> np.ndarray:
+    def run(self, stream: VideoStream, container: InputContainer) -> np.ndarray:
         import av
 
         per_frame = self.limits.max_video_pixels_per_frame
@@ -170,7 +176,7 @@ class _FrameSampler:
                 item=self.item,
             )
 
-    def _keep(self, i: int, frame: Any) -> None:
+    def _keep(self, i: int, frame: VideoFrame) -> None:
         if self.out is None:
             w, h = target_frame_size(frame.width, frame.height, self.max_frame_pixels)
             self.out = np.empty((len(self.indices), h, w, 3), np.uint8)
