@@ -15,19 +15,20 @@ What differs from Qwen2 (math as transformers' ``Gemma3TextModel``, so greedy ou
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
 from llm_service.attention import AttentionMetadata, PagedAttention
+from llm_service.models.hf_config import ConfigDict, opt_number, section, to_float, to_int, to_list
 from llm_service.models.qwen2 import PositionScheme, Qwen2ForCausalLM, TextConfig, rotate_half
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # transformers' Gemma3TextConfig defaults: released config.json files leave some of these out
-TEXT_DEFAULTS = {
+TEXT_DEFAULTS: ConfigDict = {
     "vocab_size": 262_208,
     "hidden_size": 2304,
     "intermediate_size": 9216,
@@ -55,8 +56,10 @@ class Gemma3TextConfig(TextConfig):
         return [self.sliding_window if s else None for s in self.layer_is_sliding]
 
     @classmethod
-    def from_hf_config(cls, model_dir: str | Path, cfg: dict[str, Any], scheme: PositionScheme) -> TextConfig:
-        text: dict[str, Any] = {**TEXT_DEFAULTS, **(cfg.get("text_config") or cfg)}
+    def from_hf_config(
+        cls, model_dir: str | Path, cfg: Mapping[str, object], scheme: PositionScheme
+    ) -> TextConfig:
+        text: ConfigDict = {**TEXT_DEFAULTS, **(section(cfg, "text_config") or cfg)}
         if text.get("attn_logit_softcapping") is not None:
             raise ValueError(f"{model_dir}: attn_logit_softcapping (Gemma 2) is not supported")
         if text.get("use_bidirectional_attention"):
@@ -69,45 +72,47 @@ class Gemma3TextConfig(TextConfig):
             model_dir, {**cfg, "text_config": {**text, "rope_parameters": None}}, scheme
         )
         local, glob = _rope_parameters(model_dir, text)
-        num_layers = int(text["num_hidden_layers"])
-        types = text.get("layer_types")
-        if types is None:  # older configs: every ``sliding_window_pattern``-th layer is global
-            pattern = int(text.get("sliding_window_pattern", 6))
+        num_layers = to_int(text["num_hidden_layers"])
+        layer_types = text.get("layer_types")
+        if layer_types is None:  # older configs: every ``sliding_window_pattern``-th layer is global
+            pattern = to_int(text.get("sliding_window_pattern", 6))
             types = [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]
+        else:
+            types = [str(t) for t in to_list(layer_types)]
         if len(types) != num_layers or set(types) - {SLIDING, FULL}:
             raise ValueError(f"{model_dir}: layer_types must name {num_layers} sliding/full attention layers")
         values = {f.name: getattr(base, f.name) for f in fields(TextConfig)}
         values.update(rope_theta=glob[0], tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)))
         return cls(
             **values,
-            sliding_window=int(text.get("sliding_window") or 4096),
+            sliding_window=to_int(text.get("sliding_window") or 4096),
             layer_is_sliding=tuple(t == SLIDING for t in types),
             local_rope_theta=local[0],
             global_rope_factor=glob[1],
-            query_pre_attn_scalar=float(text.get("query_pre_attn_scalar", base.head_dim)),
-            final_logit_softcapping=text.get("final_logit_softcapping"),
+            query_pre_attn_scalar=to_float(text.get("query_pre_attn_scalar", base.head_dim)),
+            final_logit_softcapping=opt_number(text.get("final_logit_softcapping")),
         )
 
 
-def _rope_parameters(model_dir: str | Path, text: dict[str, Any]) -> tuple[tuple[float, float], ...]:
+def _rope_parameters(model_dir: str | Path, text: Mapping[str, object]) -> tuple[tuple[float, float], ...]:
     """``(theta, linear factor)`` of the local and the global layers, from either config layout."""
-    params = text.get("rope_parameters") or {}
+    params = section(text, "rope_parameters")
     if SLIDING not in params:  # older layout: rope_theta, rope_local_base_freq, rope_scaling
-        scaling = text.get("rope_scaling") or {}
+        scaling = section(text, "rope_scaling")
         params = {
             SLIDING: {"rope_type": "default", "rope_theta": text.get("rope_local_base_freq", 10000.0)},
             FULL: {"rope_type": "default", "rope_theta": text.get("rope_theta", 1000000.0), **scaling},
         }
     out = []
     for kind, default_theta in ((SLIDING, 10000.0), (FULL, 1000000.0)):
-        p = params.get(kind) or {}
+        p = section(params, kind)
         rope_type = p.get("rope_type", p.get("type", "default"))
         if rope_type not in ("default", "linear"):
             raise ValueError(
                 f"{model_dir}: {kind} rope_type {rope_type!r} is not supported (default, linear)"
             )
-        factor = float(p.get("factor", 1.0)) if rope_type == "linear" else 1.0
-        out.append((float(p.get("rope_theta", default_theta)), factor))
+        factor = to_float(p.get("factor", 1.0)) if rope_type == "linear" else 1.0
+        out.append((to_float(p.get("rope_theta", default_theta)), factor))
     return tuple(out)
 
 

@@ -8,15 +8,16 @@ KV-shared layer reads (``kv_sharing_modes``: the last non-shared layer of its ow
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
 
+from llm_service.models.hf_config import ConfigDict, opt_number, section, to_float, to_int, to_list
 from llm_service.models.qwen2 import PositionScheme, TextConfig
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # transformers' Gemma4TextConfig defaults: config.json files may leave these out
-TEXT_DEFAULTS: dict[str, Any] = {
+TEXT_DEFAULTS: ConfigDict = {
     "vocab_size": 262_144,
     "hidden_size": 2304,
     "intermediate_size": 9216,
@@ -31,7 +32,7 @@ TEXT_DEFAULTS: dict[str, Any] = {
     "vocab_size_per_layer_input": 262_144,
     "hidden_size_per_layer_input": 256,
 }
-DEFAULT_ROPE = {
+DEFAULT_ROPE: dict[str, ConfigDict] = {
     SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
     FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
 }
@@ -66,8 +67,10 @@ class Gemma4TextConfig(TextConfig):
     mm_token_ids: tuple[int, ...] = ()  # image / video / audio placeholders: PLE looks up pad for them
 
     @classmethod
-    def from_hf_config(cls, model_dir: str | Path, cfg: dict[str, Any], scheme: PositionScheme) -> TextConfig:
-        text: dict[str, Any] = {**TEXT_DEFAULTS, **(cfg.get("text_config") or cfg)}
+    def from_hf_config(
+        cls, model_dir: str | Path, cfg: Mapping[str, object], scheme: PositionScheme
+    ) -> TextConfig:
+        text: ConfigDict = {**TEXT_DEFAULTS, **(section(cfg, "text_config") or cfg)}
         bidir = text.get("use_bidirectional_attention")
         if bidir not in (None, "vision"):
             raise ValueError(
@@ -80,8 +83,11 @@ class Gemma4TextConfig(TextConfig):
         base = TextConfig.from_hf_config(
             model_dir, {**cfg, "text_config": {**text, "rope_parameters": {}}}, scheme
         )
-        n = int(text["num_hidden_layers"])
-        types = text.get("layer_types") or [SLIDING if (i + 1) % 6 else FULL for i in range(n)]
+        n = to_int(text["num_hidden_layers"])
+        types = [
+            str(t)
+            for t in to_list(text.get("layer_types") or [SLIDING if (i + 1) % 6 else FULL for i in range(n)])
+        ]
         types = [*types[:-1], FULL]  # HF forces the last layer to full attention
         if len(types) != n or set(types) - {SLIDING, FULL}:
             raise ValueError(f"{model_dir}: layer_types must name {n} sliding/full attention layers")
@@ -90,30 +96,30 @@ class Gemma4TextConfig(TextConfig):
         values = {f.name: getattr(base, f.name) for f in fields(TextConfig)}
         values.update(tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)))
         mm_ids = tuple(
-            int(cfg[k])
+            to_int(cfg[k])
             for k in ("image_token_id", "video_token_id", "audio_token_id")
             if cfg.get(k) is not None
         )
-        rope = text.get("rope_parameters") or DEFAULT_ROPE
+        rope = section(text, "rope_parameters") or DEFAULT_ROPE
         return cls(
             **values,
-            sliding_window=int(text["sliding_window"]),
+            sliding_window=to_int(text["sliding_window"]),
             layer_is_sliding=tuple(t == SLIDING for t in types),
             layer_head_dims=head_dims,
             layer_kv_heads=kv_heads,
-            kv_source=kv_sources(model_dir, types, int(text.get("num_kv_shared_layers") or 0)),
-            rope_sliding=_rope(model_dir, SLIDING, rope.get(SLIDING) or DEFAULT_ROPE[SLIDING]),
-            rope_full=_rope(model_dir, FULL, rope.get(FULL) or DEFAULT_ROPE[FULL]),
-            final_logit_softcapping=text.get("final_logit_softcapping"),
-            ple_dim=int(text.get("hidden_size_per_layer_input") or 0),
-            ple_vocab_size=int(text["vocab_size_per_layer_input"]),
+            kv_source=kv_sources(model_dir, types, to_int(text.get("num_kv_shared_layers") or 0)),
+            rope_sliding=_rope(model_dir, SLIDING, section(rope, SLIDING) or DEFAULT_ROPE[SLIDING]),
+            rope_full=_rope(model_dir, FULL, section(rope, FULL) or DEFAULT_ROPE[FULL]),
+            final_logit_softcapping=opt_number(text.get("final_logit_softcapping")),
+            ple_dim=to_int(text.get("hidden_size_per_layer_input") or 0),
+            ple_vocab_size=to_int(text["vocab_size_per_layer_input"]),
             attention_k_eq_v=bool(text.get("attention_k_eq_v")),
             double_wide_shared_mlp=bool(text.get("use_double_wide_mlp")),
-            num_experts=int(text["num_experts"]) if moe else 0,
-            top_k_experts=int(text["top_k_experts"]) if moe else 0,
-            moe_intermediate_size=int(text["moe_intermediate_size"]) if moe else 0,
+            num_experts=to_int(text["num_experts"]) if moe else 0,
+            top_k_experts=to_int(text["top_k_experts"]) if moe else 0,
+            moe_intermediate_size=to_int(text["moe_intermediate_size"]) if moe else 0,
             bidirectional_vision=bidir == "vision",
-            pad_token_id=int(text["pad_token_id"] if text.get("pad_token_id") is not None else 0),
+            pad_token_id=to_int(text["pad_token_id"] if text.get("pad_token_id") is not None else 0),
             mm_token_ids=mm_ids,
         )
 
@@ -139,20 +145,23 @@ class Gemma4TextConfig(TextConfig):
         return [owners.index(src) for src in self.kv_source]
 
 
-def _per_layer_shapes(text: dict[str, Any], types: list[str]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _per_layer_shapes(
+    text: Mapping[str, object], types: list[str]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Head dim and KV heads per layer: ``per_layer_config`` when the file has it (transformers 5.25
     writes it), else what ``Gemma4TextConfig.__post_init__`` derives from ``global_head_dim``."""
-    per_layer: dict[str, Any] | None = text.get("per_layer_config")
-    if per_layer is None:
-        full: dict[str, Any] = {"head_dim": int(text.get("global_head_dim", 512))}
+    if text.get("per_layer_config") is None:
+        full: ConfigDict = {"head_dim": to_int(text.get("global_head_dim", 512))}
         if text.get("attention_k_eq_v") and text.get("num_global_key_value_heads") is not None:
-            full["num_key_value_heads"] = int(text["num_global_key_value_heads"])
-        per_layer = {str(i): full for i, t in enumerate(types) if t == FULL}
+            full["num_key_value_heads"] = to_int(text["num_global_key_value_heads"])
+        per_layer: ConfigDict = {str(i): full for i, t in enumerate(types) if t == FULL}
+    else:
+        per_layer = section(text, "per_layer_config")
     dims, heads = [], []
     for i in range(len(types)):
-        over = per_layer.get(str(i)) or per_layer.get(i) or {}  # type: ignore[call-overload]
-        dims.append(int(over.get("head_dim", text["head_dim"])))
-        heads.append(int(over.get("num_key_value_heads", text["num_key_value_heads"])))
+        over = section(per_layer, str(i))
+        dims.append(to_int(over.get("head_dim", text["head_dim"])))
+        heads.append(to_int(over.get("num_key_value_heads", text["num_key_value_heads"])))
     return tuple(dims), tuple(heads)
 
 
@@ -169,13 +178,13 @@ def kv_sources(model_dir: str | Path, types: list[str], num_shared: int) -> tupl
     return tuple(i if i < first_shared else last_of[types[i]] for i in range(n))
 
 
-def _rope(model_dir: str | Path, kind: str, p: dict[str, Any]) -> RopeSpec:
+def _rope(model_dir: str | Path, kind: str, p: Mapping[str, object]) -> RopeSpec:
     rope_type = p.get("rope_type", "default")
     if rope_type not in ("default", "proportional"):
         raise ValueError(
             f"{model_dir}: {kind} rope_type {rope_type!r} is not supported (default, proportional)"
         )
-    theta = float(p.get("rope_theta", 10_000.0 if kind == SLIDING else 1_000_000.0))
+    theta = to_float(p.get("rope_theta", 10_000.0 if kind == SLIDING else 1_000_000.0))
     if rope_type == "default":
         return RopeSpec(theta)
-    return RopeSpec(theta, float(p.get("partial_rotary_factor", 1.0)), float(p.get("factor", 1.0)))
+    return RopeSpec(theta, to_float(p.get("partial_rotary_factor", 1.0)), to_float(p.get("factor", 1.0)))

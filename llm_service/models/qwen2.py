@@ -8,14 +8,16 @@ Qwen2-VL text models so greedy outputs agree token for token.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from torch import nn
 
 from llm_service.attention import AttentionMetadata, PagedAttention
+from llm_service.models.hf_config import number, section, to_float, to_int, to_list
 
 PositionScheme = Literal["rope", "mrope", "mrope_abs_time"]
 
@@ -40,35 +42,37 @@ class TextConfig:
     tokens_per_second: float | None = None  # set for "mrope_abs_time" (Qwen2.5-VL video positions)
 
     @classmethod
-    def from_hf_config(cls, model_dir: str | Path, cfg: dict[str, Any], scheme: PositionScheme) -> TextConfig:
+    def from_hf_config(
+        cls, model_dir: str | Path, cfg: Mapping[str, object], scheme: PositionScheme
+    ) -> TextConfig:
         """The decoder's facts from a ``config.json`` dict (text fields top-level or under ``text_config``)."""
-        text: dict[str, Any] = cfg.get("text_config") or cfg
-        arch = (cfg.get("architectures") or ["Qwen2ForCausalLM"])[0]
+        text = section(cfg, "text_config") or cfg
+        arch = str(to_list(cfg.get("architectures") or ["Qwen2ForCausalLM"])[0])
         if text.get("use_sliding_window"):
             raise ValueError(f"{model_dir}: sliding-window attention (use_sliding_window) is not supported")
-        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        rope = section(text, "rope_parameters") or section(text, "rope_scaling")
         theta = rope.get("rope_theta", text.get("rope_theta", 10000.0))
         mrope = None
         if scheme != "rope":
-            mrope = rope.get("mrope_section") or [16, 24, 24]  # transformers' default
-        vision: dict[str, Any] = cfg.get("vision_config") or {}
+            mrope = to_list(rope.get("mrope_section") or [16, 24, 24])  # transformers' default
+        vision = section(cfg, "vision_config")
         tps = None
         if scheme == "mrope_abs_time":
-            tps = float(vision.get("tokens_per_second", 4))  # transformers' default
-        heads = text["num_attention_heads"]
-        head_dim = text.get("head_dim") or text["hidden_size"] // heads
+            tps = to_float(vision.get("tokens_per_second", 4))  # transformers' default
+        heads = to_int(text["num_attention_heads"])
+        head_dim = to_int(text.get("head_dim") or to_int(text["hidden_size"]) // heads)
         return cls(
-            vocab_size=text["vocab_size"],
-            hidden_size=text["hidden_size"],
-            intermediate_size=text["intermediate_size"],
-            num_layers=text["num_hidden_layers"],
+            vocab_size=to_int(text["vocab_size"]),
+            hidden_size=to_int(text["hidden_size"]),
+            intermediate_size=to_int(text["intermediate_size"]),
+            num_layers=to_int(text["num_hidden_layers"]),
             num_heads=heads,
-            num_kv_heads=text.get("num_key_value_heads", heads),
+            num_kv_heads=to_int(text.get("num_key_value_heads", heads)),
             head_dim=head_dim,
-            rms_norm_eps=text.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
-            mrope_section=tuple(mrope) if mrope else None,
-            spatial_merge_size=vision.get("spatial_merge_size", 2),
+            rms_norm_eps=number(text.get("rms_norm_eps", 1e-6)),
+            rope_theta=to_float(theta),
+            mrope_section=tuple(to_int(m) for m in mrope) if mrope else None,
+            spatial_merge_size=to_int(vision.get("spatial_merge_size", 2)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
             eos_token_ids=_eos_ids(Path(model_dir), cfg, text),
             architecture=arch,
@@ -86,14 +90,14 @@ class TextConfig:
         return [None] * len(self.kv_layer_specs())
 
 
-def _eos_ids(d: Path, cfg: dict[str, Any], text: dict[str, Any]) -> tuple[int, ...]:
+def _eos_ids(d: Path, cfg: Mapping[str, object], text: Mapping[str, object]) -> tuple[int, ...]:
     gen_path = d / "generation_config.json"
-    eos = json.loads(gen_path.read_text()).get("eos_token_id") if gen_path.exists() else None
+    eos: object = json.loads(gen_path.read_text()).get("eos_token_id") if gen_path.exists() else None
     if eos is None:
         eos = cfg.get("eos_token_id", text.get("eos_token_id"))
     if eos is None:
         return ()
-    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+    return tuple(to_int(e) for e in eos) if isinstance(eos, list) else (to_int(eos),)
 
 
 class RMSNorm(nn.Module):

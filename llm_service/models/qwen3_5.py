@@ -17,9 +17,9 @@ the runner allocates KV for and what a block's bytes are. ``layer_types`` has ev
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,7 @@ from torch import nn
 from llm_service.attention import AttentionMetadata, PagedAttention
 from llm_service.linear_states import LinearStates, Snapshot, StateShapes, StepStates
 from llm_service.models.gated_delta import causal_conv, chunk_rule, conv_step, l2norm, recurrent_step
+from llm_service.models.hf_config import section, to_float, to_int, to_list
 from llm_service.models.qwen2 import MLP, PositionScheme, Qwen2ForCausalLM, TextConfig, rotate_half
 from llm_service.models.qwen3_vl import InterleavedMRope
 
@@ -46,18 +47,23 @@ class Qwen35TextConfig(TextConfig):
     attention_bias: bool = False
 
     @classmethod
-    def from_hf_config(cls, model_dir: str | Path, cfg: dict[str, Any], scheme: PositionScheme) -> TextConfig:
-        text: dict[str, Any] = cfg.get("text_config") or cfg
-        rope = text.get("rope_parameters") or {}
+    def from_hf_config(
+        cls, model_dir: str | Path, cfg: Mapping[str, object], scheme: PositionScheme
+    ) -> TextConfig:
+        text = section(cfg, "text_config") or cfg
+        rope = section(text, "rope_parameters")
         if not rope.get("mrope_interleaved", True):
             raise ValueError(
                 f"{model_dir}: Qwen3.5 with contiguous (non-interleaved) M-RoPE is not supported"
             )
         base = TextConfig.from_hf_config(model_dir, cfg, scheme)
-        n = int(text["num_hidden_layers"])
-        interval = int(text.get("full_attention_interval", 4))
+        n = to_int(text["num_hidden_layers"])
+        interval = to_int(text.get("full_attention_interval", 4))
         types = tuple(
-            text.get("layer_types") or [FULL if (i + 1) % interval == 0 else LINEAR for i in range(n)]
+            str(t)
+            for t in to_list(
+                text.get("layer_types") or [FULL if (i + 1) % interval == 0 else LINEAR for i in range(n)]
+            )
         )
         if len(types) != n or set(types) - {LINEAR, FULL}:
             raise ValueError(f"{model_dir}: layer_types must name {n} linear/full attention layers")
@@ -65,15 +71,17 @@ class Qwen35TextConfig(TextConfig):
             **{f.name: getattr(base, f.name) for f in fields(TextConfig)}
             | {
                 "num_layers": types.count(FULL),
-                "mrope_section": tuple(rope.get("mrope_section") or (11, 11, 10)),  # transformers' default
+                "mrope_section": tuple(
+                    to_int(m) for m in to_list(rope.get("mrope_section") or (11, 11, 10))
+                ),  # transformers' default
             },
             layer_types=types,
-            rotary_dim=int(base.head_dim * float(rope.get("partial_rotary_factor", 0.25))),
-            linear_num_key_heads=int(text.get("linear_num_key_heads", 16)),
-            linear_num_value_heads=int(text.get("linear_num_value_heads", 32)),
-            linear_key_head_dim=int(text.get("linear_key_head_dim", 128)),
-            linear_value_head_dim=int(text.get("linear_value_head_dim", 128)),
-            linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim", 4)),
+            rotary_dim=int(base.head_dim * to_float(rope.get("partial_rotary_factor", 0.25))),
+            linear_num_key_heads=to_int(text.get("linear_num_key_heads", 16)),
+            linear_num_value_heads=to_int(text.get("linear_num_value_heads", 32)),
+            linear_key_head_dim=to_int(text.get("linear_key_head_dim", 128)),
+            linear_value_head_dim=to_int(text.get("linear_value_head_dim", 128)),
+            linear_conv_kernel_dim=to_int(text.get("linear_conv_kernel_dim", 4)),
             attention_bias=bool(text.get("attention_bias", False)),
         )
 

@@ -17,14 +17,15 @@ positions a prefix-cache hit skips are not computed at all (their cached KV alre
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
 from llm_service.attention import AttentionMetadata, PagedAttention
+from llm_service.models.hf_config import section, to_list
 from llm_service.models.qwen2 import (
     MLP,
     PositionScheme,
@@ -42,19 +43,21 @@ class Qwen3VLTextConfig(TextConfig):
     deepstack_levels: int = 0  # len(vision_config.deepstack_visual_indexes)
 
     @classmethod
-    def from_hf_config(cls, model_dir: str | Path, cfg: dict[str, Any], scheme: PositionScheme) -> TextConfig:
-        text: dict[str, Any] = cfg.get("text_config") or cfg
-        rope = text.get("rope_parameters") or {}
+    def from_hf_config(
+        cls, model_dir: str | Path, cfg: Mapping[str, object], scheme: PositionScheme
+    ) -> TextConfig:
+        text = section(cfg, "text_config") or cfg
+        rope = section(text, "rope_parameters")
         if not rope.get("mrope_interleaved", True):
             raise ValueError(
                 f"{model_dir}: Qwen3-VL with contiguous (non-interleaved) M-RoPE is not supported"
             )
         base = TextConfig.from_hf_config(model_dir, cfg, scheme)
-        vision: dict[str, Any] = cfg.get("vision_config") or {}
+        vision = section(cfg, "vision_config")
         return cls(
             **{f.name: getattr(base, f.name) for f in fields(TextConfig)},
             attention_bias=bool(text.get("attention_bias", False)),
-            deepstack_levels=len(vision.get("deepstack_visual_indexes", (8, 16, 24))),
+            deepstack_levels=len(to_list(vision.get("deepstack_visual_indexes", (8, 16, 24)))),
         )
 
 
