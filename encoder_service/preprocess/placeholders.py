@@ -6,8 +6,8 @@ Pure (no torch, no Ray): the family adapter and the preprocessor's items are pas
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 from encoder_service.preprocess.errors import InvalidMediaInput
 from encoder_service.types import EncoderInput, MediaRef
@@ -23,9 +23,11 @@ class Placed(Protocol):
     num_embeds: int
     grid_thw: tuple[int, int, int] | None
     encoder_input: EncoderInput | None
-    metadata: dict[str, Any] | None
     second_per_grid_ts: float | None
     frame_times: list[float] | None
+
+    @property
+    def metadata(self) -> Mapping[str, object] | None: ...  # read here only: any mapping will do
 
 
 class Family(Protocol):

@@ -23,7 +23,7 @@ import asyncio
 import copy
 import inspect
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +99,7 @@ class Preprocessor:
         self._resolver = resolver
         self._http = http_client
         self.aliases: AliasStore = aliases or LocalAliases()  # uuid names; shared ones when serving
-        self._kwargs_bytes: dict[Modality, tuple[dict[str, Any], bytes]] = {}
+        self._kwargs_bytes: dict[Modality, tuple[dict[str, object], bytes]] = {}
 
     # ---- family facts the router and engine need -----------------------------------------------------
     @property
@@ -139,7 +139,7 @@ class Preprocessor:
     # ---- the pipeline --------------------------------------------------------------------------------
     async def preprocess(
         self,
-        messages: list[dict[str, Any]],
+        messages: list[dict[str, Any]],  # Any: collect_media's (media_items.py) type, until it is retyped
         lookup: Lookup | None = None,
         *,
         hashes: list[str] | None = None,
@@ -178,7 +178,7 @@ class Preprocessor:
 
     async def _finish(
         self,
-        template_messages: list[dict[str, Any]],
+        template_messages: Sequence[Mapping[str, object]],
         items: list[MediaItem],
         cached: dict[str, EmbeddingMeta],
         process: bool,
@@ -217,7 +217,9 @@ class Preprocessor:
         return self._tokenize(template_messages, items)
 
     def preprocess_sync(
-        self, messages: list[dict[str, Any]], lookup: Lookup | None = None
+        self,
+        messages: list[dict[str, Any]],  # Any: as in ``preprocess``
+        lookup: Lookup | None = None,
     ) -> PreprocessedRequest:
         """``preprocess`` for callers without an event loop.
 
@@ -343,7 +345,7 @@ class Preprocessor:
         )
         self.processor_cache.put(it.encoder_input)
 
-    def _process_image(self, it: MediaItem) -> tuple[ProcessedItem, dict[str, Any]]:
+    def _process_image(self, it: MediaItem) -> tuple[ProcessedItem, dict[str, object]]:
         """Decode (at reduced scale when the processor shrinks the image that much anyway) and process."""
         assert it.fetched is not None and it.header is not None
         header, it.header = it.header, None  # opened and checked by ``_fetch``; decoded once, here
@@ -354,7 +356,11 @@ class Preprocessor:
         self.num_processor_calls += 1
         out = processed_or_422(lambda: self.family.process_image(decoded), "image", it.index)
         self._observe_processing(it, start, decoded_at)
-        meta = {"source": it.fetched.source, "num_bytes": len(it.fetched.data), **decoded.metadata()}
+        meta: dict[str, object] = {
+            "source": it.fetched.source,
+            "num_bytes": len(it.fetched.data),
+            **decoded.metadata(),
+        }
         if decoded.reduced:
             meta["decoded_size"] = list(decoded.image.size)
         return out, meta
@@ -366,22 +372,26 @@ class Preprocessor:
             self.stages.preprocess.observe(now - decoded_at, mm_hash=it.mm_hash)
 
     def _tokenize(
-        self, template_messages: list[dict[str, Any]], items: list[MediaItem]
+        self, template_messages: Sequence[Mapping[str, object]], items: list[MediaItem]
     ) -> PreprocessedRequest:
         hf = self.family.hf
         text = hf.apply_chat_template(template_messages, add_generation_prompt=True, tokenize=False)
         text = self.family.prompt_text(text)
         ids = list(self.family.tokenizer(text)["input_ids"])
         out_ids, mm_items = expand_placeholders(self.family, ids, items)
-        kwargs: dict[str, Any] = {
+        kwargs: dict[str, object] = {
             m: self.family.log_kwargs(m) for m in sorted({it.ref.modality for it in items})
         }
         return PreprocessedRequest(out_ids, mm_items, kwargs)
 
 
-def _text_chars(template_messages: list[dict[str, Any]]) -> int:
+def _text_chars(template_messages: Sequence[Mapping[str, object]]) -> int:
+    """The text the template gets: each message's content is a string or a list of parts (``collect_media``)."""
     n = 0
     for m in template_messages:
         content = m["content"]
-        n += len(content) if isinstance(content, str) else sum(len(p.get("text", "")) for p in content)
+        if isinstance(content, str):
+            n += len(content)
+        elif isinstance(content, list):
+            n += sum(len(p.get("text", "")) for p in content)
     return n

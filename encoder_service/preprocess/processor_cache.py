@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any
 
 from encoder_service.types import EncoderInput
 
@@ -61,7 +60,7 @@ class ProcessorCache:
         self.used_bytes += size
         return True
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, int]:
         return {
             "entries": len(self._entries),
             "used_bytes": self.used_bytes,

@@ -14,9 +14,12 @@ import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from encoder_service.preprocess.tracing import span_between, stage_span
+
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
 
 
 class Observer(Protocol):
@@ -35,7 +38,7 @@ class Stage:
         self.histogram = histogram
 
     def observe(
-        self, seconds: float, *, ago: float = 0.0, mm_hash: str | None = None, parent: Any = None
+        self, seconds: float, *, ago: float = 0.0, mm_hash: str | None = None, parent: Context | None = None
     ) -> None:
         """The stage took ``seconds`` and ended ``ago`` seconds back; ``parent``: the request's trace
         context when this runs outside the request's own task."""

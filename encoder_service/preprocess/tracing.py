@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
@@ -42,7 +41,7 @@ def current() -> otel_context.Context | None:
 
 
 @contextlib.contextmanager
-def remote_span(name: str, carrier: dict[str, str] | None, request_id: str) -> Iterator[Any]:
+def remote_span(name: str, carrier: dict[str, str] | None, request_id: str) -> Iterator[trace.Span | None]:
     """A span for this process's part of a request whose caller sent ``carrier`` (None: untraced, and
     this yields None)."""
     if not carrier:

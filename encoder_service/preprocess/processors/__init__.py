@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from encoder_service.families import encoder_family
 from encoder_service.preprocess.media.limits import MediaLimits
@@ -15,6 +15,9 @@ from encoder_service.preprocess.processors.base import FamilyProcessor, Processe
 from encoder_service.preprocess.processors.qwen2_5_vl import Qwen25VLFamily
 from encoder_service.preprocess.processors.qwen2_audio import Qwen2AudioFamily, audio_num_embeds
 from encoder_service.preprocess.processors.qwen2_vl import Qwen2VLFamily
+
+if TYPE_CHECKING:
+    from transformers import ProcessorMixin
 
 __all__ = [
     "FamilyProcessor",
@@ -28,7 +31,7 @@ __all__ = [
 ]
 
 
-def qwen2_audio_processor(hf_processor: Any, limits: MediaLimits) -> FamilyProcessor:
+def qwen2_audio_processor(hf_processor: ProcessorMixin, limits: MediaLimits) -> FamilyProcessor:
     """The registry's (hf_processor, limits) factory for Qwen2-Audio (its adapter takes no limits)."""
     return Qwen2AudioFamily(hf_processor)
 
@@ -39,6 +42,6 @@ def load_family_processor(model_dir: str | Path, limits: MediaLimits) -> FamilyP
 
     model_type = json.loads((Path(model_dir) / "config.json").read_text())["model_type"]
     family = encoder_family(model_type, str(model_dir))
-    hf: Any = AutoProcessor.from_pretrained(str(model_dir), use_fast=True)
+    hf: ProcessorMixin = AutoProcessor.from_pretrained(str(model_dir), use_fast=True)
     adapter: FamilyProcessor = family.processor_factory()(hf, limits)
     return adapter

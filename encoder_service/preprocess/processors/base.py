@@ -5,22 +5,40 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol, TypedDict
 
+from encoder_service.preprocess.media.decoded import MediaMetadata, MediaValue
 from encoder_service.preprocess.media.image import DecodedImage
 from encoder_service.types import Modality
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import ProcessorMixin
 
 
 @dataclass
 class ProcessedItem:
     """The HF processor's output for one item and how many embeddings it becomes."""
 
-    tensors: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
     num_embeds: int
     grid_thw: tuple[int, int, int] | None
 
 
-def processor_config(proc: Any) -> dict[str, Any]:
+class ItemFacts(TypedDict, total=False):
+    """What the LLM's positions need of one item beyond its grid (``FamilyProcessor.item_metadata``)."""
+
+    second_per_grid_ts: float  # Qwen2.5-VL video: seconds per temporal patch
+    frame_times: list[float]  # Qwen3-VL video: seconds of each temporal patch
+
+
+class JsonConfigured(Protocol):
+    """An HF sub-processor (image or video processor, feature extractor), as ``processor_config`` reads it."""
+
+    def to_json_string(self) -> str: ...
+
+
+def processor_config(proc: JsonConfigured) -> dict[str, object]:
     """A sub-processor's full serialised config (what ``save_pretrained`` writes): stable across processes."""
     return dict(json.loads(proc.to_json_string()))
 
@@ -38,7 +56,7 @@ class FamilyProcessor(ABC):
     sampling_rate: int | None = None
     frame_multiple: int = 1  # sampled video frames are rounded up to a multiple of this
 
-    def __init__(self, hf_processor: Any) -> None:
+    def __init__(self, hf_processor: ProcessorMixin) -> None:
         self.hf = hf_processor
         self.tokenizer = hf_processor.tokenizer
         self.placeholder_token_ids: dict[Modality, int] = {
@@ -46,18 +64,18 @@ class FamilyProcessor(ABC):
         }
 
     @abstractmethod
-    def hash_kwargs(self, modality: Modality) -> dict[str, Any]:
+    def hash_kwargs(self, modality: Modality) -> dict[str, object]:
         """Every setting that changes how an item of ``modality`` is encoded (goes into mm_hash)."""
 
     @abstractmethod
-    def log_kwargs(self, modality: Modality) -> dict[str, Any]:
+    def log_kwargs(self, modality: Modality) -> dict[str, object]:
         """The few settings worth a log line (a subset of ``hash_kwargs``)."""
 
     @abstractmethod
-    def process(self, modality: Modality, value: Any) -> ProcessedItem:
+    def process(self, modality: Modality, value: MediaValue) -> ProcessedItem:
         """Run the HF processor on one decoded item."""
 
-    def item_metadata(self, modality: Modality, media_metadata: Any) -> dict[str, Any]:
+    def item_metadata(self, modality: Modality, media_metadata: MediaMetadata | None) -> ItemFacts:
         """Facts the LLM's positions need beyond the grid, from the decode's metadata (Qwen2.5-VL: a
         video's ``second_per_grid_ts``). The default: none."""
         return {}

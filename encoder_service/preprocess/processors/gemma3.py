@@ -12,11 +12,15 @@ config that enables it is refused at load.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
+from encoder_service.preprocess.media.decoded import MediaValue
 from encoder_service.preprocess.media.limits import MediaLimits
 from encoder_service.preprocess.processors.base import FamilyProcessor, ProcessedItem, processor_config
 from encoder_service.types import Modality
+
+if TYPE_CHECKING:
+    from transformers import ProcessorMixin
 
 
 class Gemma3Family(FamilyProcessor):
@@ -24,7 +28,7 @@ class Gemma3Family(FamilyProcessor):
     placeholder_tokens: ClassVar[dict[Modality, str]] = {"image": "<image_soft_token>"}
     uses_mrope = False
 
-    def __init__(self, hf_processor: Any, limits: MediaLimits) -> None:
+    def __init__(self, hf_processor: ProcessorMixin, limits: MediaLimits) -> None:
         super().__init__(hf_processor)
         tok = hf_processor.tokenizer
         self.placeholder_token_ids = {"image": int(tok.image_token_id)}  # the checkpoint's own name for it
@@ -42,13 +46,13 @@ class Gemma3Family(FamilyProcessor):
     def prompt_text(self, text: str) -> str:
         return text.replace(self.boi_token, self.image_text)
 
-    def hash_kwargs(self, modality: Modality) -> dict[str, Any]:
+    def hash_kwargs(self, modality: Modality) -> dict[str, object]:
         return self._hash_kwargs
 
-    def log_kwargs(self, modality: Modality) -> dict[str, Any]:
+    def log_kwargs(self, modality: Modality) -> dict[str, object]:
         size = self.hf.image_processor.size
         return {"size": [size.height, size.width], "image_seq_length": self.num_tokens}
 
-    def process(self, modality: Modality, value: Any) -> ProcessedItem:
+    def process(self, modality: Modality, value: MediaValue) -> ProcessedItem:
         out = self.hf.image_processor(images=[value], return_tensors="pt")
         return ProcessedItem({"pixel_values": out["pixel_values"]}, self.num_tokens, None)

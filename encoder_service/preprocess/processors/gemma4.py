@@ -17,11 +17,15 @@ the tower's two stride-2 convolutions (one soft token per 40 ms), as HF's proces
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
+from encoder_service.preprocess.media.decoded import MediaValue
 from encoder_service.preprocess.media.limits import MediaLimits
 from encoder_service.preprocess.processors.base import FamilyProcessor, ProcessedItem, processor_config
 from encoder_service.types import Modality
+
+if TYPE_CHECKING:
+    from transformers import ProcessorMixin
 
 
 class Gemma4Family(FamilyProcessor):
@@ -29,7 +33,7 @@ class Gemma4Family(FamilyProcessor):
     placeholder_tokens: ClassVar[dict[Modality, str]] = {"image": "<|image|>", "audio": "<|audio|>"}
     uses_mrope = False
 
-    def __init__(self, hf_processor: Any, limits: MediaLimits) -> None:
+    def __init__(self, hf_processor: ProcessorMixin, limits: MediaLimits) -> None:
         super().__init__(hf_processor)
         tok = hf_processor.tokenizer
         # the checkpoint's own names for them
@@ -42,7 +46,7 @@ class Gemma4Family(FamilyProcessor):
         image, fe = hf_processor.image_processor, hf_processor.feature_extractor
         self.pooling = int(image.pooling_kernel_size)
         self.sampling_rate = int(fe.sampling_rate)
-        self._hash_kwargs: dict[Modality, dict[str, Any]] = {
+        self._hash_kwargs: dict[Modality, dict[str, object]] = {
             "image": processor_config(image),
             "audio": processor_config(fe),
         }
@@ -52,16 +56,16 @@ class Gemma4Family(FamilyProcessor):
             text = text.replace(marker, widened)
         return text
 
-    def hash_kwargs(self, modality: Modality) -> dict[str, Any]:
+    def hash_kwargs(self, modality: Modality) -> dict[str, object]:
         return self._hash_kwargs[modality]
 
-    def log_kwargs(self, modality: Modality) -> dict[str, Any]:
+    def log_kwargs(self, modality: Modality) -> dict[str, object]:
         if modality == "audio":
             return {"sampling_rate": self.sampling_rate}
         image = self.hf.image_processor
         return {"max_soft_tokens": image.max_soft_tokens, "patch_size": image.patch_size}
 
-    def process(self, modality: Modality, value: Any) -> ProcessedItem:
+    def process(self, modality: Modality, value: MediaValue) -> ProcessedItem:
         if modality == "audio":
             out = self.hf.feature_extractor([value], return_tensors="pt")
             mask = out["input_features_mask"]

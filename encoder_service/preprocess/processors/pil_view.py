@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import ctypes
 import warnings
-from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
 
 # ``np.asarray(pil_image)`` is a read-only view of a fresh buffer that only the caller reads; copying it
 # to make it writable would cost a pass over the image for nothing, so torch's one-time warning goes.
@@ -58,7 +58,7 @@ _capsule_pointer.restype = ctypes.c_void_p
 _capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
 
 
-def rgb_view(img: Any) -> tuple[torch.Tensor, Any]:
+def rgb_view(img: Image.Image) -> tuple[torch.Tensor, object]:
     """``([1, C, H, W] uint8, keepalive)`` over ``img``'s pixels: C = 4 zero-copy, or 3 over a copy.
 
     The tensor is valid while ``keepalive`` (and ``img``) live; nothing may write to it."""
@@ -70,7 +70,7 @@ def rgb_view(img: Any) -> tuple[torch.Tensor, Any]:
     return torch.from_numpy(arr).permute(2, 0, 1).unsqueeze(0), keep
 
 
-def _rgbx_array(img: Any) -> tuple[np.ndarray | None, Any]:
+def _rgbx_array(img: Image.Image) -> tuple[np.ndarray | None, object]:
     if not hasattr(img, "__arrow_c_array__"):
         return None, None
     width, height = img.size

@@ -10,21 +10,26 @@ covers, so one mm_hash always has one value.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Final
 
+from encoder_service.preprocess.media.decoded import MediaMetadata
+from encoder_service.preprocess.media.limits import MediaLimits
+from encoder_service.preprocess.processors.base import ItemFacts
 from encoder_service.preprocess.processors.qwen2_vl import Qwen2VLFamily
 from encoder_service.types import Modality
 
-SECOND_PER_GRID_TS = "second_per_grid_ts"  # the item-metadata key (HF's name for the per-video value)
+if TYPE_CHECKING:
+    from transformers import ProcessorMixin
+
+SECOND_PER_GRID_TS: Final = "second_per_grid_ts"  # the item-metadata key (HF's name for the per-video value)
 
 
 class Qwen25VLFamily(Qwen2VLFamily):
-    def __init__(self, hf_processor: Any, *args: Any, **kwargs: Any) -> None:
-        super().__init__(hf_processor, *args, **kwargs)
+    def __init__(self, hf_processor: ProcessorMixin, limits: MediaLimits, *, jpeg_draft: bool = True) -> None:
+        super().__init__(hf_processor, limits, jpeg_draft=jpeg_draft)
         self.temporal_patch_size = int(hf_processor.video_processor.temporal_patch_size)
 
-    def sampled_fps(self, media_metadata: Mapping[str, Any] | None) -> float:
+    def sampled_fps(self, media_metadata: MediaMetadata | None) -> float:
         """Frames kept per second of clip; without the decode's facts, the rate sampling aims at."""
         meta = media_metadata or {}
         frames, seconds = meta.get("sampled_frames"), meta.get("seconds")
@@ -37,10 +42,10 @@ class Qwen25VLFamily(Qwen2VLFamily):
             )
         return float(self.limits.video_fps)
 
-    def second_per_grid_ts(self, media_metadata: Mapping[str, Any] | None) -> float:
+    def second_per_grid_ts(self, media_metadata: MediaMetadata | None) -> float:
         return self.temporal_patch_size / self.sampled_fps(media_metadata)
 
-    def item_metadata(self, modality: Modality, media_metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    def item_metadata(self, modality: Modality, media_metadata: MediaMetadata | None) -> ItemFacts:
         """What the LLM needs beyond the grid to place this item's positions (goes into the item's
         metadata, and from there to ``MultiModalInput.second_per_grid_ts``)."""
         if modality != "video":

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
+from encoder_service.preprocess.media.decoded import MediaValue
 from encoder_service.preprocess.processors.base import FamilyProcessor, ProcessedItem, processor_config
 from encoder_service.types import Modality
+
+if TYPE_CHECKING:
+    from transformers import ProcessorMixin
 
 
 def audio_num_embeds(num_feature_frames: int) -> int:
@@ -19,16 +23,16 @@ class Qwen2AudioFamily(FamilyProcessor):
     placeholder_tokens: ClassVar[dict[Modality, str]] = {"audio": "<|AUDIO|>"}
     uses_mrope = False
 
-    def __init__(self, hf_processor: Any) -> None:
+    def __init__(self, hf_processor: ProcessorMixin) -> None:
         super().__init__(hf_processor)
         fe = hf_processor.feature_extractor
         self.sampling_rate = int(fe.sampling_rate)
         self._hash_kwargs = processor_config(fe)
 
-    def hash_kwargs(self, modality: Modality) -> dict[str, Any]:
+    def hash_kwargs(self, modality: Modality) -> dict[str, object]:
         return self._hash_kwargs
 
-    def log_kwargs(self, modality: Modality) -> dict[str, Any]:
+    def log_kwargs(self, modality: Modality) -> dict[str, object]:
         fe = self.hf.feature_extractor
         return {
             "sampling_rate": self.sampling_rate,
@@ -36,7 +40,7 @@ class Qwen2AudioFamily(FamilyProcessor):
             "n_samples": fe.n_samples,
         }
 
-    def process(self, modality: Modality, value: Any) -> ProcessedItem:
+    def process(self, modality: Modality, value: MediaValue) -> ProcessedItem:
         out = self.hf.feature_extractor(
             [value],
             sampling_rate=self.sampling_rate,

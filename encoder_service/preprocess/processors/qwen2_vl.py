@@ -15,13 +15,21 @@ part of the image mm_hash, so embeddings of one decode are never served for the 
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
+from PIL import Image
+
+from encoder_service.preprocess.media.decoded import MediaValue
 from encoder_service.preprocess.media.image import DecodedImage
 from encoder_service.preprocess.media.limits import MediaLimits
 from encoder_service.preprocess.processors.base import FamilyProcessor, ProcessedItem, processor_config
 from encoder_service.preprocess.processors.qwen2_vl_image import Qwen2VLImageTransform, smart_target_size
 from encoder_service.types import Modality
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import ProcessorMixin
+    from transformers.image_processing_utils import BaseImageProcessor
 
 # What a JPEG draft decode changes goes into the image's mm_hash: embeddings computed from a
 # reduced-scale decode are never served for a full-size one, or the other way round.
@@ -33,7 +41,7 @@ class Qwen2VLFamily(FamilyProcessor):
     placeholder_tokens: ClassVar[dict[Modality, str]] = {"image": "<|image_pad|>", "video": "<|video_pad|>"}
     uses_mrope = True
 
-    def __init__(self, hf_processor: Any, limits: MediaLimits, *, jpeg_draft: bool = True) -> None:
+    def __init__(self, hf_processor: ProcessorMixin, limits: MediaLimits, *, jpeg_draft: bool = True) -> None:
         super().__init__(hf_processor)
         self.limits = limits
         self.frame_multiple = int(hf_processor.video_processor.temporal_patch_size)
@@ -50,15 +58,15 @@ class Qwen2VLFamily(FamilyProcessor):
             },
         }
 
-    def _sub(self, modality: Modality) -> Any:
+    def _sub(self, modality: Modality) -> BaseImageProcessor:  # the video processor derives from it too
         return self.hf.image_processor if modality == "image" else self.hf.video_processor
 
-    def hash_kwargs(self, modality: Modality) -> dict[str, Any]:
+    def hash_kwargs(self, modality: Modality) -> dict[str, object]:
         if modality == "image" and self.jpeg_draft:
             return {**self._hash_kwargs["image"], "mmserve_decode": _DRAFT_POLICY}
         return self._hash_kwargs[modality]
 
-    def log_kwargs(self, modality: Modality) -> dict[str, Any]:
+    def log_kwargs(self, modality: Modality) -> dict[str, object]:
         sub = self._sub(modality)
         size = sub.size
         out = {
@@ -97,10 +105,11 @@ class Qwen2VLFamily(FamilyProcessor):
         tensors = self.image_transform(image.image, (image.width, image.height))
         return self._item(tensors, "image_grid_thw", merge=self.image_transform.merge_size)
 
-    def process(self, modality: Modality, value: Any) -> ProcessedItem:
+    def process(self, modality: Modality, value: MediaValue) -> ProcessedItem:
         sub = self._sub(modality)
         if modality == "image":
             if self.image_transform is not None:
+                assert isinstance(value, Image.Image)  # images decode to a PIL image (decode_image)
                 return self._item(self.image_transform(value), "image_grid_thw", int(sub.merge_size))
             out = sub(images=[value], return_tensors="pt")
             tensors = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
@@ -110,6 +119,6 @@ class Qwen2VLFamily(FamilyProcessor):
         return self._item(tensors, "video_grid_thw", int(sub.merge_size))
 
     @staticmethod
-    def _item(tensors: dict[str, Any], grid_key: str, merge: int) -> ProcessedItem:
+    def _item(tensors: dict[str, torch.Tensor], grid_key: str, merge: int) -> ProcessedItem:
         t, h, w = (int(x) for x in tensors[grid_key][0].tolist())
         return ProcessedItem(tensors, t * h * w // merge**2, (t, h, w))

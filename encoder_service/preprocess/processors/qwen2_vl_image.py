@@ -13,12 +13,16 @@ from the ORIGINAL size, so a JPEG decoded at reduced scale (draft) lands on the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from encoder_service.preprocess.processors.pil_view import rgb_view
+
+if TYPE_CHECKING:
+    from PIL import Image
+    from transformers.image_processing_utils import BaseImageProcessor
 
 
 @dataclass(frozen=True)
@@ -32,7 +36,7 @@ class Qwen2VLImageTransform:
     std: torch.Tensor
 
     @classmethod
-    def from_hf(cls, proc: Any) -> Qwen2VLImageTransform | None:
+    def from_hf(cls, proc: BaseImageProcessor) -> Qwen2VLImageTransform | None:
         """The transform for ``proc``, or None when its settings are not the ones replicated here."""
         try:
             from transformers.image_processing_backends import TorchvisionBackend
@@ -73,7 +77,9 @@ class Qwen2VLImageTransform:
             max_pixels=self.max_pixels,
         )
 
-    def __call__(self, rgb: Any, source_size: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
+    def __call__(
+        self, rgb: Image.Image, source_size: tuple[int, int] | None = None
+    ) -> dict[str, torch.Tensor]:
         """``pixel_values`` [patches, 3*T*P*P] and ``image_grid_thw`` [1, 3] for one RGB ``PIL.Image``.
 
         ``source_size`` is the size the image had before a reduced-scale decode (default: its own)."""

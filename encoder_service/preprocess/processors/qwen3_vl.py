@@ -14,15 +14,19 @@ each run becomes its own prompt item over its rows of the one encoder output.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Final
 
+from encoder_service.preprocess.media.decoded import MediaMetadata, MediaValue
+from encoder_service.preprocess.media.limits import MediaLimits
 from encoder_service.preprocess.media.video import sample_frame_indices
-from encoder_service.preprocess.processors.base import ProcessedItem
+from encoder_service.preprocess.processors.base import ItemFacts, ProcessedItem
 from encoder_service.preprocess.processors.qwen2_vl import Qwen2VLFamily
 from encoder_service.types import Modality
 
-FRAME_TIMES = "frame_times"  # the item-metadata key
+if TYPE_CHECKING:
+    from transformers import ProcessorMixin
+
+FRAME_TIMES: Final = "frame_times"  # the item-metadata key
 
 
 def patch_times(indices: list[int], fps: float, temporal_patch: int) -> list[float]:
@@ -33,8 +37,8 @@ def patch_times(indices: list[int], fps: float, temporal_patch: int) -> list[flo
 
 
 class Qwen3VLFamily(Qwen2VLFamily):
-    def __init__(self, hf_processor: Any, *args: Any, **kwargs: Any) -> None:
-        super().__init__(hf_processor, *args, **kwargs)
+    def __init__(self, hf_processor: ProcessorMixin, limits: MediaLimits, *, jpeg_draft: bool = True) -> None:
+        super().__init__(hf_processor, limits, jpeg_draft=jpeg_draft)
         tok = self.tokenizer
         self.vision_start_id = int(tok.convert_tokens_to_ids("<|vision_start|>"))
         self.vision_end_id = int(tok.convert_tokens_to_ids("<|vision_end|>"))
@@ -44,7 +48,7 @@ class Qwen3VLFamily(Qwen2VLFamily):
         video = self.placeholder_tokens["video"]
         return text.replace(f"<|vision_start|>{video}<|vision_end|>", video)
 
-    def process(self, modality: Modality, value: Any) -> ProcessedItem:
+    def process(self, modality: Modality, value: MediaValue) -> ProcessedItem:
         if modality != "video":
             return super().process(modality, value)
         sub = self.hf.video_processor  # frames are sampled already (decode_media, frame_multiple)
@@ -52,7 +56,7 @@ class Qwen3VLFamily(Qwen2VLFamily):
         tensors = {"pixel_values_videos": out["pixel_values_videos"], "video_grid_thw": out["video_grid_thw"]}
         return self._item(tensors, "video_grid_thw", int(sub.merge_size))
 
-    def item_metadata(self, modality: Modality, media_metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    def item_metadata(self, modality: Modality, media_metadata: MediaMetadata | None) -> ItemFacts:
         if modality != "video":
             return {}
         meta = media_metadata or {}
