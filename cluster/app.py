@@ -14,7 +14,8 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, ClassVar
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, ClassVar, TypedDict
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
@@ -27,14 +28,29 @@ from cluster.direct_served import DirectLLM, DirectServed, pool_links
 from cluster.model_dirs import resolve_model_dir
 from cluster.tracing import setup_tracing
 
+if TYPE_CHECKING:
+    from ray.serve.handle import DeploymentHandle
+
+    from encoder_service.preprocess.media.limits import MediaLimits
+    from llm_service.request_spec import ReplicaTarget
+    from router.auth import KeyRing
+
 TP_LEADER_NUM_CPUS = 0.1  # the replica of a TP>1 encoder group only queues, batches and puts
+
+
+class PreprocessArgs(TypedDict):
+    """What preparing a model's requests takes from its config (``make_preparer``'s keywords)."""
+
+    limits: MediaLimits
+    limit_mm_per_prompt: dict[str, int]
+    processor_cache_bytes: int
 
 
 def deployment_options(
     opts: DeploymentOptions, name: str, default_policy: str | None = None
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """Serve ``.options()`` for one pool; ``default_policy`` applies when the config names none."""
-    out: dict[str, Any] = {
+    out: dict[str, object] = {
         "name": name,
         "ray_actor_options": opts.ray_actor_options(),
         "max_ongoing_requests": opts.max_ongoing_requests,
@@ -46,7 +62,7 @@ def deployment_options(
         out["num_replicas"] = opts.num_replicas
     else:
         a = opts.autoscaling
-        out["autoscaling_config"] = {
+        autoscaling: dict[str, object] = {
             "min_replicas": a.min_replicas,
             "max_replicas": a.max_replicas,
             "initial_replicas": a.initial_replicas,
@@ -56,15 +72,16 @@ def deployment_options(
             "look_back_period_s": a.look_back_period_s,
         }
         if a.metrics_interval_s is not None:
-            out["autoscaling_config"]["metrics_interval_s"] = a.metrics_interval_s
+            autoscaling["metrics_interval_s"] = a.metrics_interval_s
         if a.policy is not None:
-            out["autoscaling_config"]["policy"] = a.policy.model_dump()
+            autoscaling["policy"] = a.policy.model_dump()
         elif default_policy is not None:
-            out["autoscaling_config"]["policy"] = {"policy_function": default_policy}
+            autoscaling["policy"] = {"policy_function": default_policy}
+        out["autoscaling_config"] = autoscaling
     return out
 
 
-def encoder_placement(model: ModelConfig) -> dict[str, Any]:
+def encoder_placement(model: ModelConfig) -> dict[str, object]:
     """Where one encoder replica runs. TP size 1: the replica itself holds the rank's resources.
 
     TP size N > 1: one placement group per replica (Serve's ``placement_group_bundles``), so a
@@ -90,7 +107,7 @@ def encoder_placement(model: ModelConfig) -> dict[str, Any]:
     }
 
 
-def preprocess_args(m: ModelConfig) -> dict[str, Any]:
+def preprocess_args(m: ModelConfig) -> PreprocessArgs:
     """What preparing a model's requests takes from its config (an encoder replica, and the ingress's
     hit path)."""
     from encoder_service.preprocess.media.limits import MediaLimits
@@ -110,7 +127,9 @@ def direct_pools(cfg: AppConfig, model: ModelConfig) -> tuple[str, ...]:
     return ("llm", "preprocess")
 
 
-def _encoder_pool(model: ModelConfig, cache_dir: str, cache_index: Any, links: bool) -> Any:
+def _encoder_pool(
+    model: ModelConfig, cache_dir: str, cache_index: serve.Application, links: bool
+) -> serve.Application:
     """The model's encoder pool; ``cache_index`` (its ``EncoderCacheIndex`` deployment) is bound here
     so that Serve deploys it with the app: the replicas find its shards by name."""
     from encoder_service.serve.preparing_encoder import PreparingEncoderServer
@@ -122,18 +141,21 @@ def _encoder_pool(model: ModelConfig, cache_dir: str, cache_index: Any, links: b
         LINKS_ON = links
 
         # Serve awaits either form; async here to start the link's listener on the first call.
-        async def record_routing_stats(self) -> dict[str, Any]:  # type: ignore[override]
+        async def record_routing_stats(self) -> dict[str, object]:  # type: ignore[override]
             return {**super().record_routing_stats(), **await self.link_stats()}
 
-        def stats(self) -> dict[str, Any]:
+        def stats(self) -> dict[str, object]:
             replica = str(serve.get_replica_context().replica_id.unique_id)
             return {**super().stats(), "link_calls": self.link_calls(), "replica_id": replica}
 
-        def __del__(self) -> Any:  # Serve's shutdown hook: refuse new frames, then drain the FIFO
+        # Serve's shutdown hook: refuse new frames, then drain the FIFO
+        def __del__(self) -> Awaitable[int] | None:
             self.drain_link()
             return super().__del__()
 
-        def __init__(self, model_json: dict[str, Any], cache_dir: str, cache_index: Any) -> None:
+        def __init__(
+            self, model_json: dict[str, object], cache_dir: str, cache_index: DeploymentHandle
+        ) -> None:
             setup_tracing("encoder")  # cluster/tracing.py: only if OTEL_* asks for it
             m = ModelConfig.model_validate(model_json)
             model_dir = resolve_model_dir(m, cache_dir)
@@ -165,7 +187,7 @@ def _encoder_pool(model: ModelConfig, cache_dir: str, cache_index: Any, links: b
     return serve.deployment(EncoderPool).options(**opts).bind(model.model_dump(), cache_dir, cache_index)
 
 
-def _llm_server(model: ModelConfig, cache_dir: str, links: bool) -> Any:
+def _llm_server(model: ModelConfig, cache_dir: str, links: bool) -> serve.Application:
     from llm_service.serve.deployment import LLMServer
     from router.request_routers import PrefixAffinityRouter
 
@@ -173,17 +195,17 @@ def _llm_server(model: ModelConfig, cache_dir: str, links: bool) -> Any:
         LINKS_ON = links
 
         # Serve awaits either form; async here to start the link's listener on the first call.
-        async def record_routing_stats(self) -> dict[str, Any]:  # type: ignore[override]
+        async def record_routing_stats(self) -> dict[str, object]:  # type: ignore[override]
             return {**super().record_routing_stats(), **await self.link_stats()}
 
-        def stats(self, target: Any = None) -> dict[str, Any]:
+        def stats(self, target: ReplicaTarget | None = None) -> dict[str, object]:
             return {
                 **super().stats(target),
                 "link_calls": self.link_calls(),
                 "link_channel_batches": self.linked_channel_batches,
             }
 
-        def __init__(self, model_json: dict[str, Any], cache_dir: str) -> None:
+        def __init__(self, model_json: dict[str, object], cache_dir: str) -> None:
             from llm_service.config import EngineConfig
 
             setup_tracing("llm")
@@ -235,14 +257,16 @@ def model_modalities(model_dir: str) -> list[str]:
     return list(encoder_family(model_type, model_dir).modalities)
 
 
-def _ingress(config: AppConfig, pools: dict[str, dict[str, Any]]) -> Any:
+def _ingress(config: AppConfig, pools: dict[str, dict[str, serve.Application]]) -> serve.Application:
     from router.admission import AdmissionLimits
     from router.deployment import HTTPOptions, IngressModel, IngressServer
     from router.messages import MessageLimits
 
     class Ingress(IngressServer):
         # @serve.ingress made the parent's __init__ async: a subclass must await it.
-        async def __init__(self, config_json: dict[str, Any], pools: dict[str, dict[str, Any]]) -> None:  # type: ignore[misc]
+        async def __init__(  # type: ignore[misc]
+            self, config_json: dict[str, object], pools: dict[str, dict[str, DeploymentHandle]]
+        ) -> None:
             setup_tracing("ingress")
             cfg = AppConfig.model_validate(config_json)
             models = []
@@ -263,7 +287,7 @@ def _ingress(config: AppConfig, pools: dict[str, dict[str, Any]]) -> Any:
                         limits,
                         model_modalities(model_dir),
                         open_cache_index(*cache_index_args(m), links=cfg.ingress.transport == "auto"),
-                        preprocess_args(m),
+                        dict(preprocess_args(m)),  # IngressModel.preprocess is a plain dict
                         m.preprocess.hit_path_cache_entries,
                         m.preprocess.hit_path_cache_ttl_s,
                         direct=direct_pools(cfg, m),
@@ -296,7 +320,7 @@ def _ingress(config: AppConfig, pools: dict[str, dict[str, Any]]) -> Any:
     return serve.deployment(Ingress).options(**opts).bind(config.model_dump(), pools)
 
 
-def ingress_keys(cfg: AppConfig) -> Any:
+def ingress_keys(cfg: AppConfig) -> KeyRing:
     """The ingress replica's ``KeyRing``: ``ingress.api_key`` (or ``MMSERVE_API_KEY`` where the replica
     runs) and ``ingress.api_keys_file`` (read here, on the replica's node: e.g. a mounted Secret)."""
     import os
@@ -320,6 +344,6 @@ def build_app(config: AppConfig) -> serve.Application:
     return _ingress(config, pools)
 
 
-def app_builder(args: dict[str, Any]) -> serve.Application:
+def app_builder(args: dict[str, object]) -> serve.Application:
     """Serve config entry point: ``import_path: cluster.app:app_builder``, ``args`` = AppConfig."""
     return build_app(AppConfig.model_validate(args))

@@ -25,7 +25,9 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeVar
+
+ReplicaKey = TypeVar("ReplicaKey")  # what names a replica (Ray's ReplicaID in the policy): only counted here
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,7 @@ def encoder_backlog(
 
 def desired_encoder_replicas(
     running: int,
-    queued_embeddings: Mapping[Any, float],
+    queued_embeddings: Mapping[ReplicaKey, float],
     handle_queued_requests: float,
     targets: EncoderTargets,
     bounds: ScalingBounds,
@@ -166,7 +168,7 @@ def llm_pressure(load: LLMReplicaLoad, targets: LLMTargets) -> float:
 
 def desired_llm_replicas(
     running: int,
-    loads: Mapping[Any, LLMReplicaLoad],
+    loads: Mapping[ReplicaKey, LLMReplicaLoad],
     handle_queued_requests: float,
     targets: LLMTargets,
     bounds: ScalingBounds,

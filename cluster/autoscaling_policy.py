@@ -25,7 +25,7 @@ falls back to Serve's own signal, ongoing requests against ``target_ongoing_requ
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 from cluster.autoscaling import (
     EncoderTargets,
@@ -38,6 +38,10 @@ from cluster.autoscaling import (
     desired_replicas,
 )
 
+if TYPE_CHECKING:
+    from ray.serve._private.common import ReplicaID
+    from ray.serve.config import AutoscalingContext
+
 logger = logging.getLogger("ray.serve")  # the controller's log: logs/serve/controller_<pid>.log
 
 ENCODER_QUEUED_EMBEDDINGS = "queued_embeddings"
@@ -49,12 +53,12 @@ ENCODER_POLICY = "cluster.autoscaling_policy:EncoderQueuePolicy"
 LLM_POLICY = "cluster.autoscaling_policy:LLMLoadPolicy"
 
 
-def _bounds(ctx: Any) -> ScalingBounds:
+def _bounds(ctx: AutoscalingContext) -> ScalingBounds:
     lo = int(ctx.capacity_adjusted_min_replicas)
     return ScalingBounds(lo, max(1, lo, int(ctx.capacity_adjusted_max_replicas)))
 
 
-def _metric(ctx: Any, name: str) -> dict[Any, float]:
+def _metric(ctx: AutoscalingContext, name: str) -> dict[ReplicaID, float]:
     return dict((ctx.aggregated_metrics or {}).get(name) or {})
 
 
@@ -64,7 +68,7 @@ class _ChangeLog:
     def __init__(self) -> None:
         self.last: int | None = None
 
-    def __call__(self, ctx: Any, n: int, why: str) -> None:
+    def __call__(self, ctx: AutoscalingContext, n: int, why: str) -> None:
         if n != ctx.target_num_replicas and n != self.last:
             logger.info(
                 "%s wants %d replicas (now %d): %s", ctx.deployment_name, n, ctx.target_num_replicas, why
@@ -72,7 +76,7 @@ class _ChangeLog:
         self.last = n if n != ctx.target_num_replicas else None
 
 
-def _ongoing_requests_fallback(ctx: Any, hysteresis: Hysteresis) -> int:
+def _ongoing_requests_fallback(ctx: AutoscalingContext, hysteresis: Hysteresis) -> int:
     target = ctx.config.target_ongoing_requests or 2.0
     return desired_replicas(
         ctx.current_num_replicas,
@@ -100,7 +104,7 @@ class EncoderQueuePolicy:
         self.hysteresis = Hysteresis(upscale_above, downscale_below)
         self._log = _ChangeLog()
 
-    def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
+    def __call__(self, ctx: AutoscalingContext) -> tuple[int, dict[str, object]]:
         queued = _metric(ctx, ENCODER_QUEUED_EMBEDDINGS)
         if not queued:
             return _ongoing_requests_fallback(ctx, self.hysteresis), {}
@@ -136,7 +140,7 @@ class LLMLoadPolicy:
         self.hysteresis = Hysteresis(upscale_above, downscale_below)
         self._log = _ChangeLog()
 
-    def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
+    def __call__(self, ctx: AutoscalingContext) -> tuple[int, dict[str, object]]:
         kv = _metric(ctx, LLM_KV_USAGE)
         running = _metric(ctx, LLM_NUM_RUNNING)
         waiting = _metric(ctx, LLM_NUM_WAITING)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import ray
 from ray import serve
@@ -139,12 +139,12 @@ def _others_of_app_deleting(app_name: str) -> int:
     return sum(1 for n in names if n.startswith(prefix) and not n.startswith(owners))
 
 
-def cache_index_deployment(config: AppConfig, m: ModelConfig) -> Any:
+def cache_index_deployment(config: AppConfig, m: ModelConfig) -> serve.Application:
     """The model's ``EncoderCacheIndex`` deployment, bound: pass it to a deployment of the app (Serve
     deploys what the ingress reaches). It stays through the others' graceful shutdowns."""
     pools = [m.encoder.deployment, m.llm.deployment, config.ingress.deployment]
     outlive_s = max(d.graceful_shutdown_timeout_s for d in pools) + 10.0
-    opts: dict[str, Any] = {
+    opts: dict[str, object] = {
         "name": f"{OWNER_PREFIX}{m.name}",
         "num_replicas": 1,
         "ray_actor_options": {"num_cpus": 0},

@@ -12,12 +12,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import AsyncIterator, Awaitable
-from typing import Any, ClassVar
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, ClassVar
 
 from router.direct_link import DEFAULT_TIMEOUT_S, DirectLink, LinkKeys, LinkServer
 from router.pool_links import LINK_STAT, Address, PoolLinks, live_router
 from router.prefix_affinity import deployment_key
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+    from ray.serve.handle import DeploymentHandle
+
+    from llm_service.output_channels import ChannelBatch, OutputChannels
+    from llm_service.request_spec import LLMRequestSpec, ReplicaTarget, SubmitReply
 
 _KEYS_KEY = b"mmserve-direct-link-keys"
 
@@ -33,7 +40,7 @@ def link_keys() -> LinkKeys:
     return LinkKeys.from_bytes(bytes(raw))
 
 
-def frame_dumps(obj: Any) -> bytes:
+def frame_dumps(obj: object) -> bytes:
     """``ray.cloudpickle.dumps`` as Ray pickles a task's arguments ("in band"): each ObjectRef is
     written with its owner's address, and not pinned. Out of band (a bare ``cloudpickle.dumps``) Ray
     pins every ref it writes for the life of the process: 496 references left in the ingress after
@@ -53,7 +60,9 @@ def frame_dumps(obj: Any) -> bytes:
         ctx.get_and_clear_contained_object_refs()
 
 
-def direct_link(handle: Any, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> DirectLink:
+def direct_link(
+    handle: DeploymentHandle | ActorHandle, timeout_s: float | None = DEFAULT_TIMEOUT_S
+) -> DirectLink:
     """A caller's link to the replica behind ``handle`` (a Serve handle or a Ray actor handle of a
     ``DirectServed`` class), which answers where it listens; the keys are fetched here, once.
     ``timeout_s``: each call's deadline unless the caller gives one (the ingress's request timeout)."""
@@ -65,7 +74,7 @@ def direct_link(handle: Any, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> Dir
     return DirectLink(locate, link_keys(), dumps=frame_dumps, timeout_s=timeout_s)
 
 
-def pool_links(handle: Any, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> PoolLinks:
+def pool_links(handle: DeploymentHandle, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> PoolLinks:
     """A caller's links to the replicas behind ``handle`` (a Serve handle of a ``DirectServed`` pool),
     routed by this process's router of that pool, which Serve keeps current as the pool scales."""
     key = deployment_key(handle.deployment_id)
@@ -93,7 +102,7 @@ class DirectServed:
         """Calls this replica took over its link (``GET /stats?pools=true`` shows them per replica)."""
         return self._link_server.calls if self._link_server is not None else 0
 
-    async def link_stats(self) -> dict[str, Any]:
+    async def link_stats(self) -> dict[str, tuple[str, int]]:
         """``{LINK_STAT: (host, port)}`` while this replica takes frames (listening from the first call
         on); nothing once it drains or when links are off."""
         if not self.LINKS_ON or not self.DIRECT_METHODS:
@@ -138,23 +147,25 @@ class DirectLLM(DirectServed):
         "arrived": "arrived",
         "channel": "direct_channel",
     }
-    channels: Any
-    submit_detached: Any
+    channels: OutputChannels  # the LLM replica's (LLMServer)
+    submit_detached: Callable[[LLMRequestSpec], Awaitable[SubmitReply]]  # the LLM replica's (LLMServer)
     linked_channel_batches = 0  # channel batches sent over the link (``stats``: ``link_channel_batches``)
 
-    async def direct_channel(self, target: Any) -> AsyncIterator[Any]:
+    async def direct_channel(self, target: ReplicaTarget) -> AsyncIterator[ChannelBatch]:
         """``channel`` over the link: the output channel's batches as stream items. The reader leaving
         (a cancel frame, or its connection gone) closes the channel, which aborts its requests."""
-        async with contextlib.aclosing(self.channels.stream(target.channel_id)) as batches:
+        # OutputChannels.stream is an async generator, annotated as the AsyncIterator it also is
+        batches_of = self.channels.stream(target.channel_id)
+        async with contextlib.aclosing(batches_of) as batches:  # type: ignore[type-var]
             async for batch in batches:
                 self.linked_channel_batches += 1
                 yield batch
 
-    async def direct_submit(self, spec: Any) -> Any:
+    async def direct_submit(self, spec: LLMRequestSpec) -> SubmitReply:
         reply = await self.submit_detached(spec)
         done = self.channels.done(spec.request_id)
         if not hasattr(self, "_direct_open"):
-            self._direct_open: set[asyncio.Future[Any]] = set()
+            self._direct_open: set[asyncio.Future[None]] = set()
         if not done.done():
             self._direct_open.add(done)
             done.add_done_callback(self._direct_open.discard)

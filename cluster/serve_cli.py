@@ -8,14 +8,18 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from types import FrameType
+from typing import TYPE_CHECKING
 
 from cluster.config import AppConfig, ModelConfig, default_config
 from cluster.serve_env import apply_serve_env
 
+if TYPE_CHECKING:
+    from ray.serve.handle import DeploymentHandle
 
-def add_serve_command(sub: Any) -> None:
+
+def add_serve_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("serve", help="run the app on an embedded single-node Ray (Ctrl-C stops it)")
     p.add_argument("--config", help="AppConfig YAML (see cluster/deploy/serve-cpu.yaml for its `args`)")
     p.add_argument("--model", help="serve this HF model directory instead of the tiny defaults")
@@ -143,31 +147,42 @@ def config_from_args(args: argparse.Namespace) -> AppConfig:
     return AppConfig.model_validate(data)
 
 
-def one_machine_defaults(cfg: AppConfig, data: dict[str, Any]) -> None:
+def _field(dump: Mapping[str, object], key: str) -> dict[str, object]:
+    """``dump[key]``, a nested model of a config's ``model_dump()``."""
+    value = dump[key]
+    assert isinstance(value, dict), f"{key}: a model's dump, not {value!r}"
+    return value
+
+
+def one_machine_defaults(cfg: AppConfig, data: dict[str, object]) -> None:
     """What one machine runs unless ``cfg`` says otherwise, written into ``data`` (``cfg``'s dump):
     the ingress serves HTTP itself (no proxy hop), each model's encoder cache is one shard (one
     process fewer), and a pool whose autoscaling bounds leave it one count runs that many replicas
     fixed."""
+    ingress = _field(data, "ingress")
     if "http_mode" not in cfg.ingress.model_fields_set:
-        data["ingress"]["http_mode"] = "direct"
-    fixed_replica_counts(data["ingress"]["deployment"])
-    for m, model in zip(data["models"], cfg.models, strict=True):
+        ingress["http_mode"] = "direct"
+    fixed_replica_counts(_field(ingress, "deployment"))
+    models = data["models"]
+    assert isinstance(models, list)
+    for m, model in zip(models, cfg.models, strict=True):
         if "cache_index_shards" not in model.encoder.model_fields_set:
-            m["encoder"]["cache_index_shards"] = 1
+            _field(m, "encoder")["cache_index_shards"] = 1
         for pool in ("encoder", "llm"):
-            fixed_replica_counts(m[pool]["deployment"])
+            fixed_replica_counts(_field(_field(m, pool), "deployment"))
 
 
-def fixed_replica_counts(deployment: dict[str, Any]) -> None:
+def fixed_replica_counts(deployment: dict[str, object]) -> None:
     """``num_replicas: n`` for a pool autoscaled within ``[n, n]`` (``DeploymentOptions``' dump).
 
     Nothing can scale there, but with an ``autoscaling_config`` every handle and replica still pushes
     its load to the Serve controller, which runs the policy on it. Measured at image c=32 (README,
     "What one machine runs"): the idle background fell, the controller's ~2 CPU-ms per request did
     not consistently (most of it is something else)."""
-    a = deployment["autoscaling"]
-    if deployment["num_replicas"] is None and a["min_replicas"] == a["max_replicas"] >= 1:
-        deployment["num_replicas"] = a["min_replicas"]
+    a = _field(deployment, "autoscaling")
+    lo, hi = a["min_replicas"], a["max_replicas"]
+    if deployment["num_replicas"] is None and isinstance(lo, int) and lo == hi and lo >= 1:
+        deployment["num_replicas"] = lo
 
 
 def start(
@@ -176,7 +191,7 @@ def start(
     blocking: bool = False,
     metrics_export_port: int | None = None,
     on_ray_started: Callable[[], None] | None = None,
-) -> Any:
+) -> DeploymentHandle:
     """Start Ray (if needed) and the app; returns the ingress handle. ``on_ray_started`` runs between
     the two (``mmserve serve`` takes SIGTERM back there from the handlers ``ray.init`` installs)."""
     if "ray" not in sys.modules and _is_loopback(cfg.host):
@@ -246,7 +261,7 @@ class _Stop(Exception):
     """SIGTERM or SIGINT arrived: drain and exit."""
 
 
-def _raise_stop(signum: int, frame: Any) -> None:
+def _raise_stop(signum: int, frame: FrameType | None) -> None:
     raise _Stop(signal.Signals(signum).name)
 
 

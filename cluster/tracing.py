@@ -24,9 +24,12 @@ import os
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 
 logger = logging.getLogger("mmserve.tracing")
 
@@ -71,10 +74,10 @@ def setup_tracing(role: str) -> bool:
         return True
 
 
-def _processors() -> list[Any]:
+def _processors() -> list[SpanProcessor]:
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
 
-    out: list[Any] = []
+    out: list[SpanProcessor] = []
     if directory := os.environ.get(FILE_DIR_ENV):
         out.append(SimpleSpanProcessor(FileSpanExporter(Path(directory) / f"{os.getpid()}.jsonl")))
     names = {n.strip().lower() for n in os.environ.get("OTEL_TRACES_EXPORTER", "").split(",") if n.strip()}
@@ -89,7 +92,7 @@ def _processors() -> list[Any]:
     return out
 
 
-def _otlp_exporter() -> Any:
+def _otlp_exporter() -> SpanExporter | None:
     protocol = os.environ.get(
         "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
     )
@@ -115,7 +118,7 @@ class FileSpanExporter(SpanExporter):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
 
-    def export(self, spans: Sequence[Any]) -> SpanExportResult:
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         with self.path.open("a") as f:
             for span in spans:
                 f.write(json.dumps(json.loads(span.to_json())) + "\n")
