@@ -22,8 +22,9 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import httpx
 
@@ -38,6 +39,10 @@ from cluster.bench.workload import (
     image_request,
     text_request,
 )
+
+if TYPE_CHECKING:
+    import openai
+    from ray.actor import ActorHandle
 
 KINDS = ("encoder", "llm", "cache-shard", "ingress")
 _DEPLOYMENT = {"encoder": "EncoderPool-{m}", "llm": "LLMServer-{m}"}
@@ -88,16 +93,17 @@ def workload(args: argparse.Namespace) -> list[RequestSpec]:
 class Load:
     """Keeps ``concurrency`` requests in flight until stopped; records every one."""
 
-    client: Any
+    client: openai.AsyncOpenAI
     specs: list[RequestSpec]
     concurrency: int
     max_tokens: int
     records: list[Sent] = field(default_factory=list)
     media: set[int] = field(default_factory=set)  # distinct media items sent
     _stop: bool = False
-    _cycle: Any = None
+    _cycle: Iterator[RequestSpec] | None = None  # set by run_until, before the workers start
 
     async def _worker(self) -> None:
+        assert self._cycle is not None
         while not self._stop:
             spec = next(self._cycle)
             self.media.update(media_keys(spec))
@@ -117,7 +123,7 @@ def media_keys(spec: RequestSpec) -> set[int]:
     return {hash(repr(sorted(p.items()))) for p in spec.content if p.get("type") != "text"}
 
 
-def _pid_of(actor: Any) -> int:
+def _pid_of(actor: ActorHandle) -> int:
     import ray
 
     return int(ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30))
@@ -172,7 +178,7 @@ async def wait_recovered(kind: str, victim: str, watch: str, timeout_s: float = 
 
 
 async def run_fault(
-    args: argparse.Namespace, client: Any, specs: list[RequestSpec], kind: str, media: set[int]
+    args: argparse.Namespace, client: openai.AsyncOpenAI, specs: list[RequestSpec], kind: str, media: set[int]
 ) -> FaultReport:
     load = Load(client, specs, args.concurrency, args.max_tokens, media=media)
     stop = asyncio.Event()
@@ -210,7 +216,7 @@ async def run_burst(args: argparse.Namespace, base: str, capacity: int) -> Burst
     return burst_report(burst, before, after)
 
 
-async def held_after(model: str) -> dict[str, Any]:
+async def held_after(model: str) -> dict[str, object]:
     from ray import serve
 
     from cluster.app import cache_index_args, open_cache_index
@@ -270,7 +276,9 @@ def burst_row(b: BurstReport) -> list[str]:
     ]
 
 
-def render(faults: list[FaultReport], burst: BurstReport | None, held: dict[str, Any], per_item: str) -> str:
+def render(
+    faults: list[FaultReport], burst: BurstReport | None, held: Mapping[str, object], per_item: str
+) -> str:
     out = [markdown_table(FAULT_HEADERS, [fault_row(f) for f in faults])] if faults else []
     out += [f"- {f.target} error: {e}" for f in faults for e in f.errors]
     if burst is not None:

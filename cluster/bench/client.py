@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, cast
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, cast
 
 import httpx
 import openai
 
+from cluster.bench.json_body import json_int, json_object
 from cluster.bench.stats import RequestResult
 from cluster.bench.workload import RequestSpec
+
+if TYPE_CHECKING:
+    from openai.types import CompletionUsage
+    from openai.types.chat import ChatCompletionMessageParam
 
 
 def make_client(base_url: str, timeout_s: float) -> openai.AsyncOpenAI:
@@ -27,12 +32,13 @@ async def send_request(client: openai.AsyncOpenAI, spec: RequestSpec, max_tokens
     """One streamed request; TTFT is taken at the first chunk that carries a choice."""
     start = time.perf_counter()
     ttft: float | None = None
-    usage: Any = None
+    usage: CompletionUsage | None = None
     chunks_with_text = 0
     try:
         stream = await client.chat.completions.create(
             model=spec.model,
-            messages=cast(Any, spec.messages()),
+            # mmserve's content parts (``uuid``, audio and video) are not in the OpenAI types
+            messages=cast("list[ChatCompletionMessageParam]", spec.messages()),
             max_tokens=max_tokens,
             temperature=0,
             stream=True,
@@ -51,7 +57,9 @@ async def send_request(client: openai.AsyncOpenAI, spec: RequestSpec, max_tokens
     return _result(spec.kind, time.perf_counter() - start, ttft, usage, chunks_with_text)
 
 
-def _result(kind: str, e2e: float, ttft: float | None, usage: Any, chunks_with_text: int) -> RequestResult:
+def _result(
+    kind: str, e2e: float, ttft: float | None, usage: CompletionUsage | None, chunks_with_text: int
+) -> RequestResult:
     if usage is None:  # a server that ignores include_usage: count text chunks instead
         return RequestResult(kind, ok=True, e2e_s=e2e, ttft_s=ttft, output_tokens=chunks_with_text)
     details = getattr(usage, "prompt_tokens_details", None)
@@ -111,7 +119,7 @@ async def fetch_counters(base_url: str) -> dict[str, int] | None:
         return None
 
 
-def flatten_stats(body: dict[str, Any]) -> dict[str, int]:
+def flatten_stats(body: Mapping[str, object]) -> dict[str, int]:
     """``{model: {"encoder_cache": {...}, "near_cache": {...}, "encoder_items_dispatched": n}}`` summed
     over models; a hit is one on the shared index or on the ingress's near cache (which the index
     never sees)."""
@@ -121,11 +129,12 @@ def flatten_stats(body: dict[str, Any]) -> dict[str, int]:
         "encoder_cache_evictions": 0,
         "encoder_items_dispatched": 0,
     }
-    for model in body.values():
-        cache = model.get("encoder_cache", {})
-        near = model.get("near_cache") or {}
-        totals["encoder_cache_hits"] += int(cache.get("hits", 0)) + int(near.get("hits", 0))
-        totals["encoder_cache_misses"] += int(cache.get("misses", 0))
-        totals["encoder_cache_evictions"] += int(cache.get("evictions", 0))
-        totals["encoder_items_dispatched"] += int(model.get("encoder_items_dispatched", 0))
+    for body_of_model in body.values():
+        model = json_object(body_of_model)
+        cache = json_object(model.get("encoder_cache", {}))
+        near = json_object(model.get("near_cache") or {})
+        totals["encoder_cache_hits"] += json_int(cache.get("hits", 0)) + json_int(near.get("hits", 0))
+        totals["encoder_cache_misses"] += json_int(cache.get("misses", 0))
+        totals["encoder_cache_evictions"] += json_int(cache.get("evictions", 0))
+        totals["encoder_items_dispatched"] += json_int(model.get("encoder_items_dispatched", 0))
     return totals

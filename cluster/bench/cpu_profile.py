@@ -18,7 +18,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
-from typing import Any
 
 from cluster.bench.stats import fmt_num, markdown_table
 
@@ -160,7 +159,7 @@ class ScenarioProfile:
     def total_ms(self) -> float:
         return sum(c.cpu_ms for c in self.costs)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         kinds = self.kinds()
         return {
             "scenario": self.name,
@@ -186,7 +185,7 @@ class IdleProfile:
         ms = sum(c.cpu_ms for c in self.costs if kind is None or c.kind == kind)
         return ms / self.seconds if self.seconds > 0 else None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         per_s = {k.kind: k.cpu_ms / self.seconds for k in by_kind(self.costs)} if self.seconds > 0 else {}
         return {"seconds": self.seconds, "cpu_ms_per_s": per_s}
 

@@ -28,10 +28,10 @@ import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import yaml
 
+from cluster.bench.json_body import JSON, json_object
 from cluster.bench.procs import ProcInfo, descendants, is_raylet, list_procs
 from cluster.serve_env import SERVE_ENV_DEFAULTS
 
@@ -68,7 +68,7 @@ def deploy_config(
     model_path: str | None = None,
     model_name: str | None = None,
     resources: Mapping[str, Mapping[str, float]] | None = None,
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """``shipped`` with only what this machine needs rewritten, written to ``out``: Serve's HTTP port,
     and optionally the first model's checkpoint (``path`` instead of ``tiny``), its served name, and
     node markers per pool (``{"encoder": {"encoder_node": 0.001}}``) where the file sets none."""
@@ -193,17 +193,17 @@ class LocalRayCluster:
     def deploy(self, config: Path) -> None:
         self.run("serve", "deploy", str(config), "-a", self.dashboard_url)
 
-    def serve_status(self) -> dict[str, Any]:
+    def serve_status(self) -> JSON:
         out = yaml.safe_load(self.run("serve", "status", "-a", self.dashboard_url, timeout_s=120))
         return out if isinstance(out, dict) else {}
 
     def wait_running(self, app: str, timeout_s: float, poll_s: float = 2.0) -> float:
         """Seconds until ``serve status`` shows ``app`` RUNNING; raises on DEPLOY_FAILED or timeout."""
         t0 = time.monotonic()
-        status: dict[str, Any] = {}
+        status: JSON = {}
         while time.monotonic() - t0 < timeout_s:
             status = self.serve_status()
-            state = (status.get("applications") or {}).get(app, {}).get("status")
+            state = json_object(json_object(status.get("applications") or {}).get(app, {})).get("status")
             if state == "RUNNING":
                 return time.monotonic() - t0
             if state == "DEPLOY_FAILED":

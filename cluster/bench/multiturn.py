@@ -28,9 +28,13 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, cast
 
 import openai
+
+if TYPE_CHECKING:
+    from openai.types import CompletionUsage
+    from openai.types.chat import ChatCompletionMessageParam
 
 from cluster.bench.client import make_client
 from cluster.bench.media import make_image_bytes
@@ -64,22 +68,22 @@ def system_prompt(words: int) -> str:
     return " ".join(text[i % len(text)] for i in range(words))
 
 
-def image_part(seed: int, size: int) -> dict[str, Any]:
+def image_part(seed: int, size: int) -> dict[str, object]:
     data = base64.b64encode(make_image_bytes(size, size, "PNG", seed=seed)).decode()
     return {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}}
 
 
 async def chat_turn(
-    client: openai.AsyncOpenAI, model: str, messages: list[dict[str, Any]], max_tokens: int
-) -> tuple[str, float | None, Any]:
+    client: openai.AsyncOpenAI, model: str, messages: list[dict[str, object]], max_tokens: int
+) -> tuple[str, float | None, CompletionUsage | None]:
     """One streamed request: the answer's text, seconds to the first chunk with content, the usage."""
     start = time.perf_counter()
     ttft: float | None = None
-    usage: Any = None
+    usage: CompletionUsage | None = None
     parts: list[str] = []
     stream = await client.chat.completions.create(
         model=model,
-        messages=cast(Any, messages),
+        messages=cast("list[ChatCompletionMessageParam]", messages),  # built here in the OpenAI shape
         max_tokens=max_tokens,
         temperature=0,
         stream=True,
@@ -100,7 +104,7 @@ async def conversation(
     client: openai.AsyncOpenAI, model: str, conv: int, image_seed: int, args: argparse.Namespace
 ) -> list[TurnResult]:
     """``args.turns`` turns, each re-sending the conversation so far; a failed turn ends it."""
-    messages: list[dict[str, Any]] = []
+    messages: list[dict[str, object]] = []
     if args.system_words:  # one long system prompt shared by every conversation (ahead of its image)
         messages.append({"role": "system", "content": system_prompt(args.system_words)})
     results = []

@@ -8,15 +8,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from cluster.bench.vs_report import Load, LoadResult
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 PERCENTILES = (("p50", "median"), ("p90", "p90"), ("p99", "p99"))
 LATENCIES = (("TTFT", "ttft"), ("ITL", "itl"))
 
 
-def _figure(num_loads: int) -> tuple[Any, list[Any]]:
+def _figure(num_loads: int) -> tuple[Figure, list[Axes]]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -26,7 +30,7 @@ def _figure(num_loads: int) -> tuple[Any, list[Any]]:
     return fig, list(axes[0])
 
 
-def latency_figure(results: Sequence[LoadResult], servers: Sequence[str], loads: Sequence[Load]) -> Any:
+def latency_figure(results: Sequence[LoadResult], servers: Sequence[str], loads: Sequence[Load]) -> Figure:
     """Per load, TTFT and ITL at p50/p90/p99 (ms): one group of bars per percentile and latency, a bar
     per server (absent: no bar)."""
     fig, axes = _figure(len(loads))
@@ -48,7 +52,7 @@ def latency_figure(results: Sequence[LoadResult], servers: Sequence[str], loads:
     return fig
 
 
-def cpu_figure(results: Sequence[LoadResult], servers: Sequence[str], loads: Sequence[Load]) -> Any:
+def cpu_figure(results: Sequence[LoadResult], servers: Sequence[str], loads: Sequence[Load]) -> Figure:
     """Per load, a bar per server: its CPU-ms per completed request, stacked by process kind."""
     fig, axes = _figure(len(loads))
     by = {(r.server, r.load.name): r for r in results}

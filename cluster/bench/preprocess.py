@@ -29,7 +29,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from PIL import Image
@@ -39,6 +39,9 @@ from encoder_service.preprocess.media.image import decode_opened, image_header
 from encoder_service.preprocess.media.limits import MediaLimits
 from encoder_service.preprocess.processing import Preprocessor
 from encoder_service.types import MediaRef
+
+if TYPE_CHECKING:
+    from encoder_service.preprocess.processors.base import ProcessedItem
 
 KINDS: dict[str, tuple[str, int, int, str]] = {  # --kinds key: (label, width, height, format)
     "720p": ("720p JPEG", 1280, 720, "JPEG"),
@@ -53,14 +56,14 @@ def _decode(data: bytes) -> Image.Image:
     return img if img.mode == "RGB" else img.convert("RGB")
 
 
-def _image_path(pre: Preprocessor, data: bytes) -> Any:
+def _image_path(pre: Preprocessor, data: bytes) -> ProcessedItem:
     """What ``Preprocessor`` does to a miss after fetching: header, (draft) decode, pixel values."""
     header = image_header(data, pre.limits)
     decoded = decode_opened(header, min_size=pre.family.image_decode_size(*header.size))
     return pre.family.process_image(decoded)
 
 
-def _rows(model_dir: Path, data: bytes, fmt: str, runner: asyncio.Runner) -> dict[str, Callable[[], Any]]:
+def _rows(model_dir: Path, data: bytes, fmt: str, runner: asyncio.Runner) -> dict[str, Callable[[], object]]:
     from transformers import AutoImageProcessor
 
     pil_proc = AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")
@@ -68,7 +71,7 @@ def _rows(model_dir: Path, data: bytes, fmt: str, runner: asyncio.Runner) -> dic
     pre = Preprocessor(model_dir, MediaLimits(), {"image": 1}, processor_cache_bytes=0)
     decoded = _decode(data)
     url = f"data:image/{fmt.lower()};base64," + base64.b64encode(data).decode()
-    messages = [
+    messages: list[dict[str, object]] = [
         {
             "role": "user",
             "content": [
@@ -93,7 +96,7 @@ def _rows(model_dir: Path, data: bytes, fmt: str, runner: asyncio.Runner) -> dic
 
 
 def measure(
-    rows: dict[str, Callable[[], Any]], rounds: int, seconds: float
+    rows: dict[str, Callable[[], object]], rounds: int, seconds: float
 ) -> dict[str, tuple[float, float]]:
     """Per row: (CPU seconds, wall seconds) per call, each the median over rounds of a round's mean.
 

@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from cluster.bench.client import fetch_counters, make_client, run_requests
@@ -38,12 +38,18 @@ from cluster.bench.stats import (
 )
 from cluster.bench.workload import COMPARISONS, Scenario, WorkloadConfig, build_scenarios, warmup_requests
 
+if TYPE_CHECKING:
+    import openai
+    from tqdm import tqdm
+
+    from cluster.bench.cpu_profile import ProcSample
+
 BASELINE = "text"
 
 
 @dataclass
 class BenchReport:
-    header: dict[str, Any]
+    header: dict[str, object]
     rows: list[ScenarioStats] = field(default_factory=list)
     requests: dict[str, list[RequestResult]] = field(default_factory=dict)
     profiles: list[ScenarioProfile] = field(default_factory=list)
@@ -172,7 +178,7 @@ async def run_benchmark(
     return report
 
 
-async def warm_up(client: Any, wl: WorkloadConfig, max_tokens: int) -> None:
+async def warm_up(client: openai.AsyncOpenAI, wl: WorkloadConfig, max_tokens: int) -> None:
     """One request of each kind first, so model loading and first calls stay out of the rows."""
     results, _ = await run_requests(client, warmup_requests(wl), 3, max_tokens)
     errors = [r.error for r in results if not r.ok]
@@ -198,7 +204,7 @@ async def measure_idle(profiler: Profiler, seconds: float) -> IdleProfile:
 
 
 def scenario_profile(
-    rows: list[ScenarioStats], name: str, before: dict[int, Any], after: dict[int, Any]
+    rows: list[ScenarioStats], name: str, before: dict[int, ProcSample], after: dict[int, ProcSample]
 ) -> ScenarioProfile:
     row = next(r for r in rows if r.name == name)
     return ScenarioProfile(
@@ -223,7 +229,7 @@ def scenario_rows(
     return rows
 
 
-def run_header(base_url: str, wl: WorkloadConfig, args: argparse.Namespace) -> dict[str, Any]:
+def run_header(base_url: str, wl: WorkloadConfig, args: argparse.Namespace) -> dict[str, object]:
     return {
         "base_url": base_url,
         "run_id": wl.run_id,
@@ -259,7 +265,7 @@ def render(report: BenchReport) -> str:
     return "\n\n".join(parts)
 
 
-def to_json(report: BenchReport) -> dict[str, Any]:
+def to_json(report: BenchReport) -> dict[str, object]:
     return {
         "header": report.header,
         "rows": [{**asdict(r), "prefix_hit_rate": r.prefix_hit_rate} for r in report.rows],
@@ -271,7 +277,7 @@ def to_json(report: BenchReport) -> dict[str, Any]:
     }
 
 
-def progress_bar(total: int, desc: str, disable: bool = False) -> Any:
+def progress_bar(total: int, desc: str, disable: bool = False) -> tqdm:
     """A bar of requests done on stderr, as `vllm bench serve` shows (tqdm)."""
     from tqdm import tqdm
 

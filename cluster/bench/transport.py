@@ -23,10 +23,17 @@ import hmac
 import pickle
 import struct
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Protocol, cast
 
 from cluster.bench.procs import list_procs
 from cluster.serve_env import apply_serve_env
+
+if TYPE_CHECKING:
+    from ray import serve
+    from ray.serve.handle import DeploymentHandle
+
+    from router.link_wire import Dumps
 
 SPEC = {"request_id": "x" * 36, "prompt_token_ids": list(range(120)), "max_tokens": 16, "temperature": 0.0}
 TRANSPORTS = {
@@ -37,10 +44,17 @@ TRANSPORTS = {
 }
 
 
+OldHandler = Callable[..., Awaitable[object]]  # an async function, called with the call's arguments
+
+
+class _Link(Protocol):
+    async def call(self, method: str, *args: object) -> object: ...
+
+
 class _OldLinkServer:
     """The replaced transport's server, as it was (token hello, then length + pickle frames)."""
 
-    def __init__(self, handlers: dict[str, Any], token: str, dumps: Any) -> None:
+    def __init__(self, handlers: dict[str, OldHandler], token: str, dumps: Dumps) -> None:
         self.handlers, self.token, self.dumps = handlers, token, dumps
 
     async def address(self, host: str) -> tuple[str, int]:
@@ -57,13 +71,16 @@ class _OldLinkServer:
         try:
             while True:
                 seq, method, args = await _old_read(reader)
+                assert isinstance(method, str) and isinstance(args, tuple)  # what _OldLink.call sends
                 task = asyncio.get_running_loop().create_task(self._run(writer, seq, method, args))
                 with_tasks.add(task)
                 task.add_done_callback(with_tasks.discard)
         except (asyncio.IncompleteReadError, ConnectionError):
             writer.close()
 
-    async def _run(self, writer: asyncio.StreamWriter, seq: int, method: str, args: tuple[Any, ...]) -> None:
+    async def _run(
+        self, writer: asyncio.StreamWriter, seq: int, method: str, args: tuple[object, ...]
+    ) -> None:
         try:
             reply = (seq, True, await self.handlers[method](*args))
         except Exception as e:
@@ -72,22 +89,23 @@ class _OldLinkServer:
         writer.write(struct.pack("!I", len(body)) + body)
 
 
-async def _old_read(reader: asyncio.StreamReader) -> Any:
+async def _old_read(reader: asyncio.StreamReader) -> tuple[int, object, object]:
+    """One frame: ``(seq, method, args)`` to the server, ``(seq, ok, value)`` back."""
     (size,) = struct.unpack("!I", await reader.readexactly(4))
-    return pickle.loads(await reader.readexactly(size))
+    return cast("tuple[int, object, object]", pickle.loads(await reader.readexactly(size)))  # our peer's
 
 
 class _OldLink:
     """The replaced transport's client: calls multiplexed by sequence number on one connection."""
 
-    def __init__(self, locate: Any, token: str, dumps: Any) -> None:
+    def __init__(self, locate: Callable[[], Awaitable[tuple[str, int]]], token: str, dumps: Dumps) -> None:
         self.locate, self.token, self.dumps = locate, token, dumps
-        self.waiting: dict[int, asyncio.Future[Any]] = {}
+        self.waiting: dict[int, asyncio.Future[object]] = {}
         self.seq = 0
         self.writer: asyncio.StreamWriter | None = None
         self.lock: asyncio.Lock | None = None
 
-    async def call(self, method: str, *args: Any) -> Any:
+    async def call(self, method: str, *args: object) -> object:
         if self.writer is None:
             self.lock = self.lock or asyncio.Lock()
             async with self.lock:
@@ -98,7 +116,7 @@ class _OldLink:
                     self.pump = asyncio.get_running_loop().create_task(self._read(reader))
                     self.writer = writer
         self.seq += 1
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[object] = asyncio.get_running_loop().create_future()
         self.waiting[self.seq] = fut
         body = self.dumps((self.seq, method, args))
         self.writer.write(struct.pack("!I", len(body)) + body)
@@ -108,7 +126,11 @@ class _OldLink:
         while True:
             seq, ok, value = await _old_read(reader)
             fut = self.waiting.pop(seq)
-            fut.set_result(value) if ok else fut.set_exception(value)
+            if ok:
+                fut.set_result(value)
+            else:
+                assert isinstance(value, BaseException)  # what the server's handler raised
+                fut.set_exception(value)
 
 
 def machine_cpu_s() -> float:
@@ -116,7 +138,7 @@ def machine_cpu_s() -> float:
     return sum(p.cpu_s for p in list_procs().values())
 
 
-def build(num_cpus: float, plain_keys: bytes, token: str) -> Any:
+def build(num_cpus: float, plain_keys: bytes, token: str) -> serve.Application:
     from ray import serve
 
     from cluster.direct_served import DirectServed, frame_dumps
@@ -128,11 +150,12 @@ def build(num_cpus: float, plain_keys: bytes, token: str) -> Any:
         def __init__(self) -> None:
             from cluster.bench.transport import _OldLinkServer  # by reference, not pickled by value
 
-            handlers: dict[str, Any] = {"submit": self.submit}
-            self.plain = LinkServer(handlers, LinkKeys.from_bytes(plain_keys), dumps=frame_dumps)
-            self.old = _OldLinkServer(handlers, token, frame_dumps)
+            self.plain = LinkServer(
+                {"submit": self.submit}, LinkKeys.from_bytes(plain_keys), dumps=frame_dumps
+            )
+            self.old = _OldLinkServer({"submit": self.submit}, token, frame_dumps)
 
-        async def submit(self, spec: dict[str, Any]) -> dict[str, Any]:
+        async def submit(self, spec: dict[str, object]) -> dict[str, object]:
             return {"request_id": spec["request_id"], "channel_id": "c"}
 
         async def address(self, which: str) -> tuple[str, int]:
@@ -141,13 +164,13 @@ def build(num_cpus: float, plain_keys: bytes, token: str) -> Any:
             return await getattr(self, which).address(ray.util.get_node_ip_address())
 
     class Caller:
-        def __init__(self, callee: Any) -> None:
+        def __init__(self, callee: DeploymentHandle) -> None:
             from cluster.bench.transport import _OldLink
             from cluster.direct_served import direct_link
             from router.direct_link import DirectLink
 
             self.callee = callee
-            self.links: dict[str, Any] = {
+            self.links: dict[str, _Link] = {
                 "curve": direct_link(callee),  # the cluster's keys: CURVE unless MMSERVE_LINK_ENCRYPT=0
                 "plain": DirectLink(lambda: self._at("plain"), LinkKeys.from_bytes(plain_keys), frame_dumps),
                 "old": _OldLink(lambda: self._at("old"), token, frame_dumps),
@@ -180,7 +203,7 @@ def build(num_cpus: float, plain_keys: bytes, token: str) -> Any:
     return serve.deployment(Caller).options(**opts).bind(callee)
 
 
-async def measure(handle: Any, calls: int, rounds: int) -> list[tuple[str, int, float, float]]:
+async def measure(handle: DeploymentHandle, calls: int, rounds: int) -> list[tuple[str, int, float, float]]:
     rows = []
     for transport in TRANSPORTS:
         await handle.run.remote(transport, 100, 8)  # connect, warm up

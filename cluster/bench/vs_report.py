@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from cluster.bench.cpu_profile import IdleProfile, ScenarioProfile, profile_table
+from cluster.bench.json_body import JSON, json_float
 from cluster.bench.stats import fmt_num, markdown_table, ratio
 
 REFERENCE = "vLLM"
@@ -55,7 +55,7 @@ def select_loads(keys: str | None) -> list[Load]:
 class LoadResult:
     server: str
     load: Load
-    metrics: dict[str, Any]  # the result JSON of `vllm bench serve`
+    metrics: JSON  # the result JSON of `vllm bench serve`
     profile: ScenarioProfile
 
     @property
@@ -66,7 +66,7 @@ class LoadResult:
         if key == "cpu_ms_per_request":
             return self.cpu_ms_per_request
         v = self.metrics.get(key)
-        return None if v is None else float(v)
+        return None if v is None else json_float(v)
 
 
 # (column label, key of the result JSON, or "cpu_ms_per_request")
@@ -153,7 +153,7 @@ def median_rounds(
     return picked, spread
 
 
-def results_json(results: Sequence[LoadResult], idles: dict[str, IdleProfile], header: str) -> dict[str, Any]:
+def results_json(results: Sequence[LoadResult], idles: dict[str, IdleProfile], header: str) -> JSON:
     rows = [
         {
             "server": r.server,
@@ -166,6 +166,6 @@ def results_json(results: Sequence[LoadResult], idles: dict[str, IdleProfile], h
     return {"header": header, "results": rows, "idle": {k: v.to_json() for k, v in idles.items()}}
 
 
-def _slim(metrics: dict[str, Any]) -> dict[str, Any]:
+def _slim(metrics: JSON) -> JSON:
     """The result JSON without its per-request arrays."""
     return {k: v for k, v in metrics.items() if not isinstance(v, list)}

@@ -7,9 +7,8 @@ long-lived server starts cold even if an earlier run sent "the same" scenario.
 from __future__ import annotations
 
 import base64
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from cluster.bench.media import make_audio_bytes, make_image_bytes
 from cluster.bench.stats import Comparison
@@ -24,9 +23,9 @@ TOPICS = ["harbour", "glacier", "orchard", "market", "lighthouse", "canyon", "li
 class RequestSpec:
     kind: str  # "text" | "image" | "audio": the row a mixed scenario reports it under
     model: str
-    content: list[dict[str, Any]]
+    content: list[Mapping[str, object]]  # OpenAI content parts, with mmserve's extensions (``uuid``)
 
-    def messages(self) -> list[dict[str, Any]]:
+    def messages(self) -> list[dict[str, object]]:
         return [{"role": "user", "content": self.content}]
 
 
@@ -61,7 +60,7 @@ def text_request(cfg: WorkloadConfig, i: int) -> RequestSpec:
 
 def image_request(cfg: WorkloadConfig, tag: str, i: int, send_bytes: bool = True) -> RequestSpec:
     """An image with a ``uuid``; ``send_bytes=False`` sends the uuid alone (served from the cache)."""
-    part: dict[str, Any] = {"type": "image_url", "uuid": f"bench-{cfg.run_id}-{tag}-{i}"}
+    part: dict[str, object] = {"type": "image_url", "uuid": f"bench-{cfg.run_id}-{tag}-{i}"}
     if send_bytes:
         png = make_image_bytes(cfg.image_width, cfg.image_height, seed=_seed(cfg, tag, i))
         part["image_url"] = {"url": data_url(png, "image/png")}
