@@ -13,12 +13,12 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 from llm_service.multimodal import MultiModalInput
-from llm_service.outputs import RequestOutput
+from llm_service.outputs import EngineStats, RequestOutput
 from llm_service.sampling_params import SamplingParams
 from llm_service.scheduler import WaitingBound
 
@@ -34,6 +34,30 @@ class _Supply:
     mm_inputs: list[MultiModalInput]
 
 
+class SteppedEngine(Protocol):
+    """What the loop drives: ``LLMEngine`` (tests drive fakes). Its ``take_parked`` and ``scheduler``,
+    where it has them, are read too (``_step_once``)."""
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        mm_inputs: Sequence[MultiModalInput] = (),
+        cache_salt: str | None = None,
+    ) -> None: ...
+
+    def supply_embeddings(self, request_id: str, mm_inputs: Sequence[MultiModalInput]) -> None: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def stats(self) -> EngineStats: ...
+
+
 OnOutputs = Callable[[list[RequestOutput]], None]
 OnError = Callable[[str, BaseException], None]
 
@@ -43,7 +67,7 @@ class EngineLoop:
 
     def __init__(
         self,
-        engine: Any,
+        engine: SteppedEngine,
         on_outputs: OnOutputs | None = None,
         on_error: OnError | None = None,
         waiting_bound: WaitingBound | None = None,
@@ -68,7 +92,7 @@ class EngineLoop:
         self._live: set[str] = set()  # submitted and not yet finished or aborted
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
-        self.last_stats: Any = None
+        self.last_stats: EngineStats | None = None
         self.last_step_s: float | None = None  # the engine step behind the outputs last handed out
 
     def check_capacity(self, num_prompt_tokens: int) -> None:

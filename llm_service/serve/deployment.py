@@ -11,20 +11,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
 
 from llm_service.config import EngineConfig
 from llm_service.embeddings import resolve_embeddings, unfetched
-from llm_service.engine_loop import EngineLoop
+from llm_service.engine_loop import EngineLoop, SteppedEngine
 from llm_service.output_channels import ChannelBatch, OutputChannels
-from llm_service.outputs import RequestOutput
+from llm_service.outputs import EngineStats, RequestOutput
 from llm_service.request_spec import LLMRequestSpec, ReplicaTarget, SubmitReply
 from llm_service.scheduler import WaitingBound
 from llm_service.sequence import Request
 from llm_service.serve.metrics import LLMMetrics
 from llm_service.tracing import RequestTraces
 from mmcore.feature import MediaFeature
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
 
 logger = logging.getLogger("mmserve.llm")
 
@@ -45,7 +48,7 @@ class LLMServer:
         self,
         engine_config: EngineConfig,
         model_name: str,
-        engine_cls: Any = None,
+        engine_cls: Callable[[EngineConfig], SteppedEngine] | None = None,
         embedding_fetch_timeout_s: float = 60.0,
         channel_linger_s: float = 5.0,
         max_waiting_requests: int | None = None,
@@ -163,7 +166,7 @@ class LLMServer:
         if later and self._unfetched.get(request_id) is later:
             del self._unfetched[request_id]
 
-    async def _fetch(self, ref: Any) -> Any:
+    async def _fetch(self, ref: ObjectRef) -> object:
         async with asyncio.timeout(self.embedding_fetch_timeout_s):  # no task, unlike wait_for
             return await ref
 
@@ -261,9 +264,12 @@ class LLMServer:
             self.channels.forget(rid)
             self.loop.abort(rid)
 
-    def stats(self, target: ReplicaTarget | None = None) -> dict[str, Any]:
+    def _engine_stats(self) -> EngineStats:
+        return self.loop.last_stats or self.engine.stats()
+
+    def stats(self, target: ReplicaTarget | None = None) -> dict[str, object]:
         """Engine counters; ``target`` (a ``ReplicaTarget``) routes the call to one replica."""
-        s = self.loop.last_stats or self.engine.stats()
+        s = self._engine_stats()
         return {
             "num_running": s.num_running,
             "num_waiting": s.num_waiting,
@@ -278,20 +284,20 @@ class LLMServer:
             "replica_id": self.replica_id,
         }
 
-    def record_routing_stats(self) -> dict[str, Any]:
+    def record_routing_stats(self) -> dict[str, object]:
         """Called by Serve's controller; read by router.request_routers.PrefixAffinityRouter."""
         self.channels.drop_unconnected()
         stats = self.stats()
-        self._metrics.export(stats)
+        self._metrics.export(self._engine_stats())
         return stats
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Custom autoscaling metrics read by cluster.autoscaling_policy.LLMLoadPolicy."""
-        s = self.stats()
+        s = self._engine_stats()
         return {
-            "kv_usage": float(s["kv_usage"]),
-            "num_running": float(s["num_running"]),
-            "num_waiting": float(s["num_waiting"]),
+            "kv_usage": float(s.kv_usage),
+            "num_running": float(s.num_running),
+            "num_waiting": float(s.num_waiting),
         }
 
     def check_health(self) -> None:

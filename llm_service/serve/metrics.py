@@ -9,9 +9,12 @@ encoder pool and the ingress use too), each stage's metric object bound to its l
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
-from llm_service.outputs import RequestOutput
+from llm_service.outputs import EngineStats, RequestOutput
+
+if TYPE_CHECKING:
+    from ray.util.metrics import Histogram
 
 STAGE_METRIC = "mmserve_stage_seconds"  # the same family as encoder_service.serve.metrics'
 STAGE_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
@@ -21,7 +24,7 @@ def stage_metrics_on() -> bool:
     return os.environ.get("MMSERVE_STAGE_METRICS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def _stage(model: str, stage: str) -> Any:
+def _stage(model: str, stage: str) -> Histogram:
     from ray.util.metrics import Histogram
 
     hist = Histogram(
@@ -37,6 +40,7 @@ class LLMMetrics:
         from ray.serve import metrics
 
         tags = {"model": model}
+        self._last: EngineStats | None = None  # what ``export`` counted up to
         self.kv_blocks_in_use = metrics.Gauge(
             "mmserve_kv_blocks_in_use", "KV blocks held by requests", ("model",)
         )
@@ -83,14 +87,14 @@ class LLMMetrics:
         if step_s is not None and self.stages:
             self.engine_step.observe(step_s)
 
-    def export(self, stats: dict[str, Any]) -> None:
-        self.kv_blocks_in_use.set(stats["num_total_blocks"] - stats["num_free_blocks"])
-        self.kv_usage.set(stats["kv_usage"])
-        self.running.set(stats["num_running"])
-        self.waiting.set(stats["num_waiting"])
-        last = getattr(self, "_last", {"prefix_hit_tokens": 0, "prefix_query_tokens": 0})
-        hit = stats["prefix_hit_tokens"] - last["prefix_hit_tokens"]
-        query = stats["prefix_query_tokens"] - last["prefix_query_tokens"]
+    def export(self, stats: EngineStats) -> None:
+        self.kv_blocks_in_use.set(stats.num_total_blocks - stats.num_free_blocks)
+        self.kv_usage.set(stats.kv_usage)
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        last = self._last
+        hit = stats.prefix_hit_tokens - (0 if last is None else last.prefix_hit_tokens)
+        query = stats.prefix_query_tokens - (0 if last is None else last.prefix_query_tokens)
         if hit > 0:
             self.prefix_hit.inc(hit)
         if query > 0:
