@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from llm_service.multimodal import MultiModalInput
 from llm_service.sampling_params import SamplingParams
@@ -42,7 +41,7 @@ class RequestOutput:
     # on a request's last output from its engine, for the replica's metrics; not sent over the wire
     timing: RequestTiming | None = None
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[Callable[[bytes], RequestOutput], tuple[bytes]]:
         logprobs = (
             None
             if self.new_logprobs is None

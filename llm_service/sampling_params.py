@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict
 
 from llm_service.errors import RequestRejected
 
@@ -13,6 +13,19 @@ MAX_LOGPROBS = 20
 # temperature gives the argmax's one-hot distribution anyway, minus the numerical hazards.
 SAMPLING_EPS = 1e-5
 SEED_RANGE = (-(1 << 63), 1 << 64)  # what torch.Generator.manual_seed accepts: [lo, hi)
+
+
+class SamplingParamsWire(TypedDict):
+    """``SamplingParams`` as it travels in a request's msgpack (``stop_token_ids`` a list)."""
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop_token_ids: list[int]
+    ignore_eos: bool
+    logprobs: int | None
 
 
 @dataclass(frozen=True)
@@ -49,7 +62,7 @@ class SamplingParams:
         if problems:
             raise RequestRejected("bad_sampling_params", "; ".join(problems))
 
-    def to_wire(self) -> dict[str, Any]:
+    def to_wire(self) -> SamplingParamsWire:
         return {
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
@@ -62,7 +75,7 @@ class SamplingParams:
         }
 
     @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> SamplingParams:
+    def from_wire(cls, d: SamplingParamsWire) -> SamplingParams:
         return cls(
             max_tokens=int(d["max_tokens"]),
             temperature=float(d["temperature"]),

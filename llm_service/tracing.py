@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import Any
 
-from opentelemetry import propagate, trace
+from opentelemetry import context, propagate, trace
 
 from llm_service.outputs import RequestOutput
 
@@ -21,7 +20,8 @@ MAX_OPEN = 4096  # traced requests remembered until their last output (aborted o
 
 class RequestTraces:
     def __init__(self) -> None:
-        self._open: OrderedDict[str, tuple[Any, int, dict[str, Any]]] = OrderedDict()
+        # request id -> its caller's context, when it arrived (ns), its span's attributes
+        self._open: OrderedDict[str, tuple[context.Context, int, dict[str, str | list[str]]]] = OrderedDict()
 
     def __bool__(self) -> bool:
         return bool(self._open)
@@ -30,7 +30,7 @@ class RequestTraces:
         """The request arrived (``headers``: its caller's trace context; None: not sampled)."""
         if not headers:
             return
-        attrs = {"mmserve.request_id": request_id, "mmserve.mm_hashes": mm_hashes}
+        attrs: dict[str, str | list[str]] = {"mmserve.request_id": request_id, "mmserve.mm_hashes": mm_hashes}
         self._open[request_id] = (propagate.extract(headers), time.time_ns(), attrs)
         while len(self._open) > MAX_OPEN:
             self._open.popitem(last=False)
