@@ -58,7 +58,7 @@ class IngressModel:
     modalities: list[str]
     cache: "EncoderCacheClient"  # the model's shared encoder cache
     # the hit path's make_preparer keywords (cluster.app.preprocess_args); None: off
-    preprocess: dict[str, Any] | None = None  # Any: their TypedDict is cluster's; router may not import it
+    preprocess: dict[str, Any] | None = None  # Any: their TypedDict is in cluster/, which router must not use
     near_cache_entries: int = 0  # the hit path's near cache (encoder_service/cache/near_cache.py); 0: none
     near_cache_ttl_s: float = 0.0
     direct: tuple[str, ...] = ()  # pools ("llm", "preprocess") called over direct links (pool_links.py)
