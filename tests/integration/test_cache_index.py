@@ -13,7 +13,7 @@ import ray
 
 from encoder_service.cache.cache_client import EncoderCacheClient, create_cache_index
 from encoder_service.cache.cache_index import ref_id
-from encoder_service.cache.encoder_cache import COMPUTE, HIT, WAIT
+from encoder_service.cache.encoder_cache import CacheReply
 from encoder_service.preprocess.errors import EncoderCacheBusy
 from encoder_service.preprocess.hashing import compute_mm_hash
 from encoder_service.types import EmbeddingMeta
@@ -54,9 +54,9 @@ def test_single_flight_and_cross_process_lookup(ray_session):
 
     async def scenario():
         first = await client.lookup_or_reserve("r0", [h])
-        assert first[h][0] == COMPUTE
+        assert first[h][0] == CacheReply.COMPUTE
         again = await client.lookup_or_reserve("r1", [h])
-        assert again[h][0] == WAIT  # r0 computes it
+        assert again[h][0] == CacheReply.WAIT  # r0 computes it
         waiters = [asyncio.ensure_future(client.get_or_reserve(f"r{i}", h)) for i in range(1, 12)]
         await asyncio.sleep(0.3)
         assert not any(w.done() for w in waiters)  # they wait for the commit, they don't compute
@@ -64,7 +64,8 @@ def test_single_flight_and_cross_process_lookup(ray_session):
         assert await client.commit(h, _meta(h, 4), ref, "r0")
         hits = await asyncio.gather(*waiters)
         assert all(
-            kind == HIT and payload is not None and payload[0].num_embeds == 4 for kind, payload in hits
+            kind == CacheReply.HIT and payload is not None and payload[0].num_embeds == 4
+            for kind, payload in hits
         )
         assert float(np.asarray(ray.get(_ref_of(hits[0]))).sum()) == 32.0
         return await client.stats()
@@ -80,18 +81,18 @@ def test_failed_compute_hands_over_and_commit_evicts_when_needed(ray_session):
     h, other = _hash(10), _hash(11)
 
     async def scenario():
-        assert (await client.lookup_or_reserve("a", [h]))[h][0] == COMPUTE
+        assert (await client.lookup_or_reserve("a", [h]))[h][0] == CacheReply.COMPUTE
         waiter = asyncio.ensure_future(client.get_or_reserve("b", h))
         await asyncio.sleep(0.1)
         await client.release("a")  # "a" failed before committing: "b" takes over the compute
-        assert (await waiter)[0] == COMPUTE
+        assert (await waiter)[0] == CacheReply.COMPUTE
         assert await client.commit(h, _meta(h, 6), ray.put(np.zeros(3)), "b")
-        assert (await client.lookup_or_reserve("c", [other]))[other][0] == COMPUTE
+        assert (await client.lookup_or_reserve("c", [other]))[other][0] == CacheReply.COMPUTE
         assert await client.commit(other, _meta(other, 5), ray.put(np.zeros(3)), "c")  # evicts h
         assert await client.lookup_many([h]) == {}
         # a reservation whose holder never commits (hung) makes its waiters give up, clearly
         lone = _hash(12)
-        assert (await client.lookup_or_reserve("d", [lone]))[lone][0] == COMPUTE
+        assert (await client.lookup_or_reserve("d", [lone]))[lone][0] == CacheReply.COMPUTE
         await client.renew("d", [lone])
         with pytest.raises(EncoderCacheBusy, match="did not commit"):
             await client.get_or_reserve("e", lone)
@@ -107,11 +108,11 @@ def test_invalidate_turns_a_hit_into_compute_and_returns_capacity(ray_session):
     h, other = _hash(20), _hash(21)  # two shards of capacity 7 each, or one of 14: h and other fit apart
 
     async def scenario():
-        assert (await client.lookup_or_reserve("a", [h]))[h][0] == COMPUTE
+        assert (await client.lookup_or_reserve("a", [h]))[h][0] == CacheReply.COMPUTE
         lost = ray.put(np.ones((7, 4), dtype=np.float32))
         await client.commit(h, _meta(h, 7), lost, "a")
         hit = (await client.lookup_or_reserve("b", [h]))[h]
-        assert hit[0] == HIT and ref_id(_ref_of(hit)) == ref_id(lost)
+        assert hit[0] == CacheReply.HIT and ref_id(_ref_of(hit)) == ref_id(lost)
         stale = ray.put(np.zeros(1))
         assert await client.invalidate([h], {h: ref_id(stale)}) == []  # it holds another ref: kept
         assert (await client.stats())["entries"] == 1
@@ -119,7 +120,8 @@ def test_invalidate_turns_a_hit_into_compute_and_returns_capacity(ray_session):
         stats = await client.stats()
         assert stats["invalidations"] == 1 and stats["entries"] == 0 and stats["used"] == 0
         assert await client.lookup_many([h]) == {}
-        assert (await client.lookup_or_reserve("c", [h]))[h][0] == COMPUTE  # a miss now: compute again
+        # a miss now: compute again
+        assert (await client.lookup_or_reserve("c", [h]))[h][0] == CacheReply.COMPUTE
         await client.commit(h, _meta(h, 7), ray.put(np.full((7, 4), 3.0, dtype=np.float32)), "c")
         assert await client.invalidate([h, other]) == [h]  # unconditional; other was never there
         return await client.stats()
@@ -136,18 +138,18 @@ def test_invalidate_before_the_commit_dooms_that_ref(ray_session):
     h = _hash(40)
 
     async def scenario():
-        assert (await client.lookup_or_reserve("a", [h]))[h][0] == COMPUTE
+        assert (await client.lookup_or_reserve("a", [h]))[h][0] == CacheReply.COMPUTE
         doomed = ray.put(np.zeros(4))
         assert await client.invalidate([h], {h: ref_id(doomed)}) == []  # only reserved so far
         waiter = asyncio.ensure_future(client.get_or_reserve("b", h))
         await asyncio.sleep(0.2)
         assert not await client.commit(h, _meta(h, 4), doomed, "a")
-        assert (await asyncio.wait_for(waiter, 2.0))[0] == COMPUTE
+        assert (await asyncio.wait_for(waiter, 2.0))[0] == CacheReply.COMPUTE
         assert await client.lookup_many([h]) == {}
         fresh = ray.put(np.ones(4))
         assert await client.commit(h, _meta(h, 4), fresh, "b")
         hit = await client.get_or_reserve("c", h)
-        assert hit[0] == HIT and ref_id(_ref_of(hit)) == ref_id(fresh)
+        assert hit[0] == CacheReply.HIT and ref_id(_ref_of(hit)) == ref_id(fresh)
         return await client.stats()
 
     stats = asyncio.run(scenario())
@@ -163,7 +165,7 @@ def test_each_shard_holds_the_largest_admitted_item(ray_session):
 
     async def scenario():
         answers = await client.lookup_or_reserve("r", hashes)
-        assert {kind for kind, _ in answers.values()} == {COMPUTE}
+        assert {kind for kind, _ in answers.values()} == {CacheReply.COMPUTE}
         done = await client.commit_many([(_meta(h, 60), ray.put(np.zeros(1)), "r") for h in hashes])
         return done, await client.stats()
 
@@ -182,7 +184,7 @@ def test_a_dead_shard_comes_back_empty_whether_ray_restarts_it_or_not(ray_sessio
     h, g = _hash(200), _hash(201)
 
     async def fill(rid: str, key: str) -> None:
-        assert (await client.lookup_or_reserve(rid, [key]))[key][0] == COMPUTE
+        assert (await client.lookup_or_reserve(rid, [key]))[key][0] == CacheReply.COMPUTE
         assert await client.commit(key, _meta(key, 4), ray.put(np.zeros(4)), rid)
 
     async def until_empty() -> None:  # ray.kill returns before the shard is dead
@@ -194,11 +196,12 @@ def test_a_dead_shard_comes_back_empty_whether_ray_restarts_it_or_not(ray_sessio
 
     async def scenario():
         await fill("a", h)
-        assert (await client.lookup_or_reserve("held", [g]))[g][0] == COMPUTE  # its holder "dies" too
+        # its holder "dies" too
+        assert (await client.lookup_or_reserve("held", [g]))[g][0] == CacheReply.COMPUTE
         ray.kill(client.shards[0], no_restart=False)  # a crash: Ray restarts it
         await until_empty()
         first = await client.lookup_or_reserve("b", [h, g])
-        assert {k for k, _ in first.values()} == {COMPUTE}  # both misses on the new incarnation
+        assert {k for k, _ in first.values()} == {CacheReply.COMPUTE}  # both misses on the new incarnation
         after_restart = await client.stats()
         ray.kill(client.shards[0])  # gone for good: the client re-creates it by name
         await until_empty()
@@ -210,8 +213,8 @@ def test_a_dead_shard_comes_back_empty_whether_ray_restarts_it_or_not(ray_sessio
     finally:
         ray.kill(client.shards[0])
     assert after_restart["entries"] == 2 and after_restart["reserved"] == 2  # b's own reservations
-    assert again[h][0] == COMPUTE
-    assert again[h][0] == COMPUTE and stats["entries"] == 1 and stats["capacity"] == 100
+    assert again[h][0] == CacheReply.COMPUTE
+    assert again[h][0] == CacheReply.COMPUTE and stats["entries"] == 1 and stats["capacity"] == 100
 
 
 def test_encoder_replica_shutdown_invalidates_only_what_it_still_owns(ray_session, tiny_vl_dir):
@@ -234,7 +237,7 @@ def test_encoder_replica_shutdown_invalidates_only_what_it_still_owns(ray_sessio
 
     async def scenario():
         for it in items:
-            assert (await client.get_or_reserve("r", it.mm_hash))[0] == COMPUTE
+            assert (await client.get_or_reserve("r", it.mm_hash))[0] == CacheReply.COMPUTE
             assert it.data is not None
             (out,) = await server.encode(EncodeBatch("r", [it.data]))
             assert out.meta.mm_hash == it.mm_hash  # the server committed it itself
@@ -243,10 +246,8 @@ def test_encoder_replica_shutdown_invalidates_only_what_it_still_owns(ray_sessio
         # `moved` was lost once and re-encoded by another replica: its entry holds another ref now
         (_, ref) = (await client.lookup_many([moved]))[moved]
         assert await client.invalidate([moved], {moved: ref_id(ref)}) == [moved]
-        assert (await client.get_or_reserve("s", moved))[0] == COMPUTE
-        await client.commit(
-            moved, EmbeddingMeta(moved, "image", items[1].length, 4, "float32"), ray.put(0)
-        )
+        assert (await client.get_or_reserve("s", moved))[0] == CacheReply.COMPUTE
+        await client.commit(moved, EmbeddingMeta(moved, "image", items[1].length, 4, "float32"), ray.put(0))
         shutdown = server.__del__()
         assert shutdown is not None
         assert await shutdown == 1

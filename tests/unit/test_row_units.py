@@ -8,7 +8,7 @@ from cluster.budgets import encoder_budgets, largest_item_embeds, row_units
 from cluster.config import ModelConfig
 from cluster.tiny_model.families import ModelSize
 from cluster.tiny_model.qwen3_vl import deepstack_indexes
-from encoder_service.cache.encoder_cache import COMPUTE, EncoderCacheBooks
+from encoder_service.cache.encoder_cache import CacheReply, EncoderCacheBooks
 from encoder_service.families import TINY_QWEN3_VL_DEEPSTACK_LEVELS, deepstack_row_units
 from encoder_service.types import EmbeddingMeta
 
@@ -17,12 +17,12 @@ def test_a_row_with_deepstack_levels_is_charged_for_each_and_crosses_the_wire() 
     books = EncoderCacheBooks(20)
     meta = EmbeddingMeta("a" * 64, "image", 4, 3 * 8, "float32", (1, 4, 4), units=3)
     assert EmbeddingMeta.from_msgpack(meta.to_msgpack()) == meta
-    assert books.lookup_or_reserve("r", "a" * 64, 0.0) == COMPUTE
+    assert books.lookup_or_reserve("r", "a" * 64, 0.0) == CacheReply.COMPUTE
     books.commit("a" * 64, meta)
     assert books.used == 12  # 4 rows x (main + 2 levels)
     plain = EmbeddingMeta("b" * 64, "image", 10, 8, "float32", (1, 4, 4))
     assert EmbeddingMeta.from_msgpack(plain.to_msgpack()).units == 1
-    assert books.lookup_or_reserve("r", "b" * 64, 0.0) == COMPUTE
+    assert books.lookup_or_reserve("r", "b" * 64, 0.0) == CacheReply.COMPUTE
     books.commit("b" * 64, plain)  # 12 + 10 > 20: the first entry is evicted
     assert books.used == 10 and books.take_freed() == ["a" * 64]
 

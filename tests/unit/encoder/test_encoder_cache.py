@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from encoder_service.cache.encoder_cache import COMPUTE, HIT, WAIT, EncoderCacheBooks
+from encoder_service.cache.encoder_cache import CacheReply, EncoderCacheBooks
 from encoder_service.preprocess.errors import EncoderCacheFull
 from encoder_service.preprocess.processor_cache import ProcessorCache
 from encoder_service.types import EmbeddingMeta, EncoderInput
@@ -16,7 +16,7 @@ def _meta(h: str, n: int) -> EmbeddingMeta:
 
 
 def _fill(books: EncoderCacheBooks, req: str, h: str, n: int, now: float = 0.0) -> None:
-    assert books.lookup_or_reserve(req, h, now) == COMPUTE
+    assert books.lookup_or_reserve(req, h, now) == CacheReply.COMPUTE
     books.commit(h, _meta(h, n))
 
 
@@ -24,7 +24,7 @@ def test_commit_evicts_least_recently_used_first_and_only_when_needed():
     books = EncoderCacheBooks(10)
     for h in "abc":
         _fill(books, "r", h, 3)
-    assert books.lookup_or_reserve("s", "a", 0.0) == HIT  # a is now the most recently used
+    assert books.lookup_or_reserve("s", "a", 0.0) == CacheReply.HIT  # a is now the most recently used
     _fill(books, "s", "d", 1)  # 1 free embedding: no eviction
     assert books.evictions == 0 and books.take_freed() == []
     _fill(books, "s", "e", 4)  # needs 4: evict b (3) then c (3), not a
@@ -34,13 +34,17 @@ def test_commit_evicts_least_recently_used_first_and_only_when_needed():
 
 def test_reservations_are_single_flight_cost_nothing_until_commit_and_too_large_refused():
     books = EncoderCacheBooks(10)
-    assert books.lookup_or_reserve("r1", "a", 0.0) == COMPUTE
-    assert books.lookup_or_reserve("r2", "a", 1.0) == WAIT  # r1 computes it
-    assert books.lookup_or_reserve("r1", "a", 1.0) == COMPUTE  # asked again by its holder
+    assert books.lookup_or_reserve("r1", "a", 0.0) == CacheReply.COMPUTE
+    assert books.lookup_or_reserve("r2", "a", 1.0) == CacheReply.WAIT  # r1 computes it
+    assert books.lookup_or_reserve("r1", "a", 1.0) == CacheReply.COMPUTE  # asked again by its holder
     assert books.used == 0 and books.num_reserved == 1 and books.holder("a") == "r1"
     books.commit("a", _meta("a", 4))
-    assert books.lookup_or_reserve("r2", "a", 2.0) == HIT and books.used == 4 and books.num_reserved == 0
-    assert books.lookup_or_reserve("r3", "big", 2.0) == COMPUTE
+    assert (
+        books.lookup_or_reserve("r2", "a", 2.0) == CacheReply.HIT
+        and books.used == 4
+        and books.num_reserved == 0
+    )
+    assert books.lookup_or_reserve("r3", "big", 2.0) == CacheReply.COMPUTE
     with pytest.raises(EncoderCacheFull, match="capacity of 10") as e:
         books.commit("big", _meta("big", 11))
     assert e.value.status_code == 400
@@ -48,7 +52,7 @@ def test_reservations_are_single_flight_cost_nothing_until_commit_and_too_large_
 
 def test_released_reservation_is_dropped_and_counters():
     books = EncoderCacheBooks(10)
-    assert books.lookup_or_reserve("r1", "a", 0.0) == COMPUTE
+    assert books.lookup_or_reserve("r1", "a", 0.0) == CacheReply.COMPUTE
     assert books.lookup("a") is None  # reserved, not committed: a miss
     assert books.release("r1") == ["a"]
     assert "a" not in books.entries and books.take_freed() == []
@@ -71,11 +75,11 @@ def test_released_reservation_is_dropped_and_counters():
 
 def test_a_dead_holders_reservation_expires_and_a_live_one_renews():
     books = EncoderCacheBooks(10, lease_s=5.0)
-    assert books.lookup_or_reserve("dead", "a", 0.0) == COMPUTE
-    assert books.lookup_or_reserve("live", "b", 0.0) == COMPUTE
+    assert books.lookup_or_reserve("dead", "a", 0.0) == CacheReply.COMPUTE
+    assert books.lookup_or_reserve("live", "b", 0.0) == CacheReply.COMPUTE
     assert books.renew("live", 4.0) == 1  # b now runs until 9.0
-    assert books.lookup_or_reserve("other", "a", 4.9) == WAIT
-    assert books.lookup_or_reserve("other", "a", 5.0) == COMPUTE  # taken over at the lease's end
+    assert books.lookup_or_reserve("other", "a", 4.9) == CacheReply.WAIT
+    assert books.lookup_or_reserve("other", "a", 5.0) == CacheReply.COMPUTE  # taken over at the lease's end
     assert books.holder("a") == "other" and books.expired == 1
     assert books.release("dead") == []  # nothing left to the dead holder
     assert books.expire(8.9) == [] and books.expire(9.0) == ["b"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from encoder_service.cache.encoder_cache import COMPUTE, EncoderCacheBooks
+from encoder_service.cache.encoder_cache import CacheReply, EncoderCacheBooks
 from encoder_service.types import EmbeddingMeta
 
 
@@ -12,18 +12,18 @@ def _meta(h: str, n: int) -> EmbeddingMeta:
 
 def test_invalidate_drops_a_committed_entry_and_returns_its_space() -> None:
     books = EncoderCacheBooks(10)
-    assert books.lookup_or_reserve("r1", "a", 0.0) == COMPUTE
+    assert books.lookup_or_reserve("r1", "a", 0.0) == CacheReply.COMPUTE
     books.commit("a", _meta("a", 6))
     assert books.invalidate("a")
     assert "a" not in books.entries and books.used == 0 and books.invalidations == 1
     assert books.take_freed() == []  # not an eviction: the caller drops the ref itself
     assert books.evictions == 0
-    assert books.lookup_or_reserve("r2", "a", 0.0) == COMPUTE  # a miss now: computed again
+    assert books.lookup_or_reserve("r2", "a", 0.0) == CacheReply.COMPUTE  # a miss now: computed again
 
 
 def test_invalidate_leaves_a_reservation_alone() -> None:
     books = EncoderCacheBooks(10)
-    assert books.lookup_or_reserve("r1", "a", 0.0) == COMPUTE
+    assert books.lookup_or_reserve("r1", "a", 0.0) == CacheReply.COMPUTE
     assert not books.invalidate("a")  # its computing request commits a fresh tensor
     assert books.holder("a") == "r1"
     books.commit("a", _meta("a", 3))
