@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING, ClassVar, TypedDict
+from typing import TYPE_CHECKING, ClassVar
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
@@ -31,19 +31,11 @@ from cluster.tracing import setup_tracing
 if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle
 
-    from encoder_service.preprocess.media.limits import MediaLimits
+    from encoder_service.preprocess.make_preparer import PreprocessArgs
     from llm_service.request_spec import ReplicaTarget
     from router.auth import KeyRing
 
 TP_LEADER_NUM_CPUS = 0.1  # the replica of a TP>1 encoder group only queues, batches and puts
-
-
-class PreprocessArgs(TypedDict):
-    """What preparing a model's requests takes from its config (``make_preparer``'s keywords)."""
-
-    limits: MediaLimits
-    limit_mm_per_prompt: dict[str, int]
-    processor_cache_bytes: int
 
 
 def deployment_options(
@@ -287,7 +279,7 @@ def _ingress(config: AppConfig, pools: dict[str, dict[str, serve.Application]]) 
                         limits,
                         model_modalities(model_dir),
                         open_cache_index(*cache_index_args(m), links=cfg.ingress.transport == "auto"),
-                        dict(preprocess_args(m)),  # IngressModel.preprocess is a plain dict
+                        preprocess_args(m),
                         m.preprocess.hit_path_cache_entries,
                         m.preprocess.hit_path_cache_ttl_s,
                         direct=direct_pools(cfg, m),

@@ -1,18 +1,20 @@
 """Records handed between the preprocessor, the encoder pool and (through the router) the LLM pool.
 
 Plain dataclasses, no torch at import time. Every record that crosses a process boundary pickles
-as its versioned msgpack wire form (``encoder_service/wire.py``); ObjectRefs ride beside the bytes
-so Ray keeps counting them.
+as its versioned msgpack wire form (``mmcore/wire.py``); ObjectRefs ride beside the bytes so Ray
+keeps counting them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mmcore.feature import MODALITIES, MediaFeature, Modality, PlaceholderRange
 from mmcore.wire import (
+    Buffers,
+    Reduced,
     from_fields,
     pack,
     pack_tensor,
@@ -21,6 +23,9 @@ from mmcore.wire import (
     unpack,
     unpack_tensor,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["MODALITIES", "Modality", "PlaceholderRange"]  # the item's own terms, from mmcore.feature
 
@@ -51,20 +56,20 @@ class EncoderInput:
     modality: Modality
     num_embeds: int
     grid_thw: tuple[int, int, int] | None
-    tensors: dict[str, Any] = field(default_factory=dict)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     second_per_grid_ts: float | None = None  # a video's seconds per temporal patch (Qwen2.5-VL positions)
     frame_times: list[float] | None = None  # seconds of each temporal patch (Qwen3-VL's prompt timestamps)
 
-    def to_wire(self, buffers: list[Any]) -> dict[str, Any]:
+    def to_wire(self, buffers: Buffers) -> dict[str, object]:
         tensors = {k: pack_tensor(t, buffers) for k, t in self.tensors.items()}
         return {**to_fields(self, ("tensors",)), "tensors": tensors}
 
     @classmethod
-    def from_wire(cls, d: dict[str, Any], buffers: list[Any]) -> EncoderInput:
+    def from_wire(cls, d: Mapping[str, Any], buffers: Buffers) -> EncoderInput:  # Any: a msgpack map
         return from_fields(cls, d, tensors={k: unpack_tensor(t, buffers) for k, t in d["tensors"].items()})
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        buffers: list[Any] = []
+    def __reduce__(self) -> Reduced:
+        buffers: Buffers = []
         return (_encoder_input_from_bytes, (pack("EncoderInput", self.to_wire(buffers)), buffers))
 
 
@@ -75,10 +80,10 @@ class PreprocessedRequest:
 
     prompt_token_ids: list[int]
     items: list[MediaFeature]
-    processor_kwargs: dict[str, Any] = field(default_factory=dict)
+    processor_kwargs: dict[str, object] = field(default_factory=dict)
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        buffers: list[Any] = []
+    def __reduce__(self) -> Reduced:
+        buffers: Buffers = []
         fields = {
             **to_fields(self, ("items",)),
             "items": [it.to_wire() for it in self.items],
@@ -86,7 +91,7 @@ class PreprocessedRequest:
         }
         return (_preprocessed_from_bytes, (pack("PreprocessedRequest", fields), buffers))
 
-    def to_log(self) -> dict[str, Any]:
+    def to_log(self) -> dict[str, object]:
         """What a failure's log line needs to replay the request (no tensors)."""
         return {
             "num_prompt_tokens": len(self.prompt_token_ids),
@@ -132,7 +137,7 @@ class EmbeddingMeta:
     def from_msgpack(cls, raw: bytes) -> EmbeddingMeta:
         return from_fields(cls, unpack("EmbeddingMeta", raw))
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> Reduced:
         return (EmbeddingMeta.from_msgpack, (self.to_msgpack(),))
 
 
@@ -147,8 +152,8 @@ class EncodeBatch:
     def num_embeds(self) -> int:  # read by router.request_routers.LeastQueuedEmbeddingsRouter
         return sum(i.num_embeds for i in self.inputs)
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        buffers: list[Any] = []
+    def __reduce__(self) -> Reduced:
+        buffers: Buffers = []
         fields = {"request_id": self.request_id, "inputs": [i.to_wire(buffers) for i in self.inputs]}
         return (_encode_batch_from_bytes, (pack("EncodeBatch", fields), buffers))
 
@@ -158,18 +163,18 @@ class EncodedItem:
     """One encoder output: its metadata, and ``[ObjectRef]`` of the ``[num_embeds, hidden]`` tensor."""
 
     meta: EmbeddingMeta
-    ref: list[Any] = field(default_factory=list)
+    ref: list[object] = field(default_factory=list)
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> Reduced:
         return (_encoded_item_from_bytes, (self.meta.to_msgpack(), self.ref))
 
 
 # Module-level so pickle finds them by name; each checks kind and version.
-def _encoder_input_from_bytes(raw: bytes, buffers: list[Any]) -> EncoderInput:
+def _encoder_input_from_bytes(raw: bytes, buffers: Buffers) -> EncoderInput:
     return EncoderInput.from_wire(unpack("EncoderInput", raw), buffers)
 
 
-def _preprocessed_from_bytes(raw: bytes, buffers: list[Any]) -> PreprocessedRequest:
+def _preprocessed_from_bytes(raw: bytes, buffers: Buffers) -> PreprocessedRequest:
     d = unpack("PreprocessedRequest", raw)
     items = [
         MediaFeature.from_wire(it, data=EncoderInput.from_wire(inp, buffers) if inp is not None else None)
@@ -185,10 +190,10 @@ def _input_of(it: MediaFeature) -> EncoderInput:
     return it.data
 
 
-def _encode_batch_from_bytes(raw: bytes, buffers: list[Any]) -> EncodeBatch:
+def _encode_batch_from_bytes(raw: bytes, buffers: Buffers) -> EncodeBatch:
     d = unpack("EncodeBatch", raw)
     return EncodeBatch(d["request_id"], [EncoderInput.from_wire(i, buffers) for i in d["inputs"]])
 
 
-def _encoded_item_from_bytes(meta: bytes, ref: list[Any]) -> EncodedItem:
+def _encoded_item_from_bytes(meta: bytes, ref: list[object]) -> EncodedItem:
     return EncodedItem(EmbeddingMeta.from_msgpack(meta), list(ref))

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from llm_service.sampling_params import SamplingParams
 from mmcore.feature import MediaFeature
-from mmcore.wire import from_fields, pack, to_fields, unpack
+from mmcore.wire import Reduced, from_fields, pack, to_fields, unpack
 
 
 @dataclass(frozen=True)
@@ -24,12 +23,12 @@ class LLMRequestSpec:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     mm_items: Sequence[MediaFeature] = ()
-    block_hashes: Sequence[Any] = field(default=(), compare=False)  # for the replica router only
+    block_hashes: Sequence[bytes] = field(default=(), compare=False)  # for the replica router only
     ingress_id: str = ""  # whose output channel carries this request's tokens
     cache_salt: str | None = None  # prefix-cache salt: enters the first block's hash only
     trace_headers: dict[str, str] | None = field(default=None, compare=False)  # a sampled request's trace
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> Reduced:
         fields = {
             **to_fields(self, _SPEC_BESIDE),
             "sampling_params": self.sampling_params.to_wire(),

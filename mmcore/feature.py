@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Literal
 
 from mmcore.wire import from_fields, to_fields
 
@@ -67,12 +67,16 @@ class MediaFeature:
         """Still being encoded: no ref and no value yet (they arrive later)."""
         return not self.ref and self.value is None
 
-    def to_wire(self) -> dict[str, Any]:
+    def to_wire(self) -> dict[str, object]:
         return to_fields(self, self.BESIDE, omit_defaults=True)
 
     @classmethod
     def from_wire(
-        cls, d: Mapping[str, Any], ref: list[object] | None = None, value: object = None, data: object = None
+        cls,
+        d: Mapping[str, object],
+        ref: list[object] | None = None,
+        value: object = None,
+        data: object = None,
     ) -> MediaFeature:
         return from_fields(cls, d, ref=list(ref or []), value=value, data=data)
 

@@ -14,12 +14,26 @@ raw buffers that travels beside the record (C order), so tensor bytes are never 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Mapping
-from typing import Any, TypeVar
+from collections.abc import Callable, Collection, Mapping
+from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
 
 import msgpack
 
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+    import torch
+
 R = TypeVar("R")
+Buffers = list["npt.NDArray[np.uint8]"]  # the raw tensor bytes that travel beside a record
+Reduced = tuple[Callable[..., object], tuple[object, ...]]  # what ``__reduce__`` gives pickle
+
+
+class WireTensor(TypedDict):
+    dtype: str  # torch's name for it: "float32", "bfloat16", ...
+    shape: list[int]
+    buf: int  # its index in the buffers beside the record
+
 
 WIRE_VERSION = 3  # 2: tensor bytes out of band, beside the record; 3: one codec for both services
 
@@ -28,11 +42,11 @@ class WireVersionError(ValueError):
     pass
 
 
-def pack(kind: str, fields: dict[str, Any]) -> bytes:
+def pack(kind: str, fields: Mapping[str, object]) -> bytes:
     return bytes(msgpack.packb({"v": WIRE_VERSION, "kind": kind, **fields}, use_bin_type=True))
 
 
-def unpack(kind: str, raw: bytes) -> dict[str, Any]:
+def unpack(kind: str, raw: bytes) -> dict[str, Any]:  # Any: msgpack's map; each reader checks its fields
     d = msgpack.unpackb(raw, raw=False, strict_map_key=False)
     if not isinstance(d, dict) or d.get("kind") != kind:
         got = d.get("kind") if isinstance(d, dict) else type(d).__name__
@@ -44,7 +58,7 @@ def unpack(kind: str, raw: bytes) -> dict[str, Any]:
     return dict(d)
 
 
-def plain(value: Any) -> Any:
+def plain(value: object) -> object:
     """``value`` as msgpack's own types: numpy scalars unwrapped, tuples as lists, keys as strings,
     anything else unknown as its ``str`` (metadata and processor kwargs are for logs and replay)."""
     if value is None or isinstance(value, (bool, int, float, str, bytes)):
@@ -53,14 +67,14 @@ def plain(value: Any) -> Any:
         return {str(k): plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [plain(v) for v in value]
-    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # numpy / torch scalar
-        return plain(value.item())
-    if hasattr(value, "tolist"):  # a small array in metadata
-        return plain(value.tolist())
+    if getattr(value, "ndim", None) == 0 and (item := getattr(value, "item", None)) is not None:
+        return plain(item())  # a numpy / torch scalar
+    if (tolist := getattr(value, "tolist", None)) is not None:  # a small array in metadata
+        return plain(tolist())
     return str(value)
 
 
-def pack_tensor(t: Any, buffers: list[Any]) -> dict[str, Any]:
+def pack_tensor(t: torch.Tensor | npt.NDArray[np.generic], buffers: Buffers) -> WireTensor:
     """A tensor (torch, or a numpy array: it comes back as torch) as dtype name and shape; its bytes
     go to ``buffers`` as a flat uint8 numpy array (any dtype, bfloat16 included), which pickle
     protocol 5 (Ray's) carries out of band: no copy into the record, zero-copy reads on a node."""
@@ -75,7 +89,7 @@ def pack_tensor(t: Any, buffers: list[Any]) -> dict[str, Any]:
     return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "buf": len(buffers) - 1}
 
 
-def unpack_tensor(d: dict[str, Any], buffers: list[Any]) -> Any:
+def unpack_tensor(d: WireTensor, buffers: Buffers) -> torch.Tensor:
     import warnings
 
     import torch
@@ -90,7 +104,7 @@ def unpack_tensor(d: dict[str, Any], buffers: list[Any]) -> Any:
     return flat.view(dtype).reshape([int(n) for n in d["shape"]])
 
 
-def to_fields(record: object, beside: Collection[str] = (), omit_defaults: bool = False) -> dict[str, Any]:
+def to_fields(record: object, beside: Collection[str] = (), omit_defaults: bool = False) -> dict[str, object]:
     """A dataclass record's fields as msgpack values, those named in ``beside`` left out (they travel
     next to the bytes: ObjectRefs, arrays, records of their own). Derived from the fields, so none can
     be dropped. ``omit_defaults``: a field at its (plain) default is left out too (``from_fields``
@@ -107,15 +121,15 @@ def to_fields(record: object, beside: Collection[str] = (), omit_defaults: bool 
     return out
 
 
-def from_fields(cls: type[R], d: Mapping[str, Any], **beside: Any) -> R:
+def from_fields(cls: type[R], d: Mapping[str, object], **beside: object) -> R:
     """``cls`` from ``to_fields``'s form plus the fields that travelled ``beside`` it. A field missing
     from ``d`` takes its default (a record from a build before the field was added); a tuple field
     (a grid, a row range) comes back as a tuple."""
     tuples, names = _field_names(cls)
     values = {name: d[name] for name in names if name in d and name not in beside}
     for name in tuples:
-        if values.get(name) is not None:
-            values[name] = tuple(values[name])
+        if isinstance(value := values.get(name), list):
+            values[name] = tuple(value)
     return cls(**values, **beside)
 
 

@@ -11,7 +11,7 @@ reads the app config.
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # annotations only (strings: this module has no ``from __futu
     from ray.serve.handle import DeploymentHandle
 
     from encoder_service.cache.cache_client import EncoderCacheClient
+    from encoder_service.preprocess.make_preparer import PreprocessArgs
     from encoder_service.preprocess.prepare import RequestPreparer
 
 logger = logging.getLogger("mmserve.ingress")
@@ -58,7 +59,7 @@ class IngressModel:
     modalities: list[str]
     cache: "EncoderCacheClient"  # the model's shared encoder cache
     # the hit path's make_preparer keywords (cluster.app.preprocess_args); None: off
-    preprocess: dict[str, Any] | None = None  # Any: their TypedDict is in cluster/, which router must not use
+    preprocess: "PreprocessArgs | None" = None
     near_cache_entries: int = 0  # the hit path's near cache (encoder_service/cache/near_cache.py); 0: none
     near_cache_ttl_s: float = 0.0
     direct: tuple[str, ...] = ()  # pools ("llm", "preprocess") called over direct links (pool_links.py)
@@ -91,7 +92,7 @@ def _hit_path(m: IngressModel) -> "RequestPreparer | None":
     ``prepare`` with what it looked up)."""
     if m.preprocess is None:
         return None
-    from encoder_service.preprocess.prepare import make_preparer
+    from encoder_service.preprocess.make_preparer import make_preparer
 
     async def no_encode(batch: object) -> NoReturn:
         raise RuntimeError("the ingress's hit path encodes nothing")
@@ -99,10 +100,11 @@ def _hit_path(m: IngressModel) -> "RequestPreparer | None":
     from encoder_service.cache.near_cache import NearCache
     from encoder_service.serve.metrics import media_stages
 
-    args = {**m.preprocess, "processor_cache_bytes": 0}  # it processes nothing either
     preparer = make_preparer(
         m.model_dir,
-        **args,
+        limits=m.preprocess["limits"],
+        limit_mm_per_prompt=m.preprocess["limit_mm_per_prompt"],
+        processor_cache_bytes=0,  # it processes nothing either
         cache=m.cache,
         encode=no_encode,
         model_name=m.name,

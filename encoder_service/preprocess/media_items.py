@@ -6,15 +6,18 @@ no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from PIL import Image
 
 from encoder_service.preprocess.errors import InvalidMediaInput, TooManyItems
 from encoder_service.preprocess.media.fetch import FetchedMedia
 from encoder_service.types import MODALITIES, EncoderInput, MediaRef, Modality
+
+# A chat message as the ingress normalised it: ``role`` and ``content``, a string or a list of parts
+# ({"type": "text", "text": ...} or {"type": <modality>, "media": MediaRef}).
+Message = Mapping[str, object]
 
 
 @dataclass
@@ -26,15 +29,15 @@ class MediaItem:
     num_embeds: int = 0
     grid_thw: tuple[int, int, int] | None = None
     encoder_input: EncoderInput | None = None
-    metadata: dict[str, Any] | None = None
+    metadata: dict[str, object] | None = None
     second_per_grid_ts: float | None = None  # from the decode (or the cache entry); video positions
     frame_times: list[float] | None = None  # likewise: a Qwen3-VL video's prompt timestamps
     header: Image.Image | None = None  # an image opened (header only) and checked when fetched
 
 
 def collect_media(
-    messages: list[dict[str, Any]], limit_mm_per_prompt: Mapping[Modality, int], model_id: str
-) -> tuple[list[dict[str, Any]], list[MediaItem]]:
+    messages: Sequence[Message], limit_mm_per_prompt: Mapping[Modality, int], model_id: str
+) -> tuple[list[dict[str, object]], list[MediaItem]]:
     """The messages the template sees (each media part reduced to its type) and the media items."""
     items: list[MediaItem] = []
     counts = dict.fromkeys(MODALITIES, 0)

@@ -12,7 +12,7 @@
 The router gets prompt ids and, per item, the ObjectRef of its embeddings: one round trip. Nothing is
 pinned: the request holds its refs itself. While it holds reservations it renews their lease; on any
 failure (or when the caller leaves) they are released here.
-No Ray import: the cache client and the encoder call are injected (deployment.py wires them).
+No Ray import: the cache client and the encoder call are injected (``make_preparer.py`` builds one).
 """
 
 from __future__ import annotations
@@ -21,23 +21,23 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import Protocol
 
-from encoder_service.cache.encoder_cache import COMPUTE, DEFAULT_LEASE_S, HIT
+from encoder_service.cache.encoder_cache import COMPUTE, DEFAULT_LEASE_S, HIT, CacheReply
 from encoder_service.cache.near_cache import NearCache
 from encoder_service.preprocess.errors import EncoderCacheFull
 from encoder_service.preprocess.gathering import gather
-from encoder_service.preprocess.prepared import LookedUp, PreparedRequest
-from encoder_service.preprocess.processing import NeedsEncoding
+from encoder_service.preprocess.media_items import Message
+from encoder_service.preprocess.prepared import Answer, Found, LookedUp, PreparedRequest
+from encoder_service.preprocess.processing import Lookup, NeedsEncoding
 from encoder_service.preprocess.stage_timing import CacheLookups, MediaStages
 from encoder_service.types import EmbeddingMeta, EncodeBatch, EncodedItem, EncoderInput, PreprocessedRequest
 from mmcore.feature import MediaFeature
 
 logger = logging.getLogger("mmserve.encoder")
 
-Found = tuple[EmbeddingMeta, Any]  # metadata, ObjectRef
 Encode = Callable[[EncodeBatch], Awaitable[list[EncodedItem]]]
 # One future per input (EncoderPoolServer.submit): what lets ``prepare_stream`` hand on each item
 # as its own encoder step ends.
@@ -50,11 +50,9 @@ class CacheIndex(Protocol):
     @property
     def shard_capacity(self) -> int | None: ...
 
-    async def lookup_or_reserve(
-        self, request_id: str, hashes: list[str]
-    ) -> dict[str, tuple[str, Found | None]]: ...
+    async def lookup_or_reserve(self, request_id: str, hashes: list[str]) -> dict[str, Answer]: ...
 
-    async def get_or_reserve(self, request_id: str, mm_hash: str) -> tuple[str, Found | None]: ...
+    async def get_or_reserve(self, request_id: str, mm_hash: str) -> Answer: ...
 
     async def renew(self, request_id: str, hashes: list[str]) -> None: ...
 
@@ -64,8 +62,8 @@ class CacheIndex(Protocol):
 class Preprocess(Protocol):
     async def preprocess(
         self,
-        messages: list[dict[str, Any]],
-        lookup: Any = None,
+        messages: Sequence[Message],
+        lookup: Lookup | None = None,
         *,
         hashes: list[str] | None = None,
         process: bool = True,
@@ -93,7 +91,7 @@ class RequestPreparer:
         self.near = near  # the ingress's hit path: entries seen lately, asked before the index
 
     def _lookup(
-        self, request_id: str, hits: dict[str, Found], kinds: dict[str, str], given: LookedUp | None
+        self, request_id: str, hits: dict[str, Found], kinds: dict[str, CacheReply], given: LookedUp | None
     ) -> Callable[[list[str]], Awaitable[dict[str, EmbeddingMeta]]]:
         """The preprocessor's lookup: reserve-or-hit per item, the answers ``given`` first."""
 
@@ -127,12 +125,12 @@ class RequestPreparer:
         return lookup
 
     async def prepare(
-        self, request_id: str, messages: list[dict[str, Any]], looked_up: LookedUp | None = None
+        self, request_id: str, messages: Sequence[Message], looked_up: LookedUp | None = None
     ) -> PreparedRequest:
         """Prompt ids and embedding refs for every media item of ``messages``. ``looked_up``: what
         the ingress's hit path found under ``request_id`` (its reservations are ours now)."""
         hits: dict[str, Found] = {}
-        kinds: dict[str, str] = {}  # the non-hits: compute (reserved for us) or wait
+        kinds: dict[str, CacheReply] = {}  # the non-hits: compute (reserved for us) or wait
         lookup = self._lookup(request_id, hits, kinds, looked_up)
         hashes = looked_up.hashes if looked_up is not None else None
         try:
@@ -146,8 +144,8 @@ class RequestPreparer:
         return _prepared(pre, refs, num_encoded)
 
     async def prepare_stream(
-        self, request_id: str, messages: list[dict[str, Any]], looked_up: LookedUp | None = None
-    ) -> AsyncIterator[PreparedRequest | list[MediaFeature]]:
+        self, request_id: str, messages: Sequence[Message], looked_up: LookedUp | None = None
+    ) -> AsyncGenerator[PreparedRequest | list[MediaFeature], None]:
         """``prepare``, handed on as it goes: first the prompt ids and every item, those still being
         encoded (or computed by another request) without a ref; then, as each one's embeddings
         are committed, its items with their refs (every placeholder run of it), in the order they
@@ -157,7 +155,7 @@ class RequestPreparer:
         if self.encode_each is None:
             raise RuntimeError("prepare_stream needs the encoder's per-item futures (encode_each)")
         hits: dict[str, Found] = {}
-        kinds: dict[str, str] = {}
+        kinds: dict[str, CacheReply] = {}
         lookup = self._lookup(request_id, hits, kinds, looked_up)
         hashes = looked_up.hashes if looked_up is not None else None
         futures: dict[str, asyncio.Future[Found]] = {}
@@ -195,7 +193,7 @@ class RequestPreparer:
                 await asyncio.shield(self._release(request_id, list(kinds)))
             raise
 
-    async def _wait_or_encode(self, request_id: str, it: MediaFeature, kinds: dict[str, str]) -> Found:
+    async def _wait_or_encode(self, request_id: str, it: MediaFeature, kinds: dict[str, CacheReply]) -> Found:
         """An item another request was computing: its result, or ours if it falls to us."""
         refs: dict[str, Found] = {}
         retry = await self._wait(request_id, it, refs)
@@ -207,7 +205,7 @@ class RequestPreparer:
     async def prepare_hits(
         self,
         request_id: str,
-        messages: list[dict[str, Any]],
+        messages: Sequence[Message],
         deferred: list[asyncio.Task[None]] | None = None,
     ) -> PreparedRequest | LookedUp:
         """The ingress's hit path: hash, name and look up (reserving the misses) without decoding
@@ -216,12 +214,12 @@ class RequestPreparer:
         that fails before handing them on releases ``request_id`` itself. ``deferred``: see
         ``Preprocessor.preprocess`` (the uuid pointing, for the caller to await before answering)."""
         hits: dict[str, Found] = {}
-        kinds: dict[str, str] = {}
+        kinds: dict[str, CacheReply] = {}
         lookup = self._lookup(request_id, hits, kinds, None)
         try:
             pre = await self.preprocessor.preprocess(messages, lookup, process=False, deferred=deferred)
         except NeedsEncoding as e:
-            found: dict[str, tuple[str, Any]] = {h: (HIT, f) for h, f in hits.items()}
+            found: dict[str, Answer] = {h: (HIT, f) for h, f in hits.items()}
             found.update((h, (kind, None)) for h, kind in kinds.items())
             return LookedUp(e.hashes, found)
         except BaseException:
@@ -242,7 +240,9 @@ class RequestPreparer:
             if meta.mm_hash in refs and meta.mm_hash not in known:
                 self.near.put(meta, refs[meta.mm_hash])
 
-    def renewing(self, request_id: str, held: dict[str, str]) -> contextlib.AbstractAsyncContextManager[None]:
+    def renewing(
+        self, request_id: str, held: Mapping[str, str]
+    ) -> contextlib.AbstractAsyncContextManager[None]:
         """Renew what ``request_id`` holds (``held``: mm_hash -> kind) while the caller waits."""
         return self._renewing(request_id, held)
 
@@ -257,7 +257,7 @@ class RequestPreparer:
             self.near.drop(mm_hashes)
 
     @contextlib.asynccontextmanager
-    async def _renewing(self, request_id: str, held: dict[str, str]) -> AsyncIterator[None]:
+    async def _renewing(self, request_id: str, held: Mapping[str, str]) -> AsyncIterator[None]:
         """Renew the lease of what ``request_id`` reserved while it prepares. Only a slow request
         ever gets that far (the first renewal is ``lease_s / 3`` in), so until then this is a timer,
         not a task: a task per request would cost every request its start and its cancellation,
@@ -294,7 +294,7 @@ class RequestPreparer:
             logger.exception("releasing the encoder-cache reservations of %s failed", request_id)
 
     async def _embeddings(
-        self, request_id: str, pre: PreprocessedRequest, hits: dict[str, Found], kinds: dict[str, str]
+        self, request_id: str, pre: PreprocessedRequest, hits: dict[str, Found], kinds: dict[str, CacheReply]
     ) -> tuple[dict[str, Found], int]:
         refs = dict(hits)  # mm_hash -> (meta, ref), the encodes and waits added below
         compute, wait = self._classify(pre, hits, kinds)
@@ -306,7 +306,7 @@ class RequestPreparer:
         return refs, num_encoded
 
     def _classify(
-        self, pre: PreprocessedRequest, hits: dict[str, Found], kinds: dict[str, str]
+        self, pre: PreprocessedRequest, hits: dict[str, Found], kinds: dict[str, CacheReply]
     ) -> tuple[dict[str, MediaFeature], dict[str, MediaFeature]]:
         """The non-hits by mm_hash: reserved for us to compute, or computed by another request.
         Raises ``EncoderCacheFull`` for an item no shard can hold."""
@@ -347,9 +347,7 @@ class RequestPreparer:
         return len(encoded)
 
 
-def _count_answers(
-    lookups: CacheLookups, answers: dict[str, tuple[str, Any]], given: LookedUp | None
-) -> None:
+def _count_answers(lookups: CacheLookups, answers: dict[str, Answer], given: LookedUp | None) -> None:
     """Count the answers this lookup got itself (near cache or shard), not the ones ``given``."""
     for h, (kind, _) in answers.items():
         if given is not None and h in given.found:
@@ -393,36 +391,3 @@ def _prepared(
     metas = [meta for meta, _ in found.values()]
     items = _items(pre, found, partial)
     return PreparedRequest(list(pre.prompt_token_ids), items, num_encoded, pre.to_log(), metas)
-
-
-def make_preparer(
-    model_dir: str,
-    *,
-    limits: Any,
-    limit_mm_per_prompt: dict[str, int],
-    processor_cache_bytes: int,
-    cache: Any,
-    encode: Any,
-    model_name: str = "",
-    stages: MediaStages | None = None,
-    encode_each: EncodeEach | None = None,
-) -> Any:
-    """A ``RequestPreparer`` over this model's processor, the shared cache client and ``encode`` (the
-    encoder pool's handle, or an encoder replica's own FIFO when it prepares itself)."""
-    from encoder_service.preprocess.processing import Preprocessor
-
-    preprocessor = Preprocessor(
-        model_dir,
-        limits,
-        limit_mm_per_prompt,
-        processor_cache_bytes,
-        model_id=model_name or None,
-        stages=stages,
-    )
-    preprocessor.aliases = cache  # uuid names live in the cache shards (uuid_aliases.py)
-    return RequestPreparer(preprocessor, cache, encode, stages=stages, encode_each=encode_each)
-
-
-def preparer_stats(preparer: Any) -> dict[str, Any]:
-    pre = preparer.preprocessor
-    return {"processor_calls": pre.num_processor_calls, "processor_cache": pre.processor_cache.stats()}

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
 
+from encoder_service.cache.encoder_cache import CacheReply
 from encoder_service.types import EmbeddingMeta
 from mmcore.feature import MediaFeature
-from mmcore.wire import from_fields, pack, to_fields, unpack
+from mmcore.wire import Reduced, from_fields, pack, to_fields, unpack
+
+Found = tuple[EmbeddingMeta, object]  # a hit: the entry's metadata and its ObjectRef (passed through)
+Answer = tuple[CacheReply, "Found | None"]  # the shared cache's answer for one item
 
 
 @dataclass(frozen=True)
@@ -22,11 +25,11 @@ class PreparedRequest:
     prompt_token_ids: list[int]
     items: list[MediaFeature]  # one per placeholder run, those still encoding without a ref
     num_encoded: int  # items this request sent to an encoder (the rest were cache hits)
-    log: dict[str, Any]  # PreprocessedRequest.to_log(): what a failure's log line replays
+    log: dict[str, object]  # PreprocessedRequest.to_log(): what a failure's log line replays
     # each distinct item's cache-entry metadata (hits and encodes): what the ingress's near cache keeps
     metas: list[EmbeddingMeta] = field(default_factory=list)
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> Reduced:
         fields = {
             **to_fields(self, ("items", "metas")),
             "items": [it.to_wire() for it in self.items],
@@ -52,7 +55,7 @@ def _prepared_from_bytes(
     return from_fields(PreparedRequest, d, items=items, metas=metas)
 
 
-def with_values(prepared: PreparedRequest, value_of: Callable[[Any], Any]) -> PreparedRequest:
+def with_values(prepared: PreparedRequest, value_of: Callable[[object], object]) -> PreparedRequest:
     """``prepared`` with each item's value where ``value_of(ref)`` has it (None: fetched as before)."""
     items = [
         replace(it, value=value_of(it.ref[0])) if it.ref and it.value is None else it for it in prepared.items
@@ -71,4 +74,4 @@ class LookedUp:
     """
 
     hashes: list[str]
-    found: dict[str, tuple[str, Any]]
+    found: dict[str, Answer]

@@ -25,7 +25,7 @@ import inspect
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import cast
 
 from encoder_service.cache.uuid_aliases import AliasStore, LocalAliases
 from encoder_service.preprocess.errors import (
@@ -42,7 +42,7 @@ from encoder_service.preprocess.media.limits import MediaLimits
 from encoder_service.preprocess.media.loader import decode_media
 from encoder_service.preprocess.media.pinned_client import PinnedClient
 from encoder_service.preprocess.media.url_safety import Resolver, resolve_host
-from encoder_service.preprocess.media_items import MediaItem, collect_media
+from encoder_service.preprocess.media_items import MediaItem, Message, collect_media
 from encoder_service.preprocess.placeholders import expand_placeholders
 from encoder_service.preprocess.processor_cache import ProcessorCache
 from encoder_service.preprocess.processors import FamilyProcessor, ProcessedItem, load_family_processor
@@ -139,7 +139,7 @@ class Preprocessor:
     # ---- the pipeline --------------------------------------------------------------------------------
     async def preprocess(
         self,
-        messages: list[dict[str, Any]],  # Any: collect_media's (media_items.py) type, until it is retyped
+        messages: Sequence[Message],
         lookup: Lookup | None = None,
         *,
         hashes: list[str] | None = None,
@@ -218,7 +218,7 @@ class Preprocessor:
 
     def preprocess_sync(
         self,
-        messages: list[dict[str, Any]],  # Any: as in ``preprocess``
+        messages: Sequence[Message],
         lookup: Lookup | None = None,
     ) -> PreprocessedRequest:
         """``preprocess`` for callers without an event loop.
@@ -330,9 +330,9 @@ class Preprocessor:
             self.num_processor_calls += 1
             out = processed_or_422(lambda: self.family.process(modality, loaded.value), modality, it.index)
             self._observe_processing(it, start, decoded_at)
-            it.metadata = {**loaded.metadata, **self.family.item_metadata(modality, loaded.metadata)}
-            it.second_per_grid_ts = it.metadata.get("second_per_grid_ts")
-            it.frame_times = it.metadata.get("frame_times")
+            meta = it.metadata = {**loaded.metadata, **self.family.item_metadata(modality, loaded.metadata)}
+            it.second_per_grid_ts = cast("float | None", meta.get("second_per_grid_ts"))  # the family's facts
+            it.frame_times = cast("list[float] | None", meta.get("frame_times"))
         it.num_embeds, it.grid_thw = out.num_embeds, out.grid_thw
         it.encoder_input = EncoderInput(
             it.mm_hash,

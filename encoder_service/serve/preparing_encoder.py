@@ -19,7 +19,7 @@ from dataclasses import replace
 from typing import Any
 
 from encoder_service.preprocess import tracing
-from encoder_service.preprocess.prepare import make_preparer, preparer_stats
+from encoder_service.preprocess.make_preparer import make_preparer, preparer_stats
 from encoder_service.preprocess.prepared import LookedUp, PreparedRequest, with_values
 from encoder_service.serve.deployment import EncoderPoolServer
 from encoder_service.serve.metrics import media_stages
