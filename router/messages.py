@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import binascii
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Literal, TypedDict
 
 import pybase64
 
-from encoder_service.types import MediaRef, Modality
+from encoder_service.types import MODALITIES, MediaRef, Modality
 from router.errors import APIError, bad_request
 from router.protocol import (
     AudioURLPart,
     ChatMessage,
+    ContentPart,
     ImagePart,
     InputAudioPart,
     TextPart,
@@ -30,9 +32,34 @@ class MessageLimits:
     limit_mm_per_prompt: dict[str, int]
 
 
+class NormalizedText(TypedDict):
+    type: Literal["text"]
+    text: str
+
+
+class NormalizedMedia(TypedDict):
+    type: Modality  # the ref's own modality
+    media: MediaRef
+
+
+NormalizedPart = NormalizedText | NormalizedMedia
+
+
+class NormalizedMessage(TypedDict):
+    """One chat message as the preprocessor reads it (``encoder_service.preprocess.media_items.Message``)."""
+
+    role: str  # "system" | "user" | "assistant" ("developer" is read as "system")
+    content: str | list[NormalizedPart]
+
+
+class TextMessage(TypedDict):
+    role: str
+    content: str
+
+
 @dataclass(frozen=True)
 class NormalizedChat:
-    messages: list[dict[str, Any]]
+    messages: list[NormalizedMessage]
     media: list[MediaRef]
 
     @property
@@ -51,11 +78,11 @@ class NormalizedChat:
             if isinstance(content, str):
                 n += len(content)
             else:
-                n += sum(len(p.get("text", "")) for p in content if p.get("type") == "text")
+                n += sum(len(p["text"]) for p in content if p["type"] == "text")
         return n
 
 
-def _media_from_part(part: Any, where: str, max_bytes: int) -> MediaRef:
+def _media_from_part(part: ContentPart, where: str, max_bytes: int) -> MediaRef:
     if isinstance(part, ImagePart):
         url = part.image_url.url if part.image_url else None
         ref = MediaRef("image", url=url, uuid=part.uuid)
@@ -97,7 +124,7 @@ def normalize_messages(
     Each media ref carries ``tenant``: its ``uuid`` is a name in that tenant's namespace only."""
     if len(messages) > limits.max_messages:
         raise bad_request(f"too many messages: {len(messages)} > {limits.max_messages}", param="messages")
-    out: list[dict[str, Any]] = []
+    out: list[NormalizedMessage] = []
     media: list[MediaRef] = []
     num_parts = 0
     for i, msg in enumerate(messages):
@@ -106,7 +133,7 @@ def normalize_messages(
             out.append({"role": role, "content": msg.content or ""})
             num_parts += 1
             continue
-        parts: list[dict[str, Any]] = []
+        parts: list[NormalizedPart] = []
         for j, part in enumerate(msg.content):
             num_parts += 1
             where = f"messages[{i}].content[{j}]"
@@ -126,8 +153,8 @@ def normalize_messages(
             f"too many content parts: {num_parts} > {limits.max_content_parts}", param="messages"
         )
     chat = NormalizedChat(out, media)
-    for modality in ("image", "video", "audio"):
-        n, cap = chat.count(modality), limits.limit_mm_per_prompt.get(modality, 0)  # type: ignore[arg-type]
+    for modality in MODALITIES:
+        n, cap = chat.count(modality), limits.limit_mm_per_prompt.get(modality, 0)
         if n > cap:
             raise bad_request(
                 f"{n} {modality} items exceed limit_mm_per_prompt[{modality!r}]={cap}", code="too_many_items"
@@ -135,9 +162,9 @@ def normalize_messages(
     return chat
 
 
-def text_only_messages(chat: NormalizedChat) -> list[dict[str, Any]]:
+def text_only_messages(chat: NormalizedChat) -> list[TextMessage]:
     """The chat with string content only (for the tokenizer's chat template on text-only requests)."""
-    flat = []
+    flat: list[TextMessage] = []
     for m in chat.messages:
         content = m["content"]
         if isinstance(content, list):
@@ -146,7 +173,7 @@ def text_only_messages(chat: NormalizedChat) -> list[dict[str, Any]]:
     return flat
 
 
-def inline_media(messages: list[dict[str, Any]], max_chars: int) -> bool:
+def inline_media(messages: Sequence[NormalizedMessage], max_chars: int) -> bool:
     """Every media item carries its bytes inline (raw or a ``data:`` URL, at most
     ``max_chars`` in all) or a uuid alone: what the hit path may hash on the ingress's loop.
     Anything it would have to fetch goes to ``prepare``."""

@@ -17,14 +17,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import AsyncGenerator
-from typing import Any
+from collections.abc import AsyncGenerator, Sequence
 
 from encoder_service.preprocess import tracing
-from encoder_service.preprocess.prepared import PreparedRequest
+from encoder_service.preprocess.prepared import LookedUp, PreparedRequest
 from mmcore.feature import MediaFeature
 from router.errors import is_client_error, replica_gone
-from router.messages import inline_media
+from router.messages import NormalizedMessage, inline_media
 from router.model_handles import ModelHandles
 
 logger = logging.getLogger("mmserve.router")
@@ -48,7 +47,7 @@ class PrepareCalls:
         self,
         request_id: str,
         attempt_id: str,
-        messages: list[dict[str, Any]],
+        messages: Sequence[NormalizedMessage],
     ) -> PreparedRequest:
         """``messages`` prepared: by the hit path, or by ``prepare`` on a replica (sent again while
         the replica preparing it dies: Serve routes the next to a live one or its successor)."""
@@ -56,7 +55,7 @@ class PrepareCalls:
         return pre
 
     async def call_overlapped(
-        self, request_id: str, attempt_id: str, messages: list[dict[str, Any]]
+        self, request_id: str, attempt_id: str, messages: Sequence[NormalizedMessage]
     ) -> tuple[PreparedRequest, Arrivals | None]:
         """``call``, answered as soon as the prompt is known: items still encoding come without a
         ref, and the returned stream (None: nothing to come) yields them as they are committed. Its
@@ -65,7 +64,7 @@ class PrepareCalls:
         return await self._call(request_id, attempt_id, messages, overlap=True)
 
     async def _call(
-        self, request_id: str, attempt_id: str, messages: list[dict[str, Any]], overlap: bool
+        self, request_id: str, attempt_id: str, messages: Sequence[NormalizedMessage], overlap: bool
     ) -> tuple[PreparedRequest, Arrivals | None]:
         use_hit_path = self.h.hit_path is not None and inline_media(messages, HIT_PATH_MAX_CHARS)
         if use_hit_path:
@@ -74,7 +73,7 @@ class PrepareCalls:
             aid = attempt_id if attempt == 1 else f"{attempt_id}#p{attempt}"
             from_hit_path = False
             try:
-                looked_up = None
+                looked_up: LookedUp | None = None
                 if use_hit_path and attempt == 1 and self.h.hit_path is not None:
                     from_hit_path = True
                     deferred: list[asyncio.Task[None]] = []
@@ -86,16 +85,16 @@ class PrepareCalls:
                         self.hit_path_served += 1
                         return got, None
                     looked_up, from_hit_path = got, False
-                args: tuple[Any, ...] = (looked_up,) if looked_up else ()
-                if (trace := tracing.headers()) is not None:  # a sampled request's trace, to the replica
-                    args = (looked_up, trace)
+                trace = tracing.headers()  # a sampled request's trace, to the replica
                 if looked_up is None:
-                    pre, rest = await self._prepare(aid, messages, args, attempt == 1, overlap)
+                    pre, rest = await self._prepare(aid, messages, None, trace, attempt == 1, overlap)
                 else:  # its reservations are ours until the replica takes them: renewed meanwhile
                     assert self.h.hit_path is not None
                     held = {h: kind for h, (kind, _) in looked_up.found.items()}
                     async with self.h.hit_path.renewing(aid, held):
-                        pre, rest = await self._prepare(aid, messages, args, attempt == 1, overlap)
+                        pre, rest = await self._prepare(
+                            aid, messages, looked_up, trace, attempt == 1, overlap
+                        )
                 if self.h.hit_path is not None:
                     self.h.hit_path.remember(pre, looked_up)
                 return pre, rest
@@ -118,11 +117,21 @@ class PrepareCalls:
         raise AssertionError("unreachable: the last attempt returns or raises")
 
     async def _prepare(
-        self, aid: str, messages: list[dict[str, Any]], args: tuple[Any, ...], via_link: bool, overlap: bool
+        self,
+        aid: str,
+        messages: Sequence[NormalizedMessage],
+        looked_up: LookedUp | None,
+        trace: dict[str, str] | None,
+        via_link: bool,
+        overlap: bool,
     ) -> tuple[PreparedRequest, Arrivals | None]:
         if not overlap:
-            return await self.h.prepare(aid, messages, *args, via_link=via_link), None
-        frames = self.h.prepare_stream(aid, messages, *args, via_link=via_link)
+            return await self.h.prepare(
+                aid, messages, looked_up=looked_up, trace_headers=trace, via_link=via_link
+            ), None
+        frames = self.h.prepare_stream(
+            aid, messages, looked_up=looked_up, trace_headers=trace, via_link=via_link
+        )
         try:
             first = await anext(frames)
         except BaseException:
@@ -151,7 +160,7 @@ class PrepareCalls:
                     "request %s answered with %d uuid pointing(s) unfinished", request_id, len(pending)
                 )
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, object]:
         near = getattr(self.h.hit_path, "near", None)
         return {"hit_path_served": self.hit_path_served, "near_cache": near.stats() if near else None}
 
