@@ -11,7 +11,7 @@ import uuid
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -47,7 +47,12 @@ from router.replay_log import failure_record, log_failure
 from router.sampling import fit_to_prompt, request_sampling_params, requested_max_tokens
 from router.sse import DONE, ChunkRenderer, SSEResponse
 
+if TYPE_CHECKING:
+    from router.metrics import IngressMetrics
+
 logger = logging.getLogger("mmserve.ingress")
+
+_Chunk = TypeVar("_Chunk")  # a response body's chunk (str, bytes or memoryview)
 
 
 @dataclass
@@ -66,7 +71,7 @@ class ChatService:
         self,
         models: dict[str, ServedModel],
         max_request_bytes: int,
-        metrics: Any = None,
+        metrics: IngressMetrics | None = None,
         admission: AdmissionController | None = None,
         *,
         max_json_values: int = DEFAULT_MAX_JSON_VALUES,
@@ -328,8 +333,8 @@ def _usage(last: RequestOutput, completion_tokens: int) -> Usage:
 
 
 async def _release_after(
-    body: AsyncIterable[Any], admission: AdmissionController, ticket: Ticket
-) -> AsyncIterator[Any]:
+    body: AsyncIterable[_Chunk], admission: AdmissionController, ticket: Ticket
+) -> AsyncIterator[_Chunk]:
     """``body``, then the admission ticket back: before the response's last chunk (the one that ends
     with ``[DONE]``) goes out, so a client that saw the end may be admitted again at once."""
     try:
@@ -341,7 +346,7 @@ async def _release_after(
         admission.release(ticket)
 
 
-async def _cancel_on_disconnect(request: Request, task: asyncio.Task[Any] | None) -> None:
+async def _cancel_on_disconnect(request: Request, task: asyncio.Task[object] | None) -> None:
     """Cancel ``task`` when the client hangs up before the response starts (no polling: the body was
     read, so the next ASGI message is the disconnect)."""
     while True:

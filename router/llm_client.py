@@ -20,9 +20,9 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Coroutine
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Protocol
 
 from llm_service.output_channels import ChannelBatch
 from llm_service.outputs import RequestOutput
@@ -31,6 +31,7 @@ from mmcore.feature import MediaFeature
 from router.direct_link import LinkBusy, LinkLost
 from router.errors import replica_gone
 from router.pool_links import PoolLinks
+from router.serve_calls import Counters, StreamCall, StreamingMethod, UnaryMethod
 
 logger = logging.getLogger("mmserve.router")
 
@@ -45,7 +46,31 @@ class ChannelLost(RuntimeError):
     code = "llm_replica_lost"
 
 
-async def counters_or_error(call: Any, timeout_s: float) -> dict[str, Any]:
+class StreamingLLMPool(Protocol):
+    @property
+    def submit(self) -> StreamingMethod[SubmitReply]: ...
+
+    @property
+    def channel(self) -> StreamingMethod[ChannelBatch]: ...
+
+
+class LLMPool(Protocol):
+    """The LLM pool as the router calls it (a Serve DeploymentHandle in production), its methods
+    those of ``llm_service.serve.deployment.LLMServer``."""
+
+    @property
+    def arrived(self) -> UnaryMethod[None]: ...
+
+    @property
+    def abort(self) -> UnaryMethod[None]: ...
+
+    @property
+    def stats(self) -> UnaryMethod[Counters]: ...
+
+    def options(self, *, stream: bool) -> StreamingLLMPool: ...
+
+
+async def counters_or_error(call: Awaitable[Counters], timeout_s: float) -> dict[str, object]:
     """A replica's ``stats`` answer, or ``{"error": ...}`` if it fails or takes over ``timeout_s``
     (a dead or stuck replica: the operator's view still answers, with the others' counters)."""
     try:
@@ -72,7 +97,7 @@ class LLMClient:
 
     def __init__(
         self,
-        handle: Any,
+        handle: LLMPool,
         ingress_id: str | None = None,
         connect_timeout_s: float = 30.0,
         reroute_timeout_s: float = 30.0,
@@ -88,7 +113,7 @@ class LLMClient:
         self.linked_channels = 0  # output channels read over a direct link (the rest: Serve's calls)
         self._queues: dict[str, asyncio.Queue[_Item]] = {}
         self._readers: dict[str, _Reader] = {}  # channel id -> reader
-        self._calls: dict[str, Any] = {}  # request id -> its open submit call
+        self._calls: dict[str, StreamCall[SubmitReply]] = {}  # request id -> its open submit call
         self._replies: dict[str, SubmitReply] = {}  # request id -> where it runs, until its outputs end
         self._tasks: set[asyncio.Task[None]] = set()
         self._replicas_seen: dict[str, None] = {}  # every replica this client had a channel to
@@ -114,7 +139,9 @@ class LLMClient:
         self._attach(rid, reply, call)
         return reply
 
-    async def _submit_rerouting(self, spec: LLMRequestSpec, via_link: bool = True) -> tuple[SubmitReply, Any]:
+    async def _submit_rerouting(
+        self, spec: LLMRequestSpec, via_link: bool = True
+    ) -> tuple[SubmitReply, StreamCall[SubmitReply] | None]:
         """One submit call, sent again while the replica it reached turns out dead."""
         deadline = asyncio.get_running_loop().time() + self.reroute_timeout_s
         attempt = 0
@@ -169,7 +196,7 @@ class LLMClient:
         else:
             await self.handle.arrived.remote(target, items, error)
 
-    def _attach(self, rid: str, reply: SubmitReply, call: Any) -> None:
+    def _attach(self, rid: str, reply: SubmitReply, call: StreamCall[SubmitReply] | None) -> None:
         self._replies[rid] = reply
         if call is not None:
             self._calls[rid] = call
@@ -239,7 +266,7 @@ class LLMClient:
                     call.cancel()
                 self._background(self._abort(reply, request_id))
 
-    async def replica_stats(self, timeout_s: float = 5.0) -> dict[str, dict[str, Any]]:
+    async def replica_stats(self, timeout_s: float = 5.0) -> dict[str, dict[str, object]]:
         """The counters of each LLM replica this client has had a channel to (idle channels close;
         the replicas stay listed), asked of it by name; one that does not answer within ``timeout_s``
         (stuck) reports its error instead, and so does one that is gone: Serve's router sends a call
@@ -264,7 +291,7 @@ class LLMClient:
         except Exception:  # the replica is gone: nothing left to abort there
             logger.debug("abort of %s on %s failed", request_id, reply.replica_id, exc_info=True)
 
-    def _background(self, coro: Any) -> None:
+    def _background(self, coro: Coroutine[object, object, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -353,7 +380,7 @@ async def _checked(
             await close()
 
 
-async def _drain(call: Any) -> None:
+async def _drain(call: StreamCall[object]) -> None:
     try:
         async for _ in call:
             pass

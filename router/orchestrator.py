@@ -22,9 +22,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol, cast
 
 from encoder_service.cache.cache_index import ref_id
 from encoder_service.preprocess import tracing
@@ -36,7 +36,7 @@ from llm_service.sampling_params import SamplingParams
 from mmcore.feature import MediaFeature
 from router.errors import bad_request, find_cause, lost_twice, replica_gone
 from router.llm_spec import request_spec
-from router.messages import NormalizedChat, text_only_messages
+from router.messages import NormalizedChat, NormalizedMessage, TextMessage, text_only_messages
 from router.model_handles import ModelHandles
 from router.prepare_calls import Arrivals, PrepareCalls
 
@@ -58,11 +58,21 @@ class Prepared:
     attempt_id: str = ""
 
 
+class ChatTokenizer(Protocol):
+    """The model's tokenizer as the ingress uses it (a transformers tokenizer in production)."""
+
+    def apply_chat_template(
+        self, conversation: list[TextMessage], *, add_generation_prompt: bool, tokenize: bool
+    ) -> Sequence[int] | Mapping[str, Sequence[int]]: ...
+
+    def decode(self, token_ids: list[int], *, skip_special_tokens: bool) -> str: ...
+
+
 class Orchestrator:
     def __init__(
         self,
         handles: ModelHandles,
-        tokenizer: Any,
+        tokenizer: ChatTokenizer,
         block_size: int,
         max_model_len: int = 1 << 30,
         on_encoder_run: Callable[[int], None] | None = None,
@@ -77,18 +87,20 @@ class Orchestrator:
         self.max_model_len = max_model_len
         self._on_encoder_run = on_encoder_run or (lambda n: None)
         self.calls = PrepareCalls(handles)  # the hit path or ``prepare``, with its retries
-        self._messages: dict[str, Any] = {}  # request id -> normalised messages, while it may re-prepare
+        self._messages: dict[
+            str, list[NormalizedMessage]
+        ] = {}  # request id -> normalised messages, while it may re-prepare
         # request id -> PreprocessedRequest.to_log(), until forget(); bounded, in case a response is
         # dropped before its body starts (then nothing calls forget()).
-        self._replay: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._replay: OrderedDict[str, dict[str, object]] = OrderedDict()
 
     def _tokenize_sync(self, chat: NormalizedChat) -> list[int]:
         ids = self.tokenizer.apply_chat_template(
             text_only_messages(chat), add_generation_prompt=True, tokenize=True
         )
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # a BatchEncoding
+            ids = cast(Mapping[str, Sequence[int]], ids)["input_ids"]
+        return list(cast(Sequence[int], ids))
 
     async def tokenize_text_chat(self, chat: NormalizedChat) -> list[int]:
         """Short prompts inline (a thread hop costs more than they do); long ones on a worker thread."""
@@ -133,14 +145,14 @@ class Orchestrator:
             self._on_encoder_run(pre.num_encoded)
         return Prepared(list(pre.prompt_token_ids), list(pre.items), arrivals, attempt_id)
 
-    def hit_path_stats(self) -> dict[str, Any]:
+    def hit_path_stats(self) -> dict[str, object]:
         return self.calls.stats()
 
     async def settle(self, request_id: str) -> None:
         """Finish what the request's answer must not go out before (``PrepareCalls.settle``)."""
         await self.calls.settle(request_id)
 
-    def replay(self, request_id: str) -> dict[str, Any] | None:
+    def replay(self, request_id: str) -> dict[str, object] | None:
         """The preprocessed request's replay facts (mm_hashes, placeholders, metadata), if it got that far."""
         return self._replay.get(request_id)
 
@@ -150,7 +162,7 @@ class Orchestrator:
         self._messages.pop(request_id, None)
         # Still running, if at all: they leave the books when done; their failures are logged.
 
-    def decode(self, token_ids: Any) -> str:
+    def decode(self, token_ids: Iterable[int]) -> str:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
 
     async def stream(
