@@ -9,9 +9,12 @@ nothing is timed then.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 from encoder_service.preprocess.stage_timing import CacheLookups, MediaStages, Stage
+
+if TYPE_CHECKING:
+    from ray.util.metrics import Counter, Histogram
 
 STAGE_METRIC = "mmserve_stage_seconds"
 STAGE_TAGS = ("model", "pool", "stage")
@@ -25,7 +28,7 @@ def stage_metrics_on() -> bool:
     return os.environ.get(STAGE_METRICS_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def stage_histogram(model: str, pool: str, stage: str) -> Any:
+def stage_histogram(model: str, pool: str, stage: str) -> Histogram:
     """``mmserve_stage_seconds`` with its labels bound: ``.observe(seconds)``."""
     from ray.util.metrics import Histogram
 
@@ -43,7 +46,7 @@ def media_stages(model: str, pool: str) -> MediaStages:
     runs them."""
     from ray.util.metrics import Counter
 
-    def lookups(result: str) -> Any:
+    def lookups(result: str) -> Counter:
         c = Counter(
             "mmserve_encoder_cache_lookups",
             "media items looked up in the encoder cache, by answer",

@@ -14,12 +14,14 @@ encoder pool: give the encoder nodes the CPUs for it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 from typing import Any
 
 from encoder_service.preprocess import tracing
 from encoder_service.preprocess.make_preparer import make_preparer, preparer_stats
+from encoder_service.preprocess.media import MediaLimits
+from encoder_service.preprocess.media_items import Message
 from encoder_service.preprocess.prepared import LookedUp, PreparedRequest, with_values
 from encoder_service.serve.deployment import EncoderPoolServer
 from encoder_service.serve.metrics import media_stages
@@ -31,10 +33,10 @@ class PreparingEncoderServer(EncoderPoolServer):
         self,
         model_dir: str,
         *,
-        limits: Any,
+        limits: MediaLimits,
         limit_mm_per_prompt: dict[str, int],
         processor_cache_bytes: int,
-        **encoder: Any,
+        **encoder: Any,  # Any: EncoderPoolServer's keywords, checked by its signature
     ) -> None:
         super().__init__(model_dir, **encoder)
         if self._cache is None:
@@ -54,7 +56,7 @@ class PreparingEncoderServer(EncoderPoolServer):
     async def prepare(
         self,
         request_id: str,
-        messages: list[dict[str, Any]],
+        messages: Sequence[Message],
         looked_up: LookedUp | None = None,
         trace_headers: dict[str, str] | None = None,
     ) -> PreparedRequest:
@@ -71,7 +73,7 @@ class PreparingEncoderServer(EncoderPoolServer):
     async def prepare_stream(
         self,
         request_id: str,
-        messages: list[dict[str, Any]],
+        messages: Sequence[Message],
         looked_up: LookedUp | None = None,
         trace_headers: dict[str, str] | None = None,
     ) -> AsyncIterator[PreparedRequest | list[MediaFeature]]:
@@ -90,5 +92,5 @@ class PreparingEncoderServer(EncoderPoolServer):
                     else:
                         yield [replace(it, value=self.recent_value(it.ref[0])) for it in frame]
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, object]:
         return {**super().stats(), **preparer_stats(self.preparer)}
