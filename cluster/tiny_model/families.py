@@ -14,11 +14,10 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors.torch import save_file
-from transformers import PreTrainedTokenizerFast
+from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
 
 from cluster.tiny_model.gemma3 import (
     GEMMA3_CHAT_TEMPLATE,
@@ -93,7 +92,8 @@ PRESETS: dict[str, ModelSize] = {
 # (vocab_size, chat_template) -> tokenizer; (size, tok, variant) -> (HF config, HF model class);
 # (out_dir, tok, chat_template) -> None
 TokenizerBuilder = Callable[[int, str], PreTrainedTokenizerFast]
-ModelBuilder = Callable[[ModelSize, PreTrainedTokenizerFast, str], tuple[Any, Any]]
+BuiltModel = tuple[PretrainedConfig, type[PreTrainedModel]]  # (HF config, HF model class)
+ModelBuilder = Callable[[ModelSize, PreTrainedTokenizerFast, str], BuiltModel]
 ProcessorSaver = Callable[[str, PreTrainedTokenizerFast, str], None]
 
 
@@ -113,7 +113,7 @@ class TinyRecipe:
     variants: tuple[str, ...] = ("base",)  # alternative recipes ``build`` takes; "base" first
 
 
-def base_only(build: Callable[[ModelSize, PreTrainedTokenizerFast], tuple[Any, Any]]) -> ModelBuilder:
+def base_only(build: Callable[[ModelSize, PreTrainedTokenizerFast], BuiltModel]) -> ModelBuilder:
     """A builder of a family without variants, as a ``ModelBuilder`` (only ever given "base")."""
     return lambda size, tok, variant: build(size, tok)
 

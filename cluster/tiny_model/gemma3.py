@@ -8,14 +8,14 @@ with linear scaling 8, as the 4B+ checkpoints).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from transformers import PreTrainedTokenizerFast
 
 from cluster.tiny_model.tokenizer import train_bpe
 
 if TYPE_CHECKING:
-    from cluster.tiny_model.families import ModelSize
+    from cluster.tiny_model.families import BuiltModel, ModelSize
 
 GEMMA3_SPECIAL_TOKENS = [
     "<pad>",
@@ -76,7 +76,7 @@ def layer_types(num_layers: int) -> list[str]:
     return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
 
 
-def build_gemma3(size: ModelSize, tok: PreTrainedTokenizerFast) -> tuple[Any, Any]:
+def build_gemma3(size: ModelSize, tok: PreTrainedTokenizerFast) -> BuiltModel:
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
     ids = {t: tok.convert_tokens_to_ids(t) for t in GEMMA3_SPECIAL_TOKENS}

@@ -16,14 +16,14 @@ prefill chunk may end inside an image).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from transformers import PreTrainedTokenizerFast
 
 from cluster.tiny_model.tokenizer import train_bpe
 
 if TYPE_CHECKING:
-    from cluster.tiny_model.families import ModelSize
+    from cluster.tiny_model.families import BuiltModel, ModelSize
 
 BOI, EOI, IMAGE = "<|image>", "<image|>", "<|image|>"
 BOA, EOA, AUDIO = "<|audio>", "<audio|>", "<|audio|>"
@@ -96,7 +96,7 @@ def layer_types(num_layers: int) -> list[str]:
     return types
 
 
-def build_gemma4(size: ModelSize, tok: PreTrainedTokenizerFast, variant: str = "base") -> tuple[Any, Any]:
+def build_gemma4(size: ModelSize, tok: PreTrainedTokenizerFast, variant: str = "base") -> BuiltModel:
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
     if variant not in VARIANTS:
@@ -104,7 +104,7 @@ def build_gemma4(size: ModelSize, tok: PreTrainedTokenizerFast, variant: str = "
     ids = {t: tok.convert_tokens_to_ids(t) for t in GEMMA4_SPECIAL_TOKENS}
     num_layers = max(size.num_layers, 5)
     head_dim = size.hidden_size // size.num_heads
-    text: dict[str, Any] = {
+    text: dict[str, object] = {
         "vocab_size": size.vocab_size,
         "hidden_size": size.hidden_size,
         "intermediate_size": size.intermediate_size,

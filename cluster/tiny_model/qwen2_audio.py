@@ -3,15 +3,17 @@ Qwen2-style tokenizer with the audio chat template, and Whisper's feature extrac
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from cluster.tiny_model.qwen_vl import qwen2_text_config, qwen_token_ids
 
 if TYPE_CHECKING:
-    from cluster.tiny_model.families import ModelSize
+    from transformers import PreTrainedTokenizerFast
+
+    from cluster.tiny_model.families import BuiltModel, ModelSize
 
 
-def build_qwen2_audio(size: ModelSize, tok: Any) -> tuple[Any, Any]:
+def build_qwen2_audio(size: ModelSize, tok: PreTrainedTokenizerFast) -> BuiltModel:
     from transformers import Qwen2AudioConfig, Qwen2AudioForConditionalGeneration
 
     ids = qwen_token_ids(tok)
@@ -38,7 +40,7 @@ def build_qwen2_audio(size: ModelSize, tok: Any) -> tuple[Any, Any]:
     return config, Qwen2AudioForConditionalGeneration
 
 
-def save_qwen2_audio_processor(out: str, tok: Any, chat_template: str) -> None:
+def save_qwen2_audio_processor(out: str, tok: PreTrainedTokenizerFast, chat_template: str) -> None:
     from transformers import Qwen2AudioProcessor, WhisperFeatureExtractor
 
     proc = Qwen2AudioProcessor(

@@ -4,12 +4,14 @@ chat template, and the released processor classes with fewer pixels allowed."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from cluster.tiny_model.qwen_vl import qwen2_text_config, qwen_token_ids, qwen_vl_config
 
 if TYPE_CHECKING:
-    from cluster.tiny_model.families import ModelSize
+    from transformers import PreTrainedTokenizerFast, ProcessorMixin
+
+    from cluster.tiny_model.families import BuiltModel, ModelSize
 
 # Fewer pixels than a real checkpoint allows, so one image costs at most 1024 embeddings.
 TINY_PIXELS = {"min_pixels": 56 * 56, "max_pixels": 28 * 28 * 1024}
@@ -23,7 +25,7 @@ def mrope_section(head_dim: int) -> list[int]:
     return [t, h, half - t - h]
 
 
-def _mrope_text_config(size: ModelSize, tok: Any) -> dict[str, Any]:
+def _mrope_text_config(size: ModelSize, tok: PreTrainedTokenizerFast) -> dict[str, object]:
     ids = qwen_token_ids(tok)
     text = qwen2_text_config(size, ids["<|endoftext|>"], ids["<|im_end|>"], ids["<|endoftext|>"])
     head_dim = size.hidden_size // size.num_heads
@@ -35,7 +37,7 @@ def _mrope_text_config(size: ModelSize, tok: Any) -> dict[str, Any]:
     return text
 
 
-def build_qwen2_vl(size: ModelSize, tok: Any) -> tuple[Any, Any]:
+def build_qwen2_vl(size: ModelSize, tok: PreTrainedTokenizerFast) -> BuiltModel:
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
     vision = {
@@ -59,7 +61,7 @@ def fullatt_block_indexes(depth: int) -> list[int]:
     return list(range(1, depth, 2)) or [0]
 
 
-def build_qwen2_5_vl(size: ModelSize, tok: Any) -> tuple[Any, Any]:
+def build_qwen2_5_vl(size: ModelSize, tok: PreTrainedTokenizerFast) -> BuiltModel:
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     vision = {
@@ -82,7 +84,9 @@ def build_qwen2_5_vl(size: ModelSize, tok: Any) -> tuple[Any, Any]:
     return config, Qwen2_5_VLForConditionalGeneration
 
 
-def _save_processor(proc_cls: Any, out: str, tok: Any, chat_template: str) -> None:
+def _save_processor(
+    proc_cls: type[ProcessorMixin], out: str, tok: PreTrainedTokenizerFast, chat_template: str
+) -> None:
     # Qwen2.5-VL's released checkpoints use Qwen2-VL's image and video processor classes too.
     from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
@@ -95,13 +99,13 @@ def _save_processor(proc_cls: Any, out: str, tok: Any, chat_template: str) -> No
     proc.save_pretrained(out)
 
 
-def save_qwen2_vl_processor(out: str, tok: Any, chat_template: str) -> None:
+def save_qwen2_vl_processor(out: str, tok: PreTrainedTokenizerFast, chat_template: str) -> None:
     from transformers import Qwen2VLProcessor
 
     _save_processor(Qwen2VLProcessor, out, tok, chat_template)
 
 
-def save_qwen2_5_vl_processor(out: str, tok: Any, chat_template: str) -> None:
+def save_qwen2_5_vl_processor(out: str, tok: PreTrainedTokenizerFast, chat_template: str) -> None:
     from transformers import Qwen2_5_VLProcessor
 
     _save_processor(Qwen2_5_VLProcessor, out, tok, chat_template)

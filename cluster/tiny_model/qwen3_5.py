@@ -8,13 +8,15 @@ as in the released checkpoints). The processor is Qwen3-VL's (transformers maps 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from cluster.tiny_model.qwen3_vl import POSITION_TABLE_SIDE, interleaved_mrope_section
 from cluster.tiny_model.qwen_vl import qwen_token_ids, qwen_vl_config
 
 if TYPE_CHECKING:
-    from cluster.tiny_model.families import ModelSize
+    from transformers import PreTrainedTokenizerFast
+
+    from cluster.tiny_model.families import BuiltModel, ModelSize
 
 FULL_ATTENTION_INTERVAL = 4
 MIN_LAYERS = 4  # at least one full-attention layer after three linear ones
@@ -29,7 +31,7 @@ def layer_types(num_layers: int) -> list[str]:
     ]
 
 
-def build_qwen3_5(size: ModelSize, tok: Any) -> tuple[Any, Any]:
+def build_qwen3_5(size: ModelSize, tok: PreTrainedTokenizerFast) -> BuiltModel:
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     ids = qwen_token_ids(tok)

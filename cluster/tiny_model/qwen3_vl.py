@@ -6,12 +6,14 @@ processor classes (Qwen2-VL's image processor at patch 16, Qwen3-VL's video proc
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from cluster.tiny_model.qwen_vl import qwen_token_ids, qwen_vl_config
 
 if TYPE_CHECKING:
-    from cluster.tiny_model.families import ModelSize
+    from transformers import PreTrainedTokenizerFast
+
+    from cluster.tiny_model.families import BuiltModel, ModelSize
 
 POSITION_TABLE_SIDE = 6  # 36 learned positions: images of 4..32 patches a side interpolate them
 TINY_PIXELS = {"min_pixels": 64 * 64, "max_pixels": 32 * 32 * 1024}  # <= 1024 embeddings an image
@@ -29,7 +31,7 @@ def interleaved_mrope_section(head_dim: int) -> list[int]:
     return [half - 2 * hw, hw, hw]
 
 
-def build_qwen3_vl(size: ModelSize, tok: Any) -> tuple[Any, Any]:
+def build_qwen3_vl(size: ModelSize, tok: PreTrainedTokenizerFast) -> BuiltModel:
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     ids = qwen_token_ids(tok)
@@ -73,7 +75,7 @@ def build_qwen3_vl(size: ModelSize, tok: Any) -> tuple[Any, Any]:
     return config, Qwen3VLForConditionalGeneration
 
 
-def save_qwen3_vl_processor(out: str, tok: Any, chat_template: str) -> None:
+def save_qwen3_vl_processor(out: str, tok: PreTrainedTokenizerFast, chat_template: str) -> None:
     from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
     common = {"patch_size": 16, "merge_size": 2, "temporal_patch_size": 2, "image_mean": [0.5] * 3}

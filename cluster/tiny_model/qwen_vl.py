@@ -3,17 +3,20 @@ top-level config around a family's text and vision sections."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerFast
+
     from cluster.tiny_model.families import ModelSize
 
 
-def qwen_token_ids(tok: Any) -> dict[str, int]:
+def qwen_token_ids(tok: PreTrainedTokenizerFast) -> dict[str, int]:
     return {t: int(tok.convert_tokens_to_ids(t)) for t in tok.all_special_tokens}
 
 
-def qwen2_text_config(size: ModelSize, bos: int, eos: int, pad: int) -> dict[str, Any]:
+def qwen2_text_config(size: ModelSize, bos: int, eos: int, pad: int) -> dict[str, object]:
     """A Qwen2 decoder's text section (Qwen2-VL, Qwen2.5-VL, Qwen2-Audio), untied, without RoPE."""
     return {
         "vocab_size": size.vocab_size,
@@ -31,7 +34,13 @@ def qwen2_text_config(size: ModelSize, bos: int, eos: int, pad: int) -> dict[str
     }
 
 
-def qwen_vl_config(config_cls: Any, arch: str, text: dict[str, Any], vision: dict[str, Any], tok: Any) -> Any:
+def qwen_vl_config(
+    config_cls: type[PretrainedConfig],
+    arch: str,
+    text: Mapping[str, object],
+    vision: Mapping[str, object],
+    tok: PreTrainedTokenizerFast,
+) -> PretrainedConfig:
     """``config_cls(text_config=text, vision_config=vision)`` with the Qwen vision token ids, bos/eos/pad
     from ``text``, untied embeddings, and ``architectures = [arch]``."""
     ids = qwen_token_ids(tok)
