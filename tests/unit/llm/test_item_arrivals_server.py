@@ -15,8 +15,8 @@ import pytest
 
 from llm_service.embeddings import EmbeddingsLost
 from llm_service.request_spec import LLMRequestSpec
-from mmcore.feature import MediaFeature
 from llm_service.serve.deployment import LLMServer
+from mmcore.feature import MediaFeature
 from router.llm_client import LLMClient
 from tests.unit.llm.hf_ref import GREEDY, IMG, N, build_case, hf_generate, hf_model, image
 from tests.unit.llm.test_unfetched_embeddings import LostRef, Ref, _server
@@ -30,7 +30,7 @@ def case(tiny_vl_dir: Path) -> Any:
     return c, hf_generate(hf, c, N)
 
 
-def _items(case: Any) -> list[EmbeddingRef]:
+def _items(case: Any) -> list[MediaFeature]:
     """The request's items with their refs (what each arrival carries)."""
     return [
         MediaFeature(

@@ -33,8 +33,8 @@ from encoder_service.types import (
 from llm_service.embeddings import EmbeddingsLost, resolve_embeddings
 from llm_service.outputs import RequestOutput
 from llm_service.request_spec import LLMRequestSpec, SubmitReply
-from mmcore.feature import MediaFeature
 from llm_service.sampling_params import SamplingParams
+from mmcore.feature import MediaFeature
 from router.errors import APIError
 from router.messages import NormalizedChat
 from router.model_handles import ModelHandles
