@@ -258,6 +258,8 @@ class Preprocessor:
 
     def _fetched(self, it: MediaItem, fetched: FetchedMedia) -> None:
         it.fetched = fetched
+        if fetched.source == "data_url":
+            it.keep_bytes(fetched.data)
         ref = it.ref
         if ref.modality == "image":  # header-only checks, also for items the cache will serve
             it.header = image_header(it.fetched.data, self.limits, item=it.index, label=f"image {it.index}")

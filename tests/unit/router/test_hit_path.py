@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import pickle
 import uuid
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -65,6 +66,7 @@ class EncoderReplica:
         self.cache = cache
         self.preparer = RequestPreparer(_preprocessor(model_dir, cache), cache, self.encode)
         self.prepare_calls: list[LookedUp | None] = []
+        self.received: list[Any] = []  # the messages each prepare got, as they would cross the wire
         self.encoded: list[str] = []
 
     async def encode(self, batch: EncodeBatch) -> list[EncodedItem]:
@@ -80,6 +82,8 @@ class EncoderReplica:
         self, request_id: str, messages: list[dict[str, Any]], looked_up: LookedUp | None = None
     ) -> Any:
         self.prepare_calls.append(looked_up)
+        messages = pickle.loads(pickle.dumps(messages))
+        self.received.append(messages)
         return await self.preparer.prepare(request_id, messages, looked_up)
 
 
@@ -162,6 +166,39 @@ async def _a_cold_request_is_looked_up_once_and_its_reservation_handed_on(setup:
     assert [kind for kind, _ in looked_up.found.values()] == ["compute"]
     assert setup.shard.lookup_calls == 1, "the replica must not look the item up again"
     assert setup.replica.encoded == looked_up.hashes
+    await _nothing_reserved(setup.shard)
+
+
+def test_a_data_url_is_decoded_once_on_its_way_to_the_replica(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from encoder_service.preprocess.media import fetch
+
+    decodes: list[int] = []
+    decode = fetch.pybase64.b64decode
+
+    def counted(payload: Any, *args: Any, **kwargs: Any) -> bytes:
+        decodes.append(len(payload))
+        return decode(payload, *args, **kwargs)
+
+    monkeypatch.setattr(fetch.pybase64, "b64decode", counted)
+    asyncio.run(_a_data_url_is_decoded_once_on_its_way_to_the_replica(setup, decodes))
+
+
+async def _a_data_url_is_decoded_once_on_its_way_to_the_replica(setup: Setup, decodes: list[int]) -> None:
+    """The hit path decodes the cold image's data URL to hash it; the replica it hands the miss to
+    gets the bytes in the message part (not the base64) and decodes nothing."""
+    png = make_image_bytes(64, 48, seed=7)
+    url = "data:image/png;base64," + base64.b64encode(png).decode()
+    prepared = await setup.orch.prepare("r1", _chat(MediaRef("image", url=url)))
+    assert len(decodes) == 1, decodes
+    ((part, _),) = [m["content"] for m in setup.replica.received[0]]
+    assert part["media"].url is None and part["media"].data == png
+    # the same answer as a replica given the data URL itself (which decodes it once more)
+    direct = await setup.replica.preparer.prepare("r2", _chat(MediaRef("image", url=url)).messages)
+    assert len(decodes) == 2
+    assert direct.prompt_token_ids == prepared.prompt_token_ids
+    assert [it.mm_hash for it in direct.items] == [it.mm_hash for it in prepared.mm_items]
     await _nothing_reserved(setup.shard)
 
 
