@@ -11,7 +11,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from mmcore.feature import MODALITIES, MediaFeature, Modality, PlaceholderRange
+from mmcore.feature import (
+    MODALITIES,
+    ItemFacts,
+    MediaFeature,
+    Modality,
+    PlaceholderRange,
+    facts_of,
+    with_facts,
+)
 from mmcore.wire import (
     Buffers,
     Reduced,
@@ -59,6 +67,16 @@ class EncoderInput:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     second_per_grid_ts: float | None = None  # a video's seconds per temporal patch (Qwen2.5-VL positions)
     frame_times: list[float] | None = None  # seconds of each temporal patch (Qwen3-VL's prompt timestamps)
+
+    @classmethod
+    def of(
+        cls, mm_hash: str, modality: Modality, facts: ItemFacts, tensors: dict[str, torch.Tensor]
+    ) -> EncoderInput:
+        return with_facts(cls, facts, mm_hash=mm_hash, modality=modality, tensors=tensors)
+
+    @property
+    def facts(self) -> ItemFacts:
+        return facts_of(self)
 
     def to_wire(self, buffers: Buffers) -> dict[str, object]:
         tensors = {k: pack_tensor(t, buffers) for k, t in self.tensors.items()}
@@ -124,6 +142,18 @@ class EmbeddingMeta:
     second_per_grid_ts: float | None = None  # cache hits carry it to the LLM's positions
     frame_times: list[float] | None = None  # cache hits carry a Qwen3-VL video's prompt timestamps
     units: int = 1  # LLM-width rows per row (1 + DeepStack levels): the cache charges num_embeds x units
+
+    @classmethod
+    def of(
+        cls, mm_hash: str, modality: Modality, facts: ItemFacts, hidden_size: int, dtype: str, units: int = 1
+    ) -> EmbeddingMeta:
+        return with_facts(
+            cls, facts, mm_hash=mm_hash, modality=modality, hidden_size=hidden_size, dtype=dtype, units=units
+        )
+
+    @property
+    def facts(self) -> ItemFacts:
+        return facts_of(self)
 
     @property
     def cache_charge(self) -> int:

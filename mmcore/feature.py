@@ -11,11 +11,12 @@ the item's embeddings.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
-from typing import Literal
+from dataclasses import dataclass, field, fields, replace
+from typing import Literal, TypeVar
 
 from mmcore.wire import from_fields, to_fields
 
+R = TypeVar("R")
 Modality = Literal["image", "video", "audio"]
 MODALITIES: tuple[Modality, ...] = ("image", "video", "audio")
 
@@ -30,6 +31,30 @@ class PlaceholderRange:
     @property
     def end(self) -> int:
         return self.offset + self.length
+
+
+@dataclass(frozen=True)
+class ItemFacts:
+    """What an item's embeddings are, known once it is processed or found in the cache: how many rows,
+    the patch grid before the spatial merge, and what a video's positions and prompt need. The
+    preprocessor's item holds one; the encoder's input (``EncoderInput``) and the cache entry
+    (``EmbeddingMeta``) declare these fields and give and take them whole (``facts``, ``of``), so
+    a new fact is a field here and on those records, copied by no code."""
+
+    num_embeds: int
+    grid_thw: tuple[int, int, int] | None = None
+    second_per_grid_ts: float | None = None  # a video's seconds per temporal patch (Qwen2.5-VL)
+    frame_times: list[float] | None = None  # seconds of each temporal patch (Qwen3-VL's timestamps)
+
+
+def facts_of(record: object) -> ItemFacts:
+    """The ``ItemFacts`` fields of a record that declares them."""
+    return ItemFacts(**{f.name: getattr(record, f.name) for f in fields(ItemFacts)})
+
+
+def with_facts(cls: type[R], facts: ItemFacts, **other: object) -> R:
+    """A record of ``cls`` (which declares the ``ItemFacts`` fields) with ``facts`` and ``other``."""
+    return cls(**{f.name: getattr(facts, f.name) for f in fields(ItemFacts)}, **other)
 
 
 @dataclass(frozen=True)

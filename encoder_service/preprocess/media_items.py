@@ -19,6 +19,7 @@ from PIL import Image
 from encoder_service.preprocess.errors import InvalidMediaInput, TooManyItems
 from encoder_service.preprocess.media.fetch import FetchedMedia
 from encoder_service.types import MODALITIES, EncoderInput, MediaRef, Modality
+from mmcore.feature import ItemFacts
 
 # A chat message as the ingress normalised it: ``role`` and ``content``, a string or a list of parts
 # ({"type": "text", "text": ...} or {"type": <modality>, "media": MediaRef}).
@@ -31,12 +32,9 @@ class MediaItem:
     ref: MediaRef
     fetched: FetchedMedia | None = None
     mm_hash: str = ""
-    num_embeds: int = 0
-    grid_thw: tuple[int, int, int] | None = None
+    facts: ItemFacts | None = None  # from processing it, or from the cache entry
     encoder_input: EncoderInput | None = None
     metadata: dict[str, object] | None = None
-    second_per_grid_ts: float | None = None  # from the decode (or the cache entry); video positions
-    frame_times: list[float] | None = None  # likewise: a Qwen3-VL video's prompt timestamps
     header: Image.Image | None = None  # an image opened (header only) and checked when fetched
     part: dict[str, object] | None = None  # the content part it came from (None: read-only messages)
 

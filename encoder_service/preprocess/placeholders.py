@@ -11,7 +11,7 @@ from typing import Protocol
 
 from encoder_service.preprocess.errors import InvalidMediaInput
 from encoder_service.types import EncoderInput, MediaRef
-from mmcore.feature import MediaFeature, Modality, PlaceholderRange
+from mmcore.feature import ItemFacts, MediaFeature, Modality, PlaceholderRange
 
 
 class Placed(Protocol):
@@ -20,11 +20,8 @@ class Placed(Protocol):
     index: int
     ref: MediaRef
     mm_hash: str
-    num_embeds: int
-    grid_thw: tuple[int, int, int] | None
+    facts: ItemFacts | None  # known once processed or found in the cache
     encoder_input: EncoderInput | None
-    second_per_grid_ts: float | None
-    frame_times: list[float] | None
 
     @property
     def metadata(self) -> Mapping[str, object] | None: ...  # read here only: any mapping will do
@@ -59,7 +56,8 @@ def expand_placeholders(
         if not queues[modality]:
             raise InvalidMediaInput(f"prompt has more {modality} placeholders than {modality} items")
         it = queues[modality].pop(0)
-        expansion = family.expand_placeholder(modality, tid, it.num_embeds, it.frame_times)
+        facts = _facts(it)
+        expansion = family.expand_placeholder(modality, tid, facts.num_embeds, facts.frame_times)
         runs[it.index] = _placeholder_runs(expansion, tid, len(out_ids))
         out_ids.extend(expansion)
     if any(queues.values()) or len(runs) != len(items):
@@ -87,13 +85,14 @@ def _items_of(it: Placed, runs: list[PlaceholderRange]) -> list[MediaFeature]:
     """One record per placeholder run. An item of several runs (a Qwen3-VL video: one per temporal
     patch) gives each run its rows of the item's embeddings and its own ``(1, h, w)`` grid; they
     share the mm_hash, and only the first carries the encoder input (the item is encoded once)."""
+    facts = _facts(it)
+    grid = facts.grid_thw
     if len(runs) > 1 and (
-        it.grid_thw is None or it.grid_thw[0] % len(runs) or sum(r.length for r in runs) != it.num_embeds
+        grid is None or grid[0] % len(runs) or sum(r.length for r in runs) != facts.num_embeds
     ):
         raise RuntimeError(
             f"{it.ref.modality} {it.index}: {len(runs)} placeholder runs do not split its grid"
         )
-    grid = it.grid_thw
     if len(runs) > 1 and grid is not None:
         grid = (grid[0] // len(runs), grid[1], grid[2])
     out, row = [], 0
@@ -106,7 +105,7 @@ def _items_of(it: Placed, runs: list[PlaceholderRange]) -> list[MediaFeature]:
                 offset=run.offset,
                 length=run.length,
                 grid_thw=grid,
-                second_per_grid_ts=it.second_per_grid_ts,
+                second_per_grid_ts=facts.second_per_grid_ts,
                 rows=(row, row + run.length) if len(runs) > 1 else None,
                 metadata=dict(it.metadata or {}),
                 data=it.encoder_input if i == 0 else None,
@@ -114,3 +113,9 @@ def _items_of(it: Placed, runs: list[PlaceholderRange]) -> list[MediaFeature]:
         )
         row += run.length
     return out
+
+
+def _facts(it: Placed) -> ItemFacts:
+    if it.facts is None:  # every item is processed or found before its placeholder expands: a bug
+        raise RuntimeError(f"{it.ref.modality} {it.index} has no facts (neither processed nor cached)")
+    return it.facts

@@ -55,6 +55,7 @@ from encoder_service.types import (
     Modality,
     PreprocessedRequest,
 )
+from mmcore.feature import ItemFacts
 
 INLINE_TEMPLATE_CHARS = 16_384  # prompts with more text are templated and tokenized on a worker thread
 Lookup = Callable[[list[str]], "dict[str, EmbeddingMeta] | Awaitable[dict[str, EmbeddingMeta]]"]
@@ -189,9 +190,7 @@ class Preprocessor:
         for it in sorted(items, key=lambda it: it.fetched is None):  # bytes first: a uuid alone may name them
             meta = cached.get(it.mm_hash)
             if meta is not None:
-                it.num_embeds, it.grid_thw = meta.num_embeds, meta.grid_thw
-                it.second_per_grid_ts, it.frame_times = meta.second_per_grid_ts, meta.frame_times
-                it.metadata = {"source": "encoder_cache"}
+                it.facts, it.metadata = meta.facts, {"source": "encoder_cache"}
             elif it.mm_hash in computed:
                 continue  # filled in from the first item with these bytes, below
             elif it.fetched is None:
@@ -209,9 +208,7 @@ class Preprocessor:
         for it in items:
             first = computed.get(it.mm_hash)
             if first is not None and first is not it:
-                it.num_embeds, it.grid_thw = first.num_embeds, first.grid_thw
-                it.encoder_input, it.metadata = first.encoder_input, first.metadata
-                it.second_per_grid_ts, it.frame_times = first.second_per_grid_ts, first.frame_times
+                it.facts, it.encoder_input, it.metadata = first.facts, first.encoder_input, first.metadata
         if _text_chars(template_messages) > INLINE_TEMPLATE_CHARS:  # not on the caller's loop
             return await asyncio.to_thread(self._tokenize, template_messages, items)
         return self._tokenize(template_messages, items)
@@ -310,12 +307,12 @@ class Preprocessor:
         modality = it.ref.modality
         hit = self.processor_cache.get(it.mm_hash)
         if hit is not None:
-            it.encoder_input, it.num_embeds, it.grid_thw = hit, hit.num_embeds, hit.grid_thw
-            it.second_per_grid_ts, it.frame_times = hit.second_per_grid_ts, hit.frame_times
-            it.metadata = {"source": "processor_cache"}
+            it.encoder_input, it.facts, it.metadata = hit, hit.facts, {"source": "processor_cache"}
             return
         fetched = it.fetched
         assert fetched is not None
+        seconds: float | None = None  # a video's, from its decode
+        times: list[float] | None = None
         if modality == "image":
             out, it.metadata = self._process_image(it)
         else:
@@ -333,18 +330,10 @@ class Preprocessor:
             out = processed_or_422(lambda: self.family.process(modality, loaded.value), modality, it.index)
             self._observe_processing(it, start, decoded_at)
             meta = it.metadata = {**loaded.metadata, **self.family.item_metadata(modality, loaded.metadata)}
-            it.second_per_grid_ts = cast("float | None", meta.get("second_per_grid_ts"))  # the family's facts
-            it.frame_times = cast("list[float] | None", meta.get("frame_times"))
-        it.num_embeds, it.grid_thw = out.num_embeds, out.grid_thw
-        it.encoder_input = EncoderInput(
-            it.mm_hash,
-            modality,
-            out.num_embeds,
-            out.grid_thw,
-            out.tensors,
-            it.second_per_grid_ts,
-            it.frame_times,
-        )
+            seconds = cast("float | None", meta.get("second_per_grid_ts"))  # the family's facts
+            times = cast("list[float] | None", meta.get("frame_times"))
+        it.facts = ItemFacts(out.num_embeds, out.grid_thw, seconds, times)
+        it.encoder_input = EncoderInput.of(it.mm_hash, modality, it.facts, out.tensors)
         self.processor_cache.put(it.encoder_input)
 
     def _process_image(self, it: MediaItem) -> tuple[ProcessedItem, dict[str, object]]:

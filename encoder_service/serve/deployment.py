@@ -22,7 +22,7 @@ import contextvars
 import logging
 import time
 from collections.abc import Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from encoder_service.cache.cache_index import ref_id
@@ -210,16 +210,13 @@ class EncoderPoolServer:
         done: list[tuple[_Queued, EncodedItem]] = []
         for q, out in zip(step, outputs, strict=True):
             tensor = out.detach().contiguous().cpu()
-            meta = EmbeddingMeta(
-                mm_hash=q.item.mm_hash,
-                modality=q.item.modality,
-                num_embeds=int(tensor.shape[0]),
+            meta = EmbeddingMeta.of(
+                q.item.mm_hash,
+                q.item.modality,
+                replace(q.item.facts, num_embeds=int(tensor.shape[0])),
                 hidden_size=int(tensor.shape[1]),
                 dtype=str(tensor.dtype).removeprefix("torch."),
-                grid_thw=q.item.grid_thw,
-                second_per_grid_ts=q.item.second_per_grid_ts,
                 units=self.row_units,
-                frame_times=q.item.frame_times,
             )
             stored = stored_form(tensor)
             ref = ray.put(stored)  # Ray 2.60 has no _owner=: this replica owns it

@@ -149,6 +149,25 @@ def test_a_records_wire_form_is_derived_from_its_fields() -> None:
     assert back == grown and back.new_fact == (7, 8) and back.data is None
 
 
+def test_item_facts_are_declared_by_the_records_and_handed_whole() -> None:
+    """The encoder's input and the cache entry declare ``ItemFacts``' fields (same names, same types)
+    and give and take them whole: a video's facts survive input -> cache entry -> wire, no field
+    spelled out on the way."""
+    import dataclasses
+
+    from mmcore.feature import ItemFacts
+
+    facts = {f.name: f.type for f in dataclasses.fields(ItemFacts)}
+    for record in (EncoderInput, EmbeddingMeta):
+        declared = {f.name: f.type for f in dataclasses.fields(record)}
+        assert {k: declared.get(k) for k in facts} == facts, record.__name__
+    video = ItemFacts(12, (2, 4, 6), 0.5, [0.25, 0.75])
+    inp = roundtrip(EncoderInput.of("v" * 64, "video", video, {"pixel_values_videos": torch.zeros(48, 12)}))
+    assert isinstance(inp, EncoderInput) and inp.facts == video
+    meta = roundtrip(EmbeddingMeta.of(inp.mm_hash, "video", inp.facts, 64, "bfloat16", units=3))
+    assert isinstance(meta, EmbeddingMeta) and meta.facts == video and meta.cache_charge == 36
+
+
 def test_other_wire_versions_and_kinds_are_refused_by_name() -> None:
     from encoder_service.types import _encoder_input_from_bytes
     from llm_service.outputs import _request_output_from_bytes
