@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, cast
 
 from llm_service.multimodal import MultiModalInput
 from mmcore.feature import MediaFeature
+
+if TYPE_CHECKING:
+    import torch
 
 
 class EmbeddingsLost(Exception):
@@ -38,7 +41,7 @@ def is_lost_object(exc: BaseException) -> bool:
 
 
 async def resolve_embeddings(
-    items: Sequence[MediaFeature], fetch: Callable[[Any], Any]
+    items: Sequence[MediaFeature], fetch: Callable[[object], Awaitable[object]]
 ) -> list[MultiModalInput]:
     """Fetch each item's embeddings (from the object store) into MultiModalInputs; an item sent with
     its value (``MediaFeature.value``) is not fetched.
@@ -48,7 +51,7 @@ async def resolve_embeddings(
     if all(it.value is not None for it in items):
         return [MultiModalInput(it, _take_rows(from_stored(it.value), it.rows)) for it in items]
     if len(items) == 1:  # awaited in the caller's task: a gather's task costs two turns of the loop
-        tensors: list[Any] = [await _settled(fetch(items[0].ref[0]))]
+        tensors: list[object] = [await _settled(fetch(items[0].ref[0]))]
     else:
         tensors = await asyncio.gather(
             *(fetch(it.ref[0]) if it.value is None else _given(it.value) for it in items),
@@ -65,11 +68,11 @@ async def resolve_embeddings(
     ]
 
 
-async def _given(value: Any) -> Any:
+async def _given(value: object) -> object:
     return value
 
 
-async def _settled(aw: Any) -> Any:
+async def _settled(aw: Awaitable[object]) -> object:
     """``await aw``, an exception it raises returned instead (``gather(return_exceptions=True)``)."""
     try:
         return await aw
@@ -83,7 +86,7 @@ def unfetched(items: Sequence[MediaFeature]) -> list[MultiModalInput]:
     return [MultiModalInput(it, None) for it in items]
 
 
-def from_stored(obj: Any) -> Any:
+def from_stored(obj: object) -> torch.Tensor:
     """A torch tensor of what an encoder replica put (``encoder_service.serve.deployment.stored_form``): a
     numpy array, or ``(dtype name, integer bits)`` for a dtype numpy lacks; anything else (a tensor)
     passes as is. Copied out of the object store's read-only buffer, so the tensor is writable and
@@ -96,9 +99,9 @@ def from_stored(obj: Any) -> Any:
     if isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[1], np.ndarray):
         name, bits = obj
         return torch.from_numpy(np.array(bits)).view(getattr(torch, name))
-    return obj
+    return cast("torch.Tensor", obj)  # put as a tensor already: passed as is
 
 
-def _take_rows(tensor: Any, rows: tuple[int, int] | None) -> Any:
+def _take_rows(tensor: torch.Tensor, rows: tuple[int, int] | None) -> torch.Tensor:
     """The rows of a fetched tensor one placeholder run takes (a Qwen3-VL video frame); None: all."""
     return tensor[rows[0] : rows[1]] if rows else tensor

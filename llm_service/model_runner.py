@@ -358,7 +358,7 @@ class ModelRunner:
 def _check_finite(chunks: list[ScheduledChunk], hidden: torch.Tensor) -> None:
     """Raise RequestFaults naming each chunk whose hidden states hold NaN/inf, before its KV is cached.
 
-    Any non-finite K/V a chunk wrote shows in its own final hidden states, and a NaN at a later
+    A non-finite K/V a chunk wrote shows in its own final hidden states, and a NaN at a later
     position of a chunk reaches the earlier ones too (masked attention weights are 0, and 0 * NaN is
     NaN): such blocks must never enter the prefix cache under a hash that other prompts share.
     """
