@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from openai import AsyncOpenAI
 
+from tests.integration.e2e.app_readings import encoder_cache, llm_stats
 from tests.integration.e2e.common import (
     AUDIO,
     PORT,
@@ -26,7 +27,6 @@ from tests.integration.e2e.common import (
     send_concurrently,
     wait_for,
 )
-from tests.integration.e2e.test_leaks_and_metrics import _encoder_cache, _llm_stats
 from tests.media import make_audio_bytes, make_image_bytes
 
 pytestmark = pytest.mark.usefixtures("app")
@@ -108,12 +108,12 @@ def _new_objects(baseline: dict[str, str]) -> dict[str, str]:
 
 
 def _quiet() -> bool:
-    channels_closed = _llm_stats(VL)["output_channels"] == 0 and _llm_stats(AUDIO)["output_channels"] == 0
+    channels_closed = llm_stats(VL)["output_channels"] == 0 and llm_stats(AUDIO)["output_channels"] == 0
     held = any(
         s["num_running"] or s["num_waiting"] or s["num_free_blocks"] != s["num_total_blocks"]
-        for s in (_llm_stats(VL), _llm_stats(AUDIO))
+        for s in (llm_stats(VL), llm_stats(AUDIO))
     )
-    reserved = _encoder_cache(VL)["reserved"] + _encoder_cache(AUDIO)["reserved"]
+    reserved = encoder_cache(VL)["reserved"] + encoder_cache(AUDIO)["reserved"]
     return channels_closed and not held and reserved == 0
 
 
@@ -122,13 +122,13 @@ def test_500_mixed_requests_leave_the_object_store_reservations_and_kv_at_baseli
     wait_for(_quiet, 60, "the warm-up to settle")
     baseline = _referenced_objects()
     refs_before = holders()
-    cache_before = (_encoder_cache(VL)["entries"], _encoder_cache(AUDIO)["entries"])
+    cache_before = (encoder_cache(VL)["entries"], encoder_cache(AUDIO)["entries"])
 
     tokens = asyncio.run(_run(list(range(30, 30 + NUM_REQUESTS))))
     assert all(n >= 1 for n in tokens)
 
     wait_for(_quiet, 60, "every request, reservation, KV block and output channel to be released")
-    assert (_encoder_cache(VL)["entries"], _encoder_cache(AUDIO)["entries"]) == cache_before
+    assert (encoder_cache(VL)["entries"], encoder_cache(AUDIO)["entries"]) == cache_before
     # A ref kept per request (what pickling refs outside Ray does) would leave one or more for each of
     # the ~300 media requests; Serve's own bookkeeping (long polls, metrics, handles) holds a few
     # objects that come and go (16 seen here, spread over a dozen workers, one reference each).
