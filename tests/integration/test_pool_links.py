@@ -144,14 +144,17 @@ def test_pools_scale_up_and_down_under_load_on_links_without_losing_a_request(ap
         _wait("scale-up of both pools", lambda: _running_replicas() == dict.fromkeys(POOLS, 2), load)
         served_at_two = load.ok
         _wait("requests on two replicas each", lambda: load.ok >= served_at_two + 24, load)
-        stats = httpx.get(f"{app['url']}/stats", params={"pools": "true"}, timeout=30).json()
-        llm_replicas = stats[MODEL]["pools"]["llm_replicas"]
-        # Replicas this ingress read from; one that is gone (a scale-down before this scale-up) answers
-        # an error, not another's counters. The two live ones both took submits by link.
-        link_calls = {rid: s.get("link_calls", 0) for rid, s in llm_replicas.items() if "error" not in s}
-        assert len([n for n in link_calls.values() if n > 0]) == 2, (
-            f"submits by link per replica: {llm_replicas}"
-        )
+
+        def both_llm_replicas_linked() -> bool:
+            # Replicas this ingress read from; one that is gone (a scale-down before this scale-up)
+            # answers an error, not another's counters. The two live ones both take submits by link,
+            # the new one once the ingress has its link (on a busy host some seconds after it runs).
+            stats = httpx.get(f"{app['url']}/stats", params={"pools": "true"}, timeout=30).json()
+            llm_replicas = stats[MODEL]["pools"]["llm_replicas"]
+            calls = [s.get("link_calls", 0) for s in llm_replicas.values() if "error" not in s]
+            return len([n for n in calls if n > 0]) == 2
+
+        _wait("submits by link on both LLM replicas", both_llm_replicas_linked, load)
         preparing = {}  # /stats asks one encoder replica, Serve's choice: ask until both answered
         for _ in range(40):
             if len(preparing) == 2:
