@@ -1,5 +1,5 @@
 """A Qwen2.5-VL video's ``second_per_grid_ts`` travels preprocessor → encoder input (processor cache) →
-cache entry (``EmbeddingMeta``) → prepared item → ``EmbeddingRef`` → ``MultiModalInput``, over every
+cache entry (``EmbeddingMeta``) → the item's ``MediaFeature`` (prepared request, LLM spec) → ``MultiModalInput``, over every
 wire form on the way, and a cache hit (no decode) carries the value the miss computed."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A small item's value sent inline beside its ref by the encoder replica that put it
-(``PreparedItem.value``, ``EmbeddingRef.value``): it crosses the prepared request's and the spec's
+(``MediaFeature.value``): it crosses the prepared request's and the spec's
 wire forms, the LLM side takes it without fetching, and items sent without one are fetched (and
 reported lost) as before."""
 
