@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
-from typing import Literal, TypeVar
+from typing import ClassVar, Literal, TypeVar
 
 from mmcore.wire import from_fields, to_fields
 
@@ -77,7 +77,7 @@ class MediaFeature:
     ref: list[object] = field(default_factory=list, compare=False)
     value: object = field(default=None, compare=False, repr=False)
 
-    BESIDE = ("ref", "value", "data")
+    BESIDE: ClassVar[tuple[str, ...]] = ("ref", "value", "data")  # travel beside the msgpack
 
     @property
     def placeholder(self) -> PlaceholderRange:
