@@ -43,7 +43,9 @@ class WireVersionError(ValueError):
 
 
 def pack(kind: str, fields: Mapping[str, object]) -> bytes:
-    return bytes(msgpack.packb({"v": WIRE_VERSION, "kind": kind, **fields}, use_bin_type=True))
+    """msgpack packs its own types in C; ``plain`` is asked only for what it cannot (a numpy scalar in
+    metadata, a path in processor kwargs), so a prompt's token ids are never walked in Python."""
+    return bytes(msgpack.packb({"v": WIRE_VERSION, "kind": kind, **fields}, use_bin_type=True, default=plain))
 
 
 def unpack(kind: str, raw: bytes) -> dict[str, Any]:  # Any: msgpack's map; each reader checks its fields
@@ -105,10 +107,10 @@ def unpack_tensor(d: WireTensor, buffers: Buffers) -> torch.Tensor:
 
 
 def to_fields(record: object, beside: Collection[str] = (), omit_defaults: bool = False) -> dict[str, object]:
-    """A dataclass record's fields as msgpack values, those named in ``beside`` left out (they travel
-    next to the bytes: ObjectRefs, arrays, records of their own). Derived from the fields, so none can
-    be dropped. ``omit_defaults``: a field at its (plain) default is left out too (``from_fields``
-    gives it back), for records stored many times over."""
+    """A dataclass record's fields for ``pack``, those named in ``beside`` left out (they travel next
+    to the bytes: ObjectRefs, arrays, records of their own). Derived from the fields, so none can be
+    dropped. ``omit_defaults``: a field at its default is left out too (``from_fields`` gives it
+    back), for records stored many times over."""
     assert dataclasses.is_dataclass(record) and not isinstance(record, type)
     out = {}
     for f in dataclasses.fields(record):
@@ -117,7 +119,7 @@ def to_fields(record: object, beside: Collection[str] = (), omit_defaults: bool 
         value = getattr(record, f.name)
         if omit_defaults and f.default is not dataclasses.MISSING and value == f.default:
             continue
-        out[f.name] = plain(value)
+        out[f.name] = value
     return out
 
 
