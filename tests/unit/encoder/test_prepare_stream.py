@@ -23,7 +23,7 @@ from encoder_service.preprocess.processing import Preprocessor
 from encoder_service.types import EmbeddingMeta, EncodeBatch, EncodedItem, MediaRef
 from tests.fakes import Remote
 from tests.media import make_image_bytes
-from tests.unit.router.test_hit_path import FakeRef
+from tests.unit.router.hit_path_world import FakeRef
 
 
 class Encoder:
