@@ -175,7 +175,11 @@ class Orchestrator:
         finally:
             self._messages.pop(request_id, None)
             if (forwarder := self._forwarders.pop(request_id, None)) is not None:
-                forwarder.cancel()  # every item is in by the first output; else it failed
+                # Every item is in by the first output (else it failed), but the stream's end may
+                # still be on its way: the forwarder is inside the stream until its cancel lands,
+                # and closing a generator another task is running raises RuntimeError.
+                forwarder.cancel()
+                await asyncio.wait([forwarder])
             if prepared.arrivals is not None:
                 await prepared.arrivals.aclose()
         try:
