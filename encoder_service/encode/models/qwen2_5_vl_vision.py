@@ -28,7 +28,7 @@ from encoder_service.encode.models.qwen2_vl_vision import (
     QwenVisionTower,
     VisionAttention,
     VisionRotary,
-    packed_pixels,
+    embedded_patches,
     vision_positions,
 )
 from encoder_service.encode.models.weights import CheckpointReader
@@ -156,9 +156,9 @@ class Qwen25VLVisionEncoder(QwenVisionTower):
     def encode(self, items: list[EncoderInput]) -> list[torch.Tensor]:
         if not items:
             return []
-        device, dtype = self.patch_embed.weight.device, self.patch_embed.weight.dtype
+        device = self.patch_embed.weight.device
         grids = self.grids(items)
-        x = self.patch_embed(packed_pixels(items, grids, self.patch_dim).to(device=device, dtype=dtype))
+        x = embedded_patches(items, grids, self.patch_dim, self.patch_embed)
         n, unit = x.shape[0], self.merge**2
         order, window_lengths = window_order(grids, self.merge, self.window_units)
         x = x.view(n // unit, unit, -1)[order.to(device)].reshape(n, -1)

@@ -27,7 +27,7 @@ from encoder_service.encode.models.qwen2_vl_vision import (
     QwenVisionTower,
     VisionBlock,
     VisionRotary,
-    packed_pixels,
+    embedded_patches,
     vision_positions,
 )
 from encoder_service.encode.models.weights import CheckpointReader
@@ -137,9 +137,9 @@ class Qwen3VLVisionEncoder(QwenVisionTower):
     def encode(self, items: list[EncoderInput]) -> list[torch.Tensor]:
         if not items:
             return []
-        device, dtype = self.patch_embed.weight.device, self.patch_embed.weight.dtype
+        device = self.patch_embed.weight.device
         grids = self.grids(items)
-        x = self.patch_embed(packed_pixels(items, grids, self.patch_dim).to(device=device, dtype=dtype))
+        x = embedded_patches(items, grids, self.patch_dim, self.patch_embed)
         x = x + interpolated_positions(self.pos_embed, grids, self.merge)
         rope = self.rotary(vision_positions(grids, self.merge), device)
         runs = [(t, h * w) for t, h, w in grids]
