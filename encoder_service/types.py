@@ -142,13 +142,30 @@ class EmbeddingMeta:
     second_per_grid_ts: float | None = None  # cache hits carry it to the LLM's positions
     frame_times: list[float] | None = None  # cache hits carry a Qwen3-VL video's prompt timestamps
     units: int = 1  # LLM-width rows per row (1 + DeepStack levels): the cache charges num_embeds x units
+    # Where in its object the item is: an encoder step's items share one object (a list of their
+    # stored forms, one put per step); None: the object is this item's alone
+    part: int | None = None
 
     @classmethod
     def of(
-        cls, mm_hash: str, modality: Modality, facts: ItemFacts, hidden_size: int, dtype: str, units: int = 1
+        cls,
+        mm_hash: str,
+        modality: Modality,
+        facts: ItemFacts,
+        hidden_size: int,
+        dtype: str,
+        units: int = 1,
+        part: int | None = None,
     ) -> EmbeddingMeta:
         return with_facts(
-            cls, facts, mm_hash=mm_hash, modality=modality, hidden_size=hidden_size, dtype=dtype, units=units
+            cls,
+            facts,
+            mm_hash=mm_hash,
+            modality=modality,
+            hidden_size=hidden_size,
+            dtype=dtype,
+            units=units,
+            part=part,
         )
 
     @property

@@ -64,8 +64,20 @@ async def resolve_embeddings(
         lost = [it.mm_hash for it, t in zip(items, tensors, strict=True) if isinstance(t, BaseException)]
         raise EmbeddingsLost(list(dict.fromkeys(lost)), type(errors[0]).__name__) from errors[0]
     return [
-        MultiModalInput(it, _take_rows(from_stored(t), it.rows)) for it, t in zip(items, tensors, strict=True)
+        MultiModalInput(
+            it, _take_rows(from_stored(t if it.value is not None else _part(t, it.part)), it.rows)
+        )
+        for it, t in zip(items, tensors, strict=True)
     ]
+
+
+def _part(obj: object, part: int | None) -> object:
+    """The item's stored form in a fetched object: a step's object holds its items' in a list."""
+    if part is None:
+        return obj
+    if not isinstance(obj, list) or not 0 <= part < len(obj):
+        raise ValueError(f"embeddings object holds no part {part} ({type(obj).__name__})")
+    return obj[part]
 
 
 async def _given(value: object) -> object:

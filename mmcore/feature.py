@@ -67,6 +67,7 @@ class MediaFeature:
     grid_thw: tuple[int, int, int] | None = None  # patch grid before the spatial merge (M-RoPE)
     second_per_grid_ts: float | None = None  # a video's seconds per temporal patch (Qwen2.5-VL positions)
     rows: tuple[int, int] | None = None  # the rows of the item's embeddings this run takes (None: all)
+    part: int | None = None  # the item's place in the object ``ref`` names (``EmbeddingMeta.part``)
     metadata: dict[str, object] | None = None  # facts for logs (size, frames, source): preprocessor only
     # What the encoder takes for it (``encoder_service.types.EncoderInput``), on the first run of an
     # item the preprocessor processed; dropped once it is encoded or cached. Never in the msgpack.
@@ -105,7 +106,8 @@ class MediaFeature:
     ) -> MediaFeature:
         return from_fields(cls, d, ref=list(ref or []), value=value, data=data)
 
-    def encoded(self, ref: list[object] | None = None) -> MediaFeature:
+    def encoded(self, ref: list[object] | None = None, part: int | None = None) -> MediaFeature:
         """The record as it goes on once its embeddings exist (or are still to come, ``ref`` None):
-        where they are, and nothing the preprocessor alone needed."""
-        return replace(self, ref=list(ref or []), data=None, metadata=None)
+        where they are (``part``: its place in a step's shared object), and nothing the
+        preprocessor alone needed."""
+        return replace(self, ref=list(ref or []), part=part, data=None, metadata=None)

@@ -18,6 +18,11 @@ INLINE_VALUE_BYTES = 100 * 1024  # Ray's max_direct_call_object_size default
 MAX_ENTRIES = 256  # a few encoder steps' items; at most 25 MiB held
 
 
+def value_key(ref_id: str, part: int | None) -> str:
+    """The key of one item's value: its object's id, and its place in it when a step's items share it."""
+    return ref_id if part is None else f"{ref_id}/{part}"
+
+
 class RecentValues:
     def __init__(self, max_entries: int = MAX_ENTRIES, max_bytes: int = INLINE_VALUE_BYTES) -> None:
         self.max_entries = max_entries
@@ -29,17 +34,17 @@ class RecentValues:
     def __len__(self) -> int:
         return len(self._values)
 
-    def put(self, ref_id: str, value: object, nbytes: int) -> None:
-        """Keep ``value`` (the object ``ref_id`` names) if it is small enough to send inline."""
+    def put(self, key: str, value: object, nbytes: int) -> None:
+        """Keep ``value`` (the item ``key`` names: ``value_key``) if it is small enough to send inline."""
         if nbytes > self.max_bytes or self.max_entries <= 0:
             return
-        self._values[ref_id] = value
-        self._values.move_to_end(ref_id)
+        self._values[key] = value
+        self._values.move_to_end(key)
         while len(self._values) > self.max_entries:
             self._values.popitem(last=False)
 
-    def get(self, ref_id: str) -> object | None:
-        value = self._values.get(ref_id)
+    def get(self, key: str) -> object | None:
+        value = self._values.get(key)
         if value is not None:
             self.taken += 1
         return value

@@ -382,7 +382,10 @@ def _items(pre: PreprocessedRequest, found: dict[str, Found], partial: bool = Fa
     """Every placeholder run with its ref; ``partial``: where ``found`` has it (else none: to come)."""
     if not partial and (missing := [it.mm_hash for it in pre.items if it.mm_hash not in found]):
         raise RuntimeError(f"prepared without the embeddings of {missing}")  # a bug, not bad input
-    return [it.encoded([found[it.mm_hash][1]] if it.mm_hash in found else None) for it in pre.items]
+    return [
+        it.encoded([found[it.mm_hash][1]], found[it.mm_hash][0].part) if it.mm_hash in found else it.encoded()
+        for it in pre.items
+    ]
 
 
 def _prepared(

@@ -55,10 +55,13 @@ def _prepared_from_bytes(
     return from_fields(PreparedRequest, d, items=items, metas=metas)
 
 
-def with_values(prepared: PreparedRequest, value_of: Callable[[object], object]) -> PreparedRequest:
-    """``prepared`` with each item's value where ``value_of(ref)`` has it (None: fetched as before)."""
+def with_values(
+    prepared: PreparedRequest, value_of: Callable[[object, int | None], object]
+) -> PreparedRequest:
+    """``prepared`` with each item's value where ``value_of(ref, part)`` has it (None: fetched as before)."""
     items = [
-        replace(it, value=value_of(it.ref[0])) if it.ref and it.value is None else it for it in prepared.items
+        replace(it, value=value_of(it.ref[0], it.part)) if it.ref and it.value is None else it
+        for it in prepared.items
     ]
     return replace(prepared, items=items)
 

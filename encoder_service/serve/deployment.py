@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from encoder_service.cache.cache_index import ref_id
 from encoder_service.cache.owned_embeddings import OwnedEmbeddings
 from encoder_service.encode.encoder_queue import EncoderQueue
-from encoder_service.encode.recent_values import RecentValues
+from encoder_service.encode.recent_values import RecentValues, value_key
 from encoder_service.preprocess import tracing
 from encoder_service.preprocess.gathering import gather
 from encoder_service.serve.metrics import EncoderMetrics
@@ -207,9 +207,14 @@ class EncoderPoolServer:
         for q in step:  # the step's span in each traced request's trace
             if q.trace is not None:
                 tracing.stage_span("encode", took, mm_hash=q.item.mm_hash, parent=q.trace)
+        tensors = [out.detach().contiguous().cpu() for out in outputs]
+        stored = [stored_form(t) for t in tensors]
+        # One object per step, every item a part of it (a put costs its caller and the raylet about
+        # as much as a 4-image request's tower does); an item alone is the object itself.
+        ref = ray.put(stored if len(stored) > 1 else stored[0])  # Ray has no _owner=: this replica owns it
         done: list[tuple[_Queued, EncodedItem]] = []
-        for q, out in zip(step, outputs, strict=True):
-            tensor = out.detach().contiguous().cpu()
+        for i, (q, tensor) in enumerate(zip(step, tensors, strict=True)):
+            part = i if len(stored) > 1 else None
             meta = EmbeddingMeta.of(
                 q.item.mm_hash,
                 q.item.modality,
@@ -217,11 +222,10 @@ class EncoderPoolServer:
                 hidden_size=int(tensor.shape[1]),
                 dtype=str(tensor.dtype).removeprefix("torch."),
                 units=self.row_units,
+                part=part,
             )
-            stored = stored_form(tensor)
-            ref = ray.put(stored)  # Ray 2.60 has no _owner=: this replica owns it
             self._owned.add(meta.mm_hash, ref)
-            self._recent.put(ref_id(ref), stored, tensor.numel() * tensor.element_size())
+            self._recent.put(value_key(ref_id(ref), part), stored[i], tensor.numel() * tensor.element_size())
             done.append((q, EncodedItem(meta, [ref])))
         if self._cache is not None:  # the callers' reservations become committed entries
             self._commit_soon([(e.meta, e.ref[0], q.request_id) for q, e in done])
@@ -310,9 +314,9 @@ class EncoderPoolServer:
             "inline_values_sent": self._recent.taken,
         }
 
-    def recent_value(self, ref: object) -> object | None:
-        """The stored form of an object this replica put lately, if small (``RecentValues``)."""
-        return self._recent.get(ref_id(ref))
+    def recent_value(self, ref: object, part: int | None = None) -> object | None:
+        """The stored form of an item this replica put lately, if small (``RecentValues``)."""
+        return self._recent.get(value_key(ref_id(ref), part))
 
     def check_health(self) -> None:
         task = self._task

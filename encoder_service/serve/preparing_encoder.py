@@ -90,7 +90,7 @@ class PreparingEncoderServer(EncoderPoolServer):
                             span.set_attribute(tracing.MM_HASHES, [it.mm_hash for it in frame.items])
                         yield with_values(frame, self.recent_value)
                     else:
-                        yield [replace(it, value=self.recent_value(it.ref[0])) for it in frame]
+                        yield [replace(it, value=self.recent_value(it.ref[0], it.part)) for it in frame]
 
     def stats(self) -> dict[str, object]:
         return {**super().stats(), **preparer_stats(self.preparer)}

@@ -74,3 +74,33 @@ def test_a_lost_object_beside_an_inline_value_is_still_reported() -> None:
     with pytest.raises(EmbeddingsLost) as e:
         asyncio.run(resolve_embeddings(_items(), fetch))
     assert e.value.mm_hashes == ["h2"]
+
+
+def test_items_of_one_encoder_step_share_its_object_and_take_their_own_part() -> None:
+    """An encoder step puts one object (a list of its items' stored forms): each item's record names
+    its part; the LLM side takes that part, and the replica's recent values are kept per part."""
+    from encoder_service.encode.recent_values import RecentValues, value_key
+
+    forms = [stored_form(torch.full((4, 3), float(i))) for i in range(3)]
+    recent = RecentValues()
+    for i, form in enumerate(forms):
+        recent.put(value_key("step", i), form, 48)
+    items = [MediaFeature(i, "image", f"h{i}", 2 + 4 * i, 4, ref=["step"], part=i) for i in range(3)]
+    pre = PreparedRequest([1] * 20, items, 3, {})
+    inline = pickle.loads(
+        pickle.dumps(with_values(pre, lambda ref, part: recent.get(value_key(str(ref), part))))
+    )
+    assert [it.part for it in inline.items] == [0, 1, 2]
+    assert [float(np.asarray(it.value)[0, 0]) for it in inline.items] == [0.0, 1.0, 2.0]
+
+    fetched: list[Any] = []
+
+    async def fetch(ref: Any) -> Any:
+        fetched.append(ref)
+        return forms
+
+    got = asyncio.run(resolve_embeddings([items[2], items[0]], fetch))
+    assert fetched == ["step", "step"]
+    assert [float(g.embeddings[0, 0]) for g in got] == [2.0, 0.0]
+    with pytest.raises(ValueError, match="no part 5"):
+        asyncio.run(resolve_embeddings([MediaFeature(0, "image", "h", 2, 4, ref=["step"], part=5)], fetch))
