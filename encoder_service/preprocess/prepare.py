@@ -184,7 +184,7 @@ class RequestPreparer:
                         meta, ref = finished.result()  # an encode that failed raises here
                         h = by_future[finished]
                         hits[h] = (meta, ref)
-                        ready += [replace(it, ref=[ref]) for it in runs[h]]
+                        ready += [replace(it, ref=[ref], part=meta.part) for it in runs[h]]
                     yield sorted(ready, key=lambda it: it.offset)
         except BaseException:
             for pending in futures.values():

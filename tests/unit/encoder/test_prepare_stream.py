@@ -27,7 +27,9 @@ from tests.unit.router.hit_path_world import FakeRef
 
 
 class Encoder:
-    """Per-item futures (``EncoderPoolServer.submit``), finished by the test."""
+    """Per-item futures (``EncoderPoolServer.submit``), finished by the test. Every queued item is a
+    part of one step's object (``EmbeddingMeta.part``: its place in the queue), as the encoder puts a
+    step's items."""
 
     def __init__(self, cache: EncoderCacheClient) -> None:
         self.cache = cache
@@ -49,7 +51,8 @@ class Encoder:
 
     async def finish(self, mm_hash: str) -> EncodedItem:
         fut, inp, request_id = self.queued[mm_hash]
-        meta = EmbeddingMeta(inp.mm_hash, inp.modality, inp.num_embeds, 8, "float32", inp.grid_thw)
+        part = list(self.queued).index(mm_hash)
+        meta = EmbeddingMeta(inp.mm_hash, inp.modality, inp.num_embeds, 8, "float32", inp.grid_thw, part=part)
         out = EncodedItem(meta, [FakeRef()])
         await self.cache.commit_many([(meta, out.ref[0], request_id)])
         fut.set_result(out)
@@ -105,6 +108,7 @@ def test_items_follow_the_prompt_in_the_order_their_encodes_end(parts: Any) -> N
             out = await encoder.finish(h)
             (item,) = await anext(frames)
             assert item.mm_hash == h and item.ref[0] is out.ref[0]
+            assert item.part == out.meta.part == hashes.index(h)  # its place in the step's object
             got[h] = item
         with pytest.raises(StopAsyncIteration):
             await anext(frames)
@@ -115,6 +119,7 @@ def test_items_follow_the_prompt_in_the_order_their_encodes_end(parts: Any) -> N
             (i.offset, i.length, i.grid_thw) for i in first.items
         ]
         assert [i.ref[0].hex() for i in whole.items] == [got[h].ref[0].hex() for h in hashes]
+        assert [i.part for i in whole.items] == [0, 1, 2]  # hits carry their part from the index
         assert await _reserved(shard) == 0
 
     asyncio.run(scenario())
