@@ -54,7 +54,10 @@ def expand_placeholders(
             out_ids.append(tid)
             continue
         if not queues[modality]:
-            raise InvalidMediaInput(f"prompt has more {modality} placeholders than {modality} items")
+            raise InvalidMediaInput(  # transformers' processors refuse it too
+                f"the prompt has more {modality} placeholders than {modality} items: the message text "
+                f"spells the model's {modality} placeholder token (id {tid})"
+            )
         it = queues[modality].pop(0)
         facts = _facts(it)
         expansion = family.expand_placeholder(modality, tid, facts.num_embeds, facts.frame_times)

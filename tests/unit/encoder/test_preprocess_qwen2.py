@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import re
 from typing import Any
 
 import pytest
@@ -274,3 +275,22 @@ def test_undecodable_video_and_audio_are_4xx_naming_the_item(vl, audio, kind, bo
     with pytest.raises(MediaError) as e:
         pre.preprocess_sync(msgs)
     assert 400 <= e.value.status_code < 500 and e.value.item == 0 and f"{kind} 0" in e.value.message
+
+
+@pytest.mark.parametrize("spelled", ["<|video_pad|>", "<|image_pad|>"])
+def test_text_spelling_a_placeholder_token_is_a_400_naming_it(vl, spelled):
+    """vLLM's random-mm benchmark once drew ``<|video_pad|>`` into an image request's random text.
+    transformers' processor refuses such a prompt ("Found 1 <|video_pad|> tokens in the text but no
+    videos were passed"), and so does the preprocessor: a 400 that says the text spells it."""
+    msgs = [
+        {
+            "role": "user",
+            "content": [{"type": "image", "media": _img(64, 48)}, {"type": "text", "text": f"hi {spelled}"}],
+        }
+    ]
+    with pytest.raises(MediaError, match="the message text spells the model's") as err:
+        vl.preprocess_sync(msgs)
+    assert err.value.status_code == 400 and err.value.code == "invalid_media_input"
+    with pytest.raises(ValueError, match=re.escape(spelled)):
+        image = Image.open(io.BytesIO(make_image_bytes(64, 48))).convert("RGB")
+        _hf_vl(vl, msgs, images=[image])
