@@ -74,6 +74,8 @@ async def resolve_embeddings(
 def _part(obj: object, part: int | None) -> object:
     """The item's stored form in a fetched object: a step's object holds its items' in a list."""
     if part is None:
+        if isinstance(obj, list):  # a record that lost its part on the way: a bug, said plainly
+            raise ValueError(f"embeddings object holds {len(obj)} items' parts but the item names none")
         return obj
     if not isinstance(obj, list) or not 0 <= part < len(obj):
         raise ValueError(f"embeddings object holds no part {part} ({type(obj).__name__})")

@@ -102,5 +102,7 @@ def test_items_of_one_encoder_step_share_its_object_and_take_their_own_part() ->
     got = asyncio.run(resolve_embeddings([items[2], items[0]], fetch))
     assert fetched == ["step", "step"]
     assert [float(g.embeddings[0, 0]) for g in got] == [2.0, 0.0]
+    with pytest.raises(ValueError, match="names none"):
+        asyncio.run(resolve_embeddings([MediaFeature(0, "image", "h", 2, 4, ref=["step"])], fetch))
     with pytest.raises(ValueError, match="no part 5"):
         asyncio.run(resolve_embeddings([MediaFeature(0, "image", "h", 2, 4, ref=["step"], part=5)], fetch))
