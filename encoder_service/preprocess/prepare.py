@@ -22,7 +22,6 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import replace
 from typing import Protocol
 
 from encoder_service.cache.encoder_cache import COMPUTE, DEFAULT_LEASE_S, HIT, CacheReply
@@ -184,7 +183,7 @@ class RequestPreparer:
                         meta, ref = finished.result()  # an encode that failed raises here
                         h = by_future[finished]
                         hits[h] = (meta, ref)
-                        ready += [replace(it, ref=[ref], part=meta.part) for it in runs[h]]
+                        ready += [_placed(it, (meta, ref)) for it in runs[h]]
                     yield sorted(ready, key=lambda it: it.offset)
         except BaseException:
             for pending in futures.values():
@@ -382,10 +381,13 @@ def _items(pre: PreprocessedRequest, found: dict[str, Found], partial: bool = Fa
     """Every placeholder run with its ref; ``partial``: where ``found`` has it (else none: to come)."""
     if not partial and (missing := [it.mm_hash for it in pre.items if it.mm_hash not in found]):
         raise RuntimeError(f"prepared without the embeddings of {missing}")  # a bug, not bad input
-    return [
-        it.encoded([found[it.mm_hash][1]], found[it.mm_hash][0].part) if it.mm_hash in found else it.encoded()
-        for it in pre.items
-    ]
+    return [_placed(it, found[it.mm_hash]) if it.mm_hash in found else it.encoded() for it in pre.items]
+
+
+def _placed(it: MediaFeature, found: Found) -> MediaFeature:
+    """The record with where its embeddings are: the entry's ref and its part of that object."""
+    meta, ref = found
+    return it.encoded([ref], meta.part)
 
 
 def _prepared(

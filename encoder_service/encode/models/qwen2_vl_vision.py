@@ -83,8 +83,8 @@ def embedded_patches(
 
     Each item is embedded on its own and the embeddings are concatenated, not the pixels: a patch
     row is ``patch_dim`` values (1176 for Qwen2-VL) and its embedding ``embed_dim``, so the copy is
-    the smaller one on every tiny model (a step of four images: 1.2 of 20 encoder CPU-ms per request
-    went to concatenating pixels). The linear is row-wise: each row is what one call computes."""
+    the smaller one on every tiny model (a 16-image step's patch embedding, one thread: 1.8-2.2 ->
+    1.3-1.5 ms). The linear is row-wise, but not bit-equal to one batched GEMM (2.4e-6 apart)."""
     device, dtype = patch_embed.weight.device, patch_embed.weight.dtype
     pixels = [
         packed_pixels([it], [grid], patch_dim).to(device=device, dtype=dtype)
