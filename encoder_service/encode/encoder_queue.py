@@ -13,6 +13,11 @@ items: on CPU a step of 4 small images encodes as many embeddings per second as 
 (``python -m cluster.bench.encoder``), and a burst of 29 requests cut into steps of ~6 has its
 first items in the LLM's queue while the rest still encode.
 
+``apart``: a request whose items are handed on one by one (overlap prefill) wants each as soon as
+it is encoded, since the LLM prefills up to its first missing item: a step ends before a second
+item of such a request, in FIFO order (README, "Overlap prefill": what it changed). Items of other
+requests still share a step.
+
 The FIFO is bounded in embeddings (``max_queued_embeds``): ``admit`` refuses a request's items at once
 (``EncoderOverloaded``, a 503 with Retry-After) when they would overflow it, unless the FIFO is empty.
 """
@@ -50,7 +55,10 @@ class EncoderQueue(Generic[T]):
         is_cancelled: Callable[[T], bool],
         max_queued_embeds: int | None = None,
         step_embeds: int | None = None,
+        apart: Callable[[T], str | None] | None = None,
     ) -> None:
+        """``apart(entry)``: a key (its request) for an entry whose request takes its items one
+        step each; None where it shares steps freely."""
         if max_num_encoder_input_tokens <= 0:
             raise ValueError("max_num_encoder_input_tokens must be positive")
         if max_queued_embeds is not None and max_queued_embeds <= 0:
@@ -61,6 +69,7 @@ class EncoderQueue(Generic[T]):
         self.step_embeds = min(step_embeds or self.budget, self.budget)
         self.max_queued_embeds = max_queued_embeds
         self._is_cancelled = is_cancelled
+        self._apart = apart
         self._fifo: deque[T] = deque()
         self.queued_embeds = 0  # waiting in the FIFO plus taken by the step being computed
 
@@ -94,13 +103,21 @@ class EncoderQueue(Generic[T]):
         cancelled ones are dropped."""
         step: list[T] = []
         total = 0
+        apart: set[str] = set()  # requests that take one item per step and have theirs in this one
         while self._fifo and (
             not step or (total < self.step_embeds and total + self._fifo[0].num_embeds <= self.budget)
         ):
-            entry = self._fifo.popleft()
+            entry = self._fifo[0]
             if self._is_cancelled(entry):
+                self._fifo.popleft()
                 self.queued_embeds -= entry.num_embeds
                 continue
+            key = self._apart(entry) if self._apart is not None else None
+            if key is not None:
+                if key in apart:
+                    break  # the step ends here; FIFO order is kept
+                apart.add(key)
+            self._fifo.popleft()
             step.append(entry)
             total += entry.num_embeds
         return step

@@ -22,6 +22,7 @@ import contextvars
 import logging
 import time
 from collections.abc import Awaitable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -58,6 +59,7 @@ class _Queued:
     future: asyncio.Future[EncodedItem]
     queued_at: float = 0.0  # time.perf_counter() at its push on the FIFO
     trace: Context | None = None  # its request's trace context, if sampled (the step runs in another task)
+    apart: bool = False  # its request's items go one step each (EncoderQueue's ``apart``)
 
     @property
     def num_embeds(self) -> int:
@@ -95,6 +97,10 @@ class EncoderPoolServer:
         self._sweeper: asyncio.Task[None] | None = None
         self.max_num_encoder_input_tokens = max_num_encoder_input_tokens
         self.model_name = model_name
+        # The tower's steps run on a thread of their own: on the loop's default executor they queued
+        # behind every item waiting to be preprocessed (a burst of 32 four-image requests put 128
+        # there), so no request finished before the whole burst was decoded.
+        self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encoder-step")
         if tp_size == 1:
             from encoder_service.encode.runner import EncoderRunner
 
@@ -127,6 +133,7 @@ class EncoderPoolServer:
             lambda q: q.future.done(),
             max_queued_embeddings,
             step_embeds=step_embeds or (None if on_gpu else CPU_STEP_EMBEDS),
+            apart=lambda q: q.request_id if q.apart else None,
         )
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -142,14 +149,15 @@ class EncoderPoolServer:
         reservation, and return their metadata and refs, in order."""
         return await gather(*self.submit(batch))
 
-    def submit(self, batch: EncodeBatch) -> list[asyncio.Future[EncodedItem]]:
+    def submit(self, batch: EncodeBatch, *, apart: bool = False) -> list[asyncio.Future[EncodedItem]]:
         """``encode``, one future per input, each done when its own step is (a request's items go on
         the FIFO in prompt order, so its first item is ready first). Raises ``EncoderQueueFull``
-        before queueing any; cancelling a future takes its item off the FIFO if not yet stepped."""
+        before queueing any; cancelling a future takes its item off the FIFO if not yet stepped.
+        ``apart``: the items go one step each (a request handed on item by item: overlap prefill)."""
         self._ensure_started()
         assert self._wakeup is not None
         loop = asyncio.get_running_loop()
-        queued = [_Queued(item, batch.request_id, loop.create_future()) for item in batch.inputs]
+        queued = [_Queued(item, batch.request_id, loop.create_future(), apart=apart) for item in batch.inputs]
         for q in queued:
             self._queue.check(q, f"{q.item.modality} item {q.item.mm_hash[:12]}")
         self._queue.admit(queued)
@@ -160,6 +168,10 @@ class EncoderPoolServer:
         self._metrics.queued.set(self._queued_embeds)
         self._wakeup.set()
         return [q.future for q in queued]
+
+    def submit_apart(self, batch: EncodeBatch) -> list[asyncio.Future[EncodedItem]]:
+        """``submit`` of a request whose items are handed on as each is encoded (``prepare_stream``)."""
+        return self.submit(batch, apart=True)
 
     def _ensure_started(self) -> None:
         if self._task is None or self._task.done():
@@ -173,7 +185,8 @@ class EncoderPoolServer:
         if self._group is not None:
             return list(await self._group.encode_async(items))
         assert self._runner is not None  # one or the other (__init__)
-        return list(await asyncio.to_thread(self._runner.encode, items))
+        runner = self._runner
+        return list(await asyncio.get_running_loop().run_in_executor(self._step_thread, runner.encode, items))
 
     async def _run(self) -> None:
         assert self._wakeup is not None

@@ -48,7 +48,7 @@ class PreparingEncoderServer(EncoderPoolServer):
             processor_cache_bytes=processor_cache_bytes,
             cache=self._cache,
             encode=self.encode,  # this replica's own FIFO: no hop, batched with every other request's items
-            encode_each=self.submit,
+            encode_each=self.submit_apart,  # one step per item: each reaches the LLM when encoded
             model_name=self.model_name,
             stages=media_stages(self.model_name, "encoder"),
         )

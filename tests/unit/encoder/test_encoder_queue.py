@@ -74,3 +74,44 @@ def test_step_embeds_ends_a_step_early_but_never_splits_or_refuses_an_item() -> 
     assert EncoderQueue(10, lambda e: False, step_embeds=50).step_embeds == 10  # never past the budget
     with pytest.raises(ValueError, match="step_embeds"):
         EncoderQueue(10, lambda e: False, step_embeds=0)
+
+
+@dataclass
+class R:
+    request: str
+    num_embeds: int
+    apart: bool = False
+    cancelled: bool = False
+
+
+def test_a_request_that_takes_its_items_apart_gets_one_per_step_in_fifo_order() -> None:
+    """Overlap prefill's requests: a step ends before a second item of the same such request; other
+    requests' items still share steps, and FIFO order is never broken to fill a step."""
+    q: EncoderQueue[R] = EncoderQueue(
+        100, lambda e: e.cancelled, step_embeds=64, apart=lambda e: e.request if e.apart else None
+    )
+    entries = [
+        R("a", 4, apart=True),
+        R("a", 4, apart=True),
+        R("b", 4),  # shares freely: never split from its own items
+        R("b", 4),
+        R("a", 4, apart=True, cancelled=True),  # skipped: does not end a step
+        R("c", 4, apart=True),
+        R("a", 4, apart=True),
+        R("c", 4, apart=True),
+    ]
+    for e in entries:
+        q.push(e)
+    steps = []
+    while step := q.next_step():
+        steps.append([e.request for e in step])
+        q.done(step)
+    assert steps == [["a"], ["a", "b", "b", "c"], ["a", "c"]]
+    assert q.queued_embeds == 0 and len(q) == 0
+
+
+def test_without_apart_a_request_shares_its_steps() -> None:
+    q: EncoderQueue[R] = EncoderQueue(100, lambda e: False, step_embeds=64, apart=lambda e: None)
+    for _ in range(4):
+        q.push(R("a", 4, apart=True))
+    assert [e.request for e in q.next_step()] == ["a"] * 4
