@@ -256,7 +256,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--overlap-args",
         default="--overlap-prefill",
-        help="`mmserve serve` flags of the `overlap` server (e.g. add --encoder-step-embeds 64)",
+        help="`mmserve serve` flags of the `overlap` server (one flag alone needs `=`: "
+        "--overlap-args=--overlap-prefill)",
     )
     p.add_argument("--mmserve-args", default="", help="more `mmserve serve` flags of the `mmserve` server")
     p.add_argument("--cluster-port", type=int, default=8714)
