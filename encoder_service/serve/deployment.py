@@ -185,8 +185,9 @@ class EncoderPoolServer:
         if self._group is not None:
             return list(await self._group.encode_async(items))
         assert self._runner is not None  # one or the other (__init__)
-        runner = self._runner
-        return list(await asyncio.get_running_loop().run_in_executor(self._step_thread, runner.encode, items))
+        return list(
+            await asyncio.get_running_loop().run_in_executor(self._step_thread, self._runner.encode, items)
+        )
 
     async def _run(self) -> None:
         assert self._wakeup is not None

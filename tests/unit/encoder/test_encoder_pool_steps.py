@@ -10,30 +10,21 @@ from pathlib import Path
 
 from cluster.bench.encoder import make_inputs
 from encoder_service.serve.deployment import EncoderPoolServer
-from encoder_service.types import EncodeBatch
+from encoder_service.types import EncodeBatch, EncoderInput
 
 
 def test_apart_items_take_a_step_each_and_plain_ones_share(tiny_vl_dir: Path) -> None:
     server = EncoderPoolServer(str(tiny_vl_dir), device="cpu")
-    steps: list[tuple[list[str], str]] = []
-    encode = server._encode
-
-    async def recording(items):  # type: ignore[no-untyped-def]
-        out = await encode(items)
-        steps.append(([it.mm_hash for it in items], recorded_thread[0]))
-        return out
-
-    recorded_thread = [""]
     runner = server._runner
     assert runner is not None
-    real = runner.encode
+    encode = runner.encode
+    steps: list[tuple[list[str], str]] = []  # each tower call: its items, the thread it ran on
 
-    def on_thread(items):  # type: ignore[no-untyped-def]
-        recorded_thread[0] = threading.current_thread().name
-        return real(items)
+    def recorded(items: list[EncoderInput]):  # type: ignore[no-untyped-def]
+        steps.append(([it.mm_hash for it in items], threading.current_thread().name))
+        return encode(items)
 
-    runner.encode = on_thread  # type: ignore[method-assign]
-    server._encode = recording  # type: ignore[method-assign]
+    runner.encode = recorded  # type: ignore[method-assign]
     streamed, plain = make_inputs(tiny_vl_dir, 3, 56), make_inputs(tiny_vl_dir, 2, 56)
     for i, it in enumerate(streamed):
         it.mm_hash = f"s{i}"
