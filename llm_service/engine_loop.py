@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -21,6 +20,7 @@ from llm_service.multimodal import MultiModalInput
 from llm_service.outputs import EngineStats, RequestOutput
 from llm_service.sampling_params import SamplingParams
 from llm_service.scheduler import WaitingBound
+from mmcore.step_clock import StepClock
 
 logger = logging.getLogger("mmserve.llm")
 
@@ -94,6 +94,8 @@ class EngineLoop:
         self._task: asyncio.Task[None] | None = None
         self.last_stats: EngineStats | None = None
         self.last_step_s: float | None = None  # the engine step behind the outputs last handed out
+        self.last_step_cpu_s: float | None = None  # of it, the CPU time of the thread that ran it
+        self.step_clock = StepClock()  # every step's wall and CPU time (mmcore/step_clock.py)
 
     def check_capacity(self, num_prompt_tokens: int) -> None:
         """Raise ``WaitingQueueFull`` now if a request of this size would overflow the waiting bound."""
@@ -208,11 +210,10 @@ class EngineLoop:
             except Exception as e:  # RequestRejected and friends go back to that caller only
                 errors.append((rid, e))
         if self.engine.has_unfinished_requests():
-            start = time.perf_counter()
-            outputs = self.engine.step()
-            self.last_step_s = time.perf_counter() - start
+            outputs = self.step_clock.run(self.engine.step)
+            self.last_step_s, self.last_step_cpu_s = self.step_clock.last_wall_s, self.step_clock.last_cpu_s
         else:
-            outputs, self.last_step_s = [], None
+            outputs, self.last_step_s, self.last_step_cpu_s = [], None, None
         take_parked = getattr(self.engine, "take_parked", None)
         parked = take_parked() if take_parked is not None else []
         self.last_stats = self.engine.stats()

@@ -34,6 +34,7 @@ from encoder_service.preprocess import tracing
 from encoder_service.preprocess.gathering import gather
 from encoder_service.serve.metrics import EncoderMetrics
 from encoder_service.types import EmbeddingMeta, EncodeBatch, EncodedItem, EncoderInput
+from mmcore.step_clock import StepClock
 
 if TYPE_CHECKING:
     import numpy as np
@@ -101,6 +102,7 @@ class EncoderPoolServer:
         # queue behind every item waiting to be preprocessed (a burst of 32 four-image requests puts
         # 128 there). On the tiny model's 4-image c=32 load no difference showed outside the noise.
         self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encoder-step")
+        self._step_clock = StepClock()  # its steps' wall and CPU time: the share of a core they got
         if tp_size == 1:
             from encoder_service.encode.runner import EncoderRunner
 
@@ -185,9 +187,12 @@ class EncoderPoolServer:
         if self._group is not None:
             return list(await self._group.encode_async(items))
         assert self._runner is not None  # one or the other (__init__)
-        return list(
-            await asyncio.get_running_loop().run_in_executor(self._step_thread, self._runner.encode, items)
+        loop = asyncio.get_running_loop()
+        outputs = await loop.run_in_executor(
+            self._step_thread, self._step_clock.run, self._runner.encode, items
         )
+        self._metrics.step_cpu.inc(self._step_clock.last_cpu_s)
+        return list(outputs)
 
     async def _run(self) -> None:
         assert self._wakeup is not None
@@ -326,6 +331,7 @@ class EncoderPoolServer:
             "queued_embeddings": self._queued_embeds,
             "queued_items": len(self._queue),
             "inline_values_sent": self._recent.taken,
+            **self._step_clock.stats(),
         }
 
     def recent_value(self, ref: object, part: int | None = None) -> object | None:

@@ -21,6 +21,7 @@ STAGE_TAGS = ("model", "pool", "stage")
 # 0.5 ms (a near-cache lookup) to 30 s (a slow fetch or a long video's encode)
 STAGE_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
 STAGE_METRICS_ENV = "MMSERVE_STAGE_METRICS"
+STEP_CPU_METRIC = "mmserve_step_cpu_seconds"
 
 
 def stage_metrics_on() -> bool:
@@ -79,3 +80,14 @@ class EncoderMetrics:
         # per item, from its push on the FIFO to the start of the step that encodes it
         self.encoder_queue = stage(model, "encoder", "encoder_queue")
         self.encode = stage(model, "encoder", "encode")  # per step (a span per item of the step)
+        self.step_cpu = step_cpu_counter(model, "encoder")
+
+
+def step_cpu_counter(model: str, pool: str) -> Counter:
+    """``mmserve_step_cpu_seconds{model, pool}``: CPU time a pool's step thread spent in its steps
+    (mmcore/step_clock.py); against the steps' wall time (the ``encode`` / ``engine_step`` stage's
+    sum), the share of it the thread ran."""
+    from ray.util.metrics import Counter
+
+    c = Counter(STEP_CPU_METRIC, "CPU time of a pool's step thread in its steps", ("model", "pool"))
+    return c.set_default_tags({"model": model, "pool": pool})

@@ -65,6 +65,12 @@ class LLMMetrics:
         self.prefix_query.set_default_tags(dict(tags))
         self.tokens = metrics.Counter("mmserve_generated_tokens", "generated tokens", ("model",))
         self.tokens.set_default_tags(dict(tags))
+        # CPU time of the engine's step thread in its steps: against ``engine_step``'s sum, the share
+        # of a core the steps got (mmcore/step_clock.py; the encoder pool's is pool="encoder")
+        self.step_cpu = metrics.Counter(
+            "mmserve_step_cpu_seconds", "CPU time of a pool's step thread in its steps", ("model", "pool")
+        )
+        self.step_cpu.set_default_tags({"model": model, "pool": "llm"})
         self.stages = stage_metrics_on()
         if self.stages:
             self.llm_queue = _stage(model, "llm_queue")
@@ -72,9 +78,11 @@ class LLMMetrics:
             self.decode = _stage(model, "decode")
             self.engine_step = _stage(model, "engine_step")
 
-    def observe_step(self, outputs: list[RequestOutput], step_s: float | None = None) -> None:
+    def observe_step(
+        self, outputs: list[RequestOutput], step_s: float | None = None, step_cpu_s: float | None = None
+    ) -> None:
         """Tokens the engine generated, whether or not a caller still listens (an un-aborted request
-        shows up here); the step's time and each finished request's stages."""
+        shows up here); the step's time (wall, and CPU of its thread) and each finished request's stages."""
         n = 0
         for out in outputs:
             n += len(out.new_token_ids)
@@ -86,6 +94,8 @@ class LLMMetrics:
             self.tokens.inc(n)
         if step_s is not None and self.stages:
             self.engine_step.observe(step_s)
+        if step_cpu_s:
+            self.step_cpu.inc(step_cpu_s)
 
     def export(self, stats: EngineStats) -> None:
         self.kv_blocks_in_use.set(stats.num_total_blocks - stats.num_free_blocks)

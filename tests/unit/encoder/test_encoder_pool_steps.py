@@ -1,6 +1,6 @@
 """EncoderPoolServer's steps (no Ray: no cache): a request handed on item by item (``submit_apart``,
 what ``prepare_stream`` uses) gets one step per item, a plain one shares its step; the tower runs
-on the replica's own step thread, not on the loop's default executor."""
+on the replica's own step thread, not on the loop's default executor, and its clock counts them."""
 
 from __future__ import annotations
 
@@ -39,3 +39,6 @@ def test_apart_items_take_a_step_each_and_plain_ones_share(tiny_vl_dir: Path) ->
     asyncio.run(main())
     assert [hashes for hashes, _ in steps] == [["s0"], ["s1"], ["s2", "p0", "p1"]]
     assert all(name.startswith("encoder-step") for _, name in steps)
+    stats = server.stats()  # the step thread's clock counted the three steps
+    assert stats["steps"] == 3
+    assert 0 < stats["step_cpu_s"] <= stats["step_wall_s"] * 1.05  # type: ignore[operator]
