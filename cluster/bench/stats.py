@@ -9,7 +9,7 @@ default ``method="linear"``).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -116,6 +116,39 @@ def counter_deltas(before: dict[str, int] | None, after: dict[str, int] | None) 
     if before is None or after is None:
         return None
     return {k: after[k] - before[k] for k in after if k in before}
+
+
+def step_cpu_shares(before: Mapping[str, object], after: Mapping[str, object]) -> dict[str, float]:
+    """Per pool ("encoder", "llm"), the share of its step threads' wall time they ran between two
+    ``GET /stats?pools=true`` answers (mmcore/step_clock.py): CPU over wall, summed over every
+    model's replicas that are in both answers (the encoder replica is the one Serve picked for
+    each, so a pool of several may give none). A pool without steps in between is left out."""
+    sums: dict[str, list[float]] = {}
+
+    def add(pool: str, b: object, a: object) -> None:
+        if not (isinstance(b, Mapping) and isinstance(a, Mapping)) or "step_wall_s" not in a:
+            return
+        if "step_wall_s" not in b or b.get("replica_id") != a.get("replica_id"):
+            return
+        wall, cpu = a["step_wall_s"] - b["step_wall_s"], a["step_cpu_s"] - b["step_cpu_s"]
+        if wall > 0:
+            acc = sums.setdefault(pool, [0.0, 0.0])
+            acc[0] += cpu
+            acc[1] += wall
+
+    for model, now in after.items():
+        then = before.get(model)
+        if not (isinstance(now, Mapping) and isinstance(then, Mapping)):
+            continue
+        pools_now, pools_then = now.get("pools"), then.get("pools")
+        if not (isinstance(pools_now, Mapping) and isinstance(pools_then, Mapping)):
+            continue
+        add("encoder", pools_then.get("preparing_replica"), pools_now.get("preparing_replica"))
+        llm_now, llm_then = pools_now.get("llm_replicas"), pools_then.get("llm_replicas")
+        if isinstance(llm_now, Mapping) and isinstance(llm_then, Mapping):
+            for rid, stats in llm_now.items():
+                add("llm", llm_then.get(rid), stats)
+    return {pool: round(cpu / wall, 3) for pool, (cpu, wall) in sums.items()}
 
 
 def ratio(value: float | None, reference: float | None) -> float | None:

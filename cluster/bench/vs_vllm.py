@@ -36,6 +36,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
@@ -43,6 +44,7 @@ from cluster.bench import plots as bench_plots
 from cluster.bench.cpu_profile import IdleProfile, ScenarioProfile, process_costs
 from cluster.bench.procs import CLOCK_TICKS_PER_S, anyone_connected_to
 from cluster.bench.servers import BenchServer, ClusterServer, RayNode, ServerProcess
+from cluster.bench.stats import step_cpu_shares
 from cluster.bench.vs_report import (
     WARMUP,
     Load,
@@ -191,14 +193,18 @@ def run_load(
         while client.poll() is None and not anyone_connected_to(server.port):
             time.sleep(0.02)
         before = server.snapshot()
+        pools_before = pool_stats(server.base_url)
         t0 = time.monotonic()
         rc = client.wait()
         window_s = time.monotonic() - t0
     after = server.snapshot()
+    shares = step_cpu_shares(pools_before, pool_stats(server.base_url))
     if rc != 0 or not result.exists():
         raise RuntimeError(f"vllm bench serve failed ({rc}) for {server.name} / {load.name}; see {log_path}")
     metrics = json.loads(result.read_text())
     metrics["window_s"] = window_s
+    if shares:
+        metrics["step_cpu_share"] = shares
     profile = ScenarioProfile(
         name=load.name,
         requests=int(metrics["completed"]),
@@ -210,8 +216,20 @@ def run_load(
         f"{server.name} / {load.name}: {metrics['completed']} ok, {metrics.get('failed', 0)} failed, "
         f"{metrics['request_throughput']:.1f} req/s, mean TTFT {metrics['mean_ttft_ms']:.0f} ms; "
         f"run {float(metrics.get('duration') or 0):.1f} s of a {window_s:.1f} s CPU window"
+        + "".join(f"; {pool} steps ran {share:.0%} of their wall time" for pool, share in shares.items())
     )
     return LoadResult(server.name, load, metrics, profile)
+
+
+def pool_stats(base_url: str) -> dict[str, object]:
+    """The server's ``GET /stats?pools=true`` (mmserve's, on loopback), or {} where there is none
+    (vLLM) or it does not answer in 10 s."""
+    try:
+        with urllib.request.urlopen(f"{base_url}/stats?pools=true", timeout=10) as r:
+            got = json.loads(r.read())
+    except (OSError, ValueError):
+        return {}
+    return got if isinstance(got, dict) else {}
 
 
 def run_server(

@@ -161,3 +161,35 @@ def test_scenarios_reuse_the_cold_images_and_send_uuids_alone_later() -> None:
     assert {p["uuid"] for p in cold_parts}.isdisjoint(
         r.content[0].get("uuid") for r in by_name["mix"].requests
     )
+
+
+def _pools(enc: tuple[str, float, float], llms: dict[str, tuple[float, float]]) -> dict[str, object]:
+    """A ``GET /stats?pools=true`` answer of one model, in the shape the ingress gives it."""
+    rid, wall, cpu = enc
+    encoder = {"queued_items": 0, "steps": 3, "step_wall_s": wall, "step_cpu_s": cpu, "replica_id": rid}
+    return {
+        "tiny": {
+            "encoder_cache": {"hits": 0},
+            "pools": {
+                "preparing_replica": encoder,
+                "llm_replicas": {
+                    r: {"num_running": 0, "step_wall_s": w, "step_cpu_s": c, "replica_id": r}
+                    for r, (w, c) in llms.items()
+                },
+            },
+        }
+    }
+
+
+def test_step_cpu_shares_between_two_stats_answers() -> None:
+    from cluster.bench.stats import step_cpu_shares
+
+    before = _pools(("e1", 10.0, 4.0), {"a": (5.0, 3.0), "b": (1.0, 1.0)})
+    after = _pools(("e1", 20.0, 7.0), {"a": (9.0, 5.0), "b": (7.0, 4.0), "new": (2.0, 2.0)})
+    # encoder: 3 of 10 s; LLM: (2 + 3) of (4 + 6) s, the replica only in ``after`` left out
+    assert step_cpu_shares(before, after) == {"encoder": 0.3, "llm": 0.5}
+    # Serve picked another encoder replica for the second answer: no encoder share, not a wrong one
+    other = _pools(("e2", 30.0, 9.0), {"a": (9.0, 5.0)})
+    assert step_cpu_shares(before, other) == {"llm": 0.5}
+    # vLLM, or a server without the pools' counters: nothing
+    assert step_cpu_shares({}, {"detail": "Not Found"}) == {}
