@@ -42,5 +42,6 @@ EXPORTED = (
     "ray_mmserve_prefix_cache_query_tokens_total",
     "ray_mmserve_generated_tokens_total",
     "ray_mmserve_step_cpu_seconds_total",
+    "ray_mmserve_step_wall_seconds_total",
     "ray_serve_deployment_replica_healthy",
 )

@@ -128,7 +128,11 @@ def step_cpu_shares(before: Mapping[str, object], after: Mapping[str, object]) -
     def add(pool: str, b: object, a: object) -> None:
         if not (isinstance(b, Mapping) and isinstance(a, Mapping)) or "step_wall_s" not in a:
             return
-        if "step_wall_s" not in b or b.get("replica_id") != a.get("replica_id"):
+        if (
+            "step_wall_s" not in b
+            or a.get("replica_id") is None
+            or b.get("replica_id") != a.get("replica_id")
+        ):
             return
         wall, cpu = a["step_wall_s"] - b["step_wall_s"], a["step_cpu_s"] - b["step_cpu_s"]
         if wall > 0:

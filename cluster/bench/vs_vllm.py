@@ -30,6 +30,7 @@ of it (GCS, raylets, dashboard, monitors, agents, Serve's controller, proxy and 
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import math
 import os
@@ -192,8 +193,8 @@ def run_load(
         client = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **QUIET_ENV})
         while client.poll() is None and not anyone_connected_to(server.port):
             time.sleep(0.02)
+        pools_before = pool_stats(server.base_url)  # before the CPU window: its own cost stays out
         before = server.snapshot()
-        pools_before = pool_stats(server.base_url)
         t0 = time.monotonic()
         rc = client.wait()
         window_s = time.monotonic() - t0
@@ -227,7 +228,7 @@ def pool_stats(base_url: str) -> dict[str, object]:
     try:
         with urllib.request.urlopen(f"{base_url}/stats?pools=true", timeout=10) as r:
             got = json.loads(r.read())
-    except (OSError, ValueError):
+    except (OSError, ValueError, http.client.HTTPException):
         return {}
     return got if isinstance(got, dict) else {}
 

@@ -191,7 +191,7 @@ class EncoderPoolServer:
         outputs = await loop.run_in_executor(
             self._step_thread, self._step_clock.run, self._runner.encode, items
         )
-        self._metrics.step_cpu.inc(self._step_clock.last_cpu_s)
+        self._metrics.steps.observe(self._step_clock.last_wall_s, self._step_clock.last_cpu_s)
         return list(outputs)
 
     async def _run(self) -> None:

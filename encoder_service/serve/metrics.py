@@ -22,6 +22,7 @@ STAGE_TAGS = ("model", "pool", "stage")
 STAGE_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
 STAGE_METRICS_ENV = "MMSERVE_STAGE_METRICS"
 STEP_CPU_METRIC = "mmserve_step_cpu_seconds"
+STEP_WALL_METRIC = "mmserve_step_wall_seconds"
 
 
 def stage_metrics_on() -> bool:
@@ -80,14 +81,26 @@ class EncoderMetrics:
         # per item, from its push on the FIFO to the start of the step that encodes it
         self.encoder_queue = stage(model, "encoder", "encoder_queue")
         self.encode = stage(model, "encoder", "encode")  # per step (a span per item of the step)
-        self.step_cpu = step_cpu_counter(model, "encoder")
+        self.steps = StepCounters(model, "encoder")
 
 
-def step_cpu_counter(model: str, pool: str) -> Counter:
-    """``mmserve_step_cpu_seconds{model, pool}``: CPU time a pool's step thread spent in its steps
-    (mmcore/step_clock.py); against the steps' wall time (the ``encode`` / ``engine_step`` stage's
-    sum), the share of it the thread ran."""
-    from ray.util.metrics import Counter
+class StepCounters:
+    """``mmserve_step_cpu_seconds`` and ``mmserve_step_wall_seconds{model, pool}``: a pool's step
+    thread's time in its steps, in its own CPU time and in wall time (mmcore/step_clock.py); their
+    rates' ratio is the share of a core the steps got."""
 
-    c = Counter(STEP_CPU_METRIC, "CPU time of a pool's step thread in its steps", ("model", "pool"))
-    return c.set_default_tags({"model": model, "pool": pool})
+    def __init__(self, model: str, pool: str) -> None:
+        from ray.util.metrics import Counter
+
+        tags = {"model": model, "pool": pool}
+        self.cpu = Counter(
+            STEP_CPU_METRIC, "CPU time of a pool's step thread in its steps", ("model", "pool")
+        )
+        self.cpu.set_default_tags(tags)
+        self.wall = Counter(STEP_WALL_METRIC, "wall time of a pool's steps", ("model", "pool"))
+        self.wall.set_default_tags(tags)
+
+    def observe(self, wall_s: float, cpu_s: float) -> None:
+        self.wall.inc(wall_s)
+        if cpu_s > 0:
+            self.cpu.inc(cpu_s)

@@ -65,12 +65,20 @@ class LLMMetrics:
         self.prefix_query.set_default_tags(dict(tags))
         self.tokens = metrics.Counter("mmserve_generated_tokens", "generated tokens", ("model",))
         self.tokens.set_default_tags(dict(tags))
-        # CPU time of the engine's step thread in its steps: against ``engine_step``'s sum, the share
-        # of a core the steps got (mmcore/step_clock.py; the encoder pool's is pool="encoder")
-        self.step_cpu = metrics.Counter(
+        # the engine step thread's time in its steps, CPU and wall (mmcore/step_clock.py): the share
+        # of a core the steps got. The same families as the encoder pool's (pool="encoder"), so the
+        # same label keys: ray.util.metrics, not ray.serve.metrics (which adds the replica's tags).
+        from ray.util.metrics import Counter
+
+        step_tags = {"model": model, "pool": "llm"}
+        self.step_cpu = Counter(
             "mmserve_step_cpu_seconds", "CPU time of a pool's step thread in its steps", ("model", "pool")
         )
-        self.step_cpu.set_default_tags({"model": model, "pool": "llm"})
+        self.step_cpu.set_default_tags(step_tags)
+        self.step_wall = Counter(
+            "mmserve_step_wall_seconds", "wall time of a pool's steps", ("model", "pool")
+        )
+        self.step_wall.set_default_tags(step_tags)
         self.stages = stage_metrics_on()
         if self.stages:
             self.llm_queue = _stage(model, "llm_queue")
@@ -94,6 +102,8 @@ class LLMMetrics:
             self.tokens.inc(n)
         if step_s is not None and self.stages:
             self.engine_step.observe(step_s)
+        if step_s is not None:
+            self.step_wall.inc(step_s)
         if step_cpu_s:
             self.step_cpu.inc(step_cpu_s)
 
