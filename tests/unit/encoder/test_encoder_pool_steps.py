@@ -8,9 +8,22 @@ import asyncio
 import threading
 from pathlib import Path
 
+import pytest
+
 from cluster.bench.encoder import make_inputs
 from encoder_service.serve.deployment import EncoderPoolServer
 from encoder_service.types import EncodeBatch, EncoderInput
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_ray_left_behind():  # type: ignore[no-untyped-def]
+    """A step puts its outputs with ``ray.put``, which starts a local Ray here: stop it after this
+    module, or the next module's own cluster could not start in this process."""
+    yield
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
 
 
 def test_apart_items_take_a_step_each_and_plain_ones_share(tiny_vl_dir: Path) -> None:
