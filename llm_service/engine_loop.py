@@ -94,7 +94,6 @@ class EngineLoop:
         self._task: asyncio.Task[None] | None = None
         self.last_stats: EngineStats | None = None
         self.last_step_s: float | None = None  # the engine step behind the outputs last handed out
-        self.last_step_cpu_s: float | None = None  # of it, the CPU time of the thread that ran it
         self.step_clock = StepClock()  # every step's wall and CPU time (mmcore/step_clock.py)
 
     def check_capacity(self, num_prompt_tokens: int) -> None:
@@ -211,9 +210,9 @@ class EngineLoop:
                 errors.append((rid, e))
         if self.engine.has_unfinished_requests():
             outputs = self.step_clock.run(self.engine.step)
-            self.last_step_s, self.last_step_cpu_s = self.step_clock.last_wall_s, self.step_clock.last_cpu_s
+            self.last_step_s = self.step_clock.last_wall_s
         else:
-            outputs, self.last_step_s, self.last_step_cpu_s = [], None, None
+            outputs, self.last_step_s = [], None
         take_parked = getattr(self.engine, "take_parked", None)
         parked = take_parked() if take_parked is not None else []
         self.last_stats = self.engine.stats()

@@ -81,7 +81,7 @@ class LLMServer:
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         self.channels.deliver(outputs)
-        self._metrics.observe_step(outputs, self.loop.last_step_s, self.loop.last_step_cpu_s)
+        self._metrics.observe_step(outputs, self.loop.last_step_s, self.loop.step_clock.last_cpu_s)
         if self._traces:  # sampled requests in flight: their spans, once done
             for out in outputs:
                 if out.timing is not None:

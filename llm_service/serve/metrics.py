@@ -102,10 +102,10 @@ class LLMMetrics:
             self.tokens.inc(n)
         if step_s is not None and self.stages:
             self.engine_step.observe(step_s)
-        if step_s is not None:
+        if step_s is not None:  # a step ran: its clock's last CPU time is this step's
             self.step_wall.inc(step_s)
-        if step_cpu_s:
-            self.step_cpu.inc(step_cpu_s)
+            if step_cpu_s:
+                self.step_cpu.inc(step_cpu_s)
 
     def export(self, stats: EngineStats) -> None:
         self.kv_blocks_in_use.set(stats.num_total_blocks - stats.num_free_blocks)
