@@ -47,7 +47,7 @@ from cluster.bench.multiturn_stats import (
     turn_rows,
 )
 from cluster.bench.servers import ServerProcess
-from cluster.bench.vs_vllm import QUIET_ENV, TCMALLOC
+from cluster.bench.vllm_client import QUIET_ENV, TCMALLOC
 from cluster.tiny_model import ModelSize, make_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]

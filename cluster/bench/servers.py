@@ -8,6 +8,7 @@ deployment, ``ray start`` (one node or more) and ``serve deploy`` of a shipped c
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -263,13 +264,28 @@ def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def _direct() -> urllib.request.OpenerDirector:
+    """An opener that goes through no proxy, whatever the environment says (loopback servers)."""
+    return urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def http_status(url: str, timeout_s: float = 5.0) -> int | None:
     """The HTTP status of ``GET url`` through no proxy, or None when nothing answers."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
-        with opener.open(url, timeout=timeout_s) as resp:
+        with _direct().open(url, timeout=timeout_s) as resp:
             return int(resp.status)
     except urllib.error.HTTPError as e:
         return int(e.code)
     except (urllib.error.URLError, OSError):
         return None
+
+
+def pool_stats(base_url: str) -> dict[str, object]:
+    """The server's ``GET /stats?pools=true`` (mmserve's, on loopback), or {} where there is none
+    (vLLM) or it does not answer in 10 s."""
+    try:
+        with _direct().open(f"{base_url}/stats?pools=true", timeout=10) as r:
+            got = json.loads(r.read())
+    except (OSError, ValueError, http.client.HTTPException):
+        return {}
+    return got if isinstance(got, dict) else {}

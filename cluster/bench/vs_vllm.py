@@ -30,22 +30,21 @@ of it (GCS, raylets, dashboard, monitors, agents, Serve's controller, proxy and 
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import math
 import os
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
 from cluster.bench import plots as bench_plots
 from cluster.bench.cpu_profile import IdleProfile, ScenarioProfile, process_costs
 from cluster.bench.procs import CLOCK_TICKS_PER_S, anyone_connected_to
-from cluster.bench.servers import BenchServer, ClusterServer, RayNode, ServerProcess
+from cluster.bench.servers import BenchServer, ClusterServer, RayNode, ServerProcess, pool_stats
 from cluster.bench.stats import step_cpu_shares
+from cluster.bench.vllm_client import QUIET_ENV, TCMALLOC, bench_argv
 from cluster.bench.vs_report import (
     WARMUP,
     Load,
@@ -57,49 +56,7 @@ from cluster.bench.vs_report import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-BUCKETS = "{(64, 64, 1): 0.25, (112, 112, 1): 0.25, (168, 168, 1): 0.25, (224, 224, 1): 0.25}"
-QUIET_ENV = {
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-}
 ENCODER_NODE, LLM_NODE = {"encoder_node": 0.001}, {"llm_node": 0.001}  # as serve-gpu.yaml asks
-TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
-
-
-def bench_argv(args: argparse.Namespace, load: Load, base_url: str, seed: int, result: Path) -> list[str]:
-    """``vllm bench serve`` as ``run_bench_against.sh`` of the peer folder runs it, for one load."""
-    argv = [str(args.vllm_venv / "bin/python"), str(args.peer_dir / "vllm_cli.py"), "bench", "serve"]
-    argv += ["--backend", "openai-chat", "--base-url", base_url, "--endpoint", "/v1/chat/completions"]
-    argv += ["--model", args.served_name, "--tokenizer", str(args.model_dir), "--dataset-name", load.dataset]
-    argv += ["--num-prompts", str(load.num_prompts), "--max-concurrency", str(load.concurrency)]
-    argv += ["--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len)]
-    argv += ["--random-range-ratio", "0.0"]
-    if load.dataset == "random-mm":
-        argv += ["--random-mm-base-items-per-request", str(load.items)]
-        argv += ["--random-mm-num-mm-items-range-ratio", "0"]
-        argv += [
-            "--random-mm-limit-mm-per-prompt",
-            json.dumps({"image": load.items, "video": 0}),
-            "--random-mm-bucket-config",
-            BUCKETS,
-        ]
-    argv += [
-        "--request-rate",
-        str(load.request_rate),
-        "--seed",
-        str(seed),
-        "--temperature",
-        "0",
-        "--num-warmups",
-        "1",
-        "--ignore-eos",
-    ]
-    argv += ["--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99"]
-    argv += ["--ready-check-timeout-sec", "60", "--disable-tqdm", "--save-result"]
-    argv += ["--result-dir", str(result.parent), "--result-filename", result.name]
-    return argv
 
 
 def make_servers(args: argparse.Namespace) -> dict[str, BenchServer]:
@@ -220,17 +177,6 @@ def run_load(
         + "".join(f"; {pool} steps ran {share:.0%} of their wall time" for pool, share in shares.items())
     )
     return LoadResult(server.name, load, metrics, profile)
-
-
-def pool_stats(base_url: str) -> dict[str, object]:
-    """The server's ``GET /stats?pools=true`` (mmserve's, on loopback), or {} where there is none
-    (vLLM) or it does not answer in 10 s."""
-    try:
-        with urllib.request.urlopen(f"{base_url}/stats?pools=true", timeout=10) as r:
-            got = json.loads(r.read())
-    except (OSError, ValueError, http.client.HTTPException):
-        return {}
-    return got if isinstance(got, dict) else {}
 
 
 def run_server(

@@ -250,8 +250,8 @@ def test_vs_vllm_bench_argv_matches_the_peer_script_flags() -> None:
     import json
     from pathlib import Path
 
+    from cluster.bench.vllm_client import bench_argv
     from cluster.bench.vs_report import LOADS
-    from cluster.bench.vs_vllm import bench_argv
 
     args = argparse.Namespace(
         vllm_venv=Path("/v"),
