@@ -218,14 +218,20 @@ class EncoderPoolServer:
 
         items = [q.item for q in step]
         start = time.perf_counter()
+        # Each item's wait ends and the step's span begins at ``start`` (``ago``), not whenever their
+        # observation runs: the observations in between cannot put a request's spans out of order.
         for q in step:
-            self._metrics.encoder_queue.observe(start - q.queued_at, mm_hash=q.item.mm_hash, parent=q.trace)
+            waited, ago = start - q.queued_at, time.perf_counter() - start
+            self._metrics.encoder_queue.observe(waited, ago=ago, mm_hash=q.item.mm_hash, parent=q.trace)
         outputs = await self._encode(items)
-        took = time.perf_counter() - start
+        end = time.perf_counter()
+        took = end - start
         self._metrics.encode.observe(took)  # the loop's own context: no span
         for q in step:  # the step's span in each traced request's trace
             if q.trace is not None:
-                tracing.stage_span("encode", took, mm_hash=q.item.mm_hash, parent=q.trace)
+                tracing.stage_span(
+                    "encode", took, ago=time.perf_counter() - end, mm_hash=q.item.mm_hash, parent=q.trace
+                )
         tensors = [out.detach().contiguous().cpu() for out in outputs]
         stored = [stored_form(t) for t in tensors]
         # One object per step, every item a part of it (a put costs its caller and the raylet about
