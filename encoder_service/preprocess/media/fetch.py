@@ -20,12 +20,12 @@ from encoder_service.preprocess.errors import (
     URLNotAllowed,
 )
 from encoder_service.preprocess.media.content_encoding import ACCEPT_ENCODING, CappedDecoder
+from encoder_service.preprocess.media.dns_pool import resolve_checked_async
 from encoder_service.preprocess.media.limits import MediaLimits
 from encoder_service.preprocess.media.pinned_client import PinnedClient
 from encoder_service.preprocess.media.url_safety import (
     CheckedHost,
     Resolver,
-    resolve_checked,
     resolve_host,
     resolve_local_path,
 )
@@ -171,15 +171,8 @@ async def _follow(
     client: PinnedClient, url: str, limits: MediaLimits, item: int | None, label: str, resolver: Resolver
 ) -> FetchedMedia:
     for _hop in range(limits.max_redirects + 1):
-        checked = await asyncio.to_thread(  # getaddrinfo blocks: keep it off the event loop
-            resolve_checked,
-            url,
-            allowed_domains=limits.allowed_domains,
-            allow_private_addresses=limits.allow_private_addresses,
-            resolver=resolver,
-            item=item,
-            label=label,
-        )
+        # getaddrinfo blocks: on the lookup pool, off the event loop and off the decoding threads
+        checked = await resolve_checked_async(url, limits, resolver=resolver, item=item, label=label)
         _pin(client, url, checked, item, label)
         async with client.stream("GET", url, headers={"Accept-Encoding": ACCEPT_ENCODING}) as resp:
             if resp.status_code in _REDIRECTS:

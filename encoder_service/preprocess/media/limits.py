@@ -30,6 +30,9 @@ class MediaLimits:
     # is max_audio_seconds x this, counted while decoding (a 655 kHz x 8-channel FLAC is refused)
     max_audio_samples_per_second: int = 48_000 * 8
     fetch_timeout_s: float = 10.0
+    # one host-name lookup (one redirect hop), waiting for a thread of the lookup pool included
+    # (dns_pool.py); service-side only, like max_redirects
+    dns_timeout_s: float = 5.0
     allowed_domains: tuple[str, ...] | None = None
     allow_private_addresses: bool = False
     allowed_local_media_path: str | None = None
