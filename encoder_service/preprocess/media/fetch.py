@@ -7,7 +7,7 @@ import binascii
 import os
 import stat
 from dataclasses import dataclass
-from urllib.parse import unquote_to_bytes, urljoin
+from urllib.parse import unquote_to_bytes, urljoin, urlsplit
 
 import httpx
 import pybase64
@@ -176,10 +176,7 @@ async def _follow(
         _pin(client, url, checked, item, label)
         async with client.stream("GET", url, headers={"Accept-Encoding": ACCEPT_ENCODING}) as resp:
             if resp.status_code in _REDIRECTS:
-                location = resp.headers.get("location")
-                if not location:
-                    raise MediaFetchError(f"{label}: redirect without Location from {url}", item=item)
-                url = urljoin(url, location)
+                url = next_hop(url, resp.headers.get("location"), item=item, label=label)
                 continue
             if resp.status_code >= 400:
                 raise MediaFetchError(f"{label}: {url} answered HTTP {resp.status_code}", item=item)
@@ -192,6 +189,21 @@ async def _follow(
             ctype = resp.headers.get("content-type")
             return FetchedMedia(b"".join(chunks), "http", ctype.split(";")[0].strip() if ctype else None)
     raise MediaFetchError(f"{label}: more than max_redirects={limits.max_redirects} redirects", item=item)
+
+
+def next_hop(url: str, location: str | None, *, item: int | None = None, label: str = "media") -> str:
+    """Where a redirect from ``url`` leads; refused without a Location, or from https to http (a
+    hop that would drop TLS: the bytes, and what mm_hash covers, could be read or changed on the way).
+    """
+    if not location:
+        raise MediaFetchError(f"{label}: redirect without Location from {url}", item=item)
+    target = urljoin(url, location)
+    if urlsplit(url).scheme.lower() == "https" and urlsplit(target).scheme.lower() == "http":
+        raise MediaFetchError(
+            f"{label}: {url} redirects from https to http ({target}); a redirect may not drop TLS",
+            item=item,
+        )
+    return target
 
 
 def inline_media_bytes(ref: MediaRef, limits: MediaLimits, *, item: int | None = None) -> FetchedMedia | None:

@@ -16,9 +16,9 @@ import httpcore
 import httpx
 import pytest
 
-from encoder_service.preprocess.errors import URLNotAllowed
+from encoder_service.preprocess.errors import MediaFetchError, URLNotAllowed
 from encoder_service.preprocess.media import MediaLimits
-from encoder_service.preprocess.media.fetch import fetch_http
+from encoder_service.preprocess.media.fetch import fetch_http, next_hop
 from encoder_service.preprocess.media.pinned_client import PinnedBackend, PinnedClient
 
 PUBLIC, PUBLIC2 = "93.184.216.34", "93.184.216.35"
@@ -109,6 +109,44 @@ def test_redirect_hops_each_checked_and_pinned():
         _fetch("http://media.test/a.png", net, resolver)
     assert e.value.item == 1 and e.value.status_code == 403
     assert net.connected == [(PUBLIC, 80)]
+
+
+def test_a_redirect_from_https_to_http_is_refused_before_connecting_to_it():
+    net = FakeNetwork({PUBLIC: _redirect("http://other.test/b.png"), PUBLIC2: OK})
+    resolver = Rebinding({"media.test": [PUBLIC], "other.test": [PUBLIC2]})
+    with pytest.raises(
+        MediaFetchError, match=r"^media: https://media\.test/a\.png redirects from https to http"
+    ) as e:
+        _fetch("https://media.test/a.png", net, resolver)
+    assert e.value.item == 1 and e.value.status_code == 400
+    assert net.connected == [(PUBLIC, 443)] and resolver.calls == ["media.test"]  # the http hop: never
+    # the other way, http -> https, is followed
+    net = FakeNetwork({PUBLIC: _redirect("https://other.test/b.png"), PUBLIC2: OK})
+    resolver = Rebinding({"media.test": [PUBLIC], "other.test": [PUBLIC2]})
+    assert _fetch("http://media.test/a.png", net, resolver)[0] == b"abc"
+    assert net.connected == [(PUBLIC, 80), (PUBLIC2, 443)]
+
+
+@pytest.mark.parametrize(
+    ("url", "location", "target"),
+    [
+        ("https://a.test/x", "/y", "https://a.test/y"),
+        ("https://a.test/x", "//b.test/y", "https://b.test/y"),
+        ("https://a.test/x", "HTTPS://b.test/y", "https://b.test/y"),
+        ("http://a.test/x", "https://b.test/y", "https://b.test/y"),
+        ("http://a.test/x", "http://b.test/y", "http://b.test/y"),
+        ("https://a.test/x", "http://b.test/y", None),
+        ("https://a.test/x", "HTTP://a.test/y", None),
+        ("HTTPS://a.test/x", "http://a.test/y", None),
+    ],
+)
+def test_next_hop_never_drops_tls(url, location, target):
+    if target is None:
+        with pytest.raises(MediaFetchError, match="redirects from https to http") as e:
+            next_hop(url, location, item=4, label="image 4")
+        assert e.value.item == 4 and str(e.value).startswith("image 4: ")
+    else:
+        assert next_hop(url, location).lower() == target
 
 
 def test_backend_maps_host_to_pinned_addresses_only():
