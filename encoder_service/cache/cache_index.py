@@ -12,6 +12,9 @@ computes; a dead holder's reservation is freeable when the lease runs out.
 Object refs cross the actor boundary wrapped in a one-element list so Ray does not resolve them; the
 shard keeps the ref until the entry is evicted, and remembers evicted refs for ``evict_grace_s`` so
 their owner keeps them alive for the requests that looked them up just before (``holding``).
+A shard that (re)starts comes back empty, as if it had just evicted every entry of its predecessor,
+which it cannot name: for ``start_grace_s`` (default ``evict_grace_s``) after its start ``holding``
+reports every ref asked about as held, so no owner drops a ref a request looked up before the crash.
 Ray (>= 2.56) has no ``ray.put(_owner=...)``: the replica that puts an embedding owns it, so when that
 replica dies its entries' objects are lost. Two ways out of the index for such entries (``invalidate``):
 
@@ -82,11 +85,15 @@ class CacheIndexShard:
         lease_s: float = DEFAULT_LEASE_S,
         evict_grace_s: float = EVICT_GRACE_S,
         max_aliases: int = MAX_ALIASES,
+        start_grace_s: float | None = None,
     ) -> None:
         self.books = EncoderCacheBooks(capacity, lease_s)
         self.refs: dict[str, list[object]] = {}  # mm_hash -> [ObjectRef]
         self.wait_timeout_s = wait_timeout_s
         self.evict_grace_s = evict_grace_s
+        # Ray restarts a crashed shard by running this again: every start may follow a predecessor
+        self.start_grace_s = evict_grace_s if start_grace_s is None else start_grace_s
+        self.started = time.monotonic()
         self._changed = asyncio.Condition()
         self._doomed: dict[str, None] = {}  # ref ids invalidated while their hash was reserved
         self._released: dict[str, None] = {}  # request ids released, oldest first (bounded)
@@ -208,8 +215,12 @@ class CacheIndexShard:
 
     async def holding(self, expected: dict[str, str]) -> list[str]:
         """Of ``{mm_hash: ref id}``, the hashes whose entry holds that ref, awaits its commit, or was
-        evicted with that ref less than ``evict_grace_s`` ago."""
-        self._trim_recent(time.monotonic())
+        evicted with that ref less than ``evict_grace_s`` ago; every one within ``start_grace_s`` of
+        this shard's start (a predecessor's entries, evicted by its crash, are unknown here)."""
+        now = time.monotonic()
+        if now - self.started < self.start_grace_s:
+            return list(expected)
+        self._trim_recent(now)
         out = []
         for mm_hash, rid in expected.items():
             recent = self._recent.get(mm_hash)

@@ -8,7 +8,8 @@ borrower protocol lost track of such nested refs (the reader got ``ReferenceCoun
 ref to everything it put until the index no longer holds it::
 
     put ──▶ held here ──sweep: index still holds this ref (its commit pending, or evicted less
-                      │         than the index's grace period ago: requests may hold it)?──▶ keep
+                      │         than the index's grace period ago: requests may hold it, or its
+                      │         shard restarted less than that ago: it came back empty)?──▶ keep
                       └─────────────────────────────── no (evicted long ago, invalidated) ──▶ drop
 
 A sweep runs every ``sweep_interval_s``; between sweeps the extra object-store use is what was

@@ -59,7 +59,7 @@ def test_commit_many_and_an_evicted_ref_stays_held_for_the_grace_period() -> Non
     a, b, c = "a" * 64, "b" * 64, "c" * 64
 
     async def scenario() -> None:
-        shard = CacheIndexShard(8, evict_grace_s=0.3)
+        shard = CacheIndexShard(8, evict_grace_s=0.3, start_grace_s=0.0)  # no predecessor here
         answers = await shard.lookup_or_reserve("r", [a, b])
         assert {k for k, _ in answers.values()} == {CacheReply.COMPUTE}
         assert await shard.commit_many(
