@@ -8,7 +8,7 @@ Qwen2-VL text models so greedy outputs agree token for token.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -147,13 +147,25 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: TextConfig, backend: PagedAttention) -> None:
+    """Paged self-attention with RoPE on q and k. Qwen2: bias on q, k, v only; Qwen3 (``qk_norm``):
+    an RMSNorm over each head's q and k before RoPE, one bias flag for all four projections."""
+
+    def __init__(
+        self,
+        cfg: TextConfig,
+        backend: PagedAttention,
+        qkv_bias: bool = True,
+        o_bias: bool = False,
+        qk_norm: bool = False,
+    ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=True)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=True)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=True)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.scale = cfg.head_dim**-0.5
         self.backend = backend
 
@@ -161,6 +173,8 @@ class Attention(nn.Module):
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         c, s = cos[:, None, :], sin[:, None, :]
         q = q * c + rotate_half(q) * s
@@ -181,15 +195,31 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: TextConfig, backend: PagedAttention) -> None:
+    """The Qwen decoder block, pre-norm: ``h + mixer(input_layernorm(h))``, then
+    ``h + mlp(post_attention_layernorm(h))``.
+
+    The token mixer is the family's, kept under its HF name ``mixer_name`` (``self_attn``; Qwen3.5's
+    linear layers: ``linear_attn``) and called with the arguments after ``h``; ``norm`` makes the two
+    norms (``RMSNorm``; Qwen3.5: zero-centred).
+    """
+
+    def __init__(
+        self,
+        cfg: TextConfig,
+        mixer: nn.Module,
+        norm: Callable[[int, float], nn.Module] = RMSNorm,
+        mixer_name: str = "self_attn",
+    ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, backend)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mixer_name = mixer_name
+        self.input_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.add_module(mixer_name, mixer)
+        self.post_attention_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h, cos, sin, kv_cache, meta):  # type: ignore[no-untyped-def]
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
+    def forward(self, h: torch.Tensor, *mixer_args: object) -> torch.Tensor:
+        mixer = getattr(self, self.mixer_name)
+        h = h + mixer(self.input_layernorm(h), *mixer_args)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -200,7 +230,7 @@ class Qwen2ForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, Attention(cfg, backend)) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg)

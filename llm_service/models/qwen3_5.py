@@ -18,7 +18,7 @@ the runner allocates KV for and what a block's bytes are. ``layer_types`` has ev
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -29,8 +29,8 @@ from llm_service.attention import AttentionMetadata, PagedAttention
 from llm_service.linear_states import LinearStates, Snapshot, StateShapes, StepStates
 from llm_service.models.gated_delta import causal_conv, chunk_rule, conv_step, l2norm, recurrent_step
 from llm_service.models.hf_config import section, to_float, to_int, to_list
-from llm_service.models.qwen2 import MLP, PositionScheme, Qwen2ForCausalLM, TextConfig, rotate_half
-from llm_service.models.qwen3_vl import InterleavedMRope
+from llm_service.models.qwen2 import DecoderLayer, PositionScheme, Qwen2ForCausalLM, TextConfig, rotate_half
+from llm_service.models.qwen3_mrope import InterleavedMRope, qwen3_text_fields
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -50,13 +50,9 @@ class Qwen35TextConfig(TextConfig):
     def from_hf_config(
         cls, model_dir: str | Path, cfg: Mapping[str, object], scheme: PositionScheme
     ) -> TextConfig:
+        sections = (11, 11, 10)  # transformers' default
+        shared = qwen3_text_fields(model_dir, cfg, scheme, "Qwen3.5", default_mrope_section=sections)
         text = section(cfg, "text_config") or cfg
-        rope = section(text, "rope_parameters")
-        if not rope.get("mrope_interleaved", True):
-            raise ValueError(
-                f"{model_dir}: Qwen3.5 with contiguous (non-interleaved) M-RoPE is not supported"
-            )
-        base = TextConfig.from_hf_config(model_dir, cfg, scheme)
         n = to_int(text["num_hidden_layers"])
         interval = to_int(text.get("full_attention_interval", 4))
         types = tuple(
@@ -67,22 +63,16 @@ class Qwen35TextConfig(TextConfig):
         )
         if len(types) != n or set(types) - {LINEAR, FULL}:
             raise ValueError(f"{model_dir}: layer_types must name {n} linear/full attention layers")
+        rotary = to_float(section(text, "rope_parameters").get("partial_rotary_factor", 0.25))
         return cls(
-            **{f.name: getattr(base, f.name) for f in fields(TextConfig)}
-            | {
-                "num_layers": types.count(FULL),
-                "mrope_section": tuple(
-                    to_int(m) for m in to_list(rope.get("mrope_section") or (11, 11, 10))
-                ),  # transformers' default
-            },
+            **shared | {"num_layers": types.count(FULL)},
             layer_types=types,
-            rotary_dim=int(base.head_dim * to_float(rope.get("partial_rotary_factor", 0.25))),
+            rotary_dim=int(shared["head_dim"] * rotary),
             linear_num_key_heads=to_int(text.get("linear_num_key_heads", 16)),
             linear_num_value_heads=to_int(text.get("linear_num_value_heads", 32)),
             linear_key_head_dim=to_int(text.get("linear_key_head_dim", 128)),
             linear_value_head_dim=to_int(text.get("linear_value_head_dim", 128)),
             linear_conv_kernel_dim=to_int(text.get("linear_conv_kernel_dim", 4)),
-            attention_bias=bool(text.get("attention_bias", False)),
         )
 
     @property
@@ -238,18 +228,17 @@ class GatedDeltaNet(nn.Module):
         return q * self.dk**-0.5, k, v.view(*lead, self.hv, self.dv)
 
 
-class HybridDecoderLayer(nn.Module):
+class HybridDecoderLayer(DecoderLayer):
+    """A Qwen decoder block around a Gated DeltaNet (``linear_attn``: called with the states) or a
+    gated attention (``self_attn``: called with RoPE and a KV cache), with zero-centred norms."""
+
     def __init__(self, cfg: Qwen35TextConfig, kind: str, index: int, backend: PagedAttention) -> None:
-        super().__init__()
+        if kind == LINEAR:
+            super().__init__(cfg, GatedDeltaNet(cfg, index), ZeroCenteredRMSNorm, "linear_attn")
+        else:
+            super().__init__(cfg, GatedAttention(cfg, backend), ZeroCenteredRMSNorm)
         self.kind = kind
         self.index = index  # among the layers of its kind: its KV cache or its states
-        if kind == LINEAR:
-            self.linear_attn = GatedDeltaNet(cfg, index)
-        else:
-            self.self_attn = GatedAttention(cfg, backend)
-        self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
 
 
 class Qwen35ForCausalLM(Qwen2ForCausalLM):
@@ -291,10 +280,8 @@ class Qwen35ForCausalLM(Qwen2ForCausalLM):
         cos, sin = self.rotary(positions, inputs_embeds.dtype)
         h = inputs_embeds
         for layer in self.layers:
-            x = layer.input_layernorm(h)
             if layer.kind == LINEAR:
-                h = h + layer.linear_attn(x, states, step)
+                h = layer(h, states, step)
             else:
-                h = h + layer.self_attn(x, cos, sin, kv_caches[layer.index], meta)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+                h = layer(h, cos, sin, kv_caches[layer.index], meta)
         return self.norm(h)

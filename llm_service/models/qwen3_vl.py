@@ -1,10 +1,7 @@
 """Qwen3-VL's language model: a Qwen3 decoder (RMSNorm on each head's q and k before RoPE, no qkv
 bias, explicit ``head_dim``) with interleaved M-RoPE and DeepStack.
 
-Interleaved M-RoPE: frequency ``i`` of ``head_dim/2`` takes its position from the height row when
-``i % 3 == 1 and i < 3 * mrope_section[1]``, from the width row when ``i % 3 == 2 and i < 3 *
-mrope_section[2]``, else from the temporal row (transformers' ``recomposition_frequencies``), where
-Qwen2-VL takes contiguous sections.
+Interleaved M-RoPE: see ``qwen3_mrope.py``.
 
 DeepStack: an image row of the encoder's output is ``[main | level 0 | ... | level k-1]``
 (``encoder_service/encode/models/qwen3_vl_vision.py``). The runner writes whole rows into the step's
@@ -18,7 +15,7 @@ positions a prefix-cache hit skips are not computed at all (their cached KV alre
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,14 +24,14 @@ from torch import nn
 from llm_service.attention import AttentionMetadata, PagedAttention
 from llm_service.models.hf_config import section, to_list
 from llm_service.models.qwen2 import (
-    MLP,
+    Attention,
+    DecoderLayer,
     PositionScheme,
     Qwen2ForCausalLM,
     RMSNorm,
-    RotaryEmbedding,
     TextConfig,
-    rotate_half,
 )
+from llm_service.models.qwen3_mrope import InterleavedMRope, qwen3_text_fields
 
 
 @dataclass(frozen=True)
@@ -46,68 +43,18 @@ class Qwen3VLTextConfig(TextConfig):
     def from_hf_config(
         cls, model_dir: str | Path, cfg: Mapping[str, object], scheme: PositionScheme
     ) -> TextConfig:
-        text = section(cfg, "text_config") or cfg
-        rope = section(text, "rope_parameters")
-        if not rope.get("mrope_interleaved", True):
-            raise ValueError(
-                f"{model_dir}: Qwen3-VL with contiguous (non-interleaved) M-RoPE is not supported"
-            )
-        base = TextConfig.from_hf_config(model_dir, cfg, scheme)
+        shared = qwen3_text_fields(model_dir, cfg, scheme, "Qwen3-VL")
         vision = section(cfg, "vision_config")
         return cls(
-            **{f.name: getattr(base, f.name) for f in fields(TextConfig)},
-            attention_bias=bool(text.get("attention_bias", False)),
+            **shared,
             deepstack_levels=len(to_list(vision.get("deepstack_visual_indexes", (8, 16, 24)))),
         )
 
 
-class InterleavedMRope(RotaryEmbedding):
-    def _sections(self, f: torch.Tensor) -> torch.Tensor:
-        assert self.mrope_section is not None
-        out = f[0].clone()
-        for row in (1, 2):
-            idx = slice(row, 3 * self.mrope_section[row], 3)
-            out[..., idx] = f[row][..., idx]
-        return out
-
-
-class Qwen3Attention(nn.Module):
-    def __init__(self, cfg: Qwen3VLTextConfig, backend: PagedAttention) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=bias)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.scale = cfg.head_dim**-0.5
-        self.backend = backend
-
-    def forward(self, x, cos, sin, kv_cache, meta):  # type: ignore[no-untyped-def]
-        t = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        c, s = cos[:, None, :], sin[:, None, :]
-        q = q * c + rotate_half(q) * s
-        k = k * c + rotate_half(k) * s
-        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(o.reshape(t, -1))
-
-
-class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, cfg: Qwen3VLTextConfig, backend: PagedAttention) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Qwen3Attention(cfg, backend)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
-
-    def forward(self, h, cos, sin, kv_cache, meta):  # type: ignore[no-untyped-def]
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+def qwen3_attention(cfg: Qwen3VLTextConfig, backend: PagedAttention) -> Attention:
+    """Qwen3's attention: q/k RMSNorm per head, ``attention_bias`` on all four projections."""
+    bias = cfg.attention_bias
+    return Attention(cfg, backend, qkv_bias=bias, o_bias=bias, qk_norm=True)
 
 
 class Qwen3VLForCausalLM(Qwen2ForCausalLM):
@@ -119,7 +66,9 @@ class Qwen3VLForCausalLM(Qwen2ForCausalLM):
             raise TypeError("Qwen3VLForCausalLM needs a Qwen3VLTextConfig")
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, qwen3_attention(cfg, backend)) for _ in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = InterleavedMRope(cfg)
