@@ -86,9 +86,11 @@ autoscaling:
 {{ printf "\"{\\\"%s\\\": 1}\"" . | squote }}
 {{- end -}}
 
-{{/* Volumes of every Ray pod: the API keys Secret (auth.apiKeysSecret; the ingress replica may run
-     on any pod) and the model volume (modelVolume; every replica that loads a model reads it). Both
-     render nothing when neither is set. */}}
+{{/* Volumes of every Ray pod: the writable directories (writableDirs, emptyDirs: the root
+     filesystem is read-only), the API keys Secret (auth.apiKeysSecret; the ingress replica may run
+     on any pod), the model volume (modelVolume; every replica that loads a model reads it) and, on the
+     head with the in-tree autoscaler, the service-account token projected for the autoscaler sidecar
+     alone (mmserve.autoscalerToken). */}}
 {{- define "mmserve.modelVolumeSource" -}}
 {{- with .Values.modelVolume -}}
 {{- if .persistentVolumeClaim -}}
@@ -99,31 +101,79 @@ hostPath: {path: {{ .hostPath | quote }}, type: Directory}
 {{- end -}}
 {{- end -}}
 
+{{/* The autoscaler sidecar's service-account token: what the kubelet mounts for
+     automountServiceAccountToken (token, cluster CA, namespace), as a volume of the head pod that
+     only the sidecar mounts (autoscalerOptions.volumeMounts). */}}
+{{- define "mmserve.autoscalerTokenVolume" -}}
+- name: kube-api-access-autoscaler
+  projected:
+    defaultMode: 420  # 0644, as the kubelet's own
+    sources:
+      - serviceAccountToken: {path: token, expirationSeconds: 3607}
+      - configMap:
+          name: kube-root-ca.crt
+          items: [{key: ca.crt, path: ca.crt}]
+      - downwardAPI:
+          items:
+            - path: namespace
+              fieldRef: {apiVersion: v1, fieldPath: metadata.namespace}
+{{- end -}}
+
+{{/* dict "root" $ "head" bool */}}
 {{- define "mmserve.volumes" -}}
-{{- $model := include "mmserve.modelVolumeSource" . -}}
-{{- if or .Values.auth.apiKeysSecret $model }}
+{{- $root := .root -}}
+{{- $model := include "mmserve.modelVolumeSource" $root -}}
+{{- $token := and .head $root.Values.cluster.enableInTreeAutoscaling -}}
+{{- if or $root.Values.writableDirs $root.Values.auth.apiKeysSecret $model $token -}}
 volumes:
-  {{- if .Values.auth.apiKeysSecret }}
+  {{- range $root.Values.writableDirs }}
+  - {name: {{ .name }}, emptyDir: {{ pick . "medium" "sizeLimit" | toJson }}}
+  {{- end }}
+  {{- if $root.Values.auth.apiKeysSecret }}
   - name: mmserve-api-keys
-    secret: {secretName: {{ .Values.auth.apiKeysSecret | quote }}}
+    secret: {secretName: {{ $root.Values.auth.apiKeysSecret | quote }}}
   {{- end }}
   {{- if $model }}
   - name: mmserve-models
     {{- $model | nindent 4 }}
+  {{- end }}
+  {{- if $token }}
+  {{- include "mmserve.autoscalerTokenVolume" $root | nindent 2 }}
   {{- end }}
 {{- end }}
 {{- end -}}
 
 {{- define "mmserve.volumeMounts" -}}
 {{- $model := include "mmserve.modelVolumeSource" . -}}
-{{- if or .Values.auth.apiKeysSecret $model }}
+{{- if or .Values.writableDirs .Values.auth.apiKeysSecret $model -}}
 volumeMounts:
+  {{- range .Values.writableDirs }}
+  - {name: {{ .name }}, mountPath: {{ .mountPath | quote }}}
+  {{- end }}
   {{- if .Values.auth.apiKeysSecret }}
   - {name: mmserve-api-keys, mountPath: /etc/mmserve/auth, readOnly: true}
   {{- end }}
   {{- if $model }}
   - {name: mmserve-models, mountPath: {{ .Values.modelVolume.mountPath | quote }}, readOnly: true}
   {{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* Pod-level hardening of every Ray pod: no service-account token (the autoscaler sidecar gets its
+     own, see mmserve.autoscalerTokenVolume) and podSecurityContext. */}}
+{{- define "mmserve.podSecurity" -}}
+automountServiceAccountToken: false
+{{- with .Values.podSecurityContext }}
+securityContext:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* A Ray container's securityContext (securityContext in values). */}}
+{{- define "mmserve.containerSecurity" -}}
+{{- with .Values.securityContext -}}
+securityContext:
+  {{- toYaml . | nindent 2 }}
 {{- end }}
 {{- end -}}
 

@@ -66,3 +66,18 @@ def validate_serve_config(doc: dict[str, Any]) -> list[AppConfig]:
                 pool_policy(name, ray_autoscaling(opts))
         configs.append(cfg)
     return configs
+
+
+# The chart's hardening volumes (values writableDirs, and the head's autoscaler token): tests about the
+# app's own volumes (API keys, models) look past them.
+HARDENING_VOLUMES = {"tmp", "dshm", "home-cache", "home-ray", "kube-api-access-autoscaler"}
+
+
+def app_volumes(pod_spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """The pod's volumes other than the chart's hardening ones."""
+    return [v for v in pod_spec.get("volumes", []) if v["name"] not in HARDENING_VOLUMES]
+
+
+def app_mounts(container: dict[str, Any]) -> list[dict[str, Any]]:
+    """The container's volume mounts other than the chart's hardening ones."""
+    return [m for m in container.get("volumeMounts", []) if m["name"] not in HARDENING_VOLUMES]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jsonschema
 import pytest
 
+from tests.unit.deploy.helpers import app_mounts, app_volumes
 from tests.unit.deploy.test_helm_chart import _rayservice_schema, _render, _serve_config
 
 
@@ -23,9 +24,9 @@ def test_keys_secret_is_mounted_everywhere_and_read_by_the_ingress() -> None:
     pods = _pods(rs)
     assert len(pods) == 3
     for pod in pods:
-        assert pod["volumes"] == [{"name": "mmserve-api-keys", "secret": {"secretName": "mm-keys"}}]
+        assert app_volumes(pod) == [{"name": "mmserve-api-keys", "secret": {"secretName": "mm-keys"}}]
         (container,) = pod["containers"]
-        assert container["volumeMounts"] == [
+        assert app_mounts(container) == [
             {"name": "mmserve-api-keys", "mountPath": "/etc/mmserve/auth", "readOnly": True}
         ]
 
@@ -33,7 +34,7 @@ def test_keys_secret_is_mounted_everywhere_and_read_by_the_ingress() -> None:
 def test_no_secret_no_keys() -> None:
     (rs,) = _render(None)["RayService"]
     assert _serve_config(None).ingress.api_keys_file is None
-    assert all("volumes" not in pod and "volumeMounts" not in pod["containers"][0] for pod in _pods(rs))
+    assert all(not app_volumes(pod) and not app_mounts(pod["containers"][0]) for pod in _pods(rs))
 
 
 @pytest.mark.parametrize("value", [{"apiKeysSecret": 3}, {"apiKeysSecretKey": "../x"}, {"other": "x"}])

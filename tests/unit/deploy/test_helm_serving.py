@@ -21,6 +21,7 @@ import yaml
 
 from cluster.config import AppConfig
 from cluster.serve_env import SERVE_ENV_DEFAULTS
+from tests.unit.deploy.helpers import app_mounts, app_volumes
 from tests.unit.deploy.test_helm_chart import CHART, _gpu_values, _rayservice_schema, _render, _serve_config
 
 SERVE_LABEL = "ray.io/serve"  # utils.RayClusterServingServiceLabelKey
@@ -277,8 +278,8 @@ def test_model_volume_is_mounted_read_only_where_the_serve_config_points(volume:
     assert m.path == "/weights/Qwen2-VL-7B-Instruct"
     for pod in kuberay_pods(rs, "c"):
         spec = pod["spec"]
-        assert spec["volumes"] == [{"name": "mmserve-models", **source}], pod["group"]
-        assert spec["containers"][0]["volumeMounts"] == [
+        assert app_volumes(spec) == [{"name": "mmserve-models", **source}], pod["group"]
+        assert app_mounts(spec["containers"][0]) == [
             {"name": "mmserve-models", "mountPath": "/weights/", "readOnly": True}
         ]
 
@@ -287,8 +288,8 @@ def test_model_volume_sits_beside_the_api_keys_secret() -> None:
     vals = _model_values({"persistentVolumeClaim": "models"})
     vals["auth"]["apiKeysSecret"] = "keys"
     for pod in kuberay_pods(_rayservice(vals), "c"):
-        assert [v["name"] for v in pod["spec"]["volumes"]] == ["mmserve-api-keys", "mmserve-models"]
-        mounts = pod["spec"]["containers"][0]["volumeMounts"]
+        assert [v["name"] for v in app_volumes(pod["spec"])] == ["mmserve-api-keys", "mmserve-models"]
+        mounts = app_mounts(pod["spec"]["containers"][0])
         assert [(v["mountPath"], v["readOnly"]) for v in mounts] == [
             ("/etc/mmserve/auth", True),
             ("/models", True),
@@ -299,7 +300,7 @@ def test_an_absolute_model_path_is_kept_and_no_volume_is_mounted_without_one() -
     vals = _model_values({}, path="/opt/baked/model")
     assert _serve_config(vals).models[0].path == "/opt/baked/model"
     for pod in kuberay_pods(_rayservice(vals), "c"):
-        assert "volumes" not in pod["spec"] and "volumeMounts" not in pod["spec"]["containers"][0]
+        assert not app_volumes(pod["spec"]) and not app_mounts(pod["spec"]["containers"][0])
 
 
 @pytest.mark.parametrize(
