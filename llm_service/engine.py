@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast
@@ -25,10 +26,13 @@ from llm_service.outputs import (
 from llm_service.sampling_params import SamplingParams
 from llm_service.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from llm_service.sequence import Request, RequestStatus
+from llm_service.structured.spec import StructuredSpec
 from llm_service.window_kv_cache_manager import WindowKVCacheManager
 
 if TYPE_CHECKING:
     import torch
+
+    from llm_service.structured.grammars import GrammarBackend
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +54,31 @@ class LLMEngine:
         self.kv = self._make_kv_manager()
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self._ids = itertools.count()
+        self._grammars: GrammarBackend | None = None
+        self._grammars_lock = threading.Lock()
+
+    @property
+    def grammars(self) -> GrammarBackend:
+        """The structured-output backend (the tokenizer's vocabulary and compiled grammars), made on
+        first use: requests without a grammar never load it."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                from llm_service.structured.grammars import GrammarBackend
+
+                self._grammars = GrammarBackend.for_model(
+                    self.config.model, self.vocab_size, self.eos_token_ids
+                )
+            return self._grammars
+
+    async def prepare_structured(self, spec: StructuredSpec) -> None:
+        """Compile ``spec``'s grammar off the event loop and the step (cached), before the request
+        is queued; raises RequestRejected naming the request field if it cannot be compiled."""
+        import asyncio
+
+        backend = self._grammars
+        if backend is None:
+            backend = await asyncio.to_thread(lambda: self.grammars)
+        await backend.compile_async(spec)
 
     def _make_kv_manager(self) -> KVCacheManager:
         """Blocks for every model; for a hybrid one also its state-cache slots (``linear_states``)."""
@@ -90,11 +119,14 @@ class LLMEngine:
             )
         sampling_params.validate()
         self._validate_prompt(prompt_token_ids, sampling_params)
+        self._validate_token_ids(sampling_params)
         items = sorted(mm_inputs, key=lambda m: m.offset)
         self._validate_mm(len(prompt_token_ids), items)
         stop = set(sampling_params.stop_token_ids)
-        if not sampling_params.ignore_eos:
-            stop.update(self.eos_token_ids)
+        if not sampling_params.ignore_eos or sampling_params.structured is not None:
+            stop.update(self.eos_token_ids)  # a grammar ends with the model's stop token
+        spec = sampling_params.structured
+        grammar = None if spec is None else self.grammars.matcher(spec)
         req = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -105,7 +137,7 @@ class LLMEngine:
             cache_salt=cache_salt,
             missing=[(m.offset, m.end) for m in items if m.embeddings is None],
         )
-        self.runner.prepare_request(req, items)
+        self.runner.prepare_request(req, items, grammar)
         self.scheduler.add_request(req)
 
     def take_parked(self) -> list[str]:
@@ -130,6 +162,7 @@ class LLMEngine:
         and those whose computation failed in it (``finish_reason="error"``, see ``_execute``)."""
         sched = self.scheduler.schedule()
         sampled, faults = self._execute(sched)
+        self.runner.accept_sampled(sampled)  # the grammars advance only once the step stands
         outputs = [self._fail(rid, msg) for rid, msg in faults.items()]
         now = time.monotonic()
         for req in self.scheduler.update(sched, sampled):
@@ -292,6 +325,19 @@ class LLMEngine:
                 f"prompt + max_tokens need {cdiv(peak, c.block_size)} KV blocks of {c.block_size} tokens; "
                 f"the pool has {self.kv.num_total_blocks}",
             )
+
+    def _validate_token_ids(self, params: SamplingParams) -> None:
+        """``logit_bias`` and ``stop_token_ids`` name tokens of this model's vocabulary."""
+        for name, ids in (
+            ("logit_bias", [t for t, _ in params.logit_bias]),
+            ("stop_token_ids", list(params.stop_token_ids)),
+        ):
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise RequestRejected(
+                    "bad_sampling_params",
+                    f"{name}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                )
 
     def _validate_mm(self, num_tokens: int, items: list[MultiModalInput]) -> None:
         prev_end, prev_name = 0, ""

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,15 +14,19 @@ from llm_service.config import EngineConfig
 from llm_service.errors import RequestFaults, RequestRejected
 from llm_service.kv_cache_manager import cdiv
 from llm_service.linear_states import LinearStates, StepSeq
+from llm_service.logits_processors import GrammarMasks
 from llm_service.models import build_decoder, load_text_config
 from llm_service.models.weights import load_weights
 from llm_service.mrope import prompt_mrope_positions
 from llm_service.multimodal import MultiModalInput
 from llm_service.outputs import TokenLogprob
-from llm_service.sampler import NonFiniteLogits, sample
+from llm_service.sampler import NoAllowedToken, NonFiniteLogits, sample
 from llm_service.scheduler import ScheduledChunk, SchedulerOutput
 from llm_service.sequence import Request
 from llm_service.window_kv_cache_manager import window_blocks_needed
+
+if TYPE_CHECKING:
+    from llm_service.structured.grammars import GrammarState
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +43,7 @@ class RunnerState:
     mrope: torch.Tensor | None = None  # M-RoPE models: the prompt's positions [3, num_prompt_tokens]
     delta: int = 0  # M-RoPE models: past the prompt, text positions are shifted by it
     generator: torch.Generator | None = None  # a seeded request's own RNG
+    grammar: GrammarState | None = None  # a structured output's matcher, advanced by each token
 
     def missing(self) -> list[tuple[int, int]]:
         """``(offset, end)`` of the items it has no embeddings for, in prompt order."""
@@ -170,10 +177,13 @@ class ModelRunner:
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", n, c.block_size, mib)
         return int(n)
 
-    def prepare_request(self, req: Request, mm_inputs: list[MultiModalInput]) -> None:
+    def prepare_request(
+        self, req: Request, mm_inputs: list[MultiModalInput], grammar: GrammarState | None = None
+    ) -> None:
         """Move the request's embeddings to the device, precompute M-RoPE positions and its RNG; kept
         in ``states`` once every check passed."""
         state = RunnerState([(m.offset, m.length, self._on_device(m.embeddings)) for m in mm_inputs])
+        state.grammar = grammar
         if self.model.uses_mrope:
             cfg = self.text_config
             pos, delta = prompt_mrope_positions(
@@ -331,12 +341,35 @@ class ModelRunner:
             return {}
         logits = self.model.compute_logits(hidden[rows])
         gens = [self._generator(r.request_id) for r in sampling]
+        params = [r.sampling_params for r in sampling]
         try:
-            tokens, logprobs = sample(logits, [r.sampling_params for r in sampling], gens)
+            tokens, logprobs = sample(logits, params, gens, sampling, self._grammar_masks(sampling))
         except NonFiniteLogits as e:
             msg = "the model produced NaN or infinite logits for this request's inputs"
             raise RequestFaults({sampling[i].request_id: msg for i in e.rows}) from e
+        except NoAllowedToken as e:
+            msg = "no token is allowed next (its structured output's grammar and min_tokens leave none)"
+            raise RequestFaults({sampling[i].request_id: msg for i in e.rows}) from e
         return {r.request_id: (t, lp) for r, t, lp in zip(sampling, tokens, logprobs, strict=True)}
+
+    def _grammar_masks(self, sampling: list[Request]) -> GrammarMasks | None:
+        """The next-token bitmasks of the rows with a structured output (None: no such row)."""
+        grammars = [(i, self.states[r.request_id].grammar) for i, r in enumerate(sampling)]
+        rows = [(i, g) for i, g in grammars if g is not None]
+        if not rows:
+            return None
+        words = (self.text_config.vocab_size + 31) // 32
+        bitmask = torch.full((len(sampling), words), -1, dtype=torch.int32)
+        for i, g in rows:
+            g.fill(bitmask, i)
+        return GrammarMasks(bitmask, [i for i, _ in rows])
+
+    def accept_sampled(self, sampled: Mapping[str, tuple[int, object]]) -> None:
+        """Advance the structured outputs' matchers by the step's tokens (after the step stands)."""
+        for rid, (token, _) in sampled.items():
+            state = self.states.get(rid)
+            if state is not None and state.grammar is not None and not state.grammar.accept(token):
+                logger.error("request %s: token %d was sampled against its grammar", rid, token)
 
     def _generator(self, request_id: str) -> torch.Generator:
         own = self.states[request_id].generator

@@ -1,15 +1,23 @@
-"""Turn the last-token logits of each sampling request into a token (and logprobs).
+"""Turn the last-token logits of each sampling request into a token (and logprobs), for the whole
+step in tensor operations.
 
 Numerically safe for every parameter ``SamplingParams.validate`` accepts: temperatures below
 ``SAMPLING_EPS`` are greedy, the others scale logits already shifted so their maximum is 0 (no
 overflow, at least one probability is 1 before normalising). A row the model filled with NaN or +inf
 (or only -inf) has no meaningful token: ``NonFiniteLogits`` names those rows instead of sampling junk.
+
+Greedy rows without processors take the raw logits' argmax. Random rows draw by the exponential race
+(``argmax(p / q)``, ``q ~ Exp(1)``, which samples from ``p``): a seeded request draws its ``q`` from its
+own generator, so its tokens do not depend on the batch around it; the others share one draw.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from llm_service.logits_processors import GrammarMasks, RowTokens, process_logits
 from llm_service.outputs import TokenLogprob
 from llm_service.sampling_params import SamplingParams
 
@@ -20,19 +28,12 @@ class NonFiniteLogits(RuntimeError):
         self.rows = rows
 
 
-def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask (to -inf) everything outside the top-k and the top-p nucleus of a 1-D logits row."""
-    if top_k > 0 and top_k < logits.numel():
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # drop a token when the mass before it already reaches top_p (the first is always kept)
-        drop = (probs.cumsum(-1) - probs) >= top_p
-        drop[0] = False  # even when top_p rounds to 0 in float32 (a subnormal top_p)
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    return logits
+class NoAllowedToken(RuntimeError):
+    """Rows whose processors (a grammar's mask, above all) left no token to sample."""
+
+    def __init__(self, rows: list[int]) -> None:
+        super().__init__(f"no token is allowed in rows {rows}")
+        self.rows = rows
 
 
 def check_finite(logits: torch.Tensor) -> None:
@@ -44,29 +45,90 @@ def check_finite(logits: torch.Tensor) -> None:
         raise NonFiniteLogits(bad.nonzero().flatten().tolist())
 
 
-def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
-    scaled = (row - row.max()) / p.temperature  # <= 0 everywhere, exactly 0 at the argmax
-    probs = _filter(scaled, p.top_k, p.top_p).softmax(-1)
-    return int(torch.multinomial(probs, 1, generator=gen))
+def _filter(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """``min_p``, ``top_k``, ``top_p`` on temperature-scaled rows ``x`` (masked to -inf), each only
+    where some row asks for it."""
+    dev = x.device
+    min_p = torch.tensor([p.min_p for p in params], dtype=x.dtype, device=dev)
+    if bool((min_p > 0).any()):
+        probs = x.softmax(-1)
+        x = x.masked_fill(probs < probs.amax(-1, keepdim=True) * min_p.unsqueeze(1), float("-inf"))
+    top_k = [p.top_k if 0 < p.top_k < x.shape[1] else 0 for p in params]
+    if any(top_k):
+        k = torch.tensor(top_k, device=dev)
+        kth = torch.topk(x, max(top_k), dim=-1).values.gather(1, (k.clamp_min(1) - 1).unsqueeze(1))
+        x = x.masked_fill((x < kth) & (k > 0).unsqueeze(1), float("-inf"))
+    top_p = torch.tensor([p.top_p for p in params], dtype=x.dtype, device=dev)
+    if bool((top_p < 1.0).any()):
+        sorted_x, order = torch.sort(x, descending=True, dim=-1)
+        probs = sorted_x.softmax(-1)
+        # drop a token when the mass before it already reaches top_p (the first is always kept)
+        drop = (probs.cumsum(-1) - probs) >= top_p.unsqueeze(1)
+        drop[:, 0] = False  # even when top_p rounds to 0 in float32 (a subnormal top_p)
+        x = x.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+    return x
+
+
+def _race_noise(
+    shape: tuple[int, int], generators: list[torch.Generator], device: torch.device
+) -> torch.Tensor:
+    """Exp(1) noise per row: rows that share a generator (the unseeded ones) draw together."""
+    q = torch.empty(shape, device=device)
+    groups: dict[int, list[int]] = {}
+    for r, g in enumerate(generators):
+        groups.setdefault(id(g), []).append(r)
+    for rows in groups.values():
+        gen = generators[rows[0]]
+        if len(rows) == 1:
+            q[rows[0]].exponential_(generator=gen)
+        else:
+            q[rows] = torch.empty((len(rows), shape[1]), device=device).exponential_(generator=gen)
+    return q
+
+
+def _sample_random(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
+) -> torch.Tensor:
+    temp = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+    # <= 0 everywhere, exactly 0 at each row's argmax
+    scaled = (logits - logits.amax(-1, keepdim=True)) / temp.unsqueeze(1)
+    probs = _filter(scaled, params).softmax(-1)
+    return (probs / _race_noise(tuple(probs.shape), generators, probs.device)).argmax(-1)
 
 
 def sample(
     logits: torch.Tensor,  # [S, vocab], one row per sampling request
     params: list[SamplingParams],
     generators: list[torch.Generator],
+    ctx: Sequence[RowTokens] | None = None,
+    grammar: GrammarMasks | None = None,
 ) -> tuple[list[int], list[TokenLogprob | None]]:
-    logits = logits.float()
-    check_finite(logits)
-    greedy = logits.argmax(-1).tolist()
-    tokens = [
-        greedy[i] if p.greedy else _sample_row(row, p, gen)
-        for i, (row, p, gen) in enumerate(zip(logits, params, generators, strict=True))
-    ]
+    """``ctx``: each row's tokens, for the penalties and ``min_tokens`` (needed when a row asks for
+    them); ``grammar``: the bitmasks of rows with a structured output."""
+    raw = logits.float()
+    check_finite(raw)
+    logits = process_logits(raw, params, ctx, grammar)
+    if logits is not raw:
+        dead = ~torch.isfinite(logits.amax(-1))
+        if bool(dead.any()):
+            raise NoAllowedToken(dead.nonzero().flatten().tolist())
+    tokens = logits.argmax(-1)
+    rand = [i for i, p in enumerate(params) if not p.greedy]
+    if rand:
+        picked = _sample_random(logits[rand], [params[i] for i in rand], [generators[i] for i in rand])
+        tokens[rand] = picked
+    out = tokens.tolist()
+    return out, _logprobs(raw, params, out)
+
+
+def _logprobs(
+    raw: torch.Tensor, params: list[SamplingParams], tokens: list[int]
+) -> list[TokenLogprob | None]:
     logprobs: list[TokenLogprob | None] = [None] * len(tokens)
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     if want:
         # Clamped so a -inf (a logit ~1e38 below the max) still serialises as a JSON number.
-        lp = torch.log_softmax(logits[want], dim=-1).clamp_min(torch.finfo(torch.float32).min).cpu()
+        lp = torch.log_softmax(raw[want], dim=-1).clamp_min(torch.finfo(torch.float32).min).cpu()
         for row, i in zip(lp, want, strict=True):
             n = params[i].logprobs or 0
             top = torch.topk(row, n) if n else None
@@ -75,4 +137,4 @@ def sample(
                 logprob=float(row[tokens[i]]),
                 top=[(int(t), float(v)) for v, t in zip(top.values, top.indices, strict=True)] if top else [],
             )
-    return tokens, logprobs
+    return logprobs

@@ -128,6 +128,9 @@ class LLMServer:
         """Fetch what must be fetched, put the request on its ingress's channel and in the engine's
         queue; returns where its outputs go and the items sent without their embeddings."""
         self.loop.check_capacity(len(spec.prompt_token_ids))
+        structured = spec.sampling_params.structured
+        if structured is not None and (prepare := getattr(self.engine, "prepare_structured", None)):
+            await prepare(structured)  # compiled off the loop and the step; a bad grammar is a 400 here
         if spec.trace_headers:
             self._traces.start(spec.request_id, spec.trace_headers, [m.mm_hash for m in spec.mm_items])
         # Items whose whole span the prefix cache holds are not fetched: those positions are never

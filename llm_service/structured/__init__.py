@@ -1,0 +1,1 @@
+"""Structured outputs: a request's grammar (spec.py, pure) and its compiled form and matcher (grammars.py)."""
