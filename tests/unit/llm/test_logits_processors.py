@@ -1,0 +1,149 @@
+"""The sampler's processors against transformers' own logits processors (or a hand-computed case
+where transformers has none), and the batched sampler's guarantees: greedy rows are the raw argmax,
+seeded rows do not depend on the batch around them, random rows sample from the right distribution."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from transformers import (
+    MinLengthLogitsProcessor,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+    TemperatureLogitsWarper,
+)
+
+from llm_service.logits_processors import GrammarMasks, process_logits
+from llm_service.sampler import NoAllowedToken, _filter, sample
+from llm_service.sampling_params import SamplingParams
+
+V = 64
+
+
+@dataclass
+class Row:
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: frozenset[int] = frozenset({0})
+
+
+def _logits(rows: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, V, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_repetition_penalty_equals_transformers_over_prompt_and_output() -> None:
+    logits, row = _logits(1), Row([3, 5, 5, 9], [9, 17, 40])
+    got = process_logits(logits, [SamplingParams(repetition_penalty=1.3)], [row])
+    ids = torch.tensor([row.prompt_token_ids + row.output_token_ids])
+    want = RepetitionPenaltyLogitsProcessor(1.3)(ids, logits.clone())
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_min_tokens_equals_transformers_min_length() -> None:
+    logits, row = _logits(1), Row([3, 4], [7, 8], frozenset({0, 5}))
+    got = process_logits(logits, [SamplingParams(min_tokens=3, max_tokens=8)], [row])
+    ids = torch.tensor([row.prompt_token_ids + row.output_token_ids])
+    want = MinLengthLogitsProcessor(len(row.prompt_token_ids) + 3, [0, 5])(ids, logits.clone())
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    done = Row([3, 4], [7, 8, 9], frozenset({0, 5}))  # three generated: the stop tokens are back
+    assert torch.equal(process_logits(logits, [SamplingParams(min_tokens=3, max_tokens=8)], [done]), logits)
+
+
+def test_logit_bias_equals_transformers_sequence_bias() -> None:
+    logits = _logits(1)
+    bias = {(4,): 5.0, (10,): -100.0, (63,): 0.5}
+    got = process_logits(logits, [SamplingParams(logit_bias=tuple((k[0], v) for k, v in bias.items()))], [Row([1])])
+    want = SequenceBiasLogitsProcessor(bias)(torch.tensor([[1]]), logits.clone())
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_presence_and_frequency_penalties_count_generated_tokens_only() -> None:
+    logits, row = _logits(1), Row([7, 7, 7], [2, 2, 2, 11])
+    got = process_logits(logits, [SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)], [row])
+    want = logits.clone()
+    want[0, 2] -= 0.5 + 3 * 0.25
+    want[0, 11] -= 0.5 + 0.25
+    torch.testing.assert_close(got, want)  # token 7 (prompt only) untouched
+
+
+def test_min_p_equals_transformers_after_temperature() -> None:
+    logits = _logits(3)
+    params = [SamplingParams(temperature=0.7, min_p=p) for p in (0.05, 0.2, 0.0)]
+    scaled = (logits - logits.amax(-1, keepdim=True)) / 0.7
+    got = _filter(scaled, params)
+    for i, p in enumerate((0.05, 0.2)):
+        hf = MinPLogitsWarper(p)(torch.zeros(1, 1), TemperatureLogitsWarper(0.7)(None, logits[i : i + 1].clone()))
+        assert torch.equal(torch.isfinite(got[i]), torch.isfinite(hf[0]))
+    assert torch.isfinite(got[2]).all()
+
+
+def test_rows_mixed_in_one_batch_get_only_their_own_processors() -> None:
+    logits = _logits(4)
+    rows = [Row([1, 2], [3]), Row([4], [4, 4]), Row([5]), Row([6], [7])]
+    params = [
+        SamplingParams(repetition_penalty=1.5),
+        SamplingParams(frequency_penalty=1.0),
+        SamplingParams(),
+        SamplingParams(logit_bias=((9, 3.0),)),
+    ]
+    got = process_logits(logits, params, rows)
+    for i in range(4):
+        alone = process_logits(logits[i : i + 1], [params[i]], [rows[i]])
+        torch.testing.assert_close(got[i : i + 1], alone, rtol=0, atol=0)
+    assert torch.equal(got[2], logits[2])
+
+
+def test_greedy_rows_are_the_raw_argmax_bit_for_bit_beside_processed_rows() -> None:
+    logits = _logits(6)
+    params = [SamplingParams(), SamplingParams(temperature=0.9, top_p=0.8, min_p=0.1, seed=1)] * 3
+    gens = [torch.Generator().manual_seed(i) for i in range(6)]
+    rows = [Row([1])] * 6
+    tokens, _ = sample(logits, params, gens, rows)
+    assert [tokens[i] for i in (0, 2, 4)] == logits[[0, 2, 4]].argmax(-1).tolist()
+
+
+def test_a_seeded_row_samples_the_same_whatever_the_batch() -> None:
+    logits = _logits(5)
+    seeded = SamplingParams(temperature=1.0, top_k=20, seed=5)
+    alone, _ = sample(logits[2:3], [seeded], [torch.Generator().manual_seed(5)], [Row([1])])
+    shared = torch.Generator().manual_seed(0)
+    params = [SamplingParams(temperature=1.0)] * 2 + [seeded] + [SamplingParams(temperature=0.5)] * 2
+    gens = [shared, shared, torch.Generator().manual_seed(5), shared, shared]
+    batch, _ = sample(logits, params, gens, [Row([1])] * 5)
+    assert batch[2] == alone[0]
+
+
+def test_random_rows_sample_from_the_filtered_distribution() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05] + [1e-9] * (V - 4)]))
+    params = [SamplingParams(temperature=1.0, top_p=0.9)] * 4000
+    gen = torch.Generator().manual_seed(0)
+    tokens, _ = sample(logits.expand(4000, V), params, [gen] * 4000)
+    counts = torch.bincount(torch.tensor(tokens), minlength=V).float() / 4000
+    # top_p=0.9 keeps {0, 1, 2} (mass before token 3 is 0.95 >= 0.9): renormalised 0.5/0.95 ...
+    torch.testing.assert_close(counts[:3], torch.tensor([0.5, 0.3, 0.15]) / 0.95, atol=0.03, rtol=0)
+    assert counts[3:].sum() == 0
+
+
+def test_a_grammar_mask_leaves_only_allowed_tokens_and_an_empty_one_is_named() -> None:
+    logits = _logits(2)
+    bitmask = torch.full((2, 2), -1, dtype=torch.int32)
+    bitmask[1] = 0
+    bitmask[1, 1] = 1 << 3  # only token 35
+    tokens, _ = sample(logits, [SamplingParams()] * 2, [torch.Generator()] * 2, None, GrammarMasks(bitmask, [1]))
+    assert tokens == [int(logits[0].argmax()), 35]
+    bitmask[1, 1] = 0
+    with pytest.raises(NoAllowedToken) as e:
+        sample(logits, [SamplingParams()] * 2, [torch.Generator()] * 2, None, GrammarMasks(bitmask, [1]))
+    assert e.value.rows == [1]
+
+
+def test_min_tokens_yields_to_a_grammar_that_allows_only_a_stop_token() -> None:
+    logits = _logits(1)
+    bitmask = torch.zeros((1, 2), dtype=torch.int32)
+    bitmask[0, 0] = 1  # only token 0, the stop token
+    params = [SamplingParams(min_tokens=5, max_tokens=9)]
+    tokens, _ = sample(logits, params, [torch.Generator()], [Row([1])], GrammarMasks(bitmask, [0]))
+    assert tokens == [0]
