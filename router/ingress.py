@@ -109,6 +109,12 @@ class ChatService:
         except ValidationError as e:
             first = e.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
+            if first["type"] == "extra_forbidden":  # OpenAI's words for a field it does not know
+                raise bad_request(
+                    f"Unrecognized request argument supplied: {where} (this server does not implement it)",
+                    code="unrecognized_argument",
+                    param=where,
+                ) from e
             raise bad_request(f"{where}: {first['msg']}", param=where or None) from e
 
     def model_for(self, name: str) -> ServedModel:

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Literal, TypedDict
+from typing import Annotated, Any, Literal, TypedDict
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_TOKENS_LIMIT = (1 << 31) - 1  # beyond any max_model_len; the real bound is the prompt's room
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
+# OpenAI request fields that change nothing this server computes: accepted and ignored (README).
+# Any other field the server does not implement is a 400 naming it ("Unrecognized request argument").
+IGNORED_FIELDS = ("user", "metadata", "store", "service_tier")
 
 
 class _Part(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
 
 class TextPart(_Part):
@@ -77,10 +80,49 @@ class ChatMessage(_Part):
 
 class StreamOptions(_Part):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage on every chunk (accepted; usage comes at the end)
+
+
+class JSONSchemaFormat(_Part):
+    name: str = Field(..., min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Part):
+    """OpenAI's ``response_format``: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type 'json_schema' (and only then)")
+        return self
+
+
+class StructuredOutputs(_Part):
+    """vLLM's ``structured_outputs``: exactly one constraint."""
+
+    json_: dict[str, Any] | bool | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [k for k in ("json_", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, regex, choice, grammar, json_object")
+        return self
 
 
 class ChatCompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     model: str
     messages: list[ChatMessage] = Field(..., min_length=1)
@@ -92,35 +134,47 @@ class ChatCompletionRequest(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=-1, le=1 << 31)
     seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 63)
-    # Accepted for OpenAI compatibility at their neutral value only: the engine applies no penalties
-    # and no logit bias, and silently ignoring them would change what the client asked for.
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    # OpenAI's: token ids as strings, biases in [-100, 100], at most 300 entries
     logit_bias: dict[str, float] | None = Field(None, max_length=300)
+    # vLLM's extensions
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0, allow_inf_nan=False)
+    min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
+    min_tokens: int = Field(0, ge=0, le=MAX_TOKENS_LIMIT)
+    stop_token_ids: list[int] | None = Field(None, max_length=64)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
     stop: str | list[str] | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1, description="only n=1 is supported")
+    n: int = Field(1, ge=1, le=1, description="only n=1 is supported (issue 46: n > 1 is next)")
     ignore_eos: bool = False  # extension, as in vLLM: generate exactly max_tokens
-    user: str | None = None
+    user: str | None = Field(None, max_length=512)
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+    store: bool | None = None
+    service_tier: str | None = Field(None, max_length=32)
     # vLLM's extension: the prefix cache shares blocks only among requests with the same salt (it
     # enters the first block's hash); with API keys the tenant always enters it too (router/auth.py).
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _neutral_penalty(cls, v: float | None, info: ValidationInfo) -> float | None:
-        if v:
-            raise ValueError(f"{info.field_name} other than 0 is not supported by this server")
-        return v
-
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        if v:
-            raise ValueError("logit_bias is not supported by this server")
+    def _bounded_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (v or {}).items():
+            if not token.isdigit() or len(token) > 9:
+                raise ValueError(f"key {token!r} is not a token id (a non-negative integer as a string)")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"bias {bias} for token {token} is outside [-100, 100]")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _non_negative_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v and any(t < 0 for t in v):
+            raise ValueError("token ids are non-negative")
         return v
 
     @field_validator("stop")
@@ -137,6 +191,15 @@ class ChatCompletionRequest(BaseModel):
     def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
+        asked = self.max_completion_tokens or self.max_tokens
+        if asked is not None and self.min_tokens > asked:
+            raise ValueError(f"min_tokens={self.min_tokens} is more than max_tokens={asked}")
+        if (
+            self.response_format is not None
+            and self.response_format.type != "text"
+            and self.structured_outputs
+        ):
+            raise ValueError("give response_format or structured_outputs, not both")
         return self
 
     @property

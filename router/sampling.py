@@ -7,9 +7,11 @@ replica): ``request_sampling_params`` reads the request, and
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 from llm_service.sampling_params import SamplingParams
+from llm_service.structured.spec import StructuredSpec, canonical_json, spec_problem
 from router.errors import bad_request
 from router.protocol import ChatCompletionRequest
 
@@ -28,7 +30,52 @@ def request_sampling_params(req: ChatCompletionRequest) -> SamplingParams:
         seed=req.seed,
         ignore_eos=req.ignore_eos,
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        min_p=req.min_p or 0.0,
+        min_tokens=req.min_tokens,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logit_bias=tuple((int(t), float(b)) for t, b in (req.logit_bias or {}).items()),
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        structured=structured_spec(req),
     )
+
+
+def structured_spec(req: ChatCompletionRequest) -> StructuredSpec | None:
+    """The request's output constraint (``response_format`` or ``structured_outputs``), bounded
+    here (a 400 naming the field before anything is compiled); None for free text."""
+    spec = _spec(req)
+    if spec is not None and (problem := spec_problem(spec)) is not None:
+        raise bad_request(f"{spec.field}: {problem}", code="bad_structured_output", param=spec.field)
+    return spec
+
+
+def _spec(req: ChatCompletionRequest) -> StructuredSpec | None:
+    rf, so = req.response_format, req.structured_outputs
+    if rf is not None and rf.type == "json_object":
+        return StructuredSpec("json_object", "", "response_format")
+    if rf is not None and rf.json_schema is not None:
+        given = rf.json_schema.schema_
+        return StructuredSpec.json_schema(given if given is not None else {}, "response_format")
+    if so is None:
+        return None
+    if so.json_ is not None:
+        schema: object = so.json_
+        if isinstance(so.json_, str):  # vLLM takes the schema as a JSON string too
+            try:
+                schema = json.loads(so.json_)
+            except ValueError as e:
+                raise bad_request(
+                    f"structured_outputs.json is not valid JSON: {e}", param="structured_outputs"
+                ) from e
+        return StructuredSpec("json", canonical_json(schema))
+    if so.regex is not None:
+        return StructuredSpec("regex", so.regex)
+    if so.choice is not None:
+        return StructuredSpec.choice(so.choice)
+    if so.grammar is not None:
+        return StructuredSpec("grammar", so.grammar)
+    return StructuredSpec("json_object", "")
 
 
 def fit_to_prompt(

@@ -48,10 +48,20 @@ def parse(raw: str) -> ChatCompletionRequest:
         ('{"max_tokens": 1e400}', "max_tokens"),
         ('{"max_completion_tokens": 4294967296}', "max_completion_tokens"),
         ('{"logprobs": true, "top_logprobs": 21}', "top_logprobs"),
-        ('{"presence_penalty": 0.5}', "presence_penalty"),
+        ('{"presence_penalty": 2.5}', "presence_penalty"),
         ('{"frequency_penalty": -Infinity}', "frequency_penalty"),
         ('{"frequency_penalty": 3}', "frequency_penalty"),
-        ('{"logit_bias": {"42": 100}}', "logit_bias"),
+        ('{"logit_bias": {"42": 101}}', "logit_bias"),
+        ('{"logit_bias": {"x": 1}}', "logit_bias"),
+        ('{"logit_bias": {' + ", ".join(f'"{i}": 1' for i in range(301)) + "}}", "logit_bias"),
+        ('{"repetition_penalty": 0}', "repetition_penalty"),
+        ('{"min_p": 1.5}', "min_p"),
+        ('{"stop_token_ids": [-1]}', "stop_token_ids"),
+        ('{"response_format": {"type": "json_schema"}}', "response_format"),
+        ('{"response_format": {"type": "xml"}}', "response_format"),
+        ('{"structured_outputs": {"regex": "a", "choice": ["b"]}}', "structured_outputs"),
+        ('{"tools": []}', "tools"),
+        ('{"unknown_field": 1}', "unknown_field"),
         ('{"stop": ["a", "b", "c", "d", "e"]}', "stop"),
         ('{"stop": ""}', "stop"),
         ('{"stop": "' + "x" * 257 + '"}', "stop"),
@@ -65,8 +75,11 @@ def test_out_of_range_sampling_fields_are_refused_by_name(raw: str, field: str) 
     assert first["loc"][0] == field, first  # the ingress turns loc into the 400's ``param``
 
 
-def test_neutral_values_of_unsupported_fields_are_accepted() -> None:
-    req = parse('{"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "stop": ["a", "b"]}')
+def test_neutral_values_and_harmless_openai_fields_are_accepted() -> None:
+    req = parse(
+        '{"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "stop": ["a", "b"],'
+        ' "user": "u1", "metadata": {"k": "v"}, "store": false, "service_tier": "auto"}'
+    )
     assert req.stop_strings == ["a", "b"]
 
 
