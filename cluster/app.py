@@ -4,7 +4,7 @@
            └─▶ LLMServer-<model>    (GPU; router: prefix-cache affinity; tokens back on output channels)
   plus the model's shared encoder-cache index: named Ray actors, sharded by mm_hash, owned by an
   EncoderCacheIndex-<model> deployment (cluster/cache_shards.py), so they end with the application. The ingress
-  calls both pools over direct links (router/pool_links.py), or through Serve's handles under
+  calls both pools over direct links (mmcore/link/pool_links.py), or through Serve's handles under
   ``ingress.transport: serve``.
 
 ``app_builder(args)`` is the import path for ``serve run`` / ``serve deploy`` configs:
@@ -24,8 +24,8 @@ from cluster.autoscaling_policy import ENCODER_POLICY, LLM_POLICY
 from cluster.budgets import encoder_budgets
 from cluster.cache_shards import cache_index_args, cache_index_deployment, open_cache_index
 from cluster.config import AppConfig, DeploymentOptions, ModelConfig
-from cluster.direct_served import DirectLLM, DirectServed, pool_links
 from cluster.model_dirs import resolve_model_dir
+from cluster.replica_links import DirectLLM, DirectServed, pool_links
 from cluster.tracing import setup_tracing
 
 if TYPE_CHECKING:
@@ -113,7 +113,7 @@ def preprocess_args(m: ModelConfig) -> PreprocessArgs:
 
 def direct_pools(cfg: AppConfig, model: ModelConfig) -> tuple[str, ...]:
     """The model's pools the ingress calls over direct links (``ingress.transport: auto``), however
-    many replicas they run: router/pool_links.py routes each call as the pool's Serve router would."""
+    many replicas they run: mmcore/link/pool_links.py routes each call as the pool's Serve router would."""
     if cfg.ingress.transport != "auto":
         return ()
     return ("llm", "preprocess")

@@ -279,7 +279,7 @@ class IngressConfig(_Strict):
     transport: Literal["auto", "serve"] = Field(
         "auto",
         description="how the ingress calls a pool (prepare, submit): auto sends them as frames on a plain "
-        "long-lived socket to a pool that runs exactly one replica (router/direct_link.py) and through "
+        "long-lived socket to a pool that runs exactly one replica (mmcore/link/direct_link.py) and through "
         "Serve's handles to any other, and the encoder-cache shards' hot calls on such links too; serve: "
         "always through Serve's handles and actor calls, no side channel listens",
     )

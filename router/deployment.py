@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from ray import serve
 
+from mmcore.link.pool_links import PoolLinks
 from router.admission import AdmissionController, AdmissionLimits
 from router.auth import KeyRing
 from router.errors import APIError, from_exception
@@ -28,7 +29,6 @@ from router.messages import MessageLimits
 from router.metrics import IngressMetrics
 from router.model_handles import ModelHandles
 from router.orchestrator import Orchestrator
-from router.pool_links import PoolLinks
 
 if TYPE_CHECKING:  # annotations only (strings: this module has no ``from __future__ import annotations``)
     from ray.serve.handle import DeploymentHandle
@@ -62,8 +62,10 @@ class IngressModel:
     preprocess: "PreprocessArgs | None" = None
     near_cache_entries: int = 0  # the hit path's near cache (encoder_service/cache/near_cache.py); 0: none
     near_cache_ttl_s: float = 0.0
-    direct: tuple[str, ...] = ()  # pools ("llm", "preprocess") called over direct links (pool_links.py)
-    link_to: Callable[["DeploymentHandle"], PoolLinks] | None = None  # cluster/direct_served.py
+    direct: tuple[
+        str, ...
+    ] = ()  # pools ("llm", "preprocess") called over direct links (mmcore/link/pool_links.py)
+    link_to: Callable[["DeploymentHandle"], PoolLinks] | None = None  # cluster/replica_links.py
     overlap_prefill: bool = False  # items handed to the LLM as they are encoded (Orchestrator)
 
 

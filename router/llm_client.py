@@ -28,9 +28,9 @@ from llm_service.output_channels import ChannelBatch
 from llm_service.outputs import RequestOutput
 from llm_service.request_spec import LLMRequestSpec, ReplicaTarget, SubmitReply
 from mmcore.feature import MediaFeature
-from router.direct_link import LinkBusy, LinkLost
+from mmcore.link.direct_link import LinkBusy, LinkLost
+from mmcore.link.pool_links import PoolLinks
 from router.errors import replica_gone
-from router.pool_links import PoolLinks
 from router.serve_calls import Counters, StreamCall, StreamingMethod, UnaryMethod
 
 logger = logging.getLogger("mmserve.router")

@@ -12,9 +12,9 @@ from typing import Protocol
 
 from encoder_service.preprocess.prepared import LookedUp, PreparedRequest
 from mmcore.feature import MediaFeature
+from mmcore.link.pool_links import PoolLinks
 from router.llm_client import LLMClient, counters_or_error
 from router.messages import NormalizedMessage
-from router.pool_links import PoolLinks
 from router.serve_calls import Counters, StreamingMethod, UnaryMethod
 
 PrepareFrame = PreparedRequest | list[MediaFeature]  # ``prepare_stream``'s: the request, then items
@@ -70,7 +70,9 @@ class ModelHandles:
     llm: LLMClient
     cache: CacheIndex
     hit_path: HitPath | None = None  # None: every media request goes to ``prepare``
-    prepare_links: PoolLinks | None = None  # ``prepare`` as frames to the pool's replicas (pool_links.py)
+    prepare_links: PoolLinks | None = (
+        None  # ``prepare`` as frames to the pool's replicas (mmcore/link/pool_links.py)
+    )
 
     async def prepare(
         self,

@@ -105,7 +105,7 @@ _SHARED: dict[str, PrefixAffinityIndex] = {}
 
 def shared_index(deployment: str) -> PrefixAffinityIndex:
     """This process's one index for a deployment (``"app#name"``): its Serve request router chooses
-    and records with it, for calls through Serve and over direct links alike (router/pool_links.py)."""
+    and records with it, for calls through Serve and over direct links alike (mmcore/link/pool_links.py)."""
     index = _SHARED.get(deployment)
     if index is None:
         index = _SHARED[deployment] = PrefixAffinityIndex()

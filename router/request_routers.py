@@ -4,7 +4,7 @@ Both keep exact per-replica in-flight counts for the requests this handle sent (
 hooks) and fall back on what replicas report through ``record_routing_stats`` for everyone else's.
 The decisions themselves are the pure functions in router.prefix_affinity.
 
-Calls that travel outside Serve (direct links, router/pool_links.py) are routed by the same router:
+Calls that travel outside Serve (direct links, mmcore/link/pool_links.py) are routed by the same router:
 each router registers itself per deployment in this process (``pool_links.live_router``), and ``choose_linked``
 ranks the live replicas that announced a link address in their routing stats, exactly as
 ``choose_replicas`` ranks them for a Serve call; ``linked_routed``/``linked_done`` keep its in-flight
@@ -19,7 +19,7 @@ from typing import TypeVar
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from router.pool_links import LINK_STAT, register_router
+from mmcore.link.pool_links import LINK_STAT, register_router
 from router.prefix_affinity import deployment_key, least_loaded, shared_index
 
 

@@ -115,7 +115,7 @@ class LLMServer:
 
     async def submit_detached(self, spec: LLMRequestSpec) -> SubmitReply:
         """``submit`` for a request whose life its ingress's output channel holds, not this call
-        (a call over a direct link: cluster/direct_served.py): answers once queued.
+        (a call over a direct link: cluster/replica_links.py): answers once queued.
         It ends with its last output, an ``abort`` from its ingress, or the channel's reader going
         away (orphaned: aborted). Raises what ``submit`` raises, before queueing anything."""
         reply, later = await self._enqueue(spec)

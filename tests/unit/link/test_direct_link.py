@@ -1,4 +1,4 @@
-"""router/direct_link.py on real loopback ZeroMQ sockets: answers, errors, cancellation, a lost link,
+"""mmcore/link/direct_link.py on real loopback ZeroMQ sockets: answers, errors, cancellation, a lost link,
 draining, deadlines, the in-flight bound, one shared reconnect."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from router.direct_link import (
+from mmcore.link.direct_link import (
     DirectLink,
     LinkBusy,
     LinkClient,

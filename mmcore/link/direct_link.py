@@ -25,7 +25,7 @@ there either; see the README's transport table). A peer with no key or a wrong k
 handshake; no frame of it reaches ``loads`` or a handler.
 
 **Why unpickling is safe here.** The bodies are made by the ``dumps`` the wiring gives: Ray's
-cloudpickle "in band" (cluster/direct_served.py ``frame_dumps``), because ObjectRefs ride in the
+cloudpickle "in band" (mmcore/link/on_ray.py ``frame_dumps``), because ObjectRefs ride in the
 records and Ray's deserialiser turns them back into counted borrows of their owner's objects. A
 pickle can run code; so ``loads`` runs only on messages of a connection whose peer proved it holds
 the cluster's keys. Those live in Ray's internal KV (the GCS), which only a process that can already
@@ -52,7 +52,7 @@ on the server (a cancel frame; the header's ``timeout_ms`` makes the server canc
 cancel frame be lost). A client that vanishes leaves its running calls to finish or reach their
 deadline (ZeroMQ's ROUTER reports no per-peer disconnect without its draft API).
 
-No Ray here: the replica's wiring (cluster/direct_served.py) gives the keys, codec and handlers.
+No Ray here: the replica's wiring (cluster/replica_links.py) gives the keys, codec and handlers.
 """
 
 from __future__ import annotations
@@ -65,9 +65,8 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from router.link_client import LinkClient
-from router.link_server import LinkServer
-from router.link_wire import (
+from mmcore.link.client import LinkClient
+from mmcore.link.frames import (
     DEFAULT_TIMEOUT_S,
     HWM,
     LOST_BACKOFF_S,
@@ -82,6 +81,7 @@ from router.link_wire import (
     Loads,
     pickle_dumps,
 )
+from mmcore.link.server import LinkServer
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",

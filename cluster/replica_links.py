@@ -1,22 +1,21 @@
-"""The pool replica's end of ``ingress.transport: auto`` (router/direct_link.py): a Serve replica
-class mixes in ``DirectServed`` and names the methods a direct link may call.
+"""Where the replicas are given a link server (``ingress.transport: auto``), and their callers links to them.
 
-The link's keys (router/direct_link.py ``LinkKeys``: CURVE key pairs for the servers and the clients)
-live in Ray's internal KV (the GCS), created once per cluster by whichever process asks first: whoever
-can read them can run code on the cluster anyway. ``MMSERVE_LINK_ENCRYPT=0`` in that process's
-environment (set it where ``ray start`` runs) makes them PLAIN keys: authenticated, not encrypted.
+A replica class mixes in ``DirectServed`` (``DirectLLM`` for the LLM replica) and names the methods a
+direct link may call; ``direct_link`` and ``pool_links`` give a caller its links to the replicas behind a
+handle. The transport itself (sockets, frames, keys, the in-band pickle) is mmcore/link/; this module only
+knows which replica answers what, and how a pool's Serve router is found (router/routing/).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, ClassVar
 
-from router.direct_link import DEFAULT_TIMEOUT_S, DirectLink, LinkKeys, LinkServer
-from router.pool_links import LINK_STAT, Address, PoolLinks, live_router
+from mmcore.link.direct_link import DEFAULT_TIMEOUT_S, DirectLink, LinkServer
+from mmcore.link.on_ray import frame_dumps, link_keys
+from mmcore.link.pool_links import LINK_STAT, Address, PoolLinks, live_router
 from router.prefix_affinity import deployment_key
 
 if TYPE_CHECKING:
@@ -25,39 +24,6 @@ if TYPE_CHECKING:
 
     from llm_service.output_channels import ChannelBatch, OutputChannels
     from llm_service.request_spec import LLMRequestSpec, ReplicaTarget, SubmitReply
-
-_KEYS_KEY = b"mmserve-direct-link-keys"
-
-
-def link_keys() -> LinkKeys:
-    """The cluster's direct-link keys (created on first use; ``MMSERVE_LINK_ENCRYPT=0``: unencrypted)."""
-    from ray.experimental import internal_kv
-
-    encrypt = os.environ.get("MMSERVE_LINK_ENCRYPT", "1") not in ("0", "false", "no")
-    internal_kv._internal_kv_put(_KEYS_KEY, LinkKeys.generate(encrypt).to_bytes(), overwrite=False)
-    raw = internal_kv._internal_kv_get(_KEYS_KEY)
-    assert raw is not None
-    return LinkKeys.from_bytes(bytes(raw))
-
-
-def frame_dumps(obj: object) -> bytes:
-    """``ray.cloudpickle.dumps`` as Ray pickles a task's arguments ("in band"): each ObjectRef is
-    written with its owner's address, and not pinned. Out of band (a bare ``cloudpickle.dumps``) Ray
-    pins every ref it writes for the life of the process: 496 references left in the ingress after
-    the 500-request leak test. The object stays alive while its owner holds it, as in Serve's own
-    gRPC transport (README, "No pins")."""
-    import ray
-    from ray import cloudpickle
-
-    ctx = ray._private.worker.global_worker.get_serialization_context()
-    if ctx.is_in_band_serialization():  # inside another serialisation: leave its books alone
-        return bytes(cloudpickle.dumps(obj))
-    ctx.set_in_band_serialization()
-    try:
-        return bytes(cloudpickle.dumps(obj))
-    finally:
-        ctx.set_out_of_band_serialization()
-        ctx.get_and_clear_contained_object_refs()
 
 
 def direct_link(

@@ -1,4 +1,4 @@
-"""The replica's end of a direct link (router/direct_link.py): one ROUTER socket, ZAP-authenticated."""
+"""The replica's end of a direct link (mmcore/link/direct_link.py): one ROUTER socket, ZAP-authenticated."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import zmq
 import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
-from router.link_wire import (
+from mmcore.link.frames import (
     HWM,
     MAX_FRAME_BYTES,
     MAX_IN_FLIGHT,

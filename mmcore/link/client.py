@@ -1,4 +1,4 @@
-"""The caller's end of a direct link (router/direct_link.py): one DEALER socket per connection, its
+"""The caller's end of a direct link (mmcore/link/direct_link.py): one DEALER socket per connection, its
 handshake and liveness watched through a socket monitor."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from router.link_wire import (
+from mmcore.link.frames import (
     CONNECT_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
     FAILED,

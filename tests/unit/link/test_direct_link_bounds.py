@@ -1,4 +1,4 @@
-"""router/direct_link.py against peers that misbehave: no key or a wrong key, garbage and oversized
+"""mmcore/link/direct_link.py against peers that misbehave: no key or a wrong key, garbage and oversized
 frames, a client that does not read, a server that stops answering without closing."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from router.direct_link import (
+from mmcore.link.direct_link import (
     BadFrame,
     DirectLink,
     FrameTooLarge,
@@ -205,7 +205,7 @@ def test_a_client_that_does_not_read_keeps_the_server_bounded_and_gets_fast_503s
 
 _SERVER = """
 import asyncio, sys
-from router.direct_link import LinkKeys, LinkServer
+from mmcore.link.direct_link import LinkKeys, LinkServer
 
 async def main():
     async def hang():

@@ -1,4 +1,4 @@
-"""The direct link's wire (router/direct_link.py tells the design): limits, errors, keys, and the
+"""The direct link's wire (mmcore/link/direct_link.py tells the design): limits, errors, keys, and the
 helpers both ends share to tune sockets and send and receive multipart messages without waiting."""
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ leaves the set. So a pool of many replicas, autoscaling or not, stays on the fas
 
 Until the router exists (this process made no Serve call to the pool yet) or no replica has announced
 a link, ``pick`` answers None and the caller goes through Serve's handle. No Ray here: the wiring
-(cluster/direct_served.py) gives the router lookup and the link factory.
+(cluster/replica_links.py) gives the router lookup and the link factory.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from router.direct_link import DirectLink
+from mmcore.link.direct_link import DirectLink
 
 Address = tuple[str, int]
 LINK_STAT = "link"  # routing-stats key: (host, port) where a replica takes direct-link calls

@@ -1,4 +1,4 @@
-"""Streams on a direct link (router/link_server.py, link_client.py) on real loopback ZeroMQ sockets:
+"""Streams on a direct link (mmcore/link/server.py, client.py) on real loopback ZeroMQ sockets:
 many items per call in order, interleaved streams, an error after items, the reader leaving or its
 connection vanishing (the generator is closed on the server), a reader that does not read (the
 generator is not resumed: bounded), the server going away (``LinkLost`` mid-stream)."""
@@ -16,8 +16,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from router.direct_link import BadFrame, DirectLink, LinkClient, LinkKeys, LinkLost, LinkServer
-from router.link_wire import MORE, OK
+from mmcore.link.direct_link import BadFrame, DirectLink, LinkClient, LinkKeys, LinkLost, LinkServer
+from mmcore.link.frames import MORE, OK
 
 KEYS = LinkKeys.generate()
 
