@@ -252,7 +252,7 @@ def model_modalities(model_dir: str) -> list[str]:
 def _ingress(config: AppConfig, pools: dict[str, dict[str, serve.Application]]) -> serve.Application:
     from router.admission import AdmissionLimits
     from router.deployment import HTTPOptions, IngressModel, IngressServer
-    from router.messages import MessageLimits
+    from router.protocol.messages import MessageLimits
 
     class Ingress(IngressServer):
         # @serve.ingress made the parent's __init__ async: a subclass must await it.

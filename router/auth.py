@@ -23,8 +23,8 @@ from pathlib import Path
 
 import yaml
 
-from router.errors import APIError
-from router.protocol import ErrorBody, error_body
+from router.protocol.errors import APIError
+from router.protocol.openai import ErrorBody, error_body
 
 DEFAULT_TENANT = "default"  # the tenant of the single --api-key / MMSERVE_API_KEY key
 API_KEY_ENV = "MMSERVE_API_KEY"

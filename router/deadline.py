@@ -17,7 +17,7 @@ import asyncio
 from collections.abc import AsyncGenerator, Awaitable
 from typing import TypeVar
 
-from router.errors import APIError
+from router.protocol.errors import APIError
 
 T = TypeVar("T")
 

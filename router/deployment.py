@@ -20,15 +20,15 @@ from ray import serve
 from mmcore.link.pool_links import PoolLinks
 from router.admission import AdmissionController, AdmissionLimits
 from router.auth import KeyRing
-from router.errors import APIError, from_exception
 from router.http_server import DirectHTTPServer
 from router.ingress import ChatService, ServedModel
 from router.json_limits import DEFAULT_MAX_JSON_VALUES
 from router.llm_client import LLMClient
-from router.messages import MessageLimits
 from router.metrics import IngressMetrics
 from router.model_handles import ModelHandles
 from router.orchestrator import Orchestrator
+from router.protocol.errors import APIError, from_exception
+from router.protocol.messages import MessageLimits
 
 if TYPE_CHECKING:  # annotations only (strings: this module has no ``from __future__ import annotations``)
     from ray.serve.handle import DeploymentHandle

@@ -23,11 +23,11 @@ from router.admission import AdmissionController, AdmissionLimits, Ticket
 from router.auth import effective_cache_salt
 from router.deadline import Deadline
 from router.detokenizer import IncrementalDetokenizer
-from router.errors import APIError, bad_request, from_exception
 from router.json_limits import DEFAULT_MAX_JSON_VALUES, check_json_values
-from router.messages import MessageLimits, NormalizedChat, normalize_messages
 from router.orchestrator import Orchestrator
-from router.protocol import (
+from router.protocol.errors import APIError, bad_request, from_exception
+from router.protocol.messages import MessageLimits, NormalizedChat, normalize_messages
+from router.protocol.openai import (
     AssistantMessage,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -43,8 +43,8 @@ from router.protocol import (
     TopLogprob,
     Usage,
 )
+from router.protocol.sampling import fit_to_prompt, request_sampling_params, requested_max_tokens
 from router.replay_log import failure_record, log_failure
-from router.sampling import fit_to_prompt, request_sampling_params, requested_max_tokens
 from router.sse import DONE, ChunkRenderer, SSEResponse
 
 if TYPE_CHECKING:

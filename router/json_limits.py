@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import re
 
-from router.errors import bad_request
+from router.protocol.errors import bad_request
 
 DEFAULT_MAX_JSON_VALUES = 16_384
 _TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[,\[{]', re.S)  # a whole string, or , [ {

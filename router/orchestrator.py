@@ -34,11 +34,11 @@ from llm_service.outputs import RequestOutput
 from llm_service.request_spec import LLMRequestSpec, SubmitReply
 from llm_service.sampling_params import SamplingParams
 from mmcore.feature import MediaFeature
-from router.errors import bad_request, find_cause, lost_twice, replica_gone
 from router.llm_spec import request_spec
-from router.messages import NormalizedChat, NormalizedMessage, TextMessage, text_only_messages
 from router.model_handles import ModelHandles
 from router.prepare_calls import Arrivals, PrepareCalls
+from router.protocol.errors import bad_request, find_cause, lost_twice, replica_gone
+from router.protocol.messages import NormalizedChat, NormalizedMessage, TextMessage, text_only_messages
 
 logger = logging.getLogger("mmserve.router")
 

@@ -22,9 +22,9 @@ from collections.abc import AsyncGenerator, Sequence
 from encoder_service.preprocess import tracing
 from encoder_service.preprocess.prepared import LookedUp, PreparedRequest
 from mmcore.feature import MediaFeature
-from router.errors import is_client_error, replica_gone
-from router.messages import NormalizedMessage, inline_media
 from router.model_handles import ModelHandles
+from router.protocol.errors import is_client_error, replica_gone
+from router.protocol.messages import NormalizedMessage, inline_media
 
 logger = logging.getLogger("mmserve.router")
 

@@ -44,7 +44,7 @@ stays within ~(2·hwm + max_in_flight) frames per connection, and an overload is
 **Liveness.** ZeroMQ heartbeats (``HEARTBEAT_S``): a peer that answers no PING for
 ``3 * HEARTBEAT_S`` is disconnected, and the client's socket monitor then fails every call waiting
 on that connection with ``LinkLost`` — which the callers treat as their replica gone
-(``router.errors.replica_gone``): they retry through Serve, and the link rests ``LOST_BACKOFF_S``
+(``router.protocol.errors.replica_gone``): they retry through Serve, and the link rests ``LOST_BACKOFF_S``
 before it asks Serve where the replica (or its successor) listens again. ZeroMQ's I/O thread answers
 the PINGs, so a replica whose event loop is stuck still looks alive: for that, each call has a deadline
 (``timeout_s``, or the link's default): past it the call fails with ``LinkTimeout`` and is cancelled

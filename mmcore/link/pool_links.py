@@ -12,7 +12,7 @@ leaves the set. So a pool of many replicas, autoscaling or not, stays on the fas
                 (≤ 1 s), calls start reaching it over the link
     scale-down  Serve drops the replica from the set before stopping it, so new calls go elsewhere;
                 a frame that still reaches it while it drains is answered ``LinkLost`` unrun, and the
-                caller sends it again through Serve (router.errors.replica_gone)
+                caller sends it again through Serve (router.protocol.errors.replica_gone)
 
 Until the router exists (this process made no Serve call to the pool yet) or no replica has announced
 a link, ``pick`` answers None and the caller goes through Serve's handle. No Ray here: the wiring

@@ -17,7 +17,7 @@ from mmcore.link.direct_link import (
     LinkServer,
     LinkTimeout,
 )
-from router.errors import from_exception, replica_gone
+from router.protocol.errors import from_exception, replica_gone
 
 KEYS = LinkKeys.generate()
 

@@ -25,7 +25,7 @@ from mmcore.link.direct_link import (
     LinkLost,
     LinkServer,
 )
-from router.errors import replica_gone
+from router.protocol.errors import replica_gone
 
 KEYS = LinkKeys.generate()
 PWNED: list[str] = []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from router.admission import AdmissionController, AdmissionLimits, Overloaded
-from router.errors import from_exception
+from router.protocol.errors import from_exception
 
 
 def _ctl(**kw: int) -> AdmissionController:

@@ -23,8 +23,8 @@ from encoder_service.preprocess.prepare import RequestPreparer
 from encoder_service.types import MediaRef
 from llm_service.outputs import RequestOutput
 from llm_service.sampling_params import SamplingParams
-from router.errors import from_exception
-from router.messages import NormalizedChat
+from router.protocol.errors import from_exception
+from router.protocol.messages import NormalizedChat
 from tests.fakes import Clock
 from tests.media import make_image_bytes
 from tests.unit.router.hit_path_world import (

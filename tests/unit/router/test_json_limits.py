@@ -10,9 +10,9 @@ import tracemalloc
 import pytest
 from starlette.requests import Request
 
-from router.errors import APIError
 from router.ingress import ChatService
 from router.json_limits import check_json_values, count_values
+from router.protocol.errors import APIError
 
 
 @pytest.mark.parametrize(

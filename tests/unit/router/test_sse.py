@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from router.messages import MessageLimits
-from router.protocol import ChatCompletionChunk, Delta, StreamChoice
+from router.protocol.messages import MessageLimits
+from router.protocol.openai import ChatCompletionChunk, Delta, StreamChoice
 from router.sse import DONE, ChunkRenderer, SSEResponse
 
 LIMITS = MessageLimits(max_messages=4, max_content_parts=4, max_media_bytes=1 << 10, limit_mm_per_prompt={})
@@ -111,8 +111,8 @@ def _stream_bodies(outputs: list[Any], fail_after: int | None = None) -> tuple[l
     from llm_service.outputs import RequestOutput
     from router.detokenizer import IncrementalDetokenizer
     from router.ingress import ChatService, ServedModel
-    from router.messages import normalize_messages
-    from router.protocol import ChatCompletionRequest
+    from router.protocol.messages import normalize_messages
+    from router.protocol.openai import ChatCompletionRequest
 
     orch = _Orchestrator()
     model = ServedModel("tiny", orch, None, 4096, ["image"])  # type: ignore[arg-type]

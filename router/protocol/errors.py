@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TypeVar
 
-from router.protocol import ErrorBody, error_body
+from router.protocol.openai import ErrorBody, error_body
 
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from llm_service.sampling_params import SamplingParams
-from router.errors import bad_request
-from router.protocol import ChatCompletionRequest
+from router.protocol.errors import bad_request
+from router.protocol.openai import ChatCompletionRequest
 
 
 def requested_max_tokens(req: ChatCompletionRequest) -> int | None:

@@ -10,8 +10,8 @@ from typing import Literal, TypedDict
 import pybase64
 
 from encoder_service.types import MODALITIES, MediaRef, Modality
-from router.errors import APIError, bad_request
-from router.protocol import (
+from router.protocol.errors import APIError, bad_request
+from router.protocol.openai import (
     AudioURLPart,
     ChatMessage,
     ContentPart,
