@@ -125,7 +125,7 @@ def _encoder_pool(
     """The model's encoder pool; ``cache_index`` (its ``EncoderCacheIndex`` deployment) is bound here
     so that Serve deploys it with the app: the replicas find its shards by name."""
     from encoder_service.serve.preparing_encoder import PreparingEncoderServer
-    from router.request_routers import LeastQueuedEmbeddingsRouter
+    from router.routing.request_routers import LeastQueuedEmbeddingsRouter
 
     class EncoderPool(PreparingEncoderServer, DirectServed):
         DIRECT_METHODS: ClassVar[dict[str, str]] = {"prepare": "prepare", "prepare_stream": "prepare_stream"}
@@ -181,7 +181,7 @@ def _encoder_pool(
 
 def _llm_server(model: ModelConfig, cache_dir: str, links: bool) -> serve.Application:
     from llm_service.serve.deployment import LLMServer
-    from router.request_routers import PrefixAffinityRouter
+    from router.routing.request_routers import PrefixAffinityRouter
 
     class LLMPool(LLMServer, DirectLLM):
         LINKS_ON = links
@@ -250,9 +250,9 @@ def model_modalities(model_dir: str) -> list[str]:
 
 
 def _ingress(config: AppConfig, pools: dict[str, dict[str, serve.Application]]) -> serve.Application:
-    from router.admission import AdmissionLimits
     from router.deployment import HTTPOptions, IngressModel, IngressServer
     from router.protocol.messages import MessageLimits
+    from router.routing.admission import AdmissionLimits
 
     class Ingress(IngressServer):
         # @serve.ingress made the parent's __init__ async: a subclass must await it.

@@ -257,7 +257,7 @@ class ModelConfig(_Strict):
 
 
 class AdmissionConfig(_Strict):
-    """Per ingress replica: what it takes in at once, by count and by cost (router/admission.py).
+    """Per ingress replica: what it takes in at once, by count and by cost (router/routing/admission.py).
 
     A request costs 1, plus ``media_cost`` per media item, plus 1 per ``text_chars_per_cost``
     characters of text; past either bound the client gets 503 ``overloaded`` with ``Retry-After``.

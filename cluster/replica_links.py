@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, ClassVar
 from mmcore.link.direct_link import DEFAULT_TIMEOUT_S, DirectLink, LinkServer
 from mmcore.link.on_ray import frame_dumps, link_keys
 from mmcore.link.pool_links import LINK_STAT, Address, PoolLinks, live_router
-from router.prefix_affinity import deployment_key
+from router.routing.prefix_affinity import deployment_key
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle

@@ -196,7 +196,7 @@ class EncodeBatch:
     inputs: Sequence[EncoderInput]
 
     @property
-    def num_embeds(self) -> int:  # read by router.request_routers.LeastQueuedEmbeddingsRouter
+    def num_embeds(self) -> int:  # read by router.routing.request_routers.LeastQueuedEmbeddingsRouter
         return sum(i.num_embeds for i in self.inputs)
 
     def __reduce__(self) -> Reduced:

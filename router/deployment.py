@@ -18,7 +18,6 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from ray import serve
 
 from mmcore.link.pool_links import PoolLinks
-from router.admission import AdmissionController, AdmissionLimits
 from router.auth import KeyRing
 from router.http_server import DirectHTTPServer
 from router.ingress import ChatService, ServedModel
@@ -29,6 +28,7 @@ from router.model_handles import ModelHandles
 from router.orchestrator import Orchestrator
 from router.protocol.errors import APIError, from_exception
 from router.protocol.messages import MessageLimits
+from router.routing.admission import AdmissionController, AdmissionLimits
 
 if TYPE_CHECKING:  # annotations only (strings: this module has no ``from __future__ import annotations``)
     from ray.serve.handle import DeploymentHandle

@@ -19,7 +19,6 @@ from pydantic import ValidationError
 
 from llm_service.outputs import RequestOutput
 from router import tracing
-from router.admission import AdmissionController, AdmissionLimits, Ticket
 from router.auth import effective_cache_salt
 from router.deadline import Deadline
 from router.detokenizer import IncrementalDetokenizer
@@ -45,6 +44,7 @@ from router.protocol.openai import (
 )
 from router.protocol.sampling import fit_to_prompt, request_sampling_params, requested_max_tokens
 from router.replay_log import failure_record, log_failure
+from router.routing.admission import AdmissionController, AdmissionLimits, Ticket
 from router.sse import DONE, ChunkRenderer, SSEResponse
 
 if TYPE_CHECKING:
@@ -132,7 +132,7 @@ class ChatService:
                 f"model {model.name!r} does not accept {', '.join(sorted(unsupported))} input",
                 code="unsupported_modality",
             )
-        # Bounded work in flight, refused at once past it (router/admission.py): before any other work.
+        # Bounded work in flight, refused at once past it (router/routing/admission.py): before any other work.
         ticket = self.admission.admit(self.admission.cost((m.modality for m in chat.media), chat.text_chars))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         orch = model.orchestrator

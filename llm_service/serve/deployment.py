@@ -286,7 +286,7 @@ class LLMServer:
         }
 
     def record_routing_stats(self) -> dict[str, object]:
-        """Called by Serve's controller; read by router.request_routers.PrefixAffinityRouter."""
+        """Called by Serve's controller; read by router.routing.request_routers.PrefixAffinityRouter."""
         self.channels.drop_unconnected()
         stats = self.stats()
         self._metrics.export(self._engine_stats())

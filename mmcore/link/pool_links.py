@@ -2,7 +2,7 @@
 
 Every pool replica announces where it takes direct-link calls in its routing stats (``LINK_STAT``), which
 Serve's controller polls every second and pushes to each handle's router with the live replica set. A
-``PoolLinks`` asks this process's router of the pool (router/request_routers.py: ``choose_linked``) for
+``PoolLinks`` asks this process's router of the pool (router/routing/request_routers.py: ``choose_linked``) for
 the replica a Serve call would go to — prefix affinity for the LLM pool, fewest queued embeddings for
 the encoder pool, both over the same in-flight counts — and sends the call as a frame on that replica's
 link, one connection per (this process, replica), opened on first use and dropped when the replica

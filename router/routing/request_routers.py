@@ -2,7 +2,7 @@
 
 Both keep exact per-replica in-flight counts for the requests this handle sent (routed/completed
 hooks) and fall back on what replicas report through ``record_routing_stats`` for everyone else's.
-The decisions themselves are the pure functions in router.prefix_affinity.
+The decisions themselves are the pure functions in router.routing.prefix_affinity.
 
 Calls that travel outside Serve (direct links, mmcore/link/pool_links.py) are routed by the same router:
 each router registers itself per deployment in this process (``pool_links.live_router``), and ``choose_linked``
@@ -20,7 +20,7 @@ from typing import TypeVar
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from mmcore.link.pool_links import LINK_STAT, register_router
-from router.prefix_affinity import deployment_key, least_loaded, shared_index
+from router.routing.prefix_affinity import deployment_key, least_loaded, shared_index
 
 
 class _Args:
