@@ -21,11 +21,11 @@ from mmcore.link.pool_links import PoolLinks
 from router.auth import KeyRing
 from router.http_server import DirectHTTPServer
 from router.ingress import ChatService, ServedModel
+from router.journey.llm_client import LLMClient
+from router.journey.model_handles import ModelHandles
+from router.journey.orchestrator import Orchestrator
 from router.json_limits import DEFAULT_MAX_JSON_VALUES
-from router.llm_client import LLMClient
 from router.metrics import IngressMetrics
-from router.model_handles import ModelHandles
-from router.orchestrator import Orchestrator
 from router.protocol.errors import APIError, from_exception
 from router.protocol.messages import MessageLimits
 from router.routing.admission import AdmissionController, AdmissionLimits
@@ -77,7 +77,7 @@ class HTTPOptions:
     max_request_bytes: int
     drain_timeout_s: float = 30.0  # shutdown: how long in-flight HTTP responses may take to finish
     max_json_values: int = DEFAULT_MAX_JSON_VALUES
-    request_timeout_s: float | None = None  # end to end, router/deadline.py
+    request_timeout_s: float | None = None  # end to end, router/journey/deadline.py
 
 
 def _link(m: IngressModel, pool: str, handle: "DeploymentHandle") -> PoolLinks | None:

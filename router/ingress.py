@@ -20,10 +20,10 @@ from pydantic import ValidationError
 from llm_service.outputs import RequestOutput
 from router import tracing
 from router.auth import effective_cache_salt
-from router.deadline import Deadline
-from router.detokenizer import IncrementalDetokenizer
+from router.journey.deadline import Deadline
+from router.journey.detokenizer import IncrementalDetokenizer
+from router.journey.orchestrator import Orchestrator
 from router.json_limits import DEFAULT_MAX_JSON_VALUES, check_json_values
-from router.orchestrator import Orchestrator
 from router.protocol.errors import APIError, bad_request, from_exception
 from router.protocol.messages import MessageLimits, NormalizedChat, normalize_messages
 from router.protocol.openai import (

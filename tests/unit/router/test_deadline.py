@@ -7,7 +7,7 @@ from collections.abc import AsyncGenerator
 
 import pytest
 
-from router.deadline import Deadline
+from router.journey.deadline import Deadline
 from router.protocol.errors import APIError
 
 

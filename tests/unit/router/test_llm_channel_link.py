@@ -18,7 +18,7 @@ from llm_service.sampling_params import SamplingParams
 from llm_service.serve.deployment import LLMServer
 from mmcore.link.direct_link import DirectLink, LinkClient, LinkKeys, LinkServer
 from mmcore.link.pool_links import Address, PoolLinks
-from router.llm_client import LLMClient
+from router.journey.llm_client import LLMClient
 from tests.unit.llm.test_engine_loop import PROMPT, FakeEngine
 from tests.unit.router.test_llm_client import FakeLLMHandle
 

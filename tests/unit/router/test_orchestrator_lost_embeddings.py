@@ -35,8 +35,8 @@ from llm_service.outputs import RequestOutput
 from llm_service.request_spec import LLMRequestSpec, SubmitReply
 from llm_service.sampling_params import SamplingParams
 from mmcore.feature import MediaFeature
-from router.model_handles import ModelHandles
-from router.orchestrator import Orchestrator
+from router.journey.model_handles import ModelHandles
+from router.journey.orchestrator import Orchestrator
 from router.protocol.errors import APIError
 from router.protocol.messages import NormalizedChat
 from tests.fakes import Remote

@@ -7,7 +7,7 @@ import base64
 import pytest
 from pydantic import ValidationError
 
-from router.detokenizer import IncrementalDetokenizer
+from router.journey.detokenizer import IncrementalDetokenizer
 from router.protocol.errors import APIError, from_exception
 from router.protocol.messages import MessageLimits, normalize_messages, text_only_messages
 from router.protocol.openai import ChatCompletionRequest

@@ -109,8 +109,8 @@ class _Orchestrator:
 
 def _stream_bodies(outputs: list[Any], fail_after: int | None = None) -> tuple[list[tuple[bytes, bool]], Any]:
     from llm_service.outputs import RequestOutput
-    from router.detokenizer import IncrementalDetokenizer
     from router.ingress import ChatService, ServedModel
+    from router.journey.detokenizer import IncrementalDetokenizer
     from router.protocol.messages import normalize_messages
     from router.protocol.openai import ChatCompletionRequest
 

@@ -13,9 +13,9 @@ from typing import Protocol
 from encoder_service.preprocess.prepared import LookedUp, PreparedRequest
 from mmcore.feature import MediaFeature
 from mmcore.link.pool_links import PoolLinks
-from router.llm_client import LLMClient, counters_or_error
+from router.journey.llm_client import LLMClient, counters_or_error
+from router.journey.serve_calls import Counters, StreamingMethod, UnaryMethod
 from router.protocol.messages import NormalizedMessage
-from router.serve_calls import Counters, StreamingMethod, UnaryMethod
 
 PrepareFrame = PreparedRequest | list[MediaFeature]  # ``prepare_stream``'s: the request, then items
 

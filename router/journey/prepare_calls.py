@@ -22,7 +22,7 @@ from collections.abc import AsyncGenerator, Sequence
 from encoder_service.preprocess import tracing
 from encoder_service.preprocess.prepared import LookedUp, PreparedRequest
 from mmcore.feature import MediaFeature
-from router.model_handles import ModelHandles
+from router.journey.model_handles import ModelHandles
 from router.protocol.errors import is_client_error, replica_gone
 from router.protocol.messages import NormalizedMessage, inline_media
 

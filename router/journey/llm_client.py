@@ -30,8 +30,8 @@ from llm_service.request_spec import LLMRequestSpec, ReplicaTarget, SubmitReply
 from mmcore.feature import MediaFeature
 from mmcore.link.direct_link import LinkBusy, LinkLost
 from mmcore.link.pool_links import PoolLinks
+from router.journey.serve_calls import Counters, StreamCall, StreamingMethod, UnaryMethod
 from router.protocol.errors import replica_gone
-from router.serve_calls import Counters, StreamCall, StreamingMethod, UnaryMethod
 
 logger = logging.getLogger("mmserve.router")
 

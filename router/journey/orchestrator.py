@@ -9,7 +9,7 @@ A prepared request holds nothing in the encoder cache: it holds its embeddings' 
 keeps the objects alive for it), and its reservations were committed before ``prepare`` returned.
 If ``prepare`` fails or the client leaves during it, the request id's reservations are released on
 every shard (final there: a reservation arriving later is refused). A ``prepare`` whose replica died
-is sent again under a fresh attempt id (``router/prepare_calls.py``: the hit path, the retries).
+is sent again under a fresh attempt id (``router/journey/prepare_calls.py``: the hit path, the retries).
 
 Lost embeddings (the encoder replica that owns them died): ``submit`` raises ``EmbeddingsLost``
 before the request enters the engine; those entries are invalidated (only while they still hold the
@@ -34,9 +34,9 @@ from llm_service.outputs import RequestOutput
 from llm_service.request_spec import LLMRequestSpec, SubmitReply
 from llm_service.sampling_params import SamplingParams
 from mmcore.feature import MediaFeature
-from router.llm_spec import request_spec
-from router.model_handles import ModelHandles
-from router.prepare_calls import Arrivals, PrepareCalls
+from router.journey.llm_spec import request_spec
+from router.journey.model_handles import ModelHandles
+from router.journey.prepare_calls import Arrivals, PrepareCalls
 from router.protocol.errors import bad_request, find_cause, lost_twice, replica_gone
 from router.protocol.messages import NormalizedChat, NormalizedMessage, TextMessage, text_only_messages
 

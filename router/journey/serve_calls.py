@@ -1,7 +1,7 @@
 """What the router calls on a Serve deployment, as protocols: in production Ray Serve's
 ``DeploymentHandle`` (its method attributes, ``.remote(...)`` and ``.options(stream=True)``), in the
-unit tests in-process fakes. Each pool's own protocol (``router/model_handles.py``,
-``router/llm_client.py``) names its methods with these and the types they answer."""
+unit tests in-process fakes. Each pool's own protocol (``router/journey/model_handles.py``,
+``router/journey/llm_client.py``) names its methods with these and the types they answer."""
 
 from __future__ import annotations
 
