@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
     from encoder_service.preprocess.make_preparer import PreprocessArgs
     from llm_service.request_spec import ReplicaTarget
-    from router.auth import KeyRing
+    from router.http.auth import KeyRing
 
 TP_LEADER_NUM_CPUS = 0.1  # the replica of a TP>1 encoder group only queues, batches and puts
 
@@ -250,7 +250,7 @@ def model_modalities(model_dir: str) -> list[str]:
 
 
 def _ingress(config: AppConfig, pools: dict[str, dict[str, serve.Application]]) -> serve.Application:
-    from router.deployment import HTTPOptions, IngressModel, IngressServer
+    from router.http.app import HTTPOptions, IngressModel, IngressServer
     from router.protocol.messages import MessageLimits
     from router.routing.admission import AdmissionLimits
 
@@ -317,7 +317,7 @@ def ingress_keys(cfg: AppConfig) -> KeyRing:
     runs) and ``ingress.api_keys_file`` (read here, on the replica's node: e.g. a mounted Secret)."""
     import os
 
-    from router.auth import API_KEY_ENV, KeyRing
+    from router.http.auth import API_KEY_ENV, KeyRing
 
     ing = cfg.ingress
     api_key = ing.api_key.get_secret_value() if ing.api_key is not None else os.environ.get(API_KEY_ENV)

@@ -47,7 +47,7 @@ class MediaRef:
     data: bytes | None = None  # raw bytes (already base64-decoded)
     format: str | None = None  # e.g. "wav" for input_audio
     uuid: str | None = None  # client-chosen name of the content, in ``tenant``'s namespace (uuid_aliases.py)
-    tenant: str | None = None  # who sent it (router/auth.py); None when the server has no API keys
+    tenant: str | None = None  # who sent it (router/http/auth.py); None when the server has no API keys
 
 
 @dataclass

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from starlette.requests import Request
 
-from router.ingress import ChatService
+from router.http.chat import ChatService
 from router.protocol.errors import APIError
 from router.protocol.messages import MessageLimits, normalize_messages
 

@@ -18,12 +18,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from llm_service.outputs import RequestOutput
-from router import tracing
-from router.auth import effective_cache_salt
+from router.http import tracing
+from router.http.auth import effective_cache_salt
+from router.http.json_limits import DEFAULT_MAX_JSON_VALUES, check_json_values
+from router.http.replay_log import failure_record, log_failure
+from router.http.sse import DONE, ChunkRenderer, SSEResponse
 from router.journey.deadline import Deadline
 from router.journey.detokenizer import IncrementalDetokenizer
 from router.journey.orchestrator import Orchestrator
-from router.json_limits import DEFAULT_MAX_JSON_VALUES, check_json_values
 from router.protocol.errors import APIError, bad_request, from_exception
 from router.protocol.messages import MessageLimits, NormalizedChat, normalize_messages
 from router.protocol.openai import (
@@ -43,12 +45,10 @@ from router.protocol.openai import (
     Usage,
 )
 from router.protocol.sampling import fit_to_prompt, request_sampling_params, requested_max_tokens
-from router.replay_log import failure_record, log_failure
 from router.routing.admission import AdmissionController, AdmissionLimits, Ticket
-from router.sse import DONE, ChunkRenderer, SSEResponse
 
 if TYPE_CHECKING:
-    from router.metrics import IngressMetrics
+    from router.http.metrics import IngressMetrics
 
 logger = logging.getLogger("mmserve.ingress")
 
@@ -120,7 +120,7 @@ class ChatService:
         return model
 
     async def chat(self, request: Request, tenant: str | None = None) -> Response:
-        """One chat completion for ``tenant`` (router/auth.py; None: the server has no API keys)."""
+        """One chat completion for ``tenant`` (router/http/auth.py; None: the server has no API keys)."""
         start = time.monotonic()
         deadline = Deadline(self.request_timeout_s)
         req = await deadline.run(self.read_request(request))

@@ -4,7 +4,7 @@ written in as few socket writes as the stream allows.
 Every token of a stream was a ``ChatCompletionChunk`` of three pydantic models, validated and dumped:
 11 µs of the ingress's loop per token on an idle core here, against 2 µs for ``ChunkRenderer``, which
 writes the same JSON from a prefix rendered once per request (id, object, created, model) and the
-token's text. A chunk with logprobs still goes through the models (``router/ingress.py``).
+token's text. A chunk with logprobs still goes through the models (``router/http/chat.py``).
 
 ``SSEResponse`` sends the event that ends with ``data: [DONE]`` as the body's last chunk: Starlette's
 ``StreamingResponse`` writes an empty one after it, one more ``send`` through the middleware and one

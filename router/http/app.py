@@ -2,7 +2,7 @@
 
 HTTP arrives either through Serve's proxy (``@serve.ingress``: the mode for clusters whose load
 balancer targets the proxy) or directly (``http_mode="direct"``: the replica runs its own server on
-the user's port, see http_server.py). cluster/app.py builds the ``IngressModel`` list; nothing here
+the user's port, see listener.py). cluster/app.py builds the ``IngressModel`` list; nothing here
 reads the app config.
 """
 
@@ -18,14 +18,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from ray import serve
 
 from mmcore.link.pool_links import PoolLinks
-from router.auth import KeyRing
-from router.http_server import DirectHTTPServer
-from router.ingress import ChatService, ServedModel
+from router.http.auth import KeyRing
+from router.http.chat import ChatService, ServedModel
+from router.http.json_limits import DEFAULT_MAX_JSON_VALUES
+from router.http.listener import DirectHTTPServer
+from router.http.metrics import IngressMetrics
 from router.journey.llm_client import LLMClient
 from router.journey.model_handles import ModelHandles
 from router.journey.orchestrator import Orchestrator
-from router.json_limits import DEFAULT_MAX_JSON_VALUES
-from router.metrics import IngressMetrics
 from router.protocol.errors import APIError, from_exception
 from router.protocol.messages import MessageLimits
 from router.routing.admission import AdmissionController, AdmissionLimits
@@ -143,7 +143,7 @@ class IngressServer:
         self.metrics = IngressMetrics(m.name for m in models)
         self.encoder_items_dispatched: dict[str, int] = {}
         self.caches: dict[str, EncoderCacheClient] = {}
-        from router.deployment import _hit_path, _link  # pickled by value: see build_direct_app below
+        from router.http.app import _hit_path, _link  # pickled by value: see build_direct_app below
 
         served: dict[str, ServedModel] = {}
         for m in models:
@@ -180,7 +180,7 @@ class IngressServer:
         if http.mode == "direct":
             # Imported here: this class is pickled by value (``@serve.ingress`` wraps it), and its
             # methods see only the module globals captured then.
-            from router.deployment import build_direct_app
+            from router.http.app import build_direct_app
 
             self.http = DirectHTTPServer(build_direct_app(self), http.host, http.port)
 
