@@ -14,6 +14,8 @@ import msgpack
 import zmq
 import zmq.asyncio
 
+from mmcore.errors import Overloaded
+
 MAX_FRAME_BYTES = 256 << 20  # a body's bound (the ingress's requests are bounded at 64 MiB by default)
 HWM = 1024  # messages each socket queues each way
 MAX_IN_FLIGHT = 1024  # calls a server runs at once; past it LinkBusy
@@ -40,12 +42,8 @@ class LinkLost(ConnectionError):
     code = "replica_link_lost"
 
 
-class LinkBusy(RuntimeError):
+class LinkBusy(Overloaded):
     """Too many calls queued or running on the link: refused at once, not run."""
-
-    status_code = 503
-    code = "overloaded"
-    retry_after_s = 1
 
 
 class LinkTimeout(TimeoutError):
