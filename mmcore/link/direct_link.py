@@ -1,10 +1,12 @@
-"""ZeroMQ sockets between an ingress replica and the one replica of a pool (``transport``).
+"""ZeroMQ sockets between a caller (an ingress replica, a cache client) and the replicas of a pool.
 
 A Serve handle call costs ~1.2–1.5 CPU-ms over all processes; a request and its reply on an open
-ZeroMQ connection ~0.1–0.2 (``python -m cluster.bench.transport``). So where a pool runs exactly one
-replica, and there is no routing to do and no autoscaling to feed, the ingress sends ``prepare`` and
-``submit`` on a ZeroMQ DEALER socket to the replica's ROUTER, as vLLM and SGLang connect their API
-server and engine. Each message is multipart: a small msgpack header and a body::
+ZeroMQ connection ~0.1–0.2 (``python -m cluster.bench.transport``). So the ingress sends ``prepare``
+and ``submit`` (and a cache client its shards' hot methods) on a ZeroMQ DEALER socket to the chosen
+replica's ROUTER, as vLLM and SGLang connect their API server and engine: one ``DirectLink`` per
+(caller process, replica), however many replicas the pool runs and however it autoscales
+(``PoolLinks`` in pool_links.py picks the replica as the pool's Serve router would). Each message is
+multipart: a small msgpack header and a body::
 
     client ──[seq, method, timeout_ms] + dumps(args)──▶ server   a call: ``handlers[method](*args)``
     client ──[seq, None, None]──▶ server                         the caller left: cancel that call
@@ -52,7 +54,8 @@ on the server (a cancel frame; the header's ``timeout_ms`` makes the server canc
 cancel frame be lost). A client that vanishes leaves its running calls to finish or reach their
 deadline (ZeroMQ's ROUTER reports no per-peer disconnect without its draft API).
 
-No Ray here: the replica's wiring (cluster/replica_links.py) gives the keys, codec and handlers.
+No Ray here but in on_ray.py (the keys, the in-band pickle), which the wiring (cluster/replica_links.py)
+gives each end with its handlers.
 """
 
 from __future__ import annotations
@@ -110,8 +113,8 @@ class _ClientOptions:
 
 
 class DirectLink:
-    """Calls to a pool's one replica, reconnecting after a loss. ``locate()`` answers where that
-    replica listens (the ingress asks it through Serve: ``handle.direct_address.remote()``). Callers
+    """Calls to one replica of a pool, reconnecting after a loss. ``locate()`` answers where that
+    replica listens (its routing stats, or ``handle.direct_address.remote()`` through Serve). Callers
     that find no connection share one attempt to open it (bounded by ``CONNECT_TIMEOUT_S`` once
     located), so a lost replica costs them one wait together, not one each in turn."""
 

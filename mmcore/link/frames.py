@@ -35,7 +35,7 @@ Loads = Callable[[bytes], object]
 
 
 class LinkLost(ConnectionError):
-    """The connection to the pool's replica broke (or never opened), or the replica is shutting down,
+    """The connection to the replica broke (or never opened), or the replica is shutting down,
     with the call unanswered: its callers send it through Serve."""
 
     status_code = 503
