@@ -207,7 +207,7 @@ class EncoderConfig(_Strict):
 
 class PreprocessConfig(_Strict):
     """How a model's media requests are prepared: by the encoder replicas (fetch, decode, hash, look up,
-    process, encode: encoder_service/serve/preparing_encoder.py), and at the ingress for what the encoder
+    process, encode: encoder_service/serve/deployment.py), and at the ingress for what the encoder
     cache holds whole (the hit path: no prepare hop)."""
 
     hit_path_cache_entries: int = Field(

@@ -61,7 +61,7 @@ class DirectServed:
 
     DIRECT_METHODS: ClassVar[dict[str, str]] = {}  # frame method -> this replica's method
     REF_STREAMS: ClassVar[frozenset[str]] = frozenset()  # streaming methods whose items carry ObjectRefs
-    LINKS_ON: ClassVar[bool] = True  # False under ``ingress.transport: serve``: no listener at all
+    links_on = True  # False under ``ingress.transport: serve``: no listener at all (set by the replica)
     _link_server: LinkServer | None = None
 
     def link_calls(self) -> int:
@@ -71,7 +71,7 @@ class DirectServed:
     async def link_stats(self) -> dict[str, tuple[str, int]]:
         """``{LINK_STAT: (host, port)}`` while this replica takes frames (listening from the first call
         on); nothing once it drains or when links are off."""
-        if not self.LINKS_ON or not self.DIRECT_METHODS:
+        if not self.links_on or not self.DIRECT_METHODS:
             return {}
         if self._link_server is not None and self._link_server.draining:
             return {}
@@ -144,7 +144,7 @@ class DirectLLM(DirectServed):
             await asyncio.wait(open_)
 
     def __del__(self) -> Awaitable[None] | None:
-        """A plain ``def``, as ``EncoderPoolServer.__del__``: the garbage collector calls it too."""
+        """A plain ``def``, as ``EncoderServer.__del__``: the garbage collector calls it too."""
         try:
             asyncio.get_running_loop()
         except RuntimeError:

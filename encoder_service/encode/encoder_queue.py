@@ -1,5 +1,5 @@
 """The encoder replica's step policy: a FIFO of items from every request, cut into steps under the
-compute budget. Pure Python (no torch, no Ray): ``EncoderPoolServer`` only drives it.
+compute budget. Pure Python (no torch, no Ray): ``EncoderServer`` only drives it.
 
     push(entry) ──▶ [ FIFO of entries, queued_embeds counted ] ──next_step()──▶ ≤ budget per step
 

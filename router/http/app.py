@@ -1,4 +1,4 @@
-"""The Ingress Serve deployment: OpenAI routes over ChatService, one Orchestrator per model.
+"""The ingress replica (``IngressServer``): OpenAI routes over ChatService, one Orchestrator per model.
 
 HTTP arrives either through Serve's proxy (``@serve.ingress``: the mode for clusters whose load
 balancer targets the proxy) or directly (``http_mode="direct"``: the replica runs its own server on
@@ -58,13 +58,13 @@ class IngressModel:
     limits: MessageLimits
     modalities: list[str]
     cache: "EncoderCacheClient"  # the model's shared encoder cache
-    # the hit path's make_preparer keywords (cluster.app.preprocess_args); None: off
+    # the hit path's make_preparer keywords (cluster.replicas.preprocess_args); None: off
     preprocess: "PreprocessArgs | None" = None
     near_cache_entries: int = 0  # the hit path's near cache (encoder_service/cache/near_cache.py); 0: none
     near_cache_ttl_s: float = 0.0
     direct: tuple[
         str, ...
-    ] = ()  # pools ("llm", "preprocess") called over direct links (mmcore/link/pool_links.py)
+    ] = ()  # pools ("llm", "encoder") called over direct links (mmcore/link/pool_links.py)
     link_to: Callable[["DeploymentHandle"], PoolLinks] | None = None  # cluster/replica_links.py
     overlap_prefill: bool = False  # items handed to the LLM as they are encoded (Orchestrator)
 
@@ -131,7 +131,7 @@ class IngressServer:
     def __init__(
         self,
         models: list[IngressModel],
-        pools: dict[str, dict[str, "DeploymentHandle"]],  # model -> "preprocess" and "llm" pools
+        pools: dict[str, dict[str, "DeploymentHandle"]],  # model -> "encoder" and "llm" pools
         http: HTTPOptions,
         admission: AdmissionLimits | None = None,
         keys: KeyRing | None = None,
@@ -149,13 +149,13 @@ class IngressServer:
         for m in models:
             self.caches[m.name] = m.cache
             self.encoder_items_dispatched[m.name] = 0
-            pre, llm = pools[m.name]["preprocess"], pools[m.name]["llm"]
+            encoder, llm = pools[m.name]["encoder"], pools[m.name]["llm"]
             handles = ModelHandles(
-                pre,
+                encoder,
                 LLMClient(llm, links=_link(m, "llm", llm)),
                 m.cache,
                 _hit_path(m),
-                prepare_links=_link(m, "preprocess", pre),
+                encoder_links=_link(m, "encoder", encoder),
             )
             orch = Orchestrator(
                 handles,
@@ -239,7 +239,7 @@ class IngressServer:
                 **orchestrator.hit_path_stats(),
             }
             if pools:
-                out[name]["pools"] = await orchestrator.h.pool_stats()
+                out[name]["pools"] = await orchestrator.handles.pool_stats()
         return JSONResponse(out)
 
     def check_health(self) -> None:

@@ -1,5 +1,5 @@
 """What the ingress holds of one model's pools: ``ModelHandles``, and the protocols of the parts the
-router calls (the preparing pool, the shared encoder-cache index, the hit path). ``cluster/app.py``
+router calls (the encoder pool, which prepares, the shared encoder-cache index, the hit path). ``cluster/app.py``
 fills it with Serve handles, shard clients and links; the unit tests with in-process fakes."""
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ from router.protocol.messages import NormalizedMessage
 PrepareFrame = PreparedRequest | list[MediaFeature]  # ``prepare_stream``'s: the request, then items
 
 
-class StreamingPreprocessPool(Protocol):
+class StreamingEncoderPool(Protocol):
     @property
     def prepare_stream(self) -> StreamingMethod[PrepareFrame]: ...
 
 
-class PreprocessPool(Protocol):
-    """The preparing pool as the router calls it (a Serve DeploymentHandle in production), its
-    methods those of ``encoder_service.serve.preparing_encoder.PreparingEncoderServer``."""
+class EncoderPool(Protocol):
+    """The encoder pool as the router calls it (a Serve DeploymentHandle in production), its
+    methods those of ``encoder_service.serve.deployment.EncoderServer``."""
 
     @property
     def prepare(self) -> UnaryMethod[PreparedRequest]: ...
@@ -35,7 +35,7 @@ class PreprocessPool(Protocol):
     @property
     def stats(self) -> UnaryMethod[Counters]: ...
 
-    def options(self, *, stream: bool) -> StreamingPreprocessPool: ...
+    def options(self, *, stream: bool) -> StreamingEncoderPool: ...
 
 
 class CacheIndex(Protocol):
@@ -66,11 +66,11 @@ class HitPath(Protocol):
 
 @dataclass
 class ModelHandles:
-    preprocess: PreprocessPool
+    encoder: EncoderPool
     llm: LLMClient
     cache: CacheIndex
     hit_path: HitPath | None = None  # None: every media request goes to ``prepare``
-    prepare_links: PoolLinks | None = (
+    encoder_links: PoolLinks | None = (
         None  # ``prepare`` as frames to the pool's replicas (mmcore/link/pool_links.py)
     )
 
@@ -83,15 +83,15 @@ class ModelHandles:
         trace_headers: dict[str, str] | None = None,
         via_link: bool = True,
     ) -> PreparedRequest:
-        """One ``prepare`` call to the preparing pool (``PreparingEncoderServer.prepare``):
+        """One ``prepare`` call to the encoder pool (``EncoderServer.prepare``):
         ``looked_up``, what the hit path found and reserved; ``trace_headers``, a sampled request's
         trace context. Over the direct link of the replica its router chooses, if one is up; a
         retry (``via_link=False``) goes through Serve, which waits for a live replica."""
         args = _prepare_args(request_id, messages, looked_up, trace_headers)
-        links = self.prepare_links
+        links = self.encoder_links
         picked = links.pick(*args) if via_link and links is not None else None
         if picked is None:
-            return await self.preprocess.prepare.remote(*args)
+            return await self.encoder.prepare.remote(*args)
         assert links is not None
         uid, link = picked
         links.routed(request_id, uid, *args)
@@ -114,10 +114,10 @@ class ModelHandles:
         its items still encoding without refs, then those items as they are committed. Leaving
         early cancels it there (its reservations are released, its queued encodes dropped)."""
         args = _prepare_args(request_id, messages, looked_up, trace_headers)
-        links = self.prepare_links
+        links = self.encoder_links
         picked = links.pick(*args) if via_link and links is not None else None
         if picked is None:
-            call = self.preprocess.options(stream=True).prepare_stream.remote(*args)
+            call = self.encoder.options(stream=True).prepare_stream.remote(*args)
             try:
                 async for frame in call:
                     yield frame
@@ -138,7 +138,7 @@ class ModelHandles:
         """The pools' own counters: the preparing replica Serve picks (queued encoder work, inline
         values sent, processor cache) and every LLM replica this ingress reads from
         (running, waiting, KV blocks, prefix hits). A pool that does not answer reports its error."""
-        preparing = await counters_or_error(self.preprocess.stats.remote(), timeout_s)
+        preparing = await counters_or_error(self.encoder.stats.remote(), timeout_s)
         return {"preparing_replica": preparing, "llm_replicas": await self.llm.replica_stats(timeout_s)}
 
 

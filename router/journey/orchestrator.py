@@ -1,7 +1,7 @@
 """One chat request's journey through a model's pools, as seen from the ingress: two calls.
 
   text only:  tokenize (off the event loop when long) ──────────────▶ LLM submit ─┐
-  media:      prepare (an EncoderPool replica: hash, look up,         ─▶ LLM submit ─┤
+  media:      prepare (an EncoderServer replica: hash, look up,         ─▶ LLM submit ─┤
               process + encode misses next to the cache; refs back) ───────────────────┤
                                                    tokens ◀── output channel, one message per step
 
@@ -78,7 +78,7 @@ class Orchestrator:
         on_encoder_run: Callable[[int], None] | None = None,
         overlap_prefill: bool = False,
     ) -> None:
-        self.h = handles
+        self.handles = handles
         # submit a media request when its prompt is known, its items following as they are encoded
         self.overlap_prefill = overlap_prefill
         self._forwarders: dict[str, asyncio.Task[None]] = {}  # request id -> its arrivals' forwarding
@@ -203,7 +203,7 @@ class Orchestrator:
         re-encoded and submitted again, as a loss at submit is (a second one is a 503)."""
         for attempt in (1, 2):
             reply = await self._submit(request_id, prepared, params, cache_salt)
-            outs = self.h.llm.outputs(request_id, reply)
+            outs = self.handles.llm.outputs(request_id, reply)
             if prepared.arrivals is not None and attempt == 1:
                 self._forwarders[request_id] = asyncio.create_task(self._forward(request_id, prepared))
             try:
@@ -227,7 +227,7 @@ class Orchestrator:
         waiting = {m.mm_hash for m in prepared.mm_items if m.pending}
         try:
             async for items in prepared.arrivals:
-                await self.h.llm.arrived(request_id, items)
+                await self.handles.llm.arrived(request_id, items)
                 waiting -= {it.mm_hash for it in items}
         except asyncio.CancelledError:
             raise
@@ -237,7 +237,7 @@ class Orchestrator:
             if replica_gone(e):
                 error = EmbeddingsLost(sorted(waiting), f"the encoder replica was lost ({type(e).__name__})")
             try:
-                await self.h.llm.arrived(request_id, [], error)
+                await self.handles.llm.arrived(request_id, [], error)
             except Exception:  # its replica is gone too: its channel reports that
                 logger.warning("could not fail %s on its LLM replica", request_id, exc_info=True)
 
@@ -247,7 +247,7 @@ class Orchestrator:
         """Submit, re-encoding lost embeddings once; returns where it went."""
         for attempt in (1, 2):
             try:
-                return await self.h.llm.submit(self._spec(request_id, prepared, params, cache_salt))
+                return await self.handles.llm.submit(self._spec(request_id, prepared, params, cache_salt))
             except BaseException as e:
                 lost = find_cause(e, EmbeddingsLost, "mm_hashes")
                 if lost is None:
@@ -282,6 +282,6 @@ class Orchestrator:
         lost = [h for h in lost if h in sent] if any(m.pending for m in mm_items) else lost
         if not lost:  # never committed (its encode was cut off): nothing to invalidate
             return
-        if self.h.hit_path is not None:
-            self.h.hit_path.forget(lost)
-        await self.h.cache.invalidate(lost, sent)
+        if self.handles.hit_path is not None:
+            self.handles.hit_path.forget(lost)
+        await self.handles.cache.invalidate(lost, sent)

@@ -38,7 +38,7 @@ SETTLE_TIMEOUT_S = 5.0  # the most a deferred uuid pointing may hold a request's
 
 class PrepareCalls:
     def __init__(self, handles: ModelHandles) -> None:
-        self.h = handles
+        self.handles = handles
         self.hit_path_served = 0  # media requests prepared at the ingress alone (all cache hits)
         self._deferred: dict[str, list[asyncio.Task[None]]] = {}  # work to finish before answering
         self._sweeper: asyncio.Task[None] | None = None  # the near cache's expiry (_ensure_sweeper)
@@ -66,7 +66,7 @@ class PrepareCalls:
     async def _call(
         self, request_id: str, attempt_id: str, messages: Sequence[NormalizedMessage], overlap: bool
     ) -> tuple[PreparedRequest, Arrivals | None]:
-        use_hit_path = self.h.hit_path is not None and inline_media(messages, HIT_PATH_MAX_CHARS)
+        use_hit_path = self.handles.hit_path is not None and inline_media(messages, HIT_PATH_MAX_CHARS)
         if use_hit_path:
             self._ensure_sweeper()
         for attempt in range(1, PREPARE_ATTEMPTS + 1):
@@ -74,11 +74,11 @@ class PrepareCalls:
             from_hit_path = False
             try:
                 looked_up: LookedUp | None = None
-                if use_hit_path and attempt == 1 and self.h.hit_path is not None:
+                if use_hit_path and attempt == 1 and self.handles.hit_path is not None:
                     from_hit_path = True
                     deferred: list[asyncio.Task[None]] = []
                     try:
-                        got = await self.h.hit_path.prepare_hits(aid, messages, deferred)
+                        got = await self.handles.hit_path.prepare_hits(aid, messages, deferred)
                     finally:
                         self._defer(request_id, deferred)
                     if isinstance(got, PreparedRequest):
@@ -89,14 +89,14 @@ class PrepareCalls:
                 if looked_up is None:
                     pre, rest = await self._prepare(aid, messages, None, trace, attempt == 1, overlap)
                 else:  # its reservations are ours until the replica takes them: renewed meanwhile
-                    assert self.h.hit_path is not None
+                    assert self.handles.hit_path is not None
                     held = {h: kind for h, (kind, _) in looked_up.found.items()}
-                    async with self.h.hit_path.renewing(aid, held):
+                    async with self.handles.hit_path.renewing(aid, held):
                         pre, rest = await self._prepare(
                             aid, messages, looked_up, trace, attempt == 1, overlap
                         )
-                if self.h.hit_path is not None:
-                    self.h.hit_path.remember(pre, looked_up)
+                if self.handles.hit_path is not None:
+                    self.handles.hit_path.remember(pre, looked_up)
                 return pre, rest
             except BaseException as e:
                 # The replica may still be running (a cancel need not reach it): release on every
@@ -126,10 +126,10 @@ class PrepareCalls:
         overlap: bool,
     ) -> tuple[PreparedRequest, Arrivals | None]:
         if not overlap:
-            return await self.h.prepare(
+            return await self.handles.prepare(
                 aid, messages, looked_up=looked_up, trace_headers=trace, via_link=via_link
             ), None
-        frames = self.h.prepare_stream(
+        frames = self.handles.prepare_stream(
             aid, messages, looked_up=looked_up, trace_headers=trace, via_link=via_link
         )
         try:
@@ -161,12 +161,12 @@ class PrepareCalls:
                 )
 
     def stats(self) -> dict[str, object]:
-        near = getattr(self.h.hit_path, "near", None)
+        near = getattr(self.handles.hit_path, "near", None)
         return {"hit_path_served": self.hit_path_served, "near_cache": near.stats() if near else None}
 
     async def _release(self, attempt_id: str) -> None:
         try:
-            await self.h.cache.release(attempt_id)
+            await self.handles.cache.release(attempt_id)
         except Exception:  # never let cleanup mask the original error
             logger.exception("releasing the encoder-cache reservations of %s failed", attempt_id)
 
@@ -178,8 +178,8 @@ class PrepareCalls:
         async def sweep_forever() -> None:
             while True:
                 await asyncio.sleep(NEAR_SWEEP_S)
-                if self.h.hit_path is not None:
-                    self.h.hit_path.sweep()
+                if self.handles.hit_path is not None:
+                    self.handles.hit_path.sweep()
 
         self._sweeper = asyncio.get_running_loop().create_task(sweep_forever())
 

@@ -21,7 +21,7 @@ from tests.integration.local_app import local_app
 from tests.media import make_image_bytes
 
 MODEL = "tiny-qwen2-vl"
-POOLS = (f"EncoderPool-{MODEL}", f"LLMServer-{MODEL}")
+POOLS = (f"EncoderServer-{MODEL}", f"LLMServer-{MODEL}")
 
 FAST_SCALING = {
     "min_replicas": 1,

@@ -1,4 +1,4 @@
-"""EncoderPoolServer's steps (no Ray: no cache): a request handed on item by item (``submit_apart``,
+"""EncoderServer's steps (no Ray: no cache): a request handed on item by item (``submit_apart``,
 what ``prepare_stream`` uses) gets one step per item, a plain one shares its step; the tower runs
 on the replica's own step thread, not on the loop's default executor, and its clock counts them."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from cluster.bench.encoder import make_inputs
-from encoder_service.serve.deployment import EncoderPoolServer
+from encoder_service.serve.deployment import EncoderServer
 from encoder_service.types import EncodeBatch, EncoderInput
 
 
@@ -27,7 +27,7 @@ def _no_ray_left_behind():  # type: ignore[no-untyped-def]
 
 
 def test_apart_items_take_a_step_each_and_plain_ones_share(tiny_vl_dir: Path) -> None:
-    server = EncoderPoolServer(str(tiny_vl_dir), device="cpu")
+    server = EncoderServer(str(tiny_vl_dir), device="cpu")
     runner = server._runner
     assert runner is not None
     encode = runner.encode
