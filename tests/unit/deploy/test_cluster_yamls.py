@@ -195,3 +195,27 @@ def test_serve_check_refuses_bad_configs(name: str, path: str, value: Any, error
     validate_serve_config(_load(name))  # the file itself passes
     with pytest.raises(error, match=match):
         validate_serve_config(_set(_load(name), path, value))
+
+
+def test_each_deployment_is_named_for_its_replica_class() -> None:
+    """One name per replica: a deployment is its class's name (``-<model>`` for a model's pools), the
+    class is defined at module level (not inside a builder), and its module is where cluster/ keeps
+    the deployables (the cache owner beside its shards)."""
+    from ray.serve._private.build_app import build_app as serve_build_app
+
+    (app,) = _load("serve-gpu.yaml")["applications"]
+    cfg = AppConfig.model_validate(app["args"])
+    (m,) = cfg.models
+    built = serve_build_app(build_app(cfg), name=app["name"]).deployments
+    names = {}
+    for d in built:
+        cls = d.func_or_class
+        assert "<locals>" not in cls.__qualname__, cls.__qualname__
+        assert cls.__module__ in ("cluster.replicas", "cluster.cache_shards"), cls.__module__
+        names[d.name] = cls.__name__
+    assert names == {
+        "IngressServer": "IngressServer",
+        f"EncoderServer-{m.name}": "EncoderServer",
+        f"LLMServer-{m.name}": "LLMServer",
+        f"EncoderCacheIndex-{m.name}": "EncoderCacheIndex",
+    }
