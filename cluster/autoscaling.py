@@ -3,7 +3,7 @@
 Each pool scales on its own signal:
 
 - **encoder pool**: embeddings waiting to be computed (``queued_embeddings`` reported by every
-  ``EncoderPool`` replica), plus requests still queued at the callers' handles, against a target
+  ``EncoderServer`` replica), plus requests still queued at the callers' handles, against a target
   backlog per replica;
 - **LLM pool**: its own load, the larger of KV-cache use (``kv_usage`` against ``target_kv_usage``)
   and requests per replica (``num_running + num_waiting`` against ``target_ongoing_requests``).

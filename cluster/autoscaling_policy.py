@@ -8,7 +8,7 @@ Wiring (Ray Serve 2.60):
   env vars it names as replacements are not wired up yet; stats timeout
   ``RAY_SERVE_RECORD_AUTOSCALING_STATS_TIMEOUT_S`` = 10 s). Values must be int or float, or Serve disables
   the replica's stats. Only deployments with an ``autoscaling_config`` push them.
-  ``EncoderPool`` returns ``{ENCODER_QUEUED_EMBEDDINGS: ...}``; ``LLMServer`` returns
+  ``EncoderServer`` returns ``{ENCODER_QUEUED_EMBEDDINGS: ...}``; ``LLMServer`` returns
   ``{LLM_KV_USAGE: ..., LLM_NUM_RUNNING: ..., LLM_NUM_WAITING: ...}``.
 - The deployment's ``autoscaling_config.policy`` names a class below, e.g.
   ``{policy_function: "cluster.autoscaling_policy:EncoderQueuePolicy", policy_kwargs: {...}}``;

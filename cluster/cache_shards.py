@@ -18,7 +18,7 @@ alone. What the owner's life costs the cache:
                        still drops the entries it owns), then ends its shards
 
 ``links``: with ``ingress.transport: auto`` each client reaches its shards' hot methods over a direct
-link (cluster/direct_served.py); with ``serve`` it makes actor calls only and no shard ever listens.
+link (cluster/replica_links.py); with ``serve`` it makes actor calls only and no shard ever listens.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from ray import serve
 
 from cluster.budgets import encoder_budgets, largest_item_embeds, row_units
 from cluster.config import AppConfig, ModelConfig
-from cluster.direct_served import DirectServed, direct_link
+from cluster.replica_links import DirectServed, direct_link
 from encoder_service.cache.cache_client import LINK_METHODS, EncoderCacheClient, ShardSpec, shard_capacity
 from encoder_service.cache.cache_index import CacheIndexShard as ShardBooks
 
@@ -47,7 +47,7 @@ POLL_S = 0.2
 
 class CacheIndexShard(ShardBooks, DirectServed):
     """``cache_index.CacheIndexShard`` as its actor (Ray names the process after this class), with a
-    direct link for ``LINK_METHODS`` (cluster/direct_served.py), opened by the first client that asks
+    direct link for ``LINK_METHODS`` (cluster/replica_links.py), opened by the first client that asks
     where it listens: with ``transport: serve`` none ever does."""
 
     DIRECT_METHODS: ClassVar[dict[str, str]] = {name: name for name in LINK_METHODS}

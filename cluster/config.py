@@ -207,7 +207,7 @@ class EncoderConfig(_Strict):
 
 class PreprocessConfig(_Strict):
     """How a model's media requests are prepared: by the encoder replicas (fetch, decode, hash, look up,
-    process, encode: encoder_service/serve/preparing_encoder.py), and at the ingress for what the encoder
+    process, encode: encoder_service/serve/deployment.py), and at the ingress for what the encoder
     cache holds whole (the hit path: no prepare hop)."""
 
     hit_path_cache_entries: int = Field(
@@ -257,7 +257,7 @@ class ModelConfig(_Strict):
 
 
 class AdmissionConfig(_Strict):
-    """Per ingress replica: what it takes in at once, by count and by cost (router/admission.py).
+    """Per ingress replica: what it takes in at once, by count and by cost (router/routing/admission.py).
 
     A request costs 1, plus ``media_cost`` per media item, plus 1 per ``text_chars_per_cost``
     characters of text; past either bound the client gets 503 ``overloaded`` with ``Retry-After``.
@@ -279,7 +279,7 @@ class IngressConfig(_Strict):
     transport: Literal["auto", "serve"] = Field(
         "auto",
         description="how the ingress calls a pool (prepare, submit): auto sends them as frames on a plain "
-        "long-lived socket to a pool that runs exactly one replica (router/direct_link.py) and through "
+        "long-lived socket to a pool that runs exactly one replica (mmcore/link/direct_link.py) and through "
         "Serve's handles to any other, and the encoder-cache shards' hot calls on such links too; serve: "
         "always through Serve's handles and actor calls, no side channel listens",
     )

@@ -112,7 +112,7 @@ def config_from_args(args: argparse.Namespace) -> AppConfig:
     if getattr(args, "api_keys_file", None):
         from pathlib import Path
 
-        from router.auth import load_keys_file
+        from router.http.auth import load_keys_file
 
         keys_file = str(Path(args.api_keys_file).resolve())  # replicas do not run in this directory
         load_keys_file(keys_file)  # fail here, with the reason, rather than in every ingress replica

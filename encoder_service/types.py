@@ -47,7 +47,7 @@ class MediaRef:
     data: bytes | None = None  # raw bytes (already base64-decoded)
     format: str | None = None  # e.g. "wav" for input_audio
     uuid: str | None = None  # client-chosen name of the content, in ``tenant``'s namespace (uuid_aliases.py)
-    tenant: str | None = None  # who sent it (router/auth.py); None when the server has no API keys
+    tenant: str | None = None  # who sent it (router/http/auth.py); None when the server has no API keys
 
 
 @dataclass
@@ -196,7 +196,7 @@ class EncodeBatch:
     inputs: Sequence[EncoderInput]
 
     @property
-    def num_embeds(self) -> int:  # read by router.request_routers.LeastQueuedEmbeddingsRouter
+    def num_embeds(self) -> int:  # read by router.routing.request_routers.LeastQueuedEmbeddingsRouter
         return sum(i.num_embeds for i in self.inputs)
 
     def __reduce__(self) -> Reduced:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from llm_service.kv_cache_manager import KVCacheManager
 from llm_service.sequence import Request, RequestStatus
+from mmcore.errors import Overloaded
 
 
 @dataclass
@@ -50,15 +51,8 @@ class SchedulerOutput:
         return sum(c.num_tokens for c in self.chunks)
 
 
-class WaitingQueueFull(RuntimeError):
-    """The engine's waiting queue is at its bound: the client gets 503 with Retry-After at once."""
-
-    status_code = 503
-    code = "overloaded"
-    retry_after_s = 1
-
-    def __reduce__(self):  # type: ignore[no-untyped-def]  # keeps the message across pickling (Ray)
-        return (type(self), self.args)
+class WaitingQueueFull(Overloaded):
+    """The engine's waiting queue is at its bound."""
 
 
 @dataclass(frozen=True)

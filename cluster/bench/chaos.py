@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
 KINDS = ("encoder", "llm", "cache-shard", "ingress")
-_DEPLOYMENT = {"encoder": "EncoderPool-{m}", "llm": "LLMServer-{m}"}
+_DEPLOYMENT = {"encoder": "EncoderServer-{m}", "llm": "LLMServer-{m}"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -146,7 +146,7 @@ def kill_one(kind: str, model: str) -> tuple[str, str]:
         name = f"mmserve-encoder-cache-{model}-0"
         actor, watch = ray.get_actor(name, namespace="mmserve"), name
     else:
-        watch = "Ingress" if kind == "ingress" else _DEPLOYMENT[kind].format(m=model)
+        watch = "IngressServer" if kind == "ingress" else _DEPLOYMENT[kind].format(m=model)
         names = _serve_replicas(watch)
         if kind == "ingress" and len(names) < 2:
             raise SystemExit("--kill ingress needs two or more ingress replicas (clients reach the others)")
@@ -219,7 +219,7 @@ async def run_burst(args: argparse.Namespace, base: str, capacity: int) -> Burst
 async def held_after(model: str) -> dict[str, object]:
     from ray import serve
 
-    from cluster.app import cache_index_args, open_cache_index
+    from cluster.cache_shards import cache_index_args, open_cache_index
     from cluster.config import ModelConfig
 
     llm = await serve.get_deployment_handle(f"LLMServer-{model}", app_name="mmserve").stats.remote()
@@ -319,7 +319,7 @@ async def amain(args: argparse.Namespace) -> str:
         faults.append(await run_fault(args, client, specs, kind, media))
     burst = None
     if args.burst > 0:
-        capacity = cfg.ingress.admission.max_concurrent_requests * len(_serve_replicas("Ingress"))
+        capacity = cfg.ingress.admission.max_concurrent_requests * len(_serve_replicas("IngressServer"))
         burst = await run_burst(args, base, capacity)
     await asyncio.sleep(6)  # channels linger 5 s; expired reservations are swept on read
     held = await held_after(args.model)

@@ -5,7 +5,7 @@ A caller replica sends ``--calls`` small requests (an LLM request spec's size: 1
 callee replica and awaits each reply, one at a time and 32 at a time, through:
 
 - a Serve handle (with the transport settings `mmserve serve` runs, cluster/serve_env.py);
-- the direct link (router/direct_link.py) on ZeroMQ with CURVE (encrypted), the default;
+- the direct link (mmcore/link/direct_link.py) on ZeroMQ with CURVE (encrypted), the default;
 - the direct link on ZeroMQ with PLAIN (authenticated, in clear: ``MMSERVE_LINK_ENCRYPT=0``);
 - the link it replaced (length + pickle frames on asyncio streams, a token in clear), kept here
   only to compare against (``_OldLinkServer``, ``_OldLink``).
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from ray import serve
     from ray.serve.handle import DeploymentHandle
 
-    from router.link_wire import Dumps
+    from mmcore.link.frames import Dumps
 
 SPEC = {"request_id": "x" * 36, "prompt_token_ids": list(range(120)), "max_tokens": 16, "temperature": 0.0}
 TRANSPORTS = {
@@ -141,8 +141,9 @@ def machine_cpu_s() -> float:
 def build(num_cpus: float, plain_keys: bytes, token: str) -> serve.Application:
     from ray import serve
 
-    from cluster.direct_served import DirectServed, frame_dumps
-    from router.direct_link import LinkKeys, LinkServer
+    from cluster.replica_links import DirectServed
+    from mmcore.link.direct_link import LinkKeys, LinkServer
+    from mmcore.link.on_ray import frame_dumps
 
     class Callee(DirectServed):
         DIRECT_METHODS = {"submit": "submit"}  # noqa: RUF012
@@ -166,8 +167,8 @@ def build(num_cpus: float, plain_keys: bytes, token: str) -> serve.Application:
     class Caller:
         def __init__(self, callee: DeploymentHandle) -> None:
             from cluster.bench.transport import _OldLink
-            from cluster.direct_served import direct_link
-            from router.direct_link import DirectLink
+            from cluster.replica_links import direct_link
+            from mmcore.link.direct_link import DirectLink
 
             self.callee = callee
             self.links: dict[str, _Link] = {
@@ -229,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    from router.direct_link import LinkKeys
+    from mmcore.link.direct_link import LinkKeys
 
     ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, namespace="mmserve-bench")
     plain_keys = LinkKeys.generate(encrypt=False).to_bytes()

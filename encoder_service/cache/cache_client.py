@@ -10,7 +10,7 @@ finds it dead, or by its owner); either way it comes back empty: its entries are
 reservation of the old incarnation can be left behind. A call that failed on the dead shard is
 retried once on the new one.
 
-Side channel: with a ``link_to`` factory (the wiring's, e.g. cluster/direct_served.py), the methods in
+Side channel: with a ``link_to`` factory (the wiring's, e.g. cluster/replica_links.py), the methods in
 ``LINK_METHODS`` travel on a link to the shard once one is up; without one, every call is an actor
 call and the shard never listens.
 """
@@ -59,7 +59,7 @@ LINK_METHODS = frozenset(
 
 
 class ShardLink(Protocol):
-    """A side channel to one shard (router/direct_link.py's ``DirectLink``): ``call`` raises a
+    """A side channel to one shard (mmcore/link/direct_link.py's ``DirectLink``): ``call`` raises a
     ``ConnectionError`` when the link is lost, and the client goes on with actor calls."""
 
     def usable(self) -> bool: ...

@@ -1,5 +1,5 @@
 """The encoder replica's step policy: a FIFO of items from every request, cut into steps under the
-compute budget. Pure Python (no torch, no Ray): ``EncoderPoolServer`` only drives it.
+compute budget. Pure Python (no torch, no Ray): ``EncoderServer`` only drives it.
 
     push(entry) ──▶ [ FIFO of entries, queued_embeds counted ] ──next_step()──▶ ≤ budget per step
 
@@ -28,6 +28,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
 
+from mmcore.errors import Overloaded
+
 
 class HasNumEmbeds(Protocol):
     @property
@@ -37,15 +39,8 @@ class HasNumEmbeds(Protocol):
 T = TypeVar("T", bound=HasNumEmbeds)
 
 
-class EncoderOverloaded(RuntimeError):
-    """The encoder replica's FIFO is full: the client gets 503 with Retry-After at once."""
-
-    status_code = 503
-    code = "overloaded"
-    retry_after_s = 1
-
-    def __reduce__(self):  # type: ignore[no-untyped-def]  # keeps the message across pickling (Ray)
-        return (type(self), self.args)
+class EncoderOverloaded(Overloaded):
+    """The encoder replica's FIFO is full."""
 
 
 class EncoderQueue(Generic[T]):

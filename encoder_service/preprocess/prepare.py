@@ -38,7 +38,7 @@ from mmcore.feature import MediaFeature
 logger = logging.getLogger("mmserve.encoder")
 
 Encode = Callable[[EncodeBatch], Awaitable[list[EncodedItem]]]
-# One future per input (EncoderPoolServer.submit): what lets ``prepare_stream`` hand on each item
+# One future per input (EncoderServer.submit): what lets ``prepare_stream`` hand on each item
 # as its own encoder step ends.
 EncodeEach = Callable[[EncodeBatch], list["asyncio.Future[EncodedItem]"]]
 

@@ -1,8 +1,18 @@
-"""The encoder pool's Ray Serve replica, ``EncoderPoolServer`` (it prepares its requests too: preparing_encoder.py).
+"""The encoder pool's Ray Serve replica, ``EncoderServer``, which also prepares its media requests.
+
+    ingress ──prepare──▶ EncoderServer replica: fetch, decode, hash, look up and reserve, process the
+                         misses, queue them on its own FIFO (shared with every request it serves),
+                         commit ──▶ prompt ids + refs back
+
+One Serve hop fewer per media request than a separate preprocessor pool (removed 12-04): the
+pixels never cross a process, the embeddings' refs go straight from their owner to the ingress, and
+one Ray worker fewer runs. This is how vLLM's encoder-only instances work (the processor runs where the
+vision tower does). The price: preprocessing shares the encoder replica's CPUs and scales with the
+encoder pool: give the encoder nodes the CPUs for it.
 
 Ray lives here; the logic they wrap (processing, runner, batching, cache books) does not import it.
 
-EncoderPoolServer keeps a FIFO of items from every request it is sent and runs encoder steps that
+EncoderServer keeps a FIFO of items from every request it is sent and runs encoder steps that
 never exceed ``max_num_encoder_input_tokens`` embeddings, so many small requests share one step
 and one huge request cannot starve the rest for longer than a step. On CPU a step also ends once it
 holds ``CPU_STEP_EMBEDS`` (encoder_queue.py says why); on a GPU, where batching pays, it fills the
@@ -18,10 +28,11 @@ their index entries so the index stops handing out refs that are about to be los
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -32,8 +43,11 @@ from encoder_service.encode.encoder_queue import EncoderQueue
 from encoder_service.encode.recent_values import RecentValues, value_key
 from encoder_service.preprocess import tracing
 from encoder_service.preprocess.gathering import gather
-from encoder_service.serve.metrics import EncoderMetrics
+from encoder_service.preprocess.make_preparer import make_preparer, preparer_stats
+from encoder_service.preprocess.prepared import LookedUp, PreparedRequest, with_values
+from encoder_service.serve.metrics import EncoderMetrics, media_stages
 from encoder_service.types import EmbeddingMeta, EncodeBatch, EncodedItem, EncoderInput
+from mmcore.feature import MediaFeature
 from mmcore.step_clock import StepClock
 
 if TYPE_CHECKING:
@@ -44,6 +58,9 @@ if TYPE_CHECKING:
     from encoder_service.cache.cache_client import EncoderCacheClient
     from encoder_service.encode.runner import EncoderRunner, TPMode
     from encoder_service.encode.tp_group import EncoderTPGroup
+    from encoder_service.preprocess.media import MediaLimits
+    from encoder_service.preprocess.media_items import Message
+    from encoder_service.preprocess.prepare import RequestPreparer
 
 logger = logging.getLogger("mmserve.encoder")
 
@@ -67,8 +84,10 @@ class _Queued:
         return self.item.num_embeds
 
 
-class EncoderPoolServer:
-    """One replica = one TP group (leader here, ``mm_encoder_tp_size - 1`` worker actors)."""
+class EncoderServer:
+    """One replica = one TP group (leader here, ``mm_encoder_tp_size - 1`` worker actors). With
+    ``limits`` (and the shared cache) it prepares requests too (``prepare``, ``prepare_stream``);
+    without, it only encodes (the unit tests' encoder)."""
 
     def __init__(
         self,
@@ -87,6 +106,9 @@ class EncoderPoolServer:
         max_queued_embeddings: int | None = None,
         step_embeds: int | None = None,
         torch_threads: int | None = None,
+        limits: MediaLimits | None = None,
+        limit_mm_per_prompt: dict[str, int] | None = None,
+        processor_cache_bytes: int = 0,
     ) -> None:
         if torch_threads is not None and tp_size == 1:  # the tower's forward runs in this process
             import torch
@@ -141,6 +163,37 @@ class EncoderPoolServer:
         self._task: asyncio.Task[None] | None = None
         self._commits: set[asyncio.Task[None]] = set()  # index commits in flight
         self._metrics = EncoderMetrics(model_name)
+        self.preparer: RequestPreparer | None = None
+        if limits is not None:
+            self.preparer = self._make_preparer(
+                model_dir, limits, limit_mm_per_prompt or {}, processor_cache_bytes
+            )
+
+    def _make_preparer(
+        self,
+        model_dir: str,
+        limits: MediaLimits,
+        limit_mm_per_prompt: dict[str, int],
+        processor_cache_bytes: int,
+    ) -> RequestPreparer:
+        if self._cache is None:
+            raise ValueError("an encoder replica that prepares needs the shared cache index (cache=)")
+        return make_preparer(
+            model_dir,
+            limits=limits,
+            limit_mm_per_prompt=limit_mm_per_prompt,
+            processor_cache_bytes=processor_cache_bytes,
+            cache=self._cache,
+            encode=self.encode,  # this replica's own FIFO: no hop, batched with every other request's items
+            encode_each=self.submit_apart,  # one step per item: each reaches the LLM when encoded
+            model_name=self.model_name,
+            stages=media_stages(self.model_name, "encoder"),
+        )
+
+    def _preparing(self) -> RequestPreparer:
+        if self.preparer is None:
+            raise RuntimeError("this encoder replica prepares nothing: it was made without limits=")
+        return self.preparer
 
     @property
     def _queued_embeds(self) -> int:
@@ -338,6 +391,7 @@ class EncoderPoolServer:
             "queued_items": len(self._queue),
             "inline_values_sent": self._recent.taken,
             **self._step_clock.stats(),
+            **(preparer_stats(self.preparer) if self.preparer is not None else {}),
         }
 
     def recent_value(self, ref: object, part: int | None = None) -> object | None:
@@ -349,6 +403,45 @@ class EncoderPoolServer:
         if task is not None and task.done():
             why = "cancelled" if task.cancelled() else repr(task.exception())
             raise RuntimeError(f"encoder loop died: {why}")
+
+    async def prepare(
+        self,
+        request_id: str,
+        messages: Sequence[Message],
+        looked_up: LookedUp | None = None,
+        trace_headers: dict[str, str] | None = None,
+    ) -> PreparedRequest:
+        """The router's one call per media request (encoder_service/preprocess/prepare.py). Items
+        whose embeddings this replica put lately carry them inline when small (``RecentValues``):
+        the LLM replica then takes them instead of fetching them. ``trace_headers``: the caller's
+        trace context, for a sampled request (encoder_service/preprocess/tracing.py)."""
+        with tracing.remote_span("encoder.prepare", trace_headers, request_id) as span:
+            prepared = await self._preparing().prepare(request_id, messages, looked_up)
+            if span is not None:
+                span.set_attribute(tracing.MM_HASHES, [it.mm_hash for it in prepared.items])
+        return with_values(prepared, self.recent_value)
+
+    async def prepare_stream(
+        self,
+        request_id: str,
+        messages: Sequence[Message],
+        looked_up: LookedUp | None = None,
+        trace_headers: dict[str, str] | None = None,
+    ) -> AsyncIterator[PreparedRequest | list[MediaFeature]]:
+        """``prepare`` handed on item by item (``RequestPreparer.prepare_stream``): the prompt and its
+        items first, the ones still encoding without a ref; then each item as its step ends. The
+        ingress submits to the LLM on the first frame and forwards the rest (encoding overlaps the
+        prefill of everything before the first item still missing)."""
+        with tracing.remote_span("encoder.prepare", trace_headers, request_id) as span:
+            frames = self._preparing().prepare_stream(request_id, messages, looked_up)
+            async with contextlib.aclosing(frames):
+                async for frame in frames:
+                    if isinstance(frame, PreparedRequest):
+                        if span is not None:
+                            span.set_attribute(tracing.MM_HASHES, [it.mm_hash for it in frame.items])
+                        yield with_values(frame, self.recent_value)
+                    else:
+                        yield [replace(it, value=self.recent_value(it.ref[0], it.part)) for it in frame]
 
 
 def stored_form(tensor: torch.Tensor) -> np.ndarray | tuple[str, np.ndarray]:

@@ -115,7 +115,7 @@ class LLMServer:
 
     async def submit_detached(self, spec: LLMRequestSpec) -> SubmitReply:
         """``submit`` for a request whose life its ingress's output channel holds, not this call
-        (a call over a direct link: cluster/direct_served.py): answers once queued.
+        (a call over a direct link: cluster/replica_links.py): answers once queued.
         It ends with its last output, an ``abort`` from its ingress, or the channel's reader going
         away (orphaned: aborted). Raises what ``submit`` raises, before queueing anything."""
         reply, later = await self._enqueue(spec)
@@ -289,7 +289,7 @@ class LLMServer:
         }
 
     def record_routing_stats(self) -> dict[str, object]:
-        """Called by Serve's controller; read by router.request_routers.PrefixAffinityRouter."""
+        """Called by Serve's controller; read by router.routing.request_routers.PrefixAffinityRouter."""
         self.channels.drop_unconnected()
         stats = self.stats()
         self._metrics.export(self._engine_stats())

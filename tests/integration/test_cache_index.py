@@ -221,7 +221,7 @@ def test_encoder_replica_shutdown_invalidates_only_what_it_still_owns(ray_sessio
     """``__del__`` as Serve calls it on graceful shutdown: returns a coroutine, awaited on the loop."""
     from encoder_service.preprocess.media import MediaLimits
     from encoder_service.preprocess.processing import Preprocessor
-    from encoder_service.serve.deployment import EncodeBatch, EncoderPoolServer
+    from encoder_service.serve.deployment import EncodeBatch, EncoderServer
     from encoder_service.types import MediaRef
     from tests.media import make_image_bytes
 
@@ -231,7 +231,7 @@ def test_encoder_replica_shutdown_invalidates_only_what_it_still_owns(ray_sessio
         {"type": "image", "media": MediaRef("image", data=make_image_bytes(56, 56, seed=s))} for s in (1, 2)
     ]
     items = pre.preprocess_sync([{"role": "user", "content": content}]).items
-    server = EncoderPoolServer(str(tiny_vl_dir), cache=client)
+    server = EncoderServer(str(tiny_vl_dir), cache=client)
     kept, moved = items[0].mm_hash, items[1].mm_hash
     elsewhere = _hash(50)
 
@@ -297,7 +297,7 @@ def test_a_commit_that_fails_still_answers_the_step_and_the_loop_goes_on(ray_ses
     """Commits are off the callers' path: an index that refuses every commit costs the entry, not the
     answer, and the next step runs."""
     from encoder_service.encode.runner import EncoderRunner
-    from encoder_service.serve.deployment import EncodeBatch, EncoderPoolServer
+    from encoder_service.serve.deployment import EncodeBatch, EncoderServer
     from tests.unit.encoder_models.inputs import image_input
 
     class RefusingIndex:
@@ -312,7 +312,7 @@ def test_a_commit_that_fails_still_answers_the_step_and_the_loop_goes_on(ray_ses
             return list(ref_ids)
 
     index = RefusingIndex()
-    server = EncoderPoolServer(str(tiny_vl_dir), cache=index)
+    server = EncoderServer(str(tiny_vl_dir), cache=index)
     items = [image_input(tiny_vl_dir, 56, 56, seed=1), image_input(tiny_vl_dir, 84, 56, seed=2)]
     expected = EncoderRunner(tiny_vl_dir, device="cpu").encode(items)
 

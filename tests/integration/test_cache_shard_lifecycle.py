@@ -150,7 +150,7 @@ def test_shards_end_with_the_app_and_serve_transport_opens_no_link(
         llm = httpx.get(f"http://127.0.0.1:{port}/stats?pools=true", timeout=30).json()[model]["pools"]
         (outputs,) = llm["llm_replicas"].values()  # how the tokens came back: the link, or Serve's stream
         assert (outputs["link_channel_batches"] > 0) == (transport == "auto"), outputs
-        for pool in ("EncoderPool", "LLMServer"):  # Ray's core worker, Serve's gRPC, and a link or not
+        for pool in ("EncoderServer", "LLMServer"):  # Ray's core worker, Serve's gRPC, and a link or not
             (replica,) = _alive(f"SERVE_REPLICA::{APP}#{pool}-{model}#")
             sockets = _listening_at(_pid(replica))
             assert len(sockets) == (2 if transport == "serve" else 3), f"{pool} listens on {sockets}"

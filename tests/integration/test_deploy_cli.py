@@ -44,9 +44,9 @@ def test_readme_cluster_commands_deploy_the_shipped_cpu_config(tmp_path: Path) -
         cluster.wait_running("mmserve", timeout_s=420)
         status = cluster.serve_status()["applications"]["mmserve"]["deployments"]
         assert {name: d["status"] for name, d in status.items()} == {
-            "Ingress": "HEALTHY",
+            "IngressServer": "HEALTHY",
             f"EncoderCacheIndex-{MODEL}": "HEALTHY",
-            f"EncoderPool-{MODEL}": "HEALTHY",
+            f"EncoderServer-{MODEL}": "HEALTHY",
             f"LLMServer-{MODEL}": "HEALTHY",
         }
 

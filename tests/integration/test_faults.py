@@ -178,7 +178,7 @@ def _llm_stats() -> dict[str, Any]:
 async def _encoder_stats() -> dict[str, Any]:
     from ray import serve
 
-    handle = serve.get_deployment_handle(f"EncoderPool-{VL}", app_name="mmserve")
+    handle = serve.get_deployment_handle(f"EncoderServer-{VL}", app_name="mmserve")
     return dict(await handle.stats.remote())
 
 
@@ -249,9 +249,9 @@ def test_encoder_replica_killed_under_load(app: dict[str, Any]) -> None:
             deadline = time.monotonic() + 30
             while not queued and time.monotonic() < deadline and not all(t.done() for t in tasks):
                 queued = (await _encoder_stats())["queued_items"] > 0
-            victim = _kill_replica(f"EncoderPool-{VL}")
+            victim = _kill_replica(f"EncoderServer-{VL}")
             outcomes = list(await asyncio.gather(*tasks))
-            await _wait_replaced(f"EncoderPool-{VL}", victim)
+            await _wait_replaced(f"EncoderServer-{VL}", victim)
             return outcomes, queued
 
     outcomes, queued = asyncio.run(scenario())
@@ -324,7 +324,7 @@ def test_nothing_is_held_after_the_faults(app: dict[str, Any]) -> None:
     reservation left (a dead holder's reservations expire), no output channel open for long."""
     import ray
 
-    from cluster.app import cache_index_args, open_cache_index
+    from cluster.cache_shards import cache_index_args, open_cache_index
     from cluster.config import ModelConfig
 
     cache = open_cache_index(*cache_index_args(ModelConfig(name=VL, tiny="qwen2-vl")))

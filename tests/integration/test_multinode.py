@@ -1,7 +1,7 @@
 """The app on a three-node Ray cluster on this machine: encoder pool on one node, LLM pool on another.
 
-  head       (CPU 1)                    Serve controller, HTTP proxy, Ingress, cache index
-  encoder    (CPU 2, encoder_node)      EncoderPool replicas, each a TP-2 group in its placement group
+  head       (CPU 1)                    Serve controller, HTTP proxy, IngressServer, cache index
+  encoder    (CPU 2, encoder_node)      EncoderServer replicas, each a TP-2 group in its placement group
   llm        (CPU 2, llm_node)          LLMServer replicas
 
 Nodes are separate raylets with separate object stores (``ray.cluster_utils.Cluster``), so embeddings
@@ -31,7 +31,7 @@ from tests.media import make_image_bytes
 PORT = 8432
 MAX_TOKENS = 6
 VL = "tiny-qwen2-vl"
-ENC, LLM = f"EncoderPool-{VL}", f"LLMServer-{VL}"
+ENC, LLM = f"EncoderServer-{VL}", f"LLMServer-{VL}"
 
 
 def app_config(cache_dir: str) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Pools of many replicas on the fast path: the encoder and LLM pools autoscale between 1 and 2 replicas
 under load, every call the ingress makes to them (``prepare``, ``submit``) goes over direct links routed
-by the pools' own routers (router/pool_links.py), and scaling up and down in the middle of the load
+by the pools' own routers (mmcore/link/pool_links.py), and scaling up and down in the middle of the load
 loses no request. Real Ray Serve (Serve's autoscaler with mmserve's policies), real HTTP, the openai
 client, distinct images so every request is encoded."""
 
@@ -21,7 +21,7 @@ from tests.integration.local_app import local_app
 from tests.media import make_image_bytes
 
 MODEL = "tiny-qwen2-vl"
-POOLS = (f"EncoderPool-{MODEL}", f"LLMServer-{MODEL}")
+POOLS = (f"EncoderServer-{MODEL}", f"LLMServer-{MODEL}")
 
 FAST_SCALING = {
     "min_replicas": 1,

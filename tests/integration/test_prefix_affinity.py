@@ -2,7 +2,7 @@
 that holds its prefix (their prompt comes from that replica's KV cache), while distinct
 conversations spread over both. Real Ray Serve, real HTTP, the openai client.
 
-The ingress submits over direct links (router/pool_links.py), routed by the LLM pool's own Serve
+The ingress submits over direct links (mmcore/link/pool_links.py), routed by the LLM pool's own Serve
 router: a cold image conversation prepared on an encoder replica, its repeat (served from the encoder
 cache at the ingress) both choose by the same prefix index."""
 

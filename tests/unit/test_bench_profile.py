@@ -43,7 +43,7 @@ PY = "/work/main/.venv/bin/python"
 
 # Titles as /proc/PID/cmdline showed them for a running app (padding included), and their kinds.
 TITLES = [
-    ("ray::ServeReplica:mmserve:Ingress" + " " * 40, "Ingress"),
+    ("ray::ServeReplica:mmserve:IngressServer" + " " * 40, "IngressServer"),
     ("ray::ServeReplica:mmserve:LLMServer-tiny-qwen2-vl", "LLMServer-tiny-qwen2-vl"),
     ("ray::ServeReplica:mmserve:LLMServer-qwen2.5-vl", "LLMServer-qwen2.5-vl"),  # a dot in a model name
     ("ray::ProxyActor", "Serve proxy"),
@@ -77,7 +77,7 @@ def test_process_kind_of_real_titles(title: str, kind: str) -> None:
 
 def test_actor_class_wins_over_the_title() -> None:
     assert process_kind("ray::IDLE", actor_class="ServeReplica:mmserve:Preprocessor-m") == "Preprocessor-m"
-    assert class_kind("ServeReplica:mmserve:EncoderPool-tiny") == "EncoderPool-tiny"
+    assert class_kind("ServeReplica:mmserve:EncoderServer-tiny") == "EncoderServer-tiny"
 
 
 def test_parse_stat_reads_ppid_cpu_and_start_past_a_name_with_parens_and_spaces() -> None:
@@ -126,7 +126,7 @@ def test_per_request_and_the_table_by_hand() -> None:
     assert per_request(500.0, 4) == 125.0
     assert per_request(500.0, 0) is None
     costs = [
-        ProcessCost(1, "Ingress", "", 400.0),
+        ProcessCost(1, "IngressServer", "", 400.0),
         ProcessCost(2, "shard", "", 60.0),
         ProcessCost(3, "shard", "", 20.0),
     ]
@@ -137,11 +137,11 @@ def test_per_request_and_the_table_by_hand() -> None:
     assert lines[2] == "| req/s | 12.50 | 0.00 |"
     assert lines[3] == "| TTFT p50 (ms) | 42.1 | - |"
     assert lines[4] == "| **total** | **60.0** | **-** |"  # 480 ms over 8 requests
-    assert lines[5] == "| Ingress | 50.0 | - |"
+    assert lines[5] == "| IngressServer | 50.0 | - |"
     assert lines[6] == "| shard (×2) | 10.0 | - |"
     js = text_run.to_json()
-    assert js["cpu_ms_per_request"] == {"Ingress": 50.0, "shard": 10.0}
-    assert js["processes_per_kind"] == {"Ingress": 1, "shard": 2}
+    assert js["cpu_ms_per_request"] == {"IngressServer": 50.0, "shard": 10.0}
+    assert js["processes_per_kind"] == {"IngressServer": 1, "shard": 2}
     assert [p["pid"] for p in js["processes"]] == [1, 2, 3]
 
 
@@ -164,12 +164,12 @@ TREE = {
         ),
         proc(203, 200, f"{PY} -u {RAY}/_private/log_monitor.py --session-dir=/tmp/ray/{SESSION}"),
         proc(300, 202, "ray::ProxyActor"),
-        proc(301, 202, "ray::ServeReplica:mmserve:Ingress"),
+        proc(301, 202, "ray::ServeReplica:mmserve:IngressServer"),
         proc(302, 301, "some child of a replica"),
         # another cluster on the same machine, started by `ray start` (daemonized under init)
         proc(500, 1, f"{RAY}/core/src/ray/raylet/raylet --store=/tmp/ray/{OTHER}/s"),
         proc(501, 1, f"{RAY}/core/src/ray/gcs/gcs_server --log_dir=/tmp/ray/{OTHER}/logs"),
-        proc(502, 500, "ray::ServeReplica:other:Ingress"),
+        proc(502, 500, "ray::ServeReplica:other:IngressServer"),
     ]
 }
 
@@ -234,13 +234,13 @@ def test_pid_listening_on_finds_this_process_for_a_loopback_socket() -> None:
 
 
 def test_idle_column_is_cpu_ms_per_second() -> None:
-    costs = [ProcessCost(1, "Ingress", "", 400.0), ProcessCost(2, "Serve controller", "", 10.0)]
+    costs = [ProcessCost(1, "IngressServer", "", 400.0), ProcessCost(2, "Serve controller", "", 10.0)]
     run = ScenarioProfile("text", requests=4, request_throughput=2.0, ttft_p50_s=0.01, costs=costs)
     idle = IdleProfile(seconds=5.0, costs=[ProcessCost(2, "Serve controller", "", 30.0)])
     lines = profile_table([run], idle).splitlines()
     assert lines[0] == "| CPU-ms per request | text | idle CPU-ms/s (5 s) |"
     assert lines[4] == "| **total** | **102.5** | **6.0** |"  # 410 ms / 4 requests; 30 ms / 5 s
-    assert lines[5] == "| Ingress | 100.0 | 0.0 |"
+    assert lines[5] == "| IngressServer | 100.0 | 0.0 |"
     assert lines[6] == "| Serve controller | 2.5 | 6.0 |"
     assert idle.to_json() == {"seconds": 5.0, "cpu_ms_per_s": {"Serve controller": 6.0}}
 

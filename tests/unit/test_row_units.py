@@ -3,8 +3,8 @@ embedding, so it is charged 1 + levels; the budgets and the shard sizing scale w
 
 from __future__ import annotations
 
-from cluster.app import cache_index_args
 from cluster.budgets import encoder_budgets, largest_item_embeds, row_units
+from cluster.cache_shards import cache_index_args
 from cluster.config import ModelConfig
 from cluster.tiny_model.families import ModelSize
 from cluster.tiny_model.qwen3_vl import deepstack_indexes

@@ -51,7 +51,7 @@ def test_zz_embeddings_lost_with_their_encoder_replica_are_encoded_again(
         return dict(httpx.get(f"http://127.0.0.1:{PORT}/stats").json()[VL])
 
     def encoder_replicas() -> list[str]:
-        prefix = f"SERVE_REPLICA::mmserve#EncoderPool-{VL}#"
+        prefix = f"SERVE_REPLICA::mmserve#EncoderServer-{VL}#"
         return [
             a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)
         ]
@@ -62,7 +62,7 @@ def test_zz_embeddings_lost_with_their_encoder_replica_are_encoded_again(
 
     def replaced() -> bool:
         names = encoder_replicas()
-        deployment = serve.status().applications["mmserve"].deployments[f"EncoderPool-{VL}"]
+        deployment = serve.status().applications["mmserve"].deployments[f"EncoderServer-{VL}"]
         running = deployment.replica_states.get("RUNNING", 0)
         return victim not in names and len(names) == 1 and running == 1 and deployment.status == "HEALTHY"
 
@@ -87,7 +87,7 @@ def test_zzz_graceful_encoder_shutdown_invalidates_what_it_owns(client: OpenAI) 
     cache entries holding its objects. Deletes the app, so it runs last (the fixture then shuts down)."""
     from ray import serve
 
-    from cluster.app import cache_index_args, open_cache_index
+    from cluster.cache_shards import cache_index_args, open_cache_index
     from cluster.config import default_config
 
     png = make_image_bytes(42, 70, seed=405)

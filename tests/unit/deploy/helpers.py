@@ -2,7 +2,7 @@
 
 A Serve config is valid when Ray's ServeDeploySchema takes it, its ``args`` are an AppConfig, ``args``
 is the only place (no ``deployments:`` override, no push-interval env var that Ray ignores), and the
-autoscaling_config the app builds for each EncoderPool / LLMServer is one Ray's own AutoscalingConfig
+autoscaling_config the app builds for each EncoderServer / LLMServer is one Ray's own AutoscalingConfig
 takes, with a policy that resolves to the pool's class and accepts its kwargs.
 """
 
@@ -23,13 +23,13 @@ IGNORED_ENV_VARS = {
     "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S",
 }
 # Deployment name prefix -> the policy class that must scale it (the classes, not the app's strings).
-POOL_POLICIES: dict[str, type] = {"EncoderPool": EncoderQueuePolicy, "LLMServer": LLMLoadPolicy}
+POOL_POLICIES: dict[str, type] = {"EncoderServer": EncoderQueuePolicy, "LLMServer": LLMLoadPolicy}
 
 
 def pool_options(model: ModelConfig) -> dict[str, dict[str, Any]]:
     """Serve ``.options()`` of the model's encoder and LLM pools, as cluster.app builds them
     (test_cluster_yamls checks this against Serve's own build of the app)."""
-    enc = deployment_options(model.encoder.deployment, f"EncoderPool-{model.name}", ENCODER_POLICY)
+    enc = deployment_options(model.encoder.deployment, f"EncoderServer-{model.name}", ENCODER_POLICY)
     enc.update(encoder_placement(model))
     llm = deployment_options(model.llm.deployment, f"LLMServer-{model.name}", LLM_POLICY)
     return {enc["name"]: enc, llm["name"]: llm}

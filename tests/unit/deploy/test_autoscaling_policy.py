@@ -31,8 +31,8 @@ def _ctx(
 ) -> AutoscalingContext:
     config = AutoscalingConfig(min_replicas=lo, max_replicas=hi, target_ongoing_requests=4)
     return AutoscalingContext(
-        deployment_id=DeploymentID(name="EncoderPool-m", app_name="mmserve"),
-        deployment_name="EncoderPool-m",
+        deployment_id=DeploymentID(name="EncoderServer-m", app_name="mmserve"),
+        deployment_name="EncoderServer-m",
         app_name="mmserve",
         current_num_replicas=running,
         target_num_replicas=running if target is None else target,

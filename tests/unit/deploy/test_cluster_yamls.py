@@ -89,7 +89,7 @@ def test_serve_gpu_policy_targets() -> None:
     (cfg,) = validate_serve_config(_load("serve-gpu.yaml"))
     (m,) = cfg.models
     opts = pool_options(m)
-    enc = pool_policy(f"EncoderPool-{m.name}", ray_autoscaling(opts[f"EncoderPool-{m.name}"]))
+    enc = pool_policy(f"EncoderServer-{m.name}", ray_autoscaling(opts[f"EncoderServer-{m.name}"]))
     llm_auto = ray_autoscaling(opts[f"LLMServer-{m.name}"])
     llm = pool_policy(f"LLMServer-{m.name}", llm_auto)
     # the encoder's target backlog is 2 batches of its compute budget (as the YAML comment says)
@@ -115,7 +115,7 @@ def test_serve_gpu_encoder_replica_is_one_placement_group_on_an_encoder_node() -
     (cfg,) = validate_serve_config(_load("serve-gpu.yaml"))
     (m,) = cfg.models
     assert m.encoder.mm_encoder_tp_size == 2
-    opts = pool_options(m)[f"EncoderPool-{m.name}"]
+    opts = pool_options(m)[f"EncoderServer-{m.name}"]
     bundles = opts["placement_group_bundles"]
     assert opts["placement_group_strategy"] == "STRICT_PACK"  # NCCL ranks on one node
     assert len(bundles) == 3  # the replica + 2 ranks
@@ -147,7 +147,7 @@ def test_serve_builds_the_options_the_checks_look_at() -> None:
         assert d._deployment_config.autoscaling_config == ray_autoscaling(opts), name
         assert d._replica_config.placement_group_bundles == opts.get("placement_group_bundles"), name
         assert d._replica_config.placement_group_strategy == opts.get("placement_group_strategy"), name
-    assert built[f"EncoderPool-{m.name}"]._replica_config.placement_group_bundles  # TP 2: a group
+    assert built[f"EncoderServer-{m.name}"]._replica_config.placement_group_bundles  # TP 2: a group
 
 
 def test_serve_cpu_uses_the_tiny_model_without_gpus() -> None:
@@ -179,11 +179,11 @@ def _set(doc: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("path", "value", "error", "match"),
     [
-        ("deployments", [{"name": "Ingress", "num_replicas": 2}], AssertionError, "deployments"),
+        ("deployments", [{"name": "IngressServer", "num_replicas": 2}], AssertionError, "deployments"),
         ("runtime_env", PUSH_ENV, AssertionError, "metrics_interval_s"),
         (f"{LLM_AUTO}.policy.policy_kwargs", {"nope": 1}, TypeError, "nope"),
         (f"{LLM_AUTO}.policy.policy_kwargs.target_kv_usage", 1.5, ValueError, "target_kv_usage"),
-        (f"{ENC_AUTO}.policy.policy_function", LLM_POLICY, AssertionError, "EncoderPool-.* scales with"),
+        (f"{ENC_AUTO}.policy.policy_function", LLM_POLICY, AssertionError, "EncoderServer-.* scales with"),
         (f"{ENC_AUTO}.policy.policy_function", "cluster.nope:Policy", ModuleNotFoundError, "cluster.nope"),
         (f"{ENC_AUTO}.metrics_interval_s", 20, ValueError, "look_back_period_s"),
         (f"{LLM_AUTO}.metrics_interval_s", 0, ValueError, "metrics_interval_s"),
@@ -195,3 +195,27 @@ def test_serve_check_refuses_bad_configs(name: str, path: str, value: Any, error
     validate_serve_config(_load(name))  # the file itself passes
     with pytest.raises(error, match=match):
         validate_serve_config(_set(_load(name), path, value))
+
+
+def test_each_deployment_is_named_for_its_replica_class() -> None:
+    """One name per replica: a deployment is its class's name (``-<model>`` for a model's pools), the
+    class is defined at module level (not inside a builder), and its module is where cluster/ keeps
+    the deployables (the cache owner beside its shards)."""
+    from ray.serve._private.build_app import build_app as serve_build_app
+
+    (app,) = _load("serve-gpu.yaml")["applications"]
+    cfg = AppConfig.model_validate(app["args"])
+    (m,) = cfg.models
+    built = serve_build_app(build_app(cfg), name=app["name"]).deployments
+    names = {}
+    for d in built:
+        cls = d.func_or_class
+        assert "<locals>" not in cls.__qualname__, cls.__qualname__
+        assert cls.__module__ in ("cluster.replicas", "cluster.cache_shards"), cls.__module__
+        names[d.name] = cls.__name__
+    assert names == {
+        "IngressServer": "IngressServer",
+        f"EncoderServer-{m.name}": "EncoderServer",
+        f"LLMServer-{m.name}": "LLMServer",
+        f"EncoderCacheIndex-{m.name}": "EncoderCacheIndex",
+    }

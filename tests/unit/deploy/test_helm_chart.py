@@ -188,7 +188,7 @@ def test_encoder_tp_group_is_one_placement_group_on_an_encoder_pod() -> None:
     vals = _gpu_values()
     cfg = _serve_config(vals)
     (m,) = cfg.models
-    opts = pool_options(m)[f"EncoderPool-{m.name}"]
+    opts = pool_options(m)[f"EncoderServer-{m.name}"]
     bundles = opts["placement_group_bundles"]
     assert len(bundles) == 1 + 2 and opts["placement_group_strategy"] == "STRICT_PACK"
     marker = "encoder_node"  # placement.encoderResource in values.yaml
@@ -203,7 +203,7 @@ def test_policy_values_reach_the_policies() -> None:
     for name, opts in pool_options(m).items():
         ray_cfg = ray_autoscaling(opts)
         policy = pool_policy(name, ray_cfg)
-        values = vals["pools"]["encoder" if name.startswith("EncoderPool") else "llm"]
+        values = vals["pools"]["encoder" if name.startswith("EncoderServer") else "llm"]
         for key, value in values["policy"].items():
             assert getattr(policy.targets, _snake(key)) == value, (name, key)
         assert ray_cfg.metrics_interval_s == values["autoscaling"]["metricsIntervalS"] == 2
@@ -220,11 +220,11 @@ def test_unset_policy_values_take_the_policy_defaults() -> None:
     }
     (m,) = _serve_config(vals).models
     opts = pool_options(m)
-    enc_cfg = ray_autoscaling(opts[f"EncoderPool-{m.name}"])
+    enc_cfg = ray_autoscaling(opts[f"EncoderServer-{m.name}"])
     llm_cfg = ray_autoscaling(opts[f"LLMServer-{m.name}"])
     assert enc_cfg.policy.policy_kwargs == {"target_queued_embeddings_per_replica": 1000}
     assert llm_cfg.policy.policy_kwargs == {}
-    enc = pool_policy(f"EncoderPool-{m.name}", enc_cfg)
+    enc = pool_policy(f"EncoderServer-{m.name}", enc_cfg)
     assert enc.targets.embeddings_per_handle_queued_request == 1024.0  # EncoderQueuePolicy's default
     assert pool_policy(f"LLMServer-{m.name}", llm_cfg).targets.target_kv_usage == 0.8
 
@@ -250,7 +250,7 @@ def test_every_autoscaling_value_reaches_ray() -> None:
     cfg = _serve_config(vals)
     (m,) = cfg.models
     opts = {
-        "ingress": deployment_options(cfg.ingress.deployment, "Ingress"),
+        "ingress": deployment_options(cfg.ingress.deployment, "IngressServer"),
         **{p: o for p, o in zip(("encoder", "llm"), pool_options(m).values(), strict=True)},
     }
     for i, pool in enumerate(pools):

@@ -56,4 +56,4 @@ def test_a_pool_that_cannot_scale_runs_a_fixed_count(tmp_path) -> None:  # type:
     assert m.encoder.deployment.num_replicas is None  # it can scale: Serve's autoscaling stays
     llm = deployment_options(m.llm.deployment, "LLMServer-a")
     assert llm["num_replicas"] == 2 and "autoscaling_config" not in llm
-    assert "autoscaling_config" in deployment_options(m.encoder.deployment, "EncoderPool-a")
+    assert "autoscaling_config" in deployment_options(m.encoder.deployment, "EncoderServer-a")

@@ -1,6 +1,6 @@
 """A second server on a port in use is a clear start-up error naming the port, never a silent share.
 
-The ingress replicas bind with ``SO_REUSEPORT`` (``router/http_server.py: bind_reuseport``), so the
+The ingress replicas bind with ``SO_REUSEPORT`` (``router/http/listener.py: bind_reuseport``), so the
 kernel would let a second server of the same user bind the port too; ``check_port_free`` refuses."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from cluster.serve_cli import PortInUse, check_port_free
-from router.http_server import bind_reuseport
+from router.http.listener import bind_reuseport
 from tests.integration.local_app import free_port
 
 

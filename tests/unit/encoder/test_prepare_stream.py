@@ -27,7 +27,7 @@ from tests.unit.router.hit_path_world import FakeRef
 
 
 class Encoder:
-    """Per-item futures (``EncoderPoolServer.submit``), finished by the test. Every queued item is a
+    """Per-item futures (``EncoderServer.submit``), finished by the test. Every queued item is a
     part of one step's object (``EmbeddingMeta.part``: its place in the queue), as the encoder puts a
     step's items."""
 

@@ -7,7 +7,7 @@ from llm_service.kv_cache_manager import KVCacheManager
 from llm_service.prefix_hash import block_extra_keys, compute_block_hashes, hash_block, salt_key
 from llm_service.sampling_params import SamplingParams
 from llm_service.sequence import Request
-from router.prefix_affinity import PrefixAffinityIndex
+from router.routing.prefix_affinity import PrefixAffinityIndex
 
 TOKENS = list(range(1, 15))  # 14 tokens: 3 full blocks of 4, the last one recomputed
 H = "ab" * 32  # an mm_hash (hex)

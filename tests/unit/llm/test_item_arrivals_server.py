@@ -17,7 +17,7 @@ from llm_service.embeddings import EmbeddingsLost
 from llm_service.request_spec import LLMRequestSpec
 from llm_service.serve.deployment import LLMServer
 from mmcore.feature import MediaFeature
-from router.llm_client import LLMClient
+from router.journey.llm_client import LLMClient
 from tests.unit.llm.hf_ref import GREEDY, IMG, N, build_case, hf_generate, hf_model, image
 from tests.unit.llm.test_unfetched_embeddings import LostRef, Ref, _server
 from tests.unit.router.test_llm_client import FakeLLMHandle

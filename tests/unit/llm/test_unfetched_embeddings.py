@@ -15,7 +15,7 @@ from llm_service.config import EngineConfig
 from llm_service.request_spec import LLMRequestSpec
 from llm_service.serve.deployment import LLMServer
 from mmcore.feature import MediaFeature
-from router.llm_client import LLMClient
+from router.journey.llm_client import LLMClient
 from tests.unit.llm.hf_ref import GREEDY, IMG, N, build_case, hf_generate, hf_model, image
 from tests.unit.router.test_llm_client import FakeLLMHandle
 

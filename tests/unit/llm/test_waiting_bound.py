@@ -7,7 +7,7 @@ import pickle
 import pytest
 
 from llm_service.scheduler import WaitingBound, WaitingQueueFull
-from router.errors import from_exception
+from router.protocol.errors import from_exception
 
 
 def test_bound_by_requests_and_by_tokens() -> None:

@@ -16,8 +16,8 @@ from encoder_service.preprocess.prepare import RequestPreparer
 from encoder_service.preprocess.prepared import LookedUp
 from encoder_service.preprocess.processing import Preprocessor
 from encoder_service.types import EmbeddingMeta, EncodeBatch, EncodedItem
-from router.model_handles import ModelHandles
-from router.orchestrator import Orchestrator
+from router.journey.model_handles import ModelHandles
+from router.journey.orchestrator import Orchestrator
 from tests.fakes import Remote
 
 

@@ -1,11 +1,11 @@
-"""router/admission.py: bounded work in flight at the ingress, by count and by cost."""
+"""router/routing/admission.py: bounded work in flight at the ingress, by count and by cost."""
 
 from __future__ import annotations
 
 import pytest
 
-from router.admission import AdmissionController, AdmissionLimits, Overloaded
-from router.errors import from_exception
+from router.protocol.errors import from_exception
+from router.routing.admission import AdmissionController, AdmissionLimits, Overloaded
 
 
 def _ctl(**kw: int) -> AdmissionController:

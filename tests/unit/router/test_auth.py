@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from router.auth import DEFAULT_TENANT, KeyRing, Unauthorized, effective_cache_salt, load_keys_file
+from router.http.auth import DEFAULT_TENANT, KeyRing, Unauthorized, effective_cache_salt, load_keys_file
 
 
 def test_open_server_without_keys() -> None:

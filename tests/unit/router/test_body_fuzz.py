@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from starlette.requests import Request
 
-from router.errors import APIError
-from router.ingress import ChatService
-from router.messages import MessageLimits, normalize_messages
+from router.http.chat import ChatService
+from router.protocol.errors import APIError
+from router.protocol.messages import MessageLimits, normalize_messages
 
 PNG = base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\0" * 32).decode()
 VALID = json.dumps(

@@ -7,8 +7,8 @@ from collections.abc import AsyncGenerator
 
 import pytest
 
-from router.deadline import Deadline
-from router.errors import APIError
+from router.journey.deadline import Deadline
+from router.protocol.errors import APIError
 
 
 def test_run_cancels_what_it_awaits_and_raises_504() -> None:

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from router.detokenizer import REPLACEMENT, IncrementalDetokenizer
+from router.journey.detokenizer import REPLACEMENT, IncrementalDetokenizer
 
 Decode = Callable[[Sequence[int]], str]
 

@@ -23,8 +23,8 @@ from encoder_service.preprocess.prepare import RequestPreparer
 from encoder_service.types import MediaRef
 from llm_service.outputs import RequestOutput
 from llm_service.sampling_params import SamplingParams
-from router.errors import from_exception
-from router.messages import NormalizedChat
+from router.protocol.errors import from_exception
+from router.protocol.messages import NormalizedChat
 from tests.fakes import Clock
 from tests.media import make_image_bytes
 from tests.unit.router.hit_path_world import (
@@ -200,7 +200,7 @@ async def _media_it_would_have_to_fetch_goes_straight_to_prepare(setup: Setup) -
         calls.append(looked_up)
         raise RuntimeError("stop here: nothing is fetched in this test")
 
-    setup.orch.h.preprocess = SimpleNamespace(prepare=SimpleNamespace(remote=prepare))  # type: ignore[assignment]
+    setup.orch.handles.encoder = SimpleNamespace(prepare=SimpleNamespace(remote=prepare))  # type: ignore[assignment]
     with pytest.raises(RuntimeError, match="stop here"):
         await setup.orch.prepare("r1", _chat(_image(8), _image(url="http://127.0.0.1:9/cat.png")))
     assert calls == [None] and setup.shard.lookup_calls == 0
@@ -208,7 +208,7 @@ async def _media_it_would_have_to_fetch_goes_straight_to_prepare(setup: Setup) -
 
 def _with_near_cache(setup: Setup, clock: Clock) -> RequestPreparer:
     """The setup's hit path, given a near cache of 8 entries for 30 s on ``clock``."""
-    hit_path = setup.orch.h.hit_path
+    hit_path = setup.orch.handles.hit_path
     assert isinstance(hit_path, RequestPreparer)
     hit_path.near = NearCache(8, ttl_s=30.0, clock=clock)
     return hit_path
@@ -279,7 +279,7 @@ async def _pointing_is_deferred_to_the_answer(setup: Setup) -> None:
         await shard_point(aliases)
 
     setup.shard.alias_point = slow_point  # type: ignore[method-assign]
-    setup.orch.h.llm = TwoTokenLLM()  # type: ignore[assignment]
+    setup.orch.handles.llm = TwoTokenLLM()  # type: ignore[assignment]
     prepared = await setup.orch.prepare("r1", _chat(_image(13, uuid_="dog")))  # did not wait for it
     assert setup.orch.calls.hit_path_served == 1
     stream = setup.orch.stream("r1", prepared, SamplingParams(max_tokens=2))

@@ -1,4 +1,4 @@
-"""The parsed size of a request body is bounded before it is parsed (router/json_limits.py)."""
+"""The parsed size of a request body is bounded before it is parsed (router/http/json_limits.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import tracemalloc
 import pytest
 from starlette.requests import Request
 
-from router.errors import APIError
-from router.ingress import ChatService
-from router.json_limits import check_json_values, count_values
+from router.http.chat import ChatService
+from router.http.json_limits import check_json_values, count_values
+from router.protocol.errors import APIError
 
 
 @pytest.mark.parametrize(

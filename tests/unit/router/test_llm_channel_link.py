@@ -10,15 +10,15 @@ import asyncio
 import contextlib
 from typing import Any
 
-from cluster.direct_served import DirectLLM
+from cluster.replica_links import DirectLLM
 from llm_service.config import EngineConfig
 from llm_service.outputs import RequestOutput
 from llm_service.request_spec import LLMRequestSpec, ReplicaTarget
 from llm_service.sampling_params import SamplingParams
 from llm_service.serve.deployment import LLMServer
-from router.direct_link import DirectLink, LinkClient, LinkKeys, LinkServer
-from router.llm_client import LLMClient
-from router.pool_links import Address, PoolLinks
+from mmcore.link.direct_link import DirectLink, LinkClient, LinkKeys, LinkServer
+from mmcore.link.pool_links import Address, PoolLinks
+from router.journey.llm_client import LLMClient
 from tests.unit.llm.test_engine_loop import PROMPT, FakeEngine
 from tests.unit.router.test_llm_client import FakeLLMHandle
 

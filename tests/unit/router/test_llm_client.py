@@ -13,7 +13,7 @@ from llm_service.config import EngineConfig
 from llm_service.request_spec import LLMRequestSpec, ReplicaTarget
 from llm_service.sampling_params import SamplingParams
 from llm_service.serve.deployment import LLMServer
-from router.llm_client import LLMClient
+from router.journey.llm_client import LLMClient
 from tests.unit.llm.test_engine_loop import PROMPT, FakeEngine
 
 

@@ -13,8 +13,8 @@ from llm_service.outputs import RequestOutput
 from llm_service.request_spec import LLMRequestSpec, SubmitReply
 from llm_service.sampling_params import SamplingParams
 from mmcore.feature import MediaFeature
-from router.model_handles import ModelHandles
-from router.orchestrator import Orchestrator, Prepared
+from router.journey.model_handles import ModelHandles
+from router.journey.orchestrator import Orchestrator, Prepared
 
 ITEM = MediaFeature(0, "image", "h0", 1, 4, (1, 4, 4))
 

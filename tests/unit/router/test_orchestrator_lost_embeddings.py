@@ -35,10 +35,10 @@ from llm_service.outputs import RequestOutput
 from llm_service.request_spec import LLMRequestSpec, SubmitReply
 from llm_service.sampling_params import SamplingParams
 from mmcore.feature import MediaFeature
-from router.errors import APIError
-from router.messages import NormalizedChat
-from router.model_handles import ModelHandles
-from router.orchestrator import Orchestrator
+from router.journey.model_handles import ModelHandles
+from router.journey.orchestrator import Orchestrator
+from router.protocol.errors import APIError
+from router.protocol.messages import NormalizedChat
 from tests.fakes import Remote
 
 N = 4  # embeddings per image
@@ -89,7 +89,7 @@ class FakePreprocess:
 
 
 class FakeEncoder:
-    """Encodes (a name stands for the tensor) and commits to the index, as EncoderPoolServer does."""
+    """Encodes (a name stands for the tensor) and commits to the index, as EncoderServer does."""
 
     def __init__(self, world: World, cache: EncoderCacheClient) -> None:
         self.w = world
@@ -222,7 +222,7 @@ def test_a_second_loss_is_a_503_and_no_reservation_leaks() -> None:
         stream = await _prepare(orch, "a", H1, H2)
         with pytest.raises(APIError) as e:
             await _finish(stream)
-        return e.value, await cache.stats(), orch.h.llm.submits  # type: ignore[attr-defined]
+        return e.value, await cache.stats(), orch.handles.llm.submits  # type: ignore[attr-defined]
 
     err, stats, submits = asyncio.run(scenario())
     assert err.status_code == 503 and err.code == "embeddings_lost" and "lost twice" in err.message
@@ -269,7 +269,7 @@ def test_other_llm_errors_pass_through_and_leave_nothing_held() -> None:
         async def broken(spec: LLMRequestSpec) -> SubmitReply:
             raise ValueError("bad sampling params")
 
-        orch.h.llm.submit = broken  # type: ignore[method-assign]
+        orch.handles.llm.submit = broken  # type: ignore[method-assign]
         assert (await cache.stats())["reserved"] == 0
         with pytest.raises(ValueError, match="bad sampling"):
             await _finish(stream)
@@ -323,8 +323,8 @@ def test_a_prepare_whose_replica_dies_is_prepared_again_and_releases(deaths: int
 
     async def scenario() -> tuple[DyingPreparer, dict[str, Any]]:
         orch, cache = _build(world)
-        dying = DyingPreparer(orch.h.preprocess._obj, deaths)  # type: ignore[attr-defined]
-        orch.h.preprocess = Remote(dying)  # type: ignore[assignment]
+        dying = DyingPreparer(orch.handles.encoder._obj, deaths)  # type: ignore[attr-defined]
+        orch.handles.encoder = Remote(dying)  # type: ignore[assignment]
         assert len(await _finish(await _prepare(orch, "a", H1))) == 1
         return dying, await cache.stats()
 
@@ -339,8 +339,8 @@ def test_a_prepare_that_fails_otherwise_or_dies_every_time_is_not_retried_foreve
 
     async def scenario(deaths: int, error: type[Exception]) -> tuple[DyingPreparer, dict[str, Any]]:
         orch, cache = _build(world)
-        dying = DyingPreparer(orch.h.preprocess._obj, deaths, error)  # type: ignore[attr-defined]
-        orch.h.preprocess = Remote(dying)  # type: ignore[assignment]
+        dying = DyingPreparer(orch.handles.encoder._obj, deaths, error)  # type: ignore[attr-defined]
+        orch.handles.encoder = Remote(dying)  # type: ignore[assignment]
         with pytest.raises(error):
             await orch.prepare("a", _chat(H1))
         return dying, await cache.stats()

@@ -9,8 +9,8 @@ import logging
 import pytest
 
 from encoder_service.types import MediaRef
-from router.errors import APIError
-from router.replay_log import failure_record, log_failure, media_summary
+from router.http.replay_log import failure_record, log_failure, media_summary
+from router.protocol.errors import APIError
 from tests.unit.router.test_orchestrator_lost_embeddings import H1, H2, World, _build, _chat
 
 

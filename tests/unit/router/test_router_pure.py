@@ -7,11 +7,11 @@ import base64
 import pytest
 from pydantic import ValidationError
 
-from router.detokenizer import IncrementalDetokenizer
-from router.errors import APIError, from_exception
-from router.messages import MessageLimits, normalize_messages, text_only_messages
-from router.prefix_affinity import AffinityConfig, PrefixAffinityIndex, least_loaded
-from router.protocol import ChatCompletionRequest
+from router.journey.detokenizer import IncrementalDetokenizer
+from router.protocol.errors import APIError, from_exception
+from router.protocol.messages import MessageLimits, normalize_messages, text_only_messages
+from router.protocol.openai import ChatCompletionRequest
+from router.routing.prefix_affinity import AffinityConfig, PrefixAffinityIndex, least_loaded
 
 LIMITS = MessageLimits(
     max_messages=8, max_content_parts=8, max_media_bytes=1000, limit_mm_per_prompt={"image": 2}

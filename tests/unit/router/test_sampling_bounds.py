@@ -15,9 +15,9 @@ from pydantic import ValidationError
 
 from llm_service.sampler import sample
 from llm_service.sampling_params import SamplingParams
-from router.errors import APIError
-from router.protocol import ChatCompletionRequest
-from router.sampling import to_sampling_params
+from router.protocol.errors import APIError
+from router.protocol.openai import ChatCompletionRequest
+from router.protocol.sampling import to_sampling_params
 
 MSG = [{"role": "user", "content": "hi"}]
 

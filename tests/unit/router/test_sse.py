@@ -1,4 +1,4 @@
-"""Server-sent events of a streamed completion (router/sse.py): the rendered JSON equals the pydantic
+"""Server-sent events of a streamed completion (router/http/sse.py): the rendered JSON equals the pydantic
 models' for the same fields, and the event ending in [DONE] closes the body in its own write."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from router.messages import MessageLimits
-from router.protocol import ChatCompletionChunk, Delta, StreamChoice
-from router.sse import DONE, ChunkRenderer, SSEResponse
+from router.http.sse import DONE, ChunkRenderer, SSEResponse
+from router.protocol.messages import MessageLimits
+from router.protocol.openai import ChatCompletionChunk, Delta, StreamChoice
 
 LIMITS = MessageLimits(max_messages=4, max_content_parts=4, max_media_bytes=1 << 10, limit_mm_per_prompt={})
 TEXTS = ["", "a", 'quote " and \\ backslash', "line\nbreak\ttab\x01", "héllo — 你好 🙂", "\u2028"]
@@ -109,10 +109,10 @@ class _Orchestrator:
 
 def _stream_bodies(outputs: list[Any], fail_after: int | None = None) -> tuple[list[tuple[bytes, bool]], Any]:
     from llm_service.outputs import RequestOutput
-    from router.detokenizer import IncrementalDetokenizer
-    from router.ingress import ChatService, ServedModel
-    from router.messages import normalize_messages
-    from router.protocol import ChatCompletionRequest
+    from router.http.chat import ChatService, ServedModel
+    from router.journey.detokenizer import IncrementalDetokenizer
+    from router.protocol.messages import normalize_messages
+    from router.protocol.openai import ChatCompletionRequest
 
     orch = _Orchestrator()
     model = ServedModel("tiny", orch, None, 4096, ["image"])  # type: ignore[arg-type]

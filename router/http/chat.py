@@ -1,0 +1,382 @@
+"""The HTTP ingress: OpenAI-compatible routes on FastAPI, served by a Ray Serve deployment."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+import weakref
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from llm_service.outputs import RequestOutput
+from router.http import tracing
+from router.http.auth import effective_cache_salt
+from router.http.json_limits import DEFAULT_MAX_JSON_VALUES, check_json_values
+from router.http.replay_log import failure_record, log_failure
+from router.http.sse import DONE, ChunkRenderer, SSEResponse
+from router.journey.deadline import Deadline
+from router.journey.detokenizer import IncrementalDetokenizer
+from router.journey.orchestrator import Orchestrator
+from router.protocol.errors import APIError, bad_request, from_exception
+from router.protocol.messages import MessageLimits, NormalizedChat, normalize_messages
+from router.protocol.openai import (
+    AssistantMessage,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    Choice,
+    ChoiceLogprobs,
+    Delta,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    StreamChoice,
+    TokenLogprobEntry,
+    TopLogprob,
+    Usage,
+)
+from router.protocol.sampling import fit_to_prompt, request_sampling_params, requested_max_tokens
+from router.routing.admission import AdmissionController, AdmissionLimits, Ticket
+
+if TYPE_CHECKING:
+    from router.http.metrics import IngressMetrics
+
+logger = logging.getLogger("mmserve.ingress")
+
+_Chunk = TypeVar("_Chunk")  # a response body's chunk (str, bytes or memoryview)
+
+
+@dataclass
+class ServedModel:
+    name: str
+    orchestrator: Orchestrator
+    limits: MessageLimits
+    max_model_len: int
+    modalities: list[str]
+
+
+class ChatService:
+    """Request handling independent of Serve (the deployment class below only wires it)."""
+
+    def __init__(
+        self,
+        models: dict[str, ServedModel],
+        max_request_bytes: int,
+        metrics: IngressMetrics | None = None,
+        admission: AdmissionController | None = None,
+        *,
+        max_json_values: int = DEFAULT_MAX_JSON_VALUES,
+        request_timeout_s: float | None = None,
+    ) -> None:
+        self.models = models
+        self.max_request_bytes = max_request_bytes
+        self.max_json_values = max_json_values
+        self.request_timeout_s = request_timeout_s
+        self.metrics = metrics
+        self.admission = admission or AdmissionController(AdmissionLimits())
+
+    async def read_request(self, request: Request) -> ChatCompletionRequest:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_request_bytes:
+            raise APIError(
+                413, f"request body exceeds {self.max_request_bytes} bytes", code="request_too_large"
+            )
+        body = bytearray()
+        async for chunk in request.stream():
+            body.extend(chunk)
+            if len(body) > self.max_request_bytes:
+                raise APIError(
+                    413, f"request body exceeds {self.max_request_bytes} bytes", code="request_too_large"
+                )
+        await check_json_values(body, self.max_json_values)  # what it parses into is bounded too
+        try:
+            payload = json.loads(body)
+        except RecursionError as e:  # nested deeper than the parser's stack
+            raise bad_request("request body is nested too deeply") from e
+        except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, an integer over 4300 digits
+            raise bad_request(f"request body is not valid JSON: {e}") from e
+        try:
+            return ChatCompletionRequest.model_validate(payload)
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            if first["type"] == "extra_forbidden":  # OpenAI's words for a field it does not know
+                raise bad_request(
+                    f"Unrecognized request argument supplied: {where} (this server does not implement it)",
+                    code="unrecognized_argument",
+                    param=where,
+                ) from e
+            raise bad_request(f"{where}: {first['msg']}", param=where or None) from e
+
+    def model_for(self, name: str) -> ServedModel:
+        model = self.models.get(name)
+        if model is None:
+            raise APIError(
+                404, f"model {name!r} is not served here; see GET /v1/models", code="model_not_found"
+            )
+        return model
+
+    async def chat(self, request: Request, tenant: str | None = None) -> Response:
+        """One chat completion for ``tenant`` (router/http/auth.py; None: the server has no API keys)."""
+        start = time.monotonic()
+        deadline = Deadline(self.request_timeout_s)
+        req = await deadline.run(self.read_request(request))
+        model = self.model_for(req.model)
+        chat = normalize_messages(req.messages, model.limits, tenant)
+        unsupported = {m.modality for m in chat.media} - set(model.modalities)
+        if unsupported:
+            raise bad_request(
+                f"model {model.name!r} does not accept {', '.join(sorted(unsupported))} input",
+                code="unsupported_modality",
+            )
+        # Bounded work in flight, refused at once past it (router/routing/admission.py): before any other work.
+        ticket = self.admission.admit(self.admission.cost((m.modality for m in chat.media), chat.text_chars))
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        orch = model.orchestrator
+        span, traced = tracing.start_request_span(request.headers, request_id, model.name)
+        watcher = asyncio.ensure_future(_cancel_on_disconnect(request, asyncio.current_task()))
+        response: Response | None = None
+        error: BaseException | None = None
+        try:
+            salt = effective_cache_salt(tenant, req.cache_salt)
+            response = await deadline.run(self._answer(req, model, request_id, chat, start, deadline, salt))
+            return response
+        except Exception as e:
+            error = e
+            self._log_failure(orch, request_id, chat, e)
+            orch.forget(request_id)
+            raise
+        except BaseException:  # the client left: nothing failed on our side
+            orch.forget(request_id)
+            raise
+        finally:  # a streamed response watches for the disconnect itself from here on
+            watcher.cancel()
+            if isinstance(response, StreamingResponse):  # released when its body ends (or is dropped)
+                response.body_iterator = _release_after(response.body_iterator, self.admission, ticket)
+                weakref.finalize(response.body_iterator, self.admission.release, ticket)
+                if span.is_recording():  # its span ends with the body
+                    response.body_iterator = tracing.ended_after(response.body_iterator, span)
+                tracing.end_request_span(span, traced, end=not span.is_recording())
+            else:
+                self.admission.release(ticket)
+                tracing.end_request_span(span, traced, error)
+
+    async def _answer(
+        self,
+        req: ChatCompletionRequest,
+        model: ServedModel,
+        request_id: str,
+        chat: NormalizedChat,
+        start: float,
+        deadline: Deadline,
+        cache_salt: str | None = None,
+    ) -> Response:
+        orch = model.orchestrator
+        # ``max_tokens`` is fitted to the prompt once it is prepared.
+        base, requested = request_sampling_params(req), requested_max_tokens(req)
+        timed = self.metrics.model(model.name) if self.metrics is not None else None
+        with timed.prepare.timing() if timed is not None and chat.has_media else contextlib.nullcontext():
+            prepared = await orch.prepare(request_id, chat)
+        params = fit_to_prompt(base, requested, len(prepared.prompt_token_ids), model.max_model_len)
+        stream = deadline.stream(orch.stream(request_id, prepared, params, cache_salt))
+        detok = IncrementalDetokenizer(orch.decode, stop=req.stop_strings)
+        first = await _first_or_error(stream)
+        first_at = time.monotonic()
+        if timed is not None:
+            timed.ttft.observe(first_at - start)
+        times = (start, first_at)
+        if req.stream:
+            gen = self._sse(req, model, request_id, first, stream, detok, times, chat)
+            return SSEResponse(gen, media_type="text/event-stream")
+        response = await self._collect(req, model, request_id, first, stream, detok, times)
+        orch.forget(request_id)
+        return response
+
+    def _log_failure(
+        self, orch: Orchestrator, request_id: str, chat: NormalizedChat, e: BaseException
+    ) -> None:
+        api = from_exception(e) or APIError(500, "internal error", code="internal_error")
+        record = failure_record(request_id, api.status_code, api.code, e, chat.media, orch.replay(request_id))
+        log_failure(logger, record, e)
+
+    def _logprobs(self, orch: Orchestrator, out: RequestOutput) -> ChoiceLogprobs | None:
+        if out.new_logprobs is None:
+            return None
+        entries = []
+        for lp in out.new_logprobs:
+            tok = orch.decode([lp.token_id])
+            top = [TopLogprob(token=orch.decode([t]), logprob=v) for t, v in lp.top]
+            entries.append(TokenLogprobEntry(token=tok, logprob=lp.logprob, top_logprobs=top))
+        return ChoiceLogprobs(content=entries)
+
+    async def _collect(
+        self,
+        req: ChatCompletionRequest,
+        model: ServedModel,
+        request_id: str,
+        first: RequestOutput,
+        stream: AsyncGenerator[RequestOutput, None],
+        detok: IncrementalDetokenizer,
+        times: tuple[float, float],
+    ) -> JSONResponse:
+        text: list[str] = []
+        logprobs: list[TokenLogprobEntry] = []
+        last = first
+        completion_tokens = 0
+        try:
+            async for out in _chain(first, stream):
+                last = out
+                completion_tokens += len(out.new_token_ids)
+                text.append(detok.add(out.new_token_ids, final=out.finished))
+                lp = self._logprobs(model.orchestrator, out)
+                if lp and lp.content:
+                    logprobs.extend(lp.content)
+                if detok.stopped:
+                    break
+        finally:  # a stop string ends it early: the LLM stops now, not when the generator is collected
+            await stream.aclose()
+        finish = "stop" if detok.stopped else last.finish_reason
+        await model.orchestrator.settle(request_id)
+        self._observe_done(model.name, times, completion_tokens)
+        resp = ChatCompletionResponse(
+            id=request_id,
+            model=model.name,
+            choices=[
+                Choice(
+                    message=AssistantMessage(content="".join(text)),
+                    finish_reason=finish,
+                    logprobs=ChoiceLogprobs(content=logprobs) if req.logprobs else None,
+                )
+            ],
+            usage=_usage(last, completion_tokens),
+        )
+        return JSONResponse(resp.model_dump(exclude_none=False))
+
+    async def _sse(
+        self,
+        req: ChatCompletionRequest,
+        model: ServedModel,
+        request_id: str,
+        first: RequestOutput,
+        stream: AsyncGenerator[RequestOutput, None],
+        detok: IncrementalDetokenizer,
+        times: tuple[float, float],
+        chat: NormalizedChat,
+    ) -> AsyncIterator[str]:
+        def lp_chunk(delta: Delta, finish: str | None, logprobs: ChoiceLogprobs) -> str:
+            c = ChatCompletionChunk(
+                id=request_id,
+                model=model.name,
+                choices=[StreamChoice(delta=delta, finish_reason=finish, logprobs=logprobs)],
+            )
+            return f"data: {c.model_dump_json(exclude_none=True)}\n\n"
+
+        events = ChunkRenderer(request_id, model.name)
+        head = events.role()  # goes out with the first text: one write, not two
+        tail = ""  # the last token's event: goes out with the usage and [DONE]
+        completion_tokens = 0
+        last = first
+        try:
+            async for out in _chain(first, stream):
+                last = out
+                completion_tokens += len(out.new_token_ids)
+                text = detok.add(out.new_token_ids, final=out.finished)
+                finish = "stop" if detok.stopped else (out.finish_reason if out.finished else None)
+                lp = self._logprobs(model.orchestrator, out) if req.logprobs else None
+                if finish:  # a stop string ends it before the engine does: settle here too
+                    await model.orchestrator.settle(request_id)
+                if not (text or finish or lp):
+                    continue
+                event = (
+                    events.delta(text, finish) if lp is None else lp_chunk(Delta(content=text), finish, lp)
+                )
+                if finish:
+                    tail = event
+                    break
+                yield head + event
+                head = ""
+            if req.stream_options is not None and req.stream_options.include_usage:
+                usage = ChatCompletionChunk(
+                    id=request_id, model=model.name, choices=[], usage=_usage(last, completion_tokens)
+                )
+                tail += f"data: {usage.model_dump_json()}\n\n"
+            self._observe_done(model.name, times, completion_tokens)
+            end = head + tail + DONE
+        except Exception as e:  # after the 200 went out, errors travel in-band
+            api = from_exception(e) or APIError(500, "internal error while generating", code="internal_error")
+            self._log_failure(model.orchestrator, request_id, chat, e)
+            end = f"{head}data: {json.dumps(api.body())}\n\n{DONE}"
+        finally:
+            model.orchestrator.forget(request_id)
+            await stream.aclose()
+        yield end
+
+    def _observe_done(self, model: str, times: tuple[float, float], completion_tokens: int) -> None:
+        """``times``: when the request came in and when its first output did."""
+        if self.metrics is not None:
+            self.metrics.model(model).done(*times, time.monotonic(), completion_tokens)
+
+    def model_list(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=m.name, modalities=m.modalities) for m in self.models.values()])
+
+
+def _usage(last: RequestOutput, completion_tokens: int) -> Usage:
+    return Usage(
+        prompt_tokens=last.num_prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=last.num_prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=last.num_cached_tokens),
+    )
+
+
+async def _release_after(
+    body: AsyncIterable[_Chunk], admission: AdmissionController, ticket: Ticket
+) -> AsyncIterator[_Chunk]:
+    """``body``, then the admission ticket back: before the response's last chunk (the one that ends
+    with ``[DONE]``) goes out, so a client that saw the end may be admitted again at once."""
+    try:
+        async for chunk in body:
+            if isinstance(chunk, str) and chunk.endswith(DONE):
+                admission.release(ticket)
+            yield chunk
+    finally:
+        admission.release(ticket)
+
+
+async def _cancel_on_disconnect(request: Request, task: asyncio.Task[object] | None) -> None:
+    """Cancel ``task`` when the client hangs up before the response starts (no polling: the body was
+    read, so the next ASGI message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            if task is not None:
+                task.cancel()
+            return
+        await asyncio.sleep(0.1)  # a server that answers with empty body chunks must not spin us
+
+
+async def _first_or_error(stream: AsyncGenerator[RequestOutput, None]) -> RequestOutput:
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration as e:
+        raise APIError(500, "the engine returned no output", code="internal_error") from e
+    except BaseException:
+        await stream.aclose()
+        raise
+
+
+async def _chain(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    yield first
+    if first.finished:
+        return
+    async for out in rest:
+        yield out

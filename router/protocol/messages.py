@@ -1,0 +1,195 @@
+"""Turn OpenAI chat messages into the preprocessor's normalised messages, enforcing count limits."""
+
+from __future__ import annotations
+
+import binascii
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Literal, TypedDict
+
+import pybase64
+
+from encoder_service.types import MODALITIES, MediaRef, Modality
+from router.protocol.errors import APIError, bad_request
+from router.protocol.openai import (
+    AudioURLPart,
+    ChatMessage,
+    ContentPart,
+    ImagePart,
+    InputAudioPart,
+    TextPart,
+    VideoPart,
+)
+
+_AUDIO_FORMATS = {"wav", "mp3", "flac", "ogg", "oga", "webm", "m4a"}
+
+
+@dataclass(frozen=True)
+class MessageLimits:
+    max_messages: int
+    max_content_parts: int
+    max_media_bytes: int
+    limit_mm_per_prompt: dict[str, int]
+
+
+class NormalizedText(TypedDict):
+    type: Literal["text"]
+    text: str
+
+
+class NormalizedMedia(TypedDict):
+    type: Modality  # the ref's own modality
+    media: MediaRef
+
+
+NormalizedPart = NormalizedText | NormalizedMedia
+
+
+class NormalizedMessage(TypedDict):
+    """One chat message as the preprocessor reads it (``encoder_service.preprocess.media_items.Message``)."""
+
+    role: str  # "system" | "user" | "assistant" ("developer" is read as "system")
+    content: str | list[NormalizedPart]
+
+
+class TextMessage(TypedDict):
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class NormalizedChat:
+    messages: list[NormalizedMessage]
+    media: list[MediaRef]
+
+    @property
+    def has_media(self) -> bool:
+        return bool(self.media)
+
+    def count(self, modality: Modality) -> int:
+        return sum(1 for m in self.media if m.modality == modality)
+
+    @property
+    def text_chars(self) -> int:
+        """Characters of text in the chat (what templating and tokenizing cost grows with)."""
+        n = 0
+        for m in self.messages:
+            content = m["content"]
+            if isinstance(content, str):
+                n += len(content)
+            else:
+                n += sum(len(p["text"]) for p in content if p["type"] == "text")
+        return n
+
+
+def _media_from_part(part: ContentPart, where: str, max_bytes: int) -> MediaRef:
+    if isinstance(part, ImagePart):
+        url = part.image_url.url if part.image_url else None
+        ref = MediaRef("image", url=url, uuid=part.uuid)
+    elif isinstance(part, VideoPart):
+        url = part.video_url.url if part.video_url else None
+        ref = MediaRef("video", url=url, uuid=part.uuid)
+    elif isinstance(part, AudioURLPart):
+        url = part.audio_url.url if part.audio_url else None
+        ref = MediaRef("audio", url=url, uuid=part.uuid)
+    elif isinstance(part, InputAudioPart):
+        audio = part.input_audio
+        if audio is None or audio.data is None:
+            ref = MediaRef("audio", uuid=part.uuid)
+        else:
+            fmt = (audio.format or "wav").lower()
+            if fmt not in _AUDIO_FORMATS:
+                raise APIError(
+                    415, f"{where}: unsupported input_audio format {fmt!r}", code="unsupported_media_type"
+                )
+            if len(audio.data) > max_bytes * 4 // 3 + 4:
+                raise APIError(413, f"{where}: input_audio exceeds {max_bytes} bytes", code="media_too_large")
+            try:
+                data = pybase64.b64decode(audio.data, validate=True)
+            except (binascii.Error, ValueError) as e:
+                raise bad_request(f"{where}: input_audio.data is not valid base64", code="bad_media") from e
+            ref = MediaRef("audio", data=data, format=fmt, uuid=part.uuid)
+    else:  # pragma: no cover - the discriminated union admits nothing else
+        raise bad_request(f"{where}: unsupported content part")
+    if ref.url is None and ref.data is None and ref.uuid is None:
+        raise bad_request(f"{where}: a {ref.modality} part needs a url, data or a uuid", code="bad_media")
+    return ref
+
+
+def normalize_messages(
+    messages: list[ChatMessage], limits: MessageLimits, tenant: str | None = None
+) -> NormalizedChat:
+    """OpenAI messages -> ``[{"role", "content": str | [{"type": "text"|modality, ...}]}]`` + media refs.
+
+    Each media ref carries ``tenant``: its ``uuid`` is a name in that tenant's namespace only."""
+    if len(messages) > limits.max_messages:
+        raise bad_request(f"too many messages: {len(messages)} > {limits.max_messages}", param="messages")
+    out: list[NormalizedMessage] = []
+    media: list[MediaRef] = []
+    num_parts = 0
+    for i, msg in enumerate(messages):
+        role = "system" if msg.role == "developer" else msg.role
+        if msg.content is None or isinstance(msg.content, str):
+            out.append({"role": role, "content": msg.content or ""})
+            num_parts += 1
+            continue
+        parts: list[NormalizedPart] = []
+        for j, part in enumerate(msg.content):
+            num_parts += 1
+            where = f"messages[{i}].content[{j}]"
+            if isinstance(part, TextPart):
+                parts.append({"type": "text", "text": part.text})
+                continue
+            if role != "user":
+                raise bad_request(f"{where}: media is only accepted in user messages", param=where)
+            ref = _media_from_part(part, f"{where} (media item {len(media)})", limits.max_media_bytes)
+            if tenant is not None:
+                ref = replace(ref, tenant=tenant)
+            parts.append({"type": ref.modality, "media": ref})
+            media.append(ref)
+        out.append({"role": role, "content": parts})
+    if num_parts > limits.max_content_parts:
+        raise bad_request(
+            f"too many content parts: {num_parts} > {limits.max_content_parts}", param="messages"
+        )
+    chat = NormalizedChat(out, media)
+    for modality in MODALITIES:
+        n, cap = chat.count(modality), limits.limit_mm_per_prompt.get(modality, 0)
+        if n > cap:
+            raise bad_request(
+                f"{n} {modality} items exceed limit_mm_per_prompt[{modality!r}]={cap}", code="too_many_items"
+            )
+    return chat
+
+
+def text_only_messages(chat: NormalizedChat) -> list[TextMessage]:
+    """The chat with string content only (for the tokenizer's chat template on text-only requests)."""
+    flat: list[TextMessage] = []
+    for m in chat.messages:
+        content = m["content"]
+        if isinstance(content, list):
+            content = "".join(p["text"] for p in content if p["type"] == "text")
+        flat.append({"role": m["role"], "content": content})
+    return flat
+
+
+def inline_media(messages: Sequence[NormalizedMessage], max_chars: int) -> bool:
+    """Every media item carries its bytes inline (raw or a ``data:`` URL, at most
+    ``max_chars`` in all) or a uuid alone: what the hit path may hash on the ingress's loop.
+    Anything it would have to fetch goes to ``prepare``."""
+    total = 0
+    for msg in messages:
+        content = msg.get("content")
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            ref = part.get("media")
+            if not isinstance(ref, MediaRef):
+                continue
+            if ref.data is not None:
+                total += len(ref.data)
+            elif ref.url is not None:
+                if not ref.url.startswith("data:"):
+                    return False
+                total += len(ref.url)
+    return total <= max_chars
