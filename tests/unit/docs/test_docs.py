@@ -150,7 +150,7 @@ def _repo_files() -> tuple[str, ...]:
 
 
 def _named_paths(path: Path) -> list[str]:
-    """Repo-path-looking code spans of a page: `router/ingress.py`, `cluster/deploy/`, `media/fetch.py: f`."""
+    """Repo-path-looking code spans of a page: `router/http/chat.py`, `cluster/deploy/`, `media/fetch.py: f`."""
     found = []
     for span in re.findall(r"`([^`\n]+)`", _without_fences(path.read_text())):
         for word in span.split():
@@ -186,7 +186,7 @@ def test_every_repo_path_the_page_names_exists(page: Path) -> None:
 
 def test_path_check_is_not_vacuous() -> None:
     named = {t for p in PAGES for t in _named_paths(p)}
-    assert {"router/sse.py", "cluster/deploy/serve-cpu.yaml", "mmcore/wire.py", "media/fetch.py"} <= named
+    assert {"router/http/sse.py", "cluster/deploy/serve-cpu.yaml", "mmcore/wire.py", "media/fetch.py"} <= named
     assert len(named) > 100
 
 
