@@ -33,3 +33,9 @@ test: lint
 
 bench: setup
 	$(PY) -m cluster.bench $(BENCH_ARGS)
+
+# Coverage-guided fuzzing (cluster/bench/fuzz): each target for FUZZ_SECONDS, then a table.
+FUZZ_SECONDS ?= 600
+.PHONY: fuzz
+fuzz: setup
+	$(PY) -m cluster.bench.fuzz --all --seconds $(FUZZ_SECONDS)

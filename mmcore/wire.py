@@ -49,7 +49,10 @@ def pack(kind: str, fields: Mapping[str, object]) -> bytes:
 
 
 def unpack(kind: str, raw: bytes) -> dict[str, Any]:  # Any: msgpack's map; each reader checks its fields
-    d = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    try:
+        d = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except (ValueError, TypeError) as e:  # not msgpack; or a map key msgpack cannot hash (a list)
+        raise WireVersionError(f"a {kind} record that is not msgpack: {e}") from e
     if not isinstance(d, dict) or d.get("kind") != kind:
         got = d.get("kind") if isinstance(d, dict) else type(d).__name__
         raise WireVersionError(f"expected a record of kind {kind!r}, got {got!r}")
@@ -126,22 +129,30 @@ def to_fields(record: object, beside: Collection[str] = (), omit_defaults: bool 
 def from_fields(cls: type[R], d: Mapping[str, object], **beside: object) -> R:
     """``cls`` from ``to_fields``'s form plus the fields that travelled ``beside`` it. A field missing
     from ``d`` takes its default (a record from a build before the field was added); a tuple field
-    (a grid, a row range) comes back as a tuple."""
-    tuples, names = _field_names(cls)
+    (a grid, a row range) comes back as a tuple. A field without a default missing from both:
+    ``WireVersionError`` naming it (a record from another build, or not one at all)."""
+    tuples, names, required = _field_names(cls)
     values = {name: d[name] for name in names if name in d and name not in beside}
+    if missing := [name for name in required if name not in values and name not in beside]:
+        raise WireVersionError(f"{cls.__name__} wire record lacks {', '.join(missing)}")
     for name in tuples:
         if isinstance(value := values.get(name), list):
             values[name] = tuple(value)
     return cls(**values, **beside)
 
 
-_FIELD_NAMES: dict[type, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+_FIELD_NAMES: dict[type, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {}
 
 
-def _field_names(cls: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(the fields annotated as tuples, every field) of a dataclass."""
+def _field_names(cls: type) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """(the fields annotated as tuples, every field, the fields without a default) of a dataclass."""
     if (names := _FIELD_NAMES.get(cls)) is None:
         fields = dataclasses.fields(cls)
         tuples = tuple(f.name for f in fields if str(f.type).startswith("tuple["))
-        names = _FIELD_NAMES[cls] = (tuples, tuple(f.name for f in fields))
+        required = tuple(
+            f.name
+            for f in fields
+            if f.init and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        )
+        names = _FIELD_NAMES[cls] = (tuples, tuple(f.name for f in fields), required)
     return names

@@ -181,6 +181,37 @@ def test_other_wire_versions_and_kinds_are_refused_by_name() -> None:
         EmbeddingMeta.from_msgpack(msgpack.packb({"v": 0, "kind": "EmbeddingMeta"}, use_bin_type=True))
 
 
+def test_a_record_missing_a_required_field_is_refused_by_name() -> None:
+    # found by the wire_records fuzz target (cluster/bench/fuzz): a TypeError from the dataclass before
+    raw = msgpack.packb({"v": 3, "kind": "EmbeddingMeta", "mm_hash": "a", "modality": "image"})
+    with pytest.raises(
+        WireVersionError, match="EmbeddingMeta wire record lacks num_embeds, hidden_size, dtype"
+    ):
+        EmbeddingMeta.from_msgpack(raw)
+    full = EmbeddingMeta("a", "image", 4, 8, "float32")  # the optional fields take their defaults
+    raw = msgpack.packb(
+        {
+            "v": 3,
+            "kind": "EmbeddingMeta",
+            "mm_hash": "a",
+            "modality": "image",
+            "num_embeds": 4,
+            "hidden_size": 8,
+            "dtype": "float32",
+        }
+    )
+    assert EmbeddingMeta.from_msgpack(raw) == full
+
+
+def test_bytes_that_are_not_a_msgpack_record_are_refused_by_name() -> None:
+    # found by the wire_records fuzz target: a map keyed by a list was msgpack's TypeError
+    list_key = b"\x81\x91\x01\x01"  # {[1]: 1}
+    with pytest.raises(WireVersionError, match="a EmbeddingMeta record that is not msgpack"):
+        EmbeddingMeta.from_msgpack(list_key)
+    with pytest.raises(WireVersionError, match="not msgpack"):
+        EmbeddingMeta.from_msgpack(b"\x92\x01")  # a truncated array
+
+
 def test_numpy_tensors_and_non_msgpack_metadata_cross_as_plain_values() -> None:
     from pathlib import Path
 

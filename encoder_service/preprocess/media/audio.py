@@ -88,6 +88,11 @@ class _MonoSink:
         if self.sr and self.sr != self.target_sr:  # the length librosa.resample(fix=True) gives
             n = math.ceil(self.frames * self.target_sr / self.sr)
             wave = wave[:n] if wave.shape[0] >= n else np.pad(wave, (0, n - wave.shape[0]))
+            if not np.isfinite(wave).all():  # finite float samples near float32's max overflow resampling
+                raise MediaDecodeError(
+                    f"{self.label}: audio samples overflow when resampled (float PCM far outside [-1, 1])",
+                    item=self.item,
+                )
         return np.ascontiguousarray(wave, dtype=np.float32)
 
 
@@ -131,6 +136,8 @@ def _decode_with_av(data: bytes, fmt: str, sink: _MonoSink, label: str, item: in
         if not container.streams.audio:
             raise UnsupportedMediaType(f"{label}: no audio stream", item=item)
         stream = container.streams.audio[0]
+        if stream.codec_context is None:  # a codec id FFmpeg has no decoder for (PyAV gives no context)
+            raise UnsupportedMediaType(f"{label}: the audio stream's codec has no decoder here", item=item)
         channels = stream.codec_context.channels
         sink.start(int(stream.rate or 0), channels, None)
         for frame in container.decode(stream):

@@ -88,6 +88,8 @@ def decode_video(
         if not container.streams.video:
             raise UnsupportedMediaType(f"{label}: no video stream", item=item)
         stream = container.streams.video[0]
+        if stream.codec_context is None:  # a codec id FFmpeg has no decoder for (PyAV gives no context)
+            raise UnsupportedMediaType(f"{label}: the video stream's codec has no decoder here", item=item)
         width, height = stream.codec_context.width, stream.codec_context.height
         if width * height > limits.max_video_pixels_per_frame:
             raise _frame_too_large(label, width, height, limits, item)

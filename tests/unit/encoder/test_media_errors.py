@@ -111,3 +111,22 @@ def test_float_audio_with_non_finite_samples_is_422():
     with pytest.raises(MediaDecodeError, match="non-finite") as e:
         decode_media("audio", FetchedMedia(buf.getvalue(), "bytes"), MediaLimits(), item=1)
     assert e.value.status_code == 422 and e.value.item == 1
+
+
+def test_finite_float_audio_that_overflows_when_resampled_is_422():
+    # found by the audio fuzz target (cluster/bench/fuzz): 3e38 is finite, its resampled neighbours
+    # are not, and the infinities were handed to the feature extractor
+    buf = io.BytesIO()
+    sf.write(buf, np.full(800, 3e38, np.float32), 8000, format="WAV", subtype="FLOAT")
+    with pytest.raises(MediaDecodeError, match="overflow when resampled") as e:
+        decode_media("audio", FetchedMedia(buf.getvalue(), "bytes"), MediaLimits(), item=2)
+    assert e.value.status_code == 422 and e.value.item == 2
+
+
+def test_a_video_codec_without_a_decoder_is_415_not_our_attribute_error():
+    # found by the video fuzz target: an unknown sample entry leaves PyAV's stream without a codec
+    # context, and reading its width was an AttributeError (a 422 that hid our bug)
+    data = make_video_bytes(container="mp4").replace(b"avc1", b"qqqq")
+    with pytest.raises(UnsupportedMediaType, match="codec has no decoder") as e:
+        decode_media("video", FetchedMedia(data, "bytes"), MediaLimits(), item=3)
+    assert e.value.status_code == 415 and e.value.__cause__ is None
