@@ -337,6 +337,7 @@ class LLMEngine:
                 raise RequestRejected(
                     "bad_sampling_params",
                     f"{name}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                    param=name,
                 )
 
     def _validate_mm(self, num_tokens: int, items: list[MultiModalInput]) -> None:

@@ -7,16 +7,18 @@ class RequestRejected(ValueError):
     """A request the engine can never serve.
 
     ``code`` is one of ``prompt_too_long``, ``too_many_blocks``, ``bad_sampling_params``,
-    ``bad_mm_input``, ``bad_prompt``, ``duplicate_request_id``; the message names the problem.
+    ``bad_mm_input``, ``bad_prompt``, ``duplicate_request_id``, ``bad_structured_output``; the
+    message names the problem, ``param`` (when known) the request field at fault.
     """
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.param = param
 
     def __reduce__(self):  # type: ignore[no-untyped-def]  # keeps ``code`` across pickling (Ray)
-        return (type(self), (self.code, self.message))
+        return (type(self), (self.code, self.message, self.param))
 
 
 class RequestFailed(Exception):

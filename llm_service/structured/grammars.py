@@ -32,7 +32,7 @@ _JSON_STRING_CHAR = '([^\\0-\\x1f\\"\\\\])'
 
 
 def bad_spec(spec: StructuredSpec, why: str) -> RequestRejected:
-    return RequestRejected("bad_structured_output", f"{spec.field} ({spec.kind}): {why}")
+    return RequestRejected("bad_structured_output", f"{spec.field} ({spec.kind}): {why}", param=spec.field)
 
 
 class GrammarBackend:

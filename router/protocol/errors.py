@@ -87,7 +87,8 @@ def from_exception(exc: BaseException) -> APIError | None:
             retry = getattr(exc, "retry_after_s", None) or (1 if status == 503 else None)
             return APIError(status, str(exc), code=code, retry_after_s=retry)
         if isinstance(code, str) and isinstance(exc, ValueError):
-            return APIError(400, str(exc), code=code)
+            param = getattr(exc, "param", None)
+            return APIError(400, str(exc), code=code, param=param if isinstance(param, str) else None)
         cause = getattr(exc, "cause", None) or exc.__cause__
         exc = cause  # type: ignore[assignment]
         seen += 1
