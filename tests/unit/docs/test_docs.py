@@ -186,7 +186,12 @@ def test_every_repo_path_the_page_names_exists(page: Path) -> None:
 
 def test_path_check_is_not_vacuous() -> None:
     named = {t for p in PAGES for t in _named_paths(p)}
-    assert {"router/http/sse.py", "cluster/deploy/serve-cpu.yaml", "mmcore/wire.py", "media/fetch.py"} <= named
+    assert {
+        "router/http/sse.py",
+        "cluster/deploy/serve-cpu.yaml",
+        "mmcore/wire.py",
+        "media/fetch.py",
+    } <= named
     assert len(named) > 100
 
 

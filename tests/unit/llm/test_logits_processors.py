@@ -55,7 +55,9 @@ def test_min_tokens_equals_transformers_min_length() -> None:
 def test_logit_bias_equals_transformers_sequence_bias() -> None:
     logits = _logits(1)
     bias = {(4,): 5.0, (10,): -100.0, (63,): 0.5}
-    got = process_logits(logits, [SamplingParams(logit_bias=tuple((k[0], v) for k, v in bias.items()))], [Row([1])])
+    got = process_logits(
+        logits, [SamplingParams(logit_bias=tuple((k[0], v) for k, v in bias.items()))], [Row([1])]
+    )
     want = SequenceBiasLogitsProcessor(bias)(torch.tensor([[1]]), logits.clone())
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
@@ -75,7 +77,9 @@ def test_min_p_equals_transformers_after_temperature() -> None:
     scaled = (logits - logits.amax(-1, keepdim=True)) / 0.7
     got = _filter(scaled, params)
     for i, p in enumerate((0.05, 0.2)):
-        hf = MinPLogitsWarper(p)(torch.zeros(1, 1), TemperatureLogitsWarper(0.7)(None, logits[i : i + 1].clone()))
+        hf = MinPLogitsWarper(p)(
+            torch.zeros(1, 1), TemperatureLogitsWarper(0.7)(None, logits[i : i + 1].clone())
+        )
         assert torch.equal(torch.isfinite(got[i]), torch.isfinite(hf[0]))
     assert torch.isfinite(got[2]).all()
 
@@ -132,7 +136,9 @@ def test_a_grammar_mask_leaves_only_allowed_tokens_and_an_empty_one_is_named() -
     bitmask = torch.full((2, 2), -1, dtype=torch.int32)
     bitmask[1] = 0
     bitmask[1, 1] = 1 << 3  # only token 35
-    tokens, _ = sample(logits, [SamplingParams()] * 2, [torch.Generator()] * 2, None, GrammarMasks(bitmask, [1]))
+    tokens, _ = sample(
+        logits, [SamplingParams()] * 2, [torch.Generator()] * 2, None, GrammarMasks(bitmask, [1])
+    )
     assert tokens == [int(logits[0].argmax()), 35]
     bitmask[1, 1] = 0
     with pytest.raises(NoAllowedToken) as e:
