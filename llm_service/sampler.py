@@ -22,6 +22,9 @@ from llm_service.outputs import TokenLogprob
 from llm_service.sampling_params import SamplingParams
 
 
+TOP_P_CANDIDATES = 1024  # top-p looks at this many tokens first (a partial sort), the rest only if it must
+
+
 class NonFiniteLogits(RuntimeError):
     def __init__(self, rows: list[int]) -> None:
         super().__init__(f"the model produced NaN or infinite logits in rows {rows}")
@@ -60,13 +63,32 @@ def _filter(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         x = x.masked_fill((x < kth) & (k > 0).unsqueeze(1), float("-inf"))
     top_p = torch.tensor([p.top_p for p in params], dtype=x.dtype, device=dev)
     if bool((top_p < 1.0).any()):
-        sorted_x, order = torch.sort(x, descending=True, dim=-1)
-        probs = sorted_x.softmax(-1)
-        # drop a token when the mass before it already reaches top_p (the first is always kept)
-        drop = (probs.cumsum(-1) - probs) >= top_p.unsqueeze(1)
-        drop[:, 0] = False  # even when top_p rounds to 0 in float32 (a subnormal top_p)
-        x = x.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+        x = _top_p(x, top_p)
     return x
+
+
+def _top_p(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep each row's nucleus: a token is dropped when the mass of the tokens before it (by
+    probability) already reaches ``top_p``; the first is always kept. The candidates are the top
+    ``TOP_P_CANDIDATES`` (a partial sort); a row whose candidates hold less than ``top_p`` of the mass
+    is sorted whole. Exact either way: every token past the candidates of a covered row has at least
+    the candidates' mass before it."""
+    k = min(x.shape[1], TOP_P_CANDIDATES)
+    vals, order = torch.topk(x, k, dim=-1)  # sorted, largest first
+    probs = (vals - torch.logsumexp(x, -1, keepdim=True)).exp()
+    cum = probs.cumsum(-1)
+    keep = (cum - probs) < top_p.unsqueeze(1)
+    keep[:, 0] = True  # even when top_p rounds to 0 in float32 (a subnormal top_p)
+    out = torch.full_like(x, float("-inf")).scatter(1, order, vals.masked_fill(~keep, float("-inf")))
+    short = (cum[:, -1] < top_p) & (k < x.shape[1])
+    if bool(short.any()):  # the nucleus reaches past the candidates: sort those rows whole
+        rows = short.nonzero().flatten()
+        sorted_x, full_order = torch.sort(x[rows], descending=True, dim=-1)
+        p_sorted = sorted_x.softmax(-1)
+        drop = (p_sorted.cumsum(-1) - p_sorted) >= top_p[rows].unsqueeze(1)
+        drop[:, 0] = False
+        out[rows] = x[rows].masked_fill(torch.zeros_like(drop).scatter(1, full_order, drop), float("-inf"))
+    return out
 
 
 def _race_noise(

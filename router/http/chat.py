@@ -9,7 +9,7 @@ import logging
 import time
 import uuid
 import weakref
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -18,14 +18,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from llm_service.outputs import RequestOutput
+from llm_service.sampling_params import SamplingParams
 from router.http import tracing
 from router.http.auth import effective_cache_salt
+from router.http.choices import ChoiceState, child_ids, child_params, collect, first_outputs, stream_events
 from router.http.json_limits import DEFAULT_MAX_JSON_VALUES, check_json_values
 from router.http.replay_log import failure_record, log_failure
 from router.http.sse import DONE, ChunkRenderer, SSEResponse
 from router.journey.deadline import Deadline
 from router.journey.detokenizer import IncrementalDetokenizer
-from router.journey.orchestrator import Orchestrator
+from router.journey.orchestrator import Orchestrator, Prepared
 from router.protocol.errors import APIError, bad_request, from_exception
 from router.protocol.messages import MessageLimits, NormalizedChat, normalize_messages
 from router.protocol.openai import (
@@ -139,7 +141,8 @@ class ChatService:
                 code="unsupported_modality",
             )
         # Bounded work in flight, refused at once past it (router/routing/admission.py): before any other work.
-        ticket = self.admission.admit(self.admission.cost((m.modality for m in chat.media), chat.text_chars))
+        cost = self.admission.cost((m.modality for m in chat.media), chat.text_chars) * req.n
+        ticket = self.admission.admit(cost)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         orch = model.orchestrator
         span, traced = tracing.start_request_span(request.headers, request_id, model.name)
@@ -185,8 +188,12 @@ class ChatService:
         base, requested = request_sampling_params(req), requested_max_tokens(req)
         timed = self.metrics.model(model.name) if self.metrics is not None else None
         with timed.prepare.timing() if timed is not None and chat.has_media else contextlib.nullcontext():
-            prepared = await orch.prepare(request_id, chat)
+            prepared = await orch.prepare(request_id, chat, overlap=req.n == 1)
         params = fit_to_prompt(base, requested, len(prepared.prompt_token_ids), model.max_model_len)
+        if req.n > 1:
+            return await self._answer_choices(
+                req, model, request_id, chat, prepared, params, start, deadline, cache_salt
+            )
         stream = deadline.stream(orch.stream(request_id, prepared, params, cache_salt))
         detok = IncrementalDetokenizer(orch.decode, stop=req.stop_strings)
         first = await _first_or_error(stream)
@@ -200,6 +207,124 @@ class ChatService:
         response = await self._collect(req, model, request_id, first, stream, detok, times)
         orch.forget(request_id)
         return response
+
+    async def _answer_choices(
+        self,
+        req: ChatCompletionRequest,
+        model: ServedModel,
+        request_id: str,
+        chat: NormalizedChat,
+        prepared: Prepared,
+        params: SamplingParams,
+        start: float,
+        deadline: Deadline,
+        cache_salt: str | None,
+    ) -> Response:
+        """``n`` > 1 (router/http/choices.py): the first choice alone until its first token, then the
+        others on the prompt's cached blocks."""
+        orch = model.orchestrator
+        ids = [request_id, *child_ids(request_id, req.n)]
+        for cid in ids[1:]:
+            orch.fork(request_id, cid)
+        try:
+            first_stream = deadline.stream(orch.stream(request_id, prepared, params, cache_salt))
+            first = await _first_or_error(first_stream)
+            shared = Prepared(prepared.prompt_token_ids, prepared.mm_items)
+            rest = [
+                deadline.stream(orch.stream(cid, shared, child_params(params, i), cache_salt))
+                for i, cid in enumerate(ids[1:], start=1)
+            ]
+            try:
+                firsts = [first, *await first_outputs(rest)]
+            except BaseException:
+                await first_stream.aclose()
+                raise
+        except BaseException:
+            for cid in ids[1:]:
+                orch.forget(cid)
+            raise
+        streams = [first_stream, *rest]
+        first_at = time.monotonic()
+        if (timed := self.metrics.model(model.name) if self.metrics is not None else None) is not None:
+            timed.ttft.observe(first_at - start)
+        states = [
+            ChoiceState(i, IncrementalDetokenizer(orch.decode, stop=req.stop_strings)) for i in range(req.n)
+        ]
+
+        def lp(out: RequestOutput) -> ChoiceLogprobs | None:
+            return self._logprobs(orch, out) if req.logprobs else None
+
+        async def settle(i: int) -> None:
+            await orch.settle(ids[i])
+
+        if req.stream:
+            gen = self._sse_choices(
+                req, model, ids, states, firsts, streams, lp, settle, (start, first_at), chat
+            )
+            return SSEResponse(gen, media_type="text/event-stream")
+        try:
+            await collect(states, firsts, streams, lp, settle)
+        finally:
+            for cid in ids[1:]:
+                orch.forget(cid)
+        total = sum(s.completion_tokens for s in states)
+        self._observe_done(model.name, (start, first_at), total)
+        resp = ChatCompletionResponse(
+            id=request_id,
+            model=model.name,
+            choices=[
+                Choice(
+                    index=s.index,
+                    message=AssistantMessage(content="".join(s.text)),
+                    finish_reason=s.finish,
+                    logprobs=ChoiceLogprobs(content=s.logprobs) if req.logprobs else None,
+                )
+                for s in states
+            ],
+            usage=_usage(firsts[0] if states[0].last is None else states[0].last, total),
+        )
+        orch.forget(request_id)
+        return JSONResponse(resp.model_dump(exclude_none=False))
+
+    async def _sse_choices(
+        self,
+        req: ChatCompletionRequest,
+        model: ServedModel,
+        ids: list[str],
+        states: list[ChoiceState],
+        firsts: list[RequestOutput],
+        streams: list[AsyncGenerator[RequestOutput, None]],
+        lp: Callable[[RequestOutput], ChoiceLogprobs | None],
+        settle: Callable[[int], Awaitable[None]],
+        times: tuple[float, float],
+        chat: NormalizedChat,
+    ) -> AsyncIterator[str]:
+        orch = model.orchestrator
+        failed: list[BaseException] = []
+
+        def on_error(e: BaseException) -> None:
+            failed.append(e)
+            self._log_failure(orch, ids[0], chat, e)
+
+        try:
+            async for event in stream_events(
+                ids[0], model.name, states, firsts, streams, lp, settle, on_error
+            ):
+                yield event
+            total = sum(s.completion_tokens for s in states)
+            tail = ""
+            if not failed and req.stream_options is not None and req.stream_options.include_usage:
+                last = states[0].last or firsts[0]
+                usage = ChatCompletionChunk(
+                    id=ids[0], model=model.name, choices=[], usage=_usage(last, total)
+                )
+                tail = f"data: {usage.model_dump_json()}\n\n"
+            if not failed:
+                self._observe_done(model.name, times, total)
+        finally:
+            for rid in ids:
+                orch.forget(rid)
+        yield tail + DONE
 
     def _log_failure(
         self, orch: Orchestrator, request_id: str, chat: NormalizedChat, e: BaseException

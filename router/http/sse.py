@@ -32,11 +32,11 @@ class ChunkRenderer:
     """The ``data:`` events of one streamed completion; equal, parsed, to ``ChatCompletionChunk``'s
     ``model_dump_json(exclude_none=True)`` of the same fields."""
 
-    def __init__(self, request_id: str, model: str, created: int | None = None) -> None:
+    def __init__(self, request_id: str, model: str, created: int | None = None, index: int = 0) -> None:
         created = int(time.time()) if created is None else created
         self._head = (
             f'data: {{"id":{json.dumps(request_id)},"object":"chat.completion.chunk",'
-            f'"created":{created},"model":{json.dumps(model)},"choices":[{{"index":0,"delta":'
+            f'"created":{created},"model":{json.dumps(model)},"choices":[{{"index":{index},"delta":'
         )
 
     def role(self) -> str:

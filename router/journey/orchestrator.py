@@ -108,12 +108,13 @@ class Orchestrator:
             return self._tokenize_sync(chat)
         return await asyncio.to_thread(self._tokenize_sync, chat)
 
-    async def prepare(self, request_id: str, chat: NormalizedChat) -> Prepared:
-        """Prompt ids and embedding refs."""
+    async def prepare(self, request_id: str, chat: NormalizedChat, overlap: bool = True) -> Prepared:
+        """Prompt ids and embedding refs. ``overlap=False``: every item's ref before the answer, even
+        where the model's pool overlaps prefill with encoding (a prompt that several requests share)."""
         if not chat.has_media:
             return Prepared(await self.tokenize_text_chat(chat), [])
         self._messages[request_id] = chat.messages
-        prepared = await self._prepare_media(request_id, request_id, self.overlap_prefill)
+        prepared = await self._prepare_media(request_id, request_id, self.overlap_prefill and overlap)
         if len(prepared.prompt_token_ids) >= self.max_model_len:
             if prepared.arrivals is not None:
                 await prepared.arrivals.aclose()
@@ -155,6 +156,12 @@ class Orchestrator:
     def replay(self, request_id: str) -> dict[str, object] | None:
         """The preprocessed request's replay facts (mm_hashes, placeholders, metadata), if it got that far."""
         return self._replay.get(request_id)
+
+    def fork(self, request_id: str, child_id: str) -> None:
+        """``child_id`` answers the same prompt (another choice of ``n``): it may re-prepare the
+        request's media after a loss as the request itself would. Forgotten like any request."""
+        if (messages := self._messages.get(request_id)) is not None:
+            self._messages[child_id] = messages
 
     def forget(self, request_id: str) -> None:
         """The request is over (answered or failed and logged): drop its replay facts."""

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 MAX_TOKENS_LIMIT = (1 << 31) - 1  # beyond any max_model_len; the real bound is the prompt's room
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
+MAX_N = 16  # choices per request (each one a sequence in the engine)
 # OpenAI request fields that change nothing this server computes: accepted and ignored (README).
 # Any other field the server does not implement is a 400 naming it ("Unrecognized request argument").
 IGNORED_FIELDS = ("user", "metadata", "store", "service_tier")
@@ -150,7 +151,7 @@ class ChatCompletionRequest(BaseModel):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1, description="only n=1 is supported (issue 46: n > 1 is next)")
+    n: int = Field(1, ge=1, le=MAX_N)
     ignore_eos: bool = False  # extension, as in vLLM: generate exactly max_tokens
     user: str | None = Field(None, max_length=512)
     metadata: dict[str, str] | None = Field(None, max_length=16)

@@ -153,3 +153,24 @@ def test_min_tokens_yields_to_a_grammar_that_allows_only_a_stop_token() -> None:
     params = [SamplingParams(min_tokens=5, max_tokens=9)]
     tokens, _ = sample(logits, params, [torch.Generator()], [Row([1])], GrammarMasks(bitmask, [0]))
     assert tokens == [0]
+
+
+def _full_sort_top_p(x: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The definition, sorted whole (the sampler's rows before its partial sort)."""
+    sorted_x, order = torch.sort(x, descending=True, dim=-1)
+    probs = sorted_x.softmax(-1)
+    drop = (probs.cumsum(-1) - probs) >= top_p
+    drop[:, 0] = False
+    return x.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+
+
+@pytest.mark.parametrize(
+    "scale", [8.0, 0.01], ids=["peaked: nucleus in the candidates", "flat: sorted whole"]
+)
+def test_top_p_over_a_large_vocabulary_keeps_the_same_nucleus_as_a_full_sort(scale) -> None:
+    x = torch.randn(6, 20_000, generator=torch.Generator().manual_seed(1)) * scale
+    params = [SamplingParams(temperature=1.0, top_p=p) for p in (0.5, 0.9, 0.95, 0.99, 0.3, 0.999)]
+    got = _filter(x, params)
+    for i, p in enumerate(params):
+        want = _full_sort_top_p(x[i : i + 1], p.top_p)
+        assert torch.equal(torch.isfinite(got[i]), torch.isfinite(want[0])), p.top_p

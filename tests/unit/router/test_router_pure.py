@@ -74,7 +74,7 @@ def test_media_only_in_user_messages() -> None:
     [
         {"model": "m", "messages": []},
         {"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 3},
-        {"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2},
+        {"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 17},
         {"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["a"] * 5},
         {"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
         {"model": "m", "messages": [{"role": "robot", "content": "x"}]},

@@ -65,7 +65,7 @@ def parse(raw: str) -> ChatCompletionRequest:
         ('{"stop": ["a", "b", "c", "d", "e"]}', "stop"),
         ('{"stop": ""}', "stop"),
         ('{"stop": "' + "x" * 257 + '"}', "stop"),
-        ('{"n": 2}', "n"),
+        ('{"n": 17}', "n"),
     ],
 )
 def test_out_of_range_sampling_fields_are_refused_by_name(raw: str, field: str) -> None:
