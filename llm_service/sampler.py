@@ -21,7 +21,6 @@ from llm_service.logits_processors import GrammarMasks, RowTokens, process_logit
 from llm_service.outputs import TokenLogprob
 from llm_service.sampling_params import SamplingParams
 
-
 TOP_P_CANDIDATES = 1024  # top-p looks at this many tokens first (a partial sort), the rest only if it must
 
 
