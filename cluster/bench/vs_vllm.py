@@ -257,6 +257,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         help="every load with this many requests instead (a quick check of the command)",
     )
+    p.add_argument(
+        "--extra-body",
+        help="JSON merged into every request's body on every server (vllm bench serve --extra-body), e.g. "
+        "a response_format with a JSON schema",
+    )
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
@@ -288,6 +293,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "server and load, the round with the median req/s; this host's noise is ±10 %% between runs",
     )
     args = p.parse_args(argv)
+    if args.extra_body is not None:
+        try:
+            json.loads(args.extra_body)
+        except ValueError as e:
+            p.error(f"--extra-body is not JSON: {e}")
     try:
         args.loads = select_loads(args.loads)
     except ValueError as e:
