@@ -55,6 +55,18 @@ class GrammarBackend:
         )
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self.vocab_size = vocab_size
+        # xgrammar reads the tokenizer's special tokens (<|im_start|>, <|image_pad|>, <unk>, ...) as
+        # their literal text, so a grammar would let them into a JSON string; a structured output
+        # never writes one but its stop tokens.
+        stop = set(stop_token_ids)
+        self.forbidden_token_ids = tuple(
+            sorted(
+                i
+                for i, t in tokenizer.added_tokens_decoder.items()
+                if t.special and i not in stop and i < vocab_size
+            )
+        )
+        self._allowed_words = _allowed_words(vocab_size, self.forbidden_token_ids)
         self.compile_timeout_s = compile_timeout_s
         self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()  # grammar or RequestRejected
         self._cache_size = cache_size
@@ -141,15 +153,14 @@ class GrammarBackend:
         return c.compile_grammar(spec.value)
 
     def _can_start(self, grammar: Any) -> bool:
-        matcher = self._xgr.GrammarMatcher(grammar)
         mask = self.allocate(1)
-        matcher.fill_next_token_bitmask(mask, 0)
+        GrammarState(self._xgr.GrammarMatcher(grammar), self._allowed_words).fill(mask, 0)
         return bool(mask.any())
 
     # ---- matching ----------------------------------------------------------------------------------
     def matcher(self, spec: StructuredSpec, generated: list[int] | tuple[int, ...] = ()) -> GrammarState:
         """A fresh matcher for ``spec``, advanced over ``generated`` (a resumed request's tokens)."""
-        state = GrammarState(self._xgr.GrammarMatcher(self.compile(spec)))
+        state = GrammarState(self._xgr.GrammarMatcher(self.compile(spec)), self._allowed_words)
         for t in generated:
             if not state.accept(t):
                 raise bad_spec(spec, f"its earlier output token {t} does not match the grammar")
@@ -165,11 +176,13 @@ class GrammarBackend:
 class GrammarState:
     """One request's matcher: which tokens may come next, advanced by each accepted token."""
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, allowed_words: torch.Tensor) -> None:
         self._m = matcher
+        self._allowed = allowed_words
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self._m.fill_next_token_bitmask(bitmask, row)
+        bitmask[row] &= self._allowed
 
     def accept(self, token_id: int) -> bool:
         if self._m.is_terminated():
@@ -179,6 +192,14 @@ class GrammarState:
     @property
     def terminated(self) -> bool:
         return bool(self._m.is_terminated())
+
+
+def _allowed_words(vocab_size: int, forbidden: tuple[int, ...]) -> torch.Tensor:
+    """xgrammar's packed layout (bit ``t % 32`` of word ``t // 32``) with every bit set but ``forbidden``'s."""
+    words = [0xFFFFFFFF] * ((vocab_size + 31) // 32)
+    for t in forbidden:
+        words[t // 32] &= ~(1 << (t % 32)) & 0xFFFFFFFF
+    return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
 
 
 def _first_line(e: Exception) -> str:

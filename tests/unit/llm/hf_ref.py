@@ -83,6 +83,21 @@ def build_case(
     return RefCase(ids, mm_inputs, inputs)
 
 
+def hf_generate_constrained(hf: Any, case: RefCase, backend: Any, spec: Any, n: int) -> list[int]:
+    """HF ``generate`` under the same mask as the engine's structured output: xgrammar's own
+    transformers processor over the same compiled grammar, and the special tokens the engine never
+    lets a structured output write (``GrammarBackend.forbidden_token_ids``) suppressed."""
+    import xgrammar as xgr
+    from transformers import SuppressTokensLogitsProcessor
+
+    processors = [xgr.contrib.hf.LogitsProcessor(backend.compile(spec))]
+    if backend.forbidden_token_ids:
+        processors.append(SuppressTokensLogitsProcessor(list(backend.forbidden_token_ids)))
+    with torch.no_grad():
+        out = hf.generate(**case.hf_inputs, max_new_tokens=n, do_sample=False, logits_processor=processors)
+    return out[0, len(case.prompt) :].tolist()
+
+
 def hf_generate(hf: Any, case: RefCase, n: int) -> list[int]:
     with torch.no_grad():
         out = hf.generate(**case.hf_inputs, max_new_tokens=n, do_sample=False)

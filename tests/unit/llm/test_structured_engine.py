@@ -11,13 +11,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from llm_service.errors import RequestRejected
 from llm_service.outputs import GenerateRequest
 from llm_service.sampling_params import SamplingParams
 from llm_service.structured.spec import StructuredSpec
-from tests.unit.llm.hf_ref import IMG, RefCase, assert_all_free, build_case, engine, hf_model, image
+from tests.unit.llm.hf_ref import (
+    IMG,
+    RefCase,
+    assert_all_free,
+    build_case,
+    engine,
+    hf_generate_constrained,
+    hf_model,
+    image,
+)
 
 PERSON = {
     "type": "object",
@@ -41,19 +49,6 @@ def eng(tiny_vl_dir: Path) -> Any:
     return engine(tiny_vl_dir)
 
 
-def _hf_constrained(hf: Any, case: RefCase, grammar: Any, n: int) -> list[int]:
-    import xgrammar as xgr
-
-    with torch.no_grad():
-        out = hf.generate(
-            **case.hf_inputs,
-            max_new_tokens=n,
-            do_sample=False,
-            logits_processor=[xgr.contrib.hf.LogitsProcessor(grammar)],
-        )
-    return out[0, len(case.prompt) :].tolist()
-
-
 def _gen(eng: Any, case: RefCase, params: SamplingParams) -> Any:
     (out,) = eng.generate([GenerateRequest(case.prompt, params, case.mm_inputs)])
     return out
@@ -73,7 +68,7 @@ def test_greedy_under_a_grammar_equals_hf_generate_with_the_same_mask(vl, eng, s
     case = build_case(hf, proc, f"describe {IMG} as json", images=[image(64, 48, 5)])
     params = SamplingParams(max_tokens=96, structured=spec)
     out = _gen(eng, case, params)
-    assert out.token_ids == _hf_constrained(hf, case, eng.grammars.compile(spec), 96)
+    assert out.token_ids == hf_generate_constrained(hf, case, eng.grammars, spec, 96)
     assert out.finish_reason == "stop"  # the grammar completed and its stop token ended it
     text = proc.tokenizer.decode(out.token_ids, skip_special_tokens=True)
     if spec.kind == "json":
