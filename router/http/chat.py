@@ -9,7 +9,7 @@ import logging
 import time
 import uuid
 import weakref
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -18,16 +18,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from llm_service.outputs import RequestOutput
-from llm_service.sampling_params import SamplingParams
 from router.http import tracing
 from router.http.auth import effective_cache_salt
-from router.http.choices import ChoiceState, child_ids, child_params, collect, first_outputs, stream_events
+from router.http.choices import answer_choices, first_or_error, usage_of
 from router.http.json_limits import DEFAULT_MAX_JSON_VALUES, check_json_values
 from router.http.replay_log import failure_record, log_failure
 from router.http.sse import DONE, ChunkRenderer, SSEResponse
 from router.journey.deadline import Deadline
 from router.journey.detokenizer import IncrementalDetokenizer
-from router.journey.orchestrator import Orchestrator, Prepared
+from router.journey.orchestrator import Orchestrator
 from router.protocol.errors import APIError, bad_request, from_exception
 from router.protocol.messages import MessageLimits, NormalizedChat, normalize_messages
 from router.protocol.openai import (
@@ -40,11 +39,9 @@ from router.protocol.openai import (
     Delta,
     ModelCard,
     ModelList,
-    PromptTokensDetails,
     StreamChoice,
     TokenLogprobEntry,
     TopLogprob,
-    Usage,
 )
 from router.protocol.sampling import fit_to_prompt, request_sampling_params, requested_max_tokens
 from router.routing.admission import AdmissionController, AdmissionLimits, Ticket
@@ -191,12 +188,12 @@ class ChatService:
             prepared = await orch.prepare(request_id, chat, overlap=req.n == 1)
         params = fit_to_prompt(base, requested, len(prepared.prompt_token_ids), model.max_model_len)
         if req.n > 1:
-            return await self._answer_choices(
-                req, model, request_id, chat, prepared, params, start, deadline, cache_salt
+            return await answer_choices(
+                self, req, model, request_id, chat, prepared, params, start, deadline, cache_salt
             )
         stream = deadline.stream(orch.stream(request_id, prepared, params, cache_salt))
         detok = IncrementalDetokenizer(orch.decode, stop=req.stop_strings)
-        first = await _first_or_error(stream)
+        first = await first_or_error(stream)
         first_at = time.monotonic()
         if timed is not None:
             timed.ttft.observe(first_at - start)
@@ -207,124 +204,6 @@ class ChatService:
         response = await self._collect(req, model, request_id, first, stream, detok, times)
         orch.forget(request_id)
         return response
-
-    async def _answer_choices(
-        self,
-        req: ChatCompletionRequest,
-        model: ServedModel,
-        request_id: str,
-        chat: NormalizedChat,
-        prepared: Prepared,
-        params: SamplingParams,
-        start: float,
-        deadline: Deadline,
-        cache_salt: str | None,
-    ) -> Response:
-        """``n`` > 1 (router/http/choices.py): the first choice alone until its first token, then the
-        others on the prompt's cached blocks."""
-        orch = model.orchestrator
-        ids = [request_id, *child_ids(request_id, req.n)]
-        for cid in ids[1:]:
-            orch.fork(request_id, cid)
-        try:
-            first_stream = deadline.stream(orch.stream(request_id, prepared, params, cache_salt))
-            first = await _first_or_error(first_stream)
-            shared = Prepared(prepared.prompt_token_ids, prepared.mm_items)
-            rest = [
-                deadline.stream(orch.stream(cid, shared, child_params(params, i), cache_salt))
-                for i, cid in enumerate(ids[1:], start=1)
-            ]
-            try:
-                firsts = [first, *await first_outputs(rest)]
-            except BaseException:
-                await first_stream.aclose()
-                raise
-        except BaseException:
-            for cid in ids[1:]:
-                orch.forget(cid)
-            raise
-        streams = [first_stream, *rest]
-        first_at = time.monotonic()
-        if (timed := self.metrics.model(model.name) if self.metrics is not None else None) is not None:
-            timed.ttft.observe(first_at - start)
-        states = [
-            ChoiceState(i, IncrementalDetokenizer(orch.decode, stop=req.stop_strings)) for i in range(req.n)
-        ]
-
-        def lp(out: RequestOutput) -> ChoiceLogprobs | None:
-            return self._logprobs(orch, out) if req.logprobs else None
-
-        async def settle(i: int) -> None:
-            await orch.settle(ids[i])
-
-        if req.stream:
-            gen = self._sse_choices(
-                req, model, ids, states, firsts, streams, lp, settle, (start, first_at), chat
-            )
-            return SSEResponse(gen, media_type="text/event-stream")
-        try:
-            await collect(states, firsts, streams, lp, settle)
-        finally:
-            for cid in ids[1:]:
-                orch.forget(cid)
-        total = sum(s.completion_tokens for s in states)
-        self._observe_done(model.name, (start, first_at), total)
-        resp = ChatCompletionResponse(
-            id=request_id,
-            model=model.name,
-            choices=[
-                Choice(
-                    index=s.index,
-                    message=AssistantMessage(content="".join(s.text)),
-                    finish_reason=s.finish,
-                    logprobs=ChoiceLogprobs(content=s.logprobs) if req.logprobs else None,
-                )
-                for s in states
-            ],
-            usage=_usage(firsts[0] if states[0].last is None else states[0].last, total),
-        )
-        orch.forget(request_id)
-        return JSONResponse(resp.model_dump(exclude_none=False))
-
-    async def _sse_choices(
-        self,
-        req: ChatCompletionRequest,
-        model: ServedModel,
-        ids: list[str],
-        states: list[ChoiceState],
-        firsts: list[RequestOutput],
-        streams: list[AsyncGenerator[RequestOutput, None]],
-        lp: Callable[[RequestOutput], ChoiceLogprobs | None],
-        settle: Callable[[int], Awaitable[None]],
-        times: tuple[float, float],
-        chat: NormalizedChat,
-    ) -> AsyncIterator[str]:
-        orch = model.orchestrator
-        failed: list[BaseException] = []
-
-        def on_error(e: BaseException) -> None:
-            failed.append(e)
-            self._log_failure(orch, ids[0], chat, e)
-
-        try:
-            async for event in stream_events(
-                ids[0], model.name, states, firsts, streams, lp, settle, on_error
-            ):
-                yield event
-            total = sum(s.completion_tokens for s in states)
-            tail = ""
-            if not failed and req.stream_options is not None and req.stream_options.include_usage:
-                last = states[0].last or firsts[0]
-                usage = ChatCompletionChunk(
-                    id=ids[0], model=model.name, choices=[], usage=_usage(last, total)
-                )
-                tail = f"data: {usage.model_dump_json()}\n\n"
-            if not failed:
-                self._observe_done(model.name, times, total)
-        finally:
-            for rid in ids:
-                orch.forget(rid)
-        yield tail + DONE
 
     def _log_failure(
         self, orch: Orchestrator, request_id: str, chat: NormalizedChat, e: BaseException
@@ -382,7 +261,7 @@ class ChatService:
                     logprobs=ChoiceLogprobs(content=logprobs) if req.logprobs else None,
                 )
             ],
-            usage=_usage(last, completion_tokens),
+            usage=usage_of(last, completion_tokens),
         )
         return JSONResponse(resp.model_dump(exclude_none=False))
 
@@ -431,7 +310,7 @@ class ChatService:
                 head = ""
             if req.stream_options is not None and req.stream_options.include_usage:
                 usage = ChatCompletionChunk(
-                    id=request_id, model=model.name, choices=[], usage=_usage(last, completion_tokens)
+                    id=request_id, model=model.name, choices=[], usage=usage_of(last, completion_tokens)
                 )
                 tail += f"data: {usage.model_dump_json()}\n\n"
             self._observe_done(model.name, times, completion_tokens)
@@ -452,15 +331,6 @@ class ChatService:
 
     def model_list(self) -> ModelList:
         return ModelList(data=[ModelCard(id=m.name, modalities=m.modalities) for m in self.models.values()])
-
-
-def _usage(last: RequestOutput, completion_tokens: int) -> Usage:
-    return Usage(
-        prompt_tokens=last.num_prompt_tokens,
-        completion_tokens=completion_tokens,
-        total_tokens=last.num_prompt_tokens + completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=last.num_cached_tokens),
-    )
 
 
 async def _release_after(
@@ -487,16 +357,6 @@ async def _cancel_on_disconnect(request: Request, task: asyncio.Task[object] | N
                 task.cancel()
             return
         await asyncio.sleep(0.1)  # a server that answers with empty body chunks must not spin us
-
-
-async def _first_or_error(stream: AsyncGenerator[RequestOutput, None]) -> RequestOutput:
-    try:
-        return await stream.__anext__()
-    except StopAsyncIteration as e:
-        raise APIError(500, "the engine returned no output", code="internal_error") from e
-    except BaseException:
-        await stream.aclose()
-        raise
 
 
 async def _chain(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
