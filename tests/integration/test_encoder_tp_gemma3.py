@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 
 from encoder_service.encode.runner import EncoderRunner
+from tests.gemma3_dir import tiny_gemma3_dir
 from tests.integration.encoder_tp_gloo import MODES, assert_tp2_equals_tp1, run_tp2
-from tests.unit.encoder_models.test_tower_gemma3 import gemma3_image
-from tests.unit.gemma3_dir import tiny_gemma3_dir
+from tests.unit.encoder_service.encode.models.test_tower_gemma3 import gemma3_image
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,11 @@ from encoder_service.encode.runner import EncoderRunner
 from encoder_service.preprocess.media import MediaLimits
 from encoder_service.preprocess.processors.gemma4 import Gemma4Family
 from encoder_service.types import EncoderInput
+from tests.gemma4_dir import tiny_gemma4_dir
 from tests.integration.encoder_tp_gloo import MODES, assert_tp2_equals_tp1, run_tp2
 from tests.media import make_audio_array
-from tests.unit.encoder_models.inputs import processor
-from tests.unit.encoder_models.test_tower_gemma4 import gemma4_image
-from tests.unit.gemma4_dir import tiny_gemma4_dir
+from tests.unit.encoder_service.encode.models.inputs import processor
+from tests.unit.encoder_service.encode.models.test_tower_gemma4 import gemma4_image
 
 
 @pytest.fixture(scope="module")

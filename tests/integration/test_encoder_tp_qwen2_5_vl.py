@@ -8,8 +8,8 @@ import pytest
 
 from encoder_service.encode.runner import EncoderRunner
 from tests.integration.encoder_tp_gloo import MODES, assert_tp2_equals_tp1, run_tp2
-from tests.unit.encoder_models.inputs import image_input, video_input
-from tests.unit.qwen2_5_vl_dir import tiny_qwen2_5_vl_dir
+from tests.qwen2_5_vl_dir import tiny_qwen2_5_vl_dir
+from tests.unit.encoder_service.encode.models.inputs import image_input, video_input
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ import pytest
 
 from encoder_service.encode.runner import EncoderRunner
 from tests.integration.encoder_tp_gloo import MODES, assert_tp2_equals_tp1, run_tp2
-from tests.unit.encoder_models.inputs import image_input
-from tests.unit.qwen3_vl_dir import tiny_qwen3_vl_dir
+from tests.qwen3_vl_dir import tiny_qwen3_vl_dir
+from tests.unit.encoder_service.encode.models.inputs import image_input
 
 
 @pytest.fixture(scope="module")
