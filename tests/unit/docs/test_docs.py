@@ -48,7 +48,7 @@ README_COMMANDS: dict[str, tuple[str, str]] = {
     "serve status": ("tests/integration/test_deploy_cli.py", "cluster.serve_status()"),
     "serve shutdown -y && ray stop": ("tests/integration/test_deploy_cli.py", "cluster.shutdown_serve()"),
     "helm install mmserve helm/mmserve -f helm/mmserve/values-gpu-example.yaml -n ml": (
-        "tests/unit/cluster/deploy/test_helm_chart.py",
+        "tests/integration/deploy/test_helm_chart.py",
         '"values-gpu-example.yaml"',
     ),
 }

@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
+from cluster.bench.local_cluster import free_port
 from cluster.serve_cli import PortInUse, check_port_free
 from router.http.listener import bind_reuseport
-from tests.integration.local_app import free_port
 
 
 def test_a_port_held_by_a_running_ingress_is_refused() -> None:

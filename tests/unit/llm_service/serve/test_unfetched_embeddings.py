@@ -116,7 +116,7 @@ class LostRef(Ref):
 def test_a_parked_request_whose_fetch_finds_the_object_lost_fails_with_embeddings_lost(
     case, tiny_vl_dir
 ) -> None:
-    """The router re-encodes on EmbeddingsLost (tests/unit/router/journey/test_orchestrator_lost_embeddings.py);
+    """The router re-encodes on EmbeddingsLost (tests/integration/test_orchestrator_lost_embeddings.py);
     here: the replica says so on the stream, and keeps nothing of the request."""
     from llm_service.embeddings import EmbeddingsLost
 

@@ -11,7 +11,7 @@ import pytest
 from encoder_service.types import MediaRef
 from router.http.replay_log import failure_record, log_failure, media_summary
 from router.protocol.errors import APIError
-from tests.unit.router.journey.test_orchestrator_lost_embeddings import H1, H2, World, _build, _chat
+from tests.unit.router.journey.orchestrator_world import H1, H2, World, _build, _chat
 
 
 def test_media_summary_names_sources_without_bytes_or_queries() -> None:

@@ -14,7 +14,7 @@ from typing import Any
 from encoder_service.cache.cache_client import EncoderCacheClient
 from encoder_service.cache.cache_index import CacheIndexShard
 from encoder_service.types import EncodeBatch, EncodedItem
-from tests.unit.router.journey.test_orchestrator_lost_embeddings import (
+from tests.unit.router.journey.orchestrator_world import (
     H1,
     FakeEncoder,
     World,
@@ -97,7 +97,7 @@ def test_two_requests_with_crossed_items_never_deadlock_and_encode_each_once() -
     reserves and encodes, the other waits for commits it does not hold a reservation against
     (reservations are taken without waiting, own items encoded before waiting for anyone else's), so
     both finish and each item is encoded once."""
-    from tests.unit.router.journey.test_orchestrator_lost_embeddings import H2
+    from tests.unit.router.journey.orchestrator_world import H2
 
     world = World()
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import jsonschema
 import pytest
 
-from tests.unit.cluster.deploy.helpers import app_mounts, app_volumes
-from tests.unit.cluster.deploy.test_helm_chart import _rayservice_schema, _render, _serve_config
+from tests.integration.deploy.helpers import app_mounts, app_volumes
+from tests.integration.deploy.test_helm_chart import _rayservice_schema, _render, _serve_config
 
 
 def _pods(rs: dict) -> list[dict]:

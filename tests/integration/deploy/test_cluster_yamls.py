@@ -17,14 +17,14 @@ from ray.autoscaler._private.util import prepare_config, validate_config
 from cluster.app import build_app, encoder_placement
 from cluster.autoscaling_policy import LLM_POLICY
 from cluster.config import AppConfig
-from tests.unit.cluster.deploy.helpers import (
+from tests.integration.deploy.helpers import (
     pool_options,
     pool_policy,
     ray_autoscaling,
     validate_serve_config,
 )
 
-DEPLOY = Path(__file__).resolve().parents[4] / "cluster" / "deploy"
+DEPLOY = Path(__file__).resolve().parents[3] / "cluster" / "deploy"
 
 
 def _load(name: str) -> dict[str, Any]:

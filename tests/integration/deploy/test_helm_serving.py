@@ -21,8 +21,8 @@ import yaml
 
 from cluster.config import AppConfig
 from cluster.serve_env import SERVE_ENV_DEFAULTS
-from tests.unit.cluster.deploy.helpers import app_mounts, app_volumes
-from tests.unit.cluster.deploy.test_helm_chart import (
+from tests.integration.deploy.helpers import app_mounts, app_volumes
+from tests.integration.deploy.test_helm_chart import (
     CHART,
     _gpu_values,
     _rayservice_schema,

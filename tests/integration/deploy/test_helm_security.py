@@ -23,8 +23,8 @@ import pytest
 import yaml
 
 from cluster.config import AppConfig
-from tests.unit.cluster.deploy.helpers import HARDENING_VOLUMES
-from tests.unit.cluster.deploy.test_helm_chart import CHART, _rayservice_schema, _render, _serve_config
+from tests.integration.deploy.helpers import HARDENING_VOLUMES
+from tests.integration.deploy.test_helm_chart import CHART, _rayservice_schema, _render, _serve_config
 
 KUBE_VERSIONS = ("1.25.0", kubernetes_validate.latest_version())  # Chart.yaml kubeVersion >=1.25
 TOKEN_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"

@@ -19,14 +19,14 @@ import yaml
 from cluster.app import deployment_options
 from cluster.autoscaling_policy import EncoderQueuePolicy, LLMLoadPolicy
 from cluster.config import AppConfig
-from tests.unit.cluster.deploy.helpers import (
+from tests.integration.deploy.helpers import (
     pool_options,
     pool_policy,
     ray_autoscaling,
     validate_serve_config,
 )
 
-ROOT = Path(__file__).resolve().parents[4]
+ROOT = Path(__file__).resolve().parents[3]
 CHART = ROOT / "helm" / "mmserve"
 CRD = Path("/work/shared/data/kuberay/ray.io_rayservices.yaml")
 if not CRD.exists():

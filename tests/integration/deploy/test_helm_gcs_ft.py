@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 import yaml
 
-from tests.unit.cluster.deploy.test_helm_chart import CHART, _rayservice_schema, _render
+from tests.integration.deploy.test_helm_chart import CHART, _rayservice_schema, _render
 
 
 def _values(**gcs: Any) -> dict[str, Any]:
