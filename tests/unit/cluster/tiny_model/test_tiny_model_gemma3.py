@@ -3,7 +3,6 @@ its layers mix sliding-window and global attention and its window is shorter tha
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -12,28 +11,13 @@ import torch
 from PIL import Image
 from transformers import AutoProcessor, Gemma3ForConditionalGeneration
 
-from cluster.cli import main as cli_main
-from tests.gemma3_dir import tiny_gemma3_dir
 from tests.media import make_image_array
-
-FILES = (
-    "config.json",
-    "generation_config.json",
-    "model.safetensors",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "processor_config.json",
-    "chat_template.jinja",
-)
+from tests.tiny_dirs import tiny_model_dir
 
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    return tiny_gemma3_dir()
-
-
-def _sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    return tiny_model_dir("gemma3")
 
 
 def test_config_mixes_local_and_global_layers(model_dir: Path) -> None:
@@ -44,12 +28,6 @@ def test_config_mixes_local_and_global_layers(model_dir: Path) -> None:
     rope = text["rope_parameters"]
     assert rope["sliding_attention"]["rope_theta"] != rope["full_attention"]["rope_theta"]
     assert cfg["vision_config"]["model_type"] == "siglip_vision_model" and cfg["mm_tokens_per_image"] == 16
-
-
-def test_cli_same_flags_byte_identical(model_dir: Path, tmp_path: Path) -> None:
-    assert cli_main(["make-tiny-model", str(tmp_path / "again"), "--family", "gemma3"]) == 0
-    for name in FILES:
-        assert _sha(model_dir / name) == _sha(tmp_path / "again" / name), name
 
 
 def test_hf_processes_and_generates_offline(model_dir: Path) -> None:

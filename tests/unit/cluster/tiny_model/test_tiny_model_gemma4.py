@@ -4,35 +4,19 @@ embeddings and two KV-shared layers, and its variants turn on ``attention_k_eq_v
 
 from __future__ import annotations
 
-import hashlib
 import json
-from pathlib import Path
 
 import pytest
 from PIL import Image
 from transformers import AutoProcessor, Gemma4ForConditionalGeneration
 
 from cluster.tiny_model import make_tiny_model
-from tests.gemma4_dir import tiny_gemma4_dir
 from tests.media import make_audio_array, make_image_array
-
-FILES = (
-    "config.json",
-    "generation_config.json",
-    "model.safetensors",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "processor_config.json",
-    "chat_template.jinja",
-)
-
-
-def _sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+from tests.tiny_dirs import tiny_model_dir
 
 
 def test_config_has_every_feature() -> None:
-    cfg = json.loads((tiny_gemma4_dir() / "config.json").read_text())
+    cfg = json.loads((tiny_model_dir("gemma4") / "config.json").read_text())
     assert (cfg["model_type"], cfg["architectures"]) == ("gemma4", ["Gemma4ForConditionalGeneration"])
     text = cfg["text_config"]
     s, f = "sliding_attention", "full_attention"
@@ -45,11 +29,11 @@ def test_config_has_every_feature() -> None:
 
 
 def test_variants() -> None:
-    keqv = json.loads((tiny_gemma4_dir("k_eq_v") / "config.json").read_text())["text_config"]
+    keqv = json.loads((tiny_model_dir("gemma4", "k_eq_v") / "config.json").read_text())["text_config"]
     assert keqv["attention_k_eq_v"] and keqv["per_layer_config"]["1"]["num_key_value_heads"] == 1
-    moe = json.loads((tiny_gemma4_dir("moe") / "config.json").read_text())["text_config"]
+    moe = json.loads((tiny_model_dir("gemma4", "moe") / "config.json").read_text())["text_config"]
     assert moe["enable_moe_block"] and (moe["num_experts"], moe["top_k_experts"]) == (4, 2)
-    unshared = json.loads((tiny_gemma4_dir("unshared") / "config.json").read_text())["text_config"]
+    unshared = json.loads((tiny_model_dir("gemma4", "unshared") / "config.json").read_text())["text_config"]
     assert unshared["num_kv_shared_layers"] == 0
     with pytest.raises(ValueError, match="unknown gemma4 variant"):
         make_tiny_model("/nonexistent", "gemma4", variant="dense")
@@ -57,20 +41,9 @@ def test_variants() -> None:
         make_tiny_model("/nonexistent", "gemma3", variant="moe")
 
 
-def test_cli_same_recipe_byte_identical(tmp_path: Path) -> None:
-    from cluster.cli import main as cli_main
-
-    assert (
-        cli_main(["make-tiny-model", str(tmp_path / "again"), "--family", "gemma4", "--variant", "k_eq_v"])
-        == 0
-    )
-    for name in FILES:
-        assert _sha(tiny_gemma4_dir("k_eq_v") / name) == _sha(tmp_path / "again" / name), name
-
-
 @pytest.mark.parametrize("variant", ["base", "k_eq_v", "moe"])
 def test_hf_processes_and_generates_offline(variant: str) -> None:
-    model_dir = tiny_gemma4_dir(variant)
+    model_dir = tiny_model_dir("gemma4", variant)
     proc = AutoProcessor.from_pretrained(model_dir)
     assert type(proc).__name__ == "Gemma4Processor"
     model = Gemma4ForConditionalGeneration.from_pretrained(model_dir).eval()
@@ -96,5 +69,5 @@ def test_largest_item_is_a_30_s_clip() -> None:
     from encoder_service.families import largest_item_embeds
     from encoder_service.preprocess.media import MediaLimits
 
-    assert largest_item_embeds(tiny_gemma4_dir(), None, MediaLimits()) == 750
+    assert largest_item_embeds(tiny_model_dir("gemma4"), None, MediaLimits()) == 750
     assert largest_item_embeds(None, "gemma4", MediaLimits()) == 750

@@ -3,7 +3,6 @@ with both decoder layer kinds and a vision tower without DeepStack."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -13,30 +12,14 @@ import torch
 from PIL import Image
 from transformers import AutoProcessor, Qwen3_5ForConditionalGeneration
 
-from cluster.cli import main as cli_main
 from cluster.tiny_model import FAMILIES
 from tests.media import make_image_array
-from tests.qwen3_5_dir import tiny_qwen3_5_dir
-
-FILES = (
-    "config.json",
-    "generation_config.json",
-    "model.safetensors",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "processor_config.json",
-    "chat_template.jinja",
-    "mmserve_tiny.json",
-)
+from tests.tiny_dirs import tiny_model_dir
 
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    return tiny_qwen3_5_dir()
-
-
-def _sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    return tiny_model_dir("qwen3.5")
 
 
 def test_config_is_a_hybrid_qwen3_5(model_dir: Path) -> None:
@@ -49,12 +32,6 @@ def test_config_is_a_hybrid_qwen3_5(model_dir: Path) -> None:
     rope = text["rope_parameters"]
     assert (rope["partial_rotary_factor"], rope["mrope_section"], text["head_dim"]) == (0.25, [2, 1, 1], 32)
     assert "deepstack_visual_indexes" not in cfg["vision_config"]
-
-
-def test_cli_same_flags_byte_identical(model_dir: Path, tmp_path: Path) -> None:
-    assert cli_main(["make-tiny-model", str(tmp_path / "again"), "--family", "qwen3.5"]) == 0
-    for name in FILES:
-        assert _sha(model_dir / name) == _sha(tmp_path / "again" / name), name
 
 
 def test_hf_processes_and_generates_offline(model_dir: Path) -> None:

@@ -22,7 +22,7 @@ from encoder_service.families import (
 from encoder_service.preprocess.media import MediaLimits
 from llm_service.models import DECODER_FAMILIES
 from llm_service.models.families import decoder_family
-from tests.qwen2_5_vl_dir import tiny_qwen2_5_vl_dir
+from tests.tiny_dirs import tiny_model_dir
 
 
 def test_sides_agree() -> None:
@@ -89,7 +89,7 @@ def test_largest_image_bound_against_hf_smart_resize() -> None:
 
 
 def test_largest_vision_item_uses_processor_caps() -> None:
-    model_dir: Path = tiny_qwen2_5_vl_dir()
+    model_dir: Path = tiny_model_dir("qwen2.5-vl")
     proc_cfg = json.loads((model_dir / "processor_config.json").read_text())
     # no pixel limit below the processor's cap (28*28*1024): the cap decides
     assert vision_largest_item(proc_cfg, MediaLimits(max_video_frames=0)) == 1024
@@ -101,7 +101,7 @@ def test_largest_vision_item_uses_processor_caps() -> None:
 
 def test_largest_item_by_model_dir_and_by_tiny_name(tiny_audio_dir: Path) -> None:
     limits = MediaLimits(max_pixels=240_000, max_video_frames=0)
-    model_dir = tiny_qwen2_5_vl_dir()
+    model_dir = tiny_model_dir("qwen2.5-vl")
     assert largest_item_embeds(model_dir, None, limits) == 408
     assert largest_item_embeds(None, "qwen2.5-vl", limits) == 408  # the tiny processor's defaults
     assert largest_item_embeds(tiny_audio_dir, None, limits) == 750

@@ -21,15 +21,15 @@ from llm_service.engine import LLMEngine
 from llm_service.multimodal import MultiModalInput
 from llm_service.outputs import GenerateRequest
 from llm_service.sampling_params import SamplingParams
-from tests.gemma3_dir import tiny_gemma3_dir
 from tests.media import make_image_bytes
+from tests.tiny_dirs import tiny_model_dir
 
 N = 10
 
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    return tiny_gemma3_dir()
+    return tiny_model_dir("gemma3")
 
 
 def test_preprocess_encode_generate_equals_hf(model_dir: Path) -> None:

@@ -23,8 +23,8 @@ from llm_service.engine import LLMEngine
 from llm_service.multimodal import MultiModalInput
 from llm_service.outputs import GenerateRequest
 from llm_service.sampling_params import SamplingParams
-from tests.gemma4_dir import tiny_gemma4_dir
 from tests.media import make_audio_bytes, make_image_bytes
+from tests.tiny_dirs import tiny_model_dir
 
 N = 10
 CASES = {
@@ -37,7 +37,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    return tiny_gemma4_dir()
+    return tiny_model_dir("gemma4")
 
 
 @pytest.fixture(scope="module")

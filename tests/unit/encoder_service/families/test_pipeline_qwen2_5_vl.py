@@ -24,7 +24,7 @@ from llm_service.multimodal import MultiModalInput
 from llm_service.outputs import GenerateRequest
 from llm_service.sampling_params import SamplingParams
 from tests.media import make_image_bytes, make_video_bytes
-from tests.qwen2_5_vl_dir import tiny_qwen2_5_vl_dir
+from tests.tiny_dirs import tiny_model_dir
 
 N = 10
 LIMITS = MediaLimits(video_fps=1.0)  # 3 s at 8 fps: 3 frames kept -> 4 (a multiple of 2): 4/3 fps
@@ -32,7 +32,7 @@ LIMITS = MediaLimits(video_fps=1.0)  # 3 s at 8 fps: 3 frames kept -> 4 (a multi
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    return tiny_qwen2_5_vl_dir()
+    return tiny_model_dir("qwen2.5-vl")
 
 
 def test_preprocess_encode_generate_equals_hf(model_dir: Path) -> None:

@@ -24,14 +24,14 @@ from llm_service.multimodal import MultiModalInput
 from llm_service.outputs import GenerateRequest
 from llm_service.sampling_params import SamplingParams
 from tests.media import make_image_bytes, make_video_bytes
-from tests.qwen3_5_dir import tiny_qwen3_5_dir
+from tests.tiny_dirs import tiny_model_dir
 
 N = 10
 
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    return tiny_qwen3_5_dir()
+    return tiny_model_dir("qwen3.5")
 
 
 @pytest.fixture(scope="module")

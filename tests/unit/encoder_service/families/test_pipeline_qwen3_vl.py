@@ -20,14 +20,14 @@ from llm_service.multimodal import MultiModalInput
 from llm_service.outputs import GenerateRequest
 from llm_service.sampling_params import SamplingParams
 from tests.media import make_image_bytes
-from tests.qwen3_vl_dir import tiny_qwen3_vl_dir
+from tests.tiny_dirs import tiny_model_dir
 
 N = 10
 
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    return tiny_qwen3_vl_dir()
+    return tiny_model_dir("qwen3-vl")
 
 
 def test_preprocess_encode_generate_equals_hf(model_dir: Path) -> None:

@@ -19,7 +19,7 @@ from llm_service.request_spec import LLMRequestSpec
 from llm_service.sampling_params import SamplingParams
 from mmcore.feature import MediaFeature
 from tests.media import make_video_bytes
-from tests.qwen2_5_vl_dir import tiny_qwen2_5_vl_dir
+from tests.tiny_dirs import tiny_model_dir
 
 LIMITS = MediaLimits(video_fps=1.0)  # 3 s at 8 fps: 3 frames kept -> 4 (a multiple of 2)
 SPGT = 2 * 3 / 4  # frames per temporal patch / (kept frames per second of clip)
@@ -27,7 +27,7 @@ SPGT = 2 * 3 / 4  # frames per temporal patch / (kept frames per second of clip)
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    return tiny_qwen2_5_vl_dir()
+    return tiny_model_dir("qwen2.5-vl")
 
 
 def _messages(video: bytes) -> list[dict]:

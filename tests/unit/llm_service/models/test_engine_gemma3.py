@@ -18,8 +18,8 @@ from PIL import Image
 from llm_service.errors import RequestRejected
 from llm_service.outputs import GenerateRequest
 from llm_service.sampling_params import SamplingParams
-from tests.gemma3_dir import tiny_gemma3_dir
 from tests.media import make_image_array
+from tests.tiny_dirs import tiny_model_dir
 from tests.unit.llm_service.hf_ref import (
     GREEDY,
     N,
@@ -35,7 +35,7 @@ from tests.unit.llm_service.hf_ref import (
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    return tiny_gemma3_dir()
+    return tiny_model_dir("gemma3")
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,8 @@ from llm_service import model_runner
 from llm_service.multimodal import MultiModalInput
 from llm_service.outputs import GenerateRequest
 from llm_service.sampling_params import SamplingParams
-from tests.gemma4_dir import tiny_gemma4_dir
 from tests.media import make_audio_array
+from tests.tiny_dirs import tiny_model_dir
 from tests.unit.llm_service.hf_ref import (
     N,
     RefCase,
@@ -38,7 +38,7 @@ from tests.unit.llm_service.hf_ref import (
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    return tiny_gemma4_dir()
+    return tiny_model_dir("gemma4")
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +186,7 @@ def test_preemption_and_prefix_cache(gemma, model_dir) -> None:
 
 @pytest.mark.parametrize("variant", ["k_eq_v", "moe"])
 def test_variants(variant: str) -> None:
-    model_dir = tiny_gemma4_dir(variant)
+    model_dir = tiny_model_dir("gemma4", variant)
     ref = hf_model(model_dir)
     cases = [
         case(ref, "the quick brown fox jumps over the lazy dog"),
@@ -199,7 +199,7 @@ def test_causal_images_are_cut_by_chunks() -> None:
     """Without ``use_bidirectional_attention`` image soft tokens attend causally: 16-token chunks cut
     through a 60-token image and the answers equal HF's (the bidirectional base recipe never is cut:
     ``test_chunked_prefill_splits_audio_never_an_image``)."""
-    model_dir = tiny_gemma4_dir("causal_vision")
+    model_dir = tiny_model_dir("gemma4", "causal_vision")
     ref = hf_model(model_dir)
     c = case(ref, "look <image> and say", [image(96, 64, 8)])
     (img,) = c.mm_inputs
@@ -223,7 +223,7 @@ def test_shared_layers_own_no_kv(model_dir) -> None:
     sliding layers 2 x 16, full layers 2 x 32; the shared layers 3 and 4 add nothing. (One block
     group for every layer here: the window layers' own group is ``test_window_layers_own_blocks``.)"""
     shared = engine(model_dir, block_size=4, sliding_window_blocks=False).runner
-    unshared = engine(tiny_gemma4_dir("unshared"), block_size=4, sliding_window_blocks=False).runner
+    unshared = engine(tiny_model_dir("gemma4", "unshared"), block_size=4, sliding_window_blocks=False).runner
     assert len(shared.kv_caches) == 3 and len(unshared.kv_caches) == 5
     assert shared.model.cache_index == [0, 1, 2, 2, 1]
     assert shared.block_bytes == 4 * 2 * (32 + 64 + 32) * 4
@@ -239,7 +239,7 @@ def test_sharing_admits_proportionally_more(monkeypatch, model_dir) -> None:
     budget = 28 * 4 * 1792  # 28 blocks of 4 tokens for the unshared model
     monkeypatch.setattr(model_runner, "CPU_KV_CACHE_CAP_BYTES", budget)
     admitted = {}
-    for name, d in (("unshared", tiny_gemma4_dir("unshared")), ("shared", model_dir)):
+    for name, d in (("unshared", tiny_model_dir("gemma4", "unshared")), ("shared", model_dir)):
         eng = engine(
             d,
             num_kv_blocks=None,

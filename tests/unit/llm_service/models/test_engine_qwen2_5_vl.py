@@ -18,7 +18,7 @@ from llm_service.mrope import prompt_mrope_positions
 from llm_service.outputs import GenerateRequest
 from llm_service.sampling_params import SamplingParams
 from tests.media import make_image_array
-from tests.qwen2_5_vl_dir import tiny_qwen2_5_vl_dir
+from tests.tiny_dirs import tiny_model_dir
 from tests.unit.llm_service.hf_ref import (
     GREEDY,
     IMG,
@@ -37,7 +37,7 @@ from tests.unit.llm_service.hf_ref import (
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    return tiny_qwen2_5_vl_dir()
+    return tiny_model_dir("qwen2.5-vl")
 
 
 @pytest.fixture(scope="module")

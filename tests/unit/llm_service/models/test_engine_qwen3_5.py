@@ -18,7 +18,7 @@ from llm_service.multimodal import MultiModalInput
 from llm_service.outputs import GenerateRequest
 from llm_service.sampling_params import SamplingParams
 from tests.media import make_image_array
-from tests.qwen3_5_dir import tiny_qwen3_5_dir
+from tests.tiny_dirs import tiny_model_dir
 from tests.unit.llm_service.hf_ref import (
     GREEDY,
     IMG,
@@ -39,7 +39,7 @@ from tests.unit.llm_service.hf_ref import (
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    return tiny_qwen3_5_dir()
+    return tiny_model_dir("qwen3.5")
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import torch
 from llm_service.multimodal import MultiModalInput
 from llm_service.outputs import GenerateRequest
 from tests.media import make_image_array
-from tests.qwen3_vl_dir import tiny_qwen3_vl_dir
+from tests.tiny_dirs import tiny_model_dir
 from tests.unit.llm_service.hf_ref import (
     GREEDY,
     IMG,
@@ -40,7 +40,7 @@ HIDDEN, LEVELS = 64, 2
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    return tiny_qwen3_vl_dir()
+    return tiny_model_dir("qwen3-vl")
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ import torch
 
 from encoder_service.encode.runner import EncoderRunner
 from encoder_service.types import EncoderInput
-from tests.gemma3_dir import tiny_gemma3_dir
 from tests.media import make_image_array
+from tests.tiny_dirs import tiny_model_dir
 from tests.unit.encoder_service.encode.models.inputs import processor
 
 ATOL, RTOL = 1e-5, 1e-5
@@ -27,7 +27,7 @@ def gemma3_image(model_dir: Path, width: int, height: int, seed: int) -> Encoder
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    return tiny_gemma3_dir()
+    return tiny_model_dir("gemma3")
 
 
 def test_tower_equals_hf_on_a_mixed_batch(model_dir: Path) -> None:

@@ -12,8 +12,8 @@ from encoder_service.encode.runner import EncoderRunner
 from encoder_service.preprocess.media import MediaLimits
 from encoder_service.preprocess.processors.gemma4 import Gemma4Family
 from encoder_service.types import EncoderInput
-from tests.gemma4_dir import tiny_gemma4_dir
 from tests.media import make_image_array
+from tests.tiny_dirs import tiny_model_dir
 from tests.unit.encoder_service.encode.models.inputs import processor
 
 ATOL, RTOL = 1e-5, 1e-5
@@ -22,7 +22,7 @@ SIZES = [(300, 200, 1), (40, 90, 2), (64, 64, 3), (200, 30, 4)]
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    return tiny_gemma4_dir()
+    return tiny_model_dir("gemma4")
 
 
 def gemma4_image(model_dir: Path, width: int, height: int, seed: int) -> EncoderInput:

@@ -11,7 +11,7 @@ import torch
 from encoder_service.encode.models.qwen2_5_vl_vision import window_order
 from encoder_service.encode.runner import EncoderRunner
 from encoder_service.types import EncoderInput
-from tests.qwen2_5_vl_dir import tiny_qwen2_5_vl_dir
+from tests.tiny_dirs import tiny_model_dir
 from tests.unit.encoder_service.encode.models.inputs import image_input, video_input
 
 ATOL, RTOL = 1e-5, 1e-5
@@ -19,7 +19,7 @@ ATOL, RTOL = 1e-5, 1e-5
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    return tiny_qwen2_5_vl_dir()
+    return tiny_model_dir("qwen2.5-vl")
 
 
 @pytest.fixture(scope="module")

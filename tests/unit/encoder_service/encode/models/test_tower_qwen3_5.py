@@ -12,7 +12,7 @@ import torch
 from encoder_service.encode.runner import EncoderRunner
 from encoder_service.families import encoder_family, row_units
 from encoder_service.types import EncoderInput
-from tests.qwen3_5_dir import tiny_qwen3_5_dir
+from tests.tiny_dirs import tiny_model_dir
 from tests.unit.encoder_service.encode.models.inputs import image_input, video_input
 
 ATOL, RTOL = 1e-5, 1e-5
@@ -21,7 +21,7 @@ HIDDEN = 64
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    return tiny_qwen3_5_dir()
+    return tiny_model_dir("qwen3.5")
 
 
 def hf_rows(model_dir: Path, items: list[EncoderInput]) -> list[torch.Tensor]:

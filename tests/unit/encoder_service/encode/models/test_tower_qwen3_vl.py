@@ -13,7 +13,7 @@ import torch
 from encoder_service.encode.models.qwen3_vl_vision import bilinear_taps
 from encoder_service.encode.runner import EncoderRunner
 from encoder_service.types import EncoderInput
-from tests.qwen3_vl_dir import tiny_qwen3_vl_dir
+from tests.tiny_dirs import tiny_model_dir
 from tests.unit.encoder_service.encode.models.inputs import image_input, video_input
 
 ATOL, RTOL = 1e-5, 1e-5
@@ -22,7 +22,7 @@ HIDDEN, LEVELS = 64, 2
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    return tiny_qwen3_vl_dir()
+    return tiny_model_dir("qwen3-vl")
 
 
 @pytest.fixture(scope="module")

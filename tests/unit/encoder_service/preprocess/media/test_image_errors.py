@@ -20,7 +20,7 @@ from encoder_service.preprocess.media import MediaLimits
 from encoder_service.preprocess.media.image import decode_image, decode_image_scaled
 from encoder_service.preprocess.processing import Preprocessor
 from encoder_service.types import MediaRef
-from tests.qwen3_5_dir import tiny_qwen3_5_dir
+from tests.tiny_dirs import tiny_model_dir
 
 LIMITS = MediaLimits(max_pixels=4096 * 4096)
 
@@ -28,7 +28,7 @@ LIMITS = MediaLimits(max_pixels=4096 * 4096)
 @pytest.fixture(scope="module", params=["qwen2-vl", "qwen3.5"])
 def vl(request, tiny_vl_dir):
     """The default Qwen2-VL's processor and the hybrid Qwen3.5's: the same refusals for both."""
-    model_dir = tiny_vl_dir if request.param == "qwen2-vl" else tiny_qwen3_5_dir()
+    model_dir = tiny_vl_dir if request.param == "qwen2-vl" else tiny_model_dir("qwen3.5")
     return Preprocessor(model_dir, LIMITS, {"image": 2}, processor_cache_bytes=0)
 
 

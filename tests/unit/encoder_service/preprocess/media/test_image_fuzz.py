@@ -20,7 +20,7 @@ from encoder_service.preprocess.media import MediaLimits
 from encoder_service.preprocess.media.image import ALLOWED_IMAGE_FORMATS, decode_image_scaled
 from encoder_service.preprocess.processing import Preprocessor
 from encoder_service.types import MediaRef
-from tests.qwen3_5_dir import tiny_qwen3_5_dir
+from tests.tiny_dirs import tiny_model_dir
 
 # Mutations may declare large sizes; this bound keeps a decode (and the test's memory) small.
 LIMITS = MediaLimits(max_pixels=512 * 512)
@@ -122,7 +122,7 @@ class Family(NamedTuple):
 @pytest.fixture(scope="module", params=["qwen2-vl", "qwen3.5"])
 def vl(request, tiny_vl_dir):
     """Each family's own processor under the fuzz: the default Qwen2-VL and the hybrid Qwen3.5."""
-    model_dir = tiny_vl_dir if request.param == "qwen2-vl" else tiny_qwen3_5_dir()
+    model_dir = tiny_vl_dir if request.param == "qwen2-vl" else tiny_model_dir("qwen3.5")
     cfg = json.loads((Path(model_dir) / "processor_config.json").read_text())["image_processor"]
     pre = Preprocessor(model_dir, LIMITS, {"image": 1}, processor_cache_bytes=0)
     return Family(pre, 3 * cfg["temporal_patch_size"] * cfg["patch_size"] ** 2)

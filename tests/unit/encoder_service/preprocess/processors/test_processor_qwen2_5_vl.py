@@ -17,14 +17,14 @@ from encoder_service.preprocess.processing import Preprocessor
 from encoder_service.preprocess.processors import Qwen25VLFamily, load_family_processor
 from encoder_service.types import MediaRef
 from tests.media import make_image_bytes, make_video_bytes
-from tests.qwen2_5_vl_dir import tiny_qwen2_5_vl_dir
+from tests.tiny_dirs import tiny_model_dir
 
 LIMITS = MediaLimits(video_fps=2.0)
 
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    return tiny_qwen2_5_vl_dir()
+    return tiny_model_dir("qwen2.5-vl")
 
 
 @pytest.fixture(scope="module")
