@@ -1,5 +1,5 @@
-"""Replica loss, last in the package (named so): one test replaces an encoder replica under the shared
-app, the other deletes the app."""
+"""Replica loss, last in the package (``run_last``, conftest.py): one test replaces an encoder replica
+under the shared app, the other deletes the app."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ from tests.media import make_image_bytes
 pytestmark = pytest.mark.usefixtures("app")  # the package's one app (conftest.py)
 
 
-def test_zz_embeddings_lost_with_their_encoder_replica_are_encoded_again(
+@pytest.mark.run_last(2)
+def test_embeddings_lost_with_their_encoder_replica_are_encoded_again(
     client: OpenAI, app: dict[str, Any]
 ) -> None:
     """Kill the VL encoder replica that owns an image's embeddings; the same image again must still
@@ -82,7 +83,8 @@ def test_zz_embeddings_lost_with_their_encoder_replica_are_encoded_again(
     assert after["encoder_cache"]["reserved"] == 0
 
 
-def test_zzz_graceful_encoder_shutdown_invalidates_what_it_owns(client: OpenAI) -> None:
+@pytest.mark.run_last(3)
+def test_graceful_encoder_shutdown_invalidates_what_it_owns(client: OpenAI) -> None:
     """Serve runs each replica's ``__del__`` on graceful shutdown; the encoder replica's drops the
     cache entries holding its objects. Deletes the app, so it runs last (the fixture then shuts down)."""
     from ray import serve

@@ -1,4 +1,4 @@
-"""After every other e2e module (named so; before the replica-loss module, which deletes the app):
+"""After every other e2e test (``run_last``, conftest.py; before the replica-loss tests, which delete the app):
 whatever those requests did — answered, refused, failed, abandoned mid-stream — no LLM replica runs or
 queues a request or holds a KV block outside the prefix cache's free list, and no encoder-cache entry
 of any model is still reserved."""
@@ -35,6 +35,7 @@ def _held() -> dict[str, Any]:
     return held
 
 
+@pytest.mark.run_last(1)
 def test_after_the_suite_no_request_kv_block_or_reservation_is_held() -> None:
     wait_for(lambda: not any(any(v.values()) for v in _held().values()), 30.0, "everything to be released")
     assert _held() == {
