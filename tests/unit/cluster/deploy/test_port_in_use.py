@@ -36,6 +36,7 @@ def test_a_port_held_by_another_server_is_refused() -> None:
             check_port_free("127.0.0.1", port)
 
 
+@pytest.mark.slow
 def test_mmserve_serve_exits_at_once_naming_the_port() -> None:
     """The real CLI: a second `mmserve serve` on a port in use exits non-zero before Ray starts."""
     port = free_port()

@@ -151,6 +151,7 @@ def test_image_attention_is_bidirectional_on_sliding_layers(gemma, model_dir) ->
     assert [v for _, v in out.logprobs[0].top] == pytest.approx(ref_top.values.tolist(), abs=1e-4)
 
 
+@pytest.mark.slow
 def test_chunked_prefill_splits_audio_never_an_image(gemma, model_dir) -> None:
     """Audio spans attend causally, so a chunk may end inside one; an image goes whole into one chunk."""
     c = case(gemma, "look <image> hear <audio> say", [image(64, 48, 5)], [make_audio_array(1.0)])
@@ -171,6 +172,7 @@ def test_chunked_prefill_splits_audio_never_an_image(gemma, model_dir) -> None:
     assert_all_free(eng)
 
 
+@pytest.mark.slow
 def test_preemption_and_prefix_cache(gemma, model_dir) -> None:
     texts = ["hi", "one two three four five six seven", "a b c d e f g h i j k l m n o p q r s t u v"]
     cases = [case(gemma, t) for t in texts]
@@ -184,6 +186,7 @@ def test_preemption_and_prefix_cache(gemma, model_dir) -> None:
     assert_all_free(eng)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["k_eq_v", "moe"])
 def test_variants(variant: str) -> None:
     model_dir = tiny_model_dir("gemma4", variant)

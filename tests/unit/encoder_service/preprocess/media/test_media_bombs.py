@@ -95,6 +95,7 @@ def test_flac_bomb_rss_stays_bounded_in_a_fresh_process(tmp_path):
     assert growth < 64  # was ~700 MB
 
 
+@pytest.mark.slow
 def test_4k_switch_rss_stays_bounded_in_a_fresh_process(tmp_path):
     # FFmpeg's own max_pixels refuses the 4K picture before its buffers exist
     data = encode_video([(64, 64, 4), (3840, 2160, 8)])
