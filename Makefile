@@ -7,7 +7,7 @@ STAMP := $(VENV)/.stamp-$(shell sha256sum pyproject.toml | cut -c1-16)
 PYTEST_ARGS ?= --durations=25
 BENCH_ARGS ?=
 
-.PHONY: setup serve test lint bench
+.PHONY: setup serve test test-fast lint bench
 
 $(STAMP): pyproject.toml
 	rm -rf $(VENV)
@@ -29,6 +29,11 @@ lint: setup
 
 test: lint
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests; rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
+
+# The unit tests without the slow ones (over 10 s each): no Ray, a few minutes.
+test-fast: lint
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) -m "not slow" tests/unit; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 bench: setup

@@ -1,6 +1,6 @@
 """The Prometheus metrics mmserve exports, as a scrape of Ray's metrics port names them: the e2e
 metrics test (tests/integration/e2e/test_metrics.py) asserts every one is in the scrape
-after its requests, and the dashboard test (tests/unit/deploy/test_grafana_dashboard.py) that every
+after its requests, and the dashboard test (tests/unit/cluster/deploy/test_grafana_dashboard.py) that every
 dashboard query names one of them. One list, read by both."""
 
 from __future__ import annotations

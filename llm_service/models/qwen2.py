@@ -108,7 +108,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """HF's ``weight * (x * rsqrt(mean(x²) + eps))`` with the norm in float32; one fused op in
-        float32 (the same bits as HF's four: checked in tests/unit/test_model_ops.py)."""
+        float32 (the same bits as HF's four: checked in tests/unit/llm_service/models/test_model_ops.py)."""
         if x.dtype == torch.float32 == self.weight.dtype:
             return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return self.weight * nn.functional.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)

@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 
 from encoder_service.encode.runner import EncoderRunner
 from encoder_service.encode.tp.launch import exit_spawned_rank, free_port, init_tp_process_group
-from tests.unit.encoder_models.inputs import audio_input, image_input, video_input
+from tests.unit.encoder_service.encode.models.inputs import audio_input, image_input, video_input
 
 pytestmark = pytest.mark.gpu
 

@@ -1,4 +1,5 @@
-"""Integration tests start Ray and Serve in this process.
+"""Integration tests start Ray and Serve in this process (or import Ray); every one of them is marked
+``slow`` here, so ``make test-fast`` (``-m "not slow"``) leaves them all out.
 
 Serve reads its settings (``cluster/serve_env.py``) when ``ray.serve`` is imported. Imported here,
 before any fixture applies mmserve's settings, this test process, which calls handles synchronously,
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 import ray.serve  # noqa: F401
 
+HERE = Path(__file__).resolve().parent
 _MARKERS = ("Traceback", "ERROR", "Error", "Exception", "request failed")
 _MAX_LINES = 80  # per failed test, at the end of the run where a CI log's tail shows them
 _FOUND: dict[str, str] = {}
@@ -55,6 +57,12 @@ def _errors_since(root: Path, before: dict[Path, int]) -> list[str]:
         if found:
             kept += [f"== {path.relative_to(root)}", *found]
     return kept
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if Path(item.path).resolve().is_relative_to(HERE):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.hookimpl(hookwrapper=True)

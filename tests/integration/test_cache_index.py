@@ -298,7 +298,7 @@ def test_a_commit_that_fails_still_answers_the_step_and_the_loop_goes_on(ray_ses
     answer, and the next step runs."""
     from encoder_service.encode.runner import EncoderRunner
     from encoder_service.serve.deployment import EncodeBatch, EncoderServer
-    from tests.unit.encoder_models.inputs import image_input
+    from tests.unit.encoder_service.encode.models.inputs import image_input
 
     class RefusingIndex:
         def __init__(self) -> None:

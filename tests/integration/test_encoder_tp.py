@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from encoder_service.encode.runner import EncoderRunner
 from encoder_service.encode.tp.launch import exit_spawned_rank, free_port, init_tp_process_group
 from tests.integration.local_app import own_ray
-from tests.unit.encoder_models.inputs import audio_input, image_input, video_input
+from tests.unit.encoder_service.encode.models.inputs import audio_input, image_input, video_input
 
 ATOL, RTOL = 1e-5, 1e-5
 

@@ -5,7 +5,7 @@ own parsing code and returns when the outcome is a parsed value or one of the re
 maps to a 4xx; anything else raises (a finding). ``python -m cluster.bench.fuzz --target NAME
 --seconds N`` runs one under libFuzzer; ``--all`` runs each in turn and prints a table; ``make fuzz``
 runs them all for ``FUZZ_SECONDS``. The seeds are in ``corpus/<target>/``; reproducers of findings
-not fixed yet in ``findings/``. ``tests/unit/test_fuzz_targets.py`` runs every ``one_input`` over its
+not fixed yet in ``findings/``. ``tests/unit/cluster/bench/test_fuzz_targets.py`` runs every ``one_input`` over its
 seeds and a few hundred mutations of them without atheris (CI's seconds).
 """
 

@@ -9,7 +9,7 @@ from there to the target computed from the ORIGINAL size, so the grid and the pl
 HF's. The pixels are not bit-identical: the DCT-domain downscale filters like a box where HF's bicubic
 antialias is wider; measured on photo-like JPEGs at quality 75-90 the difference is about 1 uint8
 level on average (p99 ≤ 4, max ≤ 10), under what the JPEG quantisation already put there
-(tests/unit/encoder/test_image_transform.py holds it to mean ≤ 1.5, p99 ≤ 6, max ≤ 16). The policy is
+(tests/unit/encoder_service/preprocess/processors/test_image_transform.py holds it to mean ≤ 1.5, p99 ≤ 6, max ≤ 16). The policy is
 part of the image mm_hash, so embeddings of one decode are never served for the other.
 """
 

@@ -1,8 +1,9 @@
 """One app for the whole e2e package (Ray + Serve start once): the default tiny models on Ray Serve,
 HTTP on 127.0.0.1:PORT, Prometheus metrics exported every second on a free local port.
 
-Modules run in name order and share it; ``test_zz_replica_loss.py`` kills an encoder replica and
-then deletes the app, so it must stay last.
+The package's modules share it. A test marked ``run_last(rank)`` runs after the package's other
+tests, in rank order (``pytest_collection_modifyitems`` below), whatever the file names: the check that
+nothing is held after the suite (1), the encoder replica killed (2), the app deleted (3).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import http.server
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +20,22 @@ from openai import OpenAI
 from tests.integration.e2e.common import AUDIO, PORT, VL
 from tests.integration.local_app import free_port, own_ray
 from tests.media import make_image_bytes
+
+HERE = Path(__file__).resolve().parent
+
+
+def _rank(item: pytest.Item) -> int:
+    marker = item.get_closest_marker("run_last")
+    return 0 if marker is None else int(marker.args[0])
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """This package's tests keep their slots in the session (one block, one app), reordered within
+    them: unmarked first in collection order, then the ``run_last`` ones by rank."""
+    slots = [i for i, item in enumerate(items) if Path(item.path).resolve().is_relative_to(HERE)]
+    ordered = sorted((items[i] for i in slots), key=_rank)  # stable: collection order within a rank
+    for i, item in zip(slots, ordered, strict=True):
+        items[i] = item
 
 
 @pytest.fixture(scope="package")

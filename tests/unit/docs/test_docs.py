@@ -48,7 +48,7 @@ README_COMMANDS: dict[str, tuple[str, str]] = {
     "serve status": ("tests/integration/test_deploy_cli.py", "cluster.serve_status()"),
     "serve shutdown -y && ray stop": ("tests/integration/test_deploy_cli.py", "cluster.shutdown_serve()"),
     "helm install mmserve helm/mmserve -f helm/mmserve/values-gpu-example.yaml -n ml": (
-        "tests/unit/deploy/test_helm_chart.py",
+        "tests/integration/deploy/test_helm_chart.py",
         '"values-gpu-example.yaml"',
     ),
 }
@@ -236,6 +236,7 @@ def test_make_targets_run_what_the_readme_says() -> None:
     makefile = (ROOT / "Makefile").read_text()
     assert re.search(r"^serve: setup\n\t\$\(VENV\)/bin/mmserve serve$", makefile, re.M)
     assert re.search(r"^test: lint\n\t\$\(PY\) -m pytest .* tests;", makefile, re.M)
+    assert re.search(r"^test-fast: lint\n\t\$\(PY\) -m pytest .* -m \"not slow\" tests/unit;", makefile, re.M)
     assert 'mmserve = "cluster.cli:main"' in (ROOT / "pyproject.toml").read_text()
 
 
@@ -284,7 +285,11 @@ def test_the_docs_have_python_examples_of_both_kinds() -> None:
 
 @pytest.mark.parametrize(
     "where,code",
-    [(w, c) for w, c, marked in _python_examples() if not marked],
+    [  # an example that builds a tiny model takes over 10 s
+        pytest.param(w, c, marks=[pytest.mark.slow] if "make_tiny_model(" in c else [])
+        for w, c, marked in _python_examples()
+        if not marked
+    ],
     ids=lambda v: v if ":" in v else "",
 )
 def test_python_example_runs(where: str, code: str, tmp_path: Path) -> None:

@@ -1,0 +1,256 @@
+"""mmcore/link/direct_link.py against peers that misbehave: no key or a wrong key, garbage and oversized
+frames, a client that does not read, a server that stops answering without closing."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+import zmq.asyncio
+
+from mmcore.link.direct_link import (
+    BadFrame,
+    DirectLink,
+    FrameTooLarge,
+    LinkClient,
+    LinkKeys,
+    LinkLost,
+    LinkServer,
+)
+from router.protocol.errors import replica_gone
+
+KEYS = LinkKeys.generate()
+PWNED: list[str] = []
+
+
+def _pwn() -> None:
+    PWNED.append("unpickled")
+
+
+class _Payload:
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_pwn, ())
+
+
+async def _echo(*args: Any) -> Any:
+    return ("echo", args)
+
+
+def _raw_dealer(ctx: zmq.asyncio.Context, keys: LinkKeys | None, server_public: bytes) -> zmq.asyncio.Socket:
+    """A DEALER as an outsider would make it: no key (NULL), or CURVE with ``keys``' client pair."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if keys is not None:
+        sock.setsockopt(zmq.CURVE_SERVERKEY, server_public)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.client_public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, keys.client_secret)
+    return sock
+
+
+_REFUSED = {
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+    zmq.EVENT_DISCONNECTED,
+}
+
+
+@pytest.mark.parametrize("peer", ["no key", "another cluster's client key"])
+def test_a_peer_without_the_cluster_key_never_gets_a_frame_decoded_or_a_handler_run(peer: str) -> None:
+    from zmq.utils.monitor import parse_monitor_message
+
+    async def run() -> None:
+        server = LinkServer({"echo": _echo}, KEYS)
+        host, port = await server.address("127.0.0.1")
+        ctx = zmq.asyncio.Context()
+        outsider = _raw_dealer(ctx, None if peer == "no key" else LinkKeys.generate(), KEYS.server_public)
+        monitor = outsider.get_monitor_socket()
+        outsider.connect(f"tcp://{host}:{port}")
+        call = [msgpack.packb([1, "echo", None]), pickle.dumps((_Payload(),))]
+        outsider.send_multipart(call)  # queued: goes out if the handshake passes
+        while (
+            event := parse_monitor_message(await asyncio.wait_for(monitor.recv_multipart(), 10))["event"]
+        ) not in (_REFUSED | {zmq.EVENT_HANDSHAKE_SUCCEEDED}):
+            pass
+        assert event != zmq.EVENT_HANDSHAKE_SUCCEEDED
+        # the cluster's own client still gets through, after the outsider tried
+        client = await LinkClient.connect(host, port, KEYS)
+        assert await client.call("echo", 1) == ("echo", (1,))
+        assert PWNED == [] and server.calls == 1 and server.garbled == 0
+        with pytest.raises(LinkLost, match=r"refused|handshake"):
+            await LinkClient.connect(host, port, LinkKeys.generate())  # the client's view of the same
+        outsider.disable_monitor()
+        monitor.close(0)
+        outsider.close(0)
+        ctx.term()
+        client.close()
+        await server.close()
+
+    asyncio.run(run())
+
+
+def test_garbage_and_oversized_frames_fail_their_own_call_and_the_connection_goes_on() -> None:
+    async def run() -> None:
+        async def big(n: int) -> bytes:
+            return b"x" * n
+
+        async def junk() -> str:
+            return "junk"
+
+        def dumps(value: Any) -> bytes:  # a server whose encoder garbles one reply
+            return b"\x80not a pickle" if value == "junk" else pickle.dumps(value)
+
+        bound = 1 << 20
+        server = LinkServer({"echo": _echo, "big": big, "junk": junk}, KEYS, dumps, max_frame_bytes=bound)
+        host, port = await server.address("127.0.0.1")
+        client = await LinkClient.connect(host, port, KEYS, max_frame_bytes=bound)
+        with pytest.raises(FrameTooLarge, match="not sent"):
+            await client.call("echo", b"y" * (bound + 1))  # refused by the sender
+        with pytest.raises(FrameTooLarge, match="past the link's"):
+            await client.call("big", 2 * bound)  # a reply past the bound: the server answers that
+        with pytest.raises(BadFrame, match="undecodable reply"):
+            await client.call("junk")
+        assert await client.call("echo", "after") == ("echo", ("after",))
+        assert client.lost is None and server.calls == 3
+
+        ctx = zmq.asyncio.Context()  # an authenticated peer that speaks garbage
+        peer = _raw_dealer(ctx, KEYS, KEYS.server_public)
+        peer.connect(f"tcp://{host}:{port}")
+        await peer.send_multipart([b"\xc1 no header"])  # no seq to answer: dropped
+        await peer.send_multipart([msgpack.packb([7, "echo", None]), b"\x80not a pickle"])
+        await peer.send_multipart([msgpack.packb([8, "echo", None]), pickle.dumps(("fine",))])
+        seven = await asyncio.wait_for(peer.recv_multipart(), 10)
+        eight = await asyncio.wait_for(peer.recv_multipart(), 10)
+        assert msgpack.unpackb(seven[0])[:3] == [7, 2, "bad_frame"]
+        assert msgpack.unpackb(eight[0]) == [8, 0] and pickle.loads(eight[1]) == ("echo", ("fine",))
+        assert server.garbled == 2
+        peer.close(0)
+        ctx.term()
+        assert await client.call("echo", "still") == ("echo", ("still",))
+        client.close()
+        await server.close()
+
+    asyncio.run(run())
+
+
+def _rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_a_client_that_does_not_read_keeps_the_server_bounded_and_gets_fast_503s() -> None:
+    """Calls for 256 KiB each from a peer that reads nothing: once the queues (a few MiB) are full,
+    the server holds at most ``max_in_flight`` replies and refuses 2,000 more calls at once (500 MiB
+    of replies, had it run and buffered them); the process's memory grows by the queues only."""
+
+    async def run() -> None:
+        async def blob() -> bytes:
+            return os.urandom(256 << 10)
+
+        server = LinkServer(
+            {"blob": blob, "echo": _echo}, KEYS, max_in_flight=16, hwm=8, reply_patience_s=600
+        )
+        host, port = await server.address("127.0.0.1")
+        ctx = zmq.asyncio.Context()
+        reader = _raw_dealer(ctx, KEYS, KEYS.server_public)
+        reader.setsockopt(zmq.RCVHWM, 8)
+        reader.setsockopt(zmq.SNDHWM, 10_000)
+        reader.connect(f"tcp://{host}:{port}")
+        before = _rss_bytes()
+        seq = 0
+        while len(server._running) < 16 and seq < 1000:  # the queues fill up, then the slots
+            for _ in range(16):
+                await reader.send_multipart([msgpack.packb([seq, "blob", None]), pickle.dumps(())])
+                seq += 1
+            await asyncio.sleep(0.2)
+        assert len(server._running) == 16  # each holding a reply the reader does not take
+        ran, refused = server.calls, server.refused
+        for _ in range(2000):  # the flood: refused unrun, at once
+            await reader.send_multipart([msgpack.packb([seq, "blob", None]), pickle.dumps(())])
+            seq += 1
+        while server.calls + server.refused < seq:
+            await asyncio.sleep(0.05)
+        assert server.calls == ran and server.refused == refused + 2000 and len(server._running) == 16
+        grown = _rss_bytes() - before
+        assert grown < 120 << 20, f"memory grew {grown >> 20} MiB"
+        # another client of the same server is refused at once while the slots are held
+        client = await LinkClient.connect(host, port, KEYS)
+        with pytest.raises(Exception) as e:
+            await client.call("echo", 1)
+        assert getattr(e.value, "status_code", None) == 503 and not replica_gone(e.value)
+        # the slow reader reads: the held replies arrive, and the server takes calls again
+        statuses = []
+        while server._running:
+            frames = await asyncio.wait_for(reader.recv_multipart(), 10)
+            statuses.append(msgpack.unpackb(frames[0])[1])
+        assert statuses.count(0) >= 1
+        assert await client.call("echo", 2) == ("echo", (2,))
+        reader.close(0)
+        ctx.term()
+        client.close()
+        await server.close()
+
+    asyncio.run(run())
+
+
+_SERVER = """
+import asyncio, sys
+from mmcore.link.direct_link import LinkKeys, LinkServer
+
+async def main():
+    async def hang():
+        await asyncio.sleep(3600)
+    async def echo(*args):
+        return args
+    server = LinkServer({"hang": hang, "echo": echo}, LinkKeys.from_bytes(bytes.fromhex(sys.argv[1])))
+    host, port = await server.address("127.0.0.1")
+    print(port, flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+def test_a_server_that_stops_answering_without_closing_fails_waiting_calls_within_the_heartbeat_bound() -> (
+    None
+):
+    """SIGSTOP: the kernel keeps the TCP connection open, only the heartbeats go unanswered. Without
+    them the call would wait forever (the link's deadline is off here); the bound is ~4 s."""
+
+    async def run() -> None:
+        env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[4]))
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _SERVER, KEYS.to_bytes().hex(), stdout=asyncio.subprocess.PIPE, env=env
+        )
+        try:
+            assert proc.stdout is not None
+            port = int(await asyncio.wait_for(proc.stdout.readline(), 60))
+
+            async def locate() -> tuple[str, int]:
+                return "127.0.0.1", port
+
+            link = DirectLink(locate, KEYS, timeout_s=None)
+            assert await link.call("echo", 1) == (1,)
+            waiting = asyncio.ensure_future(link.call("hang"))
+            await asyncio.sleep(0.2)
+            os.kill(proc.pid, signal.SIGSTOP)
+            with pytest.raises(LinkLost, match="heartbeat"):
+                await asyncio.wait_for(waiting, 20)
+            assert link.losses == 1 and not link.usable()
+            link.close()
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+            await proc.wait()
+
+    asyncio.run(run())
