@@ -11,6 +11,7 @@ import asyncio
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 from llm_service.outputs import RequestOutput
 from llm_service.sampling_params import SEED_RANGE, SamplingParams
@@ -107,6 +108,37 @@ async def collect(
         await close_all(streams)
 
 
+class ChoiceEvents(Protocol):
+    """How an endpoint writes its choices' SSE events (chat's deltas; completions' text pieces)."""
+
+    def opening(self, state: ChoiceState) -> str:
+        """The choice's first event, before any token ("": none)."""
+        ...
+
+    def delta(self, state: ChoiceState, text: str, out: RequestOutput) -> str:
+        """The event of ``out``'s new ``text`` (``state.finish`` set on the last)."""
+        ...
+
+
+class _ChatEvents:
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        states: list[ChoiceState],
+        logprobs: Callable[[RequestOutput], ChoiceLogprobs | None],
+    ) -> None:
+        self.request_id, self.model, self.logprobs = request_id, model, logprobs
+        self.renderers = [ChunkRenderer(request_id, model, index=s.index) for s in states]
+
+    def opening(self, state: ChoiceState) -> str:
+        return self.renderers[state.index].role()
+
+    def delta(self, state: ChoiceState, text: str, out: RequestOutput) -> str:
+        lp = self.logprobs(out) if out.new_logprobs else None
+        return _delta(self.renderers[state.index], self.request_id, self.model, state, text, lp)
+
+
 async def stream_events(
     request_id: str,
     model: str,
@@ -116,9 +148,12 @@ async def stream_events(
     logprobs: Callable[[RequestOutput], ChoiceLogprobs | None],
     settle: Callable[[int], Awaitable[None]],
     on_error: Callable[[BaseException], None],
+    events: ChoiceEvents | None = None,
 ) -> AsyncIterator[str]:
     """The SSE events of every choice as their tokens come (each event names its choice's
-    ``index``), then ``[DONE]``; an error after the 200 travels in-band, as for one choice."""
+    ``index``; ``events`` writes them, chat's chunks by default), then ``[DONE]``; an error after
+    the 200 travels in-band, as for one choice. ``states[i]`` is the choice of ``streams[i]``."""
+    render = events or _ChatEvents(request_id, model, states, logprobs)
     queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
 
     async def pump(i: int, first: RequestOutput, stream: Stream) -> None:
@@ -130,14 +165,14 @@ async def stream_events(
         finally:
             await queue.put(None)
 
-    renderers = [ChunkRenderer(request_id, model, index=s.index) for s in states]
     tasks = [
         asyncio.ensure_future(pump(i, f, st)) for i, (f, st) in enumerate(zip(firsts, streams, strict=True))
     ]
     open_count = len(tasks)
     try:
-        for r in renderers:
-            yield r.role()
+        for s in states:
+            if opening := render.opening(s):
+                yield opening
         while open_count:
             item = await queue.get()
             if item is None:
@@ -153,8 +188,7 @@ async def stream_events(
             if state.finish is not None:  # what its answer must not end before
                 await settle(i)
             if text or state.finish:
-                lp = logprobs(out) if out.new_logprobs else None
-                yield _delta(renderers[i], request_id, model, state, text, lp)
+                yield render.delta(state, text, out)
             if state.finish is not None:
                 await streams[i].aclose()
     except Exception as e:
@@ -187,4 +221,13 @@ def _delta(
     return f"data: {c.model_dump_json(exclude_none=True)}\n\n"
 
 
-__all__ = ["DONE", "ChoiceState", "child_ids", "child_params", "collect", "first_outputs", "stream_events"]
+__all__ = [
+    "DONE",
+    "ChoiceEvents",
+    "ChoiceState",
+    "child_ids",
+    "child_params",
+    "collect",
+    "first_outputs",
+    "stream_events",
+]

@@ -103,9 +103,7 @@ def fit_to_prompt(
     return replace(params, max_tokens=requested or room)
 
 
-def to_sampling_params(
-    req: SamplingFields, num_prompt_tokens: int, max_model_len: int
-) -> SamplingParams:
+def to_sampling_params(req: SamplingFields, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
     return fit_to_prompt(
         request_sampling_params(req), requested_max_tokens(req), num_prompt_tokens, max_model_len
     )
