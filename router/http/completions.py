@@ -13,14 +13,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from llm_service.outputs import RequestOutput, TokenLogprob
+from llm_service.outputs import RequestOutput
 from llm_service.sampling_params import SamplingParams
 from router.http import tracing
 from router.http.auth import effective_cache_salt
@@ -34,6 +34,7 @@ from router.http.choices import (
     first_outputs,
     stream_events,
 )
+from router.http.completion_events import CompletionEvents, Echo, completion_logprobs, entries, entry, joined
 from router.http.lifecycle import cancel_on_disconnect, first_or_error, hand_over
 from router.http.replay_log import failure_record, log_failure
 from router.http.request_body import read_body
@@ -44,13 +45,12 @@ from router.journey.orchestrator import Orchestrator, Prepared
 from router.protocol.completions import (
     CompletionChoice,
     CompletionChunk,
-    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     completion_id,
 )
 from router.protocol.errors import APIError, bad_request, from_exception
-from router.protocol.openai import ChoiceLogprobs, PromptTokensDetails, TokenLogprobEntry, TopLogprob, Usage
+from router.protocol.openai import ChoiceLogprobs, PromptTokensDetails, Usage
 from router.protocol.sampling import fit_to_prompt, request_sampling_params
 
 if TYPE_CHECKING:
@@ -60,25 +60,6 @@ logger = logging.getLogger("mmserve.ingress")
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's for completions (chat's is the context's room)
 Stream = AsyncGenerator[RequestOutput, None]
-
-
-@dataclass(frozen=True)
-class Echo:
-    """What a choice's text starts with: the prompt's text when echoed ("" otherwise) and, with
-    ``logprobs``, its tokens: the first (nothing scores it) and the others' logprob entries."""
-
-    text: str = ""
-    first_token: str = ""
-    scored: tuple[TokenLogprobEntry, ...] = ()
-
-    def logprobs(self) -> CompletionLogprobs:
-        out = _completion_logprobs(self.scored, len(self.first_token))
-        return CompletionLogprobs(
-            tokens=[self.first_token, *out.tokens],
-            token_logprobs=[None, *out.token_logprobs],
-            top_logprobs=[None, *out.top_logprobs],
-            text_offset=[0, *out.text_offset],
-        )
 
 
 @dataclass
@@ -223,7 +204,7 @@ class CompletionService:
         if req.echo:
             echo = Echo(text if text is not None else orch.decode(prompt))
             if req.logprobs is not None:
-                scored = tuple(_entry(orch, lp) for lp in first.prompt_logprobs or [])
+                scored = tuple(entry(orch, lp) for lp in first.prompt_logprobs or [])
                 echo = replace(echo, first_token=orch.decode(prompt[:1]), scored=scored)
         return PromptRun(ids, firsts, [first_stream, *rest], echo)
 
@@ -246,13 +227,13 @@ class CompletionService:
         echoes = [r.echo for r in runs for _ in r.ids]
 
         def lp(out: RequestOutput) -> ChoiceLogprobs | None:
-            return _entries(orch, out) if req.logprobs is not None else None
+            return entries(orch, out) if req.logprobs is not None else None
 
         async def settle(i: int) -> None:
             await orch.settle(ids[i])
 
         if req.stream:
-            events = _CompletionEvents(request_id, model.name, echoes, req.logprobs is not None)
+            events = CompletionEvents(request_id, model.name, echoes, req.logprobs is not None)
             body = self._sse(req, model, request_id, runs, states, lp, settle, events, times)
             return SSEResponse(body, media_type="text/event-stream")
         try:
@@ -264,9 +245,9 @@ class CompletionService:
         for s, echo in zip(states, echoes, strict=True):
             logprobs = None
             if req.logprobs is not None:
-                logprobs = _completion_logprobs(s.logprobs, len(echo.text))
+                logprobs = completion_logprobs(s.logprobs, len(echo.text))
                 if echo.text:
-                    logprobs = _joined(echo.logprobs(), logprobs)
+                    logprobs = joined(echo.logprobs(), logprobs)
             text = echo.text + "".join(s.text)
             choices.append(
                 CompletionChoice(index=s.index, text=text, logprobs=logprobs, finish_reason=s.finish)
@@ -285,7 +266,7 @@ class CompletionService:
         states: list[ChoiceState],
         lp: Callable[[RequestOutput], ChoiceLogprobs | None],
         settle: Callable[[int], Awaitable[None]],
-        events: _CompletionEvents,
+        events: CompletionEvents,
         times: tuple[float, float],
     ) -> AsyncIterator[str]:
         failed: list[BaseException] = []
@@ -320,67 +301,6 @@ class CompletionService:
     def _observe_done(self, model: ServedModel, times: tuple[float, float], completion_tokens: int) -> None:
         if (timed := self._timed(model)) is not None:
             timed.done(*times, time.monotonic(), completion_tokens)
-
-
-class _CompletionEvents:
-    """``text_completion`` chunks: the echoed prompt first (its logprobs with it), then each piece."""
-
-    def __init__(self, request_id: str, model: str, echoes: list[Echo], logprobs: bool) -> None:
-        self.request_id, self.model, self.echoes, self.logprobs = request_id, model, echoes, logprobs
-        self.offsets = [len(e.text) for e in echoes]  # where each choice's next piece starts
-
-    def _event(self, index: int, text: str, lp: CompletionLogprobs | None, finish: str | None) -> str:
-        choice = CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=finish)
-        chunk = CompletionChunk(id=self.request_id, model=self.model, choices=[choice])
-        return f"data: {chunk.model_dump_json(exclude={'usage'})}\n\n"
-
-    def opening(self, state: ChoiceState) -> str:
-        echo = self.echoes[state.index]
-        if not echo.text:
-            return ""
-        return self._event(state.index, echo.text, echo.logprobs() if self.logprobs else None, None)
-
-    def delta(self, state: ChoiceState, text: str, out: RequestOutput) -> str:
-        lp = None
-        if self.logprobs and state.logprobs:
-            new = state.logprobs[len(state.logprobs) - len(out.new_token_ids) :]
-            lp = _completion_logprobs(new, self.offsets[state.index])
-            self.offsets[state.index] += sum(len(e.token) for e in new)
-        return self._event(state.index, text, lp, state.finish)
-
-
-def _entries(orch: Orchestrator, out: RequestOutput) -> ChoiceLogprobs | None:
-    if out.new_logprobs is None:
-        return None
-    return ChoiceLogprobs(content=[_entry(orch, lp) for lp in out.new_logprobs])
-
-
-def _entry(orch: Orchestrator, lp: TokenLogprob) -> TokenLogprobEntry:
-    tok = orch.decode([lp.token_id])
-    top = [TopLogprob(token=orch.decode([t]), logprob=v) for t, v in lp.top]
-    return TokenLogprobEntry(token=tok, logprob=lp.logprob, top_logprobs=top)
-
-
-def _completion_logprobs(entries: Sequence[TokenLogprobEntry], offset: int) -> CompletionLogprobs:
-    """The completions API's shape; ``offset``: where the first token starts in the choice's text.
-    A token's alternatives include the token itself, as vLLM's do."""
-    out = CompletionLogprobs()
-    for e in entries:
-        out.tokens.append(e.token)
-        out.token_logprobs.append(e.logprob)
-        out.top_logprobs.append({**{t.token: t.logprob for t in e.top_logprobs}, e.token: e.logprob})
-        out.text_offset.append(offset)
-        offset += len(e.token)
-    return out
-
-
-def _joined(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
-    return CompletionLogprobs(
-        tokens=a.tokens + b.tokens,
-        token_logprobs=a.token_logprobs + b.token_logprobs,
-        top_logprobs=a.top_logprobs + b.top_logprobs,
-        text_offset=a.text_offset + b.text_offset,
-    )
 
 
 def _usage(runs: list[PromptRun], states: list[ChoiceState]) -> Usage:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from starlette.requests import Request
 
-from router.http.completions import Echo, _completion_logprobs
+from router.http.completion_events import Echo, completion_logprobs
 from router.http.request_body import read_body
 from router.protocol.completions import MAX_CHOICES, MAX_PROMPTS, CompletionRequest
 from router.protocol.errors import APIError
@@ -161,5 +161,5 @@ def test_logprobs_in_the_completions_shape() -> None:
     assert got.token_logprobs == [None, -1.0]
     assert got.top_logprobs == [None, {"x": -0.5, " c": -1.0}]  # the token itself among its alternatives
     assert got.text_offset == [0, 2]
-    gen = _completion_logprobs([entry("d", -0.1, ("d", -0.1)), entry("ef", -2.0)], len(echo.text))
+    gen = completion_logprobs([entry("d", -0.1, ("d", -0.1)), entry("ef", -2.0)], len(echo.text))
     assert gen.text_offset == [4, 5] and gen.top_logprobs == [{"d": -0.1}, {"ef": -2.0}]
