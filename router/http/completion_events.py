@@ -38,6 +38,7 @@ class CompletionEvents:
     def __init__(self, request_id: str, model: str, echoes: list[Echo], logprobs: bool) -> None:
         self.request_id, self.model, self.echoes, self.logprobs = request_id, model, echoes, logprobs
         self.offsets = [len(e.text) for e in echoes]  # where each choice's next piece starts
+        self.sent = [0] * len(echoes)  # logprob entries each choice's events carried so far
 
     def _event(self, index: int, text: str, lp: CompletionLogprobs | None, finish: str | None) -> str:
         choice = CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=finish)
@@ -51,11 +52,15 @@ class CompletionEvents:
         return self._event(state.index, echo.text, echo.logprobs() if self.logprobs else None, None)
 
     def delta(self, state: ChoiceState, text: str, out: RequestOutput) -> str:
+        """Its logprobs cover every token since the last event (a token whose text was held back,
+        an incomplete character or a possible stop string, comes with the next)."""
         lp = None
-        if self.logprobs and state.logprobs:
-            new = state.logprobs[len(state.logprobs) - len(out.new_token_ids) :]
-            lp = completion_logprobs(new, self.offsets[state.index])
-            self.offsets[state.index] += sum(len(e.token) for e in new)
+        if self.logprobs:
+            i = state.index
+            new = state.logprobs[self.sent[i] :]
+            self.sent[i] = len(state.logprobs)
+            lp = completion_logprobs(new, self.offsets[i])
+            self.offsets[i] += sum(len(e.token) for e in new)
         return self._event(state.index, text, lp, state.finish)
 
 

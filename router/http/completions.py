@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -146,8 +146,8 @@ class CompletionService:
         params = [self._params(req, model, p) for p in prompts]  # every 400 before anything runs
         texts = [p if isinstance(p, str) else None for p in req.prompts]  # echoed as given
         many = len(prompts) > 1
-        started = await asyncio.gather(
-            *(
+        tasks = [
+            asyncio.ensure_future(
                 self._start(
                     orch,
                     f"{request_id}-p{i}" if many else request_id,
@@ -158,18 +158,21 @@ class CompletionService:
                     deadline,
                     salt,
                 )
-                for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))
-            ),
-            return_exceptions=True,
-        )
-        runs = [r for r in started if isinstance(r, PromptRun)]
+            )
+            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))
+        ]
+        try:
+            started = await asyncio.gather(*tasks, return_exceptions=True)
+        except BaseException:  # the client left, or the deadline passed: no prompt goes on
+            for t in tasks:
+                t.cancel()
+            await _close(orch, await asyncio.gather(*tasks, return_exceptions=True))
+            raise
         failed = [r for r in started if isinstance(r, BaseException)]
         if failed:
-            for run in runs:
-                await close_all(run.streams)
-                for rid in run.ids:
-                    orch.forget(rid)
+            await _close(orch, started)
             raise failed[0]
+        runs = [r for r in started if isinstance(r, PromptRun)]
         first_at = time.monotonic()
         if (timed := self._timed(model)) is not None:
             timed.ttft.observe(first_at - start)
@@ -192,7 +195,10 @@ class CompletionService:
         first_stream = deadline.stream(orch.stream(rid, prepared, params, salt))
         first = await first_or_error(first_stream)
         rest = [
-            deadline.stream(orch.stream(cid, prepared, child_params(params, i), salt))
+            # the echo's logprobs come from the first choice: the others read the cached prompt
+            deadline.stream(
+                orch.stream(cid, prepared, replace(child_params(params, i), prompt_logprobs=None), salt)
+            )
             for i, cid in enumerate(ids[1:], start=1)
         ]
         try:
@@ -314,6 +320,15 @@ def _usage(runs: list[PromptRun], states: list[ChoiceState]) -> Usage:
         total_tokens=prompt + completion,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
     )
+
+
+async def _close(orch: Orchestrator, started: Sequence[PromptRun | BaseException]) -> None:
+    """Stop the prompts that did start (their requests aborted on their replicas)."""
+    for run in started:
+        if isinstance(run, PromptRun):
+            await close_all(run.streams)
+            for rid in run.ids:
+                orch.forget(rid)
 
 
 def _log_failure(request_id: str, e: BaseException) -> None:

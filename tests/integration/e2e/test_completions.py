@@ -170,3 +170,24 @@ def test_the_openai_client_sees_a_bad_request(client: OpenAI) -> None:
     with pytest.raises(BadRequestError) as e:
         client.completions.create(model=VL, prompt="a", suffix="b")
     assert "suffix" in str(e.value)
+
+
+def test_streamed_logprobs_reassemble_to_the_whole_ones(client: OpenAI, tok: Any) -> None:
+    ask = {"model": VL, "prompt": tok.encode(_prompt()), "max_tokens": 6, "temperature": 0, "echo": True}
+    whole = client.completions.create(logprobs=2, n=2, **ask)
+    tokens: dict[int, list[str]] = {}
+    values: dict[int, list[float | None]] = {}
+    offsets: dict[int, list[int]] = {}
+    for chunk in client.completions.create(logprobs=2, n=2, stream=True, **ask):
+        for c in chunk.choices:
+            assert c.logprobs is not None
+            tokens.setdefault(c.index, []).extend(c.logprobs.tokens or [])
+            values.setdefault(c.index, []).extend(c.logprobs.token_logprobs or [])
+            offsets.setdefault(c.index, []).extend(c.logprobs.text_offset or [])
+    for c in whole.choices:
+        assert c.logprobs is not None
+        assert tokens[c.index] == c.logprobs.tokens
+        want = c.logprobs.token_logprobs or []
+        assert values[c.index][0] is None and want[0] is None  # the prompt's first token
+        assert values[c.index][1:] == pytest.approx(want[1:])
+        assert offsets[c.index] == c.logprobs.text_offset
