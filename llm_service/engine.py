@@ -183,6 +183,7 @@ class LLMEngine:
                     num_prompt_tokens=req.num_prompt_tokens,
                     num_cached_tokens=max(req.num_cached_tokens, 0),
                     timing=_timing(req, now) if req.is_finished else None,
+                    prompt_logprobs=_prompt_logprobs(req) if len(req.output_token_ids) == 1 else None,
                 )
             )
         return outputs
@@ -297,6 +298,8 @@ class LLMEngine:
                 if res.logprobs is not None and o.new_logprobs:
                     res.logprobs.extend(o.new_logprobs)
                 res.num_prompt_tokens, res.num_cached_tokens = o.num_prompt_tokens, o.num_cached_tokens
+                if o.prompt_logprobs is not None:
+                    res.prompt_logprobs = o.prompt_logprobs
                 if o.finished:
                     res.finish_reason, res.error = o.finish_reason, o.error
                     pending.discard(o.request_id)
@@ -379,6 +382,15 @@ class LLMEngine:
                 "bad_mm_input",
                 f"{name}: grid_thw={m.grid_thw} gives {t * h * w // merge**2} embeddings, got {m.length}",
             )
+
+
+def _prompt_logprobs(req: Request) -> list[TokenLogprob] | None:
+    """The prompt's logprobs (tokens 1..) the runner kept on its prefill, when asked for."""
+    if req.sampling_params.prompt_logprobs is None:
+        return None
+    missing = [p for p in range(1, req.num_prompt_tokens) if p not in req.prompt_logprobs]
+    assert not missing, f"request {req.request_id}: no prompt logprobs at {missing[:4]}"
+    return [cast(TokenLogprob, req.prompt_logprobs[p]) for p in range(1, req.num_prompt_tokens)]
 
 
 def _timing(req: Request, now: float) -> RequestTiming:

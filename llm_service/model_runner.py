@@ -20,7 +20,7 @@ from llm_service.models.weights import load_weights
 from llm_service.mrope import prompt_mrope_positions
 from llm_service.multimodal import MultiModalInput
 from llm_service.outputs import TokenLogprob
-from llm_service.sampler import NoAllowedToken, NonFiniteLogits, sample
+from llm_service.sampler import NoAllowedToken, NonFiniteLogits, prompt_logprobs, sample
 from llm_service.scheduler import ScheduledChunk, SchedulerOutput
 from llm_service.sequence import Request
 from llm_service.window_kv_cache_manager import window_blocks_needed
@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_CACHE_CAP_BYTES = 1 << 30
+PROMPT_LOGPROBS_ROWS = 512  # prompt positions scored per lm_head call (a vocabulary's row each)
 
 
 @dataclass
@@ -322,6 +323,7 @@ class ModelRunner:
             hidden = self.model(embeds, positions, self.kv_caches, meta)
         _check_finite(chunks, hidden)
         sampled = self._sample(chunks, hidden)
+        self._score_prompts(chunks, hidden)
         if meta.states is not None:  # only now: a failed step is replayed for the others
             assert self.linear_states is not None
             self.linear_states.commit(meta.states)
@@ -351,6 +353,20 @@ class ModelRunner:
             msg = "no token is allowed next (its structured output's grammar and min_tokens leave none)"
             raise RequestFaults({sampling[i].request_id: msg for i in e.rows}) from e
         return {r.request_id: (t, lp) for r, t, lp in zip(sampling, tokens, logprobs, strict=True)}
+
+    def _score_prompts(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> None:
+        """Keep the prompt logprobs of the chunks whose request asks for them: position ``p``'s
+        logits score prompt token ``p + 1`` (kept by the request, ``Request.prompt_logprobs``)."""
+        row = 0
+        for c in chunks:
+            req, k = c.request, c.request.sampling_params.prompt_logprobs
+            last = min(c.start + c.num_tokens, req.num_prompt_tokens - 1)
+            for lo in range(c.start, last if k is not None else c.start, PROMPT_LOGPROBS_ROWS):
+                hi = min(lo + PROMPT_LOGPROBS_ROWS, last)
+                logits = self.model.compute_logits(hidden[row + lo - c.start : row + hi - c.start])
+                scored = prompt_logprobs(logits, req.prompt_token_ids[lo + 1 : hi + 1], k or 0)
+                req.prompt_logprobs.update(zip(range(lo + 1, hi + 1), scored, strict=True))
+            row += c.num_tokens
 
     def _grammar_masks(self, sampling: list[Request]) -> GrammarMasks | None:
         """The next-token bitmasks of the rows with a structured output (None: no such row)."""

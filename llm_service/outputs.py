@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from llm_service.multimodal import MultiModalInput
 from llm_service.sampling_params import SamplingParams
@@ -38,15 +39,13 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     error: str | None = None  # set iff finish_reason == "error": what failed (this request only)
+    # on its first output, when its params asked: prompt tokens 1.. (the first has none), in order
+    prompt_logprobs: list[TokenLogprob] | None = None
     # on a request's last output from its engine, for the replica's metrics; not sent over the wire
     timing: RequestTiming | None = None
 
     def __reduce__(self) -> tuple[Callable[[bytes], RequestOutput], tuple[bytes]]:
-        logprobs = (
-            None
-            if self.new_logprobs is None
-            else [[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in self.new_logprobs]
-        )
+        logprobs = _logprobs_wire(self.new_logprobs)
         fields = {
             "request_id": self.request_id,
             "new_token_ids": list(self.new_token_ids),
@@ -56,6 +55,7 @@ class RequestOutput:
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_cached_tokens": self.num_cached_tokens,
             "error": self.error,
+            "prompt_logprobs": _logprobs_wire(self.prompt_logprobs),
         }
         return (_request_output_from_bytes, (pack("RequestOutput", fields),))
 
@@ -75,6 +75,7 @@ class GenerateOutput:
     num_cached_tokens: int
     finish_reason: str | None
     error: str | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -93,20 +94,28 @@ class EngineStats:
         return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
 
 
+def _logprobs_wire(logprobs: list[TokenLogprob] | None) -> list[list[object]] | None:
+    if logprobs is None:
+        return None
+    return [[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in logprobs]
+
+
+def _logprobs_from_wire(logprobs: list[Any] | None) -> list[TokenLogprob] | None:  # Any: msgpack's
+    if logprobs is None:
+        return None
+    return [TokenLogprob(int(t), float(lp), [(int(a), float(b)) for a, b in top]) for t, lp, top in logprobs]
+
+
 def _request_output_from_bytes(raw: bytes) -> RequestOutput:
     d = unpack("RequestOutput", raw)
-    logprobs = d["new_logprobs"]
     return RequestOutput(
         request_id=d["request_id"],
         new_token_ids=[int(t) for t in d["new_token_ids"]],
-        new_logprobs=None
-        if logprobs is None
-        else [
-            TokenLogprob(int(t), float(lp), [(int(a), float(b)) for a, b in top]) for t, lp, top in logprobs
-        ],
+        new_logprobs=_logprobs_from_wire(d["new_logprobs"]),
         finished=bool(d["finished"]),
         finish_reason=d["finish_reason"],
         num_prompt_tokens=int(d["num_prompt_tokens"]),
         num_cached_tokens=int(d["num_cached_tokens"]),
         error=d.get("error"),
+        prompt_logprobs=_logprobs_from_wire(d.get("prompt_logprobs")),
     )

@@ -159,3 +159,16 @@ def _logprobs(
                 top=[(int(t), float(v)) for v, t in zip(top.values, top.indices, strict=True)] if top else [],
             )
     return logprobs
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprob]:
+    """Row ``i`` of ``logits`` scores ``targets[i]`` (the prompt's next token): its logprob and the
+    top-``k``, from the raw distribution as a sampled token's are."""
+    lp = torch.log_softmax(logits.float(), dim=-1).clamp_min(torch.finfo(torch.float32).min)
+    chosen = lp.gather(1, torch.tensor(targets, device=lp.device).unsqueeze(1)).squeeze(1).tolist()
+    top = torch.topk(lp, k, dim=-1) if k else None
+    values, indices = (top.values.tolist(), top.indices.tolist()) if top is not None else ([], [])
+    return [
+        TokenLogprob(t, float(v), list(zip(indices[i], values[i], strict=True)) if top is not None else [])
+        for i, (t, v) in enumerate(zip(targets, chosen, strict=True))
+    ]

@@ -37,6 +37,7 @@ class SamplingParamsWire(TypedDict, total=False):
     repetition_penalty: float
     logit_bias: list[list[float]]
     structured: list[str] | None
+    prompt_logprobs: int | None
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     structured: StructuredSpec | None = None
+    prompt_logprobs: int | None = None
 
     def validate(self) -> None:
         """Raise RequestRejected(code="bad_sampling_params") naming every bad field."""
@@ -90,6 +92,8 @@ class SamplingParams:
             problems.append(f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}), got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             problems.append(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            problems.append(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         return problems
 
     def _processor_problems(self) -> list[str]:
@@ -131,6 +135,7 @@ class SamplingParams:
             "repetition_penalty": self.repetition_penalty,
             "logit_bias": [[t, b] for t, b in self.logit_bias],
             "structured": None if self.structured is None else self.structured.to_wire(),
+            "prompt_logprobs": self.prompt_logprobs,
         }
 
     @classmethod
@@ -152,6 +157,7 @@ class SamplingParams:
             repetition_penalty=float(d.get("repetition_penalty", 1.0)),
             logit_bias=tuple((int(t), float(b)) for t, b in d.get("logit_bias", ())),
             structured=None if structured is None else StructuredSpec.from_wire(structured),
+            prompt_logprobs=d.get("prompt_logprobs"),
         )
 
     @property

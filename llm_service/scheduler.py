@@ -171,6 +171,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             hits = self.kv.get_computed_blocks(req)
+            if req.sampling_params.prompt_logprobs is not None:  # cached positions have no logits
+                hits = hits[:0]
             num_computed = len(hits) * self.kv.block_size
             ready = req.ready_end(num_computed)
             if ready < req.num_tokens:  # it lacks the embeddings of an item it must compute

@@ -54,6 +54,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     # the runner's TokenLogprob | None per output token (llm_service/outputs.py): passed through here
     output_logprobs: list[object] = field(default_factory=list)
+    # prompt position -> the runner's TokenLogprob of that prompt token, when its params ask
+    # (``prompt_logprobs``): filled as its prefill chunks run (a recomputed chunk rewrites the same)
+    prompt_logprobs: dict[int, object] = field(default_factory=dict)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
     num_preemptions: int = 0

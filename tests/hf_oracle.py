@@ -10,8 +10,8 @@ import torch
 _LOADED: dict[str, Any] = {}
 
 
-def hf_generate(model_dir: Path, messages: list[dict[str, Any]], max_new_tokens: int, **media: Any) -> str:
-    """Its processor, its chat template and ``generate(do_sample=False)``; the new text only."""
+def load(model_dir: Path) -> tuple[Any, Any]:
+    """The checkpoint's processor and model (the class its config names), loaded once."""
     import json
 
     import transformers
@@ -22,7 +22,32 @@ def hf_generate(model_dir: Path, messages: list[dict[str, Any]], max_new_tokens:
         config = json.loads((Path(model_dir) / "config.json").read_text())
         cls = getattr(transformers, config["architectures"][0])  # the class the checkpoint names
         _LOADED[key] = (AutoProcessor.from_pretrained(model_dir), cls.from_pretrained(model_dir).eval())
-    proc, model = _LOADED[key]
+    return _LOADED[key]
+
+
+def hf_generate_ids(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """``generate(do_sample=False)`` on prompt ids as they are (no template): the new ids only."""
+    _, model = load(model_dir)
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
+        )
+    return [int(t) for t in out[0, len(prompt_ids) :]]
+
+
+def hf_prompt_logprobs(model_dir: Path, prompt_ids: list[int]) -> list[float]:
+    """The log-probability of each prompt token after the first, given the ones before it."""
+    _, model = load(model_dir)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt_ids])).logits[0].float()
+    lp = torch.log_softmax(logits, -1)
+    return [float(lp[p - 1, prompt_ids[p]]) for p in range(1, len(prompt_ids))]
+
+
+def hf_generate(model_dir: Path, messages: list[dict[str, Any]], max_new_tokens: int, **media: Any) -> str:
+    """Its processor, its chat template and ``generate(do_sample=False)``; the new text only."""
+    proc, model = load(model_dir)
     text = proc.apply_chat_template(messages, add_generation_prompt=True)
     inputs = proc(text=[text], return_tensors="pt", **media)
     with torch.no_grad():

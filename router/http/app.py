@@ -20,6 +20,7 @@ from ray import serve
 from mmcore.link.pool_links import PoolLinks
 from router.http.auth import KeyRing
 from router.http.chat import ChatService, ServedModel
+from router.http.completions import CompletionService
 from router.http.json_limits import DEFAULT_MAX_JSON_VALUES
 from router.http.listener import DirectHTTPServer
 from router.http.metrics import IngressMetrics
@@ -175,6 +176,7 @@ class IngressServer:
             max_json_values=http.max_json_values,
             request_timeout_s=http.request_timeout_s,
         )
+        self.completions_service = CompletionService(self.service)
         self.drain_timeout_s = http.drain_timeout_s
         self.http: DirectHTTPServer | None = None
         if http.mode == "direct":
@@ -196,11 +198,23 @@ class IngressServer:
             tenant = self.keys.authenticate(request.headers.get("authorization"))
             return await self.service.chat(request, tenant)
         except Exception as e:
-            api = from_exception(e) or _server_error(e)
-            if api.status_code >= 500 and api.code == "internal_error":
-                logger.exception("request failed")
-            self.metrics.rejected.inc(tags={"model": "-", "reason": api.code})
-            return JSONResponse(api.body(), status_code=api.status_code, headers=api.headers())
+            return self._refused(e)
+
+    @fastapi_app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        """OpenAI's legacy text completions (router/http/completions.py): text prompts only."""
+        try:
+            tenant = self.keys.authenticate(request.headers.get("authorization"))
+            return await self.completions_service.complete(request, tenant)
+        except Exception as e:
+            return self._refused(e)
+
+    def _refused(self, e: Exception) -> JSONResponse:
+        api = from_exception(e) or _server_error(e)
+        if api.status_code >= 500 and api.code == "internal_error":
+            logger.exception("request failed")
+        self.metrics.rejected.inc(tags={"model": "-", "reason": api.code})
+        return JSONResponse(api.body(), status_code=api.status_code, headers=api.headers())
 
     @fastapi_app.get("/v1/models")
     async def list_models(self, request: Request) -> JSONResponse:
@@ -268,6 +282,10 @@ def build_direct_app(server: IngressServer) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await server.chat_completions(request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await server.completions(request)
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> JSONResponse:

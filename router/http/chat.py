@@ -8,25 +8,26 @@ import json
 import logging
 import time
 import uuid
-import weakref
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
+from fastapi.responses import JSONResponse, Response
 
 from llm_service.outputs import RequestOutput
+from llm_service.sampling_params import SamplingParams
 from router.http import tracing
 from router.http.auth import effective_cache_salt
-from router.http.choices import answer_choices, first_or_error, usage_of
-from router.http.json_limits import DEFAULT_MAX_JSON_VALUES, check_json_values
+from router.http.choices import ChoiceState, child_ids, child_params, collect, first_outputs, stream_events
+from router.http.json_limits import DEFAULT_MAX_JSON_VALUES
+from router.http.lifecycle import cancel_on_disconnect, chain, first_or_error, hand_over, usage_of
 from router.http.replay_log import failure_record, log_failure
+from router.http.request_body import read_body
 from router.http.sse import DONE, ChunkRenderer, SSEResponse
 from router.journey.deadline import Deadline
 from router.journey.detokenizer import IncrementalDetokenizer
-from router.journey.orchestrator import Orchestrator
+from router.journey.orchestrator import Orchestrator, Prepared
 from router.protocol.errors import APIError, bad_request, from_exception
 from router.protocol.messages import MessageLimits, NormalizedChat, normalize_messages
 from router.protocol.openai import (
@@ -44,14 +45,12 @@ from router.protocol.openai import (
     TopLogprob,
 )
 from router.protocol.sampling import fit_to_prompt, request_sampling_params, requested_max_tokens
-from router.routing.admission import AdmissionController, AdmissionLimits, Ticket
+from router.routing.admission import AdmissionController, AdmissionLimits
 
 if TYPE_CHECKING:
     from router.http.metrics import IngressMetrics
 
 logger = logging.getLogger("mmserve.ingress")
-
-_Chunk = TypeVar("_Chunk")  # a response body's chunk (str, bytes or memoryview)
 
 
 @dataclass
@@ -84,37 +83,7 @@ class ChatService:
         self.admission = admission or AdmissionController(AdmissionLimits())
 
     async def read_request(self, request: Request) -> ChatCompletionRequest:
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_request_bytes:
-            raise APIError(
-                413, f"request body exceeds {self.max_request_bytes} bytes", code="request_too_large"
-            )
-        body = bytearray()
-        async for chunk in request.stream():
-            body.extend(chunk)
-            if len(body) > self.max_request_bytes:
-                raise APIError(
-                    413, f"request body exceeds {self.max_request_bytes} bytes", code="request_too_large"
-                )
-        await check_json_values(body, self.max_json_values)  # what it parses into is bounded too
-        try:
-            payload = json.loads(body)
-        except RecursionError as e:  # nested deeper than the parser's stack
-            raise bad_request("request body is nested too deeply") from e
-        except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, an integer over 4300 digits
-            raise bad_request(f"request body is not valid JSON: {e}") from e
-        try:
-            return ChatCompletionRequest.model_validate(payload)
-        except ValidationError as e:
-            first = e.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            if first["type"] == "extra_forbidden":  # OpenAI's words for a field it does not know
-                raise bad_request(
-                    f"Unrecognized request argument supplied: {where} (this server does not implement it)",
-                    code="unrecognized_argument",
-                    param=where,
-                ) from e
-            raise bad_request(f"{where}: {first['msg']}", param=where or None) from e
+        return await read_body(request, ChatCompletionRequest, self.max_request_bytes, self.max_json_values)
 
     def model_for(self, name: str) -> ServedModel:
         model = self.models.get(name)
@@ -143,7 +112,7 @@ class ChatService:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         orch = model.orchestrator
         span, traced = tracing.start_request_span(request.headers, request_id, model.name)
-        watcher = asyncio.ensure_future(_cancel_on_disconnect(request, asyncio.current_task()))
+        watcher = asyncio.ensure_future(cancel_on_disconnect(request, asyncio.current_task()))
         response: Response | None = None
         error: BaseException | None = None
         try:
@@ -160,15 +129,7 @@ class ChatService:
             raise
         finally:  # a streamed response watches for the disconnect itself from here on
             watcher.cancel()
-            if isinstance(response, StreamingResponse):  # released when its body ends (or is dropped)
-                response.body_iterator = _release_after(response.body_iterator, self.admission, ticket)
-                weakref.finalize(response.body_iterator, self.admission.release, ticket)
-                if span.is_recording():  # its span ends with the body
-                    response.body_iterator = tracing.ended_after(response.body_iterator, span)
-                tracing.end_request_span(span, traced, end=not span.is_recording())
-            else:
-                self.admission.release(ticket)
-                tracing.end_request_span(span, traced, error)
+            hand_over(response, self.admission, ticket, (span, traced), error)
 
     async def _answer(
         self,
@@ -188,8 +149,8 @@ class ChatService:
             prepared = await orch.prepare(request_id, chat, overlap=req.n == 1)
         params = fit_to_prompt(base, requested, len(prepared.prompt_token_ids), model.max_model_len)
         if req.n > 1:
-            return await answer_choices(
-                self, req, model, request_id, chat, prepared, params, start, deadline, cache_salt
+            return await self._answer_choices(
+                req, model, request_id, chat, prepared, params, start, deadline, cache_salt
             )
         stream = deadline.stream(orch.stream(request_id, prepared, params, cache_salt))
         detok = IncrementalDetokenizer(orch.decode, stop=req.stop_strings)
@@ -204,6 +165,124 @@ class ChatService:
         response = await self._collect(req, model, request_id, first, stream, detok, times)
         orch.forget(request_id)
         return response
+
+    async def _answer_choices(
+        self,
+        req: ChatCompletionRequest,
+        model: ServedModel,
+        request_id: str,
+        chat: NormalizedChat,
+        prepared: Prepared,
+        params: SamplingParams,
+        start: float,
+        deadline: Deadline,
+        cache_salt: str | None,
+    ) -> Response:
+        """``n`` > 1 (router/http/choices.py): the first choice alone until its first token, then the
+        others on the prompt's cached blocks."""
+        orch = model.orchestrator
+        ids = [request_id, *child_ids(request_id, req.n)]
+        for cid in ids[1:]:
+            orch.fork(request_id, cid)
+        try:
+            first_stream = deadline.stream(orch.stream(request_id, prepared, params, cache_salt))
+            first = await first_or_error(first_stream)
+            shared = Prepared(prepared.prompt_token_ids, prepared.mm_items)
+            rest = [
+                deadline.stream(orch.stream(cid, shared, child_params(params, i), cache_salt))
+                for i, cid in enumerate(ids[1:], start=1)
+            ]
+            try:
+                firsts = [first, *await first_outputs(rest)]
+            except BaseException:
+                await first_stream.aclose()
+                raise
+        except BaseException:
+            for cid in ids[1:]:
+                orch.forget(cid)
+            raise
+        streams = [first_stream, *rest]
+        first_at = time.monotonic()
+        if (timed := self.metrics.model(model.name) if self.metrics is not None else None) is not None:
+            timed.ttft.observe(first_at - start)
+        states = [
+            ChoiceState(i, IncrementalDetokenizer(orch.decode, stop=req.stop_strings)) for i in range(req.n)
+        ]
+
+        def lp(out: RequestOutput) -> ChoiceLogprobs | None:
+            return self._logprobs(orch, out) if req.logprobs else None
+
+        async def settle(i: int) -> None:
+            await orch.settle(ids[i])
+
+        if req.stream:
+            gen = self._sse_choices(
+                req, model, ids, states, firsts, streams, lp, settle, (start, first_at), chat
+            )
+            return SSEResponse(gen, media_type="text/event-stream")
+        try:
+            await collect(states, firsts, streams, lp, settle)
+        finally:
+            for cid in ids[1:]:
+                orch.forget(cid)
+        total = sum(s.completion_tokens for s in states)
+        self._observe_done(model.name, (start, first_at), total)
+        resp = ChatCompletionResponse(
+            id=request_id,
+            model=model.name,
+            choices=[
+                Choice(
+                    index=s.index,
+                    message=AssistantMessage(content="".join(s.text)),
+                    finish_reason=s.finish,
+                    logprobs=ChoiceLogprobs(content=s.logprobs) if req.logprobs else None,
+                )
+                for s in states
+            ],
+            usage=usage_of(firsts[0] if states[0].last is None else states[0].last, total),
+        )
+        orch.forget(request_id)
+        return JSONResponse(resp.model_dump(exclude_none=False))
+
+    async def _sse_choices(
+        self,
+        req: ChatCompletionRequest,
+        model: ServedModel,
+        ids: list[str],
+        states: list[ChoiceState],
+        firsts: list[RequestOutput],
+        streams: list[AsyncGenerator[RequestOutput, None]],
+        lp: Callable[[RequestOutput], ChoiceLogprobs | None],
+        settle: Callable[[int], Awaitable[None]],
+        times: tuple[float, float],
+        chat: NormalizedChat,
+    ) -> AsyncIterator[str]:
+        orch = model.orchestrator
+        failed: list[BaseException] = []
+
+        def on_error(e: BaseException) -> None:
+            failed.append(e)
+            self._log_failure(orch, ids[0], chat, e)
+
+        try:
+            async for event in stream_events(
+                ids[0], model.name, states, firsts, streams, lp, settle, on_error
+            ):
+                yield event
+            total = sum(s.completion_tokens for s in states)
+            tail = ""
+            if not failed and req.stream_options is not None and req.stream_options.include_usage:
+                last = states[0].last or firsts[0]
+                usage = ChatCompletionChunk(
+                    id=ids[0], model=model.name, choices=[], usage=usage_of(last, total)
+                )
+                tail = f"data: {usage.model_dump_json()}\n\n"
+            if not failed:
+                self._observe_done(model.name, times, total)
+        finally:
+            for rid in ids:
+                orch.forget(rid)
+        yield tail + DONE
 
     def _log_failure(
         self, orch: Orchestrator, request_id: str, chat: NormalizedChat, e: BaseException
@@ -237,7 +316,7 @@ class ChatService:
         last = first
         completion_tokens = 0
         try:
-            async for out in _chain(first, stream):
+            async for out in chain(first, stream):
                 last = out
                 completion_tokens += len(out.new_token_ids)
                 text.append(detok.add(out.new_token_ids, final=out.finished))
@@ -290,7 +369,7 @@ class ChatService:
         completion_tokens = 0
         last = first
         try:
-            async for out in _chain(first, stream):
+            async for out in chain(first, stream):
                 last = out
                 completion_tokens += len(out.new_token_ids)
                 text = detok.add(out.new_token_ids, final=out.finished)
@@ -331,37 +410,3 @@ class ChatService:
 
     def model_list(self) -> ModelList:
         return ModelList(data=[ModelCard(id=m.name, modalities=m.modalities) for m in self.models.values()])
-
-
-async def _release_after(
-    body: AsyncIterable[_Chunk], admission: AdmissionController, ticket: Ticket
-) -> AsyncIterator[_Chunk]:
-    """``body``, then the admission ticket back: before the response's last chunk (the one that ends
-    with ``[DONE]``) goes out, so a client that saw the end may be admitted again at once."""
-    try:
-        async for chunk in body:
-            if isinstance(chunk, str) and chunk.endswith(DONE):
-                admission.release(ticket)
-            yield chunk
-    finally:
-        admission.release(ticket)
-
-
-async def _cancel_on_disconnect(request: Request, task: asyncio.Task[object] | None) -> None:
-    """Cancel ``task`` when the client hangs up before the response starts (no polling: the body was
-    read, so the next ASGI message is the disconnect)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            if task is not None:
-                task.cancel()
-            return
-        await asyncio.sleep(0.1)  # a server that answers with empty body chunks must not spin us
-
-
-async def _chain(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
-    yield first
-    if first.finished:
-        return
-    async for out in rest:
-        yield out

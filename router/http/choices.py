@@ -9,35 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
-
-from fastapi.responses import JSONResponse, Response
+from typing import Protocol
 
 from llm_service.outputs import RequestOutput
 from llm_service.sampling_params import SEED_RANGE, SamplingParams
-from router.http.sse import DONE, ChunkRenderer, SSEResponse
-from router.journey.deadline import Deadline
+from router.http.sse import DONE, ChunkRenderer
 from router.journey.detokenizer import IncrementalDetokenizer
-from router.journey.orchestrator import Prepared
 from router.protocol.errors import APIError, from_exception
-from router.protocol.messages import NormalizedChat
-from router.protocol.openai import (
-    AssistantMessage,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    Choice,
-    ChoiceLogprobs,
-    PromptTokensDetails,
-    TokenLogprobEntry,
-    Usage,
-)
-
-if TYPE_CHECKING:
-    from router.http.chat import ChatService, ServedModel
+from router.protocol.openai import ChoiceLogprobs, TokenLogprobEntry
 
 Stream = AsyncGenerator[RequestOutput, None]
 
@@ -127,6 +108,37 @@ async def collect(
         await close_all(streams)
 
 
+class ChoiceEvents(Protocol):
+    """How an endpoint writes its choices' SSE events (chat's deltas; completions' text pieces)."""
+
+    def opening(self, state: ChoiceState) -> str:
+        """The choice's first event, before any token ("": none)."""
+        ...
+
+    def delta(self, state: ChoiceState, text: str, out: RequestOutput) -> str:
+        """The event of ``out``'s new ``text`` (``state.finish`` set on the last)."""
+        ...
+
+
+class _ChatEvents:
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        states: list[ChoiceState],
+        logprobs: Callable[[RequestOutput], ChoiceLogprobs | None],
+    ) -> None:
+        self.request_id, self.model, self.logprobs = request_id, model, logprobs
+        self.renderers = [ChunkRenderer(request_id, model, index=s.index) for s in states]
+
+    def opening(self, state: ChoiceState) -> str:
+        return self.renderers[state.index].role()
+
+    def delta(self, state: ChoiceState, text: str, out: RequestOutput) -> str:
+        lp = self.logprobs(out) if out.new_logprobs else None
+        return _delta(self.renderers[state.index], self.request_id, self.model, state, text, lp)
+
+
 async def stream_events(
     request_id: str,
     model: str,
@@ -136,9 +148,12 @@ async def stream_events(
     logprobs: Callable[[RequestOutput], ChoiceLogprobs | None],
     settle: Callable[[int], Awaitable[None]],
     on_error: Callable[[BaseException], None],
+    events: ChoiceEvents | None = None,
 ) -> AsyncIterator[str]:
     """The SSE events of every choice as their tokens come (each event names its choice's
-    ``index``), then ``[DONE]``; an error after the 200 travels in-band, as for one choice."""
+    ``index``; ``events`` writes them, chat's chunks by default), then ``[DONE]``; an error after
+    the 200 travels in-band, as for one choice. ``states[i]`` is the choice of ``streams[i]``."""
+    render = events or _ChatEvents(request_id, model, states, logprobs)
     queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
 
     async def pump(i: int, first: RequestOutput, stream: Stream) -> None:
@@ -150,14 +165,14 @@ async def stream_events(
         finally:
             await queue.put(None)
 
-    renderers = [ChunkRenderer(request_id, model, index=s.index) for s in states]
     tasks = [
         asyncio.ensure_future(pump(i, f, st)) for i, (f, st) in enumerate(zip(firsts, streams, strict=True))
     ]
     open_count = len(tasks)
     try:
-        for r in renderers:
-            yield r.role()
+        for s in states:
+            if opening := render.opening(s):
+                yield opening
         while open_count:
             item = await queue.get()
             if item is None:
@@ -173,8 +188,7 @@ async def stream_events(
             if state.finish is not None:  # what its answer must not end before
                 await settle(i)
             if text or state.finish:
-                lp = logprobs(out) if out.new_logprobs else None
-                yield _delta(renderers[i], request_id, model, state, text, lp)
+                yield render.delta(state, text, out)
             if state.finish is not None:
                 await streams[i].aclose()
     except Exception as e:
@@ -207,134 +221,13 @@ def _delta(
     return f"data: {c.model_dump_json(exclude_none=True)}\n\n"
 
 
-def usage_of(last: RequestOutput, completion_tokens: int) -> Usage:
-    return Usage(
-        prompt_tokens=last.num_prompt_tokens,
-        completion_tokens=completion_tokens,
-        total_tokens=last.num_prompt_tokens + completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=last.num_cached_tokens),
-    )
-
-
-async def first_or_error(stream: AsyncGenerator[RequestOutput, None]) -> RequestOutput:
-    try:
-        return await stream.__anext__()
-    except StopAsyncIteration as e:
-        raise APIError(500, "the engine returned no output", code="internal_error") from e
-    except BaseException:
-        await stream.aclose()
-        raise
-
-
-async def answer_choices(
-    svc: ChatService,
-    req: ChatCompletionRequest,
-    model: ServedModel,
-    request_id: str,
-    chat: NormalizedChat,
-    prepared: Prepared,
-    params: SamplingParams,
-    start: float,
-    deadline: Deadline,
-    cache_salt: str | None,
-) -> Response:
-    """``n`` > 1 (router/http/choices.py): the first choice alone until its first token, then the
-    others on the prompt's cached blocks."""
-    orch = model.orchestrator
-    ids = [request_id, *child_ids(request_id, req.n)]
-    for cid in ids[1:]:
-        orch.fork(request_id, cid)
-    try:
-        first_stream = deadline.stream(orch.stream(request_id, prepared, params, cache_salt))
-        first = await first_or_error(first_stream)
-        shared = Prepared(prepared.prompt_token_ids, prepared.mm_items)
-        rest = [
-            deadline.stream(orch.stream(cid, shared, child_params(params, i), cache_salt))
-            for i, cid in enumerate(ids[1:], start=1)
-        ]
-        try:
-            firsts = [first, *await first_outputs(rest)]
-        except BaseException:
-            await first_stream.aclose()
-            raise
-    except BaseException:
-        for cid in ids[1:]:
-            orch.forget(cid)
-        raise
-    streams = [first_stream, *rest]
-    first_at = time.monotonic()
-    if (timed := svc.metrics.model(model.name) if svc.metrics is not None else None) is not None:
-        timed.ttft.observe(first_at - start)
-    states = [
-        ChoiceState(i, IncrementalDetokenizer(orch.decode, stop=req.stop_strings)) for i in range(req.n)
-    ]
-
-    def lp(out: RequestOutput) -> ChoiceLogprobs | None:
-        return svc._logprobs(orch, out) if req.logprobs else None
-
-    async def settle(i: int) -> None:
-        await orch.settle(ids[i])
-
-    if req.stream:
-        gen = _sse_choices(svc, req, model, ids, states, firsts, streams, lp, settle, (start, first_at), chat)
-        return SSEResponse(gen, media_type="text/event-stream")
-    try:
-        await collect(states, firsts, streams, lp, settle)
-    finally:
-        for cid in ids[1:]:
-            orch.forget(cid)
-    total = sum(s.completion_tokens for s in states)
-    svc._observe_done(model.name, (start, first_at), total)
-    resp = ChatCompletionResponse(
-        id=request_id,
-        model=model.name,
-        choices=[
-            Choice(
-                index=s.index,
-                message=AssistantMessage(content="".join(s.text)),
-                finish_reason=s.finish,
-                logprobs=ChoiceLogprobs(content=s.logprobs) if req.logprobs else None,
-            )
-            for s in states
-        ],
-        usage=usage_of(firsts[0] if states[0].last is None else states[0].last, total),
-    )
-    orch.forget(request_id)
-    return JSONResponse(resp.model_dump(exclude_none=False))
-
-
-async def _sse_choices(
-    svc: ChatService,
-    req: ChatCompletionRequest,
-    model: ServedModel,
-    ids: list[str],
-    states: list[ChoiceState],
-    firsts: list[RequestOutput],
-    streams: list[AsyncGenerator[RequestOutput, None]],
-    lp: Callable[[RequestOutput], ChoiceLogprobs | None],
-    settle: Callable[[int], Awaitable[None]],
-    times: tuple[float, float],
-    chat: NormalizedChat,
-) -> AsyncIterator[str]:
-    orch = model.orchestrator
-    failed: list[BaseException] = []
-
-    def on_error(e: BaseException) -> None:
-        failed.append(e)
-        svc._log_failure(orch, ids[0], chat, e)
-
-    try:
-        async for event in stream_events(ids[0], model.name, states, firsts, streams, lp, settle, on_error):
-            yield event
-        total = sum(s.completion_tokens for s in states)
-        tail = ""
-        if not failed and req.stream_options is not None and req.stream_options.include_usage:
-            last = states[0].last or firsts[0]
-            usage = ChatCompletionChunk(id=ids[0], model=model.name, choices=[], usage=usage_of(last, total))
-            tail = f"data: {usage.model_dump_json()}\n\n"
-        if not failed:
-            svc._observe_done(model.name, times, total)
-    finally:
-        for rid in ids:
-            orch.forget(rid)
-    yield tail + DONE
+__all__ = [
+    "DONE",
+    "ChoiceEvents",
+    "ChoiceState",
+    "child_ids",
+    "child_params",
+    "collect",
+    "first_outputs",
+    "stream_events",
+]

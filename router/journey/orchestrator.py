@@ -67,6 +67,10 @@ class ChatTokenizer(Protocol):
 
     def decode(self, token_ids: list[int], *, skip_special_tokens: bool) -> str: ...
 
+    def encode(self, text: str) -> list[int]: ...
+
+    def __len__(self) -> int: ...
+
 
 class Orchestrator:
     def __init__(
@@ -107,6 +111,22 @@ class Orchestrator:
         if chat.text_chars <= INLINE_TOKENIZE_CHARS:
             return self._tokenize_sync(chat)
         return await asyncio.to_thread(self._tokenize_sync, chat)
+
+    async def tokenize_prompt(self, text: str) -> list[int]:
+        """A completion's prompt: the text's ids as the tokenizer gives them (its special tokens
+        included, as vLLM's completions do), no chat template; long text on a worker thread."""
+        if len(text) <= INLINE_TOKENIZE_CHARS:
+            return list(self.tokenizer.encode(text))
+        return list(await asyncio.to_thread(self.tokenizer.encode, text))
+
+    def check_prompt_ids(self, token_ids: Sequence[int], param: str = "prompt") -> None:
+        """A 400 naming ``param`` for an id the tokenizer does not know (it could not be echoed)."""
+        vocab = len(self.tokenizer)
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(
+                f"token id {bad[0]} is outside the vocabulary [0, {vocab})", code="bad_prompt", param=param
+            )
 
     async def prepare(self, request_id: str, chat: NormalizedChat, overlap: bool = True) -> Prepared:
         """Prompt ids and embedding refs. ``overlap=False``: every item's ref before the answer, even

@@ -1,4 +1,5 @@
-"""OpenAI chat-completions wire format: requests, responses, stream chunks, errors."""
+"""OpenAI chat-completions wire format: requests, responses, stream chunks, errors; the sampling
+fields every generation endpoint shares (``SamplingFields``)."""
 
 from __future__ import annotations
 
@@ -122,15 +123,17 @@ class StructuredOutputs(_Part):
         return self
 
 
-class ChatCompletionRequest(BaseModel):
+class SamplingFields(BaseModel):
+    """What every generation request takes beyond its prompt: the sampling surface, structured
+    outputs, stop conditions, streaming and the cache salt (``/v1/chat/completions`` and
+    ``/v1/completions`` alike; router/protocol/sampling.py maps it to ``SamplingParams``)."""
+
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     model: str
-    messages: list[ChatMessage] = Field(..., min_length=1)
     # Sampling fields are bounded here, each error naming its field (a 400 with ``param``); the
     # engine re-checks (SamplingParams.validate) and treats temperature < 1e-5 as greedy.
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
-    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=-1, le=1 << 31)
@@ -144,19 +147,13 @@ class ChatCompletionRequest(BaseModel):
     min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
     min_tokens: int = Field(0, ge=0, le=MAX_TOKENS_LIMIT)
     stop_token_ids: list[int] | None = Field(None, max_length=64)
-    response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     stop: str | list[str] | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     ignore_eos: bool = False  # extension, as in vLLM: generate exactly max_tokens
     user: str | None = Field(None, max_length=512)
-    metadata: dict[str, str] | None = Field(None, max_length=16)
-    store: bool | None = None
-    service_tier: str | None = Field(None, max_length=32)
     # vLLM's extension: the prefix cache shares blocks only among requests with the same salt (it
     # enters the first block's hash); with API keys the tenant always enters it too (router/auth.py).
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)
@@ -189,12 +186,45 @@ class ChatCompletionRequest(BaseModel):
         return v
 
     @model_validator(mode="after")
+    def _min_tokens_fit(self) -> SamplingFields:
+        asked = self.requested_max_tokens
+        if asked is not None and self.min_tokens > asked:
+            raise ValueError(f"min_tokens={self.min_tokens} is more than max_tokens={asked}")
+        return self
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def sampled_logprobs(self) -> int | None:
+        """Logprobs per sampled token: None none, 0 the token's own, k the top-k beside it."""
+        return None
+
+    @property
+    def format_request(self) -> ResponseFormat | None:
+        """OpenAI's ``response_format``, where the endpoint has one."""
+        return None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    response_format: ResponseFormat | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+    store: bool | None = None
+    service_tier: str | None = Field(None, max_length=32)
+
+    @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
-        asked = self.max_completion_tokens or self.max_tokens
-        if asked is not None and self.min_tokens > asked:
-            raise ValueError(f"min_tokens={self.min_tokens} is more than max_tokens={asked}")
         if (
             self.response_format is not None
             and self.response_format.type != "text"
@@ -204,8 +234,16 @@ class ChatCompletionRequest(BaseModel):
         return self
 
     @property
-    def stop_strings(self) -> list[str]:
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def sampled_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def format_request(self) -> ResponseFormat | None:
+        return self.response_format
 
 
 class PromptTokensDetails(BaseModel):

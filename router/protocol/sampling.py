@@ -13,14 +13,14 @@ from dataclasses import replace
 from llm_service.sampling_params import SamplingParams
 from llm_service.structured.spec import StructuredSpec, canonical_json, spec_problem
 from router.protocol.errors import bad_request
-from router.protocol.openai import ChatCompletionRequest
+from router.protocol.openai import SamplingFields
 
 
-def requested_max_tokens(req: ChatCompletionRequest) -> int | None:
-    return req.max_completion_tokens or req.max_tokens
+def requested_max_tokens(req: SamplingFields) -> int | None:
+    return req.requested_max_tokens
 
 
-def request_sampling_params(req: ChatCompletionRequest) -> SamplingParams:
+def request_sampling_params(req: SamplingFields) -> SamplingParams:
     """Everything but a fitted ``max_tokens`` (set to what was asked, or 1 until ``fit_to_prompt``)."""
     return SamplingParams(
         max_tokens=requested_max_tokens(req) or 1,
@@ -29,7 +29,7 @@ def request_sampling_params(req: ChatCompletionRequest) -> SamplingParams:
         top_k=-1 if req.top_k is None else req.top_k,
         seed=req.seed,
         ignore_eos=req.ignore_eos,
-        logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        logprobs=req.sampled_logprobs,
         min_p=req.min_p or 0.0,
         min_tokens=req.min_tokens,
         presence_penalty=req.presence_penalty or 0.0,
@@ -41,7 +41,7 @@ def request_sampling_params(req: ChatCompletionRequest) -> SamplingParams:
     )
 
 
-def structured_spec(req: ChatCompletionRequest) -> StructuredSpec | None:
+def structured_spec(req: SamplingFields) -> StructuredSpec | None:
     """The request's output constraint (``response_format`` or ``structured_outputs``), bounded
     here (a 400 naming the field before anything is compiled); None for free text."""
     spec = _spec(req)
@@ -50,8 +50,8 @@ def structured_spec(req: ChatCompletionRequest) -> StructuredSpec | None:
     return spec
 
 
-def _spec(req: ChatCompletionRequest) -> StructuredSpec | None:
-    rf, so = req.response_format, req.structured_outputs
+def _spec(req: SamplingFields) -> StructuredSpec | None:
+    rf, so = req.format_request, req.structured_outputs
     if rf is not None and rf.type == "json_object":
         return StructuredSpec("json_object", "", "response_format")
     if rf is not None and rf.json_schema is not None:
@@ -79,15 +79,20 @@ def _spec(req: ChatCompletionRequest) -> StructuredSpec | None:
 
 
 def fit_to_prompt(
-    params: SamplingParams, requested: int | None, num_prompt_tokens: int, max_model_len: int
+    params: SamplingParams,
+    requested: int | None,
+    num_prompt_tokens: int,
+    max_model_len: int,
+    prompt_field: str = "messages",
 ) -> SamplingParams:
-    """``params`` with ``max_tokens`` set for this prompt; a 400 naming the problem if it cannot fit."""
+    """``params`` with ``max_tokens`` set for this prompt; a 400 naming the problem if it cannot fit
+    (``prompt_field``: the request field that holds the prompt)."""
     room = max_model_len - num_prompt_tokens
     if room <= 0:
         raise bad_request(
             f"the prompt has {num_prompt_tokens} tokens; max_model_len is {max_model_len}",
             code="prompt_too_long",
-            param="messages",
+            param=prompt_field,
         )
     if requested is not None and requested > room:
         raise bad_request(
@@ -98,9 +103,7 @@ def fit_to_prompt(
     return replace(params, max_tokens=requested or room)
 
 
-def to_sampling_params(
-    req: ChatCompletionRequest, num_prompt_tokens: int, max_model_len: int
-) -> SamplingParams:
+def to_sampling_params(req: SamplingFields, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
     return fit_to_prompt(
         request_sampling_params(req), requested_max_tokens(req), num_prompt_tokens, max_model_len
     )

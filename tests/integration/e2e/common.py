@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import os
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -12,7 +13,7 @@ from openai import OpenAI
 
 from tests.hf_oracle import hf_generate as oracle_generate
 
-PORT = 8431
+PORT = int(os.environ.get("MMSERVE_E2E_PORT", "8431"))  # another port: beside a run on 8431
 MAX_TOKENS = 8
 VL, AUDIO = "tiny-qwen2-vl", "tiny-qwen2-audio"
 
