@@ -51,7 +51,9 @@ before it asks Serve where the replica (or its successor) listens again. ZeroMQ'
 the PINGs, so a replica whose event loop is stuck still looks alive: for that, each call has a deadline
 (``timeout_s``, or the link's default): past it the call fails with ``LinkTimeout`` and is cancelled
 on the server (a cancel frame; the header's ``timeout_ms`` makes the server cancel it too, should the
-cancel frame be lost). A client that vanishes leaves its running calls to finish or reach their
+cancel frame be lost). A handler that is cancelled by its own doing (an inner task cancelled under
+it, not a cancel frame or its deadline) is answered at once, FAILED ``cancelled`` (``CallCancelled``,
+a 503): its caller does not wait out the deadline for a reply that would never come. A client that vanishes leaves its running calls to finish or reach their
 deadline (ZeroMQ's ROUTER reports no per-peer disconnect without its draft API).
 
 No Ray here but in on_ray.py (the keys, the in-band pickle), which the wiring (cluster/replica_links.py)
@@ -75,6 +77,7 @@ from mmcore.link.frames import (
     LOST_BACKOFF_S,
     MAX_FRAME_BYTES,
     BadFrame,
+    CallCancelled,
     Dumps,
     FrameTooLarge,
     LinkBusy,
@@ -90,6 +93,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "LOST_BACKOFF_S",
     "BadFrame",
+    "CallCancelled",
     "DirectLink",
     "FrameTooLarge",
     "LinkBusy",

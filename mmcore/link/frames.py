@@ -53,6 +53,14 @@ class LinkTimeout(TimeoutError):
     code = "replica_link_timeout"
 
 
+class CallCancelled(RuntimeError):
+    """The handler was cancelled on the replica by its own doing (an inner task cancelled under it),
+    not by its caller: answered at once, so the caller does not wait out its deadline."""
+
+    status_code = 503
+    code = "replica_call_cancelled"
+
+
 class FrameTooLarge(ValueError):
     """A body past the link's frame bound: refused by its sender, the connection goes on."""
 
@@ -72,6 +80,7 @@ FAILURES: dict[str, type[Exception]] = {
     "busy": LinkBusy,
     "too_large": FrameTooLarge,
     "bad_frame": BadFrame,
+    "cancelled": CallCancelled,
 }
 
 

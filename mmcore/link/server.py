@@ -201,8 +201,13 @@ class LinkServer:
                 reply = self._reply(seq, OK, None)
             else:
                 reply = self._reply(seq, OK, await cast("Awaitable[object]", result))  # not a stream
-        except (asyncio.CancelledError, _ReaderGone):
-            return  # its caller left (or its deadline passed): nobody waits for an answer
+        except _ReaderGone:
+            return  # its stream's reader left: nobody reads an answer
+        except asyncio.CancelledError:
+            if _cancelled_from_outside():
+                return  # its caller left (or its deadline passed, or the server closes): nobody waits
+            # the handler's own (an inner task cancelled under it): its caller waits, tell it now
+            reply = failed_reply(seq, "cancelled", f"direct link: {method!r} was cancelled on the replica")
         except BaseException as e:  # the caller gets the error as Serve would give it
             reply = self._reply(seq, RAISED, e)
         await self._deliver(ident, reply)
@@ -275,6 +280,13 @@ class LinkServer:
             logger.debug("direct link: reply to a departed client dropped: %r", error)
             return False
         return True
+
+
+def _cancelled_from_outside() -> bool:
+    """In an ``except CancelledError``: whether this task was cancelled (``Task.cancel``: a cancel frame,
+    the call's deadline, ``close``), not merely handed a ``CancelledError`` raised inside its handler."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _forget(
