@@ -80,6 +80,7 @@ class EncoderServer(encoder_serve.EncoderServer, DirectServed):
     ) -> None:
         setup_tracing("encoder")  # cluster/tracing.py: only if OTEL_* asks for it
         self.links_on = links
+        self.refuse_plain_off_loopback()
         m = ModelConfig.model_validate(model_json)
         model_dir = resolve_model_dir(m, cache_dir)
         compute_budget, _ = encoder_budgets(m, model_dir)
@@ -125,6 +126,7 @@ class LLMServer(llm_serve.LLMServer, DirectLLM):
 
         setup_tracing("llm")
         self.links_on = links
+        self.refuse_plain_off_loopback()
         m = ModelConfig.model_validate(model_json)
         llm = m.llm
         engine_config = EngineConfig(

@@ -35,6 +35,7 @@ from mmcore.link.frames import (
     LinkLost,
     LinkTimeout,
     Loads,
+    check_mechanism,
     decode_header,
     endpoint,
     pickle_dumps,
@@ -116,6 +117,7 @@ class LinkClient:
         max_frame_bytes: int = MAX_FRAME_BYTES,
         hwm: int = HWM,
     ) -> LinkClient:
+        check_mechanism(keys, host)  # PLAIN: its secret goes out in clear, so to loopback only
         sock = _client_context().socket(zmq.DEALER)
         tune(sock, hwm, max_frame_bytes, ":" in host)
         if keys.encrypt:

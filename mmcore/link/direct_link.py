@@ -21,9 +21,10 @@ is delivered, by a ZAP authenticator in the server's own context (``zmq.auth.asy
 ``LinkKeys.encrypt`` (the default) the mechanism is CURVE: the server holds the cluster's server key
 pair and accepts only the cluster's client public key; every message is encrypted and authenticated
 with the session's keys, so nothing can be read or injected on the wire. Without it the mechanism
-is PLAIN: the client presents a password (the cluster's secret) that the server checks, and the
-messages travel in clear, for one machine where the wire is loopback (CURVE cost no measurable CPU
-there either; see the README's transport table). A peer with no key or a wrong key fails the
+is PLAIN: the client presents a password (the cluster's secret) that the server checks in constant
+time, and the messages travel in clear, for one machine where the wire is loopback (CURVE cost no
+measurable CPU there either; see the README's transport table). A server refuses to listen, and a client
+to connect, with PLAIN anywhere but loopback (``PlainOffLoopback``; a replica at its start). A peer with no key or a wrong key fails the
 handshake; no frame of it reaches ``loads`` or a handler.
 
 **Why unpickling is safe here.** The bodies are made by the ``dumps`` the wiring gives: Ray's
@@ -85,6 +86,8 @@ from mmcore.link.frames import (
     LinkLost,
     LinkTimeout,
     Loads,
+    PlainOffLoopback,
+    check_mechanism,
     pickle_dumps,
 )
 from mmcore.link.server import LinkServer
@@ -102,6 +105,8 @@ __all__ = [
     "LinkLost",
     "LinkServer",
     "LinkTimeout",
+    "PlainOffLoopback",
+    "check_mechanism",
 ]
 
 

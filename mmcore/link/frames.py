@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import pickle
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
@@ -111,6 +112,32 @@ class LinkKeys:
     @classmethod
     def from_bytes(cls, raw: bytes) -> LinkKeys:
         return cls(*msgpack.unpackb(raw))
+
+
+class PlainOffLoopback(ValueError):
+    """PLAIN (``encrypt=False``) asked for off loopback, where its secret would cross a wire in clear."""
+
+
+def is_loopback(host: str) -> bool:
+    """``localhost``, or an address in 127.0.0.0/8 or ``::1``; a name other than localhost is not."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_mechanism(keys: LinkKeys, host: str) -> None:
+    """Refuse PLAIN anywhere but loopback: it sends the cluster's secret and every message in clear, so
+    a listener on (or a connection to) a node's address would hand them to whoever sees the wire."""
+    if not keys.encrypt and not is_loopback(host):
+        raise PlainOffLoopback(
+            f"the direct link's unencrypted mode (PLAIN, MMSERVE_LINK_ENCRYPT=0) runs only on loopback, "
+            f"and {host} is not: turn encryption on (unset MMSERVE_LINK_ENCRYPT where `ray start` runs and "
+            "start the cluster again, so that its link keys are made anew as CURVE keys), or set "
+            "ingress.transport: serve"
+        )
 
 
 class ClientKeyCheck:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hmac
 import inspect
 import logging
 import pickle
@@ -31,6 +32,7 @@ from mmcore.link.frames import (
     Handler,
     LinkKeys,
     Loads,
+    check_mechanism,
     decode_header,
     endpoint,
     failed_reply,
@@ -45,6 +47,20 @@ logger = logging.getLogger("mmserve.router")
 
 class _ReaderGone(Exception):
     """A stream's client is gone, or read nothing for ``reply_patience_s``: the stream ends unanswered."""
+
+
+class _Authenticator(AsyncioAuthenticator):
+    """pyzmq's ZAP authenticator, with PLAIN's password checked in constant time (``compare_digest``;
+    pyzmq's own compares with ``==`` and logs the password at debug level)."""
+
+    plain_secret: bytes | None = None
+
+    def _authenticate_plain(self, domain: str, username: str, password: str) -> tuple[bool, bytes]:
+        if self.plain_secret is None:
+            return False, b"No passwords defined"
+        user_ok = hmac.compare_digest(username.encode(), PLAIN_USER)
+        password_ok = hmac.compare_digest(password.encode(), self.plain_secret)
+        return (True, b"") if user_ok and password_ok else (False, b"Invalid credentials")
 
 
 class LinkServer:
@@ -105,8 +121,9 @@ class LinkServer:
         return self._address
 
     def _listen(self, host: str) -> tuple[str, int]:
+        check_mechanism(self.keys, host)  # PLAIN: loopback only
         self._ctx = zmq.asyncio.Context()
-        self._auth = AsyncioAuthenticator(self._ctx)  # before the bind: no handshake goes unchecked
+        self._auth = _Authenticator(self._ctx)  # before the bind: no handshake goes unchecked
         self._auth.start()
         sock = self._sock = self._ctx.socket(zmq.ROUTER)
         tune(sock, self.hwm, self.max_frame_bytes, ":" in host)
@@ -116,7 +133,7 @@ class LinkServer:
             sock.setsockopt(zmq.CURVE_SERVER, 1)
             sock.setsockopt(zmq.CURVE_SECRETKEY, self.keys.server_secret)
         else:
-            self._auth.configure_plain("*", {PLAIN_USER.decode(): self.keys.client_secret.decode()})
+            self._auth.plain_secret = self.keys.client_secret  # checked in constant time (_Authenticator)
             sock.setsockopt(zmq.PLAIN_SERVER, 1)
         sock.bind(endpoint(host, "*"))
         port = int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])

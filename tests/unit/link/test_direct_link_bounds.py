@@ -24,7 +24,10 @@ from mmcore.link.direct_link import (
     LinkKeys,
     LinkLost,
     LinkServer,
+    PlainOffLoopback,
+    check_mechanism,
 )
+from mmcore.link.frames import is_loopback
 from router.protocol.errors import replica_gone
 
 KEYS = LinkKeys.generate()
@@ -252,5 +255,84 @@ def test_a_server_that_stops_answering_without_closing_fails_waiting_calls_withi
             os.kill(proc.pid, signal.SIGCONT)
             proc.kill()
             await proc.wait()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("127.3.2.1", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("localhost", True),
+        ("10.0.0.5", False),
+        ("192.168.1.20", False),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("fe80::1", False),
+        ("node-3.cluster.local", False),
+    ],
+)
+def test_plain_is_refused_off_loopback_and_curve_is_not(host: str, loopback: bool) -> None:
+    assert is_loopback(host) is loopback
+    check_mechanism(KEYS, host)  # CURVE: anywhere
+    plain = LinkKeys.generate(encrypt=False)
+    if loopback:
+        check_mechanism(plain, host)
+    else:
+        with pytest.raises(PlainOffLoopback, match=r"only on loopback.*turn encryption on"):
+            check_mechanism(plain, host)
+
+
+def test_a_replica_with_plain_keys_on_a_node_address_refuses_to_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import ray
+
+    from cluster import replica_links
+
+    plain = LinkKeys.generate(encrypt=False)
+    monkeypatch.setattr(replica_links, "link_keys", lambda: plain)
+    served = replica_links.DirectLLM()
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.0.0.5")  # never bound: refused first
+    with pytest.raises(PlainOffLoopback, match="MMSERVE_LINK_ENCRYPT"):
+        served.refuse_plain_off_loopback()
+    served.links_on = False  # ingress.transport: serve: no listener, nothing to refuse
+    served.refuse_plain_off_loopback()
+    served.links_on = True
+    monkeypatch.setattr(
+        ray.util, "get_node_ip_address", lambda: "127.0.0.1"
+    )  # `mmserve serve`'s embedded Ray
+    served.refuse_plain_off_loopback()
+
+
+def test_plain_checks_its_secret_in_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    import hmac
+
+    from mmcore.link import server as link_server
+
+    compared: list[bytes] = []
+    real = hmac.compare_digest
+
+    def compare_digest(a: bytes, b: bytes) -> bool:
+        compared.append(b)
+        return real(a, b)
+
+    monkeypatch.setattr(link_server.hmac, "compare_digest", compare_digest)
+
+    async def run() -> None:
+        keys = LinkKeys.generate(encrypt=False)
+        server = LinkServer({"echo": _echo}, keys)
+        host, port = await server.address("127.0.0.1")
+        client = await LinkClient.connect(host, port, keys)
+        assert await client.call("echo", 1) == ("echo", (1,))
+        assert keys.client_secret in compared  # the password went through compare_digest, not ==
+        same_length = LinkKeys(*[b"A" * len(v) if isinstance(v, bytes) else v for v in vars(keys).values()])
+        with pytest.raises(LinkLost, match="refused"):
+            await LinkClient.connect(host, port, same_length)
+        client.close()
+        await server.close()
 
     asyncio.run(run())
