@@ -225,6 +225,7 @@ class IngressServer(http_app.IngressServer):
             dict(a.media_cost),
             a.text_chars_per_cost,
             a.retry_after_s,
+            a.max_body_bytes_in_flight,
         )
         await super().__init__(models, pools, http, admission, keys=ingress_keys(cfg))  # type: ignore[misc]
 

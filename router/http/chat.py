@@ -45,7 +45,7 @@ from router.protocol.openai import (
     Usage,
 )
 from router.protocol.sampling import fit_to_prompt, request_sampling_params, requested_max_tokens
-from router.routing.admission import AdmissionController, AdmissionLimits, Ticket
+from router.routing.admission import AdmissionController, AdmissionLimits, BodyLease, Ticket
 
 if TYPE_CHECKING:
     from router.http.metrics import IngressMetrics
@@ -84,19 +84,26 @@ class ChatService:
         self.metrics = metrics
         self.admission = admission or AdmissionController(AdmissionLimits())
 
-    async def read_request(self, request: Request) -> ChatCompletionRequest:
+    async def read_request(self, request: Request, lease: BodyLease | None = None) -> ChatCompletionRequest:
+        """The body, read as it arrives and parsed. ``lease``: its bytes are reserved in the admission's
+        body budget first (its ``Content-Length`` before any byte is read, else each chunk before it is
+        kept), and a 503 refuses it past the budget; the caller releases the lease."""
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_request_bytes:
             raise APIError(
                 413, f"request body exceeds {self.max_request_bytes} bytes", code="request_too_large"
             )
+        if lease is not None and declared is not None and declared.isdigit():
+            self.admission.reserve_body(lease, int(declared))  # before the first byte is read
         body = bytearray()
         async for chunk in request.stream():
-            body.extend(chunk)
-            if len(body) > self.max_request_bytes:
+            if len(body) + len(chunk) > self.max_request_bytes:
                 raise APIError(
                     413, f"request body exceeds {self.max_request_bytes} bytes", code="request_too_large"
                 )
+            if lease is not None:  # without a Content-Length (or past it): as the bytes arrive
+                self.admission.reserve_body(lease, len(body) + len(chunk))
+            body.extend(chunk)
         await check_json_values(body, self.max_json_values)  # what it parses into is bounded too
         try:
             payload = json.loads(body)
@@ -129,17 +136,23 @@ class ChatService:
         """One chat completion for ``tenant`` (router/http/auth.py; None: the server has no API keys)."""
         start = time.monotonic()
         deadline = Deadline(self.request_timeout_s)
-        req = await deadline.run(self.read_request(request))
-        model = self.model_for(req.model)
-        chat = normalize_messages(req.messages, model.limits, tenant)
-        unsupported = {m.modality for m in chat.media} - set(model.modalities)
-        if unsupported:
-            raise bad_request(
-                f"model {model.name!r} does not accept {', '.join(sorted(unsupported))} input",
-                code="unsupported_modality",
-            )
-        # Bounded work in flight, refused at once past it (router/routing/admission.py): before any other work.
-        ticket = self.admission.admit(self.admission.cost((m.modality for m in chat.media), chat.text_chars))
+        lease = BodyLease()  # the body's bytes in the admission's budget: the ticket takes it over
+        try:
+            req = await deadline.run(self.read_request(request, lease))
+            model = self.model_for(req.model)
+            chat = normalize_messages(req.messages, model.limits, tenant)
+            unsupported = {m.modality for m in chat.media} - set(model.modalities)
+            if unsupported:
+                raise bad_request(
+                    f"model {model.name!r} does not accept {', '.join(sorted(unsupported))} input",
+                    code="unsupported_modality",
+                )
+            # Bounded work in flight, refused at once past it (router/routing/admission.py).
+            cost = self.admission.cost((m.modality for m in chat.media), chat.text_chars)
+            ticket = self.admission.admit(cost, body=lease)
+        except BaseException:  # refused, bad input, or the client left while sending
+            self.admission.release_body(lease)
+            raise
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         orch = model.orchestrator
         span, traced = tracing.start_request_span(request.headers, request_id, model.name)
