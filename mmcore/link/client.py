@@ -38,9 +38,11 @@ from mmcore.link.frames import (
     check_mechanism,
     decode_header,
     endpoint,
+    join_body,
     pickle_dumps,
     recv_batch,
     send_nowait,
+    split_body,
     tune,
 )
 
@@ -200,7 +202,7 @@ class LinkClient:
         self._seq += 1
         seq = self._seq
         header = msgpack.packb([seq, method, None if timeout is None else max(1, int(1000 * timeout))])
-        error = send_nowait(self._sock, [header, body])
+        error = send_nowait(self._sock, [header, *split_body(body)])
         if isinstance(error, zmq.Again):
             raise LinkBusy(f"the queue to {self._where} is full; {method!r} not sent")
         if error is not None:
@@ -304,7 +306,7 @@ class LinkClient:
             code, message = (header[2], header[3]) if len(header) > 3 else ("bad_frame", repr(header))
             return RAISED, FAILURES.get(str(code), BadFrame)(message)
         try:
-            value = self._loads(frames[1])
+            value = self._loads(join_body(frames[1:], self._max_frame_bytes))
         except Exception as e:
             return RAISED, BadFrame(f"direct link: undecodable reply from {self._where}: {e!r}")
         if status in (OK, MORE):

@@ -36,16 +36,23 @@ submit tasks, i.e. run any code on the cluster, can read: such a peer gains noth
 malicious pickle. Undecodable bytes from it fail the one call they belong to (FAILED
 ``bad_frame``), or are dropped when even the header does not decode; the connection goes on.
 
-**Bounds.** A body past ``max_frame_bytes`` is refused at its sender (``FrameTooLarge``, the call
-fails, the connection goes on); a peer that sends one anyway is cut off by ZeroMQ before the frame
-is read (``ZMQ_MAXMSGSIZE``). Each socket queues at most ``hwm`` messages each way (SNDHWM/RCVHWM).
-A client whose queue to the server is full gets ``LinkBusy`` (a 503) at once; a server running
-``max_in_flight`` calls answers later ones ``LinkBusy`` unrun; a reply to a client that does not
-read waits (holding its call's slot) at most ``REPLY_PATIENCE_S`` and is then dropped. So memory
-stays within ~(2·hwm + max_in_flight) frames per connection, and an overload is a fast 503.
+**Bounds.** A body travels in parts of at most ``PART_BYTES`` (1 MiB), one ZeroMQ frame each, of one
+multipart message (so a large one keeps the heartbeat going: Liveness, below). A body past
+``max_frame_bytes`` is refused at its sender (``FrameTooLarge``, the call fails, the connection goes
+on); a peer that sends a frame past a part anyway is cut off by ZeroMQ before the frame is read
+(``ZMQ_MAXMSGSIZE``), and a message of more parts than the bound fails its call (``bad_frame``). Each
+socket queues at most ``hwm`` messages each way (SNDHWM/RCVHWM). A client whose queue to the server is
+full gets ``LinkBusy`` (a 503) at once; a server running ``max_in_flight`` calls, or calls whose
+arguments hold ``max_in_flight_bytes`` (1 GiB; a larger call alone is let in), answers later ones
+``LinkBusy`` unrun; a reply to a client that does not read waits (holding its call's slot) at most
+``REPLY_PATIENCE_S`` and is then dropped. So memory stays within ~(2·hwm + max_in_flight) frames per
+connection, the running calls' arguments within ``max_in_flight_bytes``, and an overload is a fast 503.
 
 **Liveness.** ZeroMQ heartbeats (``HEARTBEAT_S``): a peer that answers no PING for
-``3 * HEARTBEAT_S`` is disconnected, and the client's socket monitor then fails every call waiting
+``3 * HEARTBEAT_S`` is disconnected (libzmq counts any whole frame received as an answer, and restarts
+its timer only then: a body in one 256 MiB frame that took over 3 s to arrive, a video's embeddings on
+a busy link, used to drop the connection with every call on it; in 1 MiB parts it takes a link slower
+than ~350 kB/s), and the client's socket monitor then fails every call waiting
 on that connection with ``LinkLost`` — which the callers treat as their replica gone
 (``router.protocol.errors.replica_gone``): they retry through Serve, and the link rests ``LOST_BACKOFF_S``
 before it asks Serve where the replica (or its successor) listens again. ZeroMQ's I/O thread answers
@@ -54,8 +61,8 @@ the PINGs, so a replica whose event loop is stuck still looks alive: for that, e
 on the server (a cancel frame; the header's ``timeout_ms`` makes the server cancel it too, should the
 cancel frame be lost). A handler that is cancelled by its own doing (an inner task cancelled under
 it, not a cancel frame or its deadline) is answered at once, FAILED ``cancelled`` (``CallCancelled``,
-a 503): its caller does not wait out the deadline for a reply that would never come. A client that vanishes leaves its running calls to finish or reach their
-deadline (ZeroMQ's ROUTER reports no per-peer disconnect without its draft API).
+a 503): its caller does not wait out the deadline for a reply that would never come. A client that
+vanishes leaves its running calls to finish or reach their deadline (ZeroMQ's ROUTER reports no per-peer disconnect without its draft API).
 
 No Ray here but in on_ray.py (the keys, the in-band pickle), which the wiring (cluster/replica_links.py)
 gives each end with its handlers.

@@ -18,8 +18,13 @@ import zmq.asyncio
 from mmcore.errors import Overloaded
 
 MAX_FRAME_BYTES = 256 << 20  # a body's bound (the ingress's requests are bounded at 64 MiB by default)
+# A body travels in parts of at most this many bytes (one multipart message): libzmq restarts its
+# heartbeat timer at each whole frame it receives, so a large body in flight on a slow link keeps its
+# connection alive as long as one part arrives per heartbeat timeout (1 MiB in 3 s: ~350 kB/s).
+PART_BYTES = 1 << 20
 HWM = 1024  # messages each socket queues each way
 MAX_IN_FLIGHT = 1024  # calls a server runs at once; past it LinkBusy
+MAX_IN_FLIGHT_BYTES = 1 << 30  # bytes of arguments the calls a server runs hold at once; past it LinkBusy
 HEARTBEAT_S = 1.0  # PING every second; no answer for 3 s: the peer is gone
 CONNECT_TIMEOUT_S = 5.0  # TCP + handshake + authentication
 DEFAULT_TIMEOUT_S = 300.0  # a call's deadline unless its caller gives one (the ingress's request timeout)
@@ -162,18 +167,37 @@ def tune(sock: zmq.asyncio.Socket, hwm: int, max_frame_bytes: int, ipv6: bool) -
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
-    sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + 4096)  # a body plus a header, per frame
+    # per ZeroMQ frame: a body's part (or a header); a body's parts are counted by ``join_body``
+    sock.setsockopt(zmq.MAXMSGSIZE, min(max_frame_bytes, PART_BYTES) + 4096)
     sock.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_S * 1000))
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(3 * HEARTBEAT_S * 1000))
     sock.setsockopt(zmq.HEARTBEAT_TTL, int(3 * HEARTBEAT_S * 1000))
     sock.setsockopt(zmq.IPV6, int(ipv6))
 
 
+def split_body(body: bytes) -> list[bytes | memoryview]:
+    """A body as the frames it travels in: parts of at most ``PART_BYTES`` (views, not copies)."""
+    if len(body) <= PART_BYTES:
+        return [body]
+    view = memoryview(body)
+    return [view[i : i + PART_BYTES] for i in range(0, len(body), PART_BYTES)]
+
+
+def join_body(parts: list[bytes], max_frame_bytes: int) -> bytes:
+    """A body from its parts (``split_body``); ``ValueError`` if a peer sent more than the bound or
+    parts larger than ``PART_BYTES`` (its sender is not this code)."""
+    if len(parts) == 1:
+        return parts[0]
+    if len(parts) > -(-max_frame_bytes // PART_BYTES) or any(len(p) > PART_BYTES for p in parts):
+        raise ValueError(f"a body of {len(parts)} parts is past the link's {max_frame_bytes}-byte bound")
+    return b"".join(parts)
+
+
 def failed_reply(seq: int, code: str, message: str) -> list[bytes]:
     return [msgpack.packb([seq, FAILED, code, message]), b""]
 
 
-def send_nowait(sock: zmq.asyncio.Socket, frames: list[bytes]) -> BaseException | None:
+def send_nowait(sock: zmq.asyncio.Socket, frames: list[bytes | memoryview]) -> BaseException | None:
     """Send without waiting; what went wrong (``zmq.Again``: the queue is full), or None. With
     ``DONTWAIT`` pyzmq's future is done on return (no send here ever waits in its queue)."""
     sent = cast("asyncio.Future[object]", sock.send_multipart(frames, flags=zmq.DONTWAIT))

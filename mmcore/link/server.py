@@ -21,6 +21,7 @@ from mmcore.link.frames import (
     HWM,
     MAX_FRAME_BYTES,
     MAX_IN_FLIGHT,
+    MAX_IN_FLIGHT_BYTES,
     MORE,
     OK,
     PLAIN_USER,
@@ -36,9 +37,11 @@ from mmcore.link.frames import (
     decode_header,
     endpoint,
     failed_reply,
+    join_body,
     pickle_dumps,
     recv_batch,
     send_nowait,
+    split_body,
     tune,
 )
 
@@ -85,6 +88,7 @@ class LinkServer:
         item_dumps: Dumps = pickle_dumps,
         ref_streams: frozenset[str] = frozenset(),
         max_in_flight: int = MAX_IN_FLIGHT,
+        max_in_flight_bytes: int = MAX_IN_FLIGHT_BYTES,
         max_frame_bytes: int = MAX_FRAME_BYTES,
         hwm: int = HWM,
         reply_patience_s: float = REPLY_PATIENCE_S,
@@ -96,6 +100,8 @@ class LinkServer:
         self.item_dumps = item_dumps
         self.ref_streams = ref_streams
         self.max_in_flight = max_in_flight
+        self.max_in_flight_bytes = max_in_flight_bytes
+        self.bytes_in_flight = 0  # the running calls' argument bodies
         self.max_frame_bytes = max_frame_bytes
         self.hwm = hwm
         self.reply_patience_s = reply_patience_s
@@ -184,10 +190,18 @@ class LinkServer:
                 ident, failed_reply(seq, "busy", f"{self.max_in_flight} calls in flight; not run")
             )
             return
+        size = sum(len(f) for f in frames[2:])
+        if self._running and self.bytes_in_flight + size > self.max_in_flight_bytes:  # alone: let in
+            self.refused += 1
+            self._send_or_drop(
+                ident,
+                failed_reply(seq, "busy", f"{self.bytes_in_flight} bytes of calls in flight; not run"),
+            )
+            return
         try:
-            if not isinstance(method, str) or len(frames) != 3:
+            if not isinstance(method, str) or len(frames) < 3:
                 raise ValueError(f"a call is a header and a body, not {len(frames) - 1} frames")
-            args = self.loads(frames[2])
+            args = self.loads(join_body(frames[2:], self.max_frame_bytes))
             if not isinstance(args, tuple):
                 raise TypeError(f"arguments must be a tuple, not {type(args).__name__}")
         except Exception as e:
@@ -201,10 +215,15 @@ class LinkServer:
         task = loop.create_task(self._run(ident, seq, method, args))
         self._running[(ident, seq)] = task
         task.add_done_callback(functools.partial(_forget, self._running, (ident, seq)))
+        self.bytes_in_flight += size
+        task.add_done_callback(lambda _: self._release(size))
         timeout_ms = header[2] if len(header) > 2 else None
         if isinstance(timeout_ms, int) and timeout_ms > 0:  # its caller has given up by then
             timer = loop.call_later(timeout_ms / 1000, task.cancel)
             task.add_done_callback(lambda _: timer.cancel())
+
+    def _release(self, size: int) -> None:
+        self.bytes_in_flight -= size
 
     async def _run(self, ident: bytes, seq: int, method: str, args: tuple[object, ...]) -> None:
         handler = self.handlers.get(method)
@@ -241,13 +260,13 @@ class LinkServer:
                     body = self.dumps(item)
                 if len(body) > self.max_frame_bytes:
                     raise FrameTooLarge(f"a stream item of {len(body)} bytes is past the link's bound")
-                if not await self._deliver(ident, [msgpack.packb([seq, MORE]), body]):
+                if not await self._deliver(ident, [msgpack.packb([seq, MORE]), *split_body(body)]):
                     raise _ReaderGone
                 self.items += 1
         finally:
             await items.aclose()  # its ``finally`` runs now, whatever ended the stream
 
-    def _reply(self, seq: int, status: int, value: object) -> list[bytes]:
+    def _reply(self, seq: int, status: int, value: object) -> list[bytes | memoryview]:
         """The reply's frames; one whose body does not encode, or is past the bound, still answers."""
         try:
             body = self.dumps(value)
@@ -260,9 +279,9 @@ class LinkServer:
                 "too_large",
                 f"a reply of {len(body)} bytes is past the link's {self.max_frame_bytes}-byte bound",
             )
-        return [msgpack.packb([seq, status]), body]
+        return [msgpack.packb([seq, status]), *split_body(body)]
 
-    async def _deliver(self, ident: bytes, frames: list[bytes]) -> bool:
+    async def _deliver(self, ident: bytes, frames: list[bytes | memoryview]) -> bool:
         """Send a reply; while its client's queue is full, retry (the call keeps its slot in flight)
         for ``reply_patience_s``, then drop it. False: dropped, or its client is gone."""
         delay, give_up = 0.001, time.monotonic() + self.reply_patience_s
@@ -279,14 +298,14 @@ class LinkServer:
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 0.05)
 
-    def _send_or_drop(self, ident: bytes, frames: list[bytes]) -> None:
+    def _send_or_drop(self, ident: bytes, frames: list[bytes | memoryview]) -> None:
         """An answer that holds no slot: dropped if the client's queue is full (it reads nothing)."""
         try:
             self._send_now(ident, frames)
         except zmq.Again:
             self.dropped += 1
 
-    def _send_now(self, ident: bytes, frames: list[bytes]) -> bool:
+    def _send_now(self, ident: bytes, frames: list[bytes | memoryview]) -> bool:
         """Raises ``zmq.Again`` if the client's queue is full; False: the client is gone (skipped)."""
         if self._sock is None:
             return False
