@@ -37,6 +37,7 @@ OK, RAISED, FAILED, MORE = 0, 1, 2, 3  # a reply's status; MORE: one item of a s
 # an async function, or an async generator function (a stream), called with the call's arguments
 Handler = Callable[..., Awaitable[object] | AsyncGenerator[object, None]]
 Dumps = Callable[[object], bytes]
+Frame = bytes | memoryview  # one ZeroMQ frame as sent: a header, or a body's part
 Loads = Callable[[bytes], object]
 
 
@@ -175,7 +176,7 @@ def tune(sock: zmq.asyncio.Socket, hwm: int, max_frame_bytes: int, ipv6: bool) -
     sock.setsockopt(zmq.IPV6, int(ipv6))
 
 
-def split_body(body: bytes) -> list[bytes | memoryview]:
+def split_body(body: bytes) -> list[Frame]:
     """A body as the frames it travels in: parts of at most ``PART_BYTES`` (views, not copies)."""
     if len(body) <= PART_BYTES:
         return [body]
@@ -193,11 +194,11 @@ def join_body(parts: list[bytes], max_frame_bytes: int) -> bytes:
     return b"".join(parts)
 
 
-def failed_reply(seq: int, code: str, message: str) -> list[bytes]:
+def failed_reply(seq: int, code: str, message: str) -> list[Frame]:
     return [msgpack.packb([seq, FAILED, code, message]), b""]
 
 
-def send_nowait(sock: zmq.asyncio.Socket, frames: list[bytes | memoryview]) -> BaseException | None:
+def send_nowait(sock: zmq.asyncio.Socket, frames: list[Frame]) -> BaseException | None:
     """Send without waiting; what went wrong (``zmq.Again``: the queue is full), or None. With
     ``DONTWAIT`` pyzmq's future is done on return (no send here ever waits in its queue)."""
     sent = cast("asyncio.Future[object]", sock.send_multipart(frames, flags=zmq.DONTWAIT))

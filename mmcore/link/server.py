@@ -29,6 +29,7 @@ from mmcore.link.frames import (
     REPLY_PATIENCE_S,
     ClientKeyCheck,
     Dumps,
+    Frame,
     FrameTooLarge,
     Handler,
     LinkKeys,
@@ -266,7 +267,7 @@ class LinkServer:
         finally:
             await items.aclose()  # its ``finally`` runs now, whatever ended the stream
 
-    def _reply(self, seq: int, status: int, value: object) -> list[bytes | memoryview]:
+    def _reply(self, seq: int, status: int, value: object) -> list[Frame]:
         """The reply's frames; one whose body does not encode, or is past the bound, still answers."""
         try:
             body = self.dumps(value)
@@ -281,7 +282,7 @@ class LinkServer:
             )
         return [msgpack.packb([seq, status]), *split_body(body)]
 
-    async def _deliver(self, ident: bytes, frames: list[bytes | memoryview]) -> bool:
+    async def _deliver(self, ident: bytes, frames: list[Frame]) -> bool:
         """Send a reply; while its client's queue is full, retry (the call keeps its slot in flight)
         for ``reply_patience_s``, then drop it. False: dropped, or its client is gone."""
         delay, give_up = 0.001, time.monotonic() + self.reply_patience_s
@@ -298,14 +299,14 @@ class LinkServer:
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 0.05)
 
-    def _send_or_drop(self, ident: bytes, frames: list[bytes | memoryview]) -> None:
+    def _send_or_drop(self, ident: bytes, frames: list[Frame]) -> None:
         """An answer that holds no slot: dropped if the client's queue is full (it reads nothing)."""
         try:
             self._send_now(ident, frames)
         except zmq.Again:
             self.dropped += 1
 
-    def _send_now(self, ident: bytes, frames: list[bytes | memoryview]) -> bool:
+    def _send_now(self, ident: bytes, frames: list[Frame]) -> bool:
         """Raises ``zmq.Again`` if the client's queue is full; False: the client is gone (skipped)."""
         if self._sock is None:
             return False
