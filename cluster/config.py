@@ -301,6 +301,12 @@ class IngressConfig(_Strict):
         gt=0,
         description="end to end per request; past it a 504 and its reservations and KV blocks are freed",
     )
+    # direct HTTP (router/http/listener.py ConnectionLimits), against slowloris: a request's head within
+    # header_timeout_s and max_header_bytes of its first byte, else the connection is closed; past
+    # max_connections open connections (or requests running) a 503
+    header_timeout_s: float = Field(10.0, gt=0)
+    max_header_bytes: int = Field(64 * 1024, ge=1024)
+    max_connections: int = Field(4096, ge=1)
     api_key: SecretStr | None = Field(
         None, description="one API key (tenant `default`), as `vllm serve --api-key`; also MMSERVE_API_KEY"
     )

@@ -176,6 +176,7 @@ class IngressServer(http_app.IngressServer):
     async def __init__(  # type: ignore[misc]
         self, config_json: dict[str, object], pools: dict[str, dict[str, DeploymentHandle]]
     ) -> None:
+        from router.http.listener import ConnectionLimits
         from router.protocol.messages import MessageLimits
         from router.routing.admission import AdmissionLimits
 
@@ -217,6 +218,7 @@ class IngressServer(http_app.IngressServer):
             ing.deployment.graceful_shutdown_timeout_s,
             max_json_values=ing.max_json_values,
             request_timeout_s=ing.request_timeout_s,
+            connections=ConnectionLimits(ing.header_timeout_s, ing.max_header_bytes, ing.max_connections),
         )
         a = ing.admission
         admission = AdmissionLimits(
