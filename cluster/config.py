@@ -261,6 +261,8 @@ class AdmissionConfig(_Strict):
 
     A request costs 1, plus ``media_cost`` per media item, plus 1 per ``text_chars_per_cost``
     characters of text; past either bound the client gets 503 ``overloaded`` with ``Retry-After``.
+    Before that, the bytes of the request bodies it holds (being read, or their requests served) are
+    bounded by ``max_body_bytes_in_flight``: a body's ``Content-Length`` is reserved before it is read.
     """
 
     max_concurrent_requests: int = Field(256, ge=1)
@@ -268,6 +270,9 @@ class AdmissionConfig(_Strict):
     media_cost: dict[str, int] = Field(default_factory=lambda: {"image": 4, "video": 16, "audio": 4})
     text_chars_per_cost: int = Field(4096, ge=1)
     retry_after_s: int = Field(1, ge=1)
+    # Request bodies held at once per ingress replica, in bytes (4 bodies at the 64 MiB request bound);
+    # one larger than this is let in only alone. Past it: 503 before the body is read.
+    max_body_bytes_in_flight: int = Field(256 * 1024 * 1024, ge=1)
 
 
 class IngressConfig(_Strict):
@@ -296,6 +301,12 @@ class IngressConfig(_Strict):
         gt=0,
         description="end to end per request; past it a 504 and its reservations and KV blocks are freed",
     )
+    # direct HTTP (router/http/listener.py ConnectionLimits), against slowloris: a request's head within
+    # header_timeout_s and max_header_bytes of its first byte, else the connection is closed; past
+    # max_connections open connections (or requests running) a 503
+    header_timeout_s: float = Field(10.0, gt=0)
+    max_header_bytes: int = Field(64 * 1024, ge=1024)
+    max_connections: int = Field(4096, ge=1)
     api_key: SecretStr | None = Field(
         None, description="one API key (tenant `default`), as `vllm serve --api-key`; also MMSERVE_API_KEY"
     )

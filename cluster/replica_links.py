@@ -13,7 +13,7 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, ClassVar
 
-from mmcore.link.direct_link import DEFAULT_TIMEOUT_S, DirectLink, LinkServer
+from mmcore.link.direct_link import DEFAULT_TIMEOUT_S, DirectLink, LinkServer, check_mechanism
 from mmcore.link.on_ray import frame_dumps, link_keys
 from mmcore.link.pool_links import LINK_STAT, Address, PoolLinks, live_router
 from router.routing.prefix_affinity import deployment_key
@@ -76,6 +76,14 @@ class DirectServed:
         if self._link_server is not None and self._link_server.draining:
             return {}
         return {LINK_STAT: await self.direct_address()}
+
+    def refuse_plain_off_loopback(self) -> None:
+        """At the replica's start: with links on, the cluster's keys PLAIN (``MMSERVE_LINK_ENCRYPT=0``)
+        and this node's address not loopback, fail now with what to do, not at the first call."""
+        import ray
+
+        if self.links_on and self.DIRECT_METHODS:
+            check_mechanism(link_keys(), ray.util.get_node_ip_address())
 
     async def direct_address(self) -> tuple[str, int]:
         """Start listening on this node's address (the first time) and answer where."""

@@ -80,6 +80,7 @@ class EncoderServer(encoder_serve.EncoderServer, DirectServed):
     ) -> None:
         setup_tracing("encoder")  # cluster/tracing.py: only if OTEL_* asks for it
         self.links_on = links
+        self.refuse_plain_off_loopback()
         m = ModelConfig.model_validate(model_json)
         model_dir = resolve_model_dir(m, cache_dir)
         compute_budget, _ = encoder_budgets(m, model_dir)
@@ -125,6 +126,7 @@ class LLMServer(llm_serve.LLMServer, DirectLLM):
 
         setup_tracing("llm")
         self.links_on = links
+        self.refuse_plain_off_loopback()
         m = ModelConfig.model_validate(model_json)
         llm = m.llm
         engine_config = EngineConfig(
@@ -174,6 +176,7 @@ class IngressServer(http_app.IngressServer):
     async def __init__(  # type: ignore[misc]
         self, config_json: dict[str, object], pools: dict[str, dict[str, DeploymentHandle]]
     ) -> None:
+        from router.http.listener import ConnectionLimits
         from router.protocol.messages import MessageLimits
         from router.routing.admission import AdmissionLimits
 
@@ -215,6 +218,7 @@ class IngressServer(http_app.IngressServer):
             ing.deployment.graceful_shutdown_timeout_s,
             max_json_values=ing.max_json_values,
             request_timeout_s=ing.request_timeout_s,
+            connections=ConnectionLimits(ing.header_timeout_s, ing.max_header_bytes, ing.max_connections),
         )
         a = ing.admission
         admission = AdmissionLimits(
@@ -223,6 +227,7 @@ class IngressServer(http_app.IngressServer):
             dict(a.media_cost),
             a.text_chars_per_cost,
             a.retry_after_s,
+            a.max_body_bytes_in_flight,
         )
         await super().__init__(models, pools, http, admission, keys=ingress_keys(cfg))  # type: ignore[misc]
 

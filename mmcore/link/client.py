@@ -35,11 +35,14 @@ from mmcore.link.frames import (
     LinkLost,
     LinkTimeout,
     Loads,
+    check_mechanism,
     decode_header,
     endpoint,
+    join_body,
     pickle_dumps,
     recv_batch,
     send_nowait,
+    split_body,
     tune,
 )
 
@@ -116,6 +119,7 @@ class LinkClient:
         max_frame_bytes: int = MAX_FRAME_BYTES,
         hwm: int = HWM,
     ) -> LinkClient:
+        check_mechanism(keys, host)  # PLAIN: its secret goes out in clear, so to loopback only
         sock = _client_context().socket(zmq.DEALER)
         tune(sock, hwm, max_frame_bytes, ":" in host)
         if keys.encrypt:
@@ -198,7 +202,7 @@ class LinkClient:
         self._seq += 1
         seq = self._seq
         header = msgpack.packb([seq, method, None if timeout is None else max(1, int(1000 * timeout))])
-        error = send_nowait(self._sock, [header, body])
+        error = send_nowait(self._sock, [header, *split_body(body)])
         if isinstance(error, zmq.Again):
             raise LinkBusy(f"the queue to {self._where} is full; {method!r} not sent")
         if error is not None:
@@ -302,7 +306,7 @@ class LinkClient:
             code, message = (header[2], header[3]) if len(header) > 3 else ("bad_frame", repr(header))
             return RAISED, FAILURES.get(str(code), BadFrame)(message)
         try:
-            value = self._loads(frames[1])
+            value = self._loads(join_body(frames[1:], self._max_frame_bytes))
         except Exception as e:
             return RAISED, BadFrame(f"direct link: undecodable reply from {self._where}: {e!r}")
         if status in (OK, MORE):

@@ -21,9 +21,10 @@ is delivered, by a ZAP authenticator in the server's own context (``zmq.auth.asy
 ``LinkKeys.encrypt`` (the default) the mechanism is CURVE: the server holds the cluster's server key
 pair and accepts only the cluster's client public key; every message is encrypted and authenticated
 with the session's keys, so nothing can be read or injected on the wire. Without it the mechanism
-is PLAIN: the client presents a password (the cluster's secret) that the server checks, and the
-messages travel in clear, for one machine where the wire is loopback (CURVE cost no measurable CPU
-there either; see the README's transport table). A peer with no key or a wrong key fails the
+is PLAIN: the client presents a password (the cluster's secret) that the server checks in constant
+time, and the messages travel in clear, for one machine where the wire is loopback (CURVE cost no
+measurable CPU there either; see the README's transport table). A server refuses to listen, and a client
+to connect, with PLAIN anywhere but loopback (``PlainOffLoopback``; a replica at its start). A peer with no key or a wrong key fails the
 handshake; no frame of it reaches ``loads`` or a handler.
 
 **Why unpickling is safe here.** The bodies are made by the ``dumps`` the wiring gives: Ray's
@@ -35,24 +36,33 @@ submit tasks, i.e. run any code on the cluster, can read: such a peer gains noth
 malicious pickle. Undecodable bytes from it fail the one call they belong to (FAILED
 ``bad_frame``), or are dropped when even the header does not decode; the connection goes on.
 
-**Bounds.** A body past ``max_frame_bytes`` is refused at its sender (``FrameTooLarge``, the call
-fails, the connection goes on); a peer that sends one anyway is cut off by ZeroMQ before the frame
-is read (``ZMQ_MAXMSGSIZE``). Each socket queues at most ``hwm`` messages each way (SNDHWM/RCVHWM).
-A client whose queue to the server is full gets ``LinkBusy`` (a 503) at once; a server running
-``max_in_flight`` calls answers later ones ``LinkBusy`` unrun; a reply to a client that does not
-read waits (holding its call's slot) at most ``REPLY_PATIENCE_S`` and is then dropped. So memory
-stays within ~(2·hwm + max_in_flight) frames per connection, and an overload is a fast 503.
+**Bounds.** A body travels in parts of at most ``PART_BYTES`` (1 MiB), one ZeroMQ frame each, of one
+multipart message (so a large one keeps the heartbeat going: Liveness, below). A body past
+``max_frame_bytes`` is refused at its sender (``FrameTooLarge``, the call fails, the connection goes
+on); a peer that sends a frame past a part anyway is cut off by ZeroMQ before the frame is read
+(``ZMQ_MAXMSGSIZE``), and a message of more parts than the bound fails its call (``bad_frame``). Each
+socket queues at most ``hwm`` messages each way (SNDHWM/RCVHWM). A client whose queue to the server is
+full gets ``LinkBusy`` (a 503) at once; a server running ``max_in_flight`` calls, or calls whose
+arguments hold ``max_in_flight_bytes`` (1 GiB; a larger call alone is let in), answers later ones
+``LinkBusy`` unrun; a reply to a client that does not read waits (holding its call's slot) at most
+``REPLY_PATIENCE_S`` and is then dropped. So memory stays within ~(2·hwm + max_in_flight) frames per
+connection, the running calls' arguments within ``max_in_flight_bytes``, and an overload is a fast 503.
 
 **Liveness.** ZeroMQ heartbeats (``HEARTBEAT_S``): a peer that answers no PING for
-``3 * HEARTBEAT_S`` is disconnected, and the client's socket monitor then fails every call waiting
+``3 * HEARTBEAT_S`` is disconnected (libzmq counts any whole frame received as an answer, and restarts
+its timer only then: a body in one 256 MiB frame that took over 3 s to arrive, a video's embeddings on
+a busy link, used to drop the connection with every call on it; in 1 MiB parts it takes a link slower
+than ~350 kB/s), and the client's socket monitor then fails every call waiting
 on that connection with ``LinkLost`` — which the callers treat as their replica gone
 (``router.protocol.errors.replica_gone``): they retry through Serve, and the link rests ``LOST_BACKOFF_S``
 before it asks Serve where the replica (or its successor) listens again. ZeroMQ's I/O thread answers
 the PINGs, so a replica whose event loop is stuck still looks alive: for that, each call has a deadline
 (``timeout_s``, or the link's default): past it the call fails with ``LinkTimeout`` and is cancelled
 on the server (a cancel frame; the header's ``timeout_ms`` makes the server cancel it too, should the
-cancel frame be lost). A client that vanishes leaves its running calls to finish or reach their
-deadline (ZeroMQ's ROUTER reports no per-peer disconnect without its draft API).
+cancel frame be lost). A handler that is cancelled by its own doing (an inner task cancelled under
+it, not a cancel frame or its deadline) is answered at once, FAILED ``cancelled`` (``CallCancelled``,
+a 503): its caller does not wait out the deadline for a reply that would never come. A client that
+vanishes leaves its running calls to finish or reach their deadline (ZeroMQ's ROUTER reports no per-peer disconnect without its draft API).
 
 No Ray here but in on_ray.py (the keys, the in-band pickle), which the wiring (cluster/replica_links.py)
 gives each end with its handlers.
@@ -75,6 +85,7 @@ from mmcore.link.frames import (
     LOST_BACKOFF_S,
     MAX_FRAME_BYTES,
     BadFrame,
+    CallCancelled,
     Dumps,
     FrameTooLarge,
     LinkBusy,
@@ -82,6 +93,8 @@ from mmcore.link.frames import (
     LinkLost,
     LinkTimeout,
     Loads,
+    PlainOffLoopback,
+    check_mechanism,
     pickle_dumps,
 )
 from mmcore.link.server import LinkServer
@@ -90,6 +103,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "LOST_BACKOFF_S",
     "BadFrame",
+    "CallCancelled",
     "DirectLink",
     "FrameTooLarge",
     "LinkBusy",
@@ -98,6 +112,8 @@ __all__ = [
     "LinkLost",
     "LinkServer",
     "LinkTimeout",
+    "PlainOffLoopback",
+    "check_mechanism",
 ]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hmac
 import inspect
 import logging
 import pickle
@@ -20,6 +21,7 @@ from mmcore.link.frames import (
     HWM,
     MAX_FRAME_BYTES,
     MAX_IN_FLIGHT,
+    MAX_IN_FLIGHT_BYTES,
     MORE,
     OK,
     PLAIN_USER,
@@ -27,16 +29,20 @@ from mmcore.link.frames import (
     REPLY_PATIENCE_S,
     ClientKeyCheck,
     Dumps,
+    Frame,
     FrameTooLarge,
     Handler,
     LinkKeys,
     Loads,
+    check_mechanism,
     decode_header,
     endpoint,
     failed_reply,
+    join_body,
     pickle_dumps,
     recv_batch,
     send_nowait,
+    split_body,
     tune,
 )
 
@@ -45,6 +51,20 @@ logger = logging.getLogger("mmserve.router")
 
 class _ReaderGone(Exception):
     """A stream's client is gone, or read nothing for ``reply_patience_s``: the stream ends unanswered."""
+
+
+class _Authenticator(AsyncioAuthenticator):
+    """pyzmq's ZAP authenticator, with PLAIN's password checked in constant time (``compare_digest``;
+    pyzmq's own compares with ``==`` and logs the password at debug level)."""
+
+    plain_secret: bytes | None = None
+
+    def _authenticate_plain(self, domain: str, username: str, password: str) -> tuple[bool, bytes]:
+        if self.plain_secret is None:
+            return False, b"No passwords defined"
+        user_ok = hmac.compare_digest(username.encode(), PLAIN_USER)
+        password_ok = hmac.compare_digest(password.encode(), self.plain_secret)
+        return (True, b"") if user_ok and password_ok else (False, b"Invalid credentials")
 
 
 class LinkServer:
@@ -69,6 +89,7 @@ class LinkServer:
         item_dumps: Dumps = pickle_dumps,
         ref_streams: frozenset[str] = frozenset(),
         max_in_flight: int = MAX_IN_FLIGHT,
+        max_in_flight_bytes: int = MAX_IN_FLIGHT_BYTES,
         max_frame_bytes: int = MAX_FRAME_BYTES,
         hwm: int = HWM,
         reply_patience_s: float = REPLY_PATIENCE_S,
@@ -80,6 +101,8 @@ class LinkServer:
         self.item_dumps = item_dumps
         self.ref_streams = ref_streams
         self.max_in_flight = max_in_flight
+        self.max_in_flight_bytes = max_in_flight_bytes
+        self.bytes_in_flight = 0  # the running calls' argument bodies
         self.max_frame_bytes = max_frame_bytes
         self.hwm = hwm
         self.reply_patience_s = reply_patience_s
@@ -105,8 +128,9 @@ class LinkServer:
         return self._address
 
     def _listen(self, host: str) -> tuple[str, int]:
+        check_mechanism(self.keys, host)  # PLAIN: loopback only
         self._ctx = zmq.asyncio.Context()
-        self._auth = AsyncioAuthenticator(self._ctx)  # before the bind: no handshake goes unchecked
+        self._auth = _Authenticator(self._ctx)  # before the bind: no handshake goes unchecked
         self._auth.start()
         sock = self._sock = self._ctx.socket(zmq.ROUTER)
         tune(sock, self.hwm, self.max_frame_bytes, ":" in host)
@@ -116,7 +140,7 @@ class LinkServer:
             sock.setsockopt(zmq.CURVE_SERVER, 1)
             sock.setsockopt(zmq.CURVE_SECRETKEY, self.keys.server_secret)
         else:
-            self._auth.configure_plain("*", {PLAIN_USER.decode(): self.keys.client_secret.decode()})
+            self._auth.plain_secret = self.keys.client_secret  # checked in constant time (_Authenticator)
             sock.setsockopt(zmq.PLAIN_SERVER, 1)
         sock.bind(endpoint(host, "*"))
         port = int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
@@ -167,10 +191,18 @@ class LinkServer:
                 ident, failed_reply(seq, "busy", f"{self.max_in_flight} calls in flight; not run")
             )
             return
+        size = sum(len(f) for f in frames[2:])
+        if self._running and self.bytes_in_flight + size > self.max_in_flight_bytes:  # alone: let in
+            self.refused += 1
+            self._send_or_drop(
+                ident,
+                failed_reply(seq, "busy", f"{self.bytes_in_flight} bytes of calls in flight; not run"),
+            )
+            return
         try:
-            if not isinstance(method, str) or len(frames) != 3:
+            if not isinstance(method, str) or len(frames) < 3:
                 raise ValueError(f"a call is a header and a body, not {len(frames) - 1} frames")
-            args = self.loads(frames[2])
+            args = self.loads(join_body(frames[2:], self.max_frame_bytes))
             if not isinstance(args, tuple):
                 raise TypeError(f"arguments must be a tuple, not {type(args).__name__}")
         except Exception as e:
@@ -184,10 +216,15 @@ class LinkServer:
         task = loop.create_task(self._run(ident, seq, method, args))
         self._running[(ident, seq)] = task
         task.add_done_callback(functools.partial(_forget, self._running, (ident, seq)))
+        self.bytes_in_flight += size
+        task.add_done_callback(lambda _: self._release(size))
         timeout_ms = header[2] if len(header) > 2 else None
         if isinstance(timeout_ms, int) and timeout_ms > 0:  # its caller has given up by then
             timer = loop.call_later(timeout_ms / 1000, task.cancel)
             task.add_done_callback(lambda _: timer.cancel())
+
+    def _release(self, size: int) -> None:
+        self.bytes_in_flight -= size
 
     async def _run(self, ident: bytes, seq: int, method: str, args: tuple[object, ...]) -> None:
         handler = self.handlers.get(method)
@@ -201,8 +238,13 @@ class LinkServer:
                 reply = self._reply(seq, OK, None)
             else:
                 reply = self._reply(seq, OK, await cast("Awaitable[object]", result))  # not a stream
-        except (asyncio.CancelledError, _ReaderGone):
-            return  # its caller left (or its deadline passed): nobody waits for an answer
+        except _ReaderGone:
+            return  # its stream's reader left: nobody reads an answer
+        except asyncio.CancelledError:
+            if _cancelled_from_outside():
+                return  # its caller left (or its deadline passed, or the server closes): nobody waits
+            # the handler's own (an inner task cancelled under it): its caller waits, tell it now
+            reply = failed_reply(seq, "cancelled", f"direct link: {method!r} was cancelled on the replica")
         except BaseException as e:  # the caller gets the error as Serve would give it
             reply = self._reply(seq, RAISED, e)
         await self._deliver(ident, reply)
@@ -219,13 +261,13 @@ class LinkServer:
                     body = self.dumps(item)
                 if len(body) > self.max_frame_bytes:
                     raise FrameTooLarge(f"a stream item of {len(body)} bytes is past the link's bound")
-                if not await self._deliver(ident, [msgpack.packb([seq, MORE]), body]):
+                if not await self._deliver(ident, [msgpack.packb([seq, MORE]), *split_body(body)]):
                     raise _ReaderGone
                 self.items += 1
         finally:
             await items.aclose()  # its ``finally`` runs now, whatever ended the stream
 
-    def _reply(self, seq: int, status: int, value: object) -> list[bytes]:
+    def _reply(self, seq: int, status: int, value: object) -> list[Frame]:
         """The reply's frames; one whose body does not encode, or is past the bound, still answers."""
         try:
             body = self.dumps(value)
@@ -238,9 +280,9 @@ class LinkServer:
                 "too_large",
                 f"a reply of {len(body)} bytes is past the link's {self.max_frame_bytes}-byte bound",
             )
-        return [msgpack.packb([seq, status]), body]
+        return [msgpack.packb([seq, status]), *split_body(body)]
 
-    async def _deliver(self, ident: bytes, frames: list[bytes]) -> bool:
+    async def _deliver(self, ident: bytes, frames: list[Frame]) -> bool:
         """Send a reply; while its client's queue is full, retry (the call keeps its slot in flight)
         for ``reply_patience_s``, then drop it. False: dropped, or its client is gone."""
         delay, give_up = 0.001, time.monotonic() + self.reply_patience_s
@@ -257,14 +299,14 @@ class LinkServer:
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 0.05)
 
-    def _send_or_drop(self, ident: bytes, frames: list[bytes]) -> None:
+    def _send_or_drop(self, ident: bytes, frames: list[Frame]) -> None:
         """An answer that holds no slot: dropped if the client's queue is full (it reads nothing)."""
         try:
             self._send_now(ident, frames)
         except zmq.Again:
             self.dropped += 1
 
-    def _send_now(self, ident: bytes, frames: list[bytes]) -> bool:
+    def _send_now(self, ident: bytes, frames: list[Frame]) -> bool:
         """Raises ``zmq.Again`` if the client's queue is full; False: the client is gone (skipped)."""
         if self._sock is None:
             return False
@@ -275,6 +317,13 @@ class LinkServer:
             logger.debug("direct link: reply to a departed client dropped: %r", error)
             return False
         return True
+
+
+def _cancelled_from_outside() -> bool:
+    """In an ``except CancelledError``: whether this task was cancelled (``Task.cancel``: a cancel frame,
+    the call's deadline, ``close``), not merely handed a ``CancelledError`` raised inside its handler."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _forget(

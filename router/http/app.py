@@ -10,7 +10,7 @@ reads the app config.
 # FastAPI must resolve the routes' annotations (``request: Request``) as objects, not as strings.
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NoReturn
 
 from fastapi import FastAPI, Request
@@ -22,7 +22,7 @@ from router.http.auth import KeyRing
 from router.http.chat import ChatService, ServedModel
 from router.http.completions import CompletionService
 from router.http.json_limits import DEFAULT_MAX_JSON_VALUES
-from router.http.listener import DirectHTTPServer
+from router.http.listener import ConnectionLimits, DirectHTTPServer
 from router.http.metrics import IngressMetrics
 from router.journey.llm_client import LLMClient
 from router.journey.model_handles import ModelHandles
@@ -79,6 +79,8 @@ class HTTPOptions:
     drain_timeout_s: float = 30.0  # shutdown: how long in-flight HTTP responses may take to finish
     max_json_values: int = DEFAULT_MAX_JSON_VALUES
     request_timeout_s: float | None = None  # end to end, router/journey/deadline.py
+    # direct mode: slowloris bounds (listener.py)
+    connections: ConnectionLimits = field(default_factory=ConnectionLimits)
 
 
 def _link(m: IngressModel, pool: str, handle: "DeploymentHandle") -> PoolLinks | None:
@@ -184,7 +186,7 @@ class IngressServer:
             # methods see only the module globals captured then.
             from router.http.app import build_direct_app
 
-            self.http = DirectHTTPServer(build_direct_app(self), http.host, http.port)
+            self.http = DirectHTTPServer(build_direct_app(self), http.host, http.port, http.connections)
 
     def _counter(self, model: str) -> Callable[[int], None]:
         def bump(n: int) -> None:

@@ -45,7 +45,7 @@ from router.protocol.openai import (
     TopLogprob,
 )
 from router.protocol.sampling import fit_to_prompt, request_sampling_params, requested_max_tokens
-from router.routing.admission import AdmissionController, AdmissionLimits
+from router.routing.admission import AdmissionController, AdmissionLimits, BodyLease
 
 if TYPE_CHECKING:
     from router.http.metrics import IngressMetrics
@@ -82,8 +82,13 @@ class ChatService:
         self.metrics = metrics
         self.admission = admission or AdmissionController(AdmissionLimits())
 
-    async def read_request(self, request: Request) -> ChatCompletionRequest:
-        return await read_body(request, ChatCompletionRequest, self.max_request_bytes, self.max_json_values)
+    async def read_request(self, request: Request, lease: BodyLease | None = None) -> ChatCompletionRequest:
+        """The body, read as it arrives and parsed. ``lease``: its bytes are reserved in the admission's
+        body budget first (a 503 past it); the caller releases the lease."""
+        reserve = None if lease is None else (lambda n: self.admission.reserve_body(lease, n))
+        return await read_body(
+            request, ChatCompletionRequest, self.max_request_bytes, self.max_json_values, reserve
+        )
 
     def model_for(self, name: str) -> ServedModel:
         model = self.models.get(name)
@@ -97,18 +102,23 @@ class ChatService:
         """One chat completion for ``tenant`` (router/http/auth.py; None: the server has no API keys)."""
         start = time.monotonic()
         deadline = Deadline(self.request_timeout_s)
-        req = await deadline.run(self.read_request(request))
-        model = self.model_for(req.model)
-        chat = normalize_messages(req.messages, model.limits, tenant)
-        unsupported = {m.modality for m in chat.media} - set(model.modalities)
-        if unsupported:
-            raise bad_request(
-                f"model {model.name!r} does not accept {', '.join(sorted(unsupported))} input",
-                code="unsupported_modality",
-            )
-        # Bounded work in flight, refused at once past it (router/routing/admission.py): before any other work.
-        cost = self.admission.cost((m.modality for m in chat.media), chat.text_chars) * req.n
-        ticket = self.admission.admit(cost)
+        lease = BodyLease()  # the body's bytes in the admission's budget: the ticket takes it over
+        try:
+            req = await deadline.run(self.read_request(request, lease))
+            model = self.model_for(req.model)
+            chat = normalize_messages(req.messages, model.limits, tenant)
+            unsupported = {m.modality for m in chat.media} - set(model.modalities)
+            if unsupported:
+                raise bad_request(
+                    f"model {model.name!r} does not accept {', '.join(sorted(unsupported))} input",
+                    code="unsupported_modality",
+                )
+            # Bounded work in flight, refused at once past it (router/routing/admission.py).
+            cost = self.admission.cost((m.modality for m in chat.media), chat.text_chars) * req.n
+            ticket = self.admission.admit(cost, body=lease)
+        except BaseException:  # refused, bad input, or the client left while sending
+            self.admission.release_body(lease)
+            raise
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         orch = model.orchestrator
         span, traced = tracing.start_request_span(request.headers, request_id, model.name)

@@ -52,6 +52,7 @@ from router.protocol.completions import (
 from router.protocol.errors import APIError, bad_request, from_exception
 from router.protocol.openai import ChoiceLogprobs, PromptTokensDetails, Usage
 from router.protocol.sampling import fit_to_prompt, request_sampling_params
+from router.routing.admission import BodyLease
 
 if TYPE_CHECKING:
     from router.http.metrics import RequestMetrics
@@ -82,18 +83,29 @@ class CompletionService:
         start = time.monotonic()
         chat = self.chat
         deadline = Deadline(chat.request_timeout_s)
-        req = await deadline.run(
-            read_body(request, CompletionRequest, chat.max_request_bytes, chat.max_json_values)
-        )
-        if req.suffix is not None:
-            raise bad_request(
-                "suffix is not supported (no fill-in-the-middle on this server)",
-                code="unsupported_argument",
-                param="suffix",
+        lease = BodyLease()  # the body's bytes in the admission's budget: the ticket takes it over
+        try:
+            req = await deadline.run(
+                read_body(
+                    request,
+                    CompletionRequest,
+                    chat.max_request_bytes,
+                    chat.max_json_values,
+                    lambda n: chat.admission.reserve_body(lease, n),
+                )
             )
-        model = chat.model_for(req.model)
-        cost = sum(chat.admission.cost((), len(p) if isinstance(p, str) else 0) for p in req.prompts)
-        ticket = chat.admission.admit(cost * req.n)
+            if req.suffix is not None:
+                raise bad_request(
+                    "suffix is not supported (no fill-in-the-middle on this server)",
+                    code="unsupported_argument",
+                    param="suffix",
+                )
+            model = chat.model_for(req.model)
+            cost = sum(chat.admission.cost((), len(p) if isinstance(p, str) else 0) for p in req.prompts)
+            ticket = chat.admission.admit(cost * req.n, body=lease)
+        except BaseException:  # refused, bad input, or the client left while sending
+            chat.admission.release_body(lease)
+            raise
         request_id = completion_id()
         span, traced = tracing.start_request_span(request.headers, request_id, model.name)
         watcher = asyncio.ensure_future(cancel_on_disconnect(request, asyncio.current_task()))

@@ -5,6 +5,7 @@ pydantic refused (an unknown field in OpenAI's words, "Unrecognized request argu
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import TypeVar
 
 from fastapi import Request
@@ -16,15 +17,27 @@ from router.protocol.errors import APIError, bad_request
 Body = TypeVar("Body", bound=BaseModel)
 
 
-async def read_body(request: Request, model: type[Body], max_bytes: int, max_json_values: int) -> Body:
+async def read_body(
+    request: Request,
+    model: type[Body],
+    max_bytes: int,
+    max_json_values: int,
+    reserve: Callable[[int], None] | None = None,
+) -> Body:
+    """``reserve(n)``: the body's bytes so far (its ``Content-Length`` before any byte is read, then
+    each chunk before it is kept) go into the admission's body budget, which raises a 503 past it."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise APIError(413, f"request body exceeds {max_bytes} bytes", code="request_too_large")
+    if reserve is not None and declared is not None and declared.isdigit():
+        reserve(int(declared))  # before the first byte is read
     body = bytearray()
     async for chunk in request.stream():
-        body.extend(chunk)
-        if len(body) > max_bytes:
+        if len(body) + len(chunk) > max_bytes:
             raise APIError(413, f"request body exceeds {max_bytes} bytes", code="request_too_large")
+        if reserve is not None:  # without a Content-Length (or past it): as the bytes arrive
+            reserve(len(body) + len(chunk))
+        body.extend(chunk)
     await check_json_values(body, max_json_values)  # what it parses into is bounded too
     try:
         payload = json.loads(body)

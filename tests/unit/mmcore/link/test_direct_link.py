@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from mmcore.link.direct_link import (
+    CallCancelled,
     DirectLink,
     LinkBusy,
     LinkClient,
@@ -253,6 +254,31 @@ def test_a_link_whose_replica_drains_lets_its_running_calls_finish_then_rests() 
         release.set()
         assert await running == "done"  # the retired connection still answered it
         link.close()
+        await server.close()
+
+    asyncio.run(run())
+
+
+def test_a_handler_cancelled_by_its_own_doing_is_answered_at_once_not_at_the_deadline() -> None:
+    async def raises_cancelled() -> None:
+        raise asyncio.CancelledError
+
+    async def inner_task_cancelled() -> None:  # what an encode does when its batch is cancelled under it
+        inner = asyncio.ensure_future(asyncio.sleep(60))
+        asyncio.get_running_loop().call_soon(inner.cancel)
+        await inner
+
+    async def run() -> None:
+        server, _ = _server(raises=raises_cancelled, inner=inner_task_cancelled)
+        host, port = await server.address("127.0.0.1")
+        client = await LinkClient.connect(host, port, KEYS, timeout_s=300.0)  # a prepare's deadline
+        for method in ("raises", "inner"):
+            with pytest.raises(CallCancelled, match=f"'{method}' was cancelled on the replica") as e:
+                await asyncio.wait_for(client.call(method), 5)  # not the 300 s deadline
+            api = from_exception(e.value)
+            assert api is not None and api.status_code == 503 and api.code == "replica_call_cancelled"
+        assert await client.call("echo", "still open") == ("echo", ("still open",))
+        client.close()
         await server.close()
 
     asyncio.run(run())

@@ -20,11 +20,15 @@ from mmcore.link.direct_link import (
     BadFrame,
     DirectLink,
     FrameTooLarge,
+    LinkBusy,
     LinkClient,
     LinkKeys,
     LinkLost,
     LinkServer,
+    PlainOffLoopback,
+    check_mechanism,
 )
+from mmcore.link.frames import is_loopback
 from router.protocol.errors import replica_gone
 
 KEYS = LinkKeys.generate()
@@ -254,3 +258,194 @@ def test_a_server_that_stops_answering_without_closing_fails_waiting_calls_withi
             await proc.wait()
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("127.3.2.1", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("localhost", True),
+        ("10.0.0.5", False),
+        ("192.168.1.20", False),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("fe80::1", False),
+        ("node-3.cluster.local", False),
+    ],
+)
+def test_plain_is_refused_off_loopback_and_curve_is_not(host: str, loopback: bool) -> None:
+    assert is_loopback(host) is loopback
+    check_mechanism(KEYS, host)  # CURVE: anywhere
+    plain = LinkKeys.generate(encrypt=False)
+    if loopback:
+        check_mechanism(plain, host)
+    else:
+        with pytest.raises(PlainOffLoopback, match=r"only on loopback.*turn encryption on"):
+            check_mechanism(plain, host)
+
+
+def test_a_replica_with_plain_keys_on_a_node_address_refuses_to_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import ray
+
+    from cluster import replica_links
+
+    plain = LinkKeys.generate(encrypt=False)
+    monkeypatch.setattr(replica_links, "link_keys", lambda: plain)
+    served = replica_links.DirectLLM()
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.0.0.5")  # never bound: refused first
+    with pytest.raises(PlainOffLoopback, match="MMSERVE_LINK_ENCRYPT"):
+        served.refuse_plain_off_loopback()
+    served.links_on = False  # ingress.transport: serve: no listener, nothing to refuse
+    served.refuse_plain_off_loopback()
+    served.links_on = True
+    monkeypatch.setattr(
+        ray.util, "get_node_ip_address", lambda: "127.0.0.1"
+    )  # `mmserve serve`'s embedded Ray
+    served.refuse_plain_off_loopback()
+
+
+def test_plain_checks_its_secret_in_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    import hmac
+
+    from mmcore.link import server as link_server
+
+    compared: list[bytes] = []
+    real = hmac.compare_digest
+
+    def compare_digest(a: bytes, b: bytes) -> bool:
+        compared.append(b)
+        return real(a, b)
+
+    monkeypatch.setattr(link_server.hmac, "compare_digest", compare_digest)
+
+    async def run() -> None:
+        keys = LinkKeys.generate(encrypt=False)
+        server = LinkServer({"echo": _echo}, keys)
+        host, port = await server.address("127.0.0.1")
+        client = await LinkClient.connect(host, port, keys)
+        assert await client.call("echo", 1) == ("echo", (1,))
+        assert keys.client_secret in compared  # the password went through compare_digest, not ==
+        same_length = LinkKeys(*[b"A" * len(v) if isinstance(v, bytes) else v for v in vars(keys).values()])
+        with pytest.raises(LinkLost, match="refused"):
+            await LinkClient.connect(host, port, same_length)
+        client.close()
+        await server.close()
+
+    asyncio.run(run())
+
+
+class _SlowLink:
+    """A loopback TCP relay to ``port`` that passes the server's bytes to the client at ``rate`` bytes
+    a second (a busy link between nodes), the client's at once."""
+
+    def __init__(self, port: int, rate: int) -> None:
+        self.port, self.rate = port, rate
+        self.server: asyncio.Server | None = None
+        self.relays: list[asyncio.Task[None]] = []
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def _relay(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        server_r, server_w = await asyncio.open_connection("127.0.0.1", self.port)
+        self.relays += [
+            asyncio.ensure_future(self._pump(client_r, server_w, None)),
+            asyncio.ensure_future(self._pump(server_r, client_w, self.rate)),
+        ]
+
+    async def _pump(self, r: asyncio.StreamReader, w: asyncio.StreamWriter, rate: int | None) -> None:
+        step = 16 << 10
+        try:
+            while data := await r.read(step):
+                w.write(data)
+                await w.drain()
+                if rate is not None:
+                    await asyncio.sleep(len(data) / rate)
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            w.close()
+
+    async def close(self) -> None:
+        for t in self.relays:
+            t.cancel()
+        if self.server is not None:
+            self.server.close()
+
+
+@pytest.mark.parametrize("encrypt", [True, False], ids=["curve", "plain"])
+def test_a_frame_that_takes_longer_than_the_heartbeat_timeout_to_arrive_keeps_the_connection(
+    monkeypatch: pytest.MonkeyPatch, encrypt: bool
+) -> None:
+    """A 12 MiB reply over a 12 MiB/s link takes ~1 s; the heartbeat times out after 0.3 s here (a
+    test-only 0.1 s interval): the reply must arrive whole, and the connection go on."""
+    from mmcore.link import frames
+
+    monkeypatch.setattr(frames, "HEARTBEAT_S", 0.1)
+    size = 12 << 20
+
+    async def big() -> bytes:
+        return b"e" * size
+
+    async def run() -> None:
+        keys = KEYS if encrypt else LinkKeys.generate(encrypt=False)
+        server = LinkServer({"echo": _echo, "big": big}, keys)
+        _, port = await server.address("127.0.0.1")
+        slow = _SlowLink(port, rate=size)
+        client = await LinkClient.connect("127.0.0.1", await slow.start(), keys, timeout_s=60)
+        assert await client.call("echo", 1) == ("echo", (1,))
+        reply = await client.call("big")
+        assert len(reply) == size and client.lost is None
+        assert await client.call("echo", "after") == ("echo", ("after",))
+        client.close()
+        await slow.close()
+        await server.close()
+
+    asyncio.run(run())
+
+
+def test_past_the_bytes_in_flight_bound_a_call_is_refused_unrun_and_the_bytes_come_back() -> None:
+    async def run() -> None:
+        started, release = asyncio.Event(), asyncio.Event()
+
+        async def hold(body: bytes) -> int:
+            started.set()
+            await release.wait()
+            return len(body)
+
+        server = LinkServer({"echo": _echo, "hold": hold}, KEYS, max_in_flight_bytes=1 << 20)
+        host, port = await server.address("127.0.0.1")
+        client = await LinkClient.connect(host, port, KEYS)
+        held = asyncio.ensure_future(client.call("hold", b"h" * (768 << 10)))
+        await asyncio.wait_for(started.wait(), 10)
+        with pytest.raises(LinkBusy, match="bytes of calls in flight"):
+            await client.call("hold", b"x" * (512 << 10))  # 1.25 MiB in all: refused, not run
+        assert await client.call("echo", "small") == ("echo", ("small",))  # within the bound
+        release.set()
+        assert await held == 768 << 10
+        assert server.bytes_in_flight == 0 and server.refused == 1
+        alone = await client.call("echo", b"y" * (3 << 20))  # larger than the bound, alone: let in
+        assert alone == ("echo", (b"y" * (3 << 20),))
+        client.close()
+        await server.close()
+
+    asyncio.run(run())
+
+
+def test_a_body_in_parts_is_joined_within_the_bound_and_refused_past_it() -> None:
+    from mmcore.link.frames import PART_BYTES, join_body, split_body
+
+    body = bytes(range(256)) * (3 * PART_BYTES // 256) + b"tail"
+    parts = split_body(body)
+    assert len(parts) == 4 and all(len(p) <= PART_BYTES for p in parts)
+    assert join_body([bytes(p) for p in parts], 4 * PART_BYTES) == body
+    with pytest.raises(ValueError, match="past the link's"):
+        join_body([bytes(p) for p in parts], 2 * PART_BYTES)  # a peer sending more than the bound
+    with pytest.raises(ValueError, match="past the link's"):
+        join_body([b"a" * (PART_BYTES + 1), b"b"], 4 * PART_BYTES)  # parts larger than a part
