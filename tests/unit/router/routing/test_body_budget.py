@@ -117,7 +117,7 @@ class _Orchestrator:
     def __init__(self, fail: bool = False) -> None:
         self.fail = fail
 
-    async def prepare(self, request_id: str, chat: Any) -> Any:
+    async def prepare(self, request_id: str, chat: Any, overlap: bool = True) -> Any:
         if self.fail:
             raise RuntimeError("the encoder pool broke")
         return SimpleNamespace(prompt_token_ids=[1, 2, 3])
