@@ -23,6 +23,7 @@ from llm_service.outputs import TokenLogprob
 from llm_service.sampler import NoAllowedToken, NonFiniteLogits, prompt_logprobs, sample
 from llm_service.scheduler import ScheduledChunk, SchedulerOutput
 from llm_service.sequence import Request
+from llm_service.structured.grammars import accept_rows, fill_rows
 from llm_service.window_kv_cache_manager import window_blocks_needed
 
 if TYPE_CHECKING:
@@ -376,15 +377,21 @@ class ModelRunner:
             return None
         words = (self.text_config.vocab_size + 31) // 32
         bitmask = torch.full((len(sampling), words), -1, dtype=torch.int32)
-        for i, g in rows:
-            g.fill(bitmask, i)
+        fill_rows([g for _, g in rows], bitmask, [i for i, _ in rows])
         return GrammarMasks(bitmask, [i for i, _ in rows])
 
     def accept_sampled(self, sampled: Mapping[str, tuple[int, object]]) -> None:
         """Advance the structured outputs' matchers by the step's tokens (after the step stands)."""
-        for rid, (token, _) in sampled.items():
-            state = self.states.get(rid)
-            if state is not None and state.grammar is not None and not state.grammar.accept(token):
+        grammars = [
+            (rid, st.grammar, tok)
+            for rid, (tok, _) in sampled.items()
+            if (st := self.states.get(rid)) and st.grammar
+        ]
+        if not grammars:
+            return
+        ok = accept_rows([g for _, g, _ in grammars], [t for _, _, t in grammars])
+        for (rid, _, token), good in zip(grammars, ok, strict=True):
+            if not good:
                 logger.error("request %s: token %d was sampled against its grammar", rid, token)
 
     def _generator(self, request_id: str) -> torch.Generator:

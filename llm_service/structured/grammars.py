@@ -173,6 +173,42 @@ class GrammarBackend:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+def fill_rows(states: list[GrammarState], bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Fill ``bitmask``'s ``rows`` for ``states`` (one each) in one call into xgrammar's C++ (its
+    batch matcher: no Python per row), then keep the special tokens out of all of them at once."""
+    if not states:
+        return
+    import xgrammar as xgr
+
+    _batch_matcher(xgr).batch_fill_next_token_bitmask([st._m for st in states], bitmask, rows)
+    index = torch.tensor(rows)
+    bitmask[index] &= states[0]._allowed
+
+
+def accept_rows(states: list[GrammarState], tokens: list[int]) -> list[bool]:
+    """Advance each state by its token (one call); a state whose stop token was taken stays as it is."""
+    import xgrammar as xgr
+
+    live = [i for i, st in enumerate(states) if not st._m.is_terminated()]
+    ok = [True] * len(states)
+    if live:
+        taken = xgr.BatchGrammarMatcher.batch_accept_token(
+            [states[i]._m for i in live], [tokens[i] for i in live]
+        )
+        for i, good in zip(live, taken, strict=True):
+            ok[i] = bool(good)
+    return ok
+
+
+_BATCH: list[Any] = []
+
+
+def _batch_matcher(xgr: Any) -> Any:
+    if not _BATCH:  # one thread: the engine's step thread is the only caller
+        _BATCH.append(xgr.BatchGrammarMatcher(max_threads=1))
+    return _BATCH[0]
+
+
 class GrammarState:
     """One request's matcher: which tokens may come next, advanced by each accepted token."""
 
