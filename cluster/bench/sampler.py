@@ -14,7 +14,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -84,13 +84,47 @@ def bench(batch: int, vocab: int, steps: int) -> dict[str, float]:
     return out
 
 
+def engine_step_ms(model_dir: str, batch: int, params: list[SamplingParams], steps: int) -> float:
+    """CPU-ms of one decode step of ``batch`` requests (the tiny model's forward and the sampler)."""
+    from llm_service.config import EngineConfig
+    from llm_service.engine import LLMEngine
+
+    eng = LLMEngine(EngineConfig(model=model_dir, max_num_seqs=batch, num_kv_blocks=1024))
+    for i, p in enumerate(params):
+        eng.add_request(
+            f"r{i}",
+            [(7 * i + j) % 900 + 20 for j in range(64)],
+            replace(p, max_tokens=steps + 8, min_tokens=min(p.min_tokens, steps), ignore_eos=True),
+        )
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.requests.values()):
+        eng.step()  # the prefills
+    samples = []
+    for _ in range(steps):
+        t = time.thread_time()
+        eng.step()
+        samples.append(time.thread_time() - t)
+    return statistics.median(samples) * 1e3
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m cluster.bench.sampler", description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[32])
     ap.add_argument("--vocab", type=int, nargs="+", default=[1024, 151936])
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument(
+        "--engine", help="also time whole decode steps of this model directory (e.g. a tiny model)"
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    if args.engine:
+        print("| batch | engine decode step | CPU-ms / step | x all greedy |")
+        print("|---:|---|---:|---:|")
+        for b in args.batch:
+            greedy = engine_step_ms(args.engine, b, [SamplingParams()] * b, args.steps)
+            mixed = engine_step_ms(args.engine, b, mixed_params(b), args.steps)
+            print(f"| {b} | all greedy | {greedy:.2f} | 1.00 |")
+            print(f"| {b} | mixed | {mixed:.2f} | {mixed / greedy:.2f} |")
+        print()
     print("| batch | vocab | case | CPU-ms / step | x all greedy |")
     print("|---:|---:|---|---:|---:|")
     for b in args.batch:

@@ -287,28 +287,6 @@ def test_plain_is_refused_off_loopback_and_curve_is_not(host: str, loopback: boo
             check_mechanism(plain, host)
 
 
-def test_a_replica_with_plain_keys_on_a_node_address_refuses_to_start(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    import ray
-
-    from cluster import replica_links
-
-    plain = LinkKeys.generate(encrypt=False)
-    monkeypatch.setattr(replica_links, "link_keys", lambda: plain)
-    served = replica_links.DirectLLM()
-    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.0.0.5")  # never bound: refused first
-    with pytest.raises(PlainOffLoopback, match="MMSERVE_LINK_ENCRYPT"):
-        served.refuse_plain_off_loopback()
-    served.links_on = False  # ingress.transport: serve: no listener, nothing to refuse
-    served.refuse_plain_off_loopback()
-    served.links_on = True
-    monkeypatch.setattr(
-        ray.util, "get_node_ip_address", lambda: "127.0.0.1"
-    )  # `mmserve serve`'s embedded Ray
-    served.refuse_plain_off_loopback()
-
-
 def test_plain_checks_its_secret_in_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:
     import hmac
 
