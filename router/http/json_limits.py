@@ -16,6 +16,7 @@ few tokens per value allowed, in constant memory; big bodies on a worker thread.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 
 from router.protocol.errors import bad_request
@@ -51,8 +52,43 @@ async def check_json_values(body: bytes | bytearray, max_values: int) -> None:
     else:
         n = count_values(body, max_values)
     if n > max_values:
+        field = _top_level_field_at(body, max_values)
+        where = f"{field}: " if field else ""
         raise bad_request(
-            f"request body has more than {max_values} JSON values (array elements and object "
+            f"{where}request body has more than {max_values} JSON values (array elements and object "
             "members; ingress.max_json_values)",
             code="request_too_complex",
+            param=field,
         )
+
+
+_SCAN = re.compile(
+    rb'"[^"\\]*(?:\\.[^"\\]*)*"\s*:?|[,\[{\]}]', re.S
+)  # a string (a key if ":" follows), or , [ { ] }
+
+
+def _top_level_field_at(body: bytes | bytearray, max_values: int) -> str | None:
+    """The top-level member whose value holds the value that passes ``max_values`` (the request
+    field to name in the 400, e.g. ``response_format`` for a 10,000-property schema), or None."""
+    n, depth, key = 1, 0, None
+    for m in _SCAN.finditer(body):
+        tok = m.group()
+        if tok[0] == _QUOTE:
+            if depth == 1 and tok.endswith(b":"):
+                key = tok[: tok.rindex(b'"') + 1]
+            continue
+        if tok in (b"]", b"}"):
+            depth -= 1
+            continue
+        n += 1
+        if tok in (b"[", b"{"):
+            depth += 1
+        if n > max_values:
+            break
+    if key is None:
+        return None
+    try:
+        name = json.loads(key)
+    except ValueError:
+        return None
+    return name if isinstance(name, str) and len(name) <= 64 else None

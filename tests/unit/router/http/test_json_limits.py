@@ -67,3 +67,13 @@ def test_ordinary_bodies_pass() -> None:
     asyncio.run(check_json_values(body, 256))
     req = asyncio.run(ChatService({}, 64 << 20).read_request(_request(body)))
     assert len(req.messages) == 3
+
+
+@pytest.mark.parametrize("field", ["response_format", "structured_outputs", "messages"])
+def test_a_body_over_the_bound_is_refused_naming_the_top_level_field_that_holds_it(field: str) -> None:
+    big = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(10_000)}}
+    body = json.dumps({"model": "m", "max_tokens": 4, field: [big], "stream": False}).encode()
+    with pytest.raises(APIError) as e:
+        asyncio.run(check_json_values(body, 16_384))
+    assert e.value.param == field and e.value.message.startswith(f"{field}: ")
+    assert e.value.code == "request_too_complex"
