@@ -130,12 +130,18 @@ class _ChatEvents:
     ) -> None:
         self.request_id, self.model, self.logprobs = request_id, model, logprobs
         self.renderers = [ChunkRenderer(request_id, model, index=s.index) for s in states]
+        self.sent = [0] * len(states)  # logprob entries each choice's events carried so far
 
     def opening(self, state: ChoiceState) -> str:
         return self.renderers[state.index].role()
 
     def delta(self, state: ChoiceState, text: str, out: RequestOutput) -> str:
-        lp = self.logprobs(out) if out.new_logprobs else None
+        """Its logprobs are the entries ``state.add`` decoded for this output (not decoded again)."""
+        lp = None
+        if out.new_logprobs:
+            new = state.logprobs[self.sent[state.index] :]
+            self.sent[state.index] = len(state.logprobs)
+            lp = ChoiceLogprobs(content=new) if new else None
         return _delta(self.renderers[state.index], self.request_id, self.model, state, text, lp)
 
 
