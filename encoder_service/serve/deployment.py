@@ -379,8 +379,9 @@ class EncoderServer:
             return None
         return self._shutdown()
 
-    def record_routing_stats(self) -> dict[str, int]:
-        return {"queued_embeddings": self._queued_embeds}
+    def record_routing_stats(self) -> dict[str, float]:
+        # reported_at: router.routing.inflight.REPORTED_AT (the router subtracts its own calls then)
+        return {"queued_embeddings": self._queued_embeds, "reported_at": time.time()}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         return {"queued_embeddings": float(self._queued_embeds)}

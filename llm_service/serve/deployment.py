@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
@@ -293,7 +294,7 @@ class LLMServer:
         self.channels.drop_unconnected()
         stats = self.stats()
         self._metrics.export(self._engine_stats())
-        return stats
+        return {**stats, "reported_at": time.time()}  # router.routing.inflight.REPORTED_AT
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Custom autoscaling metrics read by cluster.autoscaling_policy.LLMLoadPolicy."""

@@ -1,7 +1,8 @@
 """Ray Serve request routers (the plug-in point of Serve's handles) for the encoder and LLM pools.
 
 Both keep exact per-replica in-flight counts for the requests this handle sent (routed/completed
-hooks) and fall back on what replicas report through ``record_routing_stats`` for everyone else's.
+hooks) and add what replicas report through ``record_routing_stats`` for everyone else's: the report's
+stamp tells what this handle itself had in flight when it was made (router.routing.inflight).
 The decisions themselves are the pure functions in router.routing.prefix_affinity.
 
 Calls that travel outside Serve (direct links, mmcore/link/pool_links.py) are routed by the same router:
@@ -20,6 +21,7 @@ from typing import TypeVar
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from mmcore.link.pool_links import LINK_STAT, register_router
+from router.routing.inflight import REPORTED_AT, InFlight
 from router.routing.prefix_affinity import deployment_key, least_loaded, shared_index
 
 
@@ -46,27 +48,11 @@ def _request_arg(pending: PendingRequest | _Args | None, attr: str, default: _T)
     return default
 
 
-class _InFlight:
-    def __init__(self) -> None:
-        self.by_request: dict[str, tuple[ReplicaID, float]] = {}
-        self.by_replica: dict[ReplicaID, float] = {}
-
-    def add(self, request_id: str, replica: ReplicaID, amount: float) -> None:
-        self.by_request[request_id] = (replica, amount)
-        self.by_replica[replica] = self.by_replica.get(replica, 0.0) + amount
-
-    def done(self, request_id: str) -> None:
-        entry = self.by_request.pop(request_id, None)
-        if entry is not None:
-            replica, amount = entry
-            self.by_replica[replica] = max(0.0, self.by_replica.get(replica, 0.0) - amount)
-
-
 class _LoadAwareRouter(RequestRouter):
     """Shared machinery: exact in-flight amounts per replica, and an ordering hook ``_rank``."""
 
     def initialize_state(self, **kwargs: object) -> None:
-        self._inflight = _InFlight()
+        self._inflight = InFlight()
         register_router(deployment_key(self._deployment_id), self)
 
     def choose_linked(self, args: tuple[object, ...]) -> tuple[str, tuple[str, int]] | None:
@@ -75,9 +61,7 @@ class _LoadAwareRouter(RequestRouter):
         linked = {rid: r for rid, r in self.curr_replicas.items() if r.routing_stats.get(LINK_STAT)}
         if not linked:
             return None
-        load = {
-            rid: max(self._reported(r), self._inflight.by_replica.get(rid, 0.0)) for rid, r in linked.items()
-        }
+        load = {rid: self._load(r) for rid, r in linked.items()}
         best = self._rank(_Args(args), load)[0]
         host, port = linked[best].routing_stats[LINK_STAT]
         return best.unique_id, (str(host), int(port))
@@ -99,6 +83,13 @@ class _LoadAwareRouter(RequestRouter):
     def _on_linked(self, args: _Args, replica_id: ReplicaID) -> None:
         """What a routed call records besides its in-flight count (the LLM pool: its prefix)."""
 
+    def _load(self, replica: RunningReplica) -> float:
+        """Others' share of the replica's last report plus this router's own in flight now
+        (router.routing.inflight: a report that arrives late does not count this router's finished calls)."""
+        stamp = replica.routing_stats.get(REPORTED_AT)
+        reported_at = float(stamp) if isinstance(stamp, int | float) else None
+        return self._inflight.load(replica.replica_id, self._reported(replica), reported_at)
+
     def _reported(self, replica: RunningReplica) -> float:
         raise NotImplementedError
 
@@ -115,10 +106,7 @@ class _LoadAwareRouter(RequestRouter):
     ) -> Sequence[list[RunningReplica]]:
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True
-        load = {
-            r.replica_id: max(self._reported(r), self._inflight.by_replica.get(r.replica_id, 0.0))
-            for r in candidate_replicas
-        }
+        load = {r.replica_id: self._load(r) for r in candidate_replicas}
         by_id = {r.replica_id: r for r in candidate_replicas}
         return [[by_id[rid]] for rid in self._rank(pending_request, load)]
 
@@ -134,7 +122,7 @@ class _LoadAwareRouter(RequestRouter):
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        self._inflight.by_replica.pop(replica_id, None)
+        self._inflight.forget(replica_id)
 
 
 class LeastQueuedEmbeddingsRouter(FIFOMixin, _LoadAwareRouter):
