@@ -209,6 +209,43 @@ def chat_body_seeds() -> dict[str, bytes]:
     }
 
 
+def completions_body_seeds() -> dict[str, bytes]:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    return {
+        "string.json": _body(prompt="Once upon a time", max_tokens=8),
+        "strings.json": _body(prompt=["a", "bb", "ccc"], max_tokens=4, n=2),
+        "ids.json": _body(prompt=[1, 2, 3, 1023], max_tokens=4),
+        "id_lists.json": _body(prompt=[[1, 2], [3, 4, 5]], echo=True, logprobs=2),
+        "echo_logprobs.json": _body(prompt="x", echo=True, logprobs=5, max_tokens=1),
+        "sampling.json": _body(
+            prompt="p",
+            temperature=0.7,
+            top_p=0.9,
+            top_k=5,
+            min_p=0.1,
+            presence_penalty=0.5,
+            frequency_penalty=-0.5,
+            repetition_penalty=1.2,
+            logit_bias={"5": 10, "7": -100},
+            seed=3,
+            stop=["\n", "."],
+            stream=True,
+            stream_options={"include_usage": True},
+            min_tokens=2,
+            stop_token_ids=[4],
+        ),
+        "json_schema.json": _body(
+            prompt="json:",
+            response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema}},
+        ),
+        "regex.json": _body(prompt="r", structured_outputs={"regex": "[a-z]{1,4}"}),
+        "suffix.json": _body(prompt="a", suffix="b"),
+        "unknown_field.json": _body(prompt="a", best_of=2),
+        "bad_ids.json": _body(prompt=[-1, 99999]),
+        "cache_salt.json": _body(prompt="a", cache_salt="s1", user="u"),
+    }
+
+
 def data_url_seeds() -> dict[str, bytes]:
     png = base64.b64encode(_png(4, 4)).decode()
     return {
@@ -260,6 +297,7 @@ def wire_records_seeds() -> dict[str, bytes]:
 
 SEEDS: dict[str, Callable[[], dict[str, bytes]]] = {
     "chat_body": chat_body_seeds,
+    "completions_body": completions_body_seeds,
     "data_url": data_url_seeds,
     "image": image_seeds,
     "video": video_seeds,
