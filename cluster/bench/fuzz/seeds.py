@@ -7,7 +7,7 @@ from __future__ import annotations
 import base64
 import io
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from fractions import Fraction
 from pathlib import Path
 
@@ -210,7 +210,7 @@ def chat_body_seeds() -> dict[str, bytes]:
     }
 
 
-def tool_seeds(user: dict[str, object], png: str) -> dict[str, bytes]:
+def tool_seeds(user: Mapping[str, object], png: str) -> dict[str, bytes]:
     """Tools in the prompt (docs/tools.md): the agent loop's step with a screenshot in the tool's answer,
     and a named ``tool_choice`` over a nested schema."""
     tools = [
