@@ -7,7 +7,7 @@ from __future__ import annotations
 import base64
 import io
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from fractions import Fraction
 from pathlib import Path
 
@@ -206,6 +206,47 @@ def chat_body_seeds() -> dict[str, bytes]:
         "choice.json": _body(messages=[user], structured_outputs={"choice": ["yes", "no"]}),
         "grammar.json": _body(messages=[user], structured_outputs={"grammar": 'root ::= "a" | "b" root'}),
         "json_string.json": _body(messages=[user], structured_outputs={"json": '{"type": "string"}'}),
+        **tool_seeds(user, png),
+    }
+
+
+def tool_seeds(user: Mapping[str, object], png: str) -> dict[str, bytes]:
+    """Tools in the prompt (docs/tools.md): the agent loop's step with a screenshot in the tool's answer,
+    and a named ``tool_choice`` over a nested schema."""
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "click",
+                "description": "click",
+                "parameters": {
+                    "type": "object",
+                    "properties": {
+                        "at": {"type": "array", "items": {"type": "integer"}},
+                        "mode": {"enum": ["l", "r"]},
+                    },
+                    "required": ["at"],
+                    "anyOf": [{"required": ["mode"]}, True],
+                },
+                "strict": True,
+            },
+        },
+        {"type": "function", "function": {"name": "screenshot"}},
+    ]
+    call = {"id": "c1", "type": "function", "function": {"name": "click", "arguments": '{"at": [1, 2]}'}}
+    shot = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png}"}}
+    loop = [
+        {"role": "user", "content": [{"type": "text", "text": "go"}, shot]},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "now"}, shot]},
+    ]
+    return {
+        "tools_agent_loop.json": _body(
+            messages=loop, tools=tools, tool_choice="auto", parallel_tool_calls=False
+        ),
+        "tools_named_choice.json": _body(
+            messages=[user], tools=tools, tool_choice={"type": "function", "function": {"name": "click"}}
+        ),
     }
 
 
