@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import inspect
+import json
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
@@ -388,6 +389,8 @@ def _text_chars(template_messages: Sequence[Mapping[str, object]]) -> int:
     """The text the template gets: each message's content is a string or a list of parts (``collect_media``)."""
     n = 0
     for m in template_messages:
+        tool_fields = {k: m[k] for k in ("tools", "tool_calls") if k in m}  # as the template writes them
+        n += len(json.dumps(tool_fields, ensure_ascii=False)) if tool_fields else 0
         content = m["content"]
         if isinstance(content, str):
             n += len(content)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import binascii
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal, NotRequired, TypedDict
 
@@ -87,9 +88,11 @@ class NormalizedChat:
 
     @property
     def text_chars(self) -> int:
-        """Characters of text in the chat (what templating and tokenizing cost grows with)."""
+        """Characters of text in the chat (what templating and tokenizing cost grows with), the
+        tools' definitions and the history's calls included."""
         n = 0
         for m in self.messages:
+            n += tool_chars(m)
             content = m["content"]
             if isinstance(content, str):
                 n += len(content)
@@ -211,6 +214,13 @@ def _tool_fields(msg: ChatMessage, i: int, called: set[str]) -> dict[str, Any]:
             param=where,
         )
     return {"tool_call_id": msg.tool_call_id}
+
+
+def tool_chars(message: Mapping[str, object]) -> int:
+    """The characters a message's tool fields add to the prompt (its ``tools``, its ``tool_calls``),
+    as JSON: 0 without them. ``encoder_service.preprocess.processing`` counts them the same way."""
+    extra = {k: message[k] for k in ("tools", "tool_calls") if k in message}
+    return len(json.dumps(extra, ensure_ascii=False)) if extra else 0
 
 
 def text_only_messages(chat: NormalizedChat) -> list[TextMessage]:
