@@ -117,13 +117,20 @@ def _media_from_part(part: ContentPart, where: str, max_bytes: int) -> MediaRef:
 
 
 def normalize_messages(
-    messages: list[ChatMessage], limits: MessageLimits, tenant: str | None = None
+    messages: list[ChatMessage],
+    limits: MessageLimits,
+    tenant: str | None = None,
+    *,
+    field: str = "messages",
+    paths: Sequence[str] | None = None,
 ) -> NormalizedChat:
     """OpenAI messages -> ``[{"role", "content": str | [{"type": "text"|modality, ...}]}]`` + media refs.
 
-    Each media ref carries ``tenant``: its ``uuid`` is a name in that tenant's namespace only."""
+    Each media ref carries ``tenant``: its ``uuid`` is a name in that tenant's namespace only. Errors
+    name ``field`` and each message by ``paths[i]`` (``messages[i]`` unless given: another endpoint's
+    request maps its own items onto chat messages)."""
     if len(messages) > limits.max_messages:
-        raise bad_request(f"too many messages: {len(messages)} > {limits.max_messages}", param="messages")
+        raise bad_request(f"too many messages: {len(messages)} > {limits.max_messages}", param=field)
     out: list[NormalizedMessage] = []
     media: list[MediaRef] = []
     num_parts = 0
@@ -136,7 +143,7 @@ def normalize_messages(
         parts: list[NormalizedPart] = []
         for j, part in enumerate(msg.content):
             num_parts += 1
-            where = f"messages[{i}].content[{j}]"
+            where = f"{paths[i] if paths is not None else f'messages[{i}]'}.content[{j}]"
             if isinstance(part, TextPart):
                 parts.append({"type": "text", "text": part.text})
                 continue
@@ -149,9 +156,7 @@ def normalize_messages(
             media.append(ref)
         out.append({"role": role, "content": parts})
     if num_parts > limits.max_content_parts:
-        raise bad_request(
-            f"too many content parts: {num_parts} > {limits.max_content_parts}", param="messages"
-        )
+        raise bad_request(f"too many content parts: {num_parts} > {limits.max_content_parts}", param=field)
     chat = NormalizedChat(out, media)
     for modality in MODALITIES:
         n, cap = chat.count(modality), limits.limit_mm_per_prompt.get(modality, 0)

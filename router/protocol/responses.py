@@ -1,0 +1,303 @@
+"""OpenAI's Responses wire format (``/v1/responses``) on a stateless server: the request, its input
+items, and the ``response`` object the answer and its stream events carry.
+
+``input`` is a string (one user message) or a list of items: messages (``role`` + a string or parts:
+``input_text``, ``input_image``, ``input_audio``, and ``output_text``/``refusal`` in assistant
+items). ``instructions`` becomes a leading system message. Nothing is stored: a field that needs a
+stored response or a hosted tool is accepted by the parser only to be refused by name
+(``ResponsesRequest.refusal``), a 400 whose ``param`` names it.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+
+from router.protocol.openai import (
+    MAX_TOKENS_LIMIT,
+    JSONSchemaFormat,
+    ResponseFormat,
+    SamplingFields,
+)
+
+# Fields SamplingFields shares with chat that the Responses API spells otherwise or has not.
+NOT_RESPONSES_FIELDS = {
+    "max_tokens": "use max_output_tokens",
+    "n": "a response has one output",
+    "stream_options": "not implemented here",
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class InputText(_Strict):
+    type: Literal["input_text"]
+    text: str
+
+
+class OutputText(_Strict):
+    """Text of an earlier assistant turn, as the API returned it (annotations and logprobs dropped)."""
+
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
+
+
+class Refusal(_Strict):
+    type: Literal["refusal"]
+    refusal: str
+
+
+class InputImage(_Strict):
+    type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: str | None = None  # the Files API: refused by name (nothing is stored here)
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class InputAudioData(_Strict):
+    data: str
+    format: str = Field("wav", max_length=16)
+
+
+class InputAudio(_Strict):
+    type: Literal["input_audio"]
+    input_audio: InputAudioData
+
+
+def _part_tag(v: Any) -> str:
+    return f"|{v.get('type') if isinstance(v, dict) else getattr(v, 'type', None)}"
+
+
+InputPart = Annotated[
+    Annotated[InputText, Tag("|input_text")]
+    | Annotated[OutputText, Tag("|output_text")]
+    | Annotated[Refusal, Tag("|refusal")]
+    | Annotated[InputImage, Tag("|input_image")]
+    | Annotated[InputAudio, Tag("|input_audio")],
+    Discriminator(
+        _part_tag,
+        custom_error_type="unsupported_part",
+        custom_error_message="a content part's type is one of input_text, input_image, input_audio, "
+        "output_text, refusal",
+    ),
+]
+
+
+class MessageItem(_Strict):
+    """An input message (OpenAI's ``EasyInputMessage`` and ``ResponseInputMessageItem``)."""
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: Content
+    id: str | None = Field(None, max_length=256)
+    status: str | None = Field(None, max_length=32)
+
+
+def _item_tag(v: Any) -> str:
+    kind = v.get("type", "message") if isinstance(v, dict) else getattr(v, "type", "message")
+    return f"|{kind}"
+
+
+def _json_type(v: Any) -> str:
+    return "|string" if isinstance(v, str) else "|list"
+
+
+# Unions told apart by a tag, so that an error names the item it is about ("not a string" is no help
+# for a list of items). Tags start with "|": read_body leaves them out of the path it names.
+InputItem = Annotated[
+    Annotated[MessageItem, Tag("|message")],
+    Discriminator(
+        _item_tag,
+        custom_error_type="unsupported_item",
+        custom_error_message="an input item's type is message (nothing else is stored or run here)",
+    ),
+]
+Input = Annotated[
+    Annotated[str, Tag("|string")] | Annotated[list[InputItem], Field(min_length=1), Tag("|list")],
+    Discriminator(_json_type),
+]
+Content = Annotated[
+    Annotated[str, Tag("|string")] | Annotated[list[InputPart], Tag("|list")], Discriminator(_json_type)
+]
+
+
+class TextFormat(_Strict):
+    """``text.format``: free text, any JSON object, or JSON matching a schema (flat, unlike chat's)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = Field(None, min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_json_schema(self) -> TextFormat:
+        if self.type == "json_schema" and (self.name is None or self.schema_ is None):
+            raise ValueError("a json_schema format needs a name and a schema")
+        return self
+
+    def as_response_format(self) -> ResponseFormat:
+        if self.type != "json_schema":
+            return ResponseFormat(type=self.type)
+        schema = JSONSchemaFormat.model_validate(
+            {
+                "name": self.name,
+                "schema": self.schema_,
+                "strict": self.strict,
+                "description": self.description,
+            }
+        )
+        return ResponseFormat(type="json_schema", json_schema=schema)
+
+
+class TextConfig(_Strict):
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class ResponsesRequest(SamplingFields):
+    """``POST /v1/responses``; the sampling extensions every endpoint takes come from SamplingFields."""
+
+    format_field: ClassVar[str] = "text.format"
+
+    input: Input
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    text: TextConfig | None = None
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+    safety_identifier: str | None = Field(None, max_length=512)
+    service_tier: str | None = Field(None, max_length=32)
+    truncation: Literal["disabled", "auto"] | None = None
+    parallel_tool_calls: bool | None = None
+    tools: list[dict[str, Any]] | None = Field(None, max_length=128)
+    tool_choice: str | dict[str, Any] | None = None
+    # What needs state or hosted work, refused by name (``refusal``): parsed so the 400 can say why.
+    previous_response_id: str | None = None
+    store: bool | None = None
+    background: bool | None = None
+    conversation: str | dict[str, Any] | None = None
+    include: list[str] | None = None
+
+    @model_validator(mode="after")
+    def _one_format(self) -> ResponsesRequest:
+        fmt = self.text.format if self.text is not None else None
+        if fmt is not None and fmt.type != "text" and self.structured_outputs is not None:
+            raise ValueError("give text.format or structured_outputs, not both")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_output_tokens
+
+    @property
+    def format_request(self) -> ResponseFormat | None:
+        fmt = self.text.format if self.text is not None else None
+        return fmt.as_response_format() if fmt is not None else None
+
+    def refusal(self) -> tuple[str, str] | None:
+        """The first field this stateless server cannot honour: (param, why), or None."""
+        for name, why in NOT_RESPONSES_FIELDS.items():
+            if name in self.model_fields_set:
+                return name, f"{name} is not a Responses API field ({why})"
+        stateless = "this server is stateless: it stores no responses or conversations"
+        if self.previous_response_id is not None:
+            return (
+                "previous_response_id",
+                f"previous_response_id is not supported ({stateless}); send the whole input",
+            )
+        if self.store:
+            return "store", f"store=true is not supported ({stateless}); send store=false or leave it out"
+        if self.background:
+            return "background", f"background=true is not supported ({stateless})"
+        if self.conversation is not None:
+            return "conversation", f"conversation is not supported ({stateless})"
+        if self.include:
+            return "include", f"include is not supported: {self.include[0]!r} is not computed here"
+        if self.truncation == "auto":
+            return "truncation", "truncation='auto' is not supported: input past the context is a 400"
+        for i, tool in enumerate(self.tools or []):
+            kind = tool.get("type")
+            if kind != "function":
+                return (
+                    f"tools[{i}].type",
+                    f"tools of type {kind!r} are not supported (hosted tools run nowhere here)",
+                )
+        return None
+
+
+def response_id() -> str:
+    return f"resp_{uuid.uuid4().hex}"
+
+
+def message_id() -> str:
+    return f"msg_{uuid.uuid4().hex}"
+
+
+class OutputTextPart(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+    logprobs: list[Any] = Field(default_factory=list)
+
+
+class OutputMessage(BaseModel):
+    type: Literal["message"] = "message"
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    role: Literal["assistant"] = "assistant"
+    content: list[OutputTextPart]
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    total_tokens: int
+
+
+class IncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens", "content_filter"]
+
+
+class ResponseObject(BaseModel):
+    """The ``response`` object: the whole answer, and the head and tail of its stream."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int = Field(default_factory=lambda: int(time.time()))
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    error: dict[str, Any] | None = None
+    incomplete_details: IncompleteDetails | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    model: str
+    output: list[OutputMessage] = Field(default_factory=list)
+    parallel_tool_calls: bool = True
+    previous_response_id: None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tool_choice: str | dict[str, Any] = "auto"
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
+    truncation: Literal["disabled"] = "disabled"
+    store: Literal[False] = False
+    background: Literal[False] = False
+    metadata: dict[str, str] = Field(default_factory=dict)
+    user: str | None = None
+    usage: ResponseUsage | None = None
