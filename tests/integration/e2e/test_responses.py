@@ -136,7 +136,8 @@ def test_the_stream_is_the_sdks_event_sequence_and_ends_as_the_whole_answer(clie
     whole = client.responses.create(**ask)
     with client.responses.stream(**ask) as stream:
         events = list(stream)
-        final = stream.get_final_response()
+    # The SDK's get_final_response() wants response.completed; an incomplete one ends the stream too.
+    final = events[-1].response  # type: ignore[union-attr]
     kinds = [e.type for e in events]
     assert kinds[:4] == STREAM_ORDER
     assert kinds[-4:-1] == STREAM_END and kinds[-1] == f"response.{whole.status}"
@@ -163,9 +164,10 @@ def test_max_output_tokens_makes_an_incomplete_response(client: OpenAI) -> None:
     assert r.incomplete_details.reason == "max_output_tokens"
     assert r.usage is not None and r.usage.output_tokens == 3
     with client.responses.stream(**ask) as stream:
-        kinds = [e.type for e in stream]
-        final = stream.get_final_response()
-    assert kinds[-1] == "response.incomplete" and final.status == "incomplete"
+        events = list(stream)
+    final = events[-1].response  # type: ignore[union-attr]
+    assert events[-1].type == "response.incomplete" and final.status == "incomplete"
+    assert final.incomplete_details is not None and final.incomplete_details.reason == "max_output_tokens"
     assert final.output_text == r.output_text
 
 
