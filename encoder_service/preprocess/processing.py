@@ -366,7 +366,15 @@ class Preprocessor:
         self, template_messages: Sequence[Mapping[str, object]], items: list[MediaItem]
     ) -> PreprocessedRequest:
         hf = self.family.hf
-        text = hf.apply_chat_template(template_messages, add_generation_prompt=True, tokenize=False)
+        tools = template_messages[0].get("tools") if template_messages else None
+        if tools is not None:  # the request's tool definitions ride on its first message
+            template_messages = [
+                {k: v for k, v in template_messages[0].items() if k != "tools"},
+                *template_messages[1:],
+            ]
+        text = hf.apply_chat_template(
+            template_messages, tools=tools, add_generation_prompt=True, tokenize=False
+        )
         text = self.family.prompt_text(text)
         ids = list(self.family.tokenizer(text)["input_ids"])
         out_ids, mm_items = expand_placeholders(self.family, ids, items)

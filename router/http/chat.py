@@ -10,7 +10,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -45,6 +45,7 @@ from router.protocol.openai import (
     TopLogprob,
 )
 from router.protocol.sampling import fit_to_prompt, request_sampling_params, requested_max_tokens
+from router.protocol.tool_use import template_tools
 from router.routing.admission import AdmissionController, AdmissionLimits, BodyLease
 
 if TYPE_CHECKING:
@@ -60,6 +61,19 @@ class ServedModel:
     limits: MessageLimits
     max_model_len: int
     modalities: list[str]
+
+
+def tools_for(req: ChatCompletionRequest, model: ServedModel) -> list[dict[str, Any]] | None:
+    """The request's tools as the template takes them (checked), or a 400 naming ``tools`` when
+    the model's chat template has no place for them (rather than a silent drop)."""
+    tools = template_tools(req.tools, req.tool_choice)
+    if tools and not model.orchestrator.template_takes_tools:
+        raise bad_request(
+            f"model {model.name!r} has a chat template without tool support; send no tools",
+            code="tools_unsupported",
+            param="tools",
+        )
+    return tools
 
 
 class ChatService:
@@ -106,7 +120,7 @@ class ChatService:
         try:
             req = await deadline.run(self.read_request(request, lease))
             model = self.model_for(req.model)
-            chat = normalize_messages(req.messages, model.limits, tenant)
+            chat = normalize_messages(req.messages, model.limits, tenant, tools_for(req, model))
             unsupported = {m.modality for m in chat.media} - set(model.modalities)
             if unsupported:
                 raise bad_request(
