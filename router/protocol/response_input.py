@@ -1,6 +1,10 @@
 """A Responses request's ``instructions`` and ``input`` as chat messages, each named by the request
 path it came from (``instructions``, ``input``, ``input[2]``), so the chat route's normalisation,
-templating and media handling serve it and its errors name the Responses field."""
+templating and media handling serve it and its errors name the Responses field.
+
+``function_call`` items become an assistant message's ``tool_calls`` (consecutive calls, and calls
+right after the assistant's text, one message); a ``function_call_output`` becomes a ``tool``
+message answering its ``call_id``, its parts (text, images) as the tool message's content."""
 
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ from router.protocol.openai import (
 )
 from router.protocol.openai import InputAudio as ChatInputAudio
 from router.protocol.responses import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
     InputAudio,
     InputImage,
     InputPart,
@@ -24,6 +30,7 @@ from router.protocol.responses import (
     Refusal,
     ResponsesRequest,
 )
+from router.protocol.tools import FunctionCall, ToolCall
 
 
 def chat_messages(req: ResponsesRequest) -> tuple[list[ChatMessage], list[str]]:
@@ -39,7 +46,24 @@ def chat_messages(req: ResponsesRequest) -> tuple[list[ChatMessage], list[str]]:
         return messages, paths
     for i, item in enumerate(req.input):
         where = f"input[{i}]"
-        messages.append(_message(item, where))
+        if isinstance(item, FunctionCallItem):
+            call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
+            last = messages[-1] if messages else None
+            if last is not None and last.role == "assistant":
+                # calls right after the assistant's text (or other calls) belong to that message
+                last.tool_calls = [*(last.tool_calls or []), call]
+                continue
+            messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+        elif isinstance(item, FunctionCallOutputItem):
+            output = item.output
+            content = (
+                output
+                if isinstance(output, str)
+                else [_part(p, f"{where}.output[{j}]") for j, p in enumerate(output)]
+            )
+            messages.append(ChatMessage(role="tool", content=content, tool_call_id=item.call_id))
+        else:
+            messages.append(_message(item, where))
         paths.append(where)
     return messages, paths
 

@@ -14,13 +14,25 @@ import time
 import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 
+from router.protocol.errors import bad_request
 from router.protocol.openai import (
     MAX_TOKENS_LIMIT,
     JSONSchemaFormat,
     ResponseFormat,
     SamplingFields,
+)
+from router.protocol.tools import (
+    FUNCTION_NAME_PATTERN,
+    MAX_DESCRIPTION_CHARS,
+    MAX_ID_CHARS,
+    MAX_TOOLS,
+    FunctionDefinition,
+    NamedFunction,
+    NamedToolChoice,
+    ToolChoice,
+    ToolDefinition,
 )
 
 # Fields SamplingFields shares with chat that the Responses API spells otherwise or has not.
@@ -100,6 +112,40 @@ class MessageItem(_Strict):
     status: str | None = Field(None, max_length=32)
 
 
+class FunctionCallItem(_Strict):
+    """A call the model made in an earlier turn, sent back with the history."""
+
+    type: Literal["function_call"]
+    call_id: str = Field(..., min_length=1, max_length=MAX_ID_CHARS)
+    name: str = Field(..., min_length=1, max_length=64)
+    arguments: str  # a JSON object, as a string (checked where the history is read)
+    id: str | None = Field(None, max_length=256)
+    status: str | None = Field(None, max_length=32)
+
+
+ToolOutputPart = Annotated[
+    Annotated[InputText, Tag("|input_text")] | Annotated[InputImage, Tag("|input_image")],
+    Discriminator(
+        _part_tag,
+        custom_error_type="unsupported_part",
+        custom_error_message="a function_call_output part's type is input_text or input_image",
+    ),
+]
+
+
+class FunctionCallOutputItem(_Strict):
+    """What a call returned: text, or parts (images included: a screenshot after a click)."""
+
+    type: Literal["function_call_output"]
+    call_id: str = Field(..., min_length=1, max_length=MAX_ID_CHARS)
+    output: Annotated[
+        Annotated[str, Tag("|string")] | Annotated[list[ToolOutputPart], Tag("|list")],
+        Discriminator(lambda v: "|string" if isinstance(v, str) else "|list"),
+    ]
+    id: str | None = Field(None, max_length=256)
+    status: str | None = Field(None, max_length=32)
+
+
 def _item_tag(v: Any) -> str:
     kind = v.get("type", "message") if isinstance(v, dict) else getattr(v, "type", "message")
     return f"|{kind}"
@@ -112,11 +158,14 @@ def _json_type(v: Any) -> str:
 # Unions told apart by a tag, so that an error names the item it is about ("not a string" is no help
 # for a list of items). Tags start with "|": read_body leaves them out of the path it names.
 InputItem = Annotated[
-    Annotated[MessageItem, Tag("|message")],
+    Annotated[MessageItem, Tag("|message")]
+    | Annotated[FunctionCallItem, Tag("|function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("|function_call_output")],
     Discriminator(
         _item_tag,
         custom_error_type="unsupported_item",
-        custom_error_message="an input item's type is message (nothing else is stored or run here)",
+        custom_error_message="an input item's type is message, function_call or function_call_output "
+        "(nothing else is stored or run here)",
     ),
 ]
 Input = Annotated[
@@ -126,6 +175,22 @@ Input = Annotated[
 Content = Annotated[
     Annotated[str, Tag("|string")] | Annotated[list[InputPart], Tag("|list")], Discriminator(_json_type)
 ]
+
+
+class FunctionTool(_Strict):
+    """A function the model may call, in the Responses API's flat shape."""
+
+    type: Literal["function"]
+    name: str = Field(..., min_length=1, max_length=64, pattern=FUNCTION_NAME_PATTERN)
+    description: str | None = Field(None, max_length=MAX_DESCRIPTION_CHARS)
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def as_chat_tool(self) -> ToolDefinition:
+        fn = FunctionDefinition(
+            name=self.name, description=self.description, parameters=self.parameters, strict=self.strict
+        )
+        return ToolDefinition(type="function", function=fn)
 
 
 class TextFormat(_Strict):
@@ -176,7 +241,8 @@ class ResponsesRequest(SamplingFields):
     service_tier: str | None = Field(None, max_length=32)
     truncation: Literal["disabled", "auto"] | None = None
     parallel_tool_calls: bool | None = None
-    tools: list[dict[str, Any]] | None = Field(None, max_length=128)
+    # Hosted tools are refused by name (``refusal``); functions are read by ``function_tools``.
+    tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: str | dict[str, Any] | None = None
     # What needs state or hosted work, refused by name (``refusal``): parsed so the 400 can say why.
     previous_response_id: str | None = None
@@ -200,6 +266,36 @@ class ResponsesRequest(SamplingFields):
     def format_request(self) -> ResponseFormat | None:
         fmt = self.text.format if self.text is not None else None
         return fmt.as_response_format() if fmt is not None else None
+
+    def function_tools(self) -> list[ToolDefinition] | None:
+        """``tools`` as chat's definitions (after ``refusal``: every one a function), or None."""
+        if not self.tools:
+            return None
+        out = []
+        for i, tool in enumerate(self.tools):
+            try:
+                out.append(FunctionTool.model_validate(tool).as_chat_tool())
+            except ValidationError as e:
+                first = e.errors()[0]
+                where = ".".join([f"tools[{i}]", *(str(p) for p in first["loc"])])
+                raise bad_request(f"{where}: {first['msg']}", code="invalid_tools", param=where) from None
+        return out
+
+    def chat_tool_choice(self) -> ToolChoice | None:
+        """``tool_choice`` in chat's form: "none", "auto", "required" or a named function."""
+        choice = self.tool_choice
+        if choice is None or choice in ("none", "auto", "required"):
+            return choice  # type: ignore[return-value]
+        if isinstance(choice, dict) and choice.get("type") == "function" and set(choice) == {"type", "name"}:
+            name = choice["name"]
+            if isinstance(name, str) and 0 < len(name) <= 64:
+                return NamedToolChoice(type="function", function=NamedFunction(name=name))
+        raise bad_request(
+            'tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...} '
+            "(hosted tools and allowed_tools are not supported)",
+            code="invalid_tools",
+            param="tool_choice",
+        )
 
     def refusal(self) -> tuple[str, str] | None:
         """The first field this stateless server cannot honour: (param, why), or None."""
