@@ -69,6 +69,17 @@ def model_modalities(model_dir: str) -> list[str]:
     return list(encoder_family(model_type, model_dir).modalities)
 
 
+def model_tool_format(model_dir: str) -> str:
+    """How the model's family writes tool calls, from the family registry."""
+    import json
+    from pathlib import Path
+
+    from llm_service.models.families import decoder_family
+
+    model_type = json.loads((Path(model_dir) / "config.json").read_text())["model_type"]
+    return decoder_family(model_type, model_dir).tool_format
+
+
 class EncoderServer(encoder_serve.EncoderServer, DirectServed):
     """The encoder pool's replica: ``prepare`` and ``prepare_stream`` also over its direct link."""
 
@@ -207,6 +218,7 @@ class IngressServer(http_app.IngressServer):
                     # each link call's deadline: the request's own, not the link's 300 s default
                     link_to=functools.partial(pool_links, timeout_s=cfg.ingress.request_timeout_s),
                     overlap_prefill=m.preprocess.overlap_prefill,
+                    tool_format=model_tool_format(model_dir),
                 )
             )
         ing = cfg.ingress

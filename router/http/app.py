@@ -69,6 +69,9 @@ class IngressModel:
     ] = ()  # pools ("llm", "encoder") called over direct links (mmcore/link/pool_links.py)
     link_to: Callable[["DeploymentHandle"], PoolLinks] | None = None  # cluster/replica_links.py
     overlap_prefill: bool = False  # items handed to the LLM as they are encoded (Orchestrator)
+    tool_format: str = (
+        "hermes"  # how the family writes tool calls (its line in llm_service/models/families.py)
+    )
 
 
 @dataclass(frozen=True)
@@ -169,7 +172,7 @@ class IngressServer:
                 on_encoder_run=self._counter(m.name),
                 overlap_prefill=m.overlap_prefill,
             )
-            served[m.name] = ServedModel(m.name, orch, m.limits, m.max_model_len, m.modalities)
+            served[m.name] = ServedModel(m.name, orch, m.limits, m.max_model_len, m.modalities, m.tool_format)
         self.admission = AdmissionController(admission or AdmissionLimits())
         self.service = ChatService(
             served,

@@ -312,9 +312,23 @@ class ChoiceLogprobs(BaseModel):
     content: list[TokenLogprobEntry] | None = None
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class MessageToolCall(BaseModel):
+    """A call in the answer (router/http/tool_answer.py)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None: the answer is only tool calls
+    tool_calls: list[MessageToolCall] | None = None
 
 
 class Choice(BaseModel):
