@@ -14,19 +14,23 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from llm_service.outputs import RequestOutput
+from llm_service.sampling_params import SamplingParams
+from llm_service.tools.calls import ContentDelta, ToolEvent
+from llm_service.tools.formats import ToolFormat
 from router.http import tracing
 from router.http.auth import effective_cache_salt
 from router.http.chat import ChatService, ServedModel
 from router.http.lifecycle import cancel_on_disconnect, chain, first_or_error, hand_over
 from router.http.replay_log import failure_record, log_failure
 from router.http.request_body import read_body
-from router.http.response_events import ResponseEvents
+from router.http.response_events import OutputItems
 from router.http.sse import DONE, SSEResponse
 from router.journey.deadline import Deadline
 from router.journey.detokenizer import IncrementalDetokenizer
@@ -34,18 +38,17 @@ from router.journey.orchestrator import Orchestrator
 from router.protocol.errors import APIError, bad_request, from_exception
 from router.protocol.messages import NormalizedChat, normalize_messages
 from router.protocol.response_input import chat_messages
-from router.protocol.responses import (
+from router.protocol.response_object import (
     IncompleteDetails,
     InputTokensDetails,
-    OutputMessage,
-    OutputTextPart,
     ResponseObject,
-    ResponsesRequest,
     ResponseUsage,
-    message_id,
     response_id,
 )
+from router.protocol.responses import ResponsesRequest
 from router.protocol.sampling import fit_to_prompt, request_sampling_params
+from router.protocol.tool_choice import answer_format, with_tool_choice
+from router.protocol.tool_use import template_tools
 from router.routing.admission import BodyLease
 
 if TYPE_CHECKING:
@@ -53,6 +56,38 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("mmserve.ingress")
 Stream = AsyncGenerator[RequestOutput, None]
+
+
+@dataclass(frozen=True)
+class Asked:
+    """A checked request in chat's terms: its model, its chat, its sampling parameters (before
+    ``max_tokens`` is fitted to the prompt), and the format its answer's tool calls are parsed in."""
+
+    model: ServedModel
+    chat: NormalizedChat
+    params: SamplingParams
+    tool_format: ToolFormat | None
+
+
+class TextOut:
+    """The answer's text as it is generated, as tool-parser events (content alone without tools)."""
+
+    def __init__(self, detok: IncrementalDetokenizer, tool_format: ToolFormat | None) -> None:
+        self.detok = detok
+        self.parser = tool_format.stream() if tool_format is not None else None
+        self.tokens = 0
+        self.last: RequestOutput | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.detok.stopped or (self.last is not None and self.last.finished)
+
+    def add(self, out: RequestOutput) -> list[ToolEvent]:
+        self.last, self.tokens = out, self.tokens + len(out.new_token_ids)
+        piece = self.detok.add(out.new_token_ids, final=out.finished)
+        if self.parser is None:
+            return [ContentDelta(piece)]
+        return self.parser.feed(piece) + (self.parser.finish() if self.done else [])
 
 
 class ResponsesService:
@@ -76,7 +111,8 @@ class ResponsesService:
                     lambda n: chat.admission.reserve_body(lease, n),
                 )
             )
-            model, normalized = self._validated(req, tenant)
+            asked = self._validated(req, tenant)
+            model, normalized = asked.model, asked.chat
             cost = chat.admission.cost((m.modality for m in normalized.media), normalized.text_chars)
             ticket = chat.admission.admit(cost, body=lease)
         except BaseException:  # refused, bad input, or the client left while sending
@@ -90,9 +126,7 @@ class ResponsesService:
         error: BaseException | None = None
         try:
             salt = effective_cache_salt(tenant, req.cache_salt)
-            response = await deadline.run(
-                self._answer(req, model, request_id, normalized, start, deadline, salt)
-            )
+            response = await deadline.run(self._answer(req, asked, request_id, start, deadline, salt))
             return response
         except Exception as e:
             error = e
@@ -106,111 +140,101 @@ class ResponsesService:
             watcher.cancel()
             hand_over(response, chat.admission, ticket, (span, traced), error)
 
-    def _validated(self, req: ResponsesRequest, tenant: str | None) -> tuple[ServedModel, NormalizedChat]:
-        """Every 400 a request can earn before anything runs, and the chat it maps onto."""
+    def _validated(self, req: ResponsesRequest, tenant: str | None) -> Asked:
+        """Every 400 a request can earn before anything runs, and what it asks in chat's terms."""
         if (refused := req.refusal()) is not None:
             param, why = refused
             raise bad_request(why, code="unsupported_argument", param=param)
-        if req.tools:
-            raise bad_request(
-                "function tools are not supported yet", code="unsupported_argument", param="tools"
-            )
         model = self.chat.model_for(req.model)
+        ask = req.tool_ask()
+        tools = template_tools(ask.tools, ask.tool_choice)
+        if tools and not model.orchestrator.template_takes_tools:
+            raise bad_request(
+                f"model {model.name!r} has a chat template without tool support; send no tools",
+                code="tools_unsupported",
+                param="tools",
+            )
         messages, paths = chat_messages(req)
-        normalized = normalize_messages(messages, model.limits, tenant, field="input", paths=paths)
-        unsupported = {m.modality for m in normalized.media} - set(model.modalities)
+        chat = normalize_messages(messages, model.limits, tenant, tools, field="input", paths=paths)
+        unsupported = {m.modality for m in chat.media} - set(model.modalities)
         if unsupported:
             raise bad_request(
                 f"model {model.name!r} does not accept {', '.join(sorted(unsupported))} input",
                 code="unsupported_modality",
                 param="input",
             )
-        request_sampling_params(req)  # the sampling fields' and text.format's 400s, before admission
-        return model, normalized
+        # the sampling fields', text.format's and tool_choice's 400s, before admission
+        params = with_tool_choice(request_sampling_params(req), ask, model.tool_format)
+        return Asked(model, chat, params, answer_format(ask, model.tool_format))
 
     async def _answer(
         self,
         req: ResponsesRequest,
-        model: ServedModel,
+        asked: Asked,
         request_id: str,
-        normalized: NormalizedChat,
         start: float,
         deadline: Deadline,
         salt: str | None,
     ) -> Response:
-        orch = model.orchestrator
-        base = request_sampling_params(req)
+        model, orch = asked.model, asked.model.orchestrator
         timed = self._timed(model)
-        prepared = await orch.prepare(request_id, normalized)
+        prepared = await orch.prepare(request_id, asked.chat)
+        prompt_len = len(prepared.prompt_token_ids)
         params = fit_to_prompt(
-            base,
-            req.max_output_tokens,
-            len(prepared.prompt_token_ids),
-            model.max_model_len,
-            "input",
-            "max_output_tokens",
+            asked.params, req.max_output_tokens, prompt_len, model.max_model_len, "input", "max_output_tokens"
         )
         stream = deadline.stream(orch.stream(request_id, prepared, params, salt))
-        detok = IncrementalDetokenizer(orch.decode, stop=req.stop_strings)
+        text = TextOut(IncrementalDetokenizer(orch.decode, stop=req.stop_strings), asked.tool_format)
         first = await first_or_error(stream)
         first_at = time.monotonic()
         if timed is not None:
             timed.ttft.observe(first_at - start)
         shell = _shell(req, model, request_id)
-        item = OutputMessage(id=message_id(), status="in_progress", content=[OutputTextPart(text="")])
         if req.stream:
-            body = self._sse(model, shell, item, first, stream, detok, (start, first_at), normalized)
+            body = self._sse(asked, shell, first, stream, text, (start, first_at))
             return SSEResponse(body, media_type="text/event-stream")
-        text: list[str] = []
-        tokens, last = 0, first
+        items = OutputItems(render=False)
         try:
             async for out in chain(first, stream):
-                last, tokens = out, tokens + len(out.new_token_ids)
-                text.append(detok.add(out.new_token_ids, final=out.finished))
-                if detok.stopped:
+                items.feed(text.add(out))
+                if text.done:
                     break
         finally:  # a stop string ends it early: the LLM stops now
             await stream.aclose()
         await orch.settle(request_id)
         orch.forget(request_id)
-        self._observe_done(model, (start, first_at), tokens)
-        done = _finished(shell, item, "".join(text), _length_cut(detok, last), last, tokens)
-        return JSONResponse(done.model_dump())
+        self._observe_done(model, (start, first_at), text.tokens)
+        final, _ = items.finished(_ended(shell, text))
+        return JSONResponse(final.model_dump())
 
     async def _sse(
         self,
-        model: ServedModel,
+        asked: Asked,
         shell: ResponseObject,
-        item: OutputMessage,
         first: RequestOutput,
         stream: Stream,
-        detok: IncrementalDetokenizer,
+        text: TextOut,
         times: tuple[float, float],
-        normalized: NormalizedChat,
     ) -> AsyncIterator[str]:
-        orch = model.orchestrator
-        events = ResponseEvents()
-        head = events.head(shell, item)  # goes out with the first text: one write
-        text: list[str] = []
-        tokens, last = 0, first
+        orch = asked.model.orchestrator
+        items = OutputItems()
+        head = items.started(shell)  # goes out with the first text: one write
         try:
             async for out in chain(first, stream):
-                last, tokens = out, tokens + len(out.new_token_ids)
-                piece = detok.add(out.new_token_ids, final=out.finished)
-                if piece:
-                    text.append(piece)
-                    yield head + events.delta(item, piece)
-                    head = ""
-                if detok.stopped or out.finished:
+                events = items.feed(text.add(out))
+                if text.done:
+                    head += events
                     break
+                if events:
+                    yield head + events
+                    head = ""
             await orch.settle(shell.id)
-            self._observe_done(model, times, tokens)
-            done = _finished(shell, item, "".join(text), _length_cut(detok, last), last, tokens)
-            end = head + events.tail(done)
+            self._observe_done(asked.model, times, text.tokens)
+            end = head + items.finished(_ended(shell, text))[1]
         except Exception as e:  # after the 200 went out, errors travel in-band
             api = from_exception(e) or APIError(500, "internal error while generating", code="internal_error")
-            _log_failure(orch, shell.id, normalized, e)
-            end = head + events.failed(shell, api)
+            _log_failure(orch, shell.id, asked.chat, e)
+            end = head + items.failed(shell, api)
         finally:
             orch.forget(shell.id)
             await stream.aclose()
@@ -240,29 +264,26 @@ def _shell(req: ResponsesRequest, model: ServedModel, request_id: str) -> Respon
         metadata=req.metadata or {},
         user=req.user,
         parallel_tool_calls=req.parallel_tool_calls is not False,
+        tools=req.tools or [],
+        tool_choice=req.tool_choice or "auto",
     )
 
 
-def _length_cut(detok: IncrementalDetokenizer, last: RequestOutput) -> bool:
-    return not detok.stopped and last.finish_reason == "length"
-
-
-def _finished(
-    shell: ResponseObject, item: OutputMessage, text: str, cut: bool, last: RequestOutput, tokens: int
-) -> ResponseObject:
-    status = "incomplete" if cut else "completed"
-    message = item.model_copy(update={"status": status, "content": [OutputTextPart(text=text)]})
+def _ended(shell: ResponseObject, text: TextOut) -> ResponseObject:
+    """The response once generating ended: incomplete when the length bound cut it, with usage."""
+    cut = not text.detok.stopped and text.last is not None and text.last.finish_reason == "length"
+    last = text.last
+    assert last is not None, "a response ends after at least one output"
     usage = ResponseUsage(
         input_tokens=last.num_prompt_tokens,
         input_tokens_details=InputTokensDetails(cached_tokens=last.num_cached_tokens),
-        output_tokens=tokens,
-        total_tokens=last.num_prompt_tokens + tokens,
+        output_tokens=text.tokens,
+        total_tokens=last.num_prompt_tokens + text.tokens,
     )
     return shell.model_copy(
         update={
-            "status": status,
+            "status": "incomplete" if cut else "completed",
             "incomplete_details": IncompleteDetails(reason="max_output_tokens") if cut else None,
-            "output": [message],
             "usage": usage,
         }
     )

@@ -10,8 +10,7 @@ stored response or a hosted tool is accepted by the parser only to be refused by
 
 from __future__ import annotations
 
-import time
-import uuid
+from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
@@ -227,6 +226,16 @@ class TextConfig(_Strict):
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
+@dataclass(frozen=True)
+class FunctionTools:
+    """A Responses request's functions, ``tool_choice`` and ``parallel_tool_calls`` as chat has them
+    (router/protocol/tool_choice.py's ``ToolAsk``)."""
+
+    tools: list[ToolDefinition] | None
+    tool_choice: ToolChoice | None
+    parallel_tool_calls: bool | None
+
+
 class ResponsesRequest(SamplingFields):
     """``POST /v1/responses``; the sampling extensions every endpoint takes come from SamplingFields."""
 
@@ -266,6 +275,10 @@ class ResponsesRequest(SamplingFields):
     def format_request(self) -> ResponseFormat | None:
         fmt = self.text.format if self.text is not None else None
         return fmt.as_response_format() if fmt is not None else None
+
+    def tool_ask(self) -> FunctionTools:
+        """What the request says about tools, in chat's shapes (400s naming the field)."""
+        return FunctionTools(self.function_tools(), self.chat_tool_choice(), self.parallel_tool_calls)
 
     def function_tools(self) -> list[ToolDefinition] | None:
         """``tools`` as chat's definitions (after ``refusal``: every one a function), or None."""
@@ -326,74 +339,3 @@ class ResponsesRequest(SamplingFields):
                     f"tools of type {kind!r} are not supported (hosted tools run nowhere here)",
                 )
         return None
-
-
-def response_id() -> str:
-    return f"resp_{uuid.uuid4().hex}"
-
-
-def message_id() -> str:
-    return f"msg_{uuid.uuid4().hex}"
-
-
-class OutputTextPart(BaseModel):
-    type: Literal["output_text"] = "output_text"
-    text: str
-    annotations: list[Any] = Field(default_factory=list)
-    logprobs: list[Any] = Field(default_factory=list)
-
-
-class OutputMessage(BaseModel):
-    type: Literal["message"] = "message"
-    id: str
-    status: Literal["in_progress", "completed", "incomplete"]
-    role: Literal["assistant"] = "assistant"
-    content: list[OutputTextPart]
-
-
-class InputTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class OutputTokensDetails(BaseModel):
-    reasoning_tokens: int = 0
-
-
-class ResponseUsage(BaseModel):
-    input_tokens: int
-    input_tokens_details: InputTokensDetails
-    output_tokens: int
-    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
-    total_tokens: int
-
-
-class IncompleteDetails(BaseModel):
-    reason: Literal["max_output_tokens", "content_filter"]
-
-
-class ResponseObject(BaseModel):
-    """The ``response`` object: the whole answer, and the head and tail of its stream."""
-
-    id: str
-    object: Literal["response"] = "response"
-    created_at: int = Field(default_factory=lambda: int(time.time()))
-    status: Literal["in_progress", "completed", "incomplete", "failed"]
-    error: dict[str, Any] | None = None
-    incomplete_details: IncompleteDetails | None = None
-    instructions: str | None = None
-    max_output_tokens: int | None = None
-    model: str
-    output: list[OutputMessage] = Field(default_factory=list)
-    parallel_tool_calls: bool = True
-    previous_response_id: None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    tool_choice: str | dict[str, Any] = "auto"
-    tools: list[dict[str, Any]] = Field(default_factory=list)
-    text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
-    truncation: Literal["disabled"] = "disabled"
-    store: Literal[False] = False
-    background: Literal[False] = False
-    metadata: dict[str, str] = Field(default_factory=dict)
-    user: str | None = None
-    usage: ResponseUsage | None = None
