@@ -37,7 +37,7 @@ from router.journey.detokenizer import IncrementalDetokenizer
 from router.journey.orchestrator import Orchestrator
 from router.protocol.errors import APIError, bad_request, from_exception
 from router.protocol.messages import NormalizedChat, normalize_messages
-from router.protocol.response_input import chat_messages
+from router.protocol.response_input import chat_messages, in_responses_terms
 from router.protocol.response_object import (
     IncompleteDetails,
     InputTokensDetails,
@@ -146,6 +146,12 @@ class ResponsesService:
             param, why = refused
             raise bad_request(why, code="unsupported_argument", param=param)
         model = self.chat.model_for(req.model)
+        try:
+            return self._in_chat_terms(req, model, tenant)
+        except APIError as e:  # chat's checks name chat's fields: named here as this request has them
+            raise in_responses_terms(e) from None
+
+    def _in_chat_terms(self, req: ResponsesRequest, model: ServedModel, tenant: str | None) -> Asked:
         ask = req.tool_ask()
         tools = template_tools(ask.tools, ask.tool_choice)
         if tools and not model.orchestrator.template_takes_tools:

@@ -8,7 +8,9 @@ message answering its ``call_id``, its parts (text, images) as the tool message'
 
 from __future__ import annotations
 
-from router.protocol.errors import bad_request
+import re
+
+from router.protocol.errors import APIError, bad_request
 from router.protocol.openai import (
     ChatMessage,
     ContentPart,
@@ -66,6 +68,23 @@ def chat_messages(req: ResponsesRequest) -> tuple[list[ChatMessage], list[str]]:
             messages.append(_message(item, where))
         paths.append(where)
     return messages, paths
+
+
+_CHAT_PATH = re.compile(r"(tools\[\d+\])\.function\.|(input\[\d+\])\.tool_call_id")
+
+
+def in_responses_terms(e: APIError) -> APIError:
+    """A 400 that chat's checks raised about the messages or tools, its paths in the Responses
+    request's terms (``tools[0].function.parameters`` -> ``tools[0].parameters``,
+    ``input[2].tool_call_id`` -> ``input[2].call_id``)."""
+
+    def said(text: str) -> str:
+        return _CHAT_PATH.sub(lambda m: f"{m[1]}." if m[1] else f"{m[2]}.call_id", text)
+
+    e.message = said(e.message)
+    e.args = (e.message,)
+    e.param = said(e.param) if e.param is not None else None
+    return e
 
 
 def _message(item: MessageItem, where: str) -> ChatMessage:
