@@ -24,6 +24,7 @@ from router.http.completions import CompletionService
 from router.http.json_limits import DEFAULT_MAX_JSON_VALUES
 from router.http.listener import ConnectionLimits, DirectHTTPServer
 from router.http.metrics import IngressMetrics
+from router.http.responses import ResponsesService
 from router.journey.llm_client import LLMClient
 from router.journey.model_handles import ModelHandles
 from router.journey.orchestrator import Orchestrator
@@ -182,6 +183,7 @@ class IngressServer:
             request_timeout_s=http.request_timeout_s,
         )
         self.completions_service = CompletionService(self.service)
+        self.responses_service = ResponsesService(self.service)
         self.drain_timeout_s = http.drain_timeout_s
         self.http: DirectHTTPServer | None = None
         if http.mode == "direct":
@@ -211,6 +213,15 @@ class IngressServer:
         try:
             tenant = self.keys.authenticate(request.headers.get("authorization"))
             return await self.completions_service.complete(request, tenant)
+        except Exception as e:
+            return self._refused(e)
+
+    @fastapi_app.post("/v1/responses")
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API (router/http/responses.py), stateless."""
+        try:
+            tenant = self.keys.authenticate(request.headers.get("authorization"))
+            return await self.responses_service.respond(request, tenant)
         except Exception as e:
             return self._refused(e)
 
@@ -291,6 +302,10 @@ def build_direct_app(server: IngressServer) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await server.completions(request)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await server.responses(request)
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> JSONResponse:
