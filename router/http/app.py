@@ -255,8 +255,9 @@ class IngressServer:
     @fastapi_app.get("/stats")
     async def stats(self, request: Request) -> JSONResponse:
         """Operator view: encoder-cache counters and encoder items dispatched, per model;
-        ``?pools=true`` adds the pools' own counters (``ModelHandles.pool_stats``)."""
-        self.keys.authenticate(request.headers.get("authorization"))
+        ``?pools=true`` adds the pools' own counters (``ModelHandles.pool_stats``). Counters across
+        tenants: with API keys on, only the operator key sees them (router/http/auth.py)."""
+        self.keys.authenticate_operator(request.headers.get("authorization"))
         pools = request.query_params.get("pools", "").lower() in ("1", "true", "yes")
         out = {}
         for name, cache in self.caches.items():
