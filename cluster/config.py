@@ -187,6 +187,11 @@ class EncoderConfig(_Strict):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     cache_index_shards: int = Field(2, ge=1)
+    cache_index_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="custom Ray resources each encoder-cache shard asks for (a node marker such as "
+        "encoder_node: 0.001 pins the shards to those nodes); default: none, Ray places them",
+    )
     max_queued_embeddings: int | None = Field(
         None, ge=1, description="embeddings one replica's FIFO holds; more: 503; default 16 x the step budget"
     )

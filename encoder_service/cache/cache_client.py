@@ -87,6 +87,7 @@ class ShardSpec:
     num_cpus: float = 0.05
     actor_class: type | None = None
     created_by_clients: bool = True
+    resources: tuple[tuple[str, float], ...] = ()  # custom Ray resources: node markers (encoder_node)
 
     def name(self, index: int) -> str:
         return f"{self.name_prefix}-{index}"
@@ -112,6 +113,8 @@ class ShardSpec:
             # group has one, the shards would take its ranks' CPU and die with that replica.
             "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=None),
         }
+        if self.resources:
+            opts["resources"] = dict(self.resources)
         if self.detached:
             opts["lifetime"] = "detached"
         if self.namespace is not None:
