@@ -36,7 +36,7 @@ from pathlib import Path
 import httpx
 
 from cluster.bench.chaos_load import Load, image_specs, wait_until
-from cluster.bench.chaos_outcomes import HEADERS, report, row
+from cluster.bench.chaos_outcomes import HEADERS, ScenarioReport, report, row
 from cluster.bench.local_cluster import REPO, LocalRayCluster, deploy_config, free_port
 from cluster.bench.stats import markdown_table
 
@@ -161,7 +161,17 @@ class Probes:
         return len(failed), recovered - since
 
 
-async def scenario(cluster: LocalRayCluster, base_url: str, args: argparse.Namespace) -> str:
+@dataclass(frozen=True)
+class HeadResult:
+    report: ScenarioReport  # the load's counts; full_capacity_s: kill -> new requests answered again
+    gcs_down_s: float
+    probes_failed: int
+    probes_sent: int
+    running_after_restart_s: float | None
+    text: str
+
+
+async def scenario(cluster: LocalRayCluster, base_url: str, args: argparse.Namespace) -> HeadResult:
     specs = image_specs(VL, args.requests, 1, 224, seed=77)
     load = Load(base_url, specs, args.concurrency, args.deadline_s, args.max_tokens)
     probes = Probes(base_url, args.probe_every_s)
@@ -184,16 +194,17 @@ async def scenario(cluster: LocalRayCluster, base_url: str, args: argparse.Names
     await probe_task
     failed, unavailable = probes.unavailable_s(kill_at)
     reserved = await asyncio.to_thread(_reserved, base_url)
-    r = report("head-restart", outcomes, kill_at, None, {"reserved": reserved})
+    r = report("head-restart", outcomes, kill_at, unavailable, {"reserved": reserved})
+    sent = sum(1 for p in probes.results if p[0] >= kill_at)
     lines = [
         markdown_table(HEADERS, [row(r)]),
         f"- GCS down {restart_at - kill_at:.1f} s (SIGKILL -> started again)",
-        f"- new requests: {failed} of {sum(1 for p in probes.results if p[0] >= kill_at)} probes after the "
-        f"kill failed; answered again {unavailable:.1f} s after the kill",
+        f"- new requests: {failed} of {sent} probes sent after the kill failed; "
+        f"answered again {unavailable:.1f} s after the kill (the row's 'full capacity after')",
         f"- app RUNNING in `serve status` {_fmt(running_s)} s after the restart",
         *(f"- {n}" for n in r.notes),
     ]
-    return "\n".join(lines)
+    return HeadResult(r, restart_at - kill_at, failed, sent, running_s, "\n".join(lines))
 
 
 def _fmt(x: float | None) -> str:
@@ -226,7 +237,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def run(args: argparse.Namespace) -> str:
+def run(args: argparse.Namespace) -> HeadResult:
     with contextlib.ExitStack() as stack:
         cluster = LocalRayCluster()
         stack.callback(cluster.remove)
@@ -254,8 +265,10 @@ def log(msg: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    print(run(parse_args(argv)), flush=True)
-    return 0
+    result = run(parse_args(argv))
+    print(result.text, flush=True)
+    r = result.report
+    return 1 if r.counts["uncoded"] or r.counts["lost"] or r.leak_count else 0
 
 
 if __name__ == "__main__":
