@@ -246,9 +246,11 @@ async def strike_node(load: Load, cc: ChaosCluster, rejoin_after_s: float) -> St
         await asyncio.to_thread(replica_names, LLM)
     )
     at = time.monotonic()
-    n = await asyncio.to_thread(kill_node, cc)
+    n = kill_node(cc)
     await asyncio.sleep(rejoin_after_s)
-    cc.node = await asyncio.to_thread(lambda: cc.cluster.add_node(num_cpus=2, resources=WORKER))
+    # On this thread: starting a node installs signal handlers (main thread only). Not waiting for
+    # it to register keeps the load's loop running; the capacity watch sees it join.
+    cc.node = cc.cluster.add_node(wait=False, num_cpus=2, resources=WORKER)
     return victims, [f"node A: {n} processes SIGKILLed; a new node started {rejoin_after_s:.0f} s later"], at
 
 
@@ -256,8 +258,8 @@ async def strike_node(load: Load, cc: ChaosCluster, rejoin_after_s: float) -> St
 
 
 async def run_scenario(name: str, cc: ChaosCluster, args: argparse.Namespace) -> ScenarioReport:
-    images = 4 if name == "overlap-kill" else 1
-    size = 336 if name == "overlap-kill" else 224
+    images = {"overlap-kill": 4, "scale-up-kill": 2}.get(name, 1)
+    size = 336 if name != "node-loss" else 224
     specs = image_specs(VL, args.requests, images, size, seed=sum(map(ord, name)))
     load = Load(cc.base_url, specs, args.concurrency, args.deadline_s, args.max_tokens)
     task = asyncio.create_task(load.run())
@@ -283,8 +285,9 @@ def settle_and_read_leaks(timeout_s: float) -> dict[str, object]:
 
     args = cache_index_args(ModelConfig(name=VL, tiny="qwen2-vl", encoder={"cache_index_shards": SHARDS}))
 
-    def empty() -> bool:
-        return at_capacity(TARGETS) and not any(held(VL, args).values())
+    def empty() -> bool:  # each pool back at exactly its target (scaled down), nothing held
+        exact = all(wanted(d) == n for d, n in TARGETS.items())
+        return exact and at_capacity(TARGETS) and not any(held(VL, args).values())
 
     wait_until(empty, timeout_s, 1.0)
     found: dict[str, object] = dict(held(VL, args))
