@@ -194,6 +194,11 @@ class EncoderConfig(_Strict):
         description="client `uuid` names one tenant keeps in the model's encoder cache (LRU of its own): "
         "past it the tenant's oldest name goes, never another tenant's",
     )
+    cache_index_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="custom Ray resources each encoder-cache shard asks for (a node marker such as "
+        "encoder_node: 0.001 pins the shards to those nodes); default: none, Ray places them",
+    )
     max_queued_embeddings: int | None = Field(
         None, ge=1, description="embeddings one replica's FIFO holds; more: 503; default 16 x the step budget"
     )
