@@ -13,7 +13,7 @@ from llm_service.config import EngineConfig
 from llm_service.errors import RequestFaults, RequestRejected
 from llm_service.hybrid_kv_cache_manager import HybridKVCacheManager
 from llm_service.kv_cache_manager import KVCacheManager, cdiv
-from llm_service.kv_handoff import ImportSlots
+from llm_service.kv_handoff import ImportSlots, KVTransferFailed
 from llm_service.model_runner import ModelRunner
 from llm_service.multimodal import MultiModalInput
 from llm_service.outputs import (
@@ -291,6 +291,11 @@ class LLMEngine:
         req = self.scheduler.handed_off[request_id]
         return self.kv.block_table(request_id)[: cdiv(req.num_computed_tokens, self.config.block_size)]
 
+    def handoff_hashes(self, request_id: str) -> list[bytes]:
+        """The chained hashes of a handed-off request's full prompt blocks (empty without prefix caching)."""
+        req = self.scheduler.handed_off[request_id]
+        return list(req.block_hashes[: req.num_prompt_tokens // self.config.block_size])
+
     def release_handoff(self, request_id: str) -> None:
         """Free a handed-off request's blocks (pulled, or past its deadline): they stay cached here."""
         self.scheduler.release_handoff(request_id)
@@ -303,11 +308,14 @@ class LLMEngine:
         mm_inputs: Sequence[MultiModalInput],
         cache_salt: str | None,
         first: RequestOutput,
+        block_hashes: Sequence[bytes] = (),
     ) -> ImportSlots:
         """Blocks for a request prefilled elsewhere, whose first token is ``first``: the leading full
         blocks this prefix cache holds, and new ones for the rest (``ImportSlots``). Its items need
-        no embeddings (their positions are never computed here). Raises ``RequestRejected`` as
-        ``add_request`` does, ``Overloaded`` when the pool is short of blocks."""
+        no embeddings (their positions are never computed here). ``block_hashes``: the prefill side's
+        chained hashes of the full blocks, which must equal this side's (the same tokens, items and
+        salt), else ``KVTransferFailed``. Raises ``RequestRejected`` as ``add_request`` does,
+        ``Overloaded`` when the pool is short of blocks."""
         self._check_handoff_family()
         req = self._new_request(request_id, prompt_token_ids, sampling_params, mm_inputs, cache_salt)
         token = first.new_token_ids[0]
@@ -322,6 +330,10 @@ class LLMEngine:
             )
         req.num_cached_tokens = first.num_cached_tokens  # the prefill side's hit: what saved compute
         self._importing[request_id] = req
+        ours = req.block_hashes[: len(block_hashes)]
+        if self.kv.enable_caching and block_hashes and ours != list(block_hashes):
+            self.cancel_import(request_id)
+            raise KVTransferFailed(f"{request_id}: the prefill side's block hashes differ from this side's")
         return ImportSlots(hits, self.kv.block_table(request_id)[hits:])
 
     def _check_handoff_family(self) -> None:

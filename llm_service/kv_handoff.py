@@ -20,8 +20,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from llm_service.outputs import RequestOutput
+from mmcore.wire import from_fields, to_fields
 
 
 class KVTransferFailed(RuntimeError):
@@ -54,6 +56,15 @@ class KVHandoff:
     @property
     def handed_off(self) -> bool:
         return not self.first.finished
+
+    def to_wire(self) -> dict[str, object]:
+        """Its fields for ``mmcore.wire.pack`` (inside ``LLMRequestSpec``'s form), the first output as
+        its own wire bytes."""
+        return {**to_fields(self, ("first",)), "first": self.first.to_wire()}
+
+    @staticmethod
+    def from_wire(d: dict[str, Any]) -> KVHandoff:  # Any: msgpack's map, checked by from_fields
+        return from_fields(KVHandoff, d, first=RequestOutput.from_wire(d["first"]))
 
 
 @dataclass(frozen=True)
