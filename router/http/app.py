@@ -28,6 +28,7 @@ from router.http.responses import ResponsesService
 from router.journey.llm_client import LLMClient
 from router.journey.model_handles import ModelHandles
 from router.journey.orchestrator import Orchestrator
+from router.journey.pd_client import PDClient
 from router.protocol.errors import APIError, from_exception
 from router.protocol.messages import MessageLimits
 from router.routing.admission import AdmissionController, AdmissionLimits
@@ -96,6 +97,15 @@ def _link(m: IngressModel, pool: str, handle: "DeploymentHandle") -> PoolLinks |
     return m.link_to(handle)
 
 
+def _llm_client(m: IngressModel, pools: dict[str, "DeploymentHandle"]) -> LLMClient:
+    """The model's LLM pool as the journey calls it: one pool (``llm``), or E/P/D's two (``prefill``,
+    ``decode``: router/journey/pd_client.py)."""
+    if "decode" not in pools:
+        return LLMClient(pools["llm"], links=_link(m, "llm", pools["llm"]))
+    prefill, decode = pools["prefill"], pools["decode"]
+    return PDClient(prefill, decode, _link(m, "llm", prefill), _link(m, "llm", decode))
+
+
 def _hit_path(m: IngressModel) -> "RequestPreparer | None":
     """A ``RequestPreparer`` that never encodes: the Orchestrator's hit path (its misses go on to
     ``prepare`` with what it looked up)."""
@@ -150,16 +160,20 @@ class IngressServer:
         self.metrics = IngressMetrics(m.name for m in models)
         self.encoder_items_dispatched: dict[str, int] = {}
         self.caches: dict[str, EncoderCacheClient] = {}
-        from router.http.app import _hit_path, _link  # pickled by value: see build_direct_app below
+        from router.http.app import (
+            _hit_path,
+            _link,
+            _llm_client,
+        )  # pickled by value: see build_direct_app below
 
         served: dict[str, ServedModel] = {}
         for m in models:
             self.caches[m.name] = m.cache
             self.encoder_items_dispatched[m.name] = 0
-            encoder, llm = pools[m.name]["encoder"], pools[m.name]["llm"]
+            encoder = pools[m.name]["encoder"]
             handles = ModelHandles(
                 encoder,
-                LLMClient(llm, links=_link(m, "llm", llm)),
+                _llm_client(m, pools[m.name]),
                 m.cache,
                 _hit_path(m),
                 encoder_links=_link(m, "encoder", encoder),
