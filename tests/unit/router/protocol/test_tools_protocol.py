@@ -12,10 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from mmcore.chat_template import template_takes_tools
 from router.protocol.errors import APIError
 from router.protocol.messages import MessageLimits, normalize_messages, text_only_messages
 from router.protocol.openai import ChatCompletionRequest
-from router.protocol.tool_use import template_takes_tools, template_tools
+from router.protocol.tool_use import template_tools
 from router.protocol.tools import MAX_TOOLS
 
 LIMITS = MessageLimits(64, 256, 1 << 20, {"image": 4, "video": 1, "audio": 1})
