@@ -23,7 +23,7 @@ def answer_format(req: ChatCompletionRequest, format_name: str) -> ToolFormat | 
     """The format the answer is parsed in, or None when no calls are parsed."""
     if not req.tools or req.tool_choice == "none":
         return None
-    return tool_format(format_name)
+    return tool_format(format_name).for_tools({t.function.name: t.function.parameters for t in req.tools})
 
 
 def with_tool_choice(params: SamplingParams, req: ChatCompletionRequest, format_name: str) -> SamplingParams:
