@@ -98,6 +98,7 @@ class CallSyntax:
     list_close: str = ""
     member_end: str = ""  # after each argument (Qwen3.5's ``</parameter>``)
     raw_strings: bool = False  # an argument typed as a string is its raw text (Qwen3.5)
+    identifier_names: bool = False  # a function's name must read as a (dotted) Python name
 
 
 HERMES_SYNTAX = CallSyntax(
@@ -114,7 +115,9 @@ QWEN3_XML_SYNTAX = CallSyntax(
     "", "", "<parameter={}>\n", "\n",
     member_end="\n</parameter>\n", raw_strings=True,
 )  # fmt: skip
-PYTHONIC_SYNTAX = CallSyntax(PYTHON_VALUES, '"{name}" {args}', "(", ")", "{}=", ", ", "[", "]")
+PYTHONIC_SYNTAX = CallSyntax(
+    PYTHON_VALUES, '"{name}" {args}', "(", ")", "{}=", ", ", "[", "]", identifier_names=True
+)
 
 
 def q(text: str) -> str:
@@ -280,6 +283,10 @@ def call_grammar(syntax: CallSyntax, functions: list[tuple[str, Any, str]], *, p
     b = _Builder(syntax)
     calls = []
     for name, params, where in functions:
+        if syntax.identifier_names and not all(part.isidentifier() for part in name.split(".")):
+            raise ToolGrammarError(
+                f"{where}.name", f"{name!r} cannot be called in this model's Python-style calls"
+            )
         args = b.object(params if params is not None else {}, f"{where}.parameters", top=True)
         calls.append(syntax.call.format(name=name.replace("\\", "\\\\").replace('"', '\\"'), args=args))
     one = b.rule(" | ".join(f"({c})" for c in calls))

@@ -51,9 +51,15 @@ def with_tool_choice(params: SamplingParams, req: ChatCompletionRequest, format_
         raise bad_request(
             f"{e} (tool_choice {_said(choice)} holds calls to their schemas)",
             code="bad_tool_choice",
-            param=e.where.split(".parameters")[0] + ".parameters",
+            param=_field(e.where),
         ) from e
     return replace(params, structured=StructuredSpec("grammar", grammar, "tools"))
+
+
+def _field(where: str) -> str:
+    """The request field a place in a schema sits in: ``tools[i].function.parameters`` (or ``.name``)."""
+    head, found, _ = where.partition(".parameters")
+    return head + found
 
 
 def _said(choice: object) -> str:

@@ -111,3 +111,11 @@ def test_schemas_that_cannot_be_held_are_refused_by_place(schema: dict[str, obje
     with pytest.raises(ToolGrammarError) as e:
         call_grammar(TOOL_FORMATS["hermes"].syntax, [("f", schema, "tools[3].function")], parallel=True)
     assert str(e.value).startswith("tools[3].function.parameters") and named in str(e.value)
+
+
+def test_pythonic_calls_need_python_names() -> None:
+    with pytest.raises(ToolGrammarError) as e:
+        call_grammar(
+            TOOL_FORMATS["pythonic"].syntax, [("get-time", None, "tools[0].function")], parallel=False
+        )
+    assert e.value.where == "tools[0].function.name"
