@@ -20,10 +20,12 @@ import argparse
 import asyncio
 import contextlib
 import itertools
+import json
 import os
 import random
 import sys
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -236,11 +238,15 @@ class AppProbe:
             for pid, p in mine.items()
         }
         store = store_use(procs[raylet].title) if raylet is not None else None
-        s = Sample(time.monotonic() - self.t0, phase, sample_procs(mine, kinds), store)
+        entries = cache_entries(self.server.base_url)
+        s = Sample(time.monotonic() - self.t0, phase, sample_procs(mine, kinds), store, entries)
         self.samples.append(s)
         rss = sum(p.rss_bytes for p in s.procs) / 2**20
         used = f"{s.store.used_bytes / 2**20:.1f} MiB / {s.store.num_objects} objects" if s.store else "?"
-        log(f"sample t={s.t_s:.0f}s {phase}: {len(s.procs)} processes, RSS {rss:.0f} MiB, store {used}")
+        log(
+            f"sample t={s.t_s:.0f}s {phase}: {len(s.procs)} processes, RSS {rss:.0f} MiB, store {used}, "
+            f"encoder-cache entries {entries}"
+        )
         return s
 
     async def every(self, period_s: float, phase: Callable[[], str], stop: asyncio.Event) -> None:
@@ -248,6 +254,19 @@ class AppProbe:
             await asyncio.to_thread(self.sample, phase())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), period_s)
+
+
+def cache_entries(base_url: str) -> int | None:
+    """Entries the encoder caches hold (``GET /stats``, summed over models): the embeddings the object
+    store keeps by design, up to each cache's capacity."""
+    try:
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
+            f"{base_url}/stats", timeout=30
+        ) as r:
+            stats = json.loads(r.read())
+        return sum(int(m["encoder_cache"]["entries"]) for m in stats.values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def store_use(raylet_title: str) -> StoreUse | None:
@@ -335,16 +354,23 @@ def report(args: argparse.Namespace, probe: AppProbe, load_t0: float, tally: Tal
         "",
         growth_table(probe.samples, ref_s),
         "",
-        f"worst RSS growth (minute {args.ref_s / 60:g} → end): {100 * v.worst_rss_growth:+.2f} % "
+        f"worst RSS growth (minute {args.ref_s / 60:.3g} → end): {100 * v.worst_rss_growth:+.2f} % "
         f"({v.worst_rss_kind}) {'OK' if v.rss_ok else 'OVER 5 %'}",
-        f"open fds, summed, minute {args.ref_s / 60:g} → end: {v.fd_growth:+d} {'OK' if v.fds_ok else 'GREW'}",
+        f"open fds, summed, minute {args.ref_s / 60:.3g} → end: {v.fd_growth:+d} {'OK' if v.fds_ok else 'GREW'}",
         "object store: baseline "
         + (f"{v.store_baseline / mib:.2f} MiB" if v.store_baseline is not None else "?")
         + ", after the quiet period "
         + (f"{v.store_after / mib:.2f} MiB" if v.store_after is not None else "?")
         + (" OK" if v.store_ok else " NOT BACK"),
+        "encoder-cache entries (embeddings the store keeps by design, up to each cache's capacity): "
+        f"baseline {_entries(probe.samples, 'baseline')}, after the quiet period {_entries(probe.samples, 'quiet')}",
     ]
     return "\n".join(lines)
+
+
+def _entries(samples: list[Sample], phase: str) -> str:
+    got = [s.cache_entries for s in samples if s.phase == phase and s.cache_entries is not None]
+    return str(got[-1]) if got else "?"
 
 
 async def run(args: argparse.Namespace) -> str:

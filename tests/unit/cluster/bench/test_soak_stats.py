@@ -46,7 +46,7 @@ def _run() -> list[Sample]:
         )
         samples.append(Sample(t, "load", tuple(procs), StoreUse(5 * MIB, 40)))
     for i, used in enumerate((3 * MIB, MIB // 2)):
-        samples.append(Sample(600.0 + 60 * i, "quiet", samples[-1].procs, StoreUse(used, 1)))
+        samples.append(Sample(600.0 + 60 * i, "quiet", samples[-1].procs, StoreUse(used, 1), cache_entries=7))
     return samples
 
 
@@ -100,7 +100,9 @@ def test_csv_round_trip_and_the_table() -> None:
     assert text.splitlines()[0].startswith("t_s,phase,series,pid,kind,rss_mib")
     back = from_csv(text)
     assert [(s.t_s, s.phase) for s in back] == [(s.t_s, s.phase) for s in samples]
-    assert back[-1].store == samples[-1].store
+    assert (
+        back[-1].store == samples[-1].store and back[-1].cache_entries == 7 and back[0].cache_entries is None
+    )
     assert [p.rss_bytes for p in back[5].procs] == [p.rss_bytes for p in samples[5].procs]
     table = growth_table(samples, 300.0)
     assert "+10.0 %" in table and "born later" in table and "exited" in table
