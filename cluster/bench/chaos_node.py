@@ -307,7 +307,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--deadline-s", type=float, default=240.0, help="a request open longer is lost")
     p.add_argument("--rejoin-after-s", type=float, default=5.0, help="node-loss: when the new node starts")
     p.add_argument("--recover-timeout-s", type=float, default=300.0)
-    p.add_argument("--settle-timeout-s", type=float, default=120.0)
+    p.add_argument(
+        "--settle-timeout-s", type=float, default=180.0, help="> the cache's 60 s evict grace + a sweep"
+    )
     p.add_argument("--models-dir", default=os.path.expanduser("~/.cache/mmserve/models"))
     args = p.parse_args(argv)
     args.scenario_list = [s.strip() for s in args.scenarios.split(",") if s.strip()]

@@ -390,6 +390,7 @@ class EncoderServer:
         return {
             "queued_embeddings": self._queued_embeds,
             "queued_items": len(self._queue),
+            "owned_embeddings": len(self._owned),  # refs this replica keeps alive for the index
             "inline_values_sent": self._recent.taken,
             **self._step_clock.stats(),
             **(preparer_stats(self.preparer) if self.preparer is not None else {}),
