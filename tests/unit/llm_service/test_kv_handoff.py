@@ -135,3 +135,6 @@ def test_pins_end_once_by_pull_or_deadline() -> None:
     assert pins.take("b") is None  # past its deadline: no pull
     assert pins.expire("b") is True and pins.expire("b") is False
     assert len(pins) == 0
+    old = pins.pin("c", [1], deadline_s=5.0)
+    pins.pin("c", [2], deadline_s=50.0)  # prefilled again: the new pin replaces the old one
+    assert pins.expire("c", old) is False and pins.take("c") == [2]
