@@ -12,6 +12,7 @@ from typing import Annotated, Literal, TypedDict
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, WithJsonSchema, field_validator, model_validator
 
+from encoder_service.cache.uuid_aliases import MAX_ALIASES_PER_TENANT
 from encoder_service.families import FAMILY_NAMES
 
 
@@ -231,6 +232,17 @@ class EncoderConfig(_Strict):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     cache_index_shards: int = Field(2, ge=1)
+    uuid_names_per_tenant: int = Field(
+        MAX_ALIASES_PER_TENANT,
+        ge=1,
+        description="client `uuid` names one tenant keeps in the model's encoder cache (LRU of its own): "
+        "past it the tenant's oldest name goes, never another tenant's",
+    )
+    cache_index_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="custom Ray resources each encoder-cache shard asks for (a node marker such as "
+        "encoder_node: 0.001 pins the shards to those nodes); default: none, Ray places them",
+    )
     max_queued_embeddings: int | None = Field(
         None, ge=1, description="embeddings one replica's FIFO holds; more: 503; default 16 x the step budget"
     )
@@ -356,6 +368,11 @@ class IngressConfig(_Strict):
     )
     api_keys_file: str | None = Field(
         None, description="YAML/JSON mapping API key -> tenant name, read by each ingress replica at start"
+    )
+    operator_api_key: SecretStr | None = Field(
+        None,
+        description="the key that alone sees /stats (counters across tenants) where API keys are on; "
+        "also MMSERVE_OPERATOR_API_KEY",
     )
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     deployment: DeploymentOptions = Field(default_factory=DeploymentOptions)

@@ -71,6 +71,17 @@ def model_modalities(model_dir: str) -> list[str]:
     return list(encoder_family(model_type, model_dir).modalities)
 
 
+def model_tool_format(model_dir: str) -> str:
+    """How the model's family writes tool calls, from the family registry."""
+    import json
+    from pathlib import Path
+
+    from llm_service.models.families import decoder_family
+
+    model_type = json.loads((Path(model_dir) / "config.json").read_text())["model_type"]
+    return decoder_family(model_type, model_dir).tool_format
+
+
 class EncoderServer(encoder_serve.EncoderServer, DirectServed):
     """The encoder pool's replica: ``prepare`` and ``prepare_stream`` also over its direct link."""
 
@@ -99,7 +110,9 @@ class EncoderServer(encoder_serve.EncoderServer, DirectServed):
             num_gpus_per_rank=d.num_gpus,
             resources_per_rank=dict(d.resources),
             model_name=m.name,
-            cache=open_cache_index(*cache_index_args(m), links=links),
+            cache=open_cache_index(
+                *cache_index_args(m), links=links, uuid_names_per_tenant=m.encoder.uuid_names_per_tenant
+            ),
             max_queued_embeddings=m.encoder.max_queued_embeddings or 16 * compute_budget,
             step_embeds=m.encoder.encoder_step_embeds,
             torch_threads=m.encoder.torch_threads,
@@ -228,7 +241,11 @@ class IngressServer(http_app.IngressServer):
                     m.llm.max_model_len,
                     limits,
                     model_modalities(model_dir),
-                    open_cache_index(*cache_index_args(m), links=cfg.ingress.transport == "auto"),
+                    open_cache_index(
+                        *cache_index_args(m),
+                        links=cfg.ingress.transport == "auto",
+                        uuid_names_per_tenant=m.encoder.uuid_names_per_tenant,
+                    ),
                     preprocess_args(m),
                     m.preprocess.hit_path_cache_entries,
                     m.preprocess.hit_path_cache_ttl_s,
@@ -236,6 +253,7 @@ class IngressServer(http_app.IngressServer):
                     # each link call's deadline: the request's own, not the link's 300 s default
                     link_to=functools.partial(pool_links, timeout_s=cfg.ingress.request_timeout_s),
                     overlap_prefill=m.preprocess.overlap_prefill,
+                    tool_format=model_tool_format(model_dir),
                 )
             )
         ing = cfg.ingress
@@ -263,11 +281,14 @@ class IngressServer(http_app.IngressServer):
 
 def ingress_keys(cfg: AppConfig) -> KeyRing:
     """The ingress replica's ``KeyRing``: ``ingress.api_key`` (or ``MMSERVE_API_KEY`` where the replica
-    runs) and ``ingress.api_keys_file`` (read here, on the replica's node: e.g. a mounted Secret)."""
+    runs), ``ingress.api_keys_file`` (read here, on the replica's node: e.g. a mounted Secret) and
+    ``ingress.operator_api_key`` (or ``MMSERVE_OPERATOR_API_KEY``)."""
     import os
 
-    from router.http.auth import API_KEY_ENV, KeyRing
+    from router.http.auth import API_KEY_ENV, OPERATOR_KEY_ENV, KeyRing
 
     ing = cfg.ingress
     api_key = ing.api_key.get_secret_value() if ing.api_key is not None else os.environ.get(API_KEY_ENV)
-    return KeyRing.from_sources(api_key or None, ing.api_keys_file)
+    operator = ing.operator_api_key
+    operator_key = operator.get_secret_value() if operator is not None else os.environ.get(OPERATOR_KEY_ENV)
+    return KeyRing.from_sources(api_key or None, ing.api_keys_file, operator_key or None)

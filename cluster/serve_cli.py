@@ -90,6 +90,12 @@ def add_serve_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="YAML/JSON mapping API key -> tenant name: each tenant has its own uuids and prefix cache",
     )
     p.add_argument(
+        "--operator-api-key",
+        default=None,
+        help="the key that alone sees /stats (counters across tenants) where API keys are on; "
+        "default: $MMSERVE_OPERATOR_API_KEY",
+    )
+    p.add_argument(
         "--metrics-export-port",
         type=int,
         default=None,
@@ -116,6 +122,9 @@ def config_from_args(args: argparse.Namespace) -> AppConfig:
     api_key = getattr(args, "api_key", None) or os.environ.get("MMSERVE_API_KEY")
     if api_key:
         data["ingress"]["api_key"] = api_key
+    operator_key = getattr(args, "operator_api_key", None) or os.environ.get("MMSERVE_OPERATOR_API_KEY")
+    if operator_key:
+        data["ingress"]["operator_api_key"] = operator_key
     if getattr(args, "api_keys_file", None):
         from pathlib import Path
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import inspect
+import json
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
@@ -270,14 +271,15 @@ class Preprocessor:
         request's own bytes first). Both in the sender's namespace only. When nothing is resolved,
         the pointing is returned unsent, for the caller to send beside its lookup."""
         named = {self.uuid_key(it.ref): it.mm_hash for it in items if it.ref.uuid and it.fetched}
+        tenant = items[0].ref.tenant if items else None  # one request: one tenant
         alone = {it.index: self.uuid_key(it.ref) for it in items if it.fetched is None}
         wanted = [k for k in dict.fromkeys(alone.values()) if k not in named]
         found: dict[str, str] = {}
         pointing = None
         if named and wanted:
-            _, found = await asyncio.gather(self.aliases.point(named), self.aliases.resolve(wanted))
+            _, found = await asyncio.gather(self.aliases.point(named, tenant), self.aliases.resolve(wanted))
         elif named:  # every name sent alone is one of these bytes': nothing to wait for
-            pointing = self.aliases.point(named)
+            pointing = self.aliases.point(named, tenant)
         elif wanted:
             found = await self.aliases.resolve(wanted)
         found.update(named)
@@ -366,7 +368,15 @@ class Preprocessor:
         self, template_messages: Sequence[Mapping[str, object]], items: list[MediaItem]
     ) -> PreprocessedRequest:
         hf = self.family.hf
-        text = hf.apply_chat_template(template_messages, add_generation_prompt=True, tokenize=False)
+        tools = template_messages[0].get("tools") if template_messages else None
+        if tools is not None:  # the request's tool definitions ride on its first message
+            template_messages = [
+                {k: v for k, v in template_messages[0].items() if k != "tools"},
+                *template_messages[1:],
+            ]
+        text = hf.apply_chat_template(
+            template_messages, tools=tools, add_generation_prompt=True, tokenize=False
+        )
         text = self.family.prompt_text(text)
         ids = list(self.family.tokenizer(text)["input_ids"])
         out_ids, mm_items = expand_placeholders(self.family, ids, items)
@@ -380,6 +390,8 @@ def _text_chars(template_messages: Sequence[Mapping[str, object]]) -> int:
     """The text the template gets: each message's content is a string or a list of parts (``collect_media``)."""
     n = 0
     for m in template_messages:
+        tool_fields = {k: m[k] for k in ("tools", "tool_calls") if k in m}  # as the template writes them
+        n += len(json.dumps(tool_fields, ensure_ascii=False)) if tool_fields else 0
         content = m["content"]
         if isinstance(content, str):
             n += len(content)

@@ -24,6 +24,7 @@ from router.http.completions import CompletionService
 from router.http.json_limits import DEFAULT_MAX_JSON_VALUES
 from router.http.listener import ConnectionLimits, DirectHTTPServer
 from router.http.metrics import IngressMetrics
+from router.http.responses import ResponsesService
 from router.journey.llm_client import LLMClient
 from router.journey.model_handles import ModelHandles
 from router.journey.orchestrator import Orchestrator
@@ -69,6 +70,9 @@ class IngressModel:
     ] = ()  # pools ("llm", "encoder") called over direct links (mmcore/link/pool_links.py)
     link_to: Callable[["DeploymentHandle"], PoolLinks] | None = None  # cluster/replica_links.py
     overlap_prefill: bool = False  # items handed to the LLM as they are encoded (Orchestrator)
+    tool_format: str = (
+        "hermes"  # how the family writes tool calls (its line in llm_service/models/families.py)
+    )
 
 
 @dataclass(frozen=True)
@@ -182,7 +186,7 @@ class IngressServer:
                 on_encoder_run=self._counter(m.name),
                 overlap_prefill=m.overlap_prefill,
             )
-            served[m.name] = ServedModel(m.name, orch, m.limits, m.max_model_len, m.modalities)
+            served[m.name] = ServedModel(m.name, orch, m.limits, m.max_model_len, m.modalities, m.tool_format)
         self.admission = AdmissionController(admission or AdmissionLimits())
         self.service = ChatService(
             served,
@@ -193,6 +197,7 @@ class IngressServer:
             request_timeout_s=http.request_timeout_s,
         )
         self.completions_service = CompletionService(self.service)
+        self.responses_service = ResponsesService(self.service)
         self.drain_timeout_s = http.drain_timeout_s
         self.http: DirectHTTPServer | None = None
         if http.mode == "direct":
@@ -222,6 +227,15 @@ class IngressServer:
         try:
             tenant = self.keys.authenticate(request.headers.get("authorization"))
             return await self.completions_service.complete(request, tenant)
+        except Exception as e:
+            return self._refused(e)
+
+    @fastapi_app.post("/v1/responses")
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API (router/http/responses.py), stateless."""
+        try:
+            tenant = self.keys.authenticate(request.headers.get("authorization"))
+            return await self.responses_service.respond(request, tenant)
         except Exception as e:
             return self._refused(e)
 
@@ -255,8 +269,9 @@ class IngressServer:
     @fastapi_app.get("/stats")
     async def stats(self, request: Request) -> JSONResponse:
         """Operator view: encoder-cache counters and encoder items dispatched, per model;
-        ``?pools=true`` adds the pools' own counters (``ModelHandles.pool_stats``)."""
-        self.keys.authenticate(request.headers.get("authorization"))
+        ``?pools=true`` adds the pools' own counters (``ModelHandles.pool_stats``). Counters across
+        tenants: with API keys on, only the operator key sees them (router/http/auth.py)."""
+        self.keys.authenticate_operator(request.headers.get("authorization"))
         pools = request.query_params.get("pools", "").lower() in ("1", "true", "yes")
         out = {}
         for name, cache in self.caches.items():
@@ -302,6 +317,10 @@ def build_direct_app(server: IngressServer) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await server.completions(request)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await server.responses(request)
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> JSONResponse:
