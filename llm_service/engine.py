@@ -122,6 +122,7 @@ class LLMEngine:
         a decode replica (``handoff_blocks``, ``release_handoff``)."""
         if handoff:
             self._check_handoff_family()
+            self.scheduler.release_handoff(request_id)  # prefilled again: its earlier hand-off is void
         req = self._new_request(request_id, prompt_token_ids, sampling_params, mm_inputs, cache_salt)
         req.handoff = handoff
         self.scheduler.add_request(req)
