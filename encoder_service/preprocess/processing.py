@@ -274,14 +274,15 @@ class Preprocessor:
         request's own bytes first). Both in the sender's namespace only. When nothing is resolved,
         the pointing is returned unsent, for the caller to send beside its lookup."""
         named = {self.uuid_key(it.ref): it.mm_hash for it in items if it.ref.uuid and it.fetched}
+        tenant = items[0].ref.tenant if items else None  # one request: one tenant
         alone = {it.index: self.uuid_key(it.ref) for it in items if it.fetched is None}
         wanted = [k for k in dict.fromkeys(alone.values()) if k not in named]
         found: dict[str, str] = {}
         pointing = None
         if named and wanted:
-            _, found = await asyncio.gather(self.aliases.point(named), self.aliases.resolve(wanted))
+            _, found = await asyncio.gather(self.aliases.point(named, tenant), self.aliases.resolve(wanted))
         elif named:  # every name sent alone is one of these bytes': nothing to wait for
-            pointing = self.aliases.point(named)
+            pointing = self.aliases.point(named, tenant)
         elif wanted:
             found = await self.aliases.resolve(wanted)
         found.update(named)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal, TypedDict
+from typing import Annotated, Any, ClassVar, Literal, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -145,6 +145,7 @@ class SamplingFields(BaseModel):
     ``/v1/completions`` alike; router/protocol/sampling.py maps it to ``SamplingParams``)."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    format_field: ClassVar[str] = "response_format"  # the field ``format_request`` comes from
 
     model: str
     # Sampling fields are bounded here, each error naming its field (a 400 with ``param``); the
@@ -311,9 +312,23 @@ class ChoiceLogprobs(BaseModel):
     content: list[TokenLogprobEntry] | None = None
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class MessageToolCall(BaseModel):
+    """A call in the answer (router/http/tool_answer.py)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None: the answer is only tool calls
+    tool_calls: list[MessageToolCall] | None = None
 
 
 class Choice(BaseModel):
