@@ -24,6 +24,7 @@ link (cluster/replica_links.py); with ``serve`` it makes actor calls only and no
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Awaitable
 from typing import ClassVar
@@ -65,20 +66,39 @@ def cache_index_args(m: ModelConfig) -> tuple[str, int, int, int]:
     )
 
 
-def owned_shard_spec(name_prefix: str, num_shards: int, capacity: int, largest_item: int = 0) -> ShardSpec:
-    """The shards as the owner creates them and the clients find them (the same spec on both sides)."""
+def owned_shard_spec(
+    name_prefix: str,
+    num_shards: int,
+    capacity: int,
+    largest_item: int = 0,
+    uuid_names_per_tenant: int | None = None,
+) -> ShardSpec:
+    """The shards as the owner creates them and the clients find them (the same spec on both sides).
+    A tenant's uuid names spread over the shards by key hash: each shard keeps its share of the quota."""
     per_shard = shard_capacity(num_shards, capacity, largest_item)
+    names = None if uuid_names_per_tenant is None else -(-uuid_names_per_tenant // num_shards)
     return ShardSpec(
-        name_prefix, per_shard, namespace=NAMESPACE, actor_class=CacheIndexShard, created_by_clients=False
+        name_prefix,
+        per_shard,
+        namespace=NAMESPACE,
+        actor_class=CacheIndexShard,
+        created_by_clients=False,
+        uuid_names_per_tenant=names,
     )
 
 
 def open_cache_index(
-    name_prefix: str, num_shards: int, capacity: int, largest_item: int = 0, *, links: bool = False
+    name_prefix: str,
+    num_shards: int,
+    capacity: int,
+    largest_item: int = 0,
+    *,
+    links: bool = False,
+    uuid_names_per_tenant: int | None = None,
 ) -> EncoderCacheClient:
     """A client of the model's shards (``cache_index_args``), which its owner creates: each is found
     by name on first use. ``links``: the hot methods over direct links (``ingress.transport: auto``)."""
-    spec = owned_shard_spec(name_prefix, num_shards, capacity, largest_item)
+    spec = owned_shard_spec(name_prefix, num_shards, capacity, largest_item, uuid_names_per_tenant)
     return EncoderCacheClient([None] * num_shards, spec, link_to=direct_link if links else None)
 
 
@@ -153,5 +173,6 @@ def cache_index_deployment(config: AppConfig, m: ModelConfig) -> serve.Applicati
         "logging_config": {"enable_access_log": False},
     }
     prefix, num_shards, capacity, largest = cache_index_args(m)
-    spec = owned_shard_spec(prefix, num_shards, capacity, largest)
+    spec = owned_shard_spec(prefix, num_shards, capacity, largest, m.encoder.uuid_names_per_tenant)
+    spec = dataclasses.replace(spec, resources=tuple(sorted(m.encoder.cache_index_resources.items())))
     return serve.deployment(EncoderCacheIndex).options(**opts).bind(spec, num_shards)

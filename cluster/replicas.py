@@ -3,6 +3,8 @@
     IngressServer                  router/http/app.py's, given its config (HTTP, models, admission, keys)
     EncoderServer-<model>          encoder_service/serve/deployment.py's, given its config and a link server
     LLMServer-<model>              llm_service/serve/deployment.py's, given its config and a link server
+    LLMPrefillServer-<model>       E/P/D: the same of role prefill (+ ``prefill``, ``pull_kv`` on its link)
+    LLMDecodeServer-<model>        E/P/D: the same of role decode (links to the prefill replicas: kv_links)
     EncoderCacheIndex-<model>      cluster/cache_shards.py (the owner of the model's cache shards)
 
 Each subclasses the service's class of the same name (imported by module, so the name is one) and adds
@@ -24,7 +26,7 @@ from cluster.budgets import encoder_budgets
 from cluster.cache_shards import cache_index_args, open_cache_index
 from cluster.config import AppConfig, ModelConfig
 from cluster.model_dirs import resolve_model_dir
-from cluster.replica_links import DirectLLM, DirectServed, pool_links
+from cluster.replica_links import DirectLLM, DirectServed, kv_links, pool_links
 from cluster.tracing import setup_tracing
 from encoder_service.serve import deployment as encoder_serve
 from llm_service.serve import deployment as llm_serve
@@ -108,7 +110,9 @@ class EncoderServer(encoder_serve.EncoderServer, DirectServed):
             num_gpus_per_rank=d.num_gpus,
             resources_per_rank=dict(d.resources),
             model_name=m.name,
-            cache=open_cache_index(*cache_index_args(m), links=links),
+            cache=open_cache_index(
+                *cache_index_args(m), links=links, uuid_names_per_tenant=m.encoder.uuid_names_per_tenant
+            ),
             max_queued_embeddings=m.encoder.max_queued_embeddings or 16 * compute_budget,
             step_embeds=m.encoder.encoder_step_embeds,
             torch_threads=m.encoder.torch_threads,
@@ -130,7 +134,9 @@ class EncoderServer(encoder_serve.EncoderServer, DirectServed):
 
 class LLMServer(llm_serve.LLMServer, DirectLLM):
     """The LLM pool's replica: ``submit``, ``abort``, ``arrived`` and its output channel also over its
-    direct link."""
+    direct link. ``ROLE``: ``both``, or E/P/D's (``LLMPrefillServer``, ``LLMDecodeServer``)."""
+
+    ROLE = "both"
 
     def __init__(self, model_json: dict[str, object], cache_dir: str, links: bool) -> None:
         from llm_service.config import EngineConfig
@@ -166,6 +172,12 @@ class LLMServer(llm_serve.LLMServer, DirectLLM):
             embedding_fetch_timeout_s=llm.embedding_fetch_timeout_s,
             max_waiting_requests=llm.max_waiting_requests,
             max_waiting_tokens=llm.max_waiting_tokens or llm.max_waiting_requests * llm.max_model_len,
+            role=self.ROLE,
+            handoff=None
+            if self.ROLE == "both"
+            else llm_serve.HandoffWiring(
+                self.direct_address, kv_links(), llm.handoff_deadline_s, llm.kv_transfer_timeout_s
+            ),
         )
 
     # Serve awaits either form; async here to start the link's listener on the first call.
@@ -178,6 +190,25 @@ class LLMServer(llm_serve.LLMServer, DirectLLM):
             "link_calls": self.link_calls(),
             "link_channel_batches": self.linked_channel_batches,
         }
+
+
+class LLMPrefillServer(LLMServer):
+    """E/P/D's prefill pool: ``prefill`` (prompt, first token, the KV held) and ``pull_kv`` (a decode
+    replica's pull of it), both over its direct link (llm_service/serve/handoff.py)."""
+
+    ROLE = "prefill"
+    DIRECT_METHODS: ClassVar[dict[str, str]] = {
+        **LLMServer.DIRECT_METHODS,
+        "prefill": "prefill",
+        "pull_kv": "pull_kv",
+    }
+
+
+class LLMDecodeServer(LLMServer):
+    """E/P/D's decode pool: ``submit`` of a handed-off request imports its KV from the prefill replica
+    that holds it, then streams its tokens as any LLM replica does."""
+
+    ROLE = "decode"
 
 
 class IngressServer(http_app.IngressServer):
@@ -210,7 +241,11 @@ class IngressServer(http_app.IngressServer):
                     m.llm.max_model_len,
                     limits,
                     model_modalities(model_dir),
-                    open_cache_index(*cache_index_args(m), links=cfg.ingress.transport == "auto"),
+                    open_cache_index(
+                        *cache_index_args(m),
+                        links=cfg.ingress.transport == "auto",
+                        uuid_names_per_tenant=m.encoder.uuid_names_per_tenant,
+                    ),
                     preprocess_args(m),
                     m.preprocess.hit_path_cache_entries,
                     m.preprocess.hit_path_cache_ttl_s,
@@ -246,11 +281,14 @@ class IngressServer(http_app.IngressServer):
 
 def ingress_keys(cfg: AppConfig) -> KeyRing:
     """The ingress replica's ``KeyRing``: ``ingress.api_key`` (or ``MMSERVE_API_KEY`` where the replica
-    runs) and ``ingress.api_keys_file`` (read here, on the replica's node: e.g. a mounted Secret)."""
+    runs), ``ingress.api_keys_file`` (read here, on the replica's node: e.g. a mounted Secret) and
+    ``ingress.operator_api_key`` (or ``MMSERVE_OPERATOR_API_KEY``)."""
     import os
 
-    from router.http.auth import API_KEY_ENV, KeyRing
+    from router.http.auth import API_KEY_ENV, OPERATOR_KEY_ENV, KeyRing
 
     ing = cfg.ingress
     api_key = ing.api_key.get_secret_value() if ing.api_key is not None else os.environ.get(API_KEY_ENV)
-    return KeyRing.from_sources(api_key or None, ing.api_keys_file)
+    operator = ing.operator_api_key
+    operator_key = operator.get_secret_value() if operator is not None else os.environ.get(OPERATOR_KEY_ENV)
+    return KeyRing.from_sources(api_key or None, ing.api_keys_file, operator_key or None)

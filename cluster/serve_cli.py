@@ -67,6 +67,13 @@ def add_serve_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "prefills up to the first item still encoding meanwhile",
     )
     p.add_argument(
+        "--pd",
+        action="store_true",
+        default=None,
+        help="E/P/D: each model's LLM runs as a prefill pool and a decode pool (llm.pools), each of "
+        "the llm deployment's options, the KV moved between them (docs/disaggregation.md)",
+    )
+    p.add_argument(
         "--http-mode",
         choices=["direct", "proxy"],
         default=None,
@@ -81,6 +88,12 @@ def add_serve_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--api-keys-file",
         default=None,
         help="YAML/JSON mapping API key -> tenant name: each tenant has its own uuids and prefix cache",
+    )
+    p.add_argument(
+        "--operator-api-key",
+        default=None,
+        help="the key that alone sees /stats (counters across tenants) where API keys are on; "
+        "default: $MMSERVE_OPERATOR_API_KEY",
     )
     p.add_argument(
         "--metrics-export-port",
@@ -109,6 +122,9 @@ def config_from_args(args: argparse.Namespace) -> AppConfig:
     api_key = getattr(args, "api_key", None) or os.environ.get("MMSERVE_API_KEY")
     if api_key:
         data["ingress"]["api_key"] = api_key
+    operator_key = getattr(args, "operator_api_key", None) or os.environ.get("MMSERVE_OPERATOR_API_KEY")
+    if operator_key:
+        data["ingress"]["operator_api_key"] = operator_key
     if getattr(args, "api_keys_file", None):
         from pathlib import Path
 
@@ -144,7 +160,16 @@ def config_from_args(args: argparse.Namespace) -> AppConfig:
             m["encoder"]["encoder_step_embeds"] = args.encoder_step_embeds
         if getattr(args, "overlap_prefill", None):
             m["preprocess"]["overlap_prefill"] = True
+        if getattr(args, "pd", None) and not m["llm"]["pools"]:
+            m["llm"]["pools"] = pd_pools(m["llm"]["deployment"])
     return AppConfig.model_validate(data)
+
+
+def pd_pools(deployment: Mapping[str, object]) -> list[dict[str, object]]:
+    """``--pd``: a prefill and a decode pool, each with the model's LLM deployment options."""
+    import copy
+
+    return [{"role": role, "deployment": copy.deepcopy(dict(deployment))} for role in ("prefill", "decode")]
 
 
 def _field(dump: Mapping[str, object], key: str) -> dict[str, object]:
@@ -170,6 +195,8 @@ def one_machine_defaults(cfg: AppConfig, data: dict[str, object]) -> None:
             _field(m, "encoder")["cache_index_shards"] = 1
         for pool in ("encoder", "llm"):
             fixed_replica_counts(_field(_field(m, pool), "deployment"))
+        for llm_pool in _field(m, "llm")["pools"]:  # type: ignore[attr-defined]
+            fixed_replica_counts(_field(llm_pool, "deployment"))
 
 
 def fixed_replica_counts(deployment: dict[str, object]) -> None:

@@ -87,6 +87,8 @@ class ShardSpec:
     num_cpus: float = 0.05
     actor_class: type | None = None
     created_by_clients: bool = True
+    uuid_names_per_tenant: int | None = None  # each shard's share of a tenant's quota of uuid names
+    resources: tuple[tuple[str, float], ...] = ()  # custom Ray resources: node markers (encoder_node)
 
     def name(self, index: int) -> str:
         return f"{self.name_prefix}-{index}"
@@ -112,6 +114,8 @@ class ShardSpec:
             # group has one, the shards would take its ranks' CPU and die with that replica.
             "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=None),
         }
+        if self.resources:
+            opts["resources"] = dict(self.resources)
         if self.detached:
             opts["lifetime"] = "detached"
         if self.namespace is not None:
@@ -119,7 +123,12 @@ class ShardSpec:
         return (
             ray.remote(self.actor_class or CacheIndexShard)
             .options(**opts)
-            .remote(self.capacity_per_shard, self.wait_timeout_s, self.lease_s)
+            .remote(
+                self.capacity_per_shard,
+                self.wait_timeout_s,
+                self.lease_s,
+                max_aliases_per_tenant=self.uuid_names_per_tenant,
+            )
         )
 
 
@@ -332,11 +341,11 @@ class EncoderCacheClient:
         )
         return {k: h for ans in answers for k, h in ans.items()}
 
-    async def point(self, aliases: Mapping[str, str]) -> None:
+    async def point(self, aliases: Mapping[str, str], tenant: str | None = None) -> None:
         groups: dict[int, dict[str, str]] = {}
         for key, mm_hash in aliases.items():
             groups.setdefault(shard_of(key, len(self.shards)), {})[key] = mm_hash
-        await gather(*(self._call(s, CacheIndexShard.alias_point, g) for s, g in groups.items()))
+        await gather(*(self._call(s, CacheIndexShard.alias_point, g, tenant) for s, g in groups.items()))
 
     async def stats(self) -> dict[str, int | list[dict[str, int]]]:
         per_shard = await gather(*(self._call(s, CacheIndexShard.stats) for s in range(len(self.shards))))

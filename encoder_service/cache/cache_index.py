@@ -86,6 +86,7 @@ class CacheIndexShard:
         evict_grace_s: float = EVICT_GRACE_S,
         max_aliases: int = MAX_ALIASES,
         start_grace_s: float | None = None,
+        max_aliases_per_tenant: int | None = None,
     ) -> None:
         self.books = EncoderCacheBooks(capacity, lease_s)
         self.refs: dict[str, list[object]] = {}  # mm_hash -> [ObjectRef]
@@ -98,7 +99,7 @@ class CacheIndexShard:
         self._doomed: dict[str, None] = {}  # ref ids invalidated while their hash was reserved
         self._released: dict[str, None] = {}  # request ids released, oldest first (bounded)
         self._recent: OrderedDict[str, tuple[str, float]] = OrderedDict()  # evicted -> (ref id, when)
-        self.aliases = UuidAliases(max_aliases)  # uuid names whose key hashes to this shard
+        self.aliases = UuidAliases(max_aliases, max_aliases_per_tenant)  # names whose key hashes here
         self.lookup_calls = 0  # lookup_or_reserve_batch calls, and the requests' lookups they carried
         self.lookup_requests = 0
 
@@ -270,8 +271,8 @@ class CacheIndexShard:
     async def alias_resolve(self, keys: list[str]) -> dict[str, str]:
         return self.aliases.resolve(keys)
 
-    async def alias_point(self, aliases: dict[str, str]) -> None:
-        self.aliases.point(aliases)
+    async def alias_point(self, aliases: dict[str, str], tenant: str | None = None) -> None:
+        self.aliases.point(aliases, tenant)
 
     async def stats(self) -> dict[str, int]:
         async with self._changed:

@@ -20,42 +20,78 @@ from collections.abc import Mapping
 from typing import Protocol
 
 MAX_ALIASES = 262_144  # names remembered per model (LRU); ~100 bytes each
+MAX_ALIASES_PER_TENANT = 65_536  # of those, at most this many per tenant (encoder.uuid_names_per_tenant)
 
 
 class AliasStore(Protocol):
-    """What the preprocessor needs of the names (``Preprocessor(aliases=...)``)."""
+    """What the preprocessor needs of the names (``Preprocessor(aliases=...)``). ``tenant`` is whose
+    names ``point`` adds (None: the server has no API keys): each tenant has its own quota."""
 
     async def resolve(self, keys: list[str]) -> dict[str, str]: ...
 
-    async def point(self, aliases: Mapping[str, str]) -> None: ...
+    async def point(self, aliases: Mapping[str, str], tenant: str | None = None) -> None: ...
 
 
 class UuidAliases:
-    """alias key → mm_hash, least recently used first; ``max_entries`` bounds it."""
+    """alias key → mm_hash, least recently used first, evicted fairly between tenants.
 
-    def __init__(self, max_entries: int = MAX_ALIASES) -> None:
+    Each tenant's names are an LRU of their own, at most ``max_per_tenant`` long: a tenant past its
+    quota drops its own oldest name. Past ``max_entries`` in all, the tenant holding the most names
+    drops its oldest. So one tenant sending fresh uuids in a loop flushes only its own names, never
+    another's that stays within its share::
+
+        tenant A: [a1 a2 a3]              <- point(A, a4) past A's quota drops a1, never b1
+        tenant B: [b1 b2]
+    """
+
+    def __init__(self, max_entries: int = MAX_ALIASES, max_per_tenant: int | None = None) -> None:
         if max_entries < 1:
             raise ValueError("max_entries must be positive")
+        if max_per_tenant is not None and max_per_tenant < 1:
+            raise ValueError("max_per_tenant must be positive")
         self.max_entries = max_entries
-        self._to_hash: OrderedDict[str, str] = OrderedDict()
+        self.max_per_tenant = min(max_entries, max_per_tenant or max_entries)
+        self._by_tenant: dict[str | None, OrderedDict[str, str]] = {}
+        self._tenant_of: dict[str, str | None] = {}  # alias key -> whose it is
 
     def __len__(self) -> int:
-        return len(self._to_hash)
+        return len(self._tenant_of)
 
-    def point(self, aliases: Mapping[str, str]) -> None:
+    def names_of(self, tenant: str | None) -> int:
+        return len(self._by_tenant.get(tenant, ()))
+
+    def point(self, aliases: Mapping[str, str], tenant: str | None = None) -> None:
+        own = self._by_tenant.setdefault(tenant, OrderedDict())
         for key, mm_hash in aliases.items():
-            self._to_hash[key] = mm_hash
-            self._to_hash.move_to_end(key)
-        while len(self._to_hash) > self.max_entries:
-            self._to_hash.popitem(last=False)
+            previous = self._tenant_of.get(key, tenant)
+            if previous != tenant:  # keys embed the tenant: only a hash collision gets here
+                self._drop(key)
+            own[key] = mm_hash
+            own.move_to_end(key)
+            self._tenant_of[key] = tenant
+        while len(own) > self.max_per_tenant:
+            self._tenant_of.pop(own.popitem(last=False)[0])
+        while len(self._tenant_of) > self.max_entries:
+            largest = max(self._by_tenant.values(), key=len)
+            self._tenant_of.pop(largest.popitem(last=False)[0])
+        if not own:
+            del self._by_tenant[tenant]
+
+    def _drop(self, key: str) -> None:
+        tenant = self._tenant_of.pop(key)
+        names = self._by_tenant[tenant]
+        del names[key]
+        if not names:
+            del self._by_tenant[tenant]
 
     def resolve(self, keys: list[str]) -> dict[str, str]:
         out = {}
         for key in keys:
-            mm_hash = self._to_hash.get(key)
-            if mm_hash is not None:
-                self._to_hash.move_to_end(key)
-                out[key] = mm_hash
+            if key not in self._tenant_of:
+                continue
+            names = self._by_tenant[self._tenant_of[key]]
+            names.move_to_end(key)
+            out[key] = names[key]
         return out
 
 
@@ -63,10 +99,10 @@ class LocalAliases:
     """``AliasStore`` over in-process books."""
 
     def __init__(self, books: UuidAliases | None = None) -> None:
-        self.books = books or UuidAliases()
+        self.books = books if books is not None else UuidAliases()  # an empty one is falsy
 
     async def resolve(self, keys: list[str]) -> dict[str, str]:
         return self.books.resolve(keys)
 
-    async def point(self, aliases: Mapping[str, str]) -> None:
-        self.books.point(aliases)
+    async def point(self, aliases: Mapping[str, str], tenant: str | None = None) -> None:
+        self.books.point(aliases, tenant)

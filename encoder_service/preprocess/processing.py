@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import inspect
 import json
 import time
@@ -33,6 +34,7 @@ from encoder_service.preprocess.errors import (
     InvalidMediaInput,
     MediaDecodeError,
     MMCacheMiss,
+    ToolsUnsupported,
     processed_or_422,
 )
 from encoder_service.preprocess.gathering import gather
@@ -56,6 +58,7 @@ from encoder_service.types import (
     Modality,
     PreprocessedRequest,
 )
+from mmcore.chat_template import template_takes_tools
 from mmcore.feature import ItemFacts
 
 INLINE_TEMPLATE_CHARS = 16_384  # prompts with more text are templated and tokenized on a worker thread
@@ -271,14 +274,15 @@ class Preprocessor:
         request's own bytes first). Both in the sender's namespace only. When nothing is resolved,
         the pointing is returned unsent, for the caller to send beside its lookup."""
         named = {self.uuid_key(it.ref): it.mm_hash for it in items if it.ref.uuid and it.fetched}
+        tenant = items[0].ref.tenant if items else None  # one request: one tenant
         alone = {it.index: self.uuid_key(it.ref) for it in items if it.fetched is None}
         wanted = [k for k in dict.fromkeys(alone.values()) if k not in named]
         found: dict[str, str] = {}
         pointing = None
         if named and wanted:
-            _, found = await asyncio.gather(self.aliases.point(named), self.aliases.resolve(wanted))
+            _, found = await asyncio.gather(self.aliases.point(named, tenant), self.aliases.resolve(wanted))
         elif named:  # every name sent alone is one of these bytes': nothing to wait for
-            pointing = self.aliases.point(named)
+            pointing = self.aliases.point(named, tenant)
         elif wanted:
             found = await self.aliases.resolve(wanted)
         found.update(named)
@@ -363,12 +367,18 @@ class Preprocessor:
             self.stages.media_decode.observe(decoded_at - start, ago=now - decoded_at, mm_hash=it.mm_hash)
             self.stages.preprocess.observe(now - decoded_at, mm_hash=it.mm_hash)
 
+    @functools.cached_property
+    def _template_takes_tools(self) -> bool:
+        return template_takes_tools(getattr(self.family.hf, "chat_template", None))
+
     def _tokenize(
         self, template_messages: Sequence[Mapping[str, object]], items: list[MediaItem]
     ) -> PreprocessedRequest:
         hf = self.family.hf
         tools = template_messages[0].get("tools") if template_messages else None
         if tools is not None:  # the request's tool definitions ride on its first message
+            if not self._template_takes_tools:
+                raise ToolsUnsupported(f"the chat template of model {self.model_id!r} has no place for tools")
             template_messages = [
                 {k: v for k, v in template_messages[0].items() if k != "tools"},
                 *template_messages[1:],

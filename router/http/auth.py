@@ -9,6 +9,12 @@ Only SHA-256 digests of the keys are kept in memory. A presented key's digest is
 stored digest in constant time (``hmac.compare_digest``, no early exit), so neither the comparison
 time nor its position tells anything about the keys. Keys never reach a log line or an error body.
 
+An operator key (``--operator-api-key`` / ``MMSERVE_OPERATOR_API_KEY`` / ``ingress.operator_api_key``)
+alone opens the operator routes (``/stats``: counters across every tenant, which would tell one tenant
+whether another sent an image). Where API keys are on, a tenant's key there is a 403
+``operator_key_required``, as is every key when no operator key is set; with no key of either kind
+configured the server is open, ``/stats`` too. The operator key is kept and compared as the others.
+
 The tenant name scopes what a client can name: its media ``uuid`` values (encoder_service/preprocess/hashing.py)
 and, by default, its prefix-cache salt (``effective_cache_salt``).
 """
@@ -28,6 +34,7 @@ from router.protocol.openai import ErrorBody, error_body
 
 DEFAULT_TENANT = "default"  # the tenant of the single --api-key / MMSERVE_API_KEY key
 API_KEY_ENV = "MMSERVE_API_KEY"
+OPERATOR_KEY_ENV = "MMSERVE_OPERATOR_API_KEY"
 
 
 class Unauthorized(APIError):
@@ -41,6 +48,17 @@ class Unauthorized(APIError):
 
     def headers(self) -> dict[str, str]:
         return {"WWW-Authenticate": "Bearer"}
+
+
+class OperatorKeyRequired(APIError):
+    """403: a valid tenant key on an operator route."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            403,
+            "this route shows counters across tenants: it needs the operator key (--operator-api-key)",
+            code="operator_key_required",
+        )
 
 
 def key_digest(key: str) -> bytes:
@@ -66,15 +84,20 @@ def load_keys_file(path: str | Path) -> dict[str, str]:
 class KeyRing:
     """Which tenant a request's ``Authorization: Bearer <key>`` names; open when empty."""
 
-    def __init__(self, keys: Mapping[str, str] | None = None) -> None:
+    def __init__(self, keys: Mapping[str, str] | None = None, operator_key: str | None = None) -> None:
         self._digests: list[tuple[bytes, str]] = [(key_digest(k), t) for k, t in (keys or {}).items()]
+        self._operator = key_digest(operator_key) if operator_key else None
 
     @classmethod
-    def from_sources(cls, api_key: str | None = None, keys_file: str | None = None) -> KeyRing:
+    def from_sources(
+        cls, api_key: str | None = None, keys_file: str | None = None, operator_key: str | None = None
+    ) -> KeyRing:
         keys = load_keys_file(keys_file) if keys_file else {}
         if api_key:
             keys[api_key] = DEFAULT_TENANT
-        return cls(keys)
+        if operator_key and operator_key in keys:
+            raise ValueError("the operator API key must differ from every tenant's API key")
+        return cls(keys, operator_key)
 
     @property
     def enabled(self) -> bool:
@@ -85,7 +108,31 @@ class KeyRing:
         return {t for _, t in self._digests}
 
     def __repr__(self) -> str:  # never the digests
-        return f"KeyRing({len(self._digests)} keys, {len(self.tenants)} tenants)"
+        operator = ", an operator key" if self._operator else ""
+        return f"KeyRing({len(self._digests)} keys, {len(self.tenants)} tenants{operator})"
+
+    def authenticate_operator(self, authorization: str | None) -> None:
+        """Let an operator route through: open when no key of either kind is configured, else only for
+        the operator key. A tenant's valid key is a 403 ``operator_key_required``; a missing, malformed
+        or unknown one a 401."""
+        if not self._digests and self._operator is None:
+            return
+        if not authorization:
+            raise Unauthorized("missing API key: send the operator key as 'Authorization: Bearer <key>'")
+        scheme, _, key = authorization.strip().partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise Unauthorized("malformed Authorization header: expected 'Bearer <key>'")
+        presented = key_digest(key.strip())
+        is_operator = self._operator is not None and hmac.compare_digest(presented, self._operator)
+        is_tenant = False
+        for digest, _ in self._digests:  # every digest, no early exit, as authenticate()
+            if hmac.compare_digest(presented, digest):
+                is_tenant = True
+        if is_operator:
+            return
+        if is_tenant:
+            raise OperatorKeyRequired()
+        raise Unauthorized("incorrect API key provided")
 
     def authenticate(self, authorization: str | None) -> str | None:
         """The tenant of the key in an ``Authorization`` header value; None when no keys are set.

@@ -140,21 +140,26 @@ def normalize_messages(
     limits: MessageLimits,
     tenant: str | None = None,
     tools: list[dict[str, Any]] | None = None,
+    *,
+    field: str = "messages",
+    paths: Sequence[str] | None = None,
 ) -> NormalizedChat:
     """OpenAI messages -> ``[{"role", "content": str | [{"type": "text"|modality, ...}]}]`` + media refs.
 
     Each media ref carries ``tenant``: its ``uuid`` is a name in that tenant's namespace only.
     ``tools``: the request's checked definitions (``tool_use.template_tools``), put on the first
-    message. Media is read in user and tool messages, in prompt order either way."""
+    message. Media is read in user and tool messages, in prompt order either way. Errors name
+    ``field`` and each message by ``paths[i]`` (``messages[i]`` unless given: another endpoint's
+    request maps its own items onto chat messages)."""
     if len(messages) > limits.max_messages:
-        raise bad_request(f"too many messages: {len(messages)} > {limits.max_messages}", param="messages")
+        raise bad_request(f"too many messages: {len(messages)} > {limits.max_messages}", param=field)
     out: list[NormalizedMessage] = []
     media: list[MediaRef] = []
     num_parts = 0
     called: set[str] = set()  # ids of the calls the history's assistant messages made
     for i, msg in enumerate(messages):
         role = "system" if msg.role == "developer" else msg.role
-        extra = _tool_fields(msg, i, called)
+        extra = _tool_fields(msg, paths[i] if paths is not None else f"messages[{i}]", called)
         if msg.content is None or isinstance(msg.content, str):
             out.append({"role": role, "content": msg.content or "", **extra})  # type: ignore[typeddict-item]
             num_parts += 1
@@ -162,7 +167,7 @@ def normalize_messages(
         parts: list[NormalizedPart] = []
         for j, part in enumerate(msg.content):
             num_parts += 1
-            where = f"messages[{i}].content[{j}]"
+            where = f"{paths[i] if paths is not None else f'messages[{i}]'}.content[{j}]"
             if isinstance(part, TextPart):
                 parts.append({"type": "text", "text": part.text})
                 continue
@@ -175,9 +180,7 @@ def normalize_messages(
             media.append(ref)
         out.append({"role": role, "content": parts, **extra})  # type: ignore[typeddict-item]
     if num_parts > limits.max_content_parts:
-        raise bad_request(
-            f"too many content parts: {num_parts} > {limits.max_content_parts}", param="messages"
-        )
+        raise bad_request(f"too many content parts: {num_parts} > {limits.max_content_parts}", param=field)
     if tools:
         out[0]["tools"] = tools
     chat = NormalizedChat(out, media)
@@ -190,22 +193,22 @@ def normalize_messages(
     return chat
 
 
-def _tool_fields(msg: ChatMessage, i: int, called: set[str]) -> dict[str, Any]:
+def _tool_fields(msg: ChatMessage, at: str, called: set[str]) -> dict[str, Any]:
     """The message's tool fields as the template reads them, checked against the history so far:
     calls only in assistant messages (arguments a JSON object), a tool message answering a call an
     earlier assistant message made. Each error is a 400 naming the field."""
     if msg.tool_calls is not None and msg.role != "assistant":
-        where = f"messages[{i}].tool_calls"
+        where = f"{at}.tool_calls"
         raise bad_request(f"{where}: only assistant messages carry tool calls", param=where)
     if msg.tool_call_id is not None and msg.role != "tool":
-        where = f"messages[{i}].tool_call_id"
+        where = f"{at}.tool_call_id"
         raise bad_request(f"{where}: only tool messages answer a tool call", param=where)
     if msg.tool_calls:
         called.update(call.id for call in msg.tool_calls)
-        return {"tool_calls": template_tool_calls(msg.tool_calls, f"messages[{i}].tool_calls")}
+        return {"tool_calls": template_tool_calls(msg.tool_calls, f"{at}.tool_calls")}
     if msg.role != "tool":
         return {}
-    where = f"messages[{i}].tool_call_id"
+    where = f"{at}.tool_call_id"
     if msg.tool_call_id is None:
         raise bad_request(f"{where}: a tool message needs the id of the call it answers", param=where)
     if msg.tool_call_id not in called:

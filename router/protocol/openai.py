@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal, TypedDict
+from typing import Annotated, Any, ClassVar, Literal, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -145,6 +145,7 @@ class SamplingFields(BaseModel):
     ``/v1/completions`` alike; router/protocol/sampling.py maps it to ``SamplingParams``)."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    format_field: ClassVar[str] = "response_format"  # the field ``format_request`` comes from
 
     model: str
     # Sampling fields are bounded here, each error naming its field (a 400 with ``param``); the

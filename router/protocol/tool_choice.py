@@ -8,25 +8,39 @@ functions, their arguments held to their schemas; ``parallel_tool_calls: false``
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
+from typing import Protocol
 
 from llm_service.sampling_params import SamplingParams
 from llm_service.structured.spec import StructuredSpec
 from llm_service.tools.formats import ToolFormat, tool_format
 from llm_service.tools.grammar import ToolGrammarError, call_grammar
 from router.protocol.errors import bad_request
-from router.protocol.openai import ChatCompletionRequest
-from router.protocol.tools import NamedToolChoice
+from router.protocol.tools import NamedToolChoice, ToolChoice, ToolDefinition
 
 
-def answer_format(req: ChatCompletionRequest, format_name: str) -> ToolFormat | None:
+class ToolAsk(Protocol):
+    """What a request says about tools (a chat request; a Responses request's, in chat's shapes)."""
+
+    @property
+    def tools(self) -> Sequence[ToolDefinition] | None: ...
+
+    @property
+    def tool_choice(self) -> ToolChoice | None: ...
+
+    @property
+    def parallel_tool_calls(self) -> bool | None: ...
+
+
+def answer_format(req: ToolAsk, format_name: str) -> ToolFormat | None:
     """The format the answer is parsed in, or None when no calls are parsed."""
     if not req.tools or req.tool_choice == "none":
         return None
     return tool_format(format_name).for_tools({t.function.name: t.function.parameters for t in req.tools})
 
 
-def with_tool_choice(params: SamplingParams, req: ChatCompletionRequest, format_name: str) -> SamplingParams:
+def with_tool_choice(params: SamplingParams, req: ToolAsk, format_name: str) -> SamplingParams:
     """``params`` constrained to calls when ``tool_choice`` asks for them (a 400 naming the field
     when it cannot be)."""
     choice = req.tool_choice

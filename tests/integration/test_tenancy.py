@@ -32,6 +32,7 @@ from tests.media import make_image_bytes
 
 MODEL = "tiny-qwen2-vl"
 KEYS = {"alpha": "sk-alpha-7d1f0c", "beta": "sk-beta-93ab2e"}
+OPERATOR_KEY = "sk-operator-4c02de"  # /stats: counters across tenants
 TIMEOUT_S = 8.0
 MAX_TOKENS = 8
 LONG_TOKENS = 60_000  # a generation no 2-core host finishes within TIMEOUT_S (~0.7 ms a token at best)
@@ -69,6 +70,7 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             "ingress": {
                 "http_mode": "direct",
                 "api_keys_file": str(keys_file),
+                "operator_api_key": OPERATOR_KEY,
                 "request_timeout_s": TIMEOUT_S,
             },
         }
@@ -105,10 +107,30 @@ def test_keys_are_required_everywhere_but_health(app: dict[str, Any], mode: str)
         assert "sk-" not in r.text
     for path in ("/v1/models", "/stats"):
         assert httpx.get(f"{base}{path}", timeout=60).status_code == 401
-        assert httpx.get(f"{base}{path}", headers=_auth("beta"), timeout=60).status_code == 200
+    assert httpx.get(f"{base}/v1/models", headers=_auth("beta"), timeout=60).status_code == 200
+    operator = {"Authorization": f"Bearer {OPERATOR_KEY}"}
+    r = httpx.post(f"{base}/v1/chat/completions", json=body, headers=operator, timeout=60)
+    assert r.status_code == 401, r.text  # the operator key is no tenant's: it opens /stats only
     assert httpx.get(f"{base}/health", timeout=60).status_code == 200
     r = httpx.post(f"{base}/v1/chat/completions", json=body, headers=_auth("alpha"), timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+
+
+@pytest.mark.parametrize("mode", ["direct", "proxy"])
+def test_stats_show_counters_across_tenants_to_the_operator_key_alone(app: dict[str, Any], mode: str) -> None:
+    """/stats tells whether anyone sent an image (its cache hits and misses, across tenants): a
+    tenant's key there is a 403 naming the operator key; the operator key sees the counters."""
+    base = app[mode]
+    for tenant in KEYS:
+        r = httpx.get(f"{base}/stats", headers=_auth(tenant), timeout=60)
+        assert r.status_code == 403, r.text
+        err = r.json()["error"]
+        assert err["code"] == "operator_key_required" and "operator key" in err["message"]
+    for bad in ("Bearer sk-wrong", f"Bearer {OPERATOR_KEY}x"):
+        assert httpx.get(f"{base}/stats", headers={"Authorization": bad}, timeout=60).status_code == 401
+    r = httpx.get(f"{base}/stats", headers={"Authorization": f"Bearer {OPERATOR_KEY}"}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert set(r.json()[MODEL]["encoder_cache"]) >= {"hits", "misses", "uuid_names"}
 
 
 def _image_part(data: bytes | None, name: str | None) -> dict[str, Any]:

@@ -23,7 +23,12 @@ IGNORED_ENV_VARS = {
     "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S",
 }
 # Deployment name prefix -> the policy class that must scale it (the classes, not the app's strings).
-POOL_POLICIES: dict[str, type] = {"EncoderServer": EncoderQueuePolicy, "LLMServer": LLMLoadPolicy}
+POOL_POLICIES: dict[str, type] = {
+    "EncoderServer": EncoderQueuePolicy,
+    "LLMServer": LLMLoadPolicy,
+    "LLMPrefillServer": LLMLoadPolicy,
+    "LLMDecodeServer": LLMLoadPolicy,
+}
 
 
 def pool_options(model: ModelConfig) -> dict[str, dict[str, Any]]:
@@ -31,8 +36,12 @@ def pool_options(model: ModelConfig) -> dict[str, dict[str, Any]]:
     (test_cluster_yamls checks this against Serve's own build of the app)."""
     enc = deployment_options(model.encoder.deployment, f"EncoderServer-{model.name}", ENCODER_POLICY)
     enc.update(encoder_placement(model))
-    llm = deployment_options(model.llm.deployment, f"LLMServer-{model.name}", LLM_POLICY)
-    return {enc["name"]: enc, llm["name"]: llm}
+    out = {enc["name"]: enc}
+    names = {"both": "LLMServer", "prefill": "LLMPrefillServer", "decode": "LLMDecodeServer"}
+    for role in model.llm.roles:  # one pool, or E/P/D's two
+        llm = deployment_options(model.llm.pool(role), f"{names[role]}-{model.name}", LLM_POLICY)
+        out[llm["name"]] = llm
+    return out
 
 
 def ray_autoscaling(opts: dict[str, Any]) -> RayAutoscalingConfig:

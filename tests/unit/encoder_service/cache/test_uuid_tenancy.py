@@ -84,3 +84,54 @@ def test_names_are_bounded_least_recently_used_first() -> None:
     assert books.resolve(["a", "b", "c"]) == {"a": "h1", "c": "h3"}
     books.point({"a": "h4"})  # re-pointed
     assert asyncio.run(LocalAliases(books).resolve(["a"])) == {"a": "h4"} and len(books) == 2
+
+
+def test_one_tenant_cannot_flush_another_tenants_names(vl: Preprocessor) -> None:
+    """B names 30 images; A then names 100, past its quota of 32 and past the table's 64: A's oldest
+    names go, B's all stay (one shared LRU for all tenants flushed all 30 of B's)."""
+    vl.aliases = LocalAliases(UuidAliases(max_entries=64, max_per_tenant=32))
+    cache = Cache()
+    images = [make_image_bytes(32, 32, seed=100 + i) for i in range(30)]
+    b_hashes = [_send(vl, cache, "B", img, f"b{i}") for i, img in enumerate(images)]
+    for i in range(100):
+        _send(vl, cache, "A", RED, f"a{i}")
+    left = []
+    for i, want in enumerate(b_hashes):
+        try:
+            left.append(_send(vl, cache, "B", None, f"b{i}") == want)
+        except MMCacheMiss:
+            left.append(False)
+    assert sum(left) == 30, f"{sum(left)} of B's 30 names left"
+    assert _send(vl, cache, "A", None, "a99") == _send(vl, cache, None, RED, None)  # A keeps its newest
+
+
+def test_a_tenant_past_its_quota_drops_its_own_oldest_names() -> None:
+    books = UuidAliases(max_entries=100, max_per_tenant=10)
+    books.point({f"b{i}": f"hb{i}" for i in range(5)}, tenant="B")
+    for i in range(50):
+        books.point({f"a{i}": f"ha{i}"}, tenant="A")
+    assert books.names_of("A") == 10 and books.names_of("B") == 5 and len(books) == 15
+    assert books.resolve([f"a{i}" for i in range(50)]) == {f"a{i}": f"ha{i}" for i in range(40, 50)}
+    assert len(books.resolve([f"b{i}" for i in range(5)])) == 5
+    books.point({"n": "h"})  # the keyless server's names are one more tenant (None)
+    assert books.names_of(None) == 1 and books.resolve(["n"]) == {"n": "h"}
+    with pytest.raises(ValueError, match="max_per_tenant"):
+        UuidAliases(max_entries=4, max_per_tenant=0)
+
+
+def test_the_quota_comes_from_the_config_and_each_shard_keeps_it() -> None:
+    from cluster.config import EncoderConfig
+    from encoder_service.cache.cache_index import CacheIndexShard
+
+    assert EncoderConfig().uuid_names_per_tenant == 65_536
+    with pytest.raises(ValueError, match="uuid_names_per_tenant"):
+        EncoderConfig(uuid_names_per_tenant=0)
+    shard = CacheIndexShard(64, max_aliases_per_tenant=3)
+
+    async def go() -> dict[str, str]:
+        await shard.alias_point({"b": "hb"}, "B")
+        for i in range(10):
+            await shard.alias_point({f"a{i}": "ha"}, "A")
+        return await shard.alias_resolve(["b"] + [f"a{i}" for i in range(10)])
+
+    assert sorted(asyncio.run(go())) == ["a7", "a8", "a9", "b"]

@@ -54,3 +54,28 @@ def test_cache_salt_is_the_requests_when_open_and_always_the_tenants_with_keys()
     assert len(salts) == 6 and "s" not in salts and None not in salts
     # a client cannot pick a salt that lands in another tenant's space
     assert effective_cache_salt("a", '","b') != effective_cache_salt("a\\", "b")
+
+
+def test_operator_routes_need_the_operator_key_where_keys_are_on() -> None:
+    from router.http.auth import OperatorKeyRequired
+
+    KeyRing().authenticate_operator(None)  # no keys at all: open, as before
+    ring = KeyRing({"sk-a": "team-a"}, operator_key="sk-op")
+    ring.authenticate_operator("Bearer sk-op")
+    with pytest.raises(OperatorKeyRequired) as e:
+        ring.authenticate_operator("Bearer sk-a")
+    assert e.value.status_code == 403 and e.value.body()["error"]["code"] == "operator_key_required"
+    for header in (None, "Bearer sk-o", "Basic sk-op"):
+        with pytest.raises(Unauthorized):
+            ring.authenticate_operator(header)
+    with pytest.raises(Unauthorized):
+        ring.authenticate("Bearer sk-op")  # the operator key is no tenant's key
+    with pytest.raises(OperatorKeyRequired):  # keys on, no operator key: nobody sees the counters
+        KeyRing({"sk-a": "team-a"}).authenticate_operator("Bearer sk-a")
+    only_operator = KeyRing(operator_key="sk-op")  # the API stays open; /stats does not
+    assert only_operator.authenticate(None) is None
+    with pytest.raises(Unauthorized):
+        only_operator.authenticate_operator(None)
+    assert "sk-op" not in repr(ring) and "an operator key" in repr(ring)
+    with pytest.raises(ValueError, match="operator API key must differ"):
+        KeyRing.from_sources("sk-same", operator_key="sk-same")

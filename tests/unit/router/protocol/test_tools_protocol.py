@@ -8,12 +8,15 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from mmcore.chat_template import template_takes_tools
 from router.protocol.errors import APIError
 from router.protocol.messages import MessageLimits, normalize_messages, text_only_messages
 from router.protocol.openai import ChatCompletionRequest
-from router.protocol.tool_use import template_takes_tools, template_tools
+from router.protocol.tool_use import template_tools
 from router.protocol.tools import MAX_TOOLS
 
 LIMITS = MessageLimits(64, 256, 1 << 20, {"image": 4, "video": 1, "audio": 1})
@@ -227,3 +230,39 @@ def test_unicode_in_arguments_survives() -> None:
     req = ChatCompletionRequest.model_validate(body)
     chat = normalize_messages(req.messages, LIMITS)
     assert chat.messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Zürich"}
+
+
+JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.text(max_size=8)
+    | st.sampled_from(["object", "string", "array"]),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(
+            st.sampled_from(
+                ["type", "properties", "required", "items", "anyOf", "enum", "$defs", "not", "x"]
+            ),
+            inner,
+            max_size=5,
+        )
+    ),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(JSON)
+def test_any_parameters_are_a_schema_or_a_400_naming_them(parameters: object) -> None:
+    """Whatever JSON a client puts in ``parameters``: accepted, or a 400 naming the field (never a 500)."""
+    body = _with(["tools"], [{"type": "function", "function": {"name": "f", "parameters": parameters}}])
+    try:
+        req = ChatCompletionRequest.model_validate(body)
+    except ValidationError as e:
+        assert e.errors()[0]["loc"][:4] == ("tools", 0, "function", "parameters")
+        return
+    try:
+        template_tools(req.tools, req.tool_choice)
+    except APIError as e:
+        assert (e.status_code, e.param) == (400, "tools[0].function.parameters")
