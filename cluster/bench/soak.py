@@ -67,7 +67,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--serve-args", default="", help="more `mmserve serve` flags (e.g. `--num-cpus 4`)")
     p.add_argument("--minutes", type=float, default=20.0, help="load duration")
     p.add_argument("--capacity-rps", type=float, default=None, help="skip the ramp: capacity in requests/s")
-    p.add_argument("--ramp", default="1,2,4", help="closed-loop concurrencies of the capacity ramp")
+    p.add_argument(
+        "--ramp",
+        default="1,2,4,8,16",
+        help="closed-loop concurrencies of the capacity ramp, in order; it stops once a step gains < 10 %%",
+    )
     p.add_argument("--ramp-step-s", type=float, default=30.0)
     p.add_argument("--load-fraction", type=float, default=0.8)
     p.add_argument("--max-in-flight", type=int, default=32, help="arrivals past this are counted, not sent")
@@ -166,6 +170,11 @@ async def one(
 
 
 # -- capacity and load -----------------------------------------------------------------------------------
+
+
+def ramp_goes_on(rates: list[float], gain: float = 1.10) -> bool:
+    """Another ramp step is worth it while the last one raised the best rate by ``gain`` or more."""
+    return len(rates) < 2 or rates[-1] >= gain * max(rates[:-1])
 
 
 async def closed_loop(
@@ -316,9 +325,11 @@ async def drive(args: argparse.Namespace, server: ServerProcess, probe: AppProbe
         if not r.ok:
             raise RuntimeError(f"seeding a uuid image failed: {r.error}")
     if args.capacity_rps is None:
-        rates = [
-            await closed_loop(client, base, mix, int(c), args.ramp_step_s, args) for c in args.ramp.split(",")
-        ]
+        rates: list[float] = []
+        for c in args.ramp.split(","):
+            rates.append(await closed_loop(client, base, mix, int(c), args.ramp_step_s, args))
+            if not ramp_goes_on(rates):
+                break
         capacity = max(rates)
     else:
         capacity = args.capacity_rps

@@ -113,3 +113,11 @@ def test_plot_series_sum_each_kind() -> None:
     xs, ys = series["LLMServer-m"]
     assert xs[0] == -0.5 and ys[0] == 300.0  # pids 1 and 2 at the baseline
     assert figure(_run(), 30.0, 300.0).axes[2].get_title() == "object store in use (MiB)"
+
+
+def test_the_ramp_stops_once_throughput_stops_growing() -> None:
+    from cluster.bench.soak import ramp_goes_on
+
+    assert ramp_goes_on([1.6]) and ramp_goes_on([1.6, 3.3]) and ramp_goes_on([1.6, 3.3, 6.8])
+    assert not ramp_goes_on([1.6, 3.3, 6.8, 7.0])  # +3 %: saturated
+    assert not ramp_goes_on([1.6, 3.3, 6.8, 5.0])
