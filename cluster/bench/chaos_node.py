@@ -135,8 +135,9 @@ def chaos_cluster(port: int, cache_dir: str) -> Iterator[ChaosCluster]:
 
     apply_serve_env()  # read by the Serve processes each node starts
     head = {"num_cpus": 2, "resources": {"head_node": 1.0}, "include_dashboard": False}
-    c = Cluster(initialize_head=True, head_node_args=head)
+    c = Cluster(initialize_head=False)
     try:
+        c.add_node(**head)  # the first node is the head; in here, a failed start is shut down too
         node = c.add_node(num_cpus=2, resources=WORKER)
         c.wait_for_nodes()
         ray.init(address=c.address, namespace="mmserve")
