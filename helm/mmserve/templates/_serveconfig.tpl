@@ -38,7 +38,13 @@ applications:
 {{- $role := $entry.role }}
 {{- $pv := mergeOverwrite (deepCopy $p.llm) (deepCopy ((get $p $role) | default dict)) }}
 {{- $marker := (get $pl (printf "%sResource" $role)) | default $pl.llmResource }}
-{{- $pol := include "mmserve.policy" (dict "function" "cluster.autoscaling_policy:LLMLoadPolicy" "values" $pv.policy) | fromJson }}
+{{- $fn := "cluster.autoscaling_policy:LLMLoadPolicy" }}
+{{- $polValues := $pv.policy }}
+{{- if eq $role "prefill" }}{{- /* prompt tokens to compute: its own policy, its own kwargs */}}
+{{- $fn = "cluster.autoscaling_policy:PrefillQueuePolicy" }}
+{{- $polValues = (get ((get $p "prefill") | default dict) "policy") | default dict }}
+{{- end }}
+{{- $pol := include "mmserve.policy" (dict "function" $fn "values" $polValues) | fromJson }}
 {{- $dep := include "mmserve.deployment" (dict "name" $role "pool" $pv "gpus" true "resources" (dict $marker $pl.markerAmount) "policy" $pol) | fromYaml }}
 {{- $roles = append $roles (dict "role" $role "deployment" $dep) }}
 {{- end }}

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from llm_service.config import EngineConfig
-from llm_service.request_spec import LLMRequestSpec
+from llm_service.request_spec import LLMRequestSpec, ReplicaTarget
 from llm_service.sampling_params import SamplingParams
 from llm_service.serve.deployment import HandoffWiring, LLMServer
 from router.journey.pd_client import PDClient
@@ -141,5 +141,53 @@ def test_an_unpulled_handoff_is_freed_at_its_deadline(tiny_vl_dir: Path) -> None
         assert engine.stats().num_free_blocks == 64  # freed, still cached: a repeat hits them
         with pytest.raises(Exception, match="no KV held"):
             await prefill.pull_kv("x", 0)
+
+    asyncio.run(scenario())
+
+
+class DyingDecodeHandle(FakeLLMHandle):
+    """The decode pool: its replica dies when the ingress opens the first output channel; Serve then
+    routes everything to the successor (``successor``)."""
+
+    def __init__(self, server: LLMServer, successor: LLMServer) -> None:
+        super().__init__(server)
+        self.successor = successor
+
+    @property
+    def channel(self) -> Any:
+        if self.server is self.successor:
+            return super().channel
+
+        def dead(target: Any) -> Any:
+            self.server = self.successor
+
+            class Gone:
+                def __aiter__(self) -> Any:
+                    return self
+
+                async def __anext__(self) -> Any:
+                    raise ActorDiedError("the decode replica died")
+
+                def cancel(self) -> None:
+                    pass
+
+            return Gone()
+
+        return SimpleNamespace(remote=dead)
+
+
+def test_a_decode_replica_lost_before_the_first_output_is_prefilled_again(
+    tiny_vl_dir: Path, colocated: list[int]
+) -> None:
+    async def scenario() -> None:
+        prefill = _server(tiny_vl_dir, "prefill")
+        link = FlakyLink(prefill)
+        dying, successor = _server(tiny_vl_dir, "decode", link), _server(tiny_vl_dir, "decode", link)
+        client = PDClient(PrefillHandle(prefill), DyingDecodeHandle(dying, successor), reroute_timeout_s=5.0)
+        assert await _tokens(client, "d") == colocated
+        assert client.prefilled_again == 1 and client.rerouted == 1
+        assert prefill.kv_stats.handoffs == prefill.kv_stats.pulls == 2  # the second pin was pulled too
+        assert (dying.kv_stats.imports, successor.kv_stats.imports) == (1, 1)
+        await dying.abort(ReplicaTarget(dying.replica_id, request_ids=("d",)))  # (the "dead" one's leftovers)
 
     asyncio.run(scenario())
