@@ -44,3 +44,13 @@ FUZZ_SECONDS ?= 600
 .PHONY: fuzz
 fuzz: setup
 	$(PY) -m cluster.bench.fuzz --all --seconds $(FUZZ_SECONDS)
+
+# The chaos tier (tests/integration/chaos: node loss, kills during scale-up and overlap prefill, a head
+# restart with GCS fault tolerance): minutes each, deselected from `make test` by pyproject's addopts.
+# The head-restart test needs redis-server (Debian: apt-get install -y redis-server).
+.PHONY: chaos
+chaos: setup
+	@command -v redis-server >/dev/null || { echo "installing redis-server (GCS fault tolerance)"; \
+	  apt-get update -qq && apt-get install -y -qq redis-server; }
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) -m chaos tests/integration/chaos; rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc

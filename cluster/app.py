@@ -2,6 +2,9 @@
 
   IngressServer ─┬─▶ EncoderServer-<model>  (GPU; prepares its requests; router: fewest queued embeddings)
                  └─▶ LLMServer-<model>      (GPU; router: prefix-cache affinity; tokens back on output channels)
+  or, E/P/D (``llm.pools``), in place of LLMServer-<model>:
+                 ├─▶ LLMPrefillServer-<model> (prompt + first token; router: prefix-cache affinity)
+                 └─▶ LLMDecodeServer-<model>  (pulls the KV from the prefill replica; router: free KV, load)
   plus the model's shared encoder-cache index: named Ray actors, sharded by mm_hash, owned by an
   EncoderCacheIndex-<model> deployment (cluster/cache_shards.py), so they end with the application. The ingress
   calls both pools over direct links (mmcore/link/pool_links.py), or through Serve's handles under
@@ -17,7 +20,7 @@ from __future__ import annotations
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from cluster.autoscaling_policy import ENCODER_POLICY, LLM_POLICY
+from cluster.autoscaling_policy import ENCODER_POLICY, LLM_POLICY, PREFILL_POLICY
 from cluster.cache_shards import cache_index_deployment
 from cluster.config import AppConfig, DeploymentOptions, ModelConfig
 
@@ -106,17 +109,21 @@ def encoder_server(
     return app
 
 
-def llm_server(model: ModelConfig, cache_dir: str, links: bool) -> serve.Application:
-    from cluster.replicas import LLMServer
-    from router.routing.request_routers import PrefixAffinityRouter
+def llm_server(model: ModelConfig, cache_dir: str, links: bool, role: str = "both") -> serve.Application:
+    """The model's LLM pool of ``role``: ``both`` (``LLMServer-<model>``), or E/P/D's ``prefill``
+    (``LLMPrefillServer-<model>``, routed by prefix affinity) and ``decode`` (``LLMDecodeServer-<model>``,
+    routed by free KV and load), each on its own ``llm.pools`` entry's options."""
+    from cluster.replicas import LLMDecodeServer, LLMPrefillServer, LLMServer
+    from router.routing.request_routers import FreeKVRouter, PrefixAffinityRouter
 
-    opts = deployment_options(model.llm.deployment, f"LLMServer-{model.name}", LLM_POLICY)
+    cls = {"both": LLMServer, "prefill": LLMPrefillServer, "decode": LLMDecodeServer}[role]
+    policy = PREFILL_POLICY if role == "prefill" else LLM_POLICY
+    opts = deployment_options(model.llm.pool(role), f"{cls.__name__}-{model.name}", policy)
     opts["request_router_config"] = RequestRouterConfig(
-        request_router_class=PrefixAffinityRouter, request_routing_stats_period_s=1.0
+        request_router_class=FreeKVRouter if role == "decode" else PrefixAffinityRouter,
+        request_routing_stats_period_s=1.0,
     )
-    app: serve.Application = (
-        serve.deployment(LLMServer).options(**opts).bind(model.model_dump(), cache_dir, links)
-    )
+    app: serve.Application = serve.deployment(cls).options(**opts).bind(model.model_dump(), cache_dir, links)
     return app
 
 
@@ -132,11 +139,15 @@ def build_app(config: AppConfig) -> serve.Application:
     pools = {}
     links = config.ingress.transport == "auto"  # cache-shard links too: `serve` opens no side channel
     for m in config.models:
-        llm = llm_server(m, config.models_cache_dir, links)
+        # one pool `llm` (role both), or E/P/D's `prefill` and `decode` (router/journey/pd_client.py)
+        llms = {
+            "llm" if role == "both" else role: llm_server(m, config.models_cache_dir, links, role)
+            for role in m.llm.roles
+        }
         index = cache_index_deployment(config, m)
         # the encoder replicas answer `prepare` themselves (encoder_service/serve/deployment.py)
         encoder = encoder_server(m, config.models_cache_dir, index, links)
-        pools[m.name] = {"encoder": encoder, "llm": llm}
+        pools[m.name] = {"encoder": encoder, **llms}
     return ingress_server(config, pools)
 
 

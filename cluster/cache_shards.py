@@ -24,6 +24,7 @@ link (cluster/replica_links.py); with ``serve`` it makes actor calls only and no
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Awaitable
 from typing import ClassVar
@@ -173,4 +174,5 @@ def cache_index_deployment(config: AppConfig, m: ModelConfig) -> serve.Applicati
     }
     prefix, num_shards, capacity, largest = cache_index_args(m)
     spec = owned_shard_spec(prefix, num_shards, capacity, largest, m.encoder.uuid_names_per_tenant)
+    spec = dataclasses.replace(spec, resources=tuple(sorted(m.encoder.cache_index_resources.items())))
     return serve.deployment(EncoderCacheIndex).options(**opts).bind(spec, num_shards)

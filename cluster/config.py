@@ -127,6 +127,15 @@ class MediaLimitsConfig(_Strict):
     allowed_local_media_path: str | None = None
 
 
+class LLMPoolConfig(_Strict):
+    """One LLM pool of an E/P/D model: its role and its Serve options."""
+
+    role: Literal["prefill", "decode"] = Field(
+        ..., description="prefill: prompts and first tokens, KV handed off; decode: imported KV, the rest"
+    )
+    deployment: DeploymentOptions = Field(default_factory=DeploymentOptions)
+
+
 class LLMConfig(_Strict):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -174,6 +183,41 @@ class LLMConfig(_Strict):
         "replica's process (1 for a fractional num_cpus)",
     )
     deployment: DeploymentOptions = Field(default_factory=DeploymentOptions)
+    pools: list[LLMPoolConfig] = Field(
+        default_factory=list,
+        description="E/P/D: the model's LLM pools by role, one `prefill` and one `decode`, each its own Serve "
+        "deployment (resources, placement markers such as prefill_node/decode_node, autoscaling); empty: one "
+        "pool of role `both` on `deployment` (docs/disaggregation.md)",
+    )
+    handoff_deadline_s: float = Field(
+        30.0,
+        gt=0,
+        description="E/P/D: how long a prefill replica holds a request's KV for its decode replica",
+    )
+    kv_transfer_timeout_s: float = Field(
+        10.0, gt=0, description="E/P/D: a decode replica's pull of a request's KV fails past this"
+    )
+
+    @model_validator(mode="after")
+    def _check_pools(self) -> LLMConfig:
+        roles = sorted(p.role for p in self.pools)
+        if roles and roles != ["decode", "prefill"]:
+            raise ValueError(f"llm.pools: one `prefill` and one `decode` pool (or none), got roles {roles}")
+        return self
+
+    def pool(self, role: str) -> DeploymentOptions:
+        """The Serve options of the model's pool of ``role`` (``both``: ``deployment``)."""
+        for p in self.pools:
+            if p.role == role:
+                return p.deployment
+        if role == "both" and not self.pools:
+            return self.deployment
+        raise KeyError(f"no LLM pool of role {role!r}")
+
+    @property
+    def roles(self) -> list[str]:
+        """The model's LLM pools by role: ``["both"]``, or ``["prefill", "decode"]`` (E/P/D)."""
+        return ["prefill", "decode"] if self.pools else ["both"]
 
 
 class EncoderConfig(_Strict):
@@ -193,6 +237,11 @@ class EncoderConfig(_Strict):
         ge=1,
         description="client `uuid` names one tenant keeps in the model's encoder cache (LRU of its own): "
         "past it the tenant's oldest name goes, never another tenant's",
+    )
+    cache_index_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="custom Ray resources each encoder-cache shard asks for (a node marker such as "
+        "encoder_node: 0.001 pins the shards to those nodes); default: none, Ray places them",
     )
     max_queued_embeddings: int | None = Field(
         None, ge=1, description="embeddings one replica's FIFO holds; more: 503; default 16 x the step budget"
@@ -341,6 +390,16 @@ class AppConfig(_Strict):
         names = [m.name for m in self.models]
         if len(set(names)) != len(names):
             raise ValueError(f"model names must be unique, got {names}")
+        for m in self.models:
+            if m.llm.pools and self.ingress.transport != "auto":
+                raise ValueError(
+                    f"model {m.name!r}: llm.pools (E/P/D) needs ingress.transport `auto`: the KV moves "
+                    "over the replicas' direct links"
+                )
+            if m.llm.pools and m.preprocess.overlap_prefill:
+                raise ValueError(
+                    f"model {m.name!r}: preprocess.overlap_prefill is not written for llm.pools yet"
+                )
         return self
 
     @classmethod

@@ -55,6 +55,26 @@ def pool_links(handle: DeploymentHandle, timeout_s: float | None = DEFAULT_TIMEO
     return PoolLinks(lambda: live_router(key), connect)
 
 
+def kv_links(timeout_s: float | None = DEFAULT_TIMEOUT_S) -> Callable[[Address], DirectLink]:
+    """A decode replica's links to prefill replicas by address (E/P/D's KV pulls), one per address,
+    made on first use with the cluster's keys (authenticated; encrypted unless the keys are PLAIN)."""
+    keys = link_keys()
+    links: dict[Address, DirectLink] = {}
+
+    def connect(address: Address) -> DirectLink:
+        link = links.get(address)
+        if link is None:
+            address = (str(address[0]), int(address[1]))
+
+            async def locate() -> Address:
+                return address
+
+            link = links[address] = DirectLink(locate, keys, dumps=frame_dumps, timeout_s=timeout_s)
+        return link
+
+    return connect
+
+
 class DirectServed:
     """``direct_address()``: where this replica takes its ``DIRECT_METHODS`` as frames;
     ``link_stats()``: the same, for its routing stats (``LINK_STAT``), which is how callers find it."""

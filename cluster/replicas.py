@@ -3,6 +3,8 @@
     IngressServer                  router/http/app.py's, given its config (HTTP, models, admission, keys)
     EncoderServer-<model>          encoder_service/serve/deployment.py's, given its config and a link server
     LLMServer-<model>              llm_service/serve/deployment.py's, given its config and a link server
+    LLMPrefillServer-<model>       E/P/D: the same of role prefill (+ ``prefill``, ``pull_kv`` on its link)
+    LLMDecodeServer-<model>        E/P/D: the same of role decode (links to the prefill replicas: kv_links)
     EncoderCacheIndex-<model>      cluster/cache_shards.py (the owner of the model's cache shards)
 
 Each subclasses the service's class of the same name (imported by module, so the name is one) and adds
@@ -24,7 +26,7 @@ from cluster.budgets import encoder_budgets
 from cluster.cache_shards import cache_index_args, open_cache_index
 from cluster.config import AppConfig, ModelConfig
 from cluster.model_dirs import resolve_model_dir
-from cluster.replica_links import DirectLLM, DirectServed, pool_links
+from cluster.replica_links import DirectLLM, DirectServed, kv_links, pool_links
 from cluster.tracing import setup_tracing
 from encoder_service.serve import deployment as encoder_serve
 from llm_service.serve import deployment as llm_serve
@@ -67,6 +69,17 @@ def model_modalities(model_dir: str) -> list[str]:
 
     model_type = json.loads((Path(model_dir) / "config.json").read_text())["model_type"]
     return list(encoder_family(model_type, model_dir).modalities)
+
+
+def model_tool_format(model_dir: str) -> str:
+    """How the model's family writes tool calls, from the family registry."""
+    import json
+    from pathlib import Path
+
+    from llm_service.models.families import decoder_family
+
+    model_type = json.loads((Path(model_dir) / "config.json").read_text())["model_type"]
+    return decoder_family(model_type, model_dir).tool_format
 
 
 class EncoderServer(encoder_serve.EncoderServer, DirectServed):
@@ -121,7 +134,9 @@ class EncoderServer(encoder_serve.EncoderServer, DirectServed):
 
 class LLMServer(llm_serve.LLMServer, DirectLLM):
     """The LLM pool's replica: ``submit``, ``abort``, ``arrived`` and its output channel also over its
-    direct link."""
+    direct link. ``ROLE``: ``both``, or E/P/D's (``LLMPrefillServer``, ``LLMDecodeServer``)."""
+
+    ROLE = "both"
 
     def __init__(self, model_json: dict[str, object], cache_dir: str, links: bool) -> None:
         from llm_service.config import EngineConfig
@@ -157,6 +172,12 @@ class LLMServer(llm_serve.LLMServer, DirectLLM):
             embedding_fetch_timeout_s=llm.embedding_fetch_timeout_s,
             max_waiting_requests=llm.max_waiting_requests,
             max_waiting_tokens=llm.max_waiting_tokens or llm.max_waiting_requests * llm.max_model_len,
+            role=self.ROLE,
+            handoff=None
+            if self.ROLE == "both"
+            else llm_serve.HandoffWiring(
+                self.direct_address, kv_links(), llm.handoff_deadline_s, llm.kv_transfer_timeout_s
+            ),
         )
 
     # Serve awaits either form; async here to start the link's listener on the first call.
@@ -169,6 +190,25 @@ class LLMServer(llm_serve.LLMServer, DirectLLM):
             "link_calls": self.link_calls(),
             "link_channel_batches": self.linked_channel_batches,
         }
+
+
+class LLMPrefillServer(LLMServer):
+    """E/P/D's prefill pool: ``prefill`` (prompt, first token, the KV held) and ``pull_kv`` (a decode
+    replica's pull of it), both over its direct link (llm_service/serve/handoff.py)."""
+
+    ROLE = "prefill"
+    DIRECT_METHODS: ClassVar[dict[str, str]] = {
+        **LLMServer.DIRECT_METHODS,
+        "prefill": "prefill",
+        "pull_kv": "pull_kv",
+    }
+
+
+class LLMDecodeServer(LLMServer):
+    """E/P/D's decode pool: ``submit`` of a handed-off request imports its KV from the prefill replica
+    that holds it, then streams its tokens as any LLM replica does."""
+
+    ROLE = "decode"
 
 
 class IngressServer(http_app.IngressServer):
@@ -213,6 +253,7 @@ class IngressServer(http_app.IngressServer):
                     # each link call's deadline: the request's own, not the link's 300 s default
                     link_to=functools.partial(pool_links, timeout_s=cfg.ingress.request_timeout_s),
                     overlap_prefill=m.preprocess.overlap_prefill,
+                    tool_format=model_tool_format(model_dir),
                 )
             )
         ing = cfg.ingress

@@ -67,6 +67,13 @@ def add_serve_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "prefills up to the first item still encoding meanwhile",
     )
     p.add_argument(
+        "--pd",
+        action="store_true",
+        default=None,
+        help="E/P/D: each model's LLM runs as a prefill pool and a decode pool (llm.pools), each of "
+        "the llm deployment's options, the KV moved between them (docs/disaggregation.md)",
+    )
+    p.add_argument(
         "--http-mode",
         choices=["direct", "proxy"],
         default=None,
@@ -153,7 +160,16 @@ def config_from_args(args: argparse.Namespace) -> AppConfig:
             m["encoder"]["encoder_step_embeds"] = args.encoder_step_embeds
         if getattr(args, "overlap_prefill", None):
             m["preprocess"]["overlap_prefill"] = True
+        if getattr(args, "pd", None) and not m["llm"]["pools"]:
+            m["llm"]["pools"] = pd_pools(m["llm"]["deployment"])
     return AppConfig.model_validate(data)
+
+
+def pd_pools(deployment: Mapping[str, object]) -> list[dict[str, object]]:
+    """``--pd``: a prefill and a decode pool, each with the model's LLM deployment options."""
+    import copy
+
+    return [{"role": role, "deployment": copy.deepcopy(dict(deployment))} for role in ("prefill", "decode")]
 
 
 def _field(dump: Mapping[str, object], key: str) -> dict[str, object]:
@@ -179,6 +195,8 @@ def one_machine_defaults(cfg: AppConfig, data: dict[str, object]) -> None:
             _field(m, "encoder")["cache_index_shards"] = 1
         for pool in ("encoder", "llm"):
             fixed_replica_counts(_field(_field(m, pool), "deployment"))
+        for llm_pool in _field(m, "llm")["pools"]:  # type: ignore[attr-defined]
+            fixed_replica_counts(_field(llm_pool, "deployment"))
 
 
 def fixed_replica_counts(deployment: dict[str, object]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -13,6 +14,7 @@ from llm_service.config import EngineConfig
 from llm_service.errors import RequestFaults, RequestRejected
 from llm_service.hybrid_kv_cache_manager import HybridKVCacheManager
 from llm_service.kv_cache_manager import KVCacheManager, cdiv
+from llm_service.kv_handoff import ImportSlots, KVTransferFailed
 from llm_service.model_runner import ModelRunner
 from llm_service.multimodal import MultiModalInput
 from llm_service.outputs import (
@@ -28,6 +30,7 @@ from llm_service.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from llm_service.sequence import Request, RequestStatus
 from llm_service.structured.spec import StructuredSpec
 from llm_service.window_kv_cache_manager import WindowKVCacheManager
+from mmcore.errors import Overloaded
 
 if TYPE_CHECKING:
     import torch
@@ -56,6 +59,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self._grammars: GrammarBackend | None = None
         self._grammars_lock = threading.Lock()
+        self._importing: dict[str, Request] = {}  # decode side: blocks reserved, KV on its way
+        self._imported: list[Request] = []  # admitted since the last step: their first token is due
+        self._firsts: dict[str, RequestOutput] = {}  # their first outputs, as the prefill side gave them
 
     @property
     def grammars(self) -> GrammarBackend:
@@ -110,10 +116,29 @@ class LLMEngine:
         sampling_params: SamplingParams,
         mm_inputs: Sequence[MultiModalInput] = (),
         cache_salt: str | None = None,
+        handoff: bool = False,
     ) -> None:
         """Queue a request; raise RequestRejected if it can never be served. ``cache_salt``: its
-        prefix-cache blocks are shared only with requests of the same salt."""
-        if request_id in self.scheduler.requests:
+        prefix-cache blocks are shared only with requests of the same salt. ``handoff`` (a prefill
+        replica's): it leaves with its first token (``finish_reason="handoff"``), its blocks held for
+        a decode replica (``handoff_blocks``, ``release_handoff``)."""
+        if handoff:
+            self._check_handoff_family()
+            self.scheduler.release_handoff(request_id)  # prefilled again: its earlier hand-off is void
+        req = self._new_request(request_id, prompt_token_ids, sampling_params, mm_inputs, cache_salt)
+        req.handoff = handoff
+        self.scheduler.add_request(req)
+
+    def _new_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        mm_inputs: Sequence[MultiModalInput],
+        cache_salt: str | None,
+    ) -> Request:
+        """A checked request, its runner state prepared (``RequestRejected`` if it can never be served)."""
+        if request_id in self.scheduler.requests or request_id in self._importing:
             raise RequestRejected(
                 "duplicate_request_id", f"request id {request_id!r} is already in the engine"
             )
@@ -138,7 +163,7 @@ class LLMEngine:
             missing=[(m.offset, m.end) for m in items if m.embeddings is None],
         )
         self.runner.prepare_request(req, items, grammar)
-        self.scheduler.add_request(req)
+        return req
 
     def take_parked(self) -> list[str]:
         """Requests held up since the last call by a media item they have no embeddings for: one sent
@@ -163,7 +188,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         sampled, faults = self._execute(sched)
         self.runner.accept_sampled(sampled)  # the grammars advance only once the step stands
-        outputs = [self._fail(rid, msg) for rid, msg in faults.items()]
+        outputs = self._first_outputs()
+        outputs += [self._fail(rid, msg) for rid, msg in faults.items()]
         now = time.monotonic()
         for req in self.scheduler.update(sched, sampled):
             if req.is_finished:
@@ -259,10 +285,104 @@ class LLMEngine:
     def abort(self, request_id: str) -> None:
         """Drop a request and free its blocks; unknown or finished ids are ignored. Emits no output."""
         self.scheduler.abort(request_id)
+        self.cancel_import(request_id)
         self.runner.release(request_id)
 
+    # ---- E/P/D: the prefill side's hand-off, the decode side's import (llm_service/kv_handoff.py) ------
+    def handoff_blocks(self, request_id: str) -> list[int]:
+        """The blocks holding a handed-off request's prompt (its last one may be partial)."""
+        req = self.scheduler.handed_off[request_id]
+        return self.kv.block_table(request_id)[: cdiv(req.num_computed_tokens, self.config.block_size)]
+
+    def handoff_hashes(self, request_id: str) -> list[bytes]:
+        """The chained hashes of a handed-off request's full prompt blocks (empty without prefix caching)."""
+        req = self.scheduler.handed_off[request_id]
+        return list(req.block_hashes[: req.num_prompt_tokens // self.config.block_size])
+
+    def release_handoff(self, request_id: str) -> None:
+        """Free a handed-off request's blocks (pulled, or past its deadline): they stay cached here."""
+        self.scheduler.release_handoff(request_id)
+
+    def reserve_import(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        mm_inputs: Sequence[MultiModalInput],
+        cache_salt: str | None,
+        first: RequestOutput,
+        block_hashes: Sequence[bytes] = (),
+    ) -> ImportSlots:
+        """Blocks for a request prefilled elsewhere, whose first token is ``first``: the leading full
+        blocks this prefix cache holds, and new ones for the rest (``ImportSlots``). Its items need
+        no embeddings (their positions are never computed here). ``block_hashes``: the prefill side's
+        chained hashes of the full blocks, which must equal this side's (the same tokens, items and
+        salt), else ``KVTransferFailed``. Raises ``RequestRejected`` as ``add_request`` does,
+        ``Overloaded`` when the pool is short of blocks."""
+        self._check_handoff_family()
+        req = self._new_request(request_id, prompt_token_ids, sampling_params, mm_inputs, cache_salt)
+        token = first.new_token_ids[0]
+        req.append_output(token, first.new_logprobs[0] if first.new_logprobs else None)
+        self.runner.accept_sampled({request_id: (token, None)})
+        hits = self.kv.allocate_import(req, req.num_prompt_tokens)
+        if hits is None:
+            self.runner.release(request_id)
+            raise Overloaded(
+                f"this decode replica has {self.kv.num_free_blocks} free KV blocks; "
+                f"{request_id} needs {cdiv(req.num_prompt_tokens, self.config.block_size)}"
+            )
+        req.num_cached_tokens = first.num_cached_tokens  # the prefill side's hit: what saved compute
+        self._importing[request_id] = req
+        self._firsts[request_id] = first
+        ours = req.block_hashes[: len(block_hashes)]
+        if self.kv.enable_caching and block_hashes and ours != list(block_hashes):
+            self.cancel_import(request_id)
+            raise KVTransferFailed(f"{request_id}: the prefill side's block hashes differ from this side's")
+        return ImportSlots(hits, self.kv.block_table(request_id)[hits:])
+
+    def _check_handoff_family(self) -> None:
+        """Hand-offs move one group of full-attention blocks: a hybrid model's linear-attention state and
+        a sliding-window group's own blocks do not cross yet (docs/disaggregation.md)."""
+        if type(self.kv) is not KVCacheManager:
+            raise RequestRejected(
+                "bad_role",
+                f"this model's KV ({type(self.kv).__name__}) cannot be handed between prefill and "
+                "decode replicas yet; serve it with llm.pools role 'both'",
+            )
+
+    def admit_import(self, request_id: str) -> None:
+        """Its KV is in its blocks: register them under their chained hashes and run it from its first
+        token (emitted by the next ``step``). Unknown ids (aborted meanwhile) are ignored."""
+        req = self._importing.pop(request_id, None)
+        if req is None:
+            return
+        req.num_computed_tokens = req.num_prompt_tokens
+        self.kv.cache_computed_blocks(req)
+        req.scheduled_time = req.first_token_time = time.monotonic()
+        self.scheduler.add_running(req)
+        self._imported.append(req)
+
+    def cancel_import(self, request_id: str) -> None:
+        """Free the blocks reserved for an import that failed (or was aborted); unknown ids are ignored."""
+        req = self._importing.pop(request_id, None)
+        if req is not None:
+            self._firsts.pop(request_id, None)
+            self.kv.free(req)
+            self.runner.release(request_id)
+
+    def _first_outputs(self) -> list[RequestOutput]:
+        """The first output of each request imported since the last step, as the prefill side gave it
+        (its first token, its logprobs and prompt logprobs when asked for, the prefill side's hit)."""
+        imported, self._imported = self._imported, []
+        firsts = [(req, self._firsts.pop(req.request_id)) for req in imported]
+        return [
+            dataclasses.replace(first, finished=False, finish_reason=None)
+            for req, first in firsts
+            if req.request_id in self.scheduler.requests
+        ]
+
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._imported)
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -24,14 +24,25 @@ from mmcore.step_clock import StepClock
 
 logger = logging.getLogger("mmserve.llm")
 
-# request id, prompt, params, media, cache salt
-_Add = tuple[str, list[int], SamplingParams, list[MultiModalInput], str | None]
+# request id, prompt, params, media, cache salt, handed off after its first token (a prefill replica's)
+_Add = tuple[str, list[int], SamplingParams, list[MultiModalInput], str | None, bool]
 
 
 @dataclass(frozen=True)
 class _Supply:
     request_id: str
     mm_inputs: list[MultiModalInput]
+
+
+@dataclass(frozen=True)
+class _Call:
+    """Any engine call made between steps on the engine's thread (``on_engine``); its answer or error
+    goes to ``future`` on the caller's loop."""
+
+    fn: Callable[..., object]
+    args: tuple[object, ...]
+    future: asyncio.Future[object]
+    loop: asyncio.AbstractEventLoop
 
 
 class SteppedEngine(Protocol):
@@ -81,13 +92,14 @@ class EngineLoop:
         # Requests (and prompt tokens) not yet running: queued adds plus the scheduler's waiting
         # queue as of the last step. Written under the lock; read by ``check_capacity``.
         self._waiting = (0, 0)
+        self.queued_prompt_tokens = 0  # waiting and partly prefilled prompts' tokens still to compute
         self._pending_adds = (0, 0)
         self._on_outputs = on_outputs or (lambda outs: None)  # every step's outputs, listened to or not
         self._on_error = on_error or (lambda rid, e: None)
         self._lock = threading.Lock()
         # Adds and aborts (a bare request id) in arrival order: a stream cancelled before the loop
         # picked up its add must be added, then aborted, never the other way round.
-        self._pending: list[_Add | _Supply | str] = []
+        self._pending: list[_Add | _Supply | _Call | str] = []
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._live: set[str] = set()  # submitted and not yet finished or aborted
         self._wakeup: asyncio.Event | None = None
@@ -119,15 +131,17 @@ class EngineLoop:
         params: SamplingParams,
         mm_inputs: list[MultiModalInput],
         cache_salt: str | None = None,
+        handoff: bool = False,
     ) -> None:
-        """Queue a request; its outputs reach ``on_outputs``, a rejection ``on_error``."""
+        """Queue a request; its outputs reach ``on_outputs``, a rejection ``on_error``. ``handoff``: it
+        ends with its first token, its KV held for a decode replica (``LLMEngine.add_request``)."""
         self._ensure_started()
         assert self._wakeup is not None
         if request_id in self._live:
             raise ValueError(f"duplicate request id {request_id!r}")
         self._live.add(request_id)
         with self._lock:
-            self._pending.append((request_id, prompt_token_ids, params, mm_inputs, cache_salt))
+            self._pending.append((request_id, prompt_token_ids, params, mm_inputs, cache_salt, handoff))
             n, tokens = self._pending_adds
             self._pending_adds = (n + 1, tokens + len(prompt_token_ids))
         self._wakeup.set()
@@ -138,6 +152,8 @@ class EngineLoop:
         prompt_token_ids: list[int],
         params: SamplingParams,
         mm_inputs: list[MultiModalInput],
+        cache_salt: str | None = None,
+        handoff: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Submit and yield this request's outputs; leaving early aborts it."""
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -146,7 +162,7 @@ class EngineLoop:
         self._queues[request_id] = queue
         finished = False
         try:
-            self.submit(request_id, prompt_token_ids, params, mm_inputs)
+            self.submit(request_id, prompt_token_ids, params, mm_inputs, cache_salt, handoff)
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -177,6 +193,22 @@ class EngineLoop:
         if self._wakeup is not None:
             self._wakeup.set()
 
+    async def on_engine(self, fn: Callable[..., object], *args: object) -> object:
+        """``fn(*args)`` on the engine's thread between steps (the engine is not thread-safe); its answer,
+        or what it raised. Not cancelled half-way: once queued it runs, whatever its caller does."""
+        self._ensure_started()
+        assert self._wakeup is not None
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[object] = loop.create_future()
+        with self._lock:
+            self._pending.append(_Call(fn, args, future, loop))
+        self._wakeup.set()
+        return await asyncio.shield(future)
+
+    def track(self, request_id: str) -> None:
+        """A request put in the engine by ``on_engine`` (an import): its outputs and aborts as a submit's."""
+        self._live.add(request_id)
+
     def abort(self, request_id: str) -> None:
         if request_id not in self._live:
             return
@@ -196,6 +228,9 @@ class EngineLoop:
             if isinstance(op, str):
                 self.engine.abort(op)
                 continue
+            if isinstance(op, _Call):
+                _answer(op)
+                continue
             if isinstance(op, _Supply):
                 try:
                     self.engine.supply_embeddings(op.request_id, op.mm_inputs)
@@ -203,9 +238,12 @@ class EngineLoop:
                     self.engine.abort(op.request_id)
                     errors.append((op.request_id, e))
                 continue
-            rid, ids, params, mm, salt = op
+            rid, ids, params, mm, salt, handoff = op
             try:
-                self.engine.add_request(rid, ids, params, mm, cache_salt=salt)
+                if handoff:  # (only then: engines under test take no such argument)
+                    self.engine.add_request(rid, ids, params, mm, cache_salt=salt, handoff=True)  # type: ignore[call-arg]
+                else:
+                    self.engine.add_request(rid, ids, params, mm, cache_salt=salt)
             except Exception as e:  # RequestRejected and friends go back to that caller only
                 errors.append((rid, e))
         if self.engine.has_unfinished_requests():
@@ -218,8 +256,14 @@ class EngineLoop:
         self.last_stats = self.engine.stats()
         scheduler = getattr(self.engine, "scheduler", None)
         waiting = [*getattr(scheduler, "waiting", ()), *getattr(scheduler, "parked", {}).values()]
+        prefilling = [
+            r for r in getattr(scheduler, "running", ()) if r.num_computed_tokens < r.num_prompt_tokens
+        ]
         with self._lock:
             self._waiting = (len(waiting), sum(r.num_tokens - r.num_computed_tokens for r in waiting))
+            self.queued_prompt_tokens = self._waiting[1] + sum(
+                r.num_prompt_tokens - r.num_computed_tokens for r in prefilling
+            )
         return outputs, errors, parked
 
     def _has_pending(self) -> bool:
@@ -277,3 +321,23 @@ class EngineLoop:
             for out in outputs:
                 if (oq := self._queues.get(out.request_id)) is not None:
                     oq.put_nowait(out)
+
+
+def _answer(call: _Call) -> None:
+    """Run an ``on_engine`` call on the engine's thread; hand its answer to the caller's loop."""
+
+    def settle(ok: bool, value: object) -> None:
+        if call.future.done():
+            return
+        if ok:
+            call.future.set_result(value)
+        else:
+            assert isinstance(value, BaseException)
+            call.future.set_exception(value)
+
+    try:
+        result = call.fn(*call.args)
+    except Exception as e:
+        call.loop.call_soon_threadsafe(settle, False, e)
+    else:
+        call.loop.call_soon_threadsafe(settle, True, result)

@@ -93,6 +93,17 @@ class KVCacheManager:
             blocks.extend(self.pool.allocate(need))
         return True
 
+    def allocate_import(self, req: Request, num_tokens: int) -> int | None:
+        """Blocks for the KV of ``req``'s first ``num_tokens`` tokens, computed elsewhere (a prefill
+        replica): the leading full blocks this prefix cache holds are taken as they are, the rest
+        allocated. Returns how many leading blocks were hits (their KV need not cross); None, changing
+        nothing, when the pool cannot supply the rest."""
+        hits = self.get_computed_blocks(req)[: num_tokens // self.block_size]
+        n = len(hits) * self.block_size
+        if not self.allocate_slots(req, num_tokens - n, hits):
+            return None
+        return len(hits)
+
     def cache_computed_blocks(self, req: Request) -> None:
         """Register the request's newly full, computed blocks in the prefix cache."""
         if not self.enable_caching:

@@ -13,6 +13,7 @@ from llm_service.attention import TorchPagedAttention, build_metadata
 from llm_service.config import EngineConfig
 from llm_service.errors import RequestFaults, RequestRejected
 from llm_service.kv_cache_manager import cdiv
+from llm_service.kv_handoff import KVBlocks
 from llm_service.linear_states import LinearStates, StepSeq
 from llm_service.logits_processors import GrammarMasks
 from llm_service.models import build_decoder, load_text_config
@@ -199,6 +200,37 @@ class ModelRunner:
         if seed is not None:
             state.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.states[req.request_id] = state
+
+    # ---- E/P/D: a request's KV blocks out of one replica and into another (llm_service/kv_handoff.py)
+    def read_kv_blocks(self, request_id: str, block_ids: list[int], from_block: int) -> KVBlocks:
+        """Copy blocks ``block_ids`` of every KV-writing layer to host memory: what crosses the wire."""
+        assert self.window is None, "a sliding-window group's blocks are not handed off"
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        layers = [cache.index_select(1, idx).cpu() for cache in self.kv_caches]
+        return KVBlocks(
+            request_id,
+            from_block,
+            len(block_ids),
+            self.config.dtype,
+            [tuple(t.shape) for t in layers],
+            [t.view(torch.uint8).numpy().tobytes() for t in layers],
+        )
+
+    def write_kv_blocks(self, block_ids: list[int], blocks: KVBlocks) -> None:
+        """Write pulled blocks into this replica's blocks ``block_ids``, block by block (no contiguous
+        copy of the sequence); checked against this model's layout first."""
+        want = [(2, len(block_ids), *c.shape[2:]) for c in self.kv_caches]
+        if blocks.dtype != self.config.dtype or [tuple(s) for s in blocks.shapes] != want:
+            raise ValueError(
+                f"pulled KV of {blocks.dtype} {blocks.shapes} does not fit {self.config.dtype} {want}"
+            )
+        dtype = DTYPES[blocks.dtype]
+        for cache, shape, raw in zip(self.kv_caches, blocks.shapes, blocks.data, strict=True):
+            layer = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).view(shape)
+            for j, block_id in enumerate(block_ids):
+                cache[:, block_id].copy_(layer[:, j], non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def release(self, request_id: str) -> None:
         """The request left the engine (finished, aborted or failed): drop its state; unknown ids are ignored."""

@@ -45,6 +45,10 @@ class RequestOutput:
     timing: RequestTiming | None = None
 
     def __reduce__(self) -> tuple[Callable[[bytes], RequestOutput], tuple[bytes]]:
+        return (_request_output_from_bytes, (self.to_wire(),))
+
+    def to_wire(self) -> bytes:
+        """Its versioned msgpack form (``from_wire`` reads it); ``timing`` stays behind."""
         logprobs = _logprobs_wire(self.new_logprobs)
         fields = {
             "request_id": self.request_id,
@@ -57,7 +61,11 @@ class RequestOutput:
             "error": self.error,
             "prompt_logprobs": _logprobs_wire(self.prompt_logprobs),
         }
-        return (_request_output_from_bytes, (pack("RequestOutput", fields),))
+        return pack("RequestOutput", fields)
+
+    @staticmethod
+    def from_wire(raw: bytes) -> RequestOutput:
+        return _request_output_from_bytes(raw)
 
 
 @dataclass

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from llm_service.kv_handoff import KVHandoff
 from llm_service.sampling_params import SamplingParams
 from mmcore.feature import MediaFeature
 from mmcore.wire import Reduced, from_fields, pack, to_fields, unpack
@@ -27,12 +28,15 @@ class LLMRequestSpec:
     ingress_id: str = ""  # whose output channel carries this request's tokens
     cache_salt: str | None = None  # prefix-cache salt: enters the first block's hash only
     trace_headers: dict[str, str] | None = field(default=None, compare=False)  # a sampled request's trace
+    # E/P/D: sent to a decode replica, where its prefilled KV waits (its items are never fetched there)
+    handoff: KVHandoff | None = None
 
     def __reduce__(self) -> Reduced:
         fields = {
             **to_fields(self, _SPEC_BESIDE),
             "sampling_params": self.sampling_params.to_wire(),
             "mm_items": [m.to_wire() for m in self.mm_items],
+            "handoff": None if self.handoff is None else self.handoff.to_wire(),
         }
         refs = [m.ref for m in self.mm_items]
         values = [m.value for m in self.mm_items]
@@ -41,7 +45,7 @@ class LLMRequestSpec:
         return (_spec_from_bytes, (pack("LLMRequestSpec", fields), refs, values))
 
 
-_SPEC_BESIDE = ("sampling_params", "mm_items")  # records of their own, each with its wire form
+_SPEC_BESIDE = ("sampling_params", "mm_items", "handoff")  # records of their own, each with its wire form
 
 
 def _spec_from_bytes(
@@ -52,8 +56,13 @@ def _spec_from_bytes(
         raise ValueError(f"LLMRequestSpec carries {len(d['mm_items'])} items but {len(refs)} refs")
     values = values if values is not None else [None] * len(refs)
     items = [MediaFeature.from_wire(m, r, v) for m, r, v in zip(d["mm_items"], refs, values, strict=True)]
+    handoff = None if d.get("handoff") is None else KVHandoff.from_wire(d["handoff"])
     return from_fields(
-        LLMRequestSpec, d, sampling_params=SamplingParams.from_wire(d["sampling_params"]), mm_items=items
+        LLMRequestSpec,
+        d,
+        sampling_params=SamplingParams.from_wire(d["sampling_params"]),
+        mm_items=items,
+        handoff=handoff,
     )
 
 

@@ -6,9 +6,16 @@ Numerically safe for every parameter ``SamplingParams.validate`` accepts: temper
 overflow, at least one probability is 1 before normalising). A row the model filled with NaN or +inf
 (or only -inf) has no meaningful token: ``NonFiniteLogits`` names those rows instead of sampling junk.
 
-Greedy rows without processors take the raw logits' argmax. Random rows draw by the exponential race
-(``argmax(p / q)``, ``q ~ Exp(1)``, which samples from ``p``): a seeded request draws its ``q`` from its
-own generator, so its tokens do not depend on the batch around it; the others share one draw.
+Greedy rows without processors take the raw logits' argmax. Random rows draw by inverse CDF, one
+uniform per row and round: a seeded request draws from its own generator, so its tokens do not depend
+on the batch around it; the others share one generator. ``min_p`` and ``top_k`` mask the row first;
+``top_p`` is a rejection loop rather than a sort: draw from the row, keep the token when the mass of
+the tokens more likely than it is below ``top_p`` (it is in the nucleus), else draw again among the
+tokens more likely than the one drawn (still a superset of the nucleus). Given acceptance the token is
+distributed as the renormalised nucleus, whatever round accepts it; rows still drawing after
+``TOP_P_ROUNDS`` take the sorted nucleus (``_top_p``) and one more draw. Tokens tied with a token at
+the nucleus' edge are kept with it. Per step that is a few passes over the vocabulary, not a sort and
+one exponential per token.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from llm_service.outputs import TokenLogprob
 from llm_service.sampling_params import SamplingParams
 
 TOP_P_CANDIDATES = 1024  # top-p looks at this many tokens first (a partial sort), the rest only if it must
+TOP_P_ROUNDS = 8  # rejection rounds before a row's nucleus is sorted
 
 
 class NonFiniteLogits(RuntimeError):
@@ -40,7 +48,7 @@ class NoAllowedToken(RuntimeError):
 
 def check_finite(logits: torch.Tensor) -> None:
     """Raise NonFiniteLogits naming each row with a NaN, a +inf, or no finite value at all."""
-    if bool(torch.isfinite(logits).all()):  # the common case: no NaN, no inf at all
+    if bool((logits * 0).sum() == 0):  # the common case: no NaN, no inf at all (each would give NaN)
         return
     bad = logits.isnan().any(-1) | ~torch.isfinite(logits.amax(-1))
     if bool(bad.any()):
@@ -49,7 +57,15 @@ def check_finite(logits: torch.Tensor) -> None:
 
 def _filter(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """``min_p``, ``top_k``, ``top_p`` on temperature-scaled rows ``x`` (masked to -inf), each only
-    where some row asks for it."""
+    where some row asks for it: the whole definition, sorted (the sampler draws top-p by rejection)."""
+    x = _min_p_top_k(x, params)
+    top_p = torch.tensor([p.top_p for p in params], dtype=x.dtype, device=x.device)
+    if bool((top_p < 1.0).any()):
+        x = _top_p(x, top_p)
+    return x
+
+
+def _min_p_top_k(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     dev = x.device
     min_p = torch.tensor([p.min_p for p in params], dtype=x.dtype, device=dev)
     if bool((min_p > 0).any()):
@@ -60,9 +76,6 @@ def _filter(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         k = torch.tensor(top_k, device=dev)
         kth = torch.topk(x, max(top_k), dim=-1).values.gather(1, (k.clamp_min(1) - 1).unsqueeze(1))
         x = x.masked_fill((x < kth) & (k > 0).unsqueeze(1), float("-inf"))
-    top_p = torch.tensor([p.top_p for p in params], dtype=x.dtype, device=dev)
-    if bool((top_p < 1.0).any()):
-        x = _top_p(x, top_p)
     return x
 
 
@@ -90,21 +103,62 @@ def _top_p(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _race_noise(
-    shape: tuple[int, int], generators: list[torch.Generator], device: torch.device
-) -> torch.Tensor:
-    """Exp(1) noise per row: rows that share a generator (the unseeded ones) draw together."""
-    q = torch.empty(shape, device=device)
+def _uniforms(rows: list[int], generators: list[torch.Generator], device: torch.device) -> torch.Tensor:
+    """One U[0, 1) draw for each of ``rows`` from its generator; rows that share one (the unseeded
+    ones) draw together, in row order."""
     groups: dict[int, list[int]] = {}
-    for r, g in enumerate(generators):
-        groups.setdefault(id(g), []).append(r)
-    for rows in groups.values():
-        gen = generators[rows[0]]
-        if len(rows) == 1:
-            q[rows[0]].exponential_(generator=gen)
-        else:
-            q[rows] = torch.empty((len(rows), shape[1]), device=device).exponential_(generator=gen)
-    return q
+    for j, r in enumerate(rows):
+        groups.setdefault(id(generators[r]), []).append(j)
+    if len(groups) == 1:
+        return torch.rand(len(rows), generator=generators[rows[0]], device=device)
+    u = torch.empty(len(rows), device=device)
+    for js in groups.values():
+        u[js] = torch.rand(len(js), generator=generators[rows[js[0]]], device=device)
+    return u
+
+
+def _inverse_cdf(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Row ``i``'s token drawn from the weights ``w[i]`` (>= 0, not normalised) by the uniform ``u[i]``:
+    the first token whose cumulative weight passes ``u * total``, so a zero weight is never drawn (a
+    float edge past the last weight takes the row's largest)."""
+    cdf = w.cumsum(-1)
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    idx = idx.clamp_max(w.shape[1] - 1)
+    edge = w.gather(1, idx.unsqueeze(1)).squeeze(1) <= 0
+    return torch.where(edge, w.argmax(-1), idx)
+
+
+def _draw(probs: torch.Tensor, top_p: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """A token per row of ``probs`` (normalised, after min-p and top-k) from its top-p nucleus, by
+    rejection (the module's docstring)."""
+    n = probs.shape[0]
+    whole = top_p >= 1.0
+    # The first round over every row, without gathering them (most rows are accepted here).
+    out = _inverse_cdf(probs, _uniforms(list(range(n)), generators, probs.device))
+    if bool(whole.all()):
+        return out
+    picked = probs.gather(1, out.unsqueeze(1))
+    above = probs.masked_fill(probs <= picked, 0.0).sum(-1)
+    redo = ~(whole | (above < top_p) | (above == 0))
+    if not bool(redo.any()):
+        return out
+    active = redo.nonzero().flatten()
+    floor = picked.squeeze(1)
+    for _ in range(TOP_P_ROUNDS - 1):
+        rows = probs[active]
+        w = rows.masked_fill(rows <= floor[active].unsqueeze(1), 0.0)
+        idx = _inverse_cdf(w, _uniforms(active.tolist(), generators, probs.device))
+        picked = rows.gather(1, idx.unsqueeze(1))
+        above = rows.masked_fill(rows <= picked, 0.0).sum(-1)
+        ok = whole[active] | (above < top_p[active]) | (above == 0)
+        out[active[ok]] = idx[ok]
+        floor[active[~ok]] = picked.squeeze(1)[~ok]
+        active = active[~ok]
+        if not len(active):
+            return out
+    nucleus = _top_p(probs[active].log(), top_p[active]).softmax(-1)
+    out[active] = _inverse_cdf(nucleus, _uniforms(active.tolist(), generators, probs.device))
+    return out
 
 
 def _sample_random(
@@ -113,8 +167,9 @@ def _sample_random(
     temp = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
     # <= 0 everywhere, exactly 0 at each row's argmax
     scaled = (logits - logits.amax(-1, keepdim=True)) / temp.unsqueeze(1)
-    probs = _filter(scaled, params).softmax(-1)
-    return (probs / _race_noise(tuple(probs.shape), generators, probs.device)).argmax(-1)
+    probs = _min_p_top_k(scaled, params).softmax(-1)
+    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=logits.device)
+    return _draw(probs, top_p, generators)
 
 
 def sample(
@@ -133,9 +188,12 @@ def sample(
         dead = ~torch.isfinite(logits.amax(-1))
         if bool(dead.any()):
             raise NoAllowedToken(dead.nonzero().flatten().tolist())
-    tokens = logits.argmax(-1)
     rand = [i for i, p in enumerate(params) if not p.greedy]
-    if rand:
+    if len(rand) == len(params):  # no row to leave alone
+        tokens = _sample_random(logits, params, generators)
+    else:
+        tokens = logits.argmax(-1)
+    if rand and len(rand) < len(params):
         picked = _sample_random(logits[rand], [params[i] for i in rand], [generators[i] for i in rand])
         tokens[rand] = picked
     out = tokens.tolist()

@@ -106,10 +106,27 @@ class Scheduler:
         # or blocked while running) that the engine has not reported yet.
         self.parked: dict[str, Request] = {}
         self.newly_parked: list[str] = []
+        # Prefill replicas (E/P/D): requests that left with their first token, their blocks still held
+        # for a decode replica's pull (``release_handoff``)
+        self.handed_off: dict[str, Request] = {}
 
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
         self.waiting.append(req)
+
+    def add_running(self, req: Request) -> None:
+        """A request whose prompt's KV is already in its blocks (imported from a prefill replica): it
+        joins the running batch at once, its next step a decode."""
+        req.status = RequestStatus.RUNNING
+        self.requests[req.request_id] = req
+        self.running.append(req)
+
+    def release_handoff(self, request_id: str) -> None:
+        """Free a handed-off request's blocks (pulled, or its pin's deadline passed); they stay in the
+        prefix cache. Unknown ids are ignored."""
+        req = self.handed_off.pop(request_id, None)
+        if req is not None:
+            self.kv.free(req)
 
     def has_unfinished(self) -> bool:
         """Work for a step: a queued request, or a running one not waiting for embeddings."""
@@ -133,7 +150,10 @@ class Scheduler:
         """Retire a request wherever it is and free its blocks; ``status`` says why (abort or error)."""
         req = self.requests.pop(request_id, None)
         if req is None:
-            return None
+            req = self.handed_off.pop(request_id, None)
+            if req is not None:
+                self.kv.free(req)
+            return req
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
@@ -215,7 +235,10 @@ class Scheduler:
                 if req.is_finished:
                     self.running.remove(req)
                     self.requests.pop(req.request_id, None)
-                    self.kv.free(req)
+                    if req.status is RequestStatus.HANDED_OFF:  # held for its pull
+                        self.handed_off[req.request_id] = req
+                    else:
+                        self.kv.free(req)
         return touched
 
     def _chunk(self, req: Request, start: int, n: int) -> ScheduledChunk:

@@ -18,6 +18,7 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"  # its computation failed in a step; the step went on for the others
+    HANDED_OFF = "handoff"  # a prefill replica's: first token sampled, its KV held for a decode replica
 
     @property
     def finished(self) -> bool:
@@ -26,6 +27,7 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_LENGTH,
             RequestStatus.FINISHED_ABORTED,
             RequestStatus.FINISHED_ERROR,
+            RequestStatus.HANDED_OFF,
         )
 
 
@@ -76,6 +78,9 @@ class Request:
     # Hybrid models: where its linear-attention states live while it runs (its state-cache slot, a
     # snapshot to restore, snapshots to take; llm_service/hybrid_kv_cache_manager.py). None: no slot.
     state: StateAssignment | None = None
+    # A prefill replica's request (E/P/D): it leaves the engine with its first token, ``HANDED_OFF``,
+    # its blocks held until a decode replica pulls them (llm_service/kv_handoff.py)
+    handoff: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -118,3 +123,5 @@ class Request:
             or self.num_tokens >= self.max_model_len
         ):
             self.status = RequestStatus.FINISHED_LENGTH
+        elif self.handoff:
+            self.status = RequestStatus.HANDED_OFF

@@ -45,10 +45,16 @@ def hf_prompt_logprobs(model_dir: Path, prompt_ids: list[int]) -> list[float]:
     return [float(lp[p - 1, prompt_ids[p]]) for p in range(1, len(prompt_ids))]
 
 
-def hf_generate(model_dir: Path, messages: list[dict[str, Any]], max_new_tokens: int, **media: Any) -> str:
-    """Its processor, its chat template and ``generate(do_sample=False)``; the new text only."""
+def hf_generate(
+    model_dir: Path,
+    messages: list[dict[str, Any]],
+    max_new_tokens: int,
+    tools: list[dict[str, Any]] | None = None,
+    **media: Any,
+) -> str:
+    """Its processor, its chat template (given ``tools``) and ``generate(do_sample=False)``; the new text only."""
     proc, model = load(model_dir)
-    text = proc.apply_chat_template(messages, add_generation_prompt=True)
+    text = proc.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
     inputs = proc(text=[text], return_tensors="pt", **media)
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)

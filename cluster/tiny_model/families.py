@@ -41,6 +41,7 @@ from cluster.tiny_model.qwen2_vl import (
 )
 from cluster.tiny_model.qwen3_5 import build_qwen3_5
 from cluster.tiny_model.qwen3_vl import build_qwen3_vl, save_qwen3_vl_processor
+from cluster.tiny_model.qwen3_vl_template import QWEN3_VL_CHAT_TEMPLATE
 from cluster.tiny_model.tokenizer import QWEN2_AUDIO_CHAT_TEMPLATE, QWEN2_VL_CHAT_TEMPLATE, train_tokenizer
 
 
@@ -158,7 +159,7 @@ TINY_RECIPES: dict[str, TinyRecipe] = {
         TinyRecipe(
             name="qwen3-vl",
             model_type="qwen3_vl",
-            chat_template=QWEN2_VL_CHAT_TEMPLATE,
+            chat_template=QWEN3_VL_CHAT_TEMPLATE,  # the released one: tools (hermes) included
             tokenizer=train_tokenizer,
             build=base_only(build_qwen3_vl),
             save_processor=save_qwen3_vl_processor,

@@ -1,7 +1,7 @@
 """The tiny Qwen3-VL: a vision tower with learned position embeddings (a small table, so every image
 interpolates it), DeepStack mergers on intermediate blocks, and a Qwen3 decoder (QK-norm, no qkv bias,
-explicit head_dim) with interleaved M-RoPE. The Qwen2-style tokenizer and chat template; the released
-processor classes (Qwen2-VL's image processor at patch 16, Qwen3-VL's video processor).
+explicit head_dim) with interleaved M-RoPE. The Qwen2-style tokenizer, Qwen3-VL's released chat template
+(tools included: qwen3_vl_template.py); the released processor classes (Qwen2-VL's image processor at patch 16, Qwen3-VL's video processor).
 """
 
 from __future__ import annotations

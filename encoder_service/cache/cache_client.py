@@ -88,6 +88,7 @@ class ShardSpec:
     actor_class: type | None = None
     created_by_clients: bool = True
     uuid_names_per_tenant: int | None = None  # each shard's share of a tenant's quota of uuid names
+    resources: tuple[tuple[str, float], ...] = ()  # custom Ray resources: node markers (encoder_node)
 
     def name(self, index: int) -> str:
         return f"{self.name_prefix}-{index}"
@@ -113,6 +114,8 @@ class ShardSpec:
             # group has one, the shards would take its ranks' CPU and die with that replica.
             "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=None),
         }
+        if self.resources:
+            opts["resources"] = dict(self.resources)
         if self.detached:
             opts["lifetime"] = "detached"
         if self.namespace is not None:

@@ -22,8 +22,11 @@ from encoder_service.types import MODALITIES, EncoderInput, MediaRef, Modality
 from mmcore.feature import ItemFacts
 
 # A chat message as the ingress normalised it: ``role`` and ``content``, a string or a list of parts
-# ({"type": "text", "text": ...} or {"type": <modality>, "media": MediaRef}).
+# ({"type": "text", "text": ...} or {"type": <modality>, "media": MediaRef}); beside them what the
+# template reads about tools (router/protocol/messages.py): an assistant message's ``tool_calls``, a
+# tool message's ``tool_call_id``, the request's ``tools`` on the first message.
 Message = Mapping[str, object]
+TOOL_KEYS = ("tool_calls", "tool_call_id", "tools")
 
 
 @dataclass
@@ -54,8 +57,9 @@ def collect_media(
     out = []
     for msg in messages:
         content = msg.get("content")
+        tool_fields = {k: msg[k] for k in TOOL_KEYS if k in msg}
         if not isinstance(content, list):
-            out.append({"role": msg["role"], "content": content or ""})
+            out.append({"role": msg["role"], "content": content or "", **tool_fields})
             continue
         parts = []
         for part in content:
@@ -75,5 +79,5 @@ def collect_media(
                 )
             items.append(MediaItem(len(items), ref, part=part if isinstance(part, dict) else None))
             parts.append({"type": kind})
-        out.append({"role": msg["role"], "content": parts})
+        out.append({"role": msg["role"], "content": parts, **tool_fields})
     return out, items

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import inspect
+import json
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
@@ -32,6 +34,7 @@ from encoder_service.preprocess.errors import (
     InvalidMediaInput,
     MediaDecodeError,
     MMCacheMiss,
+    ToolsUnsupported,
     processed_or_422,
 )
 from encoder_service.preprocess.gathering import gather
@@ -55,6 +58,7 @@ from encoder_service.types import (
     Modality,
     PreprocessedRequest,
 )
+from mmcore.chat_template import template_takes_tools
 from mmcore.feature import ItemFacts
 
 INLINE_TEMPLATE_CHARS = 16_384  # prompts with more text are templated and tokenized on a worker thread
@@ -363,11 +367,25 @@ class Preprocessor:
             self.stages.media_decode.observe(decoded_at - start, ago=now - decoded_at, mm_hash=it.mm_hash)
             self.stages.preprocess.observe(now - decoded_at, mm_hash=it.mm_hash)
 
+    @functools.cached_property
+    def _template_takes_tools(self) -> bool:
+        return template_takes_tools(getattr(self.family.hf, "chat_template", None))
+
     def _tokenize(
         self, template_messages: Sequence[Mapping[str, object]], items: list[MediaItem]
     ) -> PreprocessedRequest:
         hf = self.family.hf
-        text = hf.apply_chat_template(template_messages, add_generation_prompt=True, tokenize=False)
+        tools = template_messages[0].get("tools") if template_messages else None
+        if tools is not None:  # the request's tool definitions ride on its first message
+            if not self._template_takes_tools:
+                raise ToolsUnsupported(f"the chat template of model {self.model_id!r} has no place for tools")
+            template_messages = [
+                {k: v for k, v in template_messages[0].items() if k != "tools"},
+                *template_messages[1:],
+            ]
+        text = hf.apply_chat_template(
+            template_messages, tools=tools, add_generation_prompt=True, tokenize=False
+        )
         text = self.family.prompt_text(text)
         ids = list(self.family.tokenizer(text)["input_ids"])
         out_ids, mm_items = expand_placeholders(self.family, ids, items)
@@ -381,6 +399,8 @@ def _text_chars(template_messages: Sequence[Mapping[str, object]]) -> int:
     """The text the template gets: each message's content is a string or a list of parts (``collect_media``)."""
     n = 0
     for m in template_messages:
+        tool_fields = {k: m[k] for k in ("tools", "tool_calls") if k in m}  # as the template writes them
+        n += len(json.dumps(tool_fields, ensure_ascii=False)) if tool_fields else 0
         content = m["content"]
         if isinstance(content, str):
             n += len(content)

@@ -25,6 +25,7 @@ class DecoderFamily:
     position_scheme: PositionScheme  # rope: 1-D; mrope: Qwen2-VL; mrope_abs_time: Qwen2.5-VL videos
     modalities: tuple[str, ...]  # what the family's prompts may carry embeddings for
     config: type[TextConfig] = TextConfig  # reads the decoder's facts from config.json
+    tool_format: str = "hermes"  # how its answers write tool calls: llm_service/tools/formats.py
 
 
 DECODER_FAMILIES: dict[str, DecoderFamily] = {
@@ -32,10 +33,10 @@ DECODER_FAMILIES: dict[str, DecoderFamily] = {
     "qwen2_audio": DecoderFamily(Qwen2ForCausalLM, "rope", ("audio",)),
     "qwen2_vl": DecoderFamily(Qwen2ForCausalLM, "mrope", ("image", "video")),
     "qwen2_5_vl": DecoderFamily(Qwen2ForCausalLM, "mrope_abs_time", ("image", "video")),
-    "gemma3": DecoderFamily(Gemma3ForCausalLM, "rope", ("image",), Gemma3TextConfig),
+    "gemma3": DecoderFamily(Gemma3ForCausalLM, "rope", ("image",), Gemma3TextConfig, "pythonic"),
     "qwen3_vl": DecoderFamily(Qwen3VLForCausalLM, "mrope", ("image", "video"), Qwen3VLTextConfig),
-    "qwen3_5": DecoderFamily(Qwen35ForCausalLM, "mrope", ("image", "video"), Qwen35TextConfig),
-    "gemma4": DecoderFamily(Gemma4ForCausalLM, "rope", ("image", "audio"), Gemma4TextConfig),
+    "qwen3_5": DecoderFamily(Qwen35ForCausalLM, "mrope", ("image", "video"), Qwen35TextConfig, "qwen3_xml"),
+    "gemma4": DecoderFamily(Gemma4ForCausalLM, "rope", ("image", "audio"), Gemma4TextConfig, "gemma4"),
 }
 
 

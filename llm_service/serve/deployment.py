@@ -9,26 +9,33 @@ client left. Ray lives here and nowhere else in llm_service.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 from llm_service.config import EngineConfig
 from llm_service.embeddings import resolve_embeddings, unfetched
 from llm_service.engine_loop import EngineLoop, SteppedEngine
+from llm_service.errors import RequestFailed, RequestRejected
+from llm_service.kv_handoff import KVBlocks, KVHandoff, KVTransferFailed
 from llm_service.output_channels import ChannelBatch, OutputChannels
 from llm_service.outputs import EngineStats, RequestOutput
 from llm_service.request_spec import LLMRequestSpec, ReplicaTarget, SubmitReply
 from llm_service.scheduler import WaitingBound
 from llm_service.sequence import Request
+from llm_service.serve.handoff import Address, DecodeImports, KVSource, PrefillHandoffs, TransferStats
 from llm_service.serve.metrics import LLMMetrics
 from llm_service.tracing import RequestTraces
 from mmcore.feature import MediaFeature
 
 if TYPE_CHECKING:
     from ray import ObjectRef
+
+    from llm_service.engine import LLMEngine
 
 logger = logging.getLogger("mmserve.llm")
 
@@ -40,6 +47,17 @@ def _replica_id() -> str:
         return str(serve.get_replica_context().replica_id.unique_id)
     except Exception:  # outside Serve (tests): any unique name will do
         return f"local-{uuid.uuid4().hex[:8]}"
+
+
+@dataclass(frozen=True)
+class HandoffWiring:
+    """What an E/P/D replica takes from the wiring: where its own link listens (a prefill replica's
+    answer names it), a link to a prefill replica (a decode replica pulls over it), the deadlines."""
+
+    address: Callable[[], Awaitable[Address]]
+    connect: Callable[[Address], KVSource]
+    deadline_s: float = 30.0  # a prefill replica holds a hand-off's blocks this long for its pull
+    timeout_s: float = 10.0  # a decode replica's pull fails past this
 
 
 class LLMServer:
@@ -54,6 +72,8 @@ class LLMServer:
         channel_linger_s: float = 5.0,
         max_waiting_requests: int | None = None,
         max_waiting_tokens: int | None = None,
+        role: str = "both",
+        handoff: HandoffWiring | None = None,
     ) -> None:
         if engine_cls is None:
             from llm_service.engine import LLMEngine
@@ -79,8 +99,27 @@ class LLMServer:
         self._supplies: set[asyncio.Task[None]] = set()
         self.skipped_fetches = 0  # items whose embeddings were never fetched (prefix cache)
         self._traces = RequestTraces()  # sampled requests' trace contexts (llm_service/tracing.py)
+        # E/P/D (llm_service/serve/handoff.py): a prefill replica's pins, a decode replica's imports
+        self.role = role
+        self.kv_stats = TransferStats()
+        self._prefill: PrefillHandoffs | None = None
+        self._decode: DecodeImports | None = None
+        if role != "both":
+            if handoff is None:
+                raise ValueError(f"an LLM replica of role {role!r} needs its hand-off wiring")
+            engine = cast("LLMEngine", self.engine)
+            if role == "prefill":
+                self._prefill = PrefillHandoffs(
+                    self.loop, engine, self.replica_id, handoff.address, handoff.deadline_s, self.kv_stats
+                )
+            else:
+                self._decode = DecodeImports(
+                    self.loop, engine, handoff.connect, handoff.timeout_s, self.kv_stats
+                )
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        if self._prefill is not None:
+            self._prefill.on_outputs(outputs)
         self.channels.deliver(outputs)
         self._metrics.observe_step(outputs, self.loop.last_step_s, self.loop.step_clock.last_cpu_s)
         if self._traces:  # sampled requests in flight: their spans, once done
@@ -125,9 +164,44 @@ class LLMServer:
             self.channels.done(rid).add_done_callback(lambda _: self._forget_unfetched(rid, later))
         return reply
 
+    async def prefill(self, spec: LLMRequestSpec) -> KVHandoff:
+        """A prefill replica's call: compute the prompt and its first token; answer where its KV waits
+        (``KVHandoff``), or the first output alone when it ended the request. Its items' embeddings
+        are fetched here (never on the decode side); cancelled before the answer: aborted."""
+        if self._prefill is None:
+            raise RequestRejected("bad_role", f"replica {self.replica_id} is not a prefill replica")
+        self.loop.check_capacity(len(spec.prompt_token_ids))
+        structured = spec.sampling_params.structured
+        if structured is not None and (prepare := getattr(self.engine, "prepare_structured", None)):
+            await prepare(structured)
+        if any(it.pending for it in spec.mm_items):
+            raise RequestRejected("bad_role", "a prefill replica takes no items still being encoded")
+        mm_inputs = await resolve_embeddings(list(spec.mm_items), self._fetch) if spec.mm_items else []
+        params = spec.sampling_params
+        outs = self.loop.stream(
+            spec.request_id, list(spec.prompt_token_ids), params, mm_inputs, spec.cache_salt, handoff=True
+        )
+        async with contextlib.aclosing(outs):  # type: ignore[type-var]
+            async for first in outs:
+                if first.finish_reason == "error":
+                    raise RequestFailed(spec.request_id, first.error or "unknown error")
+                return await self._prefill.handoff(spec, first)
+        raise RuntimeError(f"{spec.request_id} ended without an output")
+
+    async def pull_kv(self, request_id: str, from_block: int) -> KVBlocks:
+        """A decode replica's pull of a handed-off request's blocks (over the direct link)."""
+        if self._prefill is None:
+            raise KVTransferFailed(f"replica {self.replica_id} is not a prefill replica")
+        return await self._prefill.pull(request_id, from_block)
+
     async def _enqueue(self, spec: LLMRequestSpec) -> tuple[SubmitReply, list[MediaFeature]]:
         """Fetch what must be fetched, put the request on its ingress's channel and in the engine's
-        queue; returns where its outputs go and the items sent without their embeddings."""
+        queue; returns where its outputs go and the items sent without their embeddings. A decode
+        replica imports the request's KV instead (``spec.handoff``), fetching nothing."""
+        if self._decode is not None or spec.handoff is not None:
+            return await self._import(spec), []
+        if self._prefill is not None:
+            raise RequestRejected("bad_role", f"replica {self.replica_id} is a prefill replica: call prefill")
         self.loop.check_capacity(len(spec.prompt_token_ids))
         structured = spec.sampling_params.structured
         if structured is not None and (prepare := getattr(self.engine, "prepare_structured", None)):
@@ -165,6 +239,20 @@ class LLMServer:
             self._unfetched[rid] = later
             self.skipped_fetches += len(later)
         return SubmitReply(self.replica_id, channel_id), later
+
+    async def _import(self, spec: LLMRequestSpec) -> SubmitReply:
+        if self._decode is None or spec.handoff is None or not spec.handoff.handed_off:
+            raise RequestRejected(
+                "bad_role", f"replica {self.replica_id} ({self.role}) takes no such request"
+            )
+        rid = spec.request_id
+        channel_id = self.channels.register(spec.ingress_id, rid)
+        try:
+            await self._decode.import_request(spec)
+        except BaseException:
+            self.channels.forget(rid)
+            raise
+        return SubmitReply(self.replica_id, channel_id)
 
     def _forget_unfetched(self, request_id: str, later: list[MediaFeature]) -> None:
         if later and self._unfetched.get(request_id) is later:
@@ -286,7 +374,9 @@ class LLMServer:
             "num_preemptions": s.num_preemptions,
             "output_channels": len(self.channels),
             "replica_id": self.replica_id,
+            "role": self.role,
             **self.loop.step_clock.stats(),
+            **(self.kv_stats.as_dict() if self.role != "both" else {}),
         }
 
     def record_routing_stats(self) -> dict[str, object]:
@@ -303,6 +393,9 @@ class LLMServer:
             "kv_usage": float(s.kv_usage),
             "num_running": float(s.num_running),
             "num_waiting": float(s.num_waiting),
+            "queued_prompt_tokens": float(
+                self.loop.queued_prompt_tokens
+            ),  # E/P/D's prefill pool scales on it
         }
 
     def check_health(self) -> None:

@@ -24,9 +24,11 @@ from router.http.completions import CompletionService
 from router.http.json_limits import DEFAULT_MAX_JSON_VALUES
 from router.http.listener import ConnectionLimits, DirectHTTPServer
 from router.http.metrics import IngressMetrics
+from router.http.responses import ResponsesService
 from router.journey.llm_client import LLMClient
 from router.journey.model_handles import ModelHandles
 from router.journey.orchestrator import Orchestrator
+from router.journey.pd_client import PDClient
 from router.protocol.errors import APIError, from_exception
 from router.protocol.messages import MessageLimits
 from router.routing.admission import AdmissionController, AdmissionLimits
@@ -68,6 +70,9 @@ class IngressModel:
     ] = ()  # pools ("llm", "encoder") called over direct links (mmcore/link/pool_links.py)
     link_to: Callable[["DeploymentHandle"], PoolLinks] | None = None  # cluster/replica_links.py
     overlap_prefill: bool = False  # items handed to the LLM as they are encoded (Orchestrator)
+    tool_format: str = (
+        "hermes"  # how the family writes tool calls (its line in llm_service/models/families.py)
+    )
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,15 @@ def _link(m: IngressModel, pool: str, handle: "DeploymentHandle") -> PoolLinks |
     if m.link_to is None:
         raise ValueError(f"model {m.name}: pools {m.direct} are called directly but no link_to is given")
     return m.link_to(handle)
+
+
+def _llm_client(m: IngressModel, pools: dict[str, "DeploymentHandle"]) -> LLMClient:
+    """The model's LLM pool as the journey calls it: one pool (``llm``), or E/P/D's two (``prefill``,
+    ``decode``: router/journey/pd_client.py)."""
+    if "decode" not in pools:
+        return LLMClient(pools["llm"], links=_link(m, "llm", pools["llm"]))
+    prefill, decode = pools["prefill"], pools["decode"]
+    return PDClient(prefill, decode, _link(m, "llm", prefill), _link(m, "llm", decode))
 
 
 def _hit_path(m: IngressModel) -> "RequestPreparer | None":
@@ -146,16 +160,20 @@ class IngressServer:
         self.metrics = IngressMetrics(m.name for m in models)
         self.encoder_items_dispatched: dict[str, int] = {}
         self.caches: dict[str, EncoderCacheClient] = {}
-        from router.http.app import _hit_path, _link  # pickled by value: see build_direct_app below
+        from router.http.app import (
+            _hit_path,
+            _link,
+            _llm_client,
+        )  # pickled by value: see build_direct_app below
 
         served: dict[str, ServedModel] = {}
         for m in models:
             self.caches[m.name] = m.cache
             self.encoder_items_dispatched[m.name] = 0
-            encoder, llm = pools[m.name]["encoder"], pools[m.name]["llm"]
+            encoder = pools[m.name]["encoder"]
             handles = ModelHandles(
                 encoder,
-                LLMClient(llm, links=_link(m, "llm", llm)),
+                _llm_client(m, pools[m.name]),
                 m.cache,
                 _hit_path(m),
                 encoder_links=_link(m, "encoder", encoder),
@@ -168,7 +186,7 @@ class IngressServer:
                 on_encoder_run=self._counter(m.name),
                 overlap_prefill=m.overlap_prefill,
             )
-            served[m.name] = ServedModel(m.name, orch, m.limits, m.max_model_len, m.modalities)
+            served[m.name] = ServedModel(m.name, orch, m.limits, m.max_model_len, m.modalities, m.tool_format)
         self.admission = AdmissionController(admission or AdmissionLimits())
         self.service = ChatService(
             served,
@@ -179,6 +197,7 @@ class IngressServer:
             request_timeout_s=http.request_timeout_s,
         )
         self.completions_service = CompletionService(self.service)
+        self.responses_service = ResponsesService(self.service)
         self.drain_timeout_s = http.drain_timeout_s
         self.http: DirectHTTPServer | None = None
         if http.mode == "direct":
@@ -208,6 +227,15 @@ class IngressServer:
         try:
             tenant = self.keys.authenticate(request.headers.get("authorization"))
             return await self.completions_service.complete(request, tenant)
+        except Exception as e:
+            return self._refused(e)
+
+    @fastapi_app.post("/v1/responses")
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API (router/http/responses.py), stateless."""
+        try:
+            tenant = self.keys.authenticate(request.headers.get("authorization"))
+            return await self.responses_service.respond(request, tenant)
         except Exception as e:
             return self._refused(e)
 
@@ -289,6 +317,10 @@ def build_direct_app(server: IngressServer) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await server.completions(request)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await server.responses(request)
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> JSONResponse:

@@ -8,26 +8,26 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from llm_service.outputs import RequestOutput
-from llm_service.sampling_params import SamplingParams
 from router.http import tracing
 from router.http.auth import effective_cache_salt
-from router.http.choices import ChoiceState, child_ids, child_params, collect, first_outputs, stream_events
+from router.http.chat_choices import answer_choices
 from router.http.json_limits import DEFAULT_MAX_JSON_VALUES
 from router.http.lifecycle import cancel_on_disconnect, chain, first_or_error, hand_over, usage_of
 from router.http.replay_log import failure_record, log_failure
 from router.http.request_body import read_body
 from router.http.sse import DONE, ChunkRenderer, SSEResponse
+from router.http.tool_answer import ToolDeltas, tool_message
 from router.journey.deadline import Deadline
 from router.journey.detokenizer import IncrementalDetokenizer
-from router.journey.orchestrator import Orchestrator, Prepared
+from router.journey.orchestrator import Orchestrator
 from router.protocol.errors import APIError, bad_request, from_exception
 from router.protocol.messages import MessageLimits, NormalizedChat, normalize_messages
 from router.protocol.openai import (
@@ -45,6 +45,8 @@ from router.protocol.openai import (
     TopLogprob,
 )
 from router.protocol.sampling import fit_to_prompt, request_sampling_params, requested_max_tokens
+from router.protocol.tool_choice import answer_format, with_tool_choice
+from router.protocol.tool_use import template_tools
 from router.routing.admission import AdmissionController, AdmissionLimits, BodyLease
 
 if TYPE_CHECKING:
@@ -60,6 +62,20 @@ class ServedModel:
     limits: MessageLimits
     max_model_len: int
     modalities: list[str]
+    tool_format: str = "hermes"  # how its answers write tool calls (llm_service/tools/formats.py)
+
+
+def tools_for(req: ChatCompletionRequest, model: ServedModel) -> list[dict[str, Any]] | None:
+    """The request's tools as the template takes them (checked), or a 400 naming ``tools`` when
+    the model's chat template has no place for them (rather than a silent drop)."""
+    tools = template_tools(req.tools, req.tool_choice)
+    if tools and not model.orchestrator.template_takes_tools:
+        raise bad_request(
+            f"model {model.name!r} has a chat template without tool support; send no tools",
+            code="tools_unsupported",
+            param="tools",
+        )
+    return tools
 
 
 class ChatService:
@@ -106,7 +122,7 @@ class ChatService:
         try:
             req = await deadline.run(self.read_request(request, lease))
             model = self.model_for(req.model)
-            chat = normalize_messages(req.messages, model.limits, tenant)
+            chat = normalize_messages(req.messages, model.limits, tenant, tools_for(req, model))
             unsupported = {m.modality for m in chat.media} - set(model.modalities)
             if unsupported:
                 raise bad_request(
@@ -154,13 +170,14 @@ class ChatService:
         orch = model.orchestrator
         # ``max_tokens`` is fitted to the prompt once it is prepared.
         base, requested = request_sampling_params(req), requested_max_tokens(req)
+        base = with_tool_choice(base, req, model.tool_format)  # required / named: a grammar of calls
         timed = self.metrics.model(model.name) if self.metrics is not None else None
         with timed.prepare.timing() if timed is not None and chat.has_media else contextlib.nullcontext():
             prepared = await orch.prepare(request_id, chat, overlap=req.n == 1)
         params = fit_to_prompt(base, requested, len(prepared.prompt_token_ids), model.max_model_len)
         if req.n > 1:
-            return await self._answer_choices(
-                req, model, request_id, chat, prepared, params, start, deadline, cache_salt
+            return await answer_choices(
+                self, req, model, request_id, chat, prepared, params, start, deadline, cache_salt
             )
         stream = deadline.stream(orch.stream(request_id, prepared, params, cache_salt))
         detok = IncrementalDetokenizer(orch.decode, stop=req.stop_strings)
@@ -175,124 +192,6 @@ class ChatService:
         response = await self._collect(req, model, request_id, first, stream, detok, times)
         orch.forget(request_id)
         return response
-
-    async def _answer_choices(
-        self,
-        req: ChatCompletionRequest,
-        model: ServedModel,
-        request_id: str,
-        chat: NormalizedChat,
-        prepared: Prepared,
-        params: SamplingParams,
-        start: float,
-        deadline: Deadline,
-        cache_salt: str | None,
-    ) -> Response:
-        """``n`` > 1 (router/http/choices.py): the first choice alone until its first token, then the
-        others on the prompt's cached blocks."""
-        orch = model.orchestrator
-        ids = [request_id, *child_ids(request_id, req.n)]
-        for cid in ids[1:]:
-            orch.fork(request_id, cid)
-        try:
-            first_stream = deadline.stream(orch.stream(request_id, prepared, params, cache_salt))
-            first = await first_or_error(first_stream)
-            shared = Prepared(prepared.prompt_token_ids, prepared.mm_items)
-            rest = [
-                deadline.stream(orch.stream(cid, shared, child_params(params, i), cache_salt))
-                for i, cid in enumerate(ids[1:], start=1)
-            ]
-            try:
-                firsts = [first, *await first_outputs(rest)]
-            except BaseException:
-                await first_stream.aclose()
-                raise
-        except BaseException:
-            for cid in ids[1:]:
-                orch.forget(cid)
-            raise
-        streams = [first_stream, *rest]
-        first_at = time.monotonic()
-        if (timed := self.metrics.model(model.name) if self.metrics is not None else None) is not None:
-            timed.ttft.observe(first_at - start)
-        states = [
-            ChoiceState(i, IncrementalDetokenizer(orch.decode, stop=req.stop_strings)) for i in range(req.n)
-        ]
-
-        def lp(out: RequestOutput) -> ChoiceLogprobs | None:
-            return self._logprobs(orch, out) if req.logprobs else None
-
-        async def settle(i: int) -> None:
-            await orch.settle(ids[i])
-
-        if req.stream:
-            gen = self._sse_choices(
-                req, model, ids, states, firsts, streams, lp, settle, (start, first_at), chat
-            )
-            return SSEResponse(gen, media_type="text/event-stream")
-        try:
-            await collect(states, firsts, streams, lp, settle)
-        finally:
-            for cid in ids[1:]:
-                orch.forget(cid)
-        total = sum(s.completion_tokens for s in states)
-        self._observe_done(model.name, (start, first_at), total)
-        resp = ChatCompletionResponse(
-            id=request_id,
-            model=model.name,
-            choices=[
-                Choice(
-                    index=s.index,
-                    message=AssistantMessage(content="".join(s.text)),
-                    finish_reason=s.finish,
-                    logprobs=ChoiceLogprobs(content=s.logprobs) if req.logprobs else None,
-                )
-                for s in states
-            ],
-            usage=usage_of(firsts[0] if states[0].last is None else states[0].last, total),
-        )
-        orch.forget(request_id)
-        return JSONResponse(resp.model_dump(exclude_none=False))
-
-    async def _sse_choices(
-        self,
-        req: ChatCompletionRequest,
-        model: ServedModel,
-        ids: list[str],
-        states: list[ChoiceState],
-        firsts: list[RequestOutput],
-        streams: list[AsyncGenerator[RequestOutput, None]],
-        lp: Callable[[RequestOutput], ChoiceLogprobs | None],
-        settle: Callable[[int], Awaitable[None]],
-        times: tuple[float, float],
-        chat: NormalizedChat,
-    ) -> AsyncIterator[str]:
-        orch = model.orchestrator
-        failed: list[BaseException] = []
-
-        def on_error(e: BaseException) -> None:
-            failed.append(e)
-            self._log_failure(orch, ids[0], chat, e)
-
-        try:
-            async for event in stream_events(
-                ids[0], model.name, states, firsts, streams, lp, settle, on_error
-            ):
-                yield event
-            total = sum(s.completion_tokens for s in states)
-            tail = ""
-            if not failed and req.stream_options is not None and req.stream_options.include_usage:
-                last = states[0].last or firsts[0]
-                usage = ChatCompletionChunk(
-                    id=ids[0], model=model.name, choices=[], usage=usage_of(last, total)
-                )
-                tail = f"data: {usage.model_dump_json()}\n\n"
-            if not failed:
-                self._observe_done(model.name, times, total)
-        finally:
-            for rid in ids:
-                orch.forget(rid)
-        yield tail + DONE
 
     def _log_failure(
         self, orch: Orchestrator, request_id: str, chat: NormalizedChat, e: BaseException
@@ -337,7 +236,10 @@ class ChatService:
                     break
         finally:  # a stop string ends it early: the LLM stops now, not when the generator is collected
             await stream.aclose()
-        finish = "stop" if detok.stopped else last.finish_reason
+        finish: str | None = "stop" if detok.stopped else last.finish_reason
+        message = AssistantMessage(content="".join(text))
+        if (fmt := answer_format(req, model.tool_format)) is not None:
+            message, finish = tool_message(fmt, message.content or "", finish)
         await model.orchestrator.settle(request_id)
         self._observe_done(model.name, times, completion_tokens)
         resp = ChatCompletionResponse(
@@ -345,7 +247,7 @@ class ChatService:
             model=model.name,
             choices=[
                 Choice(
-                    message=AssistantMessage(content="".join(text)),
+                    message=message,
                     finish_reason=finish,
                     logprobs=ChoiceLogprobs(content=logprobs) if req.logprobs else None,
                 )
@@ -374,6 +276,8 @@ class ChatService:
             return f"data: {c.model_dump_json(exclude_none=True)}\n\n"
 
         events = ChunkRenderer(request_id, model.name)
+        fmt = answer_format(req, model.tool_format)
+        tools = ToolDeltas(fmt, events) if fmt is not None else None
         head = events.role()  # goes out with the first text: one write, not two
         tail = ""  # the last token's event: goes out with the usage and [DONE]
         completion_tokens = 0
@@ -389,9 +293,12 @@ class ChatService:
                     await model.orchestrator.settle(request_id)
                 if not (text or finish or lp):
                     continue
-                event = (
-                    events.delta(text, finish) if lp is None else lp_chunk(Delta(content=text), finish, lp)
-                )
+                if tools is not None:
+                    event = tools.events(text, finish, lp.model_dump_json() if lp else "")
+                elif lp is None:
+                    event = events.delta(text, finish)
+                else:
+                    event = lp_chunk(Delta(content=text), finish, lp)
                 if finish:
                     tail = event
                     break

@@ -49,7 +49,8 @@ async def read_body(
         return model.model_validate(payload)
     except ValidationError as e:
         first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
+        # a tagged union's branch (a tag that starts with "|") is no part of the field's path
+        where = ".".join(str(p) for p in first["loc"] if not str(p).startswith("|"))
         if first["type"] == "extra_forbidden":  # OpenAI's words for a field it does not know
             raise bad_request(
                 f"Unrecognized request argument supplied: {where} (this server does not implement it)",

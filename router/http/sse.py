@@ -50,6 +50,13 @@ class ChunkRenderer:
             return f'{self._head}{{"content":{content}}}}}]}}\n\n'
         return f'{self._head}{{"content":{content}}},"finish_reason":{json.dumps(finish)}}}]}}\n\n'
 
+    def raw(self, delta: str, finish: str | None = None, logprobs: str = "") -> str:
+        """One event of a delta given as JSON (``{"tool_calls": [...]}``), with its finish reason
+        and its rendered logprobs, if any."""
+        lp = f',"logprobs":{logprobs}' if logprobs else ""
+        end = "" if finish is None else f',"finish_reason":{json.dumps(finish)}'
+        return f"{self._head}{delta}{lp}{end}}}]}}\n\n"
+
 
 class SSEResponse(StreamingResponse):
     """``StreamingResponse`` whose event ending in ``[DONE]`` closes the body in the same write."""

@@ -20,11 +20,12 @@ and submitted again. A second loss is a 503.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 from encoder_service.cache.cache_index import ref_id
 from encoder_service.preprocess import tracing
@@ -33,6 +34,7 @@ from llm_service.errors import RequestFailed
 from llm_service.outputs import RequestOutput
 from llm_service.request_spec import LLMRequestSpec, SubmitReply
 from llm_service.sampling_params import SamplingParams
+from mmcore.chat_template import template_takes_tools
 from mmcore.feature import MediaFeature
 from router.journey.llm_spec import request_spec
 from router.journey.model_handles import ModelHandles
@@ -62,7 +64,12 @@ class ChatTokenizer(Protocol):
     """The model's tokenizer as the ingress uses it (a transformers tokenizer in production)."""
 
     def apply_chat_template(
-        self, conversation: list[TextMessage], *, add_generation_prompt: bool, tokenize: bool
+        self,
+        conversation: list[TextMessage],
+        *,
+        tools: list[dict[str, Any]] | None,
+        add_generation_prompt: bool,
+        tokenize: bool,
     ) -> Sequence[int] | Mapping[str, Sequence[int]]: ...
 
     def decode(self, token_ids: list[int], *, skip_special_tokens: bool) -> str: ...
@@ -98,9 +105,14 @@ class Orchestrator:
         # dropped before its body starts (then nothing calls forget()).
         self._replay: OrderedDict[str, dict[str, object]] = OrderedDict()
 
+    @functools.cached_property
+    def template_takes_tools(self) -> bool:
+        """The model's chat template has a place for tool definitions (``tool_use.template_takes_tools``)."""
+        return template_takes_tools(getattr(self.tokenizer, "chat_template", None))
+
     def _tokenize_sync(self, chat: NormalizedChat) -> list[int]:
         ids = self.tokenizer.apply_chat_template(
-            text_only_messages(chat), add_generation_prompt=True, tokenize=True
+            text_only_messages(chat), tools=chat.tools, add_generation_prompt=True, tokenize=True
         )
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # a BatchEncoding
             ids = cast(Mapping[str, Sequence[int]], ids)["input_ids"]

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import binascii
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal, TypedDict
+from typing import Any, Literal, NotRequired, TypedDict
 
 import pybase64
 
@@ -20,6 +21,7 @@ from router.protocol.openai import (
     TextPart,
     VideoPart,
 )
+from router.protocol.tool_use import template_tool_calls
 
 _AUDIO_FORMATS = {"wav", "mp3", "flac", "ogg", "oga", "webm", "m4a"}
 
@@ -46,15 +48,25 @@ NormalizedPart = NormalizedText | NormalizedMedia
 
 
 class NormalizedMessage(TypedDict):
-    """One chat message as the preprocessor reads it (``encoder_service.preprocess.media_items.Message``)."""
+    """One chat message as the preprocessor reads it (``encoder_service.preprocess.media_items.Message``).
 
-    role: str  # "system" | "user" | "assistant" ("developer" is read as "system")
+    What the chat template reads beyond role and content rides along: an assistant message's
+    ``tool_calls`` (arguments parsed), a tool message's ``tool_call_id``, and the request's tool
+    definitions (``tools``) on the first message only, so that both sides that render the prompt
+    (the ingress's tokenizer, an encoder replica's processor) see them without another argument."""
+
+    role: str  # "system" | "user" | "assistant" | "tool" ("developer" is read as "system")
     content: str | list[NormalizedPart]
+    tool_calls: NotRequired[list[dict[str, Any]]]
+    tool_call_id: NotRequired[str]
+    tools: NotRequired[list[dict[str, Any]]]
 
 
 class TextMessage(TypedDict):
     role: str
     content: str
+    tool_calls: NotRequired[list[dict[str, Any]]]
+    tool_call_id: NotRequired[str]
 
 
 @dataclass(frozen=True)
@@ -66,14 +78,21 @@ class NormalizedChat:
     def has_media(self) -> bool:
         return bool(self.media)
 
+    @property
+    def tools(self) -> list[dict[str, Any]] | None:
+        """The tool definitions the template gets (on the first message), None without tools."""
+        return self.messages[0].get("tools") if self.messages else None
+
     def count(self, modality: Modality) -> int:
         return sum(1 for m in self.media if m.modality == modality)
 
     @property
     def text_chars(self) -> int:
-        """Characters of text in the chat (what templating and tokenizing cost grows with)."""
+        """Characters of text in the chat (what templating and tokenizing cost grows with), the
+        tools' definitions and the history's calls included."""
         n = 0
         for m in self.messages:
+            n += tool_chars(m)
             content = m["content"]
             if isinstance(content, str):
                 n += len(content)
@@ -117,41 +136,53 @@ def _media_from_part(part: ContentPart, where: str, max_bytes: int) -> MediaRef:
 
 
 def normalize_messages(
-    messages: list[ChatMessage], limits: MessageLimits, tenant: str | None = None
+    messages: list[ChatMessage],
+    limits: MessageLimits,
+    tenant: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    *,
+    field: str = "messages",
+    paths: Sequence[str] | None = None,
 ) -> NormalizedChat:
     """OpenAI messages -> ``[{"role", "content": str | [{"type": "text"|modality, ...}]}]`` + media refs.
 
-    Each media ref carries ``tenant``: its ``uuid`` is a name in that tenant's namespace only."""
+    Each media ref carries ``tenant``: its ``uuid`` is a name in that tenant's namespace only.
+    ``tools``: the request's checked definitions (``tool_use.template_tools``), put on the first
+    message. Media is read in user and tool messages, in prompt order either way. Errors name
+    ``field`` and each message by ``paths[i]`` (``messages[i]`` unless given: another endpoint's
+    request maps its own items onto chat messages)."""
     if len(messages) > limits.max_messages:
-        raise bad_request(f"too many messages: {len(messages)} > {limits.max_messages}", param="messages")
+        raise bad_request(f"too many messages: {len(messages)} > {limits.max_messages}", param=field)
     out: list[NormalizedMessage] = []
     media: list[MediaRef] = []
     num_parts = 0
+    called: set[str] = set()  # ids of the calls the history's assistant messages made
     for i, msg in enumerate(messages):
         role = "system" if msg.role == "developer" else msg.role
+        extra = _tool_fields(msg, paths[i] if paths is not None else f"messages[{i}]", called)
         if msg.content is None or isinstance(msg.content, str):
-            out.append({"role": role, "content": msg.content or ""})
+            out.append({"role": role, "content": msg.content or "", **extra})  # type: ignore[typeddict-item]
             num_parts += 1
             continue
         parts: list[NormalizedPart] = []
         for j, part in enumerate(msg.content):
             num_parts += 1
-            where = f"messages[{i}].content[{j}]"
+            where = f"{paths[i] if paths is not None else f'messages[{i}]'}.content[{j}]"
             if isinstance(part, TextPart):
                 parts.append({"type": "text", "text": part.text})
                 continue
-            if role != "user":
-                raise bad_request(f"{where}: media is only accepted in user messages", param=where)
+            if role not in ("user", "tool"):
+                raise bad_request(f"{where}: media is only accepted in user and tool messages", param=where)
             ref = _media_from_part(part, f"{where} (media item {len(media)})", limits.max_media_bytes)
             if tenant is not None:
                 ref = replace(ref, tenant=tenant)
             parts.append({"type": ref.modality, "media": ref})
             media.append(ref)
-        out.append({"role": role, "content": parts})
+        out.append({"role": role, "content": parts, **extra})  # type: ignore[typeddict-item]
     if num_parts > limits.max_content_parts:
-        raise bad_request(
-            f"too many content parts: {num_parts} > {limits.max_content_parts}", param="messages"
-        )
+        raise bad_request(f"too many content parts: {num_parts} > {limits.max_content_parts}", param=field)
+    if tools:
+        out[0]["tools"] = tools
     chat = NormalizedChat(out, media)
     for modality in MODALITIES:
         n, cap = chat.count(modality), limits.limit_mm_per_prompt.get(modality, 0)
@@ -162,6 +193,39 @@ def normalize_messages(
     return chat
 
 
+def _tool_fields(msg: ChatMessage, at: str, called: set[str]) -> dict[str, Any]:
+    """The message's tool fields as the template reads them, checked against the history so far:
+    calls only in assistant messages (arguments a JSON object), a tool message answering a call an
+    earlier assistant message made. Each error is a 400 naming the field."""
+    if msg.tool_calls is not None and msg.role != "assistant":
+        where = f"{at}.tool_calls"
+        raise bad_request(f"{where}: only assistant messages carry tool calls", param=where)
+    if msg.tool_call_id is not None and msg.role != "tool":
+        where = f"{at}.tool_call_id"
+        raise bad_request(f"{where}: only tool messages answer a tool call", param=where)
+    if msg.tool_calls:
+        called.update(call.id for call in msg.tool_calls)
+        return {"tool_calls": template_tool_calls(msg.tool_calls, f"{at}.tool_calls")}
+    if msg.role != "tool":
+        return {}
+    where = f"{at}.tool_call_id"
+    if msg.tool_call_id is None:
+        raise bad_request(f"{where}: a tool message needs the id of the call it answers", param=where)
+    if msg.tool_call_id not in called:
+        raise bad_request(
+            f"{where}: {msg.tool_call_id!r} answers no tool call of an earlier assistant message",
+            param=where,
+        )
+    return {"tool_call_id": msg.tool_call_id}
+
+
+def tool_chars(message: Mapping[str, object]) -> int:
+    """The characters a message's tool fields add to the prompt (its ``tools``, its ``tool_calls``),
+    as JSON: 0 without them. ``encoder_service.preprocess.processing`` counts them the same way."""
+    extra = {k: message[k] for k in ("tools", "tool_calls") if k in message}
+    return len(json.dumps(extra, ensure_ascii=False)) if extra else 0
+
+
 def text_only_messages(chat: NormalizedChat) -> list[TextMessage]:
     """The chat with string content only (for the tokenizer's chat template on text-only requests)."""
     flat: list[TextMessage] = []
@@ -169,7 +233,12 @@ def text_only_messages(chat: NormalizedChat) -> list[TextMessage]:
         content = m["content"]
         if isinstance(content, list):
             content = "".join(p["text"] for p in content if p["type"] == "text")
-        flat.append({"role": m["role"], "content": content})
+        text: TextMessage = {"role": m["role"], "content": content}
+        if "tool_calls" in m:
+            text["tool_calls"] = m["tool_calls"]
+        if "tool_call_id" in m:
+            text["tool_call_id"] = m["tool_call_id"]
+        flat.append(text)
     return flat
 
 

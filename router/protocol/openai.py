@@ -5,9 +5,19 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal, TypedDict
+from typing import Annotated, Any, ClassVar, Literal, TypedDict
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from router.protocol.tools import (
+    MAX_ID_CHARS,
+    MAX_TOOL_CALLS,
+    MAX_TOOLS,
+    NamedToolChoice,
+    ToolCall,
+    ToolChoice,
+    ToolDefinition,
+)
 
 MAX_TOKENS_LIMIT = (1 << 31) - 1  # beyond any max_model_len; the real bound is the prompt's room
 MAX_STOP_STRINGS = 4
@@ -75,9 +85,15 @@ ContentPart = Annotated[
 
 
 class ChatMessage(_Part):
-    role: Literal["system", "developer", "user", "assistant"]
+    """One message of a chat. An assistant message may carry the ``tool_calls`` it made (its content
+    then may be null); a ``tool`` message answers one of them (``tool_call_id``), its content a string
+    or parts, media included. router/protocol/messages.py checks how they fit together."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOL_CALLS)
+    tool_call_id: str | None = Field(None, max_length=MAX_ID_CHARS)
 
 
 class StreamOptions(_Part):
@@ -129,6 +145,7 @@ class SamplingFields(BaseModel):
     ``/v1/completions`` alike; router/protocol/sampling.py maps it to ``SamplingParams``)."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    format_field: ClassVar[str] = "response_format"  # the field ``format_request`` comes from
 
     model: str
     # Sampling fields are bounded here, each error naming its field (a 400 with ``param``); the
@@ -220,6 +237,27 @@ class ChatCompletionRequest(SamplingFields):
     metadata: dict[str, str] | None = Field(None, max_length=16)
     store: bool | None = None
     service_tier: str | None = Field(None, max_length=32)
+    # Tools in the prompt (docs/tools.md); router/protocol/tool_use.py checks them across fields.
+    tools: list[ToolDefinition] | None = Field(None, min_length=1, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice_form(cls, v: object) -> object:
+        """One error naming ``tool_choice`` whatever is wrong (not one per member of the union)."""
+        if v is None or v in ("none", "auto", "required"):
+            return v
+        if isinstance(v, dict):
+            try:
+                return NamedToolChoice.model_validate(v)
+            except ValidationError as e:
+                first = e.errors()[0]
+                where = ".".join(str(p) for p in first["loc"])
+                raise ValueError(f"{where}: {first['msg']}" if where else first["msg"]) from None
+        raise ValueError(
+            'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
+        )
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
@@ -274,9 +312,23 @@ class ChoiceLogprobs(BaseModel):
     content: list[TokenLogprobEntry] | None = None
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class MessageToolCall(BaseModel):
+    """A call in the answer (router/http/tool_answer.py)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None: the answer is only tool calls
+    tool_calls: list[MessageToolCall] | None = None
 
 
 class Choice(BaseModel):

@@ -53,10 +53,10 @@ def structured_spec(req: SamplingFields) -> StructuredSpec | None:
 def _spec(req: SamplingFields) -> StructuredSpec | None:
     rf, so = req.format_request, req.structured_outputs
     if rf is not None and rf.type == "json_object":
-        return StructuredSpec("json_object", "", "response_format")
+        return StructuredSpec("json_object", "", req.format_field)
     if rf is not None and rf.json_schema is not None:
         given = rf.json_schema.schema_
-        return StructuredSpec.json_schema(given if given is not None else {}, "response_format")
+        return StructuredSpec.json_schema(given if given is not None else {}, req.format_field)
     if so is None:
         return None
     if so.json_ is not None:
@@ -84,9 +84,10 @@ def fit_to_prompt(
     num_prompt_tokens: int,
     max_model_len: int,
     prompt_field: str = "messages",
+    max_tokens_field: str = "max_tokens",
 ) -> SamplingParams:
     """``params`` with ``max_tokens`` set for this prompt; a 400 naming the problem if it cannot fit
-    (``prompt_field``: the request field that holds the prompt)."""
+    (``prompt_field``, ``max_tokens_field``: the request fields that hold the prompt and the bound)."""
     room = max_model_len - num_prompt_tokens
     if room <= 0:
         raise bad_request(
@@ -96,9 +97,10 @@ def fit_to_prompt(
         )
     if requested is not None and requested > room:
         raise bad_request(
-            f"max_tokens={requested} plus the prompt's {num_prompt_tokens} tokens exceeds max_model_len={max_model_len}",
+            f"{max_tokens_field}={requested} plus the prompt's {num_prompt_tokens} tokens exceeds "
+            f"max_model_len={max_model_len}",
             code="max_tokens_too_large",
-            param="max_tokens",
+            param=max_tokens_field,
         )
     return replace(params, max_tokens=requested or room)
 

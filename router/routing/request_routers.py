@@ -21,6 +21,7 @@ from typing import TypeVar
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from mmcore.link.pool_links import LINK_STAT, register_router
+from router.routing.decode_choice import rank_decode
 from router.routing.inflight import REPORTED_AT, InFlight
 from router.routing.prefix_affinity import deployment_key, least_loaded, shared_index
 
@@ -186,3 +187,31 @@ class PrefixAffinityRouter(_LoadAwareRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._index.remove_replica(replica_id.unique_id)
+
+
+class FreeKVRouter(PrefixAffinityRouter):
+    """E/P/D's decode pool: the replica with the most free KV and the least load
+    (router.routing.decode_choice); calls naming ``target_replica`` (channels, aborts) go there. The
+    load is ``PrefixAffinityRouter``'s (running + waiting, this router's own in flight exact:
+    router.routing.inflight); the KV is each replica's last routing report (``kv_usage``,
+    ``num_free_blocks``)."""
+
+    def _rank(
+        self, pending_request: PendingRequest | _Args | None, load: dict[ReplicaID, float]
+    ) -> list[ReplicaID]:
+        if _request_arg(pending_request, "target_replica", ""):
+            return super()._rank(pending_request, load)
+        stats = {rid: r.routing_stats for rid, r in self.curr_replicas.items() if rid in load}
+        usage = {rid: float(s.get("kv_usage", 0.0)) for rid, s in stats.items()}
+        free = {rid: float(s.get("num_free_blocks", float("inf"))) for rid, s in stats.items()}
+        handoff = _request_arg(pending_request, "handoff", None)
+        need = int(getattr(handoff, "num_blocks", 0) or 0)
+        return rank_decode(load, usage, free, need)
+
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: object
+    ) -> None:
+        _LoadAwareRouter.on_request_routed(self, pending_request, replica_id, result)  # no prefix index
+
+    def _on_linked(self, args: _Args, replica_id: ReplicaID) -> None:
+        """Decode replicas compute no prompts: nothing for a prefix index."""

@@ -1,7 +1,7 @@
 """Target: a chat-completions request body, bytes -> what the ingress does with it before any call out.
 
 ``ChatService.read_request`` (size, JSON value count, ``json.loads``, ``ChatCompletionRequest``), the
-served-model lookup, ``normalize_messages`` (limits, ``input_audio`` base64), the modality check,
+served-model lookup, the tools' checks (``template_tools``), ``normalize_messages`` (limits, ``input_audio`` base64), the modality check,
 admission cost, the cache salt, the sampling parameters and their fit to a prompt: the steps of
 ``ChatService.chat`` up to ``orch.prepare``. Expected: a request, or an ``APIError`` with a 4xx.
 """
@@ -48,7 +48,8 @@ def _request(body: bytes) -> Request:
 def _handle(body: bytes, tenant: str | None) -> None:
     req = _LOOP.run_until_complete(SERVICE.read_request(_request(body)))
     model = SERVICE.model_for(req.model)
-    chat = ingress.normalize_messages(req.messages, model.limits, tenant)
+    tools = ingress.template_tools(req.tools, req.tool_choice)  # tools_for's checks (no template here)
+    chat = ingress.normalize_messages(req.messages, model.limits, tenant, tools)
     unsupported = {m.modality for m in chat.media} - set(model.modalities)
     if unsupported:  # ChatService.chat's check, as it is there
         raise ingress.bad_request(f"does not accept {sorted(unsupported)}", code="unsupported_modality")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import base64
 import io
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from fractions import Fraction
 from pathlib import Path
 
@@ -206,6 +206,84 @@ def chat_body_seeds() -> dict[str, bytes]:
         "choice.json": _body(messages=[user], structured_outputs={"choice": ["yes", "no"]}),
         "grammar.json": _body(messages=[user], structured_outputs={"grammar": 'root ::= "a" | "b" root'}),
         "json_string.json": _body(messages=[user], structured_outputs={"json": '{"type": "string"}'}),
+        **tool_seeds(user, png),
+    }
+
+
+def tool_seeds(user: Mapping[str, object], png: str) -> dict[str, bytes]:
+    """Tools in the prompt (docs/tools.md): the agent loop's step with a screenshot in the tool's answer,
+    and a named ``tool_choice`` over a nested schema."""
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "click",
+                "description": "click",
+                "parameters": {
+                    "type": "object",
+                    "properties": {
+                        "at": {"type": "array", "items": {"type": "integer"}},
+                        "mode": {"enum": ["l", "r"]},
+                    },
+                    "required": ["at"],
+                    "anyOf": [{"required": ["mode"]}, True],
+                },
+                "strict": True,
+            },
+        },
+        {"type": "function", "function": {"name": "screenshot"}},
+    ]
+    call = {"id": "c1", "type": "function", "function": {"name": "click", "arguments": '{"at": [1, 2]}'}}
+    shot = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png}"}}
+    loop = [
+        {"role": "user", "content": [{"type": "text", "text": "go"}, shot]},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "now"}, shot]},
+    ]
+    return {
+        "tools_agent_loop.json": _body(
+            messages=loop, tools=tools, tool_choice="auto", parallel_tool_calls=False
+        ),
+        "tools_named_choice.json": _body(
+            messages=[user], tools=tools, tool_choice={"type": "function", "function": {"name": "click"}}
+        ),
+    }
+
+
+def completions_body_seeds() -> dict[str, bytes]:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    return {
+        "string.json": _body(prompt="Once upon a time", max_tokens=8),
+        "strings.json": _body(prompt=["a", "bb", "ccc"], max_tokens=4, n=2),
+        "ids.json": _body(prompt=[1, 2, 3, 1023], max_tokens=4),
+        "id_lists.json": _body(prompt=[[1, 2], [3, 4, 5]], echo=True, logprobs=2),
+        "echo_logprobs.json": _body(prompt="x", echo=True, logprobs=5, max_tokens=1),
+        "sampling.json": _body(
+            prompt="p",
+            temperature=0.7,
+            top_p=0.9,
+            top_k=5,
+            min_p=0.1,
+            presence_penalty=0.5,
+            frequency_penalty=-0.5,
+            repetition_penalty=1.2,
+            logit_bias={"5": 10, "7": -100},
+            seed=3,
+            stop=["\n", "."],
+            stream=True,
+            stream_options={"include_usage": True},
+            min_tokens=2,
+            stop_token_ids=[4],
+        ),
+        "json_schema.json": _body(
+            prompt="json:",
+            response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema}},
+        ),
+        "regex.json": _body(prompt="r", structured_outputs={"regex": "[a-z]{1,4}"}),
+        "suffix.json": _body(prompt="a", suffix="b"),
+        "unknown_field.json": _body(prompt="a", best_of=2),
+        "bad_ids.json": _body(prompt=[-1, 99999]),
+        "cache_salt.json": _body(prompt="a", cache_salt="s1", user="u"),
     }
 
 
@@ -260,6 +338,7 @@ def wire_records_seeds() -> dict[str, bytes]:
 
 SEEDS: dict[str, Callable[[], dict[str, bytes]]] = {
     "chat_body": chat_body_seeds,
+    "completions_body": completions_body_seeds,
     "data_url": data_url_seeds,
     "image": image_seeds,
     "video": video_seeds,

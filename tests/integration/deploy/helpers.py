@@ -14,7 +14,14 @@ from ray.serve.config import AutoscalingConfig as RayAutoscalingConfig
 from ray.serve.schema import ServeDeploySchema
 
 from cluster.app import deployment_options, encoder_placement
-from cluster.autoscaling_policy import ENCODER_POLICY, LLM_POLICY, EncoderQueuePolicy, LLMLoadPolicy
+from cluster.autoscaling_policy import (
+    ENCODER_POLICY,
+    LLM_POLICY,
+    PREFILL_POLICY,
+    EncoderQueuePolicy,
+    LLMLoadPolicy,
+    PrefillQueuePolicy,
+)
 from cluster.config import AppConfig, ModelConfig
 
 # Ray 2.60 defines these but its replicas and handles read only autoscaling_config.metrics_interval_s.
@@ -23,7 +30,12 @@ IGNORED_ENV_VARS = {
     "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S",
 }
 # Deployment name prefix -> the policy class that must scale it (the classes, not the app's strings).
-POOL_POLICIES: dict[str, type] = {"EncoderServer": EncoderQueuePolicy, "LLMServer": LLMLoadPolicy}
+POOL_POLICIES: dict[str, type] = {
+    "EncoderServer": EncoderQueuePolicy,
+    "LLMServer": LLMLoadPolicy,
+    "LLMPrefillServer": PrefillQueuePolicy,
+    "LLMDecodeServer": LLMLoadPolicy,
+}
 
 
 def pool_options(model: ModelConfig) -> dict[str, dict[str, Any]]:
@@ -31,8 +43,13 @@ def pool_options(model: ModelConfig) -> dict[str, dict[str, Any]]:
     (test_cluster_yamls checks this against Serve's own build of the app)."""
     enc = deployment_options(model.encoder.deployment, f"EncoderServer-{model.name}", ENCODER_POLICY)
     enc.update(encoder_placement(model))
-    llm = deployment_options(model.llm.deployment, f"LLMServer-{model.name}", LLM_POLICY)
-    return {enc["name"]: enc, llm["name"]: llm}
+    out = {enc["name"]: enc}
+    names = {"both": "LLMServer", "prefill": "LLMPrefillServer", "decode": "LLMDecodeServer"}
+    for role in model.llm.roles:  # one pool, or E/P/D's two
+        policy = PREFILL_POLICY if role == "prefill" else LLM_POLICY
+        llm = deployment_options(model.llm.pool(role), f"{names[role]}-{model.name}", policy)
+        out[llm["name"]] = llm
+    return out
 
 
 def ray_autoscaling(opts: dict[str, Any]) -> RayAutoscalingConfig:

@@ -57,7 +57,7 @@ def test_ray_up_node_types_separate_the_pools() -> None:
         assert types[t]["idle_timeout_s"] > 0
 
 
-@pytest.mark.parametrize("name", ["serve-gpu.yaml", "serve-cpu.yaml"])
+@pytest.mark.parametrize("name", ["serve-gpu.yaml", "serve-cpu.yaml", "serve-cpu-pd.yaml"])
 def test_serve_configs_validate(name: str) -> None:
     doc = _load(name)
     (cfg,) = validate_serve_config(doc)
@@ -67,7 +67,7 @@ def test_serve_configs_validate(name: str) -> None:
     assert cfg.models
 
 
-@pytest.mark.parametrize("name", ["serve-gpu.yaml", "serve-cpu.yaml"])
+@pytest.mark.parametrize("name", ["serve-gpu.yaml", "serve-cpu.yaml", "serve-cpu-pd.yaml"])
 def test_serve_configs_take_the_one_journey(name: str) -> None:
     """Every shipped config serves HTTP from the ingress replicas (no Serve proxy hop), on the port and
     interface the header promises, as `mmserve serve` and the Helm chart's default do."""
@@ -78,7 +78,7 @@ def test_serve_configs_take_the_one_journey(name: str) -> None:
     assert cfg.port == doc["http_options"]["port"] and cfg.host == doc["http_options"]["host"]
 
 
-@pytest.mark.parametrize("name", ["serve-gpu.yaml", "serve-cpu.yaml"])
+@pytest.mark.parametrize("name", ["serve-gpu.yaml", "serve-cpu.yaml", "serve-cpu-pd.yaml"])
 def test_pools_push_metrics_often_enough_to_react(name: str) -> None:
     """What the headers promise: metrics every 2 s (not Ray's 10 s), averaged over a window that holds
     several samples."""
@@ -153,6 +153,29 @@ def test_serve_builds_the_options_the_checks_look_at() -> None:
         assert d._replica_config.placement_group_bundles == opts.get("placement_group_bundles"), name
         assert d._replica_config.placement_group_strategy == opts.get("placement_group_strategy"), name
     assert built[f"EncoderServer-{m.name}"]._replica_config.placement_group_bundles  # TP 2: a group
+
+
+def test_serve_cpu_pd_builds_a_prefill_and_a_decode_pool() -> None:
+    """The shipped E/P/D config: Serve's build of it has one deployment per pool, the LLM's two each
+    on its own options, the decode pool routed by free KV."""
+    from ray.serve._private.build_app import build_app as serve_build_app
+
+    from router.routing.request_routers import FreeKVRouter, PrefixAffinityRouter
+
+    (app,) = _load("serve-cpu-pd.yaml")["applications"]
+    cfg = AppConfig.model_validate(app["args"])
+    (m,) = cfg.models
+    built = {d.name: d for d in serve_build_app(build_app(cfg), name=app["name"]).deployments}
+    prefill, decode = f"LLMPrefillServer-{m.name}", f"LLMDecodeServer-{m.name}"
+    assert f"LLMServer-{m.name}" not in built and {prefill, decode} <= set(built)
+    for name, opts in pool_options(m).items():
+        assert built[name]._deployment_config.autoscaling_config == ray_autoscaling(opts), name
+    routers = {
+        n: built[n]._deployment_config.request_router_config.request_router_class for n in (prefill, decode)
+    }
+    assert PrefixAffinityRouter.__name__ in str(routers[prefill]) and FreeKVRouter.__name__ in str(
+        routers[decode]
+    )
 
 
 def test_serve_cpu_uses_the_tiny_model_without_gpus() -> None:

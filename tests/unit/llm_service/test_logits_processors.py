@@ -174,3 +174,20 @@ def test_top_p_over_a_large_vocabulary_keeps_the_same_nucleus_as_a_full_sort(sca
     for i, p in enumerate(params):
         want = _full_sort_top_p(x[i : i + 1], p.top_p)
         assert torch.equal(torch.isfinite(got[i]), torch.isfinite(want[0])), p.top_p
+
+
+@pytest.mark.parametrize("rounds", [8, 1], ids=["by rejection", "rounds spent: sorted nucleus"])
+def test_top_p_by_rejection_samples_the_renormalised_nucleus(monkeypatch, rounds) -> None:
+    """Nucleus {0, 1} (the mass before token 2 is 0.7 >= 0.5): a first draw of 2 or 3 (p = 0.3) is
+    rejected and drawn again among the tokens more likely than it; with one round those rows take the
+    sorted nucleus. Either way the tokens follow 0.4 / 0.7, 0.3 / 0.7, and ties at the edge are kept."""
+    monkeypatch.setattr("llm_service.sampler.TOP_P_ROUNDS", rounds)
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1] + [1e-9] * (V - 4)]))
+    params = [SamplingParams(temperature=1.0, top_p=0.5)] * 6000
+    tokens, _ = sample(logits.expand(6000, V), params, [torch.Generator().manual_seed(1)] * 6000)
+    counts = torch.bincount(torch.tensor(tokens), minlength=V).float() / 6000
+    torch.testing.assert_close(counts[:2], torch.tensor([0.4, 0.3]) / 0.7, atol=0.025, rtol=0)
+    assert counts[2:].sum() == 0
+    tie = torch.log(torch.tensor([[0.3, 0.3, 0.3, 0.1] + [1e-9] * (V - 4)]))
+    tied, _ = sample(tie.expand(3000, V), params[:3000], [torch.Generator().manual_seed(2)] * 3000)
+    assert set(tied) == {0, 1, 2} if rounds > 1 else set(tied) <= {0, 1, 2}

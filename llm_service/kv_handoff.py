@@ -1,0 +1,145 @@
+"""The hand-off of a request's KV from a prefill replica to a decode replica: its records and the
+prefill side's pins (pure: no torch, no Ray)::
+
+  ingress ──prefill(spec)──────────▶ prefill replica: the prompt computed (chunked, prefix cache and
+          ◀──KVHandoff──────────────   encoder cache as in a colocated pool), the first token sampled;
+                                        the prompt's blocks pinned (``HandoffPins``) until pulled
+  ingress ──submit(spec + KVHandoff)─▶ decode replica: the leading full blocks its own prefix cache
+                                        holds are taken, the rest allocated (``ImportSlots``);
+          decode ──pull_kv(rid, from_block)──▶ prefill replica (over the authenticated direct link)
+          decode ◀──KVBlocks (those blocks only)──  pin released: the blocks stay in its prefix cache
+                                        written block by block into the allocated blocks, registered
+                                        under the same chained hashes; the request runs on from the
+                                        first token, its tokens streamed on the decode replica's channel
+  A pin lasts until its pull or its deadline, whichever comes first; a failed pull frees the decode
+  side's blocks (the ingress prefills the request again).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from llm_service.outputs import RequestOutput
+from mmcore.wire import from_fields, to_fields
+
+
+class KVTransferFailed(RuntimeError):
+    """The decode replica could not get a request's KV (the prefill replica died or let its pin go):
+    its blocks are freed there and the ingress prefills the request again (503 if it cannot)."""
+
+    status_code = 503
+    code = "kv_transfer_failed"
+    retry_after_s = 1
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]  # keeps the message across pickling
+        return (type(self), self.args)
+
+
+@dataclass(frozen=True)
+class KVHandoff:
+    """A prefill replica's answer: the first output and, unless that ended the request, where its KV
+    waits. ``block_hashes``: the prompt's full blocks' chained hashes (llm_service/prefix_hash.py),
+    which the decode replica recomputes and checks before it registers the imported blocks."""
+
+    request_id: str
+    replica_id: str
+    first: RequestOutput  # the first token; finished (stop, length): nothing to hand off
+    address: tuple[str, int] | None = None  # the prefill replica's direct link
+    num_tokens: int = 0  # prompt tokens whose KV is held (all of them)
+    num_blocks: int = 0  # blocks holding them (the last may be partial)
+    block_hashes: tuple[bytes, ...] = ()
+    deadline_s: float = 0.0  # how long the prefill replica holds the blocks for the pull
+
+    @property
+    def handed_off(self) -> bool:
+        return not self.first.finished
+
+    def to_wire(self) -> dict[str, object]:
+        """Its fields for ``mmcore.wire.pack`` (inside ``LLMRequestSpec``'s form), the first output as
+        its own wire bytes."""
+        return {**to_fields(self, ("first",)), "first": self.first.to_wire()}
+
+    @staticmethod
+    def from_wire(d: dict[str, Any]) -> KVHandoff:  # Any: msgpack's map, checked by from_fields
+        return from_fields(KVHandoff, d, first=RequestOutput.from_wire(d["first"]))
+
+
+@dataclass(frozen=True)
+class KVBlocks:
+    """What crosses the wire: blocks ``[from_block, from_block + num_blocks)`` of a request, per
+    KV-writing layer one buffer of ``[2, num_blocks, block_size, heads, head_dim]`` (K and V) values
+    of ``dtype``, raw bytes in the layer's shape."""
+
+    request_id: str
+    from_block: int
+    num_blocks: int
+    dtype: str
+    shapes: list[tuple[int, ...]]
+    data: list[bytes]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(d) for d in self.data)
+
+
+@dataclass(frozen=True)
+class ImportSlots:
+    """The decode replica's blocks for an imported request: ``hit_blocks`` leading full blocks found in
+    its own prefix cache (not pulled), then ``block_ids`` to fill with the pulled ones."""
+
+    hit_blocks: int
+    block_ids: list[int]
+
+
+@dataclass
+class _Pin:
+    block_ids: list[int]
+    expires_at: float
+    generation: int
+    pulling: bool = False
+
+
+@dataclass
+class HandoffPins:
+    """The prefill replica's books of handed-off requests whose blocks it holds for a pull. A pin ends
+    once: its pull finished (``done``) or its deadline passed unpulled (``expire``); either way the
+    caller frees the request's blocks (``LLMEngine.release_handoff``). A pull started in time runs
+    to its end."""
+
+    clock: Callable[[], float] = time.monotonic
+    _pins: dict[str, _Pin] = field(default_factory=dict)
+    _generations: int = 0
+
+    def __len__(self) -> int:
+        return len(self._pins)
+
+    def pin(self, request_id: str, block_ids: list[int], deadline_s: float) -> int:
+        """Hold ``block_ids`` for a pull; a request prefilled again replaces its earlier pin (whose blocks
+        the engine freed). Returns the pin's generation, for ``expire``."""
+        self._generations += 1
+        self._pins[request_id] = _Pin(list(block_ids), self.clock() + deadline_s, self._generations)
+        return self._generations
+
+    def take(self, request_id: str) -> list[int] | None:
+        """Start the pull: the request's block ids, or None (unknown, expired, or pulled already)."""
+        pin = self._pins.get(request_id)
+        if pin is None or pin.pulling or self.clock() > pin.expires_at:
+            return None
+        pin.pulling = True
+        return pin.block_ids
+
+    def done(self, request_id: str) -> bool:
+        """The pull ended (sent or failed): True if the caller should free the blocks now."""
+        return self._pins.pop(request_id, None) is not None
+
+    def expire(self, request_id: str, generation: int | None = None) -> bool:
+        """Its deadline: True if unpulled (dropped: the caller frees the blocks); a pull in progress
+        keeps it until ``done``; ``generation``: only that pin, not one that replaced it."""
+        pin = self._pins.get(request_id)
+        if pin is None or pin.pulling or generation not in (None, pin.generation):
+            return False
+        del self._pins[request_id]
+        return True

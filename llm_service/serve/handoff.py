@@ -1,0 +1,191 @@
+"""An LLM replica's E/P/D roles (llm_service/kv_handoff.py has the hand-off's picture and books).
+
+``PrefillHandoffs``: a prefill replica's pins of handed-off requests, the pull that reads their
+blocks, and the deadline that frees them unpulled. ``DecodeImports``: a decode replica's import of a
+request (blocks reserved, KV pulled from the prefill replica over the link the wiring gives, written,
+the request run on from its first token). Both drive the engine only through its loop's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Protocol
+
+from llm_service.engine_loop import EngineLoop
+from llm_service.kv_handoff import HandoffPins, ImportSlots, KVBlocks, KVHandoff, KVTransferFailed
+from llm_service.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from llm_service.engine import LLMEngine
+    from llm_service.request_spec import LLMRequestSpec
+
+logger = logging.getLogger("mmserve.llm")
+
+Address = tuple[str, int]
+
+
+class KVSource(Protocol):
+    """A link to a prefill replica (``mmcore.link.DirectLink`` in production)."""
+
+    async def call(self, method: str, *args: object, timeout_s: float | None = None) -> Any: ...
+
+
+@dataclass
+class TransferStats:
+    """What the hand-offs of one replica cost, both sides (``stats``: ``kv_*``)."""
+
+    handoffs: int = 0  # prefill side: requests handed off
+    pulls: int = 0  # prefill side: pulls served
+    expired: int = 0  # prefill side: pins dropped unpulled at their deadline
+    imports: int = 0  # decode side: requests imported
+    failed_imports: int = 0  # decode side: imports whose pull or write failed (blocks freed)
+    blocks_pulled: int = 0  # decode side
+    blocks_hit: int = 0  # decode side: leading blocks its own prefix cache held (not pulled)
+    bytes_pulled: int = 0  # decode side
+    import_cpu_s: float = 0.0  # decode side: thread CPU time writing pulled blocks
+
+    def as_dict(self) -> dict[str, float]:
+        return {f"kv_{k}": float(v) for k, v in self.__dict__.items()}
+
+
+class PrefillHandoffs:
+    def __init__(
+        self,
+        loop: EngineLoop,
+        engine: LLMEngine,
+        replica_id: str,
+        address: Callable[[], Awaitable[Address]],
+        deadline_s: float,
+        stats: TransferStats,
+    ) -> None:
+        self.loop, self.engine, self.replica_id = loop, engine, replica_id
+        self._address = address
+        self.deadline_s = deadline_s
+        self.pins = HandoffPins()
+        self.stats = stats
+        self._held: dict[str, tuple[int, tuple[bytes, ...]]] = {}  # pinned, not yet answered: blocks, hashes
+
+    def on_outputs(self, outputs: list[RequestOutput]) -> None:
+        """After a step (the engine's thread idle): pin each request that left with its first token."""
+        for out in outputs:
+            if out.finish_reason == "handoff":
+                rid = out.request_id
+                blocks = self.engine.handoff_blocks(rid)
+                generation = self.pins.pin(rid, blocks, self.deadline_s)
+                self._held[rid] = (len(blocks), tuple(self.engine.handoff_hashes(rid)))
+                asyncio.get_running_loop().call_later(self.deadline_s, self._expire, rid, generation)
+                self.stats.handoffs += 1
+
+    async def handoff(self, spec: LLMRequestSpec, first: RequestOutput) -> KVHandoff:
+        """The answer to ``prefill``: the first output and, if it did not end the request, where its KV waits."""
+        rid = spec.request_id
+        held = self._held.pop(rid, None)
+        if first.finish_reason != "handoff" or held is None:
+            return KVHandoff(rid, self.replica_id, first)
+        num_blocks, hashes = held
+        return KVHandoff(
+            rid,
+            self.replica_id,
+            replace(first, finished=False, finish_reason=None),
+            address=await self._address(),
+            num_tokens=first.num_prompt_tokens,
+            num_blocks=num_blocks,
+            block_hashes=hashes,
+            deadline_s=self.deadline_s,
+        )
+
+    async def pull(self, request_id: str, from_block: int) -> KVBlocks:
+        """Blocks ``from_block..`` of a handed-off request, read to host memory; the pin ends with it."""
+        block_ids = self.pins.take(request_id)
+        if block_ids is None:
+            raise KVTransferFailed(
+                f"{request_id}: no KV held on prefill replica {self.replica_id} (never handed off here, "
+                f"pulled already, or past its {self.deadline_s} s deadline)"
+            )
+        try:
+            return await asyncio.to_thread(
+                self.engine.runner.read_kv_blocks, request_id, block_ids[from_block:], from_block
+            )
+        finally:
+            self.stats.pulls += 1
+            if self.pins.done(request_id):
+                await self.loop.on_engine(self.engine.release_handoff, request_id)
+
+    def _expire(self, request_id: str, generation: int) -> None:
+        if self.pins.expire(request_id, generation):
+            self._held.pop(request_id, None)
+            self.stats.expired += 1
+            logger.warning(
+                "hand-off of %s was not pulled within %.1f s: blocks freed", request_id, self.deadline_s
+            )
+            task = asyncio.get_running_loop().create_task(
+                self.loop.on_engine(self.engine.release_handoff, request_id)
+            )
+            task.add_done_callback(lambda t: t.exception())
+
+
+class DecodeImports:
+    def __init__(
+        self,
+        loop: EngineLoop,
+        engine: LLMEngine,
+        connect: Callable[[Address], KVSource],
+        timeout_s: float,
+        stats: TransferStats,
+    ) -> None:
+        self.loop, self.engine = loop, engine
+        self._connect = connect
+        self.timeout_s = timeout_s
+        self.stats = stats
+
+    async def import_request(self, spec: LLMRequestSpec) -> None:
+        """Reserve blocks, pull what the prefix cache lacks, write it, run the request on. A failed pull
+        or write frees the blocks and raises ``KVTransferFailed``; a full pool ``Overloaded``."""
+        h = spec.handoff
+        assert h is not None and h.address is not None
+        from llm_service.embeddings import unfetched
+
+        rid = spec.request_id
+        slots = await self.loop.on_engine(
+            self.engine.reserve_import,
+            rid,
+            list(spec.prompt_token_ids),
+            spec.sampling_params,
+            unfetched(list(spec.mm_items)),
+            spec.cache_salt,
+            h.first,
+            h.block_hashes,
+        )
+        assert isinstance(slots, ImportSlots)
+        try:
+            blocks = await self._pull(h, rid, slots)
+            t0 = time.thread_time()
+            await asyncio.to_thread(self.engine.runner.write_kv_blocks, slots.block_ids, blocks)
+            self.stats.import_cpu_s += time.thread_time() - t0
+        except BaseException as e:
+            self.stats.failed_imports += 1
+            await self.loop.on_engine(self.engine.cancel_import, rid)
+            if isinstance(e, KVTransferFailed | asyncio.CancelledError):
+                raise
+            raise KVTransferFailed(
+                f"{rid}: KV pull from {h.replica_id} failed: {type(e).__name__}: {e}"
+            ) from e
+        self.loop.track(rid)
+        await self.loop.on_engine(self.engine.admit_import, rid)
+        self.stats.imports += 1
+        self.stats.blocks_hit += slots.hit_blocks
+        self.stats.blocks_pulled += blocks.num_blocks
+        self.stats.bytes_pulled += blocks.nbytes
+
+    async def _pull(self, h: KVHandoff, rid: str, slots: ImportSlots) -> KVBlocks:
+        assert h.address is not None
+        link = self._connect(h.address)
+        blocks = await link.call("pull_kv", rid, slots.hit_blocks, timeout_s=self.timeout_s)
+        if not isinstance(blocks, KVBlocks) or blocks.num_blocks != len(slots.block_ids):
+            got = getattr(blocks, "num_blocks", type(blocks).__name__)
+            raise KVTransferFailed(f"{rid}: pulled {got} blocks, {len(slots.block_ids)} expected")
+        return blocks

@@ -1,0 +1,132 @@
+"""E/P/D at the ingress: a request's prompt on a prefill replica, its decode on a decode replica.
+
+``PDClient.submit(spec)`` calls ``prefill`` on a prefill replica, routed by prefix affinity (the pool's
+``PrefixAffinityRouter``, over the replica's direct link or Serve's handle): the replica computes the
+prompt and the first token and answers a ``KVHandoff`` (llm_service/kv_handoff.py). Unless the first
+token ended the request, the spec goes on with the hand-off to a decode replica (the decode pool's
+``FreeKVRouter``: free KV and load), which pulls the KV from the prefill replica and streams the
+tokens, the first included, on its output channel: the rest is ``LLMClient``'s. The decode replica
+never sees a media item's bytes or embeddings, only the items' positions and hashes.
+
+Failure: a prefill replica lost before its answer → prefilled again (another replica, or its
+successor, within ``reroute_timeout_s``); a transfer that fails (the prefill replica died or let its
+pin go: ``kv_transfer_failed``; the decode replica freed what it allocated) → prefilled again once;
+a decode replica lost before the request's first output → prefilled again and sent to another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator
+from dataclasses import replace
+from typing import Protocol
+
+from llm_service.kv_handoff import KVHandoff
+from llm_service.outputs import RequestOutput
+from llm_service.request_spec import LLMRequestSpec, SubmitReply
+from mmcore.link.pool_links import PoolLinks
+from router.journey.llm_client import LLMClient, LLMPool
+from router.journey.serve_calls import UnaryMethod
+from router.protocol.errors import replica_gone
+
+logger = logging.getLogger("mmserve.router")
+
+
+class PrefillPool(Protocol):
+    """The prefill pool as the router calls it (``llm_service.serve.deployment.LLMServer.prefill``)."""
+
+    @property
+    def prefill(self) -> UnaryMethod[KVHandoff]: ...
+
+
+def transfer_failed(e: BaseException | None) -> bool:
+    """``e`` (or what it wraps: Ray's ``cause``, ``__cause__``) is a failed KV transfer."""
+    for _ in range(5):
+        if e is None:
+            return False
+        if getattr(e, "code", None) == "kv_transfer_failed":
+            return True
+        e = getattr(e, "cause", None) or e.__cause__
+    return False
+
+
+class PDClient(LLMClient):
+    """Per ingress replica and E/P/D model: ``submit`` and ``outputs`` as ``LLMClient``'s, over two pools."""
+
+    def __init__(
+        self,
+        prefill: PrefillPool,
+        decode: LLMPool,
+        prefill_links: PoolLinks | None = None,
+        decode_links: PoolLinks | None = None,
+        reroute_timeout_s: float = 30.0,
+    ) -> None:
+        super().__init__(decode, links=decode_links, reroute_timeout_s=reroute_timeout_s)
+        self.prefill_pool = prefill
+        self.prefill_links = prefill_links
+        self._answered: dict[str, RequestOutput] = {}  # ended by their first token: no decode
+        self.prefilled_again = 0
+
+    async def submit(self, spec: LLMRequestSpec) -> SubmitReply:
+        for attempt in (1, 2):
+            handoff = await self._prefill(spec)
+            if not handoff.handed_off:
+                self._answered[spec.request_id] = handoff.first
+                return SubmitReply(handoff.replica_id, "")
+            try:
+                return await super().submit(replace(spec, handoff=handoff))
+            except BaseException as e:
+                if attempt == 2 or not transfer_failed(e):
+                    raise
+                logger.warning("KV transfer of %s failed (%r); prefilling it again", spec.request_id, e)
+                self.prefilled_again += 1
+        raise AssertionError("unreachable: the second attempt returns or raises")
+
+    async def outputs(self, request_id: str, reply: SubmitReply) -> AsyncGenerator[RequestOutput, None]:
+        first = self._answered.pop(request_id, None)
+        if first is not None:
+            yield first
+            return
+        async for out in super().outputs(request_id, reply):
+            yield out
+
+    async def _reroute(self, request_id: str, old: SubmitReply) -> SubmitReply | None:
+        """A decode replica lost before the request's first output: prefilled again (the prefill
+        replica let its pin go after the first pull), then sent to another decode replica."""
+        spec = self._specs.get(request_id)
+        if spec is not None and spec.handoff is not None:
+            handoff = await self._prefill(replace(spec, handoff=None))
+            if not handoff.handed_off:  # sampled differently this time, and ended: nothing to decode
+                return None
+            self._specs[request_id] = replace(spec, handoff=handoff)
+            self.prefilled_again += 1
+        return await super()._reroute(request_id, old)
+
+    async def _prefill(self, spec: LLMRequestSpec) -> KVHandoff:
+        """``prefill`` on a prefill replica, called again while the replica it reached turns out dead."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.reroute_timeout_s
+        attempt = 0
+        while True:
+            try:
+                picked = self.prefill_links.pick(spec) if self.prefill_links and not attempt else None
+                if picked is None:
+                    handoff: KVHandoff = await self.prefill_pool.prefill.remote(spec)
+                    return handoff
+                uid, link = picked
+                self.prefill_links.routed(spec.request_id, uid, spec)  # type: ignore[union-attr]
+                try:
+                    handoff = await link.call("prefill", spec)
+                    return handoff
+                finally:
+                    self.prefill_links.done(spec.request_id)  # type: ignore[union-attr]
+            except BaseException as e:
+                attempt += 1
+                if not replica_gone(e) or loop.time() > deadline:
+                    raise
+                logger.warning(
+                    "prefill replica lost before %s's first token (%r); prefilling again", spec.request_id, e
+                )
+                self.prefilled_again += 1
+                await asyncio.sleep(min(0.1 * attempt, 1.0))

@@ -1,0 +1,190 @@
+"""Tool calls in the answer over HTTP, with the real ``openai`` client, on a tiny model (random
+weights) whose chat template takes tools. ``required`` and a named function: the grammar of calls
+makes even random weights write a call to an allowed function whose arguments validate against its
+schema (``jsonschema``), streamed and not, ``n`` > 1 too. ``auto``: the output forced by a
+``structured_outputs`` regex (text, then two parallel calls) parses into exactly those calls.
+
+A row per family whose tiny template takes tools (``FAMILIES``): the others answer 400 naming
+``tools`` (docs/tools.md).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+from openai import OpenAI
+
+from tests.integration.local_app import local_app
+
+FAMILIES = ["qwen3-vl"]  # (tiny family, as `tiny:` names it)
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Oslo"]},
+        "units": {"type": "string", "maxLength": 3},
+        "days": {"type": "integer"},
+        "alerts": {"type": "boolean"},
+    },
+    "required": ["city", "alerts"],
+}
+TIME = {
+    "type": "object",
+    "properties": {"zone": {"type": "string", "enum": ["CET", "UTC"]}},
+    "required": ["zone"],
+}
+TOOLS: list[Any] = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER},
+    },
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
+]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+MESSAGES: list[Any] = [{"role": "user", "content": "Weather in Paris, and the time?"}]
+MAX_TOKENS = 400
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpenAI]:
+    cache_dir = tmp_path_factory.mktemp("models")
+    models = [
+        {
+            "name": f"tiny-{f}",
+            "tiny": f,
+            "llm": {"max_model_len": 2048, "block_size": 16, "num_kv_blocks": 256},
+            "encoder": {"cache_index_shards": 1},
+        }
+        for f in FAMILIES
+    ]
+    with local_app({"models": models, "models_cache_dir": str(cache_dir)}, num_cpus=2) as c:
+        yield c
+
+
+def _valid(calls: list[tuple[str, str]], allowed: set[str]) -> None:
+    assert calls
+    for name, arguments in calls:
+        assert name in allowed
+        jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+def _ask(
+    client: OpenAI, family: str, **kw: Any
+) -> tuple[list[tuple[str | None, list[tuple[str, str]], str | None]], Any]:
+    """Each choice's (content, calls as (name, arguments), finish_reason), non-streamed."""
+    r = client.chat.completions.create(
+        model=f"tiny-{family}", messages=MESSAGES, tools=TOOLS, max_tokens=MAX_TOKENS, **kw
+    )
+    out = []
+    for c in r.choices:
+        calls = [(t.function.name, t.function.arguments) for t in c.message.tool_calls or []]
+        for t in c.message.tool_calls or []:
+            assert t.type == "function" and re.fullmatch(r"call_[A-Za-z0-9]{24}", t.id)
+        out.append((c.message.content, calls, c.finish_reason))
+    return out, r
+
+
+def _stream(
+    client: OpenAI, family: str, **kw: Any
+) -> dict[int, tuple[str | None, list[tuple[str, str]], str | None]]:
+    """The streamed choices reassembled from their deltas (ids and names first, then arguments)."""
+    content: dict[int, str] = {}
+    calls: dict[int, dict[int, list[str]]] = {}
+    finish: dict[int, str | None] = {}
+    for chunk in client.chat.completions.create(
+        model=f"tiny-{family}", messages=MESSAGES, tools=TOOLS, max_tokens=MAX_TOKENS, stream=True, **kw
+    ):
+        for c in chunk.choices:
+            content[c.index] = content.get(c.index, "") + (c.delta.content or "")
+            for t in c.delta.tool_calls or []:
+                mine = calls.setdefault(c.index, {})
+                if t.index not in mine:  # the call's first delta: id, type and name, arguments ""
+                    assert t.id and t.type == "function" and t.function and t.function.name
+                    assert t.function.arguments == ""
+                    mine[t.index] = [t.function.name, ""]
+                else:
+                    assert t.id is None and t.function and t.function.name is None
+                    mine[t.index][1] += t.function.arguments or ""
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    return {
+        i: (content.get(i) or None, [(n, a) for n, a in calls.get(i, {}).values()], finish.get(i))
+        for i in finish
+    }
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_required_gives_valid_calls_streamed_and_not(client: OpenAI, family: str) -> None:
+    choices, _ = _ask(client, family, tool_choice="required", n=2, seed=1)
+    assert len(choices) == 2
+    for content, calls, finish in choices:
+        _valid(calls, set(SCHEMAS))
+        assert content is None and finish == "tool_calls"
+    streamed = _stream(client, family, tool_choice="required", n=2, seed=1, temperature=1.0)
+    assert streamed.keys() == {0, 1}
+    for content, calls, finish in streamed.values():
+        _valid(calls, set(SCHEMAS))
+        assert content is None and finish == "tool_calls"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_named_function_and_one_call(client: OpenAI, family: str) -> None:
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for seed in (2, 3):
+        choices, _ = _ask(client, family, tool_choice=named, parallel_tool_calls=False, seed=seed)
+        ((_, calls, finish),) = choices
+        assert len(calls) == 1 and finish == "tool_calls"
+        _valid(calls, {"get_time"})
+    streamed = _stream(client, family, tool_choice=named, parallel_tool_calls=False, seed=4)
+    assert len(streamed[0][1]) == 1
+    _valid(streamed[0][1], {"get_time"})
+
+
+SCRIPT = (
+    'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "alerts": true}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
+)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_auto_parses_a_scripted_answer_exactly(client: OpenAI, family: str) -> None:
+    forced = {"structured_outputs": {"regex": re.escape(SCRIPT)}}
+    want = [
+        ("get_weather", {"city": "Paris", "alerts": True}),
+        ("get_time", {"zone": "CET"}),
+    ]
+    choices, _ = _ask(client, family, tool_choice="auto", extra_body=forced)
+    ((content, calls, finish),) = choices
+    assert content == "Let me check."
+    assert [(n, json.loads(a)) for n, a in calls] == want
+    assert finish == "tool_calls"
+    streamed = _stream(client, family, tool_choice="auto", extra_body=forced)
+    assert streamed[0] == (content, calls, finish)  # the deltas reassemble to the message
+    none, _ = _ask(client, family, tool_choice="none", extra_body=forced)
+    assert none[0] == (SCRIPT, [], "stop")  # none: no calls parsed
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_what_cannot_be_enforced_is_a_400_naming_the_field(client: OpenAI, family: str) -> None:
+    patterned = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "^a+$"}}}}}]  # fmt: skip
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=f"tiny-{family}", messages=MESSAGES, tools=patterned, tool_choice="required", max_tokens=8
+        )
+    assert e.value.body["param"] == "tools[0].function.parameters"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=f"tiny-{family}",
+            messages=MESSAGES,
+            tools=TOOLS,
+            tool_choice="required",
+            response_format={"type": "json_object"},
+            max_tokens=8,
+        )
+    assert e.value.body["param"] == "tool_choice"  # type: ignore[index]

@@ -1,0 +1,170 @@
+"""E/P/D hand-off on two engines of the tiny Qwen2-VL: a prefill engine runs the prompt (chunked) and
+samples the first token; its blocks are read, written into blocks a decode engine allocated, and the
+decode engine runs on. Greedy tokens must equal HF generate; blocks are registered under the same
+chained hashes on both sides; nothing is left held. Plus the prefill side's pin books (pure)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from llm_service.engine import LLMEngine
+from llm_service.kv_handoff import HandoffPins
+from llm_service.outputs import RequestOutput
+from llm_service.sampling_params import SamplingParams
+from tests.unit.llm_service.hf_ref import (
+    GREEDY,
+    IMG,
+    N,
+    RefCase,
+    assert_all_free,
+    build_case,
+    engine,
+    hf_generate,
+    hf_model,
+    image,
+)
+
+
+@pytest.fixture(scope="module")
+def vl(tiny_vl_dir: Path) -> tuple[Any, Any]:
+    return hf_model(tiny_vl_dir)
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_vl_dir: Path) -> tuple[LLMEngine, LLMEngine]:
+    # a small chunk budget: the prefill side computes long prompts in several chunks
+    return engine(tiny_vl_dir, max_num_batched_tokens=32), engine(tiny_vl_dir)
+
+
+def prefill(eng: LLMEngine, rid: str, case: RefCase, params: SamplingParams = GREEDY) -> RequestOutput:
+    eng.add_request(rid, case.prompt, params, case.mm_inputs, handoff=True)
+    while True:
+        outs = [o for o in eng.step() if o.request_id == rid]
+        if outs:
+            return outs[0]
+
+
+def hand_off(p: LLMEngine, d: LLMEngine, rid: str, case: RefCase) -> tuple[list[int], int]:
+    """Prefill on ``p``, import on ``d``, decode there to the end: the tokens and the decode side's hits."""
+    first = prefill(p, rid, case)
+    assert first.finish_reason == "handoff" and len(first.new_token_ids) == 1
+    blocks = p.handoff_blocks(rid)
+    no_embeddings = [dataclasses.replace(m, embeddings=None) for m in case.mm_inputs]
+    slots = d.reserve_import(rid, case.prompt, GREEDY, no_embeddings, None, first)
+    payload = p.runner.read_kv_blocks(rid, blocks[slots.hit_blocks :], slots.hit_blocks)
+    assert payload.num_blocks == len(slots.block_ids) == len(blocks) - slots.hit_blocks
+    d.runner.write_kv_blocks(slots.block_ids, payload)
+    p.release_handoff(rid)
+    d.admit_import(rid)
+    tokens: list[int] = []
+    while d.has_unfinished_requests():
+        for o in d.step():
+            tokens += o.new_token_ids
+    assert p.scheduler.requests == {} and not p.scheduler.handed_off
+    return tokens, slots.hit_blocks
+
+
+def test_text_one_and_two_images_equal_hf(vl, pair) -> None:
+    hf, proc = vl
+    p, d = pair
+    cases = [
+        build_case(hf, proc, "the quick brown fox jumps over the lazy dog " * 3),
+        build_case(hf, proc, f"describe {IMG} please", images=[image(120, 90, 1)]),
+        build_case(hf, proc, f"a {IMG} and b {IMG} compare", images=[image(64, 48, 2), image(90, 120, 3)]),
+    ]
+    for i, case in enumerate(cases):
+        tokens, _ = hand_off(p, d, f"r{i}", case)
+        assert tokens == hf_generate(hf, case, N)
+    assert_all_free(d)
+    assert not p.runner.states and p.stats().num_free_blocks == p.stats().num_total_blocks
+
+
+def test_next_turn_hits_both_sides_under_the_same_hashes(vl, pair) -> None:
+    """The prefill side keeps the blocks it handed off as cache; the decode side registered the imported
+    ones under the same chained hashes, so a longer prompt sharing the prefix pulls only the rest."""
+    hf, proc = vl
+    p, d = pair
+    turn = f"look {IMG} and tell me what you see in it, in detail"
+    first = build_case(hf, proc, turn, images=[image(80, 64, 7)])
+    hand_off(p, d, "t1", first)
+    second = build_case(hf, proc, turn + " and then more words follow here", images=[image(80, 64, 7)])
+    assert second.prompt[: len(first.prompt)] == first.prompt
+    tokens, decode_hits = hand_off(p, d, "t2", second)
+    assert tokens == hf_generate(hf, second, N)
+    bs = p.config.block_size
+    assert decode_hits == len(first.prompt) // bs  # every full block of turn one: not pulled again
+    assert p.stats().prefix_hit_tokens >= (len(first.prompt) // bs) * bs  # the prefill side's own hit
+
+
+def test_failed_import_frees_its_blocks(vl, pair) -> None:
+    hf, proc = vl
+    p, d = pair
+    case = build_case(hf, proc, "words and more words to fill a few blocks of kv")
+    first = prefill(p, "f1", case)
+    free = d.stats().num_free_blocks
+    d.reserve_import("f1", case.prompt, GREEDY, [], None, first)
+    assert d.stats().num_free_blocks < free
+    d.cancel_import("f1")
+    assert d.stats().num_free_blocks == free and not d.runner.states
+    p.abort("f1")  # an abort of a handed-off request frees its pin's blocks too
+    assert not p.scheduler.handed_off
+
+
+def test_first_token_that_ends_the_request_is_no_handoff(vl, pair) -> None:
+    hf, proc = vl
+    p, _ = pair
+    case = build_case(hf, proc, "one token only")
+    out = prefill(p, "s1", case, SamplingParams(max_tokens=1))
+    assert out.finish_reason == "length" and not p.scheduler.handed_off
+
+
+def test_pins_end_once_by_pull_or_deadline() -> None:
+    now = [0.0]
+    pins = HandoffPins(clock=lambda: now[0])
+    pins.pin("a", [3, 4], deadline_s=5.0)
+    pins.pin("b", [7], deadline_s=5.0)
+    assert pins.take("a") == [3, 4]
+    assert pins.take("a") is None  # one pull per hand-off
+    now[0] = 6.0
+    assert pins.expire("a") is False  # a pull started in time runs to its end
+    assert pins.done("a") is True and pins.done("a") is False
+    assert pins.take("b") is None  # past its deadline: no pull
+    assert pins.expire("b") is True and pins.expire("b") is False
+    assert len(pins) == 0
+    old = pins.pin("c", [1], deadline_s=5.0)
+    pins.pin("c", [2], deadline_s=50.0)  # prefilled again: the new pin replaces the old one
+    assert pins.expire("c", old) is False and pins.take("c") == [2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl", "qwen2-audio"])
+def test_other_families_hand_off_equal_to_hf(family: str) -> None:
+    """The families whose KV is one group of full-attention blocks: a text prompt handed off equals
+    HF generate on the same weights."""
+    from tests.hf_oracle import hf_generate_ids
+    from tests.tiny_dirs import tiny_model_dir
+
+    model_dir = tiny_model_dir(family)
+    p, d = engine(model_dir, max_num_batched_tokens=16), engine(model_dir)
+    prompt = [(11 * i + 5) % 120 + 20 for i in range(29)]
+    case = RefCase(prompt, [], {})
+    tokens, _ = hand_off(p, d, "x", case)
+    assert tokens == hf_generate_ids(model_dir, prompt, N)
+    assert_all_free(d)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen3.5"])
+def test_window_and_hybrid_families_refuse_the_handoff(family: str) -> None:
+    """Gemma's sliding-window block group and Qwen3.5's linear-attention state do not cross yet: the
+    prefill side refuses to hand such a request off, naming why (its pools must be role both)."""
+    from llm_service.errors import RequestRejected
+    from tests.tiny_dirs import tiny_model_dir
+
+    p = engine(tiny_model_dir(family))
+    with pytest.raises(RequestRejected, match="cannot be handed") as err:
+        p.add_request("w", [5, 6, 7, 8, 9], GREEDY, handoff=True)
+    assert err.value.code == "bad_role"
