@@ -121,3 +121,18 @@ def test_the_ramp_stops_once_throughput_stops_growing() -> None:
     assert ramp_goes_on([1.6]) and ramp_goes_on([1.6, 3.3]) and ramp_goes_on([1.6, 3.3, 6.8])
     assert not ramp_goes_on([1.6, 3.3, 6.8, 7.0])  # +3 %: saturated
     assert not ramp_goes_on([1.6, 3.3, 6.8, 5.0])
+
+
+def test_uuid_repeats_name_an_image_sent_a_few_images_before() -> None:
+    from cluster.bench.soak import MIX, UUID_LAG, Mix
+    from cluster.bench.workload import WorkloadConfig
+
+    mix = Mix(WorkloadConfig(run_id=1))
+    sent: list[str] = []  # uuids sent with bytes, in order
+    for _ in range(5 * len(MIX)):
+        kind, spec = mix.next()
+        part = spec.content[0]
+        if kind in ("image", "uuid") and "image_url" in part:
+            sent.append(str(part["uuid"]))
+        elif kind == "uuid":
+            assert "image_url" not in part and part["uuid"] in sent[-UUID_LAG - 1 : -UUID_LAG + 1]
