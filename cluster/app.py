@@ -20,7 +20,7 @@ from __future__ import annotations
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from cluster.autoscaling_policy import ENCODER_POLICY, LLM_POLICY
+from cluster.autoscaling_policy import ENCODER_POLICY, LLM_POLICY, PREFILL_POLICY
 from cluster.cache_shards import cache_index_deployment
 from cluster.config import AppConfig, DeploymentOptions, ModelConfig
 
@@ -117,7 +117,8 @@ def llm_server(model: ModelConfig, cache_dir: str, links: bool, role: str = "bot
     from router.routing.request_routers import FreeKVRouter, PrefixAffinityRouter
 
     cls = {"both": LLMServer, "prefill": LLMPrefillServer, "decode": LLMDecodeServer}[role]
-    opts = deployment_options(model.llm.pool(role), f"{cls.__name__}-{model.name}", LLM_POLICY)
+    policy = PREFILL_POLICY if role == "prefill" else LLM_POLICY
+    opts = deployment_options(model.llm.pool(role), f"{cls.__name__}-{model.name}", policy)
     opts["request_router_config"] = RequestRouterConfig(
         request_router_class=FreeKVRouter if role == "decode" else PrefixAffinityRouter,
         request_routing_stats_period_s=1.0,

@@ -5,7 +5,10 @@ Each pool scales on its own signal:
 - **encoder pool**: embeddings waiting to be computed (``queued_embeddings`` reported by every
   ``EncoderServer`` replica), plus requests still queued at the callers' handles, against a target
   backlog per replica;
-- **LLM pool**: its own load, the larger of KV-cache use (``kv_usage`` against ``target_kv_usage``)
+- **prefill pool** (E/P/D): prompt tokens still to compute (``queued_prompt_tokens``: waiting and
+  partly prefilled prompts on every replica), plus requests queued at the handles, against a target
+  backlog per replica (the time to a first token grows with it);
+- **LLM pool** (and E/P/D's decode pool): its own load, the larger of KV-cache use (``kv_usage`` against ``target_kv_usage``)
   and requests per replica (``num_running + num_waiting`` against ``target_ongoing_requests``).
 
 Every decision goes through :func:`desired_replicas`, which holds a deadband around the target so the
@@ -185,3 +188,41 @@ def desired_llm_replicas(
     queued = max(0.0, handle_queued_requests) / targets.target_ongoing_requests
     total = mean * max(running, len(loads)) + queued
     return desired_replicas(running, total, 1.0, bounds, hysteresis, hold)
+
+
+# ─── E/P/D's prefill pool ────────────────────────────────────────────────────────────────────────
+
+
+@dataclass(frozen=True)
+class PrefillTargets:
+    """``target_queued_prompt_tokens_per_replica``: the prompt backlog one prefill replica should carry
+    (a few steps of ``max_num_batched_tokens``: its time to a first token grows with it);
+    ``prompt_tokens_per_handle_queued_request``: what a request still queued at a handle is assumed to cost."""
+
+    target_queued_prompt_tokens_per_replica: float = 8192.0
+    prompt_tokens_per_handle_queued_request: float = 1024.0
+
+    def __post_init__(self) -> None:
+        if self.target_queued_prompt_tokens_per_replica <= 0:
+            raise ValueError("target_queued_prompt_tokens_per_replica must be > 0")
+        if self.prompt_tokens_per_handle_queued_request < 0:
+            raise ValueError("prompt_tokens_per_handle_queued_request must be >= 0")
+
+
+def desired_prefill_replicas(
+    running: int,
+    queued_prompt_tokens: Mapping[ReplicaKey, float],
+    handle_queued_requests: float,
+    targets: PrefillTargets,
+    bounds: ScalingBounds,
+    hysteresis: Hysteresis = Hysteresis(),
+    hold: int | None = None,
+) -> int:
+    """``queued_prompt_tokens``: replica id → prompt tokens it has still to compute."""
+    backlog = (
+        sum(max(0.0, q) for q in queued_prompt_tokens.values())
+        + max(0.0, handle_queued_requests) * targets.prompt_tokens_per_handle_queued_request
+    )
+    return desired_replicas(
+        running, backlog, targets.target_queued_prompt_tokens_per_replica, bounds, hysteresis, hold
+    )

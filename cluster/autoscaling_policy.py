@@ -32,9 +32,11 @@ from cluster.autoscaling import (
     Hysteresis,
     LLMReplicaLoad,
     LLMTargets,
+    PrefillTargets,
     ScalingBounds,
     desired_encoder_replicas,
     desired_llm_replicas,
+    desired_prefill_replicas,
     desired_replicas,
 )
 
@@ -48,9 +50,11 @@ ENCODER_QUEUED_EMBEDDINGS = "queued_embeddings"
 LLM_KV_USAGE = "kv_usage"
 LLM_NUM_RUNNING = "num_running"
 LLM_NUM_WAITING = "num_waiting"
+LLM_QUEUED_PROMPT_TOKENS = "queued_prompt_tokens"  # E/P/D's prefill replicas
 
 ENCODER_POLICY = "cluster.autoscaling_policy:EncoderQueuePolicy"
 LLM_POLICY = "cluster.autoscaling_policy:LLMLoadPolicy"
+PREFILL_POLICY = "cluster.autoscaling_policy:PrefillQueuePolicy"
 
 
 def _bounds(ctx: AutoscalingContext) -> ScalingBounds:
@@ -165,4 +169,37 @@ class LLMLoadPolicy:
             f"KV use up to {max(v.kv_usage for v in loads.values()):.2f}, "
             f"{sum(v.num_running + v.num_waiting for v in loads.values()):.0f} requests running or waiting",
         )
+        return n, {}
+
+
+class PrefillQueuePolicy:
+    """Scale E/P/D's prefill pool on prompt tokens still to compute (``queued_prompt_tokens``)."""
+
+    def __init__(
+        self,
+        target_queued_prompt_tokens_per_replica: float = 8192.0,
+        prompt_tokens_per_handle_queued_request: float = 1024.0,
+        upscale_above: float = 1.1,
+        downscale_below: float = 0.7,
+    ) -> None:
+        self.targets = PrefillTargets(
+            target_queued_prompt_tokens_per_replica, prompt_tokens_per_handle_queued_request
+        )
+        self.hysteresis = Hysteresis(upscale_above, downscale_below)
+        self._log = _ChangeLog()
+
+    def __call__(self, ctx: AutoscalingContext) -> tuple[int, dict[str, object]]:
+        queued = _metric(ctx, LLM_QUEUED_PROMPT_TOKENS)
+        if not queued:
+            return _ongoing_requests_fallback(ctx, self.hysteresis), {}
+        n = desired_prefill_replicas(
+            ctx.current_num_replicas,
+            queued,
+            ctx.total_queued_requests or 0.0,
+            self.targets,
+            _bounds(ctx),
+            self.hysteresis,
+            hold=ctx.target_num_replicas,
+        )
+        self._log(ctx, n, f"{sum(queued.values()):.0f} prompt tokens to compute on replicas")
         return n, {}

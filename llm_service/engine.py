@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -60,6 +61,7 @@ class LLMEngine:
         self._grammars_lock = threading.Lock()
         self._importing: dict[str, Request] = {}  # decode side: blocks reserved, KV on its way
         self._imported: list[Request] = []  # admitted since the last step: their first token is due
+        self._firsts: dict[str, RequestOutput] = {}  # their first outputs, as the prefill side gave them
 
     @property
     def grammars(self) -> GrammarBackend:
@@ -122,6 +124,7 @@ class LLMEngine:
         a decode replica (``handoff_blocks``, ``release_handoff``)."""
         if handoff:
             self._check_handoff_family()
+            self.scheduler.release_handoff(request_id)  # prefilled again: its earlier hand-off is void
         req = self._new_request(request_id, prompt_token_ids, sampling_params, mm_inputs, cache_salt)
         req.handoff = handoff
         self.scheduler.add_request(req)
@@ -330,6 +333,7 @@ class LLMEngine:
             )
         req.num_cached_tokens = first.num_cached_tokens  # the prefill side's hit: what saved compute
         self._importing[request_id] = req
+        self._firsts[request_id] = first
         ours = req.block_hashes[: len(block_hashes)]
         if self.kv.enable_caching and block_hashes and ours != list(block_hashes):
             self.cancel_import(request_id)
@@ -362,25 +366,18 @@ class LLMEngine:
         """Free the blocks reserved for an import that failed (or was aborted); unknown ids are ignored."""
         req = self._importing.pop(request_id, None)
         if req is not None:
+            self._firsts.pop(request_id, None)
             self.kv.free(req)
             self.runner.release(request_id)
 
     def _first_outputs(self) -> list[RequestOutput]:
-        """The first token of each request imported since the last step, as the prefill side sampled it."""
+        """The first output of each request imported since the last step, as the prefill side gave it
+        (its first token, its logprobs and prompt logprobs when asked for, the prefill side's hit)."""
         imported, self._imported = self._imported, []
+        firsts = [(req, self._firsts.pop(req.request_id)) for req in imported]
         return [
-            RequestOutput(
-                request_id=req.request_id,
-                new_token_ids=[req.output_token_ids[0]],
-                new_logprobs=[cast(TokenLogprob, req.output_logprobs[0])]
-                if req.sampling_params.logprobs is not None
-                else None,
-                finished=False,
-                finish_reason=None,
-                num_prompt_tokens=req.num_prompt_tokens,
-                num_cached_tokens=max(req.num_cached_tokens, 0),
-            )
-            for req in imported
+            dataclasses.replace(first, finished=False, finish_reason=None)
+            for req, first in firsts
             if req.request_id in self.scheduler.requests
         ]
 

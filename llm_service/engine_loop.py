@@ -92,6 +92,7 @@ class EngineLoop:
         # Requests (and prompt tokens) not yet running: queued adds plus the scheduler's waiting
         # queue as of the last step. Written under the lock; read by ``check_capacity``.
         self._waiting = (0, 0)
+        self.queued_prompt_tokens = 0  # waiting and partly prefilled prompts' tokens still to compute
         self._pending_adds = (0, 0)
         self._on_outputs = on_outputs or (lambda outs: None)  # every step's outputs, listened to or not
         self._on_error = on_error or (lambda rid, e: None)
@@ -255,8 +256,14 @@ class EngineLoop:
         self.last_stats = self.engine.stats()
         scheduler = getattr(self.engine, "scheduler", None)
         waiting = [*getattr(scheduler, "waiting", ()), *getattr(scheduler, "parked", {}).values()]
+        prefilling = [
+            r for r in getattr(scheduler, "running", ()) if r.num_computed_tokens < r.num_prompt_tokens
+        ]
         with self._lock:
             self._waiting = (len(waiting), sum(r.num_tokens - r.num_computed_tokens for r in waiting))
+            self.queued_prompt_tokens = self._waiting[1] + sum(
+                r.num_prompt_tokens - r.num_computed_tokens for r in prefilling
+            )
         return outputs, errors, parked
 
     def _has_pending(self) -> bool:

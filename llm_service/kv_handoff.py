@@ -98,6 +98,7 @@ class ImportSlots:
 class _Pin:
     block_ids: list[int]
     expires_at: float
+    generation: int
     pulling: bool = False
 
 
@@ -110,12 +111,17 @@ class HandoffPins:
 
     clock: Callable[[], float] = time.monotonic
     _pins: dict[str, _Pin] = field(default_factory=dict)
+    _generations: int = 0
 
     def __len__(self) -> int:
         return len(self._pins)
 
-    def pin(self, request_id: str, block_ids: list[int], deadline_s: float) -> None:
-        self._pins[request_id] = _Pin(list(block_ids), self.clock() + deadline_s)
+    def pin(self, request_id: str, block_ids: list[int], deadline_s: float) -> int:
+        """Hold ``block_ids`` for a pull; a request prefilled again replaces its earlier pin (whose blocks
+        the engine freed). Returns the pin's generation, for ``expire``."""
+        self._generations += 1
+        self._pins[request_id] = _Pin(list(block_ids), self.clock() + deadline_s, self._generations)
+        return self._generations
 
     def take(self, request_id: str) -> list[int] | None:
         """Start the pull: the request's block ids, or None (unknown, expired, or pulled already)."""
@@ -129,11 +135,11 @@ class HandoffPins:
         """The pull ended (sent or failed): True if the caller should free the blocks now."""
         return self._pins.pop(request_id, None) is not None
 
-    def expire(self, request_id: str) -> bool:
+    def expire(self, request_id: str, generation: int | None = None) -> bool:
         """Its deadline: True if unpulled (dropped: the caller frees the blocks); a pull in progress
-        keeps it until ``done``."""
+        keeps it until ``done``; ``generation``: only that pin, not one that replaced it."""
         pin = self._pins.get(request_id)
-        if pin is None or pin.pulling:
+        if pin is None or pin.pulling or generation not in (None, pin.generation):
             return False
         del self._pins[request_id]
         return True

@@ -393,6 +393,9 @@ class LLMServer:
             "kv_usage": float(s.kv_usage),
             "num_running": float(s.num_running),
             "num_waiting": float(s.num_waiting),
+            "queued_prompt_tokens": float(
+                self.loop.queued_prompt_tokens
+            ),  # E/P/D's prefill pool scales on it
         }
 
     def check_health(self) -> None:

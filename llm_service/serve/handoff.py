@@ -75,9 +75,9 @@ class PrefillHandoffs:
             if out.finish_reason == "handoff":
                 rid = out.request_id
                 blocks = self.engine.handoff_blocks(rid)
-                self.pins.pin(rid, blocks, self.deadline_s)
+                generation = self.pins.pin(rid, blocks, self.deadline_s)
                 self._held[rid] = (len(blocks), tuple(self.engine.handoff_hashes(rid)))
-                asyncio.get_running_loop().call_later(self.deadline_s, self._expire, out.request_id)
+                asyncio.get_running_loop().call_later(self.deadline_s, self._expire, rid, generation)
                 self.stats.handoffs += 1
 
     async def handoff(self, spec: LLMRequestSpec, first: RequestOutput) -> KVHandoff:
@@ -115,9 +115,9 @@ class PrefillHandoffs:
             if self.pins.done(request_id):
                 await self.loop.on_engine(self.engine.release_handoff, request_id)
 
-    def _expire(self, request_id: str) -> None:
-        self._held.pop(request_id, None)
-        if self.pins.expire(request_id):
+    def _expire(self, request_id: str, generation: int) -> None:
+        if self.pins.expire(request_id, generation):
+            self._held.pop(request_id, None)
             self.stats.expired += 1
             logger.warning(
                 "hand-off of %s was not pulled within %.1f s: blocks freed", request_id, self.deadline_s

@@ -10,7 +10,8 @@ never sees a media item's bytes or embeddings, only the items' positions and has
 
 Failure: a prefill replica lost before its answer → prefilled again (another replica, or its
 successor, within ``reroute_timeout_s``); a transfer that fails (the prefill replica died or let its
-pin go: ``kv_transfer_failed``; the decode replica freed what it allocated) → prefilled again once.
+pin go: ``kv_transfer_failed``; the decode replica freed what it allocated) → prefilled again once;
+a decode replica lost before the request's first output → prefilled again and sent to another.
 """
 
 from __future__ import annotations
@@ -89,6 +90,18 @@ class PDClient(LLMClient):
             return
         async for out in super().outputs(request_id, reply):
             yield out
+
+    async def _reroute(self, request_id: str, old: SubmitReply) -> SubmitReply | None:
+        """A decode replica lost before the request's first output: prefilled again (the prefill
+        replica let its pin go after the first pull), then sent to another decode replica."""
+        spec = self._specs.get(request_id)
+        if spec is not None and spec.handoff is not None:
+            handoff = await self._prefill(replace(spec, handoff=None))
+            if not handoff.handed_off:  # sampled differently this time, and ended: nothing to decode
+                return None
+            self._specs[request_id] = replace(spec, handoff=handoff)
+            self.prefilled_again += 1
+        return await super()._reroute(request_id, old)
 
     async def _prefill(self, spec: LLMRequestSpec) -> KVHandoff:
         """``prefill`` on a prefill replica, called again while the replica it reached turns out dead."""

@@ -31,6 +31,25 @@ applications:
 {{- $_ := set $enc "deployment" (include "mmserve.deployment" (dict "name" "encoder" "pool" $p.encoder "gpus" true "resources" $encRes "policy" $encPolicy) | fromYaml) }}
 {{- $llm := deepCopy ($m.llm | default dict) }}
 {{- $_ := set $llm "deployment" (include "mmserve.deployment" (dict "name" "llm" "pool" $p.llm "gpus" true "resources" $llmRes "policy" $llmPolicy) | fromYaml) }}
+{{- if $llm.pools }}
+{{- /* E/P/D: each role's pool on pools.<role> over pools.llm, with its own marker */}}
+{{- $roles := list }}
+{{- range $entry := $llm.pools }}
+{{- $role := $entry.role }}
+{{- $pv := mergeOverwrite (deepCopy $p.llm) (deepCopy ((get $p $role) | default dict)) }}
+{{- $marker := (get $pl (printf "%sResource" $role)) | default $pl.llmResource }}
+{{- $fn := "cluster.autoscaling_policy:LLMLoadPolicy" }}
+{{- $polValues := $pv.policy }}
+{{- if eq $role "prefill" }}{{- /* prompt tokens to compute: its own policy, its own kwargs */}}
+{{- $fn = "cluster.autoscaling_policy:PrefillQueuePolicy" }}
+{{- $polValues = (get ((get $p "prefill") | default dict) "policy") | default dict }}
+{{- end }}
+{{- $pol := include "mmserve.policy" (dict "function" $fn "values" $polValues) | fromJson }}
+{{- $dep := include "mmserve.deployment" (dict "name" $role "pool" $pv "gpus" true "resources" (dict $marker $pl.markerAmount) "policy" $pol) | fromYaml }}
+{{- $roles = append $roles (dict "role" $role "deployment" $dep) }}
+{{- end }}
+{{- $_ := set $llm "pools" $roles }}
+{{- end }}
         - name: {{ $m.name | toJson }}
           {{- if $m.path }}
           path: {{ include "mmserve.modelPath" (dict "m" $m "root" $) | toJson }}

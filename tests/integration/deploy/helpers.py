@@ -14,7 +14,14 @@ from ray.serve.config import AutoscalingConfig as RayAutoscalingConfig
 from ray.serve.schema import ServeDeploySchema
 
 from cluster.app import deployment_options, encoder_placement
-from cluster.autoscaling_policy import ENCODER_POLICY, LLM_POLICY, EncoderQueuePolicy, LLMLoadPolicy
+from cluster.autoscaling_policy import (
+    ENCODER_POLICY,
+    LLM_POLICY,
+    PREFILL_POLICY,
+    EncoderQueuePolicy,
+    LLMLoadPolicy,
+    PrefillQueuePolicy,
+)
 from cluster.config import AppConfig, ModelConfig
 
 # Ray 2.60 defines these but its replicas and handles read only autoscaling_config.metrics_interval_s.
@@ -26,7 +33,7 @@ IGNORED_ENV_VARS = {
 POOL_POLICIES: dict[str, type] = {
     "EncoderServer": EncoderQueuePolicy,
     "LLMServer": LLMLoadPolicy,
-    "LLMPrefillServer": LLMLoadPolicy,
+    "LLMPrefillServer": PrefillQueuePolicy,
     "LLMDecodeServer": LLMLoadPolicy,
 }
 
@@ -39,7 +46,8 @@ def pool_options(model: ModelConfig) -> dict[str, dict[str, Any]]:
     out = {enc["name"]: enc}
     names = {"both": "LLMServer", "prefill": "LLMPrefillServer", "decode": "LLMDecodeServer"}
     for role in model.llm.roles:  # one pool, or E/P/D's two
-        llm = deployment_options(model.llm.pool(role), f"{names[role]}-{model.name}", LLM_POLICY)
+        policy = PREFILL_POLICY if role == "prefill" else LLM_POLICY
+        llm = deployment_options(model.llm.pool(role), f"{names[role]}-{model.name}", policy)
         out[llm["name"]] = llm
     return out
 

@@ -293,3 +293,19 @@ def test_preprocess_values_reach_the_app_and_removed_switches_are_refused() -> N
         vals["models"][0]["preprocess"] = gone
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(vals, schema)
+
+
+def test_an_epd_model_renders_a_prefill_and_a_decode_pool() -> None:
+    """``llm.pools: [{role: prefill}, {role: decode}]``: each pool's Serve options from pools.<role>
+    over pools.llm, its own marker (placement.<role>Resource, else the LLM group's)."""
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    values["models"][0]["llm"]["pools"] = [{"role": "prefill"}, {"role": "decode"}]
+    values["pools"]["decode"] = {"numCpus": 2, "autoscaling": {"minReplicas": 2, "maxReplicas": 6}}
+    values["placement"]["decodeResource"] = "decode_node"
+    (m,) = _serve_config(values).models
+    assert m.llm.roles == ["prefill", "decode"]
+    prefill, decode = m.llm.pool("prefill"), m.llm.pool("decode")
+    assert prefill.num_cpus == m.llm.deployment.num_cpus and prefill.resources == m.llm.deployment.resources
+    assert decode.num_cpus == 2 and set(decode.resources) == {"decode_node"}
+    assert (decode.autoscaling.min_replicas, decode.autoscaling.max_replicas) == (2, 6)
+    assert decode.autoscaling.upscale_delay_s == prefill.autoscaling.upscale_delay_s  # the rest: pools.llm's

@@ -135,3 +135,36 @@ def test_pins_end_once_by_pull_or_deadline() -> None:
     assert pins.take("b") is None  # past its deadline: no pull
     assert pins.expire("b") is True and pins.expire("b") is False
     assert len(pins) == 0
+    old = pins.pin("c", [1], deadline_s=5.0)
+    pins.pin("c", [2], deadline_s=50.0)  # prefilled again: the new pin replaces the old one
+    assert pins.expire("c", old) is False and pins.take("c") == [2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl", "qwen2-audio"])
+def test_other_families_hand_off_equal_to_hf(family: str) -> None:
+    """The families whose KV is one group of full-attention blocks: a text prompt handed off equals
+    HF generate on the same weights."""
+    from tests.hf_oracle import hf_generate_ids
+    from tests.tiny_dirs import tiny_model_dir
+
+    model_dir = tiny_model_dir(family)
+    p, d = engine(model_dir, max_num_batched_tokens=16), engine(model_dir)
+    prompt = [(11 * i + 5) % 120 + 20 for i in range(29)]
+    case = RefCase(prompt, [], {})
+    tokens, _ = hand_off(p, d, "x", case)
+    assert tokens == hf_generate_ids(model_dir, prompt, N)
+    assert_all_free(d)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen3.5"])
+def test_window_and_hybrid_families_refuse_the_handoff(family: str) -> None:
+    """Gemma's sliding-window block group and Qwen3.5's linear-attention state do not cross yet: the
+    prefill side refuses to hand such a request off, naming why (its pools must be role both)."""
+    from llm_service.errors import RequestRejected
+    from tests.tiny_dirs import tiny_model_dir
+
+    p = engine(tiny_model_dir(family))
+    with pytest.raises(RequestRejected, match="cannot be handed") as err:
+        p.add_request("w", [5, 6, 7, 8, 9], GREEDY, handoff=True)
+    assert err.value.code == "bad_role"

@@ -108,3 +108,19 @@ def test_llm_scales_on_kv_usage_even_with_few_requests() -> None:
     assert desired_llm_replicas(2, idle, 4, t, B) == 1
     # no reports at all: keep what was decided
     assert desired_llm_replicas(2, {}, 0, t, B, hold=3) == 3
+
+
+def test_prefill_pool_scales_on_prompt_tokens_to_compute() -> None:
+    """E/P/D's prefill pool: the backlog of prompt tokens over the pool against the target per replica."""
+    from cluster.autoscaling import PrefillTargets, desired_prefill_replicas
+
+    targets = PrefillTargets(
+        target_queued_prompt_tokens_per_replica=4096, prompt_tokens_per_handle_queued_request=1024
+    )
+    bounds = ScalingBounds(1, 8)
+    # 2 replicas, 20,000 tokens queued + 4 requests at handles (4,096): 24,096 / 4096 -> 6 replicas
+    assert desired_prefill_replicas(2, {"a": 12_000.0, "b": 8_000.0}, 4, targets, bounds) == 6
+    # inside the deadband (ratio 0.9): hold
+    assert desired_prefill_replicas(2, {"a": 3_700.0, "b": 3_700.0}, 0, targets, bounds) == 2
+    # idle: down to the minimum
+    assert desired_prefill_replicas(3, {"a": 0.0, "b": 0.0, "c": 0.0}, 0, targets, bounds) == 1

@@ -1,0 +1,193 @@
+"""E/P/D's journey without Ray: ``PDClient`` over a real prefill ``LLMServer`` and a real decode one,
+each with a real engine on the tiny Qwen2-VL; Serve's handles are shims calling the servers, the
+direct link a shim calling the prefill server's ``pull_kv``. Greedy tokens equal a colocated engine's;
+a lost prefill replica or a failed transfer is prefilled again, the decode replica's blocks freed;
+an unpulled hand-off is freed at its deadline."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from llm_service.config import EngineConfig
+from llm_service.request_spec import LLMRequestSpec, ReplicaTarget
+from llm_service.sampling_params import SamplingParams
+from llm_service.serve.deployment import HandoffWiring, LLMServer
+from router.journey.pd_client import PDClient
+from tests.unit.router.journey.test_llm_client import FakeLLMHandle
+
+PROMPT = [(7 * i + 3) % 150 + 10 for i in range(37)]  # 37 tokens: 9 full blocks of 4 and a partial one
+PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
+
+
+class ActorDiedError(RuntimeError):
+    """Named as Ray's: ``replica_gone`` matches it by name."""
+
+
+class FlakyLink:
+    """The decode replica's link to the prefill replica: ``pull_kv`` on it, failing ``fail`` times first."""
+
+    def __init__(self, prefill: LLMServer, fail: int = 0) -> None:
+        self.prefill, self.fail, self.calls = prefill, fail, 0
+
+    async def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        assert method == "pull_kv"
+        self.calls += 1
+        if self.fail:
+            self.fail -= 1
+            raise ConnectionError("link lost mid-pull")
+        return await self.prefill.pull_kv(*args)  # type: ignore[arg-type]
+
+
+class PrefillHandle:
+    """``prefill.remote(spec)``, whose first ``lose`` calls find the replica dead."""
+
+    def __init__(self, server: LLMServer, lose: int = 0) -> None:
+        self.server, self.lose, self.calls = server, lose, 0
+
+    @property
+    def prefill(self) -> Any:
+        async def call(spec: LLMRequestSpec) -> Any:
+            self.calls += 1
+            if self.lose:
+                self.lose -= 1
+                raise ActorDiedError("the prefill replica died")
+            return await self.server.prefill(spec)
+
+        return SimpleNamespace(remote=call)
+
+
+def _server(model_dir: Path, role: str, link: Any = None, deadline_s: float = 30.0) -> LLMServer:
+    async def address() -> tuple[str, int]:
+        return ("127.0.0.1", 1)
+
+    config = EngineConfig(model=str(model_dir), block_size=4, num_kv_blocks=64, max_num_batched_tokens=16)
+    wiring = HandoffWiring(address, lambda _: link, deadline_s=deadline_s, timeout_s=5.0)
+    return LLMServer(config, "tiny", role=role, handoff=None if role == "both" else wiring)
+
+
+async def _tokens(client: PDClient, rid: str) -> list[int]:
+    spec = LLMRequestSpec(rid, list(PROMPT), PARAMS)
+    out: list[int] = []
+    async for o in client.stream(spec):
+        out += o.new_token_ids
+    return out
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_vl_dir: Path) -> list[int]:
+    async def run() -> list[int]:
+        server = _server(tiny_vl_dir, "both")
+        out: list[int] = []
+        async for o in server.loop.stream("c", list(PROMPT), PARAMS, []):
+            out += o.new_token_ids
+        return out
+
+    return asyncio.run(run())
+
+
+def test_journey_equals_colocated_and_recovers_from_losses(tiny_vl_dir: Path, colocated: list[int]) -> None:
+    async def scenario() -> None:
+        prefill = _server(tiny_vl_dir, "prefill")
+        link = FlakyLink(prefill)
+        decode = _server(tiny_vl_dir, "decode", link)
+        handle = PrefillHandle(prefill)
+        client = PDClient(handle, FakeLLMHandle(decode), reroute_timeout_s=5.0)
+        free = decode.engine.stats().num_free_blocks  # type: ignore[attr-defined]
+
+        assert await _tokens(client, "a") == colocated
+        assert (prefill.kv_stats.handoffs, prefill.kv_stats.pulls, decode.kv_stats.imports) == (1, 1, 1)
+        assert decode.kv_stats.blocks_pulled == 10  # 9 full blocks and the partial one
+
+        handle.lose = 1  # the prefill replica dies before its answer: prefilled again
+        assert await _tokens(client, "b") == colocated
+        assert handle.calls == 3 and client.prefilled_again == 1
+        # the decode replica held "a"'s full blocks under the same hashes: nothing but the partial block crossed
+        assert decode.kv_stats.blocks_hit == 9 and decode.kv_stats.blocks_pulled == 11
+
+        link.fail = 1  # the pull fails: the decode replica frees its blocks, the request is prefilled again
+        assert await _tokens(client, "c") == colocated
+        assert decode.kv_stats.failed_imports == 1 and client.prefilled_again == 2
+        assert prefill.kv_stats.expired == 0
+        await asyncio.sleep(0.05)
+        assert decode.engine.stats().num_free_blocks == free  # type: ignore[attr-defined]
+        assert decode.engine.stats().num_running == 0  # type: ignore[attr-defined]
+        # prefilling "c" again replaced its first hand-off (whose pull never reached the prefill replica):
+        # no pin left, no block held there
+        assert len(prefill._prefill.pins) == 0  # type: ignore[union-attr]
+        assert prefill.engine.stats().num_free_blocks == 64  # type: ignore[attr-defined]
+        assert not prefill.engine.scheduler.handed_off  # type: ignore[attr-defined]
+
+    asyncio.run(scenario())
+
+
+def test_an_unpulled_handoff_is_freed_at_its_deadline(tiny_vl_dir: Path) -> None:
+    async def scenario() -> None:
+        prefill = _server(tiny_vl_dir, "prefill", deadline_s=0.2)
+        engine: Any = prefill.engine
+        handoff = await prefill.prefill(LLMRequestSpec("x", list(PROMPT), PARAMS))
+        assert handoff.handed_off and handoff.num_blocks == 10 and len(handoff.block_hashes) == 9
+        assert engine.stats().num_free_blocks == 64 - 10
+        for _ in range(100):
+            if prefill.kv_stats.expired:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.05)
+        assert prefill.kv_stats.expired == 1 and not engine.scheduler.handed_off
+        assert engine.stats().num_free_blocks == 64  # freed, still cached: a repeat hits them
+        with pytest.raises(Exception, match="no KV held"):
+            await prefill.pull_kv("x", 0)
+
+    asyncio.run(scenario())
+
+
+class DyingDecodeHandle(FakeLLMHandle):
+    """The decode pool: its replica dies when the ingress opens the first output channel; Serve then
+    routes everything to the successor (``successor``)."""
+
+    def __init__(self, server: LLMServer, successor: LLMServer) -> None:
+        super().__init__(server)
+        self.successor = successor
+
+    @property
+    def channel(self) -> Any:
+        if self.server is self.successor:
+            return super().channel
+
+        def dead(target: Any) -> Any:
+            self.server = self.successor
+
+            class Gone:
+                def __aiter__(self) -> Any:
+                    return self
+
+                async def __anext__(self) -> Any:
+                    raise ActorDiedError("the decode replica died")
+
+                def cancel(self) -> None:
+                    pass
+
+            return Gone()
+
+        return SimpleNamespace(remote=dead)
+
+
+def test_a_decode_replica_lost_before_the_first_output_is_prefilled_again(
+    tiny_vl_dir: Path, colocated: list[int]
+) -> None:
+    async def scenario() -> None:
+        prefill = _server(tiny_vl_dir, "prefill")
+        link = FlakyLink(prefill)
+        dying, successor = _server(tiny_vl_dir, "decode", link), _server(tiny_vl_dir, "decode", link)
+        client = PDClient(PrefillHandle(prefill), DyingDecodeHandle(dying, successor), reroute_timeout_s=5.0)
+        assert await _tokens(client, "d") == colocated
+        assert client.prefilled_again == 1 and client.rerouted == 1
+        assert prefill.kv_stats.handoffs == prefill.kv_stats.pulls == 2  # the second pin was pulled too
+        assert (dying.kv_stats.imports, successor.kv_stats.imports) == (1, 1)
+        await dying.abort(ReplicaTarget(dying.replica_id, request_ids=("d",)))  # (the "dead" one's leftovers)
+
+    asyncio.run(scenario())
