@@ -211,8 +211,10 @@ def named_actor_leaks(models_shards: dict[str, int]) -> list[str]:
 
 def held(model: str, cache_index: tuple[str, int, int, int], asks: int = 4) -> dict[str, int]:
     """The leak baseline (``tests/integration/e2e/app_readings.nothing_held``): requests running or
-    waiting on an LLM replica, KV blocks outside the free list, encoder-cache entries reserved. The
-    LLM pool's stats go to one replica per call: asked ``asks`` times, the largest of each kept."""
+    waiting on an LLM replica, KV blocks outside the free list, encoder-cache entries reserved; and
+    embedding refs the encoder replicas hold beyond the index's entries. A pool's stats go to one
+    replica per call: asked ``asks`` times, the largest of each kept (the pools are at one replica
+    once settled)."""
     import asyncio as _asyncio
 
     from ray import serve
@@ -227,6 +229,15 @@ def held(model: str, cache_index: tuple[str, int, int, int], asks: int = 4) -> d
         out["waiting"] = max(out["waiting"], s["num_waiting"])
         out["kv_blocks_held"] = max(out["kv_blocks_held"], s["num_total_blocks"] - s["num_free_blocks"])
     cache = _asyncio.run(open_cache_index(*cache_index).stats())
-    reserved = cache["reserved"]
-    out["reserved"] = reserved if isinstance(reserved, int) else len(reserved)
+    out["reserved"] = _int(cache["reserved"])
+    # Refs: what the encoder replicas keep alive beyond what the index lists. Each replica drops a
+    # ref at its first sweep after the index stops holding it (evicted, plus a grace): once the pool
+    # settles, a positive count is a ref kept for nothing.
+    enc = serve.get_deployment_handle(f"EncoderServer-{model}", app_name=APP)
+    owned = max(int(enc.stats.remote().result(timeout_s=30)["owned_embeddings"]) for _ in range(asks))
+    out["refs_beyond_index"] = max(0, owned - _int(cache["entries"]))
     return out
+
+
+def _int(x: object) -> int:
+    return x if isinstance(x, int) else 0

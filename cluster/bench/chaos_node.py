@@ -135,8 +135,9 @@ def chaos_cluster(port: int, cache_dir: str) -> Iterator[ChaosCluster]:
 
     apply_serve_env()  # read by the Serve processes each node starts
     head = {"num_cpus": 2, "resources": {"head_node": 1.0}, "include_dashboard": False}
-    c = Cluster(initialize_head=True, head_node_args=head)
+    c = Cluster(initialize_head=False)
     try:
+        c.add_node(**head)  # the first node is the head; in here, a failed start is shut down too
         node = c.add_node(num_cpus=2, resources=WORKER)
         c.wait_for_nodes()
         ray.init(address=c.address, namespace="mmserve")
@@ -215,13 +216,19 @@ async def strike_overlap(load: Load) -> Strike:
         e, s = await asyncio.to_thread(readings)
         if e["queued_items"] >= 2 and s["num_running"] + s["num_waiting"] >= 1:
             at = time.monotonic()
-            victim = await asyncio.to_thread(kill_replica, ENC)
+            rid = str(e["replica_id"])  # the replica whose FIFO holds the items: that one dies
+
+            def holding(names: list[str], rid: str = rid) -> str:
+                return next(n for n in names if n.endswith(f"#{rid}"))
+
+            victim = await asyncio.to_thread(kill_replica, ENC, holding)
+            others = len(await asyncio.to_thread(replica_names, ENC)) - 1
             held_by_llm = s["num_running"] + s["num_waiting"]
-            return (
-                {victim},
-                [f"killed with {e['queued_items']} items queued, {held_by_llm} requests on the LLM"],
-                at,
+            note = (
+                f"killed the replica with {e['queued_items']} items queued, {held_by_llm} requests on "
+                f"the LLM, {others} other encoder replica(s) up"
             )
+            return {victim}, [note], at
         await asyncio.sleep(0.05)
     return set(), ["the moment never came: no request held by the LLM with items queued"], None
 
@@ -307,7 +314,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--deadline-s", type=float, default=240.0, help="a request open longer is lost")
     p.add_argument("--rejoin-after-s", type=float, default=5.0, help="node-loss: when the new node starts")
     p.add_argument("--recover-timeout-s", type=float, default=300.0)
-    p.add_argument("--settle-timeout-s", type=float, default=120.0)
+    p.add_argument(
+        "--settle-timeout-s", type=float, default=180.0, help="> the cache's 60 s evict grace + a sweep"
+    )
     p.add_argument("--models-dir", default=os.path.expanduser("~/.cache/mmserve/models"))
     args = p.parse_args(argv)
     args.scenario_list = [s.strip() for s in args.scenarios.split(",") if s.strip()]

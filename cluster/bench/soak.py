@@ -20,10 +20,12 @@ import argparse
 import asyncio
 import contextlib
 import itertools
+import json
 import os
 import random
 import sys
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -65,7 +67,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--serve-args", default="", help="more `mmserve serve` flags (e.g. `--num-cpus 4`)")
     p.add_argument("--minutes", type=float, default=20.0, help="load duration")
     p.add_argument("--capacity-rps", type=float, default=None, help="skip the ramp: capacity in requests/s")
-    p.add_argument("--ramp", default="1,2,4", help="closed-loop concurrencies of the capacity ramp")
+    p.add_argument(
+        "--ramp",
+        default="1,2,4,8,16",
+        help="closed-loop concurrencies of the capacity ramp, in order; it stops once a step gains < 10 %%",
+    )
     p.add_argument("--ramp-step-s", type=float, default=30.0)
     p.add_argument("--load-fraction", type=float, default=0.8)
     p.add_argument("--max-in-flight", type=int, default=32, help="arrivals past this are counted, not sent")
@@ -166,6 +172,11 @@ async def one(
 # -- capacity and load -----------------------------------------------------------------------------------
 
 
+def ramp_goes_on(rates: list[float], gain: float = 1.10) -> bool:
+    """Another ramp step is worth it while the last one raised the best rate by ``gain`` or more."""
+    return len(rates) < 2 or rates[-1] >= gain * max(rates[:-1])
+
+
 async def closed_loop(
     client: openai.AsyncOpenAI, base: str, mix: Mix, conc: int, secs: float, args: argparse.Namespace
 ) -> float:
@@ -236,11 +247,15 @@ class AppProbe:
             for pid, p in mine.items()
         }
         store = store_use(procs[raylet].title) if raylet is not None else None
-        s = Sample(time.monotonic() - self.t0, phase, sample_procs(mine, kinds), store)
+        entries = cache_entries(self.server.base_url)
+        s = Sample(time.monotonic() - self.t0, phase, sample_procs(mine, kinds), store, entries)
         self.samples.append(s)
         rss = sum(p.rss_bytes for p in s.procs) / 2**20
         used = f"{s.store.used_bytes / 2**20:.1f} MiB / {s.store.num_objects} objects" if s.store else "?"
-        log(f"sample t={s.t_s:.0f}s {phase}: {len(s.procs)} processes, RSS {rss:.0f} MiB, store {used}")
+        log(
+            f"sample t={s.t_s:.0f}s {phase}: {len(s.procs)} processes, RSS {rss:.0f} MiB, store {used}, "
+            f"encoder-cache entries {entries}"
+        )
         return s
 
     async def every(self, period_s: float, phase: Callable[[], str], stop: asyncio.Event) -> None:
@@ -248,6 +263,19 @@ class AppProbe:
             await asyncio.to_thread(self.sample, phase())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), period_s)
+
+
+def cache_entries(base_url: str) -> int | None:
+    """Entries the encoder caches hold (``GET /stats``, summed over models): the embeddings the object
+    store keeps by design, up to each cache's capacity."""
+    try:
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
+            f"{base_url}/stats", timeout=30
+        ) as r:
+            stats = json.loads(r.read())
+        return sum(int(m["encoder_cache"]["entries"]) for m in stats.values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def store_use(raylet_title: str) -> StoreUse | None:
@@ -297,9 +325,11 @@ async def drive(args: argparse.Namespace, server: ServerProcess, probe: AppProbe
         if not r.ok:
             raise RuntimeError(f"seeding a uuid image failed: {r.error}")
     if args.capacity_rps is None:
-        rates = [
-            await closed_loop(client, base, mix, int(c), args.ramp_step_s, args) for c in args.ramp.split(",")
-        ]
+        rates: list[float] = []
+        for c in args.ramp.split(","):
+            rates.append(await closed_loop(client, base, mix, int(c), args.ramp_step_s, args))
+            if not ramp_goes_on(rates):
+                break
         capacity = max(rates)
     else:
         capacity = args.capacity_rps
@@ -335,16 +365,23 @@ def report(args: argparse.Namespace, probe: AppProbe, load_t0: float, tally: Tal
         "",
         growth_table(probe.samples, ref_s),
         "",
-        f"worst RSS growth (minute {args.ref_s / 60:g} → end): {100 * v.worst_rss_growth:+.2f} % "
+        f"worst RSS growth (minute {args.ref_s / 60:.3g} → end): {100 * v.worst_rss_growth:+.2f} % "
         f"({v.worst_rss_kind}) {'OK' if v.rss_ok else 'OVER 5 %'}",
-        f"open fds, summed, minute {args.ref_s / 60:g} → end: {v.fd_growth:+d} {'OK' if v.fds_ok else 'GREW'}",
+        f"open fds, summed, minute {args.ref_s / 60:.3g} → end: {v.fd_growth:+d} {'OK' if v.fds_ok else 'GREW'}",
         "object store: baseline "
         + (f"{v.store_baseline / mib:.2f} MiB" if v.store_baseline is not None else "?")
         + ", after the quiet period "
         + (f"{v.store_after / mib:.2f} MiB" if v.store_after is not None else "?")
         + (" OK" if v.store_ok else " NOT BACK"),
+        "encoder-cache entries (embeddings the store keeps by design, up to each cache's capacity): "
+        f"baseline {_entries(probe.samples, 'baseline')}, after the quiet period {_entries(probe.samples, 'quiet')}",
     ]
     return "\n".join(lines)
+
+
+def _entries(samples: list[Sample], phase: str) -> str:
+    got = [s.cache_entries for s in samples if s.phase == phase and s.cache_entries is not None]
+    return str(got[-1]) if got else "?"
 
 
 async def run(args: argparse.Namespace) -> str:

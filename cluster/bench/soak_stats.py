@@ -59,6 +59,9 @@ class Sample:
     phase: str  # "baseline" | "load" | "quiet"
     procs: tuple[ProcMem, ...]
     store: StoreUse | None
+    cache_entries: int | None = (
+        None  # encoder-cache entries (all models' shards): what the store holds by design
+    )
 
 
 def parse_statm_rss(text: str) -> int:
@@ -192,43 +195,36 @@ def verdict(samples: Sequence[Sample], ref_s: float) -> Verdict:
 
 # -- output ---------------------------------------------------------------------------------------------
 
-CSV_HEADER = ("t_s", "phase", "series", "pid", "kind", "rss_mib", "open_fds", "store_mib", "store_objects")
+CSV_HEADER = (
+    "t_s",
+    "phase",
+    "series",
+    "pid",
+    "kind",
+    "rss_mib",
+    "open_fds",
+    "store_mib",
+    "store_objects",
+    "cache_entries",
+)
 
 
 def to_csv(samples: Iterable[Sample]) -> str:
-    """One row per process per sample (``series`` = ``proc``) and one per sample for the store."""
+    """One row per process per sample (``series`` = ``proc``) and one per sample for the store (with
+    the encoder cache's entries beside it)."""
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(CSV_HEADER)
     for s in samples:
+        t = f"{s.t_s:.1f}"
         for p in s.procs:
             w.writerow(
-                [
-                    f"{s.t_s:.1f}",
-                    s.phase,
-                    "proc",
-                    p.pid,
-                    p.kind,
-                    f"{p.rss_bytes / MIB:.2f}",
-                    p.open_fds,
-                    "",
-                    "",
-                ]
+                [t, s.phase, "proc", p.pid, p.kind, f"{p.rss_bytes / MIB:.2f}", p.open_fds, "", "", ""]
             )
         if s.store is not None:
-            w.writerow(
-                [
-                    f"{s.t_s:.1f}",
-                    s.phase,
-                    "store",
-                    "",
-                    "object store",
-                    "",
-                    "",
-                    f"{s.store.used_bytes / MIB:.2f}",
-                    s.store.num_objects,
-                ]
-            )
+            entries = "" if s.cache_entries is None else s.cache_entries
+            used = f"{s.store.used_bytes / MIB:.2f}"
+            w.writerow([t, s.phase, "store", "", "object store", "", "", used, s.store.num_objects, entries])
     return buf.getvalue()
 
 
@@ -237,7 +233,7 @@ def from_csv(text: str) -> list[Sample]:
     rows = list(csv.DictReader(io.StringIO(text)))
     order: list[tuple[float, str]] = []
     procs: dict[tuple[float, str], list[ProcMem]] = {}
-    stores: dict[tuple[float, str], StoreUse] = {}
+    stores: dict[tuple[float, str], tuple[StoreUse, int | None]] = {}
     for r in rows:
         key = (float(r["t_s"]), r["phase"])
         if key not in procs:
@@ -247,8 +243,13 @@ def from_csv(text: str) -> list[Sample]:
             rss = round(float(r["rss_mib"]) * MIB)
             procs[key].append(ProcMem(int(r["pid"]), 0, r["kind"], rss, int(r["open_fds"])))
         else:
-            stores[key] = StoreUse(round(float(r["store_mib"]) * MIB), int(r["store_objects"]))
-    return [Sample(t, ph, tuple(procs[(t, ph)]), stores.get((t, ph))) for t, ph in order]
+            entries = int(r["cache_entries"]) if r.get("cache_entries") else None
+            stores[key] = (StoreUse(round(float(r["store_mib"]) * MIB), int(r["store_objects"])), entries)
+    out = []
+    for t, ph in order:
+        store, entries = stores.get((t, ph), (None, None))
+        out.append(Sample(t, ph, tuple(procs[(t, ph)]), store, entries))
+    return out
 
 
 def growth_table(samples: Sequence[Sample], ref_s: float) -> str:

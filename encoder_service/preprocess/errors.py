@@ -95,6 +95,14 @@ class TooManyItems(MediaError):
     code = "too_many_items"
 
 
+class ToolsUnsupported(ValueError):
+    """A request with ``tools`` for a processor whose chat template never reads them: a 400 naming
+    ``tools`` (the router maps a ValueError's ``code`` and ``param``), not a silent drop."""
+
+    code = "tools_unsupported"
+    param = "tools"
+
+
 class EncoderCacheFull(MediaError):
     """An item larger than an encoder-cache shard can hold."""
 

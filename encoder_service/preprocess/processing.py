@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import inspect
 import json
 import time
@@ -33,6 +34,7 @@ from encoder_service.preprocess.errors import (
     InvalidMediaInput,
     MediaDecodeError,
     MMCacheMiss,
+    ToolsUnsupported,
     processed_or_422,
 )
 from encoder_service.preprocess.gathering import gather
@@ -56,6 +58,7 @@ from encoder_service.types import (
     Modality,
     PreprocessedRequest,
 )
+from mmcore.chat_template import template_takes_tools
 from mmcore.feature import ItemFacts
 
 INLINE_TEMPLATE_CHARS = 16_384  # prompts with more text are templated and tokenized on a worker thread
@@ -364,12 +367,18 @@ class Preprocessor:
             self.stages.media_decode.observe(decoded_at - start, ago=now - decoded_at, mm_hash=it.mm_hash)
             self.stages.preprocess.observe(now - decoded_at, mm_hash=it.mm_hash)
 
+    @functools.cached_property
+    def _template_takes_tools(self) -> bool:
+        return template_takes_tools(getattr(self.family.hf, "chat_template", None))
+
     def _tokenize(
         self, template_messages: Sequence[Mapping[str, object]], items: list[MediaItem]
     ) -> PreprocessedRequest:
         hf = self.family.hf
         tools = template_messages[0].get("tools") if template_messages else None
         if tools is not None:  # the request's tool definitions ride on its first message
+            if not self._template_takes_tools:
+                raise ToolsUnsupported(f"the chat template of model {self.model_id!r} has no place for tools")
             template_messages = [
                 {k: v for k, v in template_messages[0].items() if k != "tools"},
                 *template_messages[1:],

@@ -390,6 +390,8 @@ class EncoderServer:
         return {
             "queued_embeddings": self._queued_embeds,
             "queued_items": len(self._queue),
+            "owned_embeddings": len(self._owned),  # refs this replica keeps alive for the index
+            "replica_id": _replica_id(),
             "inline_values_sent": self._recent.taken,
             **self._step_clock.stats(),
             **(preparer_stats(self.preparer) if self.preparer is not None else {}),
@@ -443,6 +445,17 @@ class EncoderServer:
                         yield with_values(frame, self.recent_value)
                     else:
                         yield [replace(it, value=self.recent_value(it.ref[0], it.part)) for it in frame]
+
+
+def _replica_id() -> str:
+    """Serve's id of this replica (the tail of its actor's name), for readers that must tell replicas
+    apart (the chaos bench kills the one with items queued); "" outside Serve."""
+    try:
+        from ray import serve
+
+        return str(serve.get_replica_context().replica_id.unique_id)
+    except Exception:  # outside Serve (tests)
+        return ""
 
 
 def stored_form(tensor: torch.Tensor) -> np.ndarray | tuple[str, np.ndarray]:

@@ -35,7 +35,7 @@ DECODER_FAMILIES: dict[str, DecoderFamily] = {
     "qwen2_5_vl": DecoderFamily(Qwen2ForCausalLM, "mrope_abs_time", ("image", "video")),
     "gemma3": DecoderFamily(Gemma3ForCausalLM, "rope", ("image",), Gemma3TextConfig, "pythonic"),
     "qwen3_vl": DecoderFamily(Qwen3VLForCausalLM, "mrope", ("image", "video"), Qwen3VLTextConfig),
-    "qwen3_5": DecoderFamily(Qwen35ForCausalLM, "mrope", ("image", "video"), Qwen35TextConfig),
+    "qwen3_5": DecoderFamily(Qwen35ForCausalLM, "mrope", ("image", "video"), Qwen35TextConfig, "qwen3_xml"),
     "gemma4": DecoderFamily(Gemma4ForCausalLM, "rope", ("image", "audio"), Gemma4TextConfig, "gemma4"),
 }
 

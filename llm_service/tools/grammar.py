@@ -17,6 +17,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from llm_service.tools.qwen3_xml import is_string_schema
+
 _IGNORED = {
     "title", "description", "default", "examples", "format", "$schema", "$id", "$comment",
     "deprecated", "readOnly", "writeOnly", "strict",
@@ -94,6 +96,9 @@ class CallSyntax:
     separator: str  # between calls
     list_open: str = ""  # around all the calls
     list_close: str = ""
+    member_end: str = ""  # after each argument (Qwen3.5's ``</parameter>``)
+    raw_strings: bool = False  # an argument typed as a string is its raw text (Qwen3.5)
+    identifier_names: bool = False  # a function's name must read as a (dotted) Python name
 
 
 HERMES_SYNTAX = CallSyntax(
@@ -104,7 +109,15 @@ HERMES_SYNTAX = CallSyntax(
 GEMMA4_SYNTAX = CallSyntax(
     GEMMA4_VALUES, '"<|tool_call>call:{name}" {args} "<tool_call|>"', "{", "}", "{}:", ""
 )
-PYTHONIC_SYNTAX = CallSyntax(PYTHON_VALUES, '"{name}" {args}', "(", ")", "{}=", ", ", "[", "]")
+QWEN3_XML_SYNTAX = CallSyntax(
+    JSON_VALUES,
+    '"<tool_call>\\n<function={name}>\\n" {args} "</function>\\n</tool_call>"',
+    "", "", "<parameter={}>\n", "\n",
+    member_end="\n</parameter>\n", raw_strings=True,
+)  # fmt: skip
+PYTHONIC_SYNTAX = CallSyntax(
+    PYTHON_VALUES, '"{name}" {args}', "(", ")", "{}=", ", ", "[", "]", identifier_names=True
+)
 
 
 def q(text: str) -> str:
@@ -209,19 +222,31 @@ class _Builder:
         if not isinstance(required, list) or not set(required) <= set(props):
             raise ToolGrammarError(where, "required must list properties the schema defines")
         members = [
-            (
-                name in required,
-                f"{q(key_fmt.replace('{}', name))} {self.value(s, f'{where}.properties.{name}')}",
-            )
+            (name in required, self.member(key_fmt.replace("{}", name), s, f"{where}.properties.{name}", top))
             for name, s in props.items()
         ]
-        sep = q(self.v.member_sep)
+        sep = '""' if top and self.syntax.member_end else q(self.v.member_sep)
         first = after = '""'  # first: no member yet, from i on; after: some member before
         for req, member in reversed(members):
             new_after = self.rule(f"{sep} {member} {after}" + ("" if req else f" | {after}"))
             new_first = self.rule(f"{member} {after}" + ("" if req else f" | {first}"))
             first, after = new_first, new_after
         return self.rule(f"{q(open_)} {first} {q(close)}")
+
+    def member(self, key: str, schema: Any, where: str, top: bool) -> str:
+        if not (top and self.syntax.raw_strings):
+            return f"{q(key)} {self.value(schema, where)}"
+        if is_string_schema(schema):  # raw text: no '<', so it cannot run into the closing tag
+            self.value(schema, where)  # its keywords checked all the same
+            if "enum" in schema or "const" in schema:
+                options = schema.get("enum", [schema.get("const")])
+                value = "(" + " | ".join(q(str(o)) for o in options) + ")"
+            else:
+                lo, hi = _bounds(schema, "minLength", "maxLength", where)
+                value = f"[^<]{{{lo},{hi}}}" if hi is not None else ("[^<]*" if lo == 0 else f"[^<]{{{lo},}}")
+        else:
+            value = self.value(schema, where)
+        return f"{q(key)} {value} {q(self.syntax.member_end)}"
 
     def any_value(self) -> str:
         if not self._any:
@@ -258,6 +283,10 @@ def call_grammar(syntax: CallSyntax, functions: list[tuple[str, Any, str]], *, p
     b = _Builder(syntax)
     calls = []
     for name, params, where in functions:
+        if syntax.identifier_names and not all(part.isidentifier() for part in name.split(".")):
+            raise ToolGrammarError(
+                f"{where}.name", f"{name!r} cannot be called in this model's Python-style calls"
+            )
         args = b.object(params if params is not None else {}, f"{where}.parameters", top=True)
         calls.append(syntax.call.format(name=name.replace("\\", "\\\\").replace('"', '\\"'), args=args))
     one = b.rule(" | ".join(f"({c})" for c in calls))

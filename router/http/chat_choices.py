@@ -15,7 +15,7 @@ from llm_service.tools.formats import ToolFormat
 from router.http.choices import ChoiceState, child_ids, child_params, collect, first_outputs, stream_events
 from router.http.lifecycle import first_or_error, usage_of
 from router.http.sse import DONE, SSEResponse
-from router.http.tool_answer import tool_message
+from router.http.tool_answer import ToolChoiceEvents, tool_message
 from router.journey.deadline import Deadline
 from router.journey.detokenizer import IncrementalDetokenizer
 from router.journey.orchestrator import Prepared
@@ -132,8 +132,12 @@ async def _sse_choices(
         failed.append(e)
         svc._log_failure(orch, ids[0], chat, e)
 
+    fmt = answer_format(req, model.tool_format)
+    events = None if fmt is None else ToolChoiceEvents(fmt, ids[0], model.name, states, lp)
     try:
-        async for event in stream_events(ids[0], model.name, states, firsts, streams, lp, settle, on_error):
+        async for event in stream_events(
+            ids[0], model.name, states, firsts, streams, lp, settle, on_error, events
+        ):
             yield event
         total = sum(s.completion_tokens for s in states)
         tail = ""

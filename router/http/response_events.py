@@ -21,7 +21,6 @@ by the same ``OutputItems`` with its events dropped, so the two cannot differ. A
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any
 
 from llm_service.tools.calls import ArgumentsDelta, CallStart, ContentDelta, ToolEvent
@@ -36,6 +35,8 @@ from router.protocol.response_object import (
 )
 
 Item = OutputMessage | OutputFunctionCall
+_COMPACT = (",", ":")
+_TEXT_TAIL = ',"logprobs":[]}'  # what a text delta carries after its text
 
 
 class OutputItems:
@@ -46,13 +47,25 @@ class OutputItems:
         self.sequence_number = 0
         self.items: list[Item] = []
         self._open: Item | None = None
+        self._pieces: list[str] = []  # the open item's text or arguments so far, joined when it closes
 
     def event(self, kind: str, fields: dict[str, Any]) -> str:
         if not self.render:
             return ""
         data = {"type": kind, "sequence_number": self.sequence_number, **fields}
         self.sequence_number += 1
-        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False, separators=_COMPACT)}\n\n"
+
+    def _delta(self, kind: str, item_id: str, text: str, content: str) -> str:
+        """A text or arguments delta, rendered without a dict per token (``event``'s JSON, parsed)."""
+        if not self.render:
+            return ""
+        n, self.sequence_number = self.sequence_number, self.sequence_number + 1
+        return (
+            f'event: {kind}\ndata: {{"type":"{kind}","sequence_number":{n},"item_id":"{item_id}",'
+            f'"output_index":{len(self.items) - 1},{content}"delta":{json.dumps(text, ensure_ascii=False)}'
+            f"{_TEXT_TAIL if content else '}'}\n\n"
+        )
 
     def started(self, response: ResponseObject) -> str:
         started = response.model_dump()
@@ -66,13 +79,14 @@ class OutputItems:
             if isinstance(e, ContentDelta):
                 if not e.text:
                     continue
-                message = self._message()
-                out.append(message.opened)
-                message.item.content[0].text += e.text
+                message = self._open
+                if not isinstance(message, OutputMessage):
+                    out.append(self._open_message())
+                    message = self._open
+                    assert isinstance(message, OutputMessage)
+                self._pieces.append(e.text)
                 out.append(
-                    self.event(
-                        "response.output_text.delta", self._at(message.item, delta=e.text, logprobs=[])
-                    )
+                    self._delta("response.output_text.delta", message.id, e.text, '"content_index":0,')
                 )
             elif isinstance(e, CallStart):
                 out.append(self._close("completed"))
@@ -87,7 +101,7 @@ class OutputItems:
     def finished(self, response: ResponseObject) -> tuple[ResponseObject, str]:
         """The final response (its items closed with its status) and the stream's last events."""
         status = "incomplete" if response.status == "incomplete" else "completed"
-        head = self._message().opened if not self.items else ""  # an empty answer: one empty message
+        head = self._open_message() if not self.items else ""  # an empty answer: one empty message
         tail = self._close(status)
         final = response.model_copy(update={"output": list(self.items)})
         end = "response.completed" if final.status == "completed" else "response.incomplete"
@@ -96,26 +110,24 @@ class OutputItems:
     def failed(self, response: ResponseObject, error: APIError) -> str:
         """The stream's end when generating failed: what went wrong, then the failed response."""
         detail = error.body()["error"]
+        self._settled()
         update = {"status": "failed", "error": {"code": error.code, "message": error.message}}
         failed = response.model_copy(update={**update, "output": list(self.items)})
         return self.event(
             "error", {"code": error.code, "message": detail["message"], "param": detail["param"]}
         ) + self.event("response.failed", {"response": failed.model_dump()})
 
-    def _message(self) -> _Opened:
-        if isinstance(self._open, OutputMessage):
-            return _Opened(self._open, "")
+    def _open_message(self) -> str:
+        """A new message item after the open item (closed): the events that open it."""
         closed = self._close("completed")
         message = OutputMessage(id=message_id(), status="in_progress", content=[OutputTextPart(text="")])
         added = self._add(message)
         part = OutputTextPart(text="").model_dump()
-        return _Opened(
-            message, closed + added + self.event("response.content_part.added", self._at(message, part=part))
-        )
+        return closed + added + self.event("response.content_part.added", self._at(message, part=part))
 
     def _add(self, item: Item) -> str:
         self.items.append(item)
-        self._open = item
+        self._open, self._pieces = item, []
         shown = item.model_copy(update={"content": []}) if isinstance(item, OutputMessage) else item
         return self.event(
             "response.output_item.added", {"output_index": len(self.items) - 1, "item": shown.model_dump()}
@@ -124,14 +136,12 @@ class OutputItems:
     def _arguments(self, e: ArgumentsDelta) -> str:
         call = self._open
         assert isinstance(call, OutputFunctionCall), "arguments follow their call's start"
-        call.arguments += e.text
-        return self.event(
-            "response.function_call_arguments.delta",
-            {"item_id": call.id, "output_index": len(self.items) - 1, "delta": e.text},
-        )
+        self._pieces.append(e.text)
+        return self._delta("response.function_call_arguments.delta", call.id, e.text, "")
 
     def _close(self, status: str) -> str:
-        item, self._open = self._open, None
+        item = self._settled()
+        self._open = None
         if item is None:
             return ""
         item.status = status  # type: ignore[assignment]
@@ -150,14 +160,15 @@ class OutputItems:
             "response.output_item.done", {"output_index": index, "item": item.model_dump()}
         )
 
+    def _settled(self) -> Item | None:
+        """The open item with its text or arguments written in."""
+        item = self._open
+        if isinstance(item, OutputMessage):
+            item.content[0].text = "".join(self._pieces)
+        elif item is not None:
+            item.arguments = "".join(self._pieces)
+        return item
+
     def _at(self, item: OutputMessage, **fields: Any) -> dict[str, Any]:
         """A text event's place: the message (always the last item while it is open), its one part."""
         return {"item_id": item.id, "output_index": len(self.items) - 1, "content_index": 0, **fields}
-
-
-@dataclass(frozen=True)
-class _Opened:
-    """The open message item and the events that opened it (empty when it was open already)."""
-
-    item: OutputMessage
-    opened: str

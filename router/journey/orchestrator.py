@@ -34,13 +34,13 @@ from llm_service.errors import RequestFailed
 from llm_service.outputs import RequestOutput
 from llm_service.request_spec import LLMRequestSpec, SubmitReply
 from llm_service.sampling_params import SamplingParams
+from mmcore.chat_template import template_takes_tools
 from mmcore.feature import MediaFeature
 from router.journey.llm_spec import request_spec
 from router.journey.model_handles import ModelHandles
 from router.journey.prepare_calls import Arrivals, PrepareCalls
 from router.protocol.errors import bad_request, find_cause, lost_twice, replica_gone
 from router.protocol.messages import NormalizedChat, NormalizedMessage, TextMessage, text_only_messages
-from router.protocol.tool_use import template_takes_tools
 
 logger = logging.getLogger("mmserve.router")
 

@@ -37,7 +37,7 @@ def answer_format(req: ToolAsk, format_name: str) -> ToolFormat | None:
     """The format the answer is parsed in, or None when no calls are parsed."""
     if not req.tools or req.tool_choice == "none":
         return None
-    return tool_format(format_name)
+    return tool_format(format_name).for_tools({t.function.name: t.function.parameters for t in req.tools})
 
 
 def with_tool_choice(params: SamplingParams, req: ToolAsk, format_name: str) -> SamplingParams:
@@ -65,9 +65,15 @@ def with_tool_choice(params: SamplingParams, req: ToolAsk, format_name: str) -> 
         raise bad_request(
             f"{e} (tool_choice {_said(choice)} holds calls to their schemas)",
             code="bad_tool_choice",
-            param=e.where.split(".parameters")[0] + ".parameters",
+            param=_field(e.where),
         ) from e
     return replace(params, structured=StructuredSpec("grammar", grammar, "tools"))
+
+
+def _field(where: str) -> str:
+    """The request field a place in a schema sits in: ``tools[i].function.parameters`` (or ``.name``)."""
+    head, found, _ = where.partition(".parameters")
+    return head + found
 
 
 def _said(choice: object) -> str:

@@ -1,6 +1,6 @@
 """The README's and docs/' examples that need a running server, run as a reader runs them: the Python
 blocks marked ``<!-- needs: server -->`` with the venv's Python, and the README's quick-start curl
-block with bash, against one app (the tiny Qwen2-VL the examples name) on a free loopback port instead
+block with bash, against one app (the tiny Qwen2-VL the examples name, and the tiny Qwen3-VL of the tool calls) on a free loopback port instead
 of 127.0.0.1:8000. The examples that need no server run in ``tests/unit/docs/test_docs.py``."""
 
 from __future__ import annotations
@@ -29,8 +29,11 @@ SERVER_EXAMPLES = [
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     cache_dir = str(tmp_path_factory.mktemp("models"))
-    model = {"name": "tiny-qwen2-vl", "tiny": "qwen2-vl"}
-    with local_app({"models": [model], "models_cache_dir": cache_dir}) as client:
+    models = [
+        {"name": "tiny-qwen2-vl", "tiny": "qwen2-vl"},
+        {"name": "tiny-qwen3-vl", "tiny": "qwen3-vl"},  # its template takes tools (the README's tool calls)
+    ]
+    with local_app({"models": models, "models_cache_dir": cache_dir}) as client:
         yield str(client.base_url).rstrip("/").removesuffix("/v1")
 
 

@@ -30,7 +30,7 @@ WEATHER = {
     "type": "object",
     "properties": {
         "city": {"type": "string", "enum": ["Paris", "Rome"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        "days": {"type": "integer"},
     },
     "required": ["city", "days"],
     "additionalProperties": False,

@@ -125,10 +125,11 @@ def test_required_gives_valid_calls_streamed_and_not(client: OpenAI, family: str
     for content, calls, finish in choices:
         _valid(calls, set(SCHEMAS))
         assert content is None and finish == "tool_calls"
-    streamed = _stream(client, family, tool_choice="required", seed=1, temperature=1.0)
-    assert streamed.keys() == {0}
-    _valid(streamed[0][1], set(SCHEMAS))
-    assert streamed[0][2] == "tool_calls"
+    streamed = _stream(client, family, tool_choice="required", n=2, seed=1, temperature=1.0)
+    assert streamed.keys() == {0, 1}
+    for content, calls, finish in streamed.values():
+        _valid(calls, set(SCHEMAS))
+        assert content is None and finish == "tool_calls"
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -177,7 +177,9 @@ securityContext:
 {{- end }}
 {{- end -}}
 
-{{/* Serve's environment (serveEnv) for every Ray container; a null value unsets a default. */}}
+{{/* Serve's environment (serveEnv) for every Ray container; a null value unsets a default. With
+     auth.operatorKeySecret, MMSERVE_OPERATOR_API_KEY from that Secret too (the ingress replica, which
+     may run in any Ray pod, reads it at start: only that key sees /stats). */}}
 {{- define "mmserve.env" -}}
 {{- $env := list -}}
 {{- range $k, $v := .Values.serveEnv -}}
@@ -185,10 +187,14 @@ securityContext:
 {{- $env = append $env (dict "name" $k "value" (toString $v)) -}}
 {{- end -}}
 {{- end -}}
-{{- with $env }}
+{{- if or $env .Values.auth.operatorKeySecret }}
 env:
-  {{- range . }}
+  {{- range $env }}
   - {name: {{ .name }}, value: {{ .value | quote }}}
+  {{- end }}
+  {{- with .Values.auth.operatorKeySecret }}
+  - name: MMSERVE_OPERATOR_API_KEY
+    valueFrom: {secretKeyRef: {name: {{ . | quote }}, key: {{ $.Values.auth.operatorKeySecretKey | quote }}}}
   {{- end }}
 {{- end }}
 {{- end -}}

@@ -41,3 +41,18 @@ def test_no_secret_no_keys() -> None:
 def test_bad_auth_values_are_refused(value: dict) -> None:
     with pytest.raises(Exception, match=r"(?i)schema|valid|auth"):
         _render({"auth": value})
+
+
+def test_operator_key_secret_reaches_every_ray_container_as_its_env() -> None:
+    values = {"auth": {"apiKeysSecret": "mm-keys", "operatorKeySecret": "mm-operator"}}
+    (rs,) = _render(values)["RayService"]
+    jsonschema.validate(rs, _rayservice_schema())
+    for pod in _pods(rs):
+        (container,) = pod["containers"]
+        (env,) = [e for e in container.get("env", []) if e["name"] == "MMSERVE_OPERATOR_API_KEY"]
+        assert env["valueFrom"] == {"secretKeyRef": {"name": "mm-operator", "key": "operator-api-key"}}
+    (rs,) = _render(None)["RayService"]
+    for pod in _pods(rs):
+        assert all(e["name"] != "MMSERVE_OPERATOR_API_KEY" for e in pod["containers"][0].get("env", []))
+    with pytest.raises(Exception, match=r"(?i)schema|valid|auth"):
+        _render({"auth": {"operatorKeySecret": "Bad_Name"}})

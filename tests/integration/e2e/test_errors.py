@@ -89,3 +89,17 @@ def test_hostile_json_bodies_are_400(body: bytes, needle: str) -> None:
     )
     assert r.status_code == 400, r.text
     assert needle in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("with_image", [False, True], ids=["text", "image"])
+def test_tools_for_a_template_without_them_are_a_400_naming_tools(with_image: bool) -> None:
+    """The default tiny Qwen2-VL's template has no tool section: tools are refused by name, not dropped
+    (docs/tools.md), whichever side would render the prompt."""
+    c = OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="unused", max_retries=0)
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    content: Any = [image, {"type": "text", "text": "x"}] if with_image else "x"
+    tools: Any = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with pytest.raises(BadRequestError) as e:
+        c.chat.completions.create(model=VL, messages=[{"role": "user", "content": content}], tools=tools)
+    body: Any = e.value.body
+    assert (body["param"], body["code"]) == ("tools", "tools_unsupported"), body

@@ -6,6 +6,7 @@ naming it, and a client that leaves mid-stream stopping the generation."""
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import uuid
@@ -25,8 +26,8 @@ from tests.integration.e2e.app_readings import (
     nothing_held,
     tokens_generated_since,
 )
-from tests.integration.e2e.common import MAX_TOKENS, PORT, VL, data_url, hf_generate, wait_for
-from tests.media import make_image_bytes
+from tests.integration.e2e.common import AUDIO, MAX_TOKENS, PORT, VL, data_url, hf_generate, wait_for
+from tests.media import make_audio_bytes, make_image_bytes
 
 pytestmark = pytest.mark.usefixtures("app")  # the package's one app (conftest.py)
 URL = f"http://127.0.0.1:{PORT}/v1/responses"
@@ -258,6 +259,27 @@ def test_the_openai_client_sees_a_bad_request(client: OpenAI) -> None:
     with pytest.raises(BadRequestError) as e:
         client.responses.create(model=VL, input="hi", previous_response_id="resp_123")
     assert "previous_response_id" in str(e.value) and "stateless" in str(e.value)
+
+
+def test_input_audio_on_a_model_that_hears_is_hfs_answer(client: OpenAI, app: dict[str, Any]) -> None:
+    import librosa
+
+    wav = make_audio_bytes(seconds=1.5, sr=22050, seed=7)
+    audio = {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}}
+    r = client.responses.create(
+        model=AUDIO,
+        input=[{"role": "user", "content": [audio, {"type": "input_text", "text": "What is it?"}]}],
+        max_output_tokens=MAX_TOKENS,
+        temperature=0,
+    )
+    samples, _ = librosa.load(io.BytesIO(wav), sr=16000)
+    expected = hf_generate(
+        app["dirs"][AUDIO],
+        [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "What is it?"}]}],
+        audio=[samples],
+        sampling_rate=16000,
+    )
+    assert r.output_text == expected
 
 
 def test_audio_on_a_model_that_does_not_hear_is_a_400(client: OpenAI) -> None:

@@ -46,7 +46,7 @@ def _run() -> list[Sample]:
         )
         samples.append(Sample(t, "load", tuple(procs), StoreUse(5 * MIB, 40)))
     for i, used in enumerate((3 * MIB, MIB // 2)):
-        samples.append(Sample(600.0 + 60 * i, "quiet", samples[-1].procs, StoreUse(used, 1)))
+        samples.append(Sample(600.0 + 60 * i, "quiet", samples[-1].procs, StoreUse(used, 1), cache_entries=7))
     return samples
 
 
@@ -100,7 +100,9 @@ def test_csv_round_trip_and_the_table() -> None:
     assert text.splitlines()[0].startswith("t_s,phase,series,pid,kind,rss_mib")
     back = from_csv(text)
     assert [(s.t_s, s.phase) for s in back] == [(s.t_s, s.phase) for s in samples]
-    assert back[-1].store == samples[-1].store
+    assert (
+        back[-1].store == samples[-1].store and back[-1].cache_entries == 7 and back[0].cache_entries is None
+    )
     assert [p.rss_bytes for p in back[5].procs] == [p.rss_bytes for p in samples[5].procs]
     table = growth_table(samples, 300.0)
     assert "+10.0 %" in table and "born later" in table and "exited" in table
@@ -111,3 +113,11 @@ def test_plot_series_sum_each_kind() -> None:
     xs, ys = series["LLMServer-m"]
     assert xs[0] == -0.5 and ys[0] == 300.0  # pids 1 and 2 at the baseline
     assert figure(_run(), 30.0, 300.0).axes[2].get_title() == "object store in use (MiB)"
+
+
+def test_the_ramp_stops_once_throughput_stops_growing() -> None:
+    from cluster.bench.soak import ramp_goes_on
+
+    assert ramp_goes_on([1.6]) and ramp_goes_on([1.6, 3.3]) and ramp_goes_on([1.6, 3.3, 6.8])
+    assert not ramp_goes_on([1.6, 3.3, 6.8, 7.0])  # +3 %: saturated
+    assert not ramp_goes_on([1.6, 3.3, 6.8, 5.0])

@@ -44,6 +44,19 @@ ROWS = [
         ],
     ),
     (
+        "qwen3_xml",
+        [
+            "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=units>\nC\n</parameter>\n"
+            "<parameter=tags>\n[true, false]\n</parameter>\n</function>\n</tool_call>",
+            "<tool_call>\n<function=noop>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n"
+            "<parameter=city>\nOslo\n</parameter>\n<parameter=days>\n-4\n</parameter>\n</function>\n</tool_call>",
+        ],
+        [
+            "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n</function>\n</tool_call>",
+            "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=units>\nKelvin\n</parameter>\n</function>\n</tool_call>",
+        ],
+    ),
+    (
         "gemma4",
         [
             '<|tool_call>call:get_weather{city:<|"|>Oslo<|"|>,units:<|"|>C<|"|>}<tool_call|>',
@@ -67,7 +80,7 @@ def test_grammar_admits_valid_calls_only(fmt: str, admitted: list[str], refused:
     grammar = xgr.Grammar.from_ebnf(call_grammar(TOOL_FORMATS[fmt].syntax, FUNCTIONS, parallel=True))
     for text in admitted:
         assert _is_grammar_accept_string(grammar, text), text
-        out = TOOL_FORMATS[fmt].parse(text)
+        out = TOOL_FORMATS[fmt].for_tools({"get_weather": SCHEMA}).parse(text)
         assert out.content is None and out.calls
         for call in out.calls:
             params = (
@@ -81,7 +94,7 @@ def test_grammar_admits_valid_calls_only(fmt: str, admitted: list[str], refused:
 @pytest.mark.parametrize("fmt", list(TOOL_FORMATS))
 def test_one_call_when_not_parallel(fmt: str) -> None:
     grammar = xgr.Grammar.from_ebnf(call_grammar(TOOL_FORMATS[fmt].syntax, FUNCTIONS, parallel=False))
-    two = {"hermes": ROWS[0][1][1], "gemma4": ROWS[1][1][1], "pythonic": ROWS[2][1][0]}[fmt]
+    two = {row[0]: row[1][1] if row[0] != "pythonic" else row[1][0] for row in ROWS}[fmt]
     assert not _is_grammar_accept_string(grammar, two)
 
 
@@ -98,3 +111,11 @@ def test_schemas_that_cannot_be_held_are_refused_by_place(schema: dict[str, obje
     with pytest.raises(ToolGrammarError) as e:
         call_grammar(TOOL_FORMATS["hermes"].syntax, [("f", schema, "tools[3].function")], parallel=True)
     assert str(e.value).startswith("tools[3].function.parameters") and named in str(e.value)
+
+
+def test_pythonic_calls_need_python_names() -> None:
+    with pytest.raises(ToolGrammarError) as e:
+        call_grammar(
+            TOOL_FORMATS["pythonic"].syntax, [("get-time", None, "tools[0].function")], parallel=False
+        )
+    assert e.value.where == "tools[0].function.name"

@@ -11,10 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llm_service.tools.calls import ArgumentsDelta, CallStart, ContentDelta, ParsedOutput, ToolEvent, collect
-from llm_service.tools.formats import TOOL_FORMATS
+from llm_service.tools.formats import TOOL_FORMATS, ToolFormat
 
 H1 = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
 H2 = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
+X1 = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+X2 = "<tool_call>\n<function=get_time>\n<parameter=zone>\nCET\n</parameter>\n</function>\n</tool_call>"
 G1 = '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:3}<tool_call|>'
 G2 = '<|tool_call>call:get_time{zone:<|"|>CET<|"|>}<tool_call|>'
 WEATHER = ("get_weather", {"city": "Paris", "days": 3})
@@ -30,6 +32,22 @@ CASES = [
     ("hermes", "a <tool_call>not json</tool_call> b", "a <tool_call>not json</tool_call> b", []),
     ("hermes", "x < y and <tool_ not a marker", "x < y and <tool_ not a marker", []),
     ("hermes", 'Cut: <tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}', "Cut:", [TIME]),
+    ("qwen3_xml", "Hello.", "Hello.", []),
+    ("qwen3_xml", X1, None, [WEATHER]),
+    ("qwen3_xml", f"Let me check.\n\n{X1}\n{X2}", "Let me check.", [WEATHER, TIME]),
+    (
+        "qwen3_xml",
+        "<tool_call>\n<function=f>\n<parameter=code>\n7\n</parameter>\n<parameter=n>\n7\n</parameter>\n"
+        '<parameter=o>\n{"a": [1]}\n</parameter>\n<parameter=s>\nnot json\n</parameter>\n</function>\n</tool_call>',
+        None,
+        [("f", {"code": "7", "n": 7, "o": {"a": [1]}, "s": "not json"})],  # code: a string by its schema
+    ),
+    (
+        "qwen3_xml",
+        "<tool_call>\n<function=f>\nstray\n</function>\n</tool_call>",
+        "<tool_call>\n<function=f>\nstray\n</function>\n</tool_call>",
+        [],
+    ),
     ("gemma4", "Sure.", "Sure.", []),
     ("gemma4", G1, None, [WEATHER]),
     ("gemma4", f"Let me check.\n{G1}{G2}", "Let me check.", [WEATHER, TIME]),
@@ -48,13 +66,28 @@ CASES = [
 ]
 
 
+# the functions' schemas the formats that type values by them read (Qwen3.5's)
+SCHEMAS = {
+    "f": {"type": "object", "properties": {"code": {"type": "string"}, "n": {"type": "integer"}}},
+    "get_weather": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+    },
+    "get_time": {"type": "object", "properties": {"zone": {"enum": ["CET", "UTC"]}}},
+}
+
+
+def _fmt(name: str) -> ToolFormat:
+    return TOOL_FORMATS[name].for_tools(SCHEMAS)
+
+
 def _calls(out: ParsedOutput) -> list[tuple[str, object]]:
     return [(c.name, json.loads(c.arguments)) for c in out.calls]
 
 
 @pytest.mark.parametrize(("fmt", "text", "content", "calls"), CASES)
 def test_parse(fmt: str, text: str, content: str | None, calls: list[tuple[str, object]]) -> None:
-    out = TOOL_FORMATS[fmt].parse(text)
+    out = _fmt(fmt).parse(text)
     assert out.content == content
     assert _calls(out) == calls
     assert all(c.id.startswith("call_") and len(c.id) == 29 for c in out.calls)
@@ -62,7 +95,7 @@ def test_parse(fmt: str, text: str, content: str | None, calls: list[tuple[str, 
 
 
 def _streamed(fmt: str, text: str, cuts: list[int]) -> list[ToolEvent]:
-    stream = TOOL_FORMATS[fmt].stream()
+    stream = _fmt(fmt).stream()
     events: list[ToolEvent] = []
     bounds = [0, *sorted(set(cuts)), len(text)]
     for a, b in itertools.pairwise(bounds):
@@ -76,7 +109,7 @@ def _shape(out: ParsedOutput) -> tuple[str | None, list[tuple[str, str]]]:
 
 @pytest.mark.parametrize(("fmt", "text"), [(c[0], c[1]) for c in CASES])
 def test_every_single_split_reassembles(fmt: str, text: str) -> None:
-    whole = _shape(TOOL_FORMATS[fmt].parse(text))
+    whole = _shape(_fmt(fmt).parse(text))
     for cut in range(len(text) + 1):
         assert _shape(collect(_streamed(fmt, text, [cut]))) == whole, cut
 
@@ -87,7 +120,7 @@ def test_any_chunking_reassembles(case: tuple[str, str], data: st.DataObject) ->
     fmt, text = case
     cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=len(text)))
     events = _streamed(fmt, text, cuts)
-    assert _shape(collect(events)) == _shape(TOOL_FORMATS[fmt].parse(text))
+    assert _shape(collect(events)) == _shape(_fmt(fmt).parse(text))
     _check_delta_shape(events, text)
 
 

@@ -10,10 +10,10 @@ from typing import Any, cast
 import pytest
 
 from cluster.tiny_model.families import TINY_RECIPES
+from mmcore.chat_template import template_takes_tools
 from router.http.chat import ServedModel, tools_for
 from router.protocol.errors import APIError
 from router.protocol.openai import ChatCompletionRequest
-from router.protocol.tool_use import template_takes_tools
 
 TOOL = {"type": "function", "function": {"name": "click", "parameters": {"type": "object"}}}
 

@@ -274,9 +274,9 @@ async def _pointing_is_deferred_to_the_answer(setup: Setup) -> None:
     release = asyncio.Event()
     shard_point = setup.shard.alias_point
 
-    async def slow_point(aliases: dict[str, str]) -> None:
+    async def slow_point(aliases: dict[str, str], tenant: str | None = None) -> None:
         await release.wait()
-        await shard_point(aliases)
+        await shard_point(aliases, tenant)
 
     setup.shard.alias_point = slow_point  # type: ignore[method-assign]
     setup.orch.handles.llm = TwoTokenLLM()  # type: ignore[assignment]

@@ -132,3 +132,24 @@ def test_images_in_user_and_tool_messages_preprocess_as_hf(model_dir: Path) -> N
     assert out.prompt_token_ids == ref["input_ids"][0].tolist()
     assert len(out.items) == 2 and len({it.mm_hash for it in out.items}) == 2
     assert "<tool_response>\n<|vision_start|>" in text  # the tool's image sits in its response
+
+
+def test_a_processor_template_without_tools_refuses_them_naming_tools() -> None:
+    """The encoder side checks its own template too (a checkpoint's processor template may differ from
+    its tokenizer's): tools that would be dropped are a 400 naming ``tools``."""
+    from encoder_service.preprocess.errors import ToolsUnsupported
+    from router.protocol.errors import from_exception
+
+    pre = Preprocessor(tiny_model_dir("qwen2-vl"), MediaLimits(), {"image": 4}, 64 * 1024 * 1024)
+    url = f"data:image/png;base64,{base64.b64encode(make_image_bytes(32, 32, seed=3)).decode()}"
+    chat = _normalized(
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}], TOOLS
+    )
+    with pytest.raises(ToolsUnsupported) as e:
+        pre.preprocess_sync(chat.messages)
+    api = from_exception(e.value)
+    assert api is not None and (api.status_code, api.param, api.code) == (400, "tools", "tools_unsupported")
+    without = _normalized(
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}], None
+    )
+    assert len(pre.preprocess_sync(without.messages).items) == 1  # the same request without tools

@@ -12,9 +12,10 @@ from pydantic import ValidationError
 from router.protocol.errors import APIError
 from router.protocol.messages import MessageLimits, normalize_messages
 from router.protocol.openai import ImagePart, TextPart
-from router.protocol.response_input import chat_messages
+from router.protocol.response_input import chat_messages, in_responses_terms
 from router.protocol.responses import ResponsesRequest
 from router.protocol.sampling import request_sampling_params
+from router.protocol.tools import NamedToolChoice
 
 LIMITS = MessageLimits(
     max_messages=8, max_content_parts=8, max_media_bytes=1 << 20, limit_mm_per_prompt={"image": 1}
@@ -123,3 +124,60 @@ def test_bad_items_fail_at_the_item(body: dict[str, Any], loc: tuple[Any, ...]) 
     with pytest.raises(ValidationError) as e:
         _req(**body)
     assert e.value.errors()[0]["loc"] == loc
+
+
+def test_calls_join_the_assistant_message_and_outputs_are_tool_messages() -> None:
+    req = _req(
+        input=[
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": "Let me look."},
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+            {"type": "function_call", "call_id": "c2", "name": "g", "arguments": '{"a": 1}'},
+            {
+                "type": "function_call_output",
+                "call_id": "c1",
+                "output": [
+                    {"type": "input_text", "text": "shot:"},
+                    {"type": "input_image", "image_url": PNG},
+                ],
+            },
+            {"type": "function_call_output", "call_id": "c2", "output": "done"},
+        ]
+    )
+    messages, paths = chat_messages(req)
+    assert [m.role for m in messages] == ["user", "assistant", "tool", "tool"]
+    assert paths == ["input[0]", "input[1]", "input[4]", "input[5]"]
+    assert messages[1].content == "Let me look."
+    assert [(c.id, c.function.name) for c in messages[1].tool_calls or []] == [("c1", "f"), ("c2", "g")]
+    assert [m.tool_call_id for m in messages[2:]] == ["c1", "c2"]
+    chat = normalize_messages(messages, LIMITS, field="input", paths=paths)
+    assert [m.modality for m in chat.media] == ["image"]  # the tool output's image is an item
+    assert chat.messages[1]["tool_calls"][1]["function"]["arguments"] == {"a": 1}
+
+
+def test_an_output_answering_no_call_is_named_in_responses_terms() -> None:
+    req = _req(input=[{"type": "function_call_output", "call_id": "c9", "output": "x"}])
+    messages, paths = chat_messages(req)
+    with pytest.raises(APIError) as e:
+        normalize_messages(messages, LIMITS, field="input", paths=paths)
+    named = in_responses_terms(e.value)
+    assert named.param == "input[0].call_id" and "input[0].call_id" in named.message
+
+
+def test_flat_function_tools_and_their_choice_become_chats() -> None:
+    req = _req(
+        tools=[{"type": "function", "name": "f", "parameters": {"type": "object"}, "strict": True}],
+        tool_choice={"type": "function", "name": "f"},
+        parallel_tool_calls=False,
+    )
+    ask = req.tool_ask()
+    assert ask.tools is not None and ask.tools[0].function.name == "f" and ask.tools[0].function.strict
+    assert isinstance(ask.tool_choice, NamedToolChoice) and ask.tool_choice.function.name == "f"
+    assert ask.parallel_tool_calls is False
+    for bad in ({"type": "web_search_preview"}, {"type": "allowed_tools", "tools": []}, "sometimes"):
+        with pytest.raises(APIError) as e:
+            _req(tool_choice=bad).tool_ask()
+        assert e.value.param == "tool_choice"
+    with pytest.raises(APIError) as e:
+        _req(tools=[{"type": "function", "name": "f", "parameterz": {}}]).tool_ask()
+    assert e.value.param == "tools[0].parameterz"

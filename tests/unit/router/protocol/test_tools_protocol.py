@@ -4,6 +4,7 @@ mapping of pydantic errors) and normalisation."""
 
 from __future__ import annotations
 
+import base64
 import json
 from typing import Any
 
@@ -12,10 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from mmcore.chat_template import template_takes_tools
 from router.protocol.errors import APIError
 from router.protocol.messages import MessageLimits, normalize_messages, text_only_messages
 from router.protocol.openai import ChatCompletionRequest
-from router.protocol.tool_use import template_takes_tools, template_tools
+from router.protocol.tool_use import template_tools
 from router.protocol.tools import MAX_TOOLS
 
 LIMITS = MessageLimits(64, 256, 1 << 20, {"image": 4, "video": 1, "audio": 1})
@@ -265,3 +267,20 @@ def test_any_parameters_are_a_schema_or_a_400_naming_them(parameters: object) ->
         template_tools(req.tools, req.tool_choice)
     except APIError as e:
         assert (e.status_code, e.param) == (400, "tools[0].function.parameters")
+
+
+def test_audio_in_a_tool_result_is_a_media_item_in_prompt_order() -> None:
+    """Where the family hears, a tool's answer may hold a clip: one more item, after the user's image."""
+    wav = base64.b64encode(b"RIFF....WAVEfmt ").decode()
+    body = _with(
+        ["messages", 2, "content"],
+        [
+            {"type": "input_audio", "input_audio": {"data": wav, "format": "wav"}},
+            {"type": "text", "text": "heard"},
+        ],
+    )
+    req = ChatCompletionRequest.model_validate(body)
+    chat = normalize_messages(req.messages, LIMITS, "tenant-a", template_tools(req.tools, req.tool_choice))
+    assert [m.modality for m in chat.media] == ["image", "audio"]
+    assert chat.media[1].data == base64.b64decode(wav) and chat.media[1].tenant == "tenant-a"
+    assert [p["type"] for p in chat.messages[2]["content"]] == ["audio", "text"]
