@@ -86,8 +86,9 @@ class MarkerStream:
         events: list[ToolEvent] = []
         if self._body is None:
             self._content(self._buf, events)
-        else:
-            self._close(self._buf, self.start + self._buf, events)
+        else:  # an answer cut inside the end marker: its start is no part of the body
+            body = self._buf[: len(self._buf) - held_back(self._buf, self.end)]
+            self._close(body, self.start + self._buf, events)
         if self._blank and not self._calls:
             events.append(ContentDelta(self._blank))
         self._buf = self._blank = ""
