@@ -55,21 +55,27 @@ def pool_links(handle: DeploymentHandle, timeout_s: float | None = DEFAULT_TIMEO
     return PoolLinks(lambda: live_router(key), connect)
 
 
+MAX_KV_LINKS = 64  # a decode replica's open links to prefill replicas
+
+
 def kv_links(timeout_s: float | None = DEFAULT_TIMEOUT_S) -> Callable[[Address], DirectLink]:
     """A decode replica's links to prefill replicas by address (E/P/D's KV pulls), one per address,
     made on first use with the cluster's keys (authenticated; encrypted unless the keys are PLAIN)."""
     keys = link_keys()
-    links: dict[Address, DirectLink] = {}
+    links: dict[Address, DirectLink] = {}  # most recently used last
 
     def connect(address: Address) -> DirectLink:
-        link = links.get(address)
+        address = (str(address[0]), int(address[1]))
+        link = links.pop(address, None)
         if link is None:
-            address = (str(address[0]), int(address[1]))
 
             async def locate() -> Address:
                 return address
 
-            link = links[address] = DirectLink(locate, keys, dumps=frame_dumps, timeout_s=timeout_s)
+            link = DirectLink(locate, keys, dumps=frame_dumps, timeout_s=timeout_s)
+        links[address] = link
+        while len(links) > MAX_KV_LINKS:  # prefill replicas come and go: close the least recently used
+            links.pop(next(iter(links))).close()
         return link
 
     return connect

@@ -48,7 +48,7 @@ from cluster.bench.chaos_load import (
     wait_until,
     wanted,
 )
-from cluster.bench.chaos_outcomes import HEADERS, ScenarioReport, report, row
+from cluster.bench.chaos_outcomes import HEADERS, OK, ScenarioReport, report, row
 from cluster.bench.procs import descendants, list_procs
 from cluster.bench.stats import markdown_table
 
@@ -182,15 +182,20 @@ def shard_alive() -> bool:
     return True
 
 
-def back(victims: set[str], targets: dict[str, int]) -> bool:
-    """The killed replicas are gone from Serve's books, every pool is at its target, the shard answers."""
+def back(victims: set[str], targets: dict[str, int], load: Load, fault_at: float | None) -> bool:
+    """The killed replicas' names are gone, every pool runs its target with none starting, the shard
+    answers, and a request sent after the fault has succeeded: Serve's status still counts a dead
+    replica RUNNING until its health check fails, so its books alone would call the pool back at once."""
     names = set(replica_names(ENC)) | set(replica_names(LLM))
-    return not (victims & names) and at_capacity(targets) and shard_alive()
+    served = fault_at is None or any(o.verdict == OK and o.start > fault_at for o in list(load.outcomes))
+    return served and not (victims & names) and at_capacity(targets) and shard_alive()
 
 
-async def watch_capacity(victims: set[str], targets: dict[str, int], timeout_s: float) -> float | None:
+async def watch_capacity(
+    victims: set[str], targets: dict[str, int], load: Load, fault_at: float | None, timeout_s: float
+) -> float | None:
     """The monotonic instant the app is ``back``, or None if not within ``timeout_s``."""
-    took = await asyncio.to_thread(wait_until, lambda: back(victims, targets), timeout_s, 0.5)
+    took = await asyncio.to_thread(wait_until, lambda: back(victims, targets, load, fault_at), timeout_s, 0.5)
     return None if took is None else time.monotonic()
 
 
@@ -277,7 +282,7 @@ async def run_scenario(name: str, cc: ChaosCluster, args: argparse.Namespace) ->
     else:
         victims, notes, fault_at = await strike_node(load, cc, args.rejoin_after_s)
     log(f"{name}: {'; '.join(notes)}")
-    capacity = asyncio.create_task(watch_capacity(victims, TARGETS, args.recover_timeout_s))
+    capacity = asyncio.create_task(watch_capacity(victims, TARGETS, load, fault_at, args.recover_timeout_s))
     outcomes = await task
     back_at = await capacity
     full_s = None if back_at is None or fault_at is None else back_at - fault_at

@@ -28,6 +28,8 @@ class ToolFormat:
     new_stream: Callable[[Mapping[str, Any]], StreamParser]  # a parser, given the functions' schemas
     syntax: CallSyntax  # how a call is written, for the grammar of tool_choice required / named
     schemas: Mapping[str, Any] = field(default_factory=dict)  # parameters by function name
+    # the format's marker texts: kept when the answer is decoded, special tokens or not (Gemma 4's are)
+    markers: tuple[str, ...] = ()
 
     def for_tools(self, schemas: Mapping[str, Any]) -> ToolFormat:
         """This format reading the calls of these functions (a format may type values by them)."""
@@ -42,9 +44,15 @@ class ToolFormat:
 
 
 TOOL_FORMATS: dict[str, ToolFormat] = {
-    "hermes": ToolFormat("hermes", lambda _: hermes_stream(), HERMES_SYNTAX),
-    "qwen3_xml": ToolFormat("qwen3_xml", qwen3_xml_stream, QWEN3_XML_SYNTAX),
-    "gemma4": ToolFormat("gemma4", lambda _: gemma4_stream(), GEMMA4_SYNTAX),
+    "hermes": ToolFormat(
+        "hermes", lambda _: hermes_stream(), HERMES_SYNTAX, markers=("<tool_call>", "</tool_call>")
+    ),
+    "qwen3_xml": ToolFormat(
+        "qwen3_xml", qwen3_xml_stream, QWEN3_XML_SYNTAX, markers=("<tool_call>", "</tool_call>")
+    ),
+    "gemma4": ToolFormat(
+        "gemma4", lambda _: gemma4_stream(), GEMMA4_SYNTAX, markers=("<|tool_call>", "<tool_call|>", '<|"|>')
+    ),
     "pythonic": ToolFormat("pythonic", lambda _: pythonic_stream(), PYTHONIC_SYNTAX),
 }
 

@@ -19,12 +19,19 @@ from llm_service.tools.stream import MarkerStream
 
 START, END = "<tool_call>", "</tool_call>"
 _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
-_TAIL = re.compile(r"\s*(\}\s*)?\Z")  # the outer object's end, with the whitespace around it
 
 
-def _arguments(region: str) -> str:
-    """The arguments text in ``region`` (what follows ``"arguments":``), less the call's own end."""
-    return region[: _TAIL.search(region).start()]  # type: ignore[union-attr]
+def _arguments_end(body: str, start: int) -> int:
+    """Where the arguments that begin at ``start`` end: before the outer object's ``}`` and the
+    blanks around it (scanned from the end: linear in that tail only)."""
+    end = len(body)
+    while end > start and body[end - 1].isspace():
+        end -= 1
+    if end > start and body[end - 1] == "}":
+        end -= 1
+        while end > start and body[end - 1].isspace():
+            end -= 1
+    return end
 
 
 class HermesBody:
@@ -49,10 +56,10 @@ class HermesBody:
                 return events
             events.append(CallStart(self.index, new_call_id(), name))
             self._args_at = m.end()
-        args = _arguments(body[self._args_at :])
-        if len(args) > self._sent:
-            events.append(ArgumentsDelta(self.index, args[self._sent :]))
-            self._sent = len(args)
+        end = _arguments_end(body, self._args_at)
+        if end - self._args_at > self._sent:
+            events.append(ArgumentsDelta(self.index, body[self._args_at + self._sent : end]))
+            self._sent = end - self._args_at
         return events
 
     def complete(self, body: str) -> list[ToolEvent] | None:

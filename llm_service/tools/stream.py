@@ -37,9 +37,11 @@ class CallBody(Protocol):
 
 def held_back(text: str, marker: str) -> int:
     """Length of the longest tail of ``text`` that is a proper prefix of ``marker``."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
+    at = text.find(marker[0], max(0, len(text) - len(marker) + 1))
+    while at >= 0:
+        if marker.startswith(text[at:]):
+            return len(text) - at
+        at = text.find(marker[0], at + 1)
     return 0
 
 
@@ -51,6 +53,7 @@ class MarkerStream:
         self._calls = 0
         self._blank = ""  # whitespace held until the text after it
         self._before = ""  # the whitespace held when the current body began
+        self._scan = 0  # where in the body the end marker may begin (searched once per character)
 
     def feed(self, text: str) -> list[ToolEvent]:
         self._buf += text
@@ -67,9 +70,11 @@ class MarkerStream:
                 self._buf = self._buf[at + len(self.start) :]
                 self._body = self.new_body(self._calls)
                 self._before, self._blank = self._blank, ""  # dropped if the body is a call
+                self._scan = 0
             else:
-                at = self._buf.find(self.end)
+                at = self._buf.find(self.end, self._scan)
                 if at < 0:
+                    self._scan = max(0, len(self._buf) - len(self.end) + 1)
                     keep = held_back(self._buf, self.end)
                     events += self._body.partial(self._buf[: len(self._buf) - keep])
                     return events
@@ -81,8 +86,9 @@ class MarkerStream:
         events: list[ToolEvent] = []
         if self._body is None:
             self._content(self._buf, events)
-        else:
-            self._close(self._buf, self.start + self._buf, events)
+        else:  # an answer cut inside the end marker: its start is no part of the body
+            body = self._buf[: len(self._buf) - held_back(self._buf, self.end)]
+            self._close(body, self.start + self._buf, events)
         if self._blank and not self._calls:
             events.append(ContentDelta(self._blank))
         self._buf = self._blank = ""

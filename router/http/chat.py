@@ -24,7 +24,7 @@ from router.http.lifecycle import cancel_on_disconnect, chain, first_or_error, h
 from router.http.replay_log import failure_record, log_failure
 from router.http.request_body import read_body
 from router.http.sse import DONE, ChunkRenderer, SSEResponse
-from router.http.tool_answer import ToolDeltas, tool_message
+from router.http.tool_answer import ToolDeltas, answer_decoder, tool_message
 from router.journey.deadline import Deadline
 from router.journey.detokenizer import IncrementalDetokenizer
 from router.journey.orchestrator import Orchestrator
@@ -180,7 +180,8 @@ class ChatService:
                 self, req, model, request_id, chat, prepared, params, start, deadline, cache_salt
             )
         stream = deadline.stream(orch.stream(request_id, prepared, params, cache_salt))
-        detok = IncrementalDetokenizer(orch.decode, stop=req.stop_strings)
+        decode = answer_decoder(orch, answer_format(req, model.tool_format))
+        detok = IncrementalDetokenizer(decode, stop=req.stop_strings)
         first = await first_or_error(stream)
         first_at = time.monotonic()
         if timed is not None:

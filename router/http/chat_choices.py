@@ -15,7 +15,7 @@ from llm_service.tools.formats import ToolFormat
 from router.http.choices import ChoiceState, child_ids, child_params, collect, first_outputs, stream_events
 from router.http.lifecycle import first_or_error, usage_of
 from router.http.sse import DONE, SSEResponse
-from router.http.tool_answer import ToolChoiceEvents, tool_message
+from router.http.tool_answer import ToolChoiceEvents, answer_decoder, tool_message
 from router.journey.deadline import Deadline
 from router.journey.detokenizer import IncrementalDetokenizer
 from router.journey.orchestrator import Prepared
@@ -81,9 +81,8 @@ async def answer_choices(
     first_at = time.monotonic()
     if (timed := svc.metrics.model(model.name) if svc.metrics is not None else None) is not None:
         timed.ttft.observe(first_at - start)
-    states = [
-        ChoiceState(i, IncrementalDetokenizer(orch.decode, stop=req.stop_strings)) for i in range(req.n)
-    ]
+    decode = answer_decoder(orch, answer_format(req, model.tool_format))
+    states = [ChoiceState(i, IncrementalDetokenizer(decode, stop=req.stop_strings)) for i in range(req.n)]
 
     def lp(out: RequestOutput) -> ChoiceLogprobs | None:
         return svc._logprobs(orch, out) if req.logprobs else None

@@ -32,6 +32,7 @@ from router.http.replay_log import failure_record, log_failure
 from router.http.request_body import read_body
 from router.http.response_events import OutputItems
 from router.http.sse import DONE, SSEResponse
+from router.http.tool_answer import answer_decoder
 from router.journey.deadline import Deadline
 from router.journey.detokenizer import IncrementalDetokenizer
 from router.journey.orchestrator import Orchestrator
@@ -190,7 +191,9 @@ class ResponsesService:
             asked.params, req.max_output_tokens, prompt_len, model.max_model_len, "input", "max_output_tokens"
         )
         stream = deadline.stream(orch.stream(request_id, prepared, params, salt))
-        text = TextOut(IncrementalDetokenizer(orch.decode, stop=req.stop_strings), asked.tool_format)
+        # with tools, the format's markers survive decoding where they are special tokens (Gemma 4)
+        decode = answer_decoder(orch, asked.tool_format)
+        text = TextOut(IncrementalDetokenizer(decode, stop=req.stop_strings), asked.tool_format)
         first = await first_or_error(stream)
         first_at = time.monotonic()
         if timed is not None:

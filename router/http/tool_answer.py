@@ -7,7 +7,8 @@ pieces). ``finish_reason`` is ``tool_calls`` when calls were parsed and the mode
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from llm_service.outputs import RequestOutput
 from llm_service.tools.calls import CallStart, ContentDelta, ToolEvent
@@ -15,6 +16,29 @@ from llm_service.tools.formats import ToolFormat
 from router.http.choices import ChoiceState
 from router.http.sse import ChunkRenderer
 from router.protocol.openai import AssistantMessage, ChoiceLogprobs, MessageToolCall, ToolCallFunction
+
+
+def answer_decoder(orch: Any, fmt: ToolFormat | None) -> Callable[[Sequence[int]], str]:
+    """How the answer's tokens become text: ``orch.decode`` (special tokens skipped), unless the
+    tool format's markers are special tokens of ``orch.tokenizer`` (Gemma 4's ``<|tool_call>``): then
+    every special token but those is dropped and the rest decoded as it is, markers included."""
+    decode: Callable[[Sequence[int]], str] = orch.decode
+    if fmt is None or not fmt.markers:
+        return decode
+    tokenizer = orch.tokenizer
+    added = tokenizer.get_added_vocab()
+    kept = {added[m] for m in fmt.markers if m in added}
+    special = set(tokenizer.all_special_ids) | {
+        i for i, t in tokenizer.added_tokens_decoder.items() if t.special
+    }
+    if not kept & special:
+        return decode
+    drop = special - kept
+
+    def keeping_markers(token_ids: Sequence[int]) -> str:
+        return str(tokenizer.decode([t for t in token_ids if t not in drop], skip_special_tokens=False))
+
+    return keeping_markers
 
 
 def tool_finish(finish: str | None, called: bool) -> str | None:

@@ -196,6 +196,12 @@ class LLMClient:
         else:
             await self.handle.arrived.remote(target, items, error)
 
+    def fail(self, request_id: str, error: BaseException) -> None:
+        """End the open request ``request_id`` with ``error`` here, as its replica would have (for
+        when that replica cannot be reached); its ``outputs`` raises it. Nothing if it is over."""
+        if (queue := self._queues.get(request_id)) is not None:
+            queue.put_nowait(error)
+
     def _attach(self, rid: str, reply: SubmitReply, call: StreamCall[SubmitReply] | None) -> None:
         self._replies[rid] = reply
         if call is not None:

@@ -277,8 +277,11 @@ class Orchestrator:
                 error = EmbeddingsLost(sorted(waiting), f"the encoder replica was lost ({type(e).__name__})")
             try:
                 await self.handles.llm.arrived(request_id, [], error)
-            except Exception:  # its replica is gone too: its channel reports that
-                logger.warning("could not fail %s on its LLM replica", request_id, exc_info=True)
+            except Exception:  # its replica is gone too (a node lost with both): fail it here
+                # Its channel need not report the loss (seen under node loss: the request waited
+                # out the client's whole deadline); the error ends the request as its replica would.
+                logger.warning("could not fail %s on its LLM replica: failed here", request_id, exc_info=True)
+                self.handles.llm.fail(request_id, error)
 
     async def _submit(
         self, request_id: str, prepared: Prepared, params: SamplingParams, cache_salt: str | None = None

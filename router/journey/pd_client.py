@@ -24,10 +24,10 @@ from typing import Protocol
 
 from llm_service.kv_handoff import KVHandoff
 from llm_service.outputs import RequestOutput
-from llm_service.request_spec import LLMRequestSpec, SubmitReply
+from llm_service.request_spec import LLMRequestSpec, ReplicaTarget, SubmitReply
 from mmcore.link.pool_links import PoolLinks
-from router.journey.llm_client import LLMClient, LLMPool
-from router.journey.serve_calls import UnaryMethod
+from router.journey.llm_client import MAX_REPLICAS_LISTED, LLMClient, LLMPool, counters_or_error
+from router.journey.serve_calls import Counters, UnaryMethod
 from router.protocol.errors import replica_gone
 
 logger = logging.getLogger("mmserve.router")
@@ -38,6 +38,9 @@ class PrefillPool(Protocol):
 
     @property
     def prefill(self) -> UnaryMethod[KVHandoff]: ...
+
+    @property
+    def stats(self) -> UnaryMethod[Counters]: ...
 
 
 def transfer_failed(e: BaseException | None) -> bool:
@@ -67,10 +70,14 @@ class PDClient(LLMClient):
         self.prefill_links = prefill_links
         self._answered: dict[str, RequestOutput] = {}  # ended by their first token: no decode
         self.prefilled_again = 0
+        self._prefill_replicas: dict[str, None] = {}  # every prefill replica that answered this client
 
     async def submit(self, spec: LLMRequestSpec) -> SubmitReply:
         for attempt in (1, 2):
             handoff = await self._prefill(spec)
+            self._prefill_replicas[handoff.replica_id] = None
+            if len(self._prefill_replicas) > MAX_REPLICAS_LISTED:  # replicas churn: forget the oldest
+                del self._prefill_replicas[next(iter(self._prefill_replicas))]
             if not handoff.handed_off:
                 self._answered[spec.request_id] = handoff.first
                 return SubmitReply(handoff.replica_id, "")
@@ -82,6 +89,16 @@ class PDClient(LLMClient):
                 logger.warning("KV transfer of %s failed (%r); prefilling it again", spec.request_id, e)
                 self.prefilled_again += 1
         raise AssertionError("unreachable: the second attempt returns or raises")
+
+    async def replica_stats(self, timeout_s: float = 5.0) -> dict[str, dict[str, object]]:
+        """The decode replicas' counters (``LLMClient``'s), then each prefill replica's that answered."""
+        out = await super().replica_stats(timeout_s)
+        ids = sorted(self._prefill_replicas)
+        calls = (
+            counters_or_error(self.prefill_pool.stats.remote(ReplicaTarget(rid)), timeout_s) for rid in ids
+        )
+        out.update(zip(ids, await asyncio.gather(*calls), strict=True))
+        return out
 
     async def outputs(self, request_id: str, reply: SubmitReply) -> AsyncGenerator[RequestOutput, None]:
         first = self._answered.pop(request_id, None)

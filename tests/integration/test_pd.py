@@ -42,6 +42,7 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             "pools": [{"role": "prefill", "deployment": pool}, {"role": "decode", "deployment": pool}],
         },
         "encoder": {"cache_index_shards": 1},
+        "preprocess": {"media": {"video_fps": 1.0}},
     }
     with local_app({"models": [model], "models_cache_dir": str(cache_dir)}, num_cpus=3) as client:
         yield {"client": client, "cache_dir": Path(cache_dir)}
@@ -93,6 +94,26 @@ def test_answers_equal_hf(app: dict[str, Any], n_images: int) -> None:
     assert after["kv_imports"] == before["kv_imports"] + 1  # decoded on the decode replica
     assert after["kv_blocks_pulled"] > before["kv_blocks_pulled"]
     assert after["skipped_embedding_fetches"] == 0  # it was never asked to fetch one
+
+
+def test_video_equals_hf(app: dict[str, Any]) -> None:
+    import numpy as np
+    from transformers.video_utils import VideoMetadata
+
+    from encoder_service.preprocess.media import MediaLimits
+    from encoder_service.preprocess.media.video import decode_video, sample_frame_indices
+    from tests.media import make_video_bytes
+
+    mp4 = make_video_bytes(84, 56, num_frames=24, fps=8, seed=4)  # 3 s: 4 frames kept at 1 fps
+    url = "data:video/mp4;base64," + base64.b64encode(mp4).decode()
+    content = [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": "what?"}]
+    answer, _, _ = _chat(app["client"], [{"role": "user", "content": content}])
+    frames, meta = decode_video(mp4, MediaLimits(video_fps=1.0), frame_multiple=2)
+    indices = sample_frame_indices(meta["total_frames"], meta["sampled_frames"])
+    hf_meta = VideoMetadata(total_num_frames=meta["total_frames"], fps=8.0, frames_indices=indices)
+    videos = {"videos": [np.asarray(frames)], "video_metadata": [hf_meta], "do_sample_frames": False}
+    hf_msgs = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "what?"}]}]
+    assert answer == hf_generate(app["cache_dir"] / MODEL, hf_msgs, MAX_TOKENS, **videos)
 
 
 def test_three_turn_chat_hits_the_prefill_replicas_cache(app: dict[str, Any]) -> None:

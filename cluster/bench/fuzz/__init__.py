@@ -32,6 +32,7 @@ TARGETS: dict[str, Target] = {
     for t in (
         Target("chat_body", 8192, (*_OURS, "starlette"), "chat-completions body: bytes -> ingress parsing"),
         Target("completions_body", 8192, (*_OURS, "starlette"), "completions body: bytes -> ingress parsing"),
+        Target("responses_body", 8192, (*_OURS, "starlette"), "responses body: bytes -> ingress parsing"),
         Target("data_url", 4096, _OURS, "data: URL of a media part -> its bytes"),
         Target("image", 16384, (*_OURS, "PIL"), "image bytes -> RGB, with the pixel limits"),
         Target("video", 32768, (*_OURS, "av"), "video bytes -> sampled frames, with the frame limits"),

@@ -287,6 +287,58 @@ def completions_body_seeds() -> dict[str, bytes]:
     }
 
 
+def responses_body_seeds() -> dict[str, bytes]:
+    png = "data:image/png;base64," + base64.b64encode(_png(4, 4)).decode()
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    tool = {
+        "type": "function",
+        "name": "click",
+        "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}},
+    }
+    return {
+        "text.json": _body(input="Describe a cat.", max_output_tokens=16),
+        "instructions.json": _body(input="hi", instructions="Answer briefly.", temperature=0.5, top_p=0.9),
+        "items.json": _body(
+            input=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_text", "text": "What is this?"},
+                        {"type": "input_image", "image_url": png},
+                    ],
+                },
+                {"role": "assistant", "content": [{"type": "output_text", "text": "A square."}]},
+                {"role": "user", "content": "And now?"},
+            ]
+        ),
+        "json_schema.json": _body(
+            input="json",
+            text={"format": {"type": "json_schema", "name": "r", "schema": schema, "strict": True}},
+        ),
+        "json_object.json": _body(input="json", text={"format": {"type": "json_object"}}),
+        "tools.json": _body(
+            input="click it", tools=[tool], tool_choice="required", parallel_tool_calls=False
+        ),
+        "function_output.json": _body(
+            input=[
+                {"role": "user", "content": "click"},
+                {"type": "function_call", "call_id": "c1", "name": "click", "arguments": '{"x": 1}'},
+                {
+                    "type": "function_call_output",
+                    "call_id": "c1",
+                    "output": [{"type": "input_image", "image_url": png}],
+                },
+            ],
+            tools=[tool],
+        ),
+        "stream.json": _body(input="hi", stream=True, metadata={"k": "v"}, user="u"),
+        "previous_response_id.json": _body(input="hi", previous_response_id="resp_1"),
+        "file_id.json": _body(input=[{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]),
+        "hosted_tool.json": _body(input="hi", tools=[{"type": "web_search"}]),
+        "unknown_field.json": _body(input="hi", best_of=2),
+    }
+
+
 def data_url_seeds() -> dict[str, bytes]:
     png = base64.b64encode(_png(4, 4)).decode()
     return {
@@ -339,6 +391,7 @@ def wire_records_seeds() -> dict[str, bytes]:
 SEEDS: dict[str, Callable[[], dict[str, bytes]]] = {
     "chat_body": chat_body_seeds,
     "completions_body": completions_body_seeds,
+    "responses_body": responses_body_seeds,
     "data_url": data_url_seeds,
     "image": image_seeds,
     "video": video_seeds,

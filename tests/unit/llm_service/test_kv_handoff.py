@@ -13,7 +13,7 @@ import pytest
 
 from llm_service.engine import LLMEngine
 from llm_service.kv_handoff import HandoffPins
-from llm_service.outputs import RequestOutput
+from llm_service.outputs import GenerateRequest, RequestOutput
 from llm_service.sampling_params import SamplingParams
 from tests.unit.llm_service.hf_ref import (
     GREEDY,
@@ -168,3 +168,31 @@ def test_window_and_hybrid_families_refuse_the_handoff(family: str) -> None:
     with pytest.raises(RequestRejected, match="cannot be handed") as err:
         p.add_request("w", [5, 6, 7, 8, 9], GREEDY, handoff=True)
     assert err.value.code == "bad_role"
+
+
+def test_decode_side_preemption_recomputes_from_the_imported_blocks(tiny_vl_dir: Path) -> None:
+    """Four imported requests whose decodes outgrow the decode engine's KV pool: some are preempted and
+    recomputed there from the imported blocks its prefix cache holds (no embeddings, no prefill
+    replica); every answer still equals a colocated engine's."""
+    prompts = [[(5 * i + 17 * r) % 130 + 15 for i in range(20)] for r in range(4)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    cases = [RefCase(p, [], {}) for p in prompts]
+    expected = [
+        o.token_ids for o in engine(tiny_vl_dir).generate([GenerateRequest(p, params) for p in prompts])
+    ]
+    p, d = engine(tiny_vl_dir), engine(tiny_vl_dir, num_kv_blocks=24)  # 4 x 8 blocks at their peak: 32
+    for i, case in enumerate(cases):
+        first = prefill(p, f"q{i}", case, params)
+        slots = d.reserve_import(f"q{i}", case.prompt, params, [], None, first)
+        d.runner.write_kv_blocks(
+            slots.block_ids, p.runner.read_kv_blocks(f"q{i}", p.handoff_blocks(f"q{i}"), 0)
+        )
+        p.release_handoff(f"q{i}")
+        d.admit_import(f"q{i}")
+    got: dict[str, list[int]] = {f"q{i}": [] for i in range(4)}
+    while d.has_unfinished_requests():
+        for o in d.step():
+            got[o.request_id] += o.new_token_ids
+    assert d.scheduler.num_preemptions > 0
+    assert [got[f"q{i}"] for i in range(4)] == expected
+    assert_all_free(d)

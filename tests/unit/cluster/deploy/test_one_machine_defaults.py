@@ -57,3 +57,20 @@ def test_a_pool_that_cannot_scale_runs_a_fixed_count(tmp_path) -> None:  # type:
     llm = deployment_options(m.llm.deployment, "LLMServer-a")
     assert llm["num_replicas"] == 2 and "autoscaling_config" not in llm
     assert "autoscaling_config" in deployment_options(m.encoder.deployment, "EncoderServer-a")
+
+
+def test_pd_gives_every_model_a_prefill_and_a_decode_pool() -> None:
+    """``mmserve serve --pd``: each model's LLM as E/P/D's two pools, each on the model's LLM options
+    (fixed at one replica here, as the LLM pool is); the config refuses what E/P/D does not take."""
+    import pytest
+    from pydantic import ValidationError
+
+    cfg = config_from_args(_args("--pd"))
+    for m in cfg.models:
+        assert m.llm.roles == ["prefill", "decode"]
+        for role in ("prefill", "decode"):
+            assert m.llm.pool(role).num_replicas == 1
+            assert m.llm.pool(role).num_cpus == m.llm.deployment.num_cpus
+    with pytest.raises(ValidationError, match="overlap_prefill"):
+        config_from_args(_args("--pd", "--overlap-prefill"))
+    assert config_from_args(_args()).models[0].llm.roles == ["both"]

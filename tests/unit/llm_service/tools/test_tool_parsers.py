@@ -32,6 +32,8 @@ CASES = [
     ("hermes", "a <tool_call>not json</tool_call> b", "a <tool_call>not json</tool_call> b", []),
     ("hermes", "x < y and <tool_ not a marker", "x < y and <tool_ not a marker", []),
     ("hermes", 'Cut: <tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}', "Cut:", [TIME]),
+    ("hermes", '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_ca', None, [TIME]),
+    ("gemma4", '<|tool_call>call:get_time{zone:<|"|>CET<|"|>}<tool_', None, [TIME]),
     ("qwen3_xml", "Hello.", "Hello.", []),
     ("qwen3_xml", X1, None, [WEATHER]),
     ("qwen3_xml", f"Let me check.\n\n{X1}\n{X2}", "Let me check.", [WEATHER, TIME]),

@@ -66,3 +66,43 @@ def test_first_output_before_the_item_stream_ends_closes_it_after_the_forwarder(
 
     outs = asyncio.run(main())
     assert [o.new_token_ids for o in outs] == [[7]]
+
+
+class LinkLost(Exception):
+    """Named as the side channel's: ``replica_gone`` matches a lost replica by the class's name."""
+
+
+class GoneLLM:
+    """The request's LLM replica died with the encoder replica (one node): ``arrived`` cannot reach it."""
+
+    def __init__(self) -> None:
+        self.failed: list[tuple[str, BaseException]] = []
+
+    async def arrived(self, request_id: str, items: list[MediaFeature], error: object = None) -> None:
+        raise LinkLost("could not link to 192.0.2.2:33003: nothing listens there")
+
+    def fail(self, request_id: str, error: BaseException) -> None:
+        self.failed.append((request_id, error))
+
+
+def test_items_lost_with_an_unreachable_llm_replica_fail_the_request_here() -> None:
+    """Node loss, seen in the chaos bench: the encoder's item stream breaks and the LLM replica that
+    holds the request is gone too. The request must end with the loss here (``EmbeddingsLost``, which
+    ``_started`` prepares again), not wait on a channel that never reports: before, it hung until the
+    client's deadline."""
+    from llm_service.embeddings import EmbeddingsLost
+
+    async def arrivals() -> AsyncIterator[list[MediaFeature]]:
+        raise LinkLost("link to the encoder replica broke")
+        yield []  # an async generator
+
+    async def main() -> list[tuple[str, BaseException]]:
+        llm = GoneLLM()
+        handles = ModelHandles(None, llm, NoCache())  # type: ignore[arg-type]
+        orch = Orchestrator(handles, tokenizer=None, block_size=4)  # type: ignore[arg-type]
+        await orch._forward("r", Prepared([9, 0, 0, 0, 0, 5], [ITEM], arrivals(), "r"))
+        return llm.failed
+
+    (failed,) = asyncio.run(main())
+    assert failed[0] == "r"
+    assert isinstance(failed[1], EmbeddingsLost) and failed[1].mm_hashes == ["h0"]

@@ -60,6 +60,24 @@ class PrefillHandle:
 
         return SimpleNamespace(remote=call)
 
+    @property
+    def stats(self) -> Any:
+        async def call(target: Any) -> Any:
+            return self.server.stats(target)
+
+        return SimpleNamespace(remote=call)
+
+
+class DecodeHandle(FakeLLMHandle):
+    """The decode pool's handle, its ``stats`` too."""
+
+    @property
+    def stats(self) -> Any:
+        async def call(target: Any) -> Any:
+            return self.server.stats(target)
+
+        return SimpleNamespace(remote=call)
+
 
 def _server(model_dir: Path, role: str, link: Any = None, deadline_s: float = 30.0) -> LLMServer:
     async def address() -> tuple[str, int]:
@@ -96,7 +114,7 @@ def test_journey_equals_colocated_and_recovers_from_losses(tiny_vl_dir: Path, co
         link = FlakyLink(prefill)
         decode = _server(tiny_vl_dir, "decode", link)
         handle = PrefillHandle(prefill)
-        client = PDClient(handle, FakeLLMHandle(decode), reroute_timeout_s=5.0)
+        client = PDClient(handle, DecodeHandle(decode), reroute_timeout_s=5.0)
         free = decode.engine.stats().num_free_blocks  # type: ignore[attr-defined]
 
         assert await _tokens(client, "a") == colocated
@@ -119,6 +137,9 @@ def test_journey_equals_colocated_and_recovers_from_losses(tiny_vl_dir: Path, co
         # prefilling "c" again replaced its first hand-off (whose pull never reached the prefill replica):
         # no pin left, no block held there
         assert len(prefill._prefill.pins) == 0  # type: ignore[union-attr]
+        stats = await client.replica_stats()  # /stats?pools=true: both pools' replicas, by role
+        assert stats[prefill.replica_id]["role"] == "prefill" and stats[prefill.replica_id]["kv_pulls"] == 3
+        assert stats[decode.replica_id]["role"] == "decode"
         assert prefill.engine.stats().num_free_blocks == 64  # type: ignore[attr-defined]
         assert not prefill.engine.scheduler.handed_off  # type: ignore[attr-defined]
 

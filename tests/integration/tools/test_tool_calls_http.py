@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
 import openai
 import pytest
 from openai import OpenAI
-
-from tests.integration.local_app import local_app
 
 FAMILIES = ["qwen3-vl"]  # (tiny family, as `tiny:` names it)
 WEATHER = {
@@ -51,19 +48,8 @@ MAX_TOKENS = 400
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpenAI]:
-    cache_dir = tmp_path_factory.mktemp("models")
-    models = [
-        {
-            "name": f"tiny-{f}",
-            "tiny": f,
-            "llm": {"max_model_len": 2048, "block_size": 16, "num_kv_blocks": 256},
-            "encoder": {"cache_index_shards": 1},
-        }
-        for f in FAMILIES
-    ]
-    with local_app({"models": models, "models_cache_dir": str(cache_dir)}, num_cpus=2) as c:
-        yield c
+def client(tool_app: dict[str, Any]) -> OpenAI:
+    return tool_app["client"]  # type: ignore[no-any-return]
 
 
 def _valid(calls: list[tuple[str, str]], allowed: set[str]) -> None:

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,7 +15,6 @@ import pytest
 from openai import OpenAI
 
 from tests.hf_oracle import hf_generate
-from tests.integration.local_app import local_app
 from tests.media import make_image_array, make_image_bytes
 
 pytestmark = pytest.mark.slow
@@ -42,17 +39,8 @@ TOOLS: list[dict[str, Any]] = [
 
 
 @pytest.fixture(scope="module")
-def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    cache_dir = tmp_path_factory.mktemp("models")
-    model = {
-        "name": MODEL,
-        "tiny": "qwen3-vl",
-        "llm": {"max_model_len": 1024, "block_size": 16, "num_kv_blocks": 192},
-        "encoder": {"cache_index_shards": 1},
-        "preprocess": {"limit_mm_per_prompt": {"image": 4, "video": 1}},
-    }
-    with local_app({"models": [model], "models_cache_dir": str(cache_dir)}) as client:
-        yield {"client": client, "dir": Path(cache_dir) / MODEL}
+def app(tool_app: dict[str, Any]) -> dict[str, Any]:
+    return tool_app
 
 
 def _screenshot(w: int, h: int, seed: int) -> tuple[dict[str, Any], Any]:

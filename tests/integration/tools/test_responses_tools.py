@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,6 @@ from openai import OpenAI
 from PIL import Image
 
 from tests.hf_oracle import load
-from tests.integration.local_app import local_app
 from tests.media import make_image_bytes
 
 MODEL = "tiny-qwen3-vl"
@@ -48,11 +46,8 @@ SCHEMAS = {"get_weather": WEATHER, "get_time": CLOCK}
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[OpenAI, Path]]:
-    cache = tmp_path_factory.mktemp("models")
-    model = {"name": MODEL, "tiny": "qwen3-vl", "preprocess": {"limit_mm_per_prompt": {"image": 2}}}
-    with local_app({"models": [model], "models_cache_dir": str(cache)}) as client:
-        yield client, cache / MODEL
+def served(tool_app: dict[str, Any]) -> tuple[OpenAI, Path]:
+    return tool_app["client"], tool_app["dir"]
 
 
 def _data_url(png: bytes) -> str:

@@ -1,0 +1,111 @@
+"""What an E/P/D hand-off's KV pull costs: ``python -m cluster.bench.kv_transfer``.
+
+One process plays both replicas: a prefill side's paged KV cache and a decode side's, each
+``[2, blocks, block_size, kv_heads, head_dim]`` per layer of the model shape given (default: a
+Qwen2-VL-2B-sized decoder, 28 layers of 2 KV heads of 128 in bfloat16), and between them the
+replicas' direct link (mmcore/link, ZeroMQ on loopback with CURVE, as the app's keys are by default).
+For each prompt length it pulls the prompt's blocks ``--repeat`` times and prints per pull: MiB moved,
+wall ms and this process's CPU ms (both ends of the link, the ZeroMQ I/O threads included), split into
+the read on the prefill side (``index_select`` to host, bytes), the call, and the write into the decode
+side's blocks. The serving path's numbers on the tiny model are ``tests/integration/test_pd.py``'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from llm_service.kv_handoff import KVBlocks
+from llm_service.model_runner import DTYPES, ModelRunner
+from mmcore.link.direct_link import DirectLink, LinkServer
+from mmcore.link.frames import LinkKeys
+
+
+def _side(layers: int, heads: int, head_dim: int, blocks: int, block_size: int, dtype: str) -> Any:
+    """What ``ModelRunner.read_kv_blocks`` / ``write_kv_blocks`` read of a runner: its caches and dtype."""
+    caches = [torch.randn(2, blocks, block_size, heads, head_dim).to(DTYPES[dtype]) for _ in range(layers)]
+    return SimpleNamespace(
+        kv_caches=caches, config=SimpleNamespace(dtype=dtype), window=None, device=torch.device("cpu")
+    )
+
+
+async def _measure(args: argparse.Namespace, tokens: int) -> dict[str, float]:
+    n = -(-tokens // args.block_size)
+    blocks = max(2 * n, 8)
+    prefill = _side(args.layers, args.kv_heads, args.head_dim, blocks, args.block_size, args.dtype)
+    decode = _side(args.layers, args.kv_heads, args.head_dim, blocks, args.block_size, args.dtype)
+    src, dst = list(range(0, 2 * n, 2)), list(range(1, 2 * n, 2))
+    read_s = [0.0]
+
+    async def pull_kv(request_id: str, from_block: int) -> KVBlocks:
+        t0 = time.thread_time()
+        out = ModelRunner.read_kv_blocks(prefill, request_id, src[from_block:], from_block)  # type: ignore[arg-type]
+        read_s[0] += time.thread_time() - t0
+        return out
+
+    keys = LinkKeys.generate(encrypt=not args.plain)
+    server = LinkServer({"pull_kv": pull_kv}, keys)
+    address = await server.address("127.0.0.1")
+
+    async def locate() -> tuple[str, int]:
+        return address
+
+    link = DirectLink(locate, keys)
+    await link.call("pull_kv", "warm", 0)
+    wall = cpu = write = 0.0
+    nbytes = 0
+    for i in range(args.repeat):
+        c0, w0 = time.process_time(), time.perf_counter()
+        got: KVBlocks = await link.call("pull_kv", f"r{i}", 0)
+        t0 = time.thread_time()
+        ModelRunner.write_kv_blocks(decode, dst, got)  # type: ignore[arg-type]
+        write += time.thread_time() - t0
+        wall += time.perf_counter() - w0
+        cpu += time.process_time() - c0
+        nbytes = got.nbytes
+    assert torch.equal(decode.kv_caches[0][:, dst[-1]], prefill.kv_caches[0][:, src[-1]])
+    link.close()
+    await server.close()
+    r = args.repeat
+    return {
+        "tokens": tokens,
+        "blocks": n,
+        "mib": nbytes / 2**20,
+        "wall_ms": 1000 * wall / r,
+        "cpu_ms": 1000 * cpu / r,
+        "read_ms": 1000 * (read_s[0] / (r + 1)),
+        "write_ms": 1000 * write / r,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=28)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument("--tokens", type=int, nargs="+", default=[256, 1024, 4096])
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument(
+        "--plain", action="store_true", help="PLAIN keys (authenticated, in clear) instead of CURVE"
+    )
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    print("| prompt tokens | blocks | MiB | wall ms | CPU ms (both ends) | read ms | write ms |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for tokens in args.tokens:
+        m = asyncio.run(_measure(args, tokens))
+        print(
+            f"| {m['tokens']} | {m['blocks']:.0f} | {m['mib']:.1f} | {m['wall_ms']:.1f} | {m['cpu_ms']:.1f} "
+            f"| {m['read_ms']:.1f} | {m['write_ms']:.1f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
