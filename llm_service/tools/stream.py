@@ -7,7 +7,8 @@ marker (hermes, Gemma 4). Fed text deltas, it emits content, a call's start, its
 Never emits a partial marker as text: a tail that could begin a marker waits for the next delta.
 Whitespace waits for the text after it: before a call it is dropped (the blank lines between calls
 are no content), at the end it goes out only if no call was made.
-A body that is no call (its format says so) goes out as content, markers included.
+A body that is no call (its format says so) goes out as content, markers included; a body the answer's
+end cuts before it can be read as a call (``max_tokens`` inside a second call) is dropped, not sent as text.
 """
 
 from __future__ import annotations
@@ -82,13 +83,18 @@ class MarkerStream:
                 self._buf = self._buf[at + len(self.end) :]
 
     def finish(self) -> list[ToolEvent]:
-        """The end of the answer: what was held goes out; an unterminated call is closed if it can be."""
+        """The end of the answer: what was held goes out; an unterminated call is closed if it can be,
+        else dropped (a call cut by ``max_tokens`` is no text the model meant to say)."""
         events: list[ToolEvent] = []
         if self._body is None:
             self._content(self._buf, events)
-        else:  # an answer cut inside the end marker: its start is no part of the body
-            body = self._buf[: len(self._buf) - held_back(self._buf, self.end)]
-            self._close(body, self.start + self._buf, events)
+        else:  # the answer ended inside a call (max_tokens): a cut end marker is no part of its body
+            done = self._body.complete(self._buf[: len(self._buf) - held_back(self._buf, self.end)])
+            if done is not None:
+                events += done
+                self._calls += 1
+            # else the body was cut before it could be read as a call: none of it goes out as text
+            self._body = None
         if self._blank and not self._calls:
             events.append(ContentDelta(self._blank))
         self._buf = self._blank = ""

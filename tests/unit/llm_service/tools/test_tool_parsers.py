@@ -34,6 +34,8 @@ CASES = [
     ("hermes", 'Cut: <tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}', "Cut:", [TIME]),
     ("hermes", '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_ca', None, [TIME]),
     ("gemma4", '<|tool_call>call:get_time{zone:<|"|>CET<|"|>}<tool_', None, [TIME]),
+    ("hermes", f'{H1}\n<tool_call>\n{{"name": "get_time", "argumen', None, [WEATHER]),  # 2nd call cut
+    ("gemma4", f"{G1}<|tool_call>call:get_ti", None, [WEATHER]),
     ("qwen3_xml", "Hello.", "Hello.", []),
     ("qwen3_xml", X1, None, [WEATHER]),
     ("qwen3_xml", f"Let me check.\n\n{X1}\n{X2}", "Let me check.", [WEATHER, TIME]),
