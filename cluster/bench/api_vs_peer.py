@@ -101,6 +101,8 @@ def check_call(name: str | None, arguments: str | None) -> str:
         args = json.loads(arguments or "")
     except ValueError:
         return "args not JSON"
+    if not isinstance(args, dict):
+        return f"args not a JSON object ({type(args).__name__})"
     try:
         jsonschema.validate(args, SCHEMAS[name])
     except jsonschema.ValidationError as e:
@@ -113,6 +115,7 @@ def _calls_summary(calls: list[tuple[str | None, str | None]]) -> dict[str, Any]
         "tool_calls": len(calls),
         "calls": [f"{n}: {check_call(n, a)}" for n, a in calls],
         "all_valid": bool(calls) and all(check_call(n, a) == "valid" for n, a in calls),
+        "raw_calls": [[n, a] for n, a in calls],
     }
 
 
@@ -208,12 +211,12 @@ def _responses_stream(client: openai.OpenAI, model: str, max_tokens: int, **kw: 
     ):
         if not events or events[-1] != ev.type:
             events.append(ev.type)
-        if ev.type == "response.completed":
+        if ev.type in ("response.completed", "response.incomplete", "response.failed"):
             final = ev.response
     out: dict[str, Any] = (
         _response_out(final)
         if final is not None
-        else {"finish_reason": None, "content_kind": "no completed event"}
+        else {"finish_reason": None, "content_kind": "no final event"}
     )
     out["events"] = events
     return out
@@ -380,7 +383,7 @@ def run_one(
 
 
 def run_requests(
-    base_url: str, model: str, max_tokens: int = 48, api_key: str = "EMPTY"
+    base_url: str, model: str, max_tokens: int = 96, api_key: str = "EMPTY"
 ) -> list[dict[str, Any]]:
     client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=120)
     return [run_one(client, model, max_tokens, *r) for r in request_set()]
@@ -391,9 +394,11 @@ def _cell(row: dict[str, Any] | None) -> str:
         return "-"
     if row["status"] != 200:
         return f"**{row['status']}** {row.get('error', '')}".replace("|", "\\|").replace("\n", " ")
-    parts = [f"200 {row.get('finish_reason')}", f"content: {row.get('content_kind')}"]
+    parts = [f"200 {row.get('finish_reason')}", f"content: `{row.get('content_kind')}`"]
     if "tool_calls" in row:
-        v = "valid" if row["all_valid"] else ("; ".join(row["calls"]) or "none")
+        checks = [(n, check_call(n, a)) for n, a in row.get("raw_calls", [])]
+        ok = bool(checks) and all(c == "valid" for _, c in checks)
+        v = "valid" if ok else ("; ".join(f"{n}: {c}" for n, c in checks) or "none")
         parts.append(f"tool_calls: {row['tool_calls']} ({v})")
     if row.get("logprobs_tokens") is not None:
         parts.append(f"logprobs: {row['logprobs_tokens']} tokens")
@@ -416,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base-url", help="e.g. http://127.0.0.1:8000/v1")
     p.add_argument("--model")
-    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--api-key", default="EMPTY")
     p.add_argument("--json", help="write the raw outcomes here")
     p.add_argument("--label", default="server", help="column name in the printed table")
