@@ -138,16 +138,25 @@ def _chat(client: openai.OpenAI, model: str, max_tokens: int, **kw: Any) -> dict
         "finish_reason": ch.finish_reason,
         "content_kind": content_kind(ch.message.content),
         "content": _short(ch.message.content),
+        "prompt_tokens": r.usage.prompt_tokens if r.usage else None,
     }
 
 
 def _chat_stream(client: openai.OpenAI, model: str, max_tokens: int, **kw: Any) -> dict[str, Any]:
     stream = client.chat.completions.create(
-        model=model, max_tokens=max_tokens, temperature=0, stream=True, **kw
+        model=model,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        **kw,
     )
     text, finish, calls, chunks = "", None, dict[int, list[Any]](), 0
+    prompt_tokens: int | None = None
     for chunk in stream:
         chunks += 1
+        if chunk.usage is not None:
+            prompt_tokens = chunk.usage.prompt_tokens
         if not chunk.choices:
             continue
         c = chunk.choices[0]
@@ -165,6 +174,7 @@ def _chat_stream(client: openai.OpenAI, model: str, max_tokens: int, **kw: Any) 
         "content_kind": content_kind(text),
         "content": _short(text),
         "chunks": chunks,
+        "prompt_tokens": prompt_tokens,
     }
 
 
@@ -194,6 +204,7 @@ def _response_out(resp: Any) -> dict[str, Any]:
         "finish_reason": resp.status,
         "content_kind": "items: " + ",".join(kinds) + ("; " + content_kind(text) if text else ""),
         "content": _short(text),
+        "prompt_tokens": resp.usage.input_tokens if resp.usage else None,
     }
 
 
@@ -400,6 +411,8 @@ def _cell(row: dict[str, Any] | None) -> str:
         ok = bool(checks) and all(c == "valid" for _, c in checks)
         v = "valid" if ok else ("; ".join(f"{n}: {c}" for n, c in checks) or "none")
         parts.append(f"tool_calls: {row['tool_calls']} ({v})")
+    if row.get("prompt_tokens") is not None:
+        parts.append(f"prompt {row['prompt_tokens']} tokens")
     if row.get("logprobs_tokens") is not None:
         parts.append(f"logprobs: {row['logprobs_tokens']} tokens")
     if row.get("events"):
