@@ -156,6 +156,12 @@ def test_sampling_parameters_reach_the_engine(app) -> None:
 
 
 def test_ended_by_max_tokens_inside_the_json_says_length(app) -> None:
-    r = _post({"max_tokens": 4, "response_format": {"type": "json_object"}})
-    choice = r.json()["choices"][0]
-    assert choice["finish_reason"] == "length" and choice["message"]["content"].startswith("{")
+    """A required key longer than 4 tokens: the object cannot close within them, whatever is sampled
+    (a ``json_object`` could, as ``{}``, and then it says ``stop``)."""
+    key = "a_property_name_longer_than_four_tokens"
+    schema = {"type": "object", "properties": {key: {"type": "integer"}}, "required": [key]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "cut", "schema": schema}}
+    for temperature in (0.0, 1.0):
+        r = _post({"max_tokens": 4, "temperature": temperature, "response_format": fmt})
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "length" and choice["message"]["content"].startswith('{"a_')
