@@ -209,7 +209,8 @@ def _nothing_held(app: dict[str, Any]) -> bool:
     from ray import serve
 
     s = serve.get_deployment_handle(f"LLMServer-{MODEL}", app_name="mmserve").stats.remote().result()
-    cache = httpx.get(f"{app['direct']}/stats", headers=_auth("alpha"), timeout=30).json()[MODEL]
+    operator = {"Authorization": f"Bearer {OPERATOR_KEY}"}  # /stats is the operator's where keys are on
+    cache = httpx.get(f"{app['direct']}/stats", headers=operator, timeout=30).json()[MODEL]
     return bool(
         s["num_running"] == 0
         and s["num_waiting"] == 0
