@@ -111,13 +111,18 @@ class EncoderTargets:
             raise ValueError("embeddings_per_handle_queued_request must be >= 0")
 
 
+def queue_backlog(queued: Iterable[float], handle_queued_requests: float, per_handle_request: float) -> float:
+    """Work waiting in a pool: what its replicas report plus an estimate for requests still queued at
+    handles (each assumed to cost ``per_handle_request``)."""
+    return sum(max(0.0, q) for q in queued) + max(0.0, handle_queued_requests) * per_handle_request
+
+
 def encoder_backlog(
     queued_embeddings: Iterable[float], handle_queued_requests: float, targets: EncoderTargets
 ) -> float:
     """Embeddings waiting in the pool: reported by replicas plus an estimate for handle queues."""
-    return (
-        sum(max(0.0, q) for q in queued_embeddings)
-        + max(0.0, handle_queued_requests) * targets.embeddings_per_handle_queued_request
+    return queue_backlog(
+        queued_embeddings, handle_queued_requests, targets.embeddings_per_handle_queued_request
     )
 
 
@@ -219,9 +224,8 @@ def desired_prefill_replicas(
     hold: int | None = None,
 ) -> int:
     """``queued_prompt_tokens``: replica id → prompt tokens it has still to compute."""
-    backlog = (
-        sum(max(0.0, q) for q in queued_prompt_tokens.values())
-        + max(0.0, handle_queued_requests) * targets.prompt_tokens_per_handle_queued_request
+    backlog = queue_backlog(
+        queued_prompt_tokens.values(), handle_queued_requests, targets.prompt_tokens_per_handle_queued_request
     )
     return desired_replicas(
         running, backlog, targets.target_queued_prompt_tokens_per_replica, bounds, hysteresis, hold

@@ -25,6 +25,7 @@ falls back to Serve's own signal, ongoing requests against ``target_ongoing_requ
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from cluster.autoscaling import (
@@ -92,8 +93,43 @@ def _ongoing_requests_fallback(ctx: AutoscalingContext, hysteresis: Hysteresis) 
     )
 
 
-class EncoderQueuePolicy:
+class _BacklogPolicy:
+    """Scale a pool on the work waiting in it, as its replicas report it under ``metric`` (plus requests
+    still queued at handles); without reports, on ongoing requests."""
+
+    metric: str
+    what: str  # the reported work, for the log line
+    desired: Callable[..., int]  # desired_encoder_replicas or desired_prefill_replicas
+    targets: object
+    hysteresis: Hysteresis
+
+    def __init__(self) -> None:
+        self._log = _ChangeLog()
+
+    def __call__(self, ctx: AutoscalingContext) -> tuple[int, dict[str, object]]:
+        queued = _metric(ctx, self.metric)
+        if not queued:
+            return _ongoing_requests_fallback(ctx, self.hysteresis), {}
+        handles = ctx.total_queued_requests or 0.0
+        n = type(self).desired(
+            ctx.current_num_replicas,
+            queued,
+            handles,
+            self.targets,
+            _bounds(ctx),
+            self.hysteresis,
+            hold=ctx.target_num_replicas,
+        )
+        self._log(
+            ctx, n, f"{sum(queued.values()):.0f} {self.what} on replicas, {handles:.1f} requests at handles"
+        )
+        return n, {}
+
+
+class EncoderQueuePolicy(_BacklogPolicy):
     """Scale the encoder pool on embeddings waiting to be computed."""
+
+    metric, what, desired = ENCODER_QUEUED_EMBEDDINGS, "embeddings queued", desired_encoder_replicas
 
     def __init__(
         self,
@@ -102,32 +138,11 @@ class EncoderQueuePolicy:
         upscale_above: float = 1.1,
         downscale_below: float = 0.7,
     ) -> None:
+        super().__init__()
         self.targets = EncoderTargets(
             target_queued_embeddings_per_replica, embeddings_per_handle_queued_request
         )
         self.hysteresis = Hysteresis(upscale_above, downscale_below)
-        self._log = _ChangeLog()
-
-    def __call__(self, ctx: AutoscalingContext) -> tuple[int, dict[str, object]]:
-        queued = _metric(ctx, ENCODER_QUEUED_EMBEDDINGS)
-        if not queued:
-            return _ongoing_requests_fallback(ctx, self.hysteresis), {}
-        n = desired_encoder_replicas(
-            ctx.current_num_replicas,
-            queued,
-            ctx.total_queued_requests or 0.0,
-            self.targets,
-            _bounds(ctx),
-            self.hysteresis,
-            hold=ctx.target_num_replicas,
-        )
-        self._log(
-            ctx,
-            n,
-            f"{sum(queued.values()):.0f} embeddings queued on replicas, "
-            f"{ctx.total_queued_requests or 0:.1f} requests at handles",
-        )
-        return n, {}
 
 
 class LLMLoadPolicy:
@@ -172,8 +187,10 @@ class LLMLoadPolicy:
         return n, {}
 
 
-class PrefillQueuePolicy:
+class PrefillQueuePolicy(_BacklogPolicy):
     """Scale E/P/D's prefill pool on prompt tokens still to compute (``queued_prompt_tokens``)."""
+
+    metric, what, desired = LLM_QUEUED_PROMPT_TOKENS, "prompt tokens to compute", desired_prefill_replicas
 
     def __init__(
         self,
@@ -182,24 +199,8 @@ class PrefillQueuePolicy:
         upscale_above: float = 1.1,
         downscale_below: float = 0.7,
     ) -> None:
+        super().__init__()
         self.targets = PrefillTargets(
             target_queued_prompt_tokens_per_replica, prompt_tokens_per_handle_queued_request
         )
         self.hysteresis = Hysteresis(upscale_above, downscale_below)
-        self._log = _ChangeLog()
-
-    def __call__(self, ctx: AutoscalingContext) -> tuple[int, dict[str, object]]:
-        queued = _metric(ctx, LLM_QUEUED_PROMPT_TOKENS)
-        if not queued:
-            return _ongoing_requests_fallback(ctx, self.hysteresis), {}
-        n = desired_prefill_replicas(
-            ctx.current_num_replicas,
-            queued,
-            ctx.total_queued_requests or 0.0,
-            self.targets,
-            _bounds(ctx),
-            self.hysteresis,
-            hold=ctx.target_num_replicas,
-        )
-        self._log(ctx, n, f"{sum(queued.values()):.0f} prompt tokens to compute on replicas")
-        return n, {}

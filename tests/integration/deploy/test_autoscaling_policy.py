@@ -67,6 +67,15 @@ def test_encoder_policy_reads_queued_embeddings() -> None:
     assert n == 3
 
 
+def test_prefill_policy_reads_queued_prompt_tokens() -> None:
+    from cluster.autoscaling_policy import LLM_QUEUED_PROMPT_TOKENS, PrefillQueuePolicy
+
+    policy = PrefillQueuePolicy(target_queued_prompt_tokens_per_replica=4000)
+    n, state = policy(_ctx({LLM_QUEUED_PROMPT_TOKENS: {"r1": 9000.0, "r2": 6000.0}}, running=2))
+    assert (n, state) == (4, {})  # 15000 / 4000 -> 4
+    assert policy(_ctx(None, running=2, ongoing=20))[0] == 5  # no reports: ongoing requests
+
+
 def test_encoder_policy_falls_back_to_ongoing_requests_without_custom_metrics() -> None:
     policy = EncoderQueuePolicy()
     # 20 ongoing requests, target 4 per replica, 2 running -> 5
