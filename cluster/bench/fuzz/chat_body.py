@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any, cast
 
-from starlette.requests import Request
+from cluster.bench.fuzz.asgi import request
 
 # The one router import. Every name below is one the ingress module itself uses, so this target calls
 # what the ingress calls (and follows it if it moves again: change this line only).
@@ -29,24 +29,8 @@ SERVICE = ingress.ChatService({"m": MODEL}, max_request_bytes=1 << 16, max_json_
 _LOOP = asyncio.new_event_loop()
 
 
-def _request(body: bytes) -> Request:
-    sent = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal sent
-        if sent:
-            return {"type": "http.disconnect"}
-        sent = True
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    headers = [(b"content-length", str(len(body)).encode())]
-    return Request(
-        {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": headers}, receive
-    )
-
-
 def _handle(body: bytes, tenant: str | None) -> None:
-    req = _LOOP.run_until_complete(SERVICE.read_request(_request(body)))
+    req = _LOOP.run_until_complete(SERVICE.read_request(request(body, "/v1/chat/completions")))
     model = SERVICE.model_for(req.model)
     tools = ingress.template_tools(req.tools, req.tool_choice)  # tools_for's checks (no template here)
     chat = ingress.normalize_messages(req.messages, model.limits, tenant, tools)

@@ -12,9 +12,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any, cast
 
-from starlette.requests import Request
-
 # What the completions route itself calls; the chat target's module holds the shared service types.
+from cluster.bench.fuzz.asgi import request
 from router.http import chat as ingress
 from router.http import completions
 from router.http.request_body import read_body
@@ -33,20 +32,6 @@ SERVICE = completions.CompletionService(
 _LOOP = asyncio.new_event_loop()
 
 
-def _request(body: bytes) -> Request:
-    sent = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal sent
-        if sent:
-            return {"type": "http.disconnect"}
-        sent = True
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    headers = [(b"content-length", str(len(body)).encode())]
-    return Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers}, receive)
-
-
 def _prompt_ids(prompt: str | list[int]) -> list[int]:
     """A stand-in tokenizer for strings; ids checked as ``Orchestrator.check_prompt_ids`` checks them."""
     if isinstance(prompt, str):
@@ -62,7 +47,7 @@ def _handle(body: bytes, tenant: str | None) -> None:
     lease = BodyLease()
     req = _LOOP.run_until_complete(
         read_body(
-            _request(body),
+            request(body, "/v1/completions"),
             CompletionRequest,
             chat.max_request_bytes,
             chat.max_json_values,

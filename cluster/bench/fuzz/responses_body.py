@@ -14,8 +14,7 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any, cast
 
-from starlette.requests import Request
-
+from cluster.bench.fuzz.asgi import request
 from router.http import chat as ingress
 from router.http import responses
 from router.http.request_body import read_body
@@ -36,27 +35,13 @@ SERVICE = responses.ResponsesService(
 _LOOP = asyncio.new_event_loop()
 
 
-def _request(body: bytes) -> Request:
-    sent = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal sent
-        if sent:
-            return {"type": "http.disconnect"}
-        sent = True
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    headers = [(b"content-length", str(len(body)).encode())]
-    return Request({"type": "http", "method": "POST", "path": "/v1/responses", "headers": headers}, receive)
-
-
 def _handle(body: bytes, tenant: str | None) -> None:
     chat = SERVICE.chat
     lease = BodyLease()
     try:
         req = _LOOP.run_until_complete(
             read_body(
-                _request(body),
+                request(body, "/v1/responses"),
                 ResponsesRequest,
                 chat.max_request_bytes,
                 chat.max_json_values,
