@@ -128,34 +128,39 @@ def _inverse_cdf(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.where(edge, w.argmax(-1), idx)
 
 
+def _round(
+    rows: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One draw per row of ``rows`` (weights, zero outside the candidates) by the uniforms ``u``:
+    the tokens, their weights, and whether each is in its row's nucleus (the tokens more likely than
+    it hold less than ``top_p``; the most likely always is)."""
+    idx = _inverse_cdf(rows, u)
+    picked = rows.gather(1, idx.unsqueeze(1)).squeeze(1)
+    above = rows.masked_fill(rows <= picked.unsqueeze(1), 0.0).sum(-1)
+    return idx, picked, (top_p >= 1.0) | (above < top_p) | (above == 0)
+
+
 def _draw(probs: torch.Tensor, top_p: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
     """A token per row of ``probs`` (normalised, after min-p and top-k) from its top-p nucleus, by
-    rejection (the module's docstring)."""
+    rejection (the module's docstring). The first round runs on every row without gathering them."""
     n = probs.shape[0]
-    whole = top_p >= 1.0
-    # The first round over every row, without gathering them (most rows are accepted here).
-    out = _inverse_cdf(probs, _uniforms(list(range(n)), generators, probs.device))
-    if bool(whole.all()):
-        return out
-    picked = probs.gather(1, out.unsqueeze(1))
-    above = probs.masked_fill(probs <= picked, 0.0).sum(-1)
-    redo = ~(whole | (above < top_p) | (above == 0))
-    if not bool(redo.any()):
-        return out
-    active = redo.nonzero().flatten()
-    floor = picked.squeeze(1)
+    u = _uniforms(list(range(n)), generators, probs.device)
+    if bool((top_p >= 1.0).all()):  # no nucleus to check
+        return _inverse_cdf(probs, u)
+    out, floor, ok = _round(probs, top_p, u)
+    active = (~ok).nonzero().flatten()
     for _ in range(TOP_P_ROUNDS - 1):
-        rows = probs[active]
-        w = rows.masked_fill(rows <= floor[active].unsqueeze(1), 0.0)
-        idx = _inverse_cdf(w, _uniforms(active.tolist(), generators, probs.device))
-        picked = rows.gather(1, idx.unsqueeze(1))
-        above = rows.masked_fill(rows <= picked, 0.0).sum(-1)
-        ok = whole[active] | (above < top_p[active]) | (above == 0)
-        out[active[ok]] = idx[ok]
-        floor[active[~ok]] = picked.squeeze(1)[~ok]
-        active = active[~ok]
         if not len(active):
             return out
+        # a draw again among the tokens more likely than the one rejected: still a superset of the nucleus
+        rows = probs[active]
+        rows = rows.masked_fill(rows <= floor[active].unsqueeze(1), 0.0)
+        idx, picked, ok = _round(rows, top_p[active], _uniforms(active.tolist(), generators, probs.device))
+        out[active[ok]] = idx[ok]
+        floor[active[~ok]] = picked[~ok]
+        active = active[~ok]
+    if not len(active):
+        return out
     nucleus = _top_p(probs[active].log(), top_p[active]).softmax(-1)
     out[active] = _inverse_cdf(nucleus, _uniforms(active.tolist(), generators, probs.device))
     return out
