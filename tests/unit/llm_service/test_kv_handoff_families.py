@@ -197,6 +197,7 @@ def qwen35() -> tuple[Any, Any]:
     return hf_model(tiny_model_dir("qwen3.5"))
 
 
+@pytest.mark.slow
 def test_qwen3_5_moves_the_linear_state_and_equals_hf(qwen35) -> None:
     from tests.unit.llm_service.models.test_engine_qwen3_5 import video_case
 
