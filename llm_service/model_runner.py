@@ -210,9 +210,11 @@ class ModelRunner:
         window_ids: Sequence[int] = (),
         window_from: int = 0,
         state_slot: int | None = None,
+        snapshot_slot: int | None = None,
     ) -> KVBlocks:
         """Copy blocks ``block_ids`` of every full-attention layer, ``window_ids`` of every sliding-window
-        layer, and a hybrid model's states in ``state_slot`` to host memory: what crosses the wire."""
+        layer, and a hybrid model's states in ``state_slot`` (and ``snapshot_slot``) to host memory:
+        what crosses the wire."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         widx = torch.tensor(list(window_ids), dtype=torch.long, device=self.device)
         windowed = self._windowed_caches()
@@ -221,10 +223,11 @@ class ModelRunner:
             for cache, w in zip(self.kv_caches, windowed, strict=True)
         ]
         states: list[torch.Tensor] = []
-        if state_slot is not None:
-            assert self.linear_states is not None, "a state slot without a state cache"
-            for conv, rec in zip(self.linear_states.conv, self.linear_states.recurrent, strict=True):
-                states += [conv[state_slot].cpu(), rec[state_slot].cpu()]
+        for slot in (state_slot, snapshot_slot if state_slot is not None else None):
+            if slot is not None:
+                assert self.linear_states is not None, "a state slot without a state cache"
+                for conv, rec in zip(self.linear_states.conv, self.linear_states.recurrent, strict=True):
+                    states += [conv[slot].cpu(), rec[slot].cpu()]
         return KVBlocks(
             request_id,
             from_block,
@@ -233,6 +236,7 @@ class ModelRunner:
             [tuple(t.shape) for t in layers],
             [_raw(t) for t in layers],
             window_from=window_from,
+            snapshot=state_slot is not None and snapshot_slot is not None,
             state_shapes=[tuple(t.shape) for t in states],
             state_dtypes=[_DTYPE_NAMES[t.dtype] for t in states],
             states=[_raw(t) for t in states],
@@ -244,6 +248,7 @@ class ModelRunner:
         blocks: KVBlocks,
         window_ids: Sequence[int] = (),
         state_slot: int | None = None,
+        snapshot_slot: int | None = None,
     ) -> None:
         """Write pulled blocks into this replica's blocks ``block_ids`` (a window layer's into
         ``window_ids``), block by block (no contiguous copy of the sequence), and pulled states into
@@ -271,11 +276,13 @@ class ModelRunner:
                     blocks.states, blocks.state_dtypes, blocks.state_shapes, strict=True
                 )
             ]
-            for j, (conv, rec) in enumerate(
-                zip(self.linear_states.conv, self.linear_states.recurrent, strict=True)
-            ):
-                conv[state_slot].copy_(tensors[2 * j])
-                rec[state_slot].copy_(tensors[2 * j + 1])
+            pairs = list(zip(self.linear_states.conv, self.linear_states.recurrent, strict=True))
+            # a snapshot this side reserved no slot for (its cache held the block): not written
+            slots = [state_slot, snapshot_slot] if blocks.snapshot else [state_slot]
+            for k, slot in enumerate(s for s in slots if s is not None):
+                for j, (conv, rec) in enumerate(pairs):
+                    conv[slot].copy_(tensors[2 * (k * len(pairs) + j)])
+                    rec[slot].copy_(tensors[2 * (k * len(pairs) + j) + 1])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -291,6 +298,7 @@ class ModelRunner:
         if state_slot is not None and (states := self.linear_states) is not None:
             for conv, rec in zip(states.conv, states.recurrent, strict=True):
                 want += [(tuple(t.shape[1:]), _DTYPE_NAMES[t.dtype]) for t in (conv, rec)]
+            want *= 2 if blocks.snapshot else 1
         got = [(tuple(s), d) for s, d in zip(blocks.state_shapes, blocks.state_dtypes, strict=True)]
         if got != want:
             raise ValueError(f"pulled linear-attention states {got} do not fit this model's {want}")

@@ -120,6 +120,7 @@ class PrefillHandoffs:
                 held.window_ids[window_from:],
                 window_from,
                 held.state_slot,
+                held.snapshot_slot,
             )
         finally:
             self.stats.pulls += 1
@@ -181,6 +182,7 @@ class DecodeImports:
                 blocks,
                 slots.window_ids,
                 slots.state_slot,
+                slots.snapshot_slot,
             )
             self.stats.import_cpu_s += time.thread_time() - t0
         except BaseException as e:
@@ -192,7 +194,7 @@ class DecodeImports:
                 f"{rid}: KV pull from {h.replica_id} failed: {type(e).__name__}: {e}"
             ) from e
         self.loop.track(rid)
-        await self.loop.on_engine(self.engine.admit_import, rid)
+        await self.loop.on_engine(self.engine.admit_import, rid, blocks.snapshot)
         self.stats.imports += 1
         self.stats.blocks_hit += slots.hit_blocks
         self.stats.blocks_pulled += blocks.num_blocks
