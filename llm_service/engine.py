@@ -335,8 +335,9 @@ class LLMEngine:
         if hits is None:
             self.runner.release(request_id)
             raise Overloaded(
-                f"this decode replica has {self.kv.num_free_blocks} free KV blocks; "
-                f"{request_id} needs {cdiv(req.num_prompt_tokens, self.config.block_size)}"
+                f"this decode replica has {self.kv.num_free_blocks} free KV blocks (and its window "
+                f"blocks or state slots, where the model has them); {request_id} needs "
+                f"{cdiv(req.num_prompt_tokens, self.config.block_size)}"
             )
         req.num_cached_tokens = first.num_cached_tokens  # the prefill side's hit: what saved compute
         self._importing[request_id] = req
