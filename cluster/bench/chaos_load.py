@@ -143,14 +143,18 @@ def wanted(deployment: str) -> int:
     return sum(n for s, n in states.items() if s not in ("STOPPING", "STOPPED"))
 
 
-def kill_replica(deployment: str, pick: Callable[[list[str]], str] = lambda names: names[0]) -> str:
-    """SIGKILL one replica's process (its PID asked from the actor); returns the actor's name."""
+def replica_pid(name: str) -> int:
+    """The process of a Serve replica actor (asked from the actor itself)."""
     import ray
 
-    name = pick(replica_names(deployment))
     actor = ray.get_actor(name, namespace="serve")
-    pid = int(ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30))
-    os.kill(pid, signal.SIGKILL)
+    return int(ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30))
+
+
+def kill_replica(deployment: str, pick: Callable[[list[str]], str] = lambda names: names[0]) -> str:
+    """SIGKILL one replica's process (its PID asked from the actor); returns the actor's name."""
+    name = pick(replica_names(deployment))
+    os.kill(replica_pid(name), signal.SIGKILL)
     return name
 
 

@@ -13,6 +13,11 @@ shard), the tiny Qwen2-VL with ``llm.pools`` (one prefill and one decode replica
                  again
   decode-kill    SIGKILL the decode replica while it runs requests: one before its first output is
                  prefilled again and sent to the successor; one past it fails with a coded 503
+  handoff-kill   SIGKILL the prefill replica between its hand-offs and their pulls: the decode
+                 replica is stopped (SIGSTOP, under the links' 3 s heartbeat) until the prefill
+                 replica holds pinned hand-offs, the prefill replica is killed, the decode replica
+                 continued (SIGCONT): its pulls from the dead replica fail, it frees the blocks it
+                 reserved, and the ingress prefills those requests again on the successor
 
 Every request ends ``ok``, ``coded``, ``uncoded`` or ``lost`` (``chaos_outcomes.py``); the table prints
 the counts, the codes, the seconds until the pools are back at their targets, and what is still held
@@ -25,7 +30,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -38,6 +45,7 @@ from cluster.bench.chaos_load import (
     kill_replica,
     named_actor_leaks,
     replica_names,
+    replica_pid,
     wait_until,
     wanted,
 )
@@ -49,8 +57,9 @@ ENC, PREFILL, DECODE = f"EncoderServer-{VL}", f"LLMPrefillServer-{VL}", f"LLMDec
 TARGETS = {ENC: 1, PREFILL: 1, DECODE: 1, "IngressServer": 1, f"EncoderCacheIndex-{VL}": 1}
 SHARDS = 1
 WORKER = {"encoder_node": 1.0, "prefill_node": 1.0, "decode_node": 1.0}
-SCENARIOS = ("prefill-kill", "decode-kill")
+SCENARIOS = ("prefill-kill", "decode-kill", "handoff-kill")
 VICTIM = {"prefill-kill": PREFILL, "decode-kill": DECODE}
+PAUSE_S = 2.0  # the longest the decode replica stays stopped: under the links' 3 s heartbeat timeout
 
 
 def app_config(port: int, cache_dir: str, handoff_deadline_s: float = 30.0) -> dict[str, Any]:
@@ -118,6 +127,40 @@ async def strike(load: Load, deployment: str, least: int) -> tuple[set[str], lis
     return set(), [f"the moment never came: {deployment} never held {least} requests"], None
 
 
+async def strike_between_handoff_and_pull(load: Load) -> tuple[set[str], list[str], float | None]:
+    """Stop the decode replica until the prefill replica pins hand-offs no one pulls, kill the prefill
+    replica, continue the decode replica; tried again (after a second of load) until it lands."""
+    await load.wait_started(8)
+    decode_pid = await asyncio.to_thread(replica_pid, (await asyncio.to_thread(replica_names, DECODE))[0])
+    victim = (await asyncio.to_thread(replica_names, PREFILL))[0]
+    prefill_pid = await asyncio.to_thread(replica_pid, victim)  # asked before: the kill is instant
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 120 and load.started < len(load.specs):
+        os.kill(decode_pid, signal.SIGSTOP)
+        stopped, s = time.monotonic(), None
+        try:
+            while time.monotonic() - stopped < PAUSE_S - 0.3:
+                s = await asyncio.to_thread(pool_stats, PREFILL)
+                if s["kv_pins_held"] >= 2:
+                    at = time.monotonic()
+                    os.kill(prefill_pid, signal.SIGKILL)
+                    note = (
+                        f"killed LLMPrefillServer holding {s['kv_pins_held']} hand-offs pinned, unpulled "
+                        f"(the decode replica stopped {at - stopped:.1f} s)"
+                    )
+                    return {victim}, [note], at
+                await asyncio.sleep(0.02)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(decode_pid, signal.SIGCONT)
+        await asyncio.sleep(1.0)
+    return (
+        set(),
+        ["the moment never came: no two hand-offs pinned while the decode replica was stopped"],
+        None,
+    )
+
+
 def back(victims: set[str], load: Load, fault_at: float | None) -> bool:
     """The killed replica's name is gone, every pool runs its target, and a request sent after the
     fault succeeded (Serve counts a dead replica RUNNING until its health check fails)."""
@@ -130,7 +173,10 @@ async def run_scenario(name: str, cc: ChaosCluster, args: argparse.Namespace) ->
     specs = image_specs(VL, args.requests, 1, 224, seed=sum(map(ord, name)))
     load = Load(cc.base_url, specs, args.concurrency, args.deadline_s, args.max_tokens)
     task = asyncio.create_task(load.run())
-    victims, notes, fault_at = await strike(load, VICTIM[name], 2)
+    if name == "handoff-kill":
+        victims, notes, fault_at = await strike_between_handoff_and_pull(load)
+    else:
+        victims, notes, fault_at = await strike(load, VICTIM[name], 2)
     log(f"{name}: {'; '.join(notes)}")
 
     def recovered() -> bool:

@@ -1,7 +1,8 @@
 """E/P/D's prefill replica and, separately, its decode replica SIGKILLed under load
 (``cluster/bench/chaos_pd.py``: the same scenarios as its CLI). One two-node cluster and app for the
 module; each scenario sends 64 image requests at c=8 and strikes while the pool's replica holds
-requests: every request ``ok`` or failed with a coded error within its deadline (0 uncoded, 0 lost),
+requests (handoff-kill: while the prefill replica holds hand-offs the decode replica, stopped, has
+not pulled): every request ``ok`` or failed with a coded error within its deadline (0 uncoded, 0 lost),
 the pools back at their targets, and nothing held after (requests and KV blocks on both LLM pools,
 the prefill side's hand-off pins, encoder-cache reservations, refs, named actors)."""
 
@@ -48,3 +49,9 @@ def test_prefill_replica_killed_under_load(reports: dict[str, ScenarioReport]) -
 
 def test_decode_replica_killed_under_load(reports: dict[str, ScenarioReport]) -> None:
     _check(reports["decode-kill"])
+
+
+def test_prefill_replica_killed_between_its_handoffs_and_their_pulls(
+    reports: dict[str, ScenarioReport],
+) -> None:
+    _check(reports["handoff-kill"])
