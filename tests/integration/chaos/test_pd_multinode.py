@@ -280,7 +280,7 @@ def test_long_prompt_burst_scales_the_prefill_pool_alone(cluster: dict[str, Any]
     def next_prompt() -> Request:
         i = next(counter)
         rng = random.Random(i)
-        text = f"Document {i}. " + " ".join(rng.choice(words) for _ in range(1400)) + " Summarize."
+        text = f"Document {i}. " + " ".join(rng.choice(words) for _ in range(450)) + " Summarize."
         return text, [{"role": "user", "content": text}], 2
 
     answers = _scales_alone(cluster["port"], PREFILL, next_prompt, 16)
