@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from llm_service.engine_loop import EngineLoop
 from llm_service.kv_handoff import HandoffPins, ImportSlots, KVBlocks, KVHandoff, KVTransferFailed
@@ -26,6 +26,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger("mmserve.llm")
 
 Address = tuple[str, int]
+T = TypeVar("T")
+
+
+def _on_thread_timed(fn: Callable[..., T], *args: object) -> tuple[T, float]:
+    """``fn(*args)`` and the CPU time of the thread that ran it (call it in the worker thread)."""
+    t0 = time.thread_time()
+    out = fn(*args)
+    return out, time.thread_time() - t0
 
 
 class KVSource(Protocol):
@@ -46,7 +54,9 @@ class TransferStats:
     blocks_pulled: int = 0  # decode side
     blocks_hit: int = 0  # decode side: leading blocks its own prefix cache held (not pulled)
     bytes_pulled: int = 0  # decode side
-    import_cpu_s: float = 0.0  # decode side: thread CPU time writing pulled blocks
+    import_cpu_s: float = 0.0  # decode side: CPU time of the thread writing pulled blocks
+    export_cpu_s: float = 0.0  # prefill side: CPU time of the thread reading blocks out for a pull
+    pull_wall_s: float = 0.0  # decode side: from reserving the blocks to the request admitted
 
     def as_dict(self) -> dict[str, float]:
         return {f"kv_{k}": float(v) for k, v in self.__dict__.items()}
@@ -112,7 +122,8 @@ class PrefillHandoffs:
                 raise KVTransferFailed(
                     f"{request_id}: window blocks from {window_from} asked, held from {held.window_first}"
                 )
-            return await asyncio.to_thread(
+            blocks, cpu_s = await asyncio.to_thread(
+                _on_thread_timed,
                 self.engine.runner.read_kv_blocks,
                 request_id,
                 held.block_ids[from_block:],
@@ -122,6 +133,8 @@ class PrefillHandoffs:
                 held.state_slot,
                 held.snapshot_slot,
             )
+            self.stats.export_cpu_s += cpu_s
+            return blocks
         finally:
             self.stats.pulls += 1
             if self.pins.done(request_id):
@@ -162,6 +175,7 @@ class DecodeImports:
         from llm_service.embeddings import unfetched
 
         rid = spec.request_id
+        t_start = time.perf_counter()
         slots = await self.loop.on_engine(
             self.engine.reserve_import,
             rid,
@@ -175,8 +189,8 @@ class DecodeImports:
         assert isinstance(slots, ImportSlots)
         try:
             blocks = await self._pull(h, rid, slots)
-            t0 = time.thread_time()
-            await asyncio.to_thread(
+            _, cpu_s = await asyncio.to_thread(
+                _on_thread_timed,
                 self.engine.runner.write_kv_blocks,
                 slots.block_ids,
                 blocks,
@@ -184,7 +198,7 @@ class DecodeImports:
                 slots.state_slot,
                 slots.snapshot_slot,
             )
-            self.stats.import_cpu_s += time.thread_time() - t0
+            self.stats.import_cpu_s += cpu_s
         except BaseException as e:
             self.stats.failed_imports += 1
             await self.loop.on_engine(self.engine.cancel_import, rid)
@@ -199,6 +213,7 @@ class DecodeImports:
         self.stats.blocks_hit += slots.hit_blocks
         self.stats.blocks_pulled += blocks.num_blocks
         self.stats.bytes_pulled += blocks.nbytes
+        self.stats.pull_wall_s += time.perf_counter() - t_start
 
     async def _pull(self, h: KVHandoff, rid: str, slots: ImportSlots) -> KVBlocks:
         assert h.address is not None
