@@ -94,7 +94,7 @@ def next_turn(one: RefCase, answer: list[int], more: list[int]) -> RefCase:
 
 
 def window_layers(eng: LLMEngine) -> list[bool]:
-    return eng.runner._windowed_caches()
+    return [w is not None for w in eng.runner.text_config.kv_layer_windows()]
 
 
 # ---- Gemma 3: window layers -----------------------------------------------------------------------
