@@ -123,8 +123,11 @@ class ChaosCluster:
 
 
 @contextlib.contextmanager
-def chaos_cluster(port: int, cache_dir: str) -> Iterator[ChaosCluster]:
-    """Start the cluster and the app; on the way out shut Serve, the driver and every node down."""
+def chaos_cluster(
+    port: int, cache_dir: str, config: dict[str, Any] | None = None, worker: dict[str, float] | None = None
+) -> Iterator[ChaosCluster]:
+    """Start the cluster and the app (``config``: this module's ``app_config`` unless given; node A
+    with the ``worker`` markers); on the way out shut Serve, the driver and every node down."""
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster
@@ -138,10 +141,10 @@ def chaos_cluster(port: int, cache_dir: str) -> Iterator[ChaosCluster]:
     c = Cluster(initialize_head=False)
     try:
         c.add_node(**head)  # the first node is the head; in here, a failed start is shut down too
-        node = c.add_node(num_cpus=2, resources=WORKER)
+        node = c.add_node(num_cpus=2, resources=worker or WORKER)
         c.wait_for_nodes()
         ray.init(address=c.address, namespace="mmserve")
-        start(AppConfig.model_validate(app_config(port, cache_dir)))
+        start(AppConfig.model_validate(config or app_config(port, cache_dir)))
         yield ChaosCluster(c, node, f"http://127.0.0.1:{port}/v1")
     finally:
         with contextlib.suppress(Exception):
