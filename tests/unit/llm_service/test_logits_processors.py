@@ -181,7 +181,7 @@ def test_top_p_by_rejection_samples_the_renormalised_nucleus(monkeypatch, rounds
     """Nucleus {0, 1} (the mass before token 2 is 0.7 >= 0.5): a first draw of 2 or 3 (p = 0.3) is
     rejected and drawn again among the tokens more likely than it; with one round those rows take the
     sorted nucleus. Either way the tokens follow 0.4 / 0.7, 0.3 / 0.7, and ties at the edge are kept."""
-    monkeypatch.setattr("llm_service.sampler.TOP_P_ROUNDS", rounds)
+    monkeypatch.setattr("llm_service.draw.TOP_P_ROUNDS", rounds)
     logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1] + [1e-9] * (V - 4)]))
     params = [SamplingParams(temperature=1.0, top_p=0.5)] * 6000
     tokens, _ = sample(logits.expand(6000, V), params, [torch.Generator().manual_seed(1)] * 6000)
