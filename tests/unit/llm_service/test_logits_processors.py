@@ -17,7 +17,9 @@ from transformers import (
 )
 
 from llm_service.logits_processors import GrammarMasks, process_logits
-from llm_service.sampler import NoAllowedToken, _filter, sample
+from llm_service.output_counts import OutputCounts
+from llm_service.sampler import NoAllowedToken, SamplerState, _filter, sample
+from llm_service.sampling_batch import SamplingBatch
 from llm_service.sampling_params import SamplingParams
 
 V = 64
@@ -191,3 +193,37 @@ def test_top_p_by_rejection_samples_the_renormalised_nucleus(monkeypatch, rounds
     tie = torch.log(torch.tensor([[0.3, 0.3, 0.3, 0.1] + [1e-9] * (V - 4)]))
     tied, _ = sample(tie.expand(3000, V), params[:3000], [torch.Generator().manual_seed(2)] * 3000)
     assert set(tied) == {0, 1, 2} if rounds > 1 else set(tied) <= {0, 1, 2}
+
+
+def test_counts_kept_across_steps_equal_a_recount_from_the_whole_history() -> None:
+    """The engine's path (``SamplerState``: counts added token by token, a slot per request id) gives
+    the same logits as counting each row's whole output afresh, through new tokens, a request whose
+    output was reset, and a released id whose slot another request takes."""
+    state = SamplerState()
+    params = [
+        SamplingParams(repetition_penalty=1.4),
+        SamplingParams(frequency_penalty=0.7, presence_penalty=0.3),
+        SamplingParams(),
+    ]
+    rows = [Row([1, 2], [3]), Row([4], [4, 5]), Row([6])]
+    keys = ["a", "b", "c"]
+    gens = [torch.Generator().manual_seed(i) for i in range(3)]
+    for step in range(6):
+        logits = _logits(3, seed=step)
+        batch = SamplingBatch.reuse(state.batch, params, V, logits.device)
+        counts = state.counts or OutputCounts(V, logits.device)
+        state.counts = counts
+        kept = process_logits(logits, params, rows, None, batch, counts, keys)
+        torch.testing.assert_close(kept, process_logits(logits, params, rows), rtol=0, atol=0)
+        tokens, _ = sample(logits, params, gens, rows, None, state, keys)
+        for row, t in zip(rows, tokens, strict=True):
+            row.output_token_ids.append(t)
+        if step == 2:
+            rows[1].output_token_ids = [9]  # reset: shorter than what was counted
+        if step == 3:
+            state.release("a")
+            keys[0], rows[0] = "d", Row([7], [8, 8])
+    assert state.batch is SamplingBatch.reuse(state.batch, params, V, torch.device("cpu"))
+    assert state.batch is not SamplingBatch.reuse(
+        state.batch, [*params[:2], SamplingParams()], V, torch.device("cpu")
+    )
