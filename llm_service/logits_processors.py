@@ -30,22 +30,31 @@ class GrammarMasks:
     rows: list[int]
 
 
-_BIT = None  # the 32 bit positions, built on first use
+# byte value -> its 8 bits as additive logits (0: allowed, -inf: not), least significant bit first
+_BYTE_BIAS: dict[torch.device, torch.Tensor] = {}
 
 
-def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[R, W] int32 -> [R, vocab_size] bool (True: allowed)."""
-    global _BIT
-    if _BIT is None:
-        _BIT = torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int32)
-    bits = (words.unsqueeze(-1) & _BIT.to(words.device)) != 0
-    return bits.flatten(1)[:, :vocab_size]
+def bitmask_bias(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[R, W] int32 packed bitmask -> [R, vocab_size] float: 0 where allowed, -inf where not. One
+    table lookup per byte of the mask (little-endian: byte ``t // 8`` holds token ``t`` at bit
+    ``t % 8``), several times cheaper on CPU than unpacking bits into a bool mask and filling."""
+    table = _BYTE_BIAS.get(words.device)
+    if table is None:
+        bits = [[0.0 if (b >> i) & 1 else float("-inf") for i in range(8)] for b in range(256)]
+        table = _BYTE_BIAS[words.device] = torch.tensor(bits, device=words.device)
+    as_bytes = words.contiguous().view(torch.uint8).long()
+    return torch.nn.functional.embedding(as_bytes, table).view(words.shape[0], -1)[:, :vocab_size]
 
 
 def apply_grammar(logits: torch.Tensor, masks: GrammarMasks) -> None:
+    """Add each grammar row's bias (``bitmask_bias``): ``x + 0`` is ``x`` and ``x - inf`` is -inf."""
+    vocab = logits.shape[1]
+    if len(masks.rows) == logits.shape[0] == masks.bitmask.shape[0]:  # every row: no gather
+        logits += bitmask_bias(masks.bitmask.to(logits.device), vocab)
+        return
     rows = torch.tensor(masks.rows, device=logits.device)
-    allowed = unpack_bitmask(masks.bitmask[rows].to(logits.device), logits.shape[1])
-    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    words = masks.bitmask.to(logits.device).index_select(0, rows)
+    logits.index_copy_(0, rows, logits.index_select(0, rows) + bitmask_bias(words, vocab))
 
 
 def apply_min_tokens(

@@ -6,7 +6,8 @@ checkpoint (151,936): all greedy, all random (temperature + top-p), and the mixe
 grammar mask on a quarter of the rows). Each step appends the sampled tokens to the rows' outputs, as
 decoding does. Prints CPU-ms per step (``time.thread_time``, one torch thread as the engine runs on
 CPU) and each against all-greedy. The engine step around it (the model's forward) is not included:
-``--engine`` adds a decode step of the tiny model at the same batch.
+``--engine`` adds a decode step of the tiny model at the same batch, all greedy, mixed, and all greedy
+under the serving benchmark's JSON schema (``DIGITS_SCHEMA``: the grammar's bitmask and matchers).
 
 ``--baseline REF`` times the ``llm_service`` package of a git revision against the working tree's,
 each in a child process, alternating, ``--rounds`` times; the tables give each case's minimum (CPU
@@ -32,6 +33,7 @@ import torch
 from llm_service import sampler as sampler_module
 from llm_service.logits_processors import GrammarMasks
 from llm_service.sampling_params import SamplingParams
+from llm_service.structured.spec import StructuredSpec
 
 Results = dict[str, float]  # "<batch>/<vocab>/<case>" or "<batch>/engine/<case>" -> CPU-ms per step
 
@@ -55,6 +57,23 @@ def mixed_params(n: int) -> list[SamplingParams]:
         SamplingParams(temperature=0.9, top_p=0.95, seed=2),
     ]
     return [kinds[i % len(kinds)] for i in range(n)]
+
+
+# The serving benchmark's schema (docs/benchmarks.md, run AT): an array of 40 digits, which 16 tokens
+# cannot close, so every request decodes under the grammar to its last token.
+DIGITS_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "digits": {
+            "type": "array",
+            "items": {"type": "integer", "minimum": 0, "maximum": 9},
+            "minItems": 40,
+            "maxItems": 40,
+        }
+    },
+    "required": ["digits"],
+    "additionalProperties": False,
+}
 
 
 def _time(fn: Callable[[], object], steps: int) -> float:
@@ -139,8 +158,10 @@ def measure(batches: list[int], vocabs: list[int], steps: int, engine: str | Non
     res: Results = {}
     for b in batches:
         if engine:
+            schema = SamplingParams(structured=StructuredSpec.json_schema(DIGITS_SCHEMA, "response_format"))
             res[f"{b}/engine/all greedy"] = engine_step_ms(engine, b, [SamplingParams()] * b, steps)
             res[f"{b}/engine/mixed"] = engine_step_ms(engine, b, mixed_params(b), steps)
+            res[f"{b}/engine/all greedy + schema"] = engine_step_ms(engine, b, [schema] * b, steps)
         for v in vocabs:
             res.update({f"{b}/{v}/{case}": ms for case, ms in bench(b, v, steps).items()})
     return res
@@ -168,18 +189,19 @@ def _baseline_tree(ref: str, into: str) -> str:
 
 
 def _table(runs: dict[str, list[Results]]) -> list[str]:
-    """One row per measured key: each tree's minimum over rounds and its ratio to all-greedy."""
+    """One row per measured key: each tree's minimum over rounds and its ratio to all-greedy (a key
+    one tree did not measure shows as -)."""
     labels = list(runs)
-    keys = list(runs[labels[-1]][0])
+    keys = list(dict.fromkeys(k for rounds in runs.values() for r in rounds for k in r))
     head = "| batch | vocab | case | " + " | ".join(f"{lb} CPU-ms | {lb} x greedy" for lb in labels) + " |"
     lines = [head, "|---:|---:|---|" + "---:|---:|" * len(labels)]
     for key in keys:
         b, v, case = key.split("/", 2)
         cells = []
         for lb in labels:
-            best = min(r[key] for r in runs[lb])
-            greedy = min(r[f"{b}/{v}/all greedy"] for r in runs[lb])
-            cells.append(f"{best:.3f} | {best / greedy:.2f}")
+            got = [r[key] for r in runs[lb] if key in r]
+            greedy = [r[f"{b}/{v}/all greedy"] for r in runs[lb] if f"{b}/{v}/all greedy" in r]
+            cells.append(f"{min(got):.3f} | {min(got) / min(greedy):.2f}" if got and greedy else "- | -")
         lines.append(f"| {b} | {v} | {case} | " + " | ".join(cells) + " |")
     return lines
 

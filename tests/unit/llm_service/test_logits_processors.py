@@ -227,3 +227,21 @@ def test_counts_kept_across_steps_equal_a_recount_from_the_whole_history() -> No
     assert state.batch is not SamplingBatch.reuse(
         state.batch, [*params[:2], SamplingParams()], V, torch.device("cpu")
     )
+
+
+def test_a_bitmask_allows_exactly_its_set_bits_on_every_row_or_some() -> None:
+    """Token ``t`` is allowed by bit ``t % 32`` of word ``t // 32`` (xgrammar's layout), checked bit
+    by bit against the words, at a vocabulary that ends inside a word."""
+    vocab, words = 1000, 32
+    bitmask = torch.randint(
+        -(2**31), 2**31 - 1, (3, words), dtype=torch.int32, generator=torch.Generator().manual_seed(3)
+    )
+    want = torch.tensor(
+        [[(int(bitmask[r, t // 32]) >> (t % 32)) & 1 == 1 for t in range(vocab)] for r in range(3)]
+    )
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(4))
+    every = process_logits(logits, [SamplingParams()] * 3, None, GrammarMasks(bitmask, [0, 1, 2]))
+    assert torch.equal(torch.isfinite(every), want)
+    assert torch.equal(every[want], logits[want])
+    some = process_logits(logits, [SamplingParams()] * 3, None, GrammarMasks(bitmask, [2, 0]))
+    assert torch.equal(some[[0, 2]], every[[0, 2]]) and torch.equal(some[1], logits[1])
