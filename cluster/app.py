@@ -25,6 +25,13 @@ from cluster.cache_shards import cache_index_deployment
 from cluster.config import AppConfig, DeploymentOptions, ModelConfig
 
 TP_LEADER_NUM_CPUS = 0.1  # the replica of a TP>1 encoder group only queues, batches and puts
+# glibc malloc in the encoder replicas, set before the process starts (a runtime_env's env_vars). Their
+# preprocessing threads decode images and audio into buffers of 0.1-30 MiB; once one such buffer is
+# freed, glibc's dynamic mmap threshold rises to its size, later ones come from per-thread arenas, and
+# what is freed there stays resident, fragmented: ~1.4 GiB more RSS per encoder over its first ~9 minutes
+# of the soak (docs/benchmark-log.md, runs S3 and S4). A fixed threshold hands every block over 128 KiB
+# back to the kernel when freed; two arenas bound the copies of the small-object pools.
+ENCODER_MALLOC_ENV = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "131072"}
 
 
 def deployment_options(
@@ -60,6 +67,16 @@ def deployment_options(
             autoscaling["policy"] = {"policy_function": default_policy}
         out["autoscaling_config"] = autoscaling
     return out
+
+
+def with_env_vars(actor_options: object, env: dict[str, str]) -> dict[str, object]:
+    """``ray_actor_options`` with ``env`` in its runtime_env's env_vars (one already set there wins). Serve
+    merges an app's runtime_env env_vars with these, these winning for the names both set."""
+    opts = dict(actor_options)  # type: ignore[call-overload]
+    runtime_env = dict(opts.get("runtime_env") or {})
+    runtime_env["env_vars"] = {**env, **(runtime_env.get("env_vars") or {})}
+    opts["runtime_env"] = runtime_env
+    return opts
 
 
 def encoder_placement(model: ModelConfig) -> dict[str, object]:
@@ -98,6 +115,7 @@ def encoder_server(
 
     opts = deployment_options(model.encoder.deployment, f"EncoderServer-{model.name}", ENCODER_POLICY)
     opts.update(encoder_placement(model))
+    opts["ray_actor_options"] = with_env_vars(opts["ray_actor_options"], ENCODER_MALLOC_ENV)
     opts["request_router_config"] = RequestRouterConfig(
         request_router_class=LeastQueuedEmbeddingsRouter, request_routing_stats_period_s=1.0
     )
