@@ -23,15 +23,9 @@ from ray.serve.config import RequestRouterConfig
 from cluster.autoscaling_policy import ENCODER_POLICY, LLM_POLICY, PREFILL_POLICY
 from cluster.cache_shards import cache_index_deployment
 from cluster.config import AppConfig, DeploymentOptions, ModelConfig
+from cluster.malloc_env import ENCODER_MALLOC_ENV
 
 TP_LEADER_NUM_CPUS = 0.1  # the replica of a TP>1 encoder group only queues, batches and puts
-# glibc malloc in the encoder replicas, set before the process starts (a runtime_env's env_vars). Their
-# preprocessing threads decode images and audio into buffers of 0.1-30 MiB; once one such buffer is
-# freed, glibc's dynamic mmap threshold rises to its size, later ones come from per-thread arenas, and
-# what is freed there stays resident, fragmented: ~1.4 GiB more RSS per encoder over its first ~9 minutes
-# of the soak (docs/benchmark-log.md, runs S3 and S4). A fixed threshold hands every block over 128 KiB
-# back to the kernel when freed; two arenas bound the copies of the small-object pools.
-ENCODER_MALLOC_ENV = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "131072"}
 
 
 def deployment_options(
