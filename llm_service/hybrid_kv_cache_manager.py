@@ -81,6 +81,19 @@ class HybridKVCacheManager(KVCacheManager):
                 req.state.captures.append((pos, slot))
         return True
 
+    def allocate_import(self, req: Request, num_tokens: int) -> int | None:
+        """Blocks and a state slot for a request prefilled elsewhere (E/P/D's decode side): its states
+        come with its KV, so any cached leading blocks are taken (no snapshot needed) and nothing is
+        restored or captured here; the imported blocks are registered without snapshots (a later
+        prefix hit here is trimmed to blocks with one, as for every hit)."""
+        if self.states.num_free == 0:
+            return None
+        hits = KVCacheManager.get_computed_blocks(self, req)[: num_tokens // self.block_size]
+        if not KVCacheManager.allocate_slots(self, req, num_tokens - len(hits) * self.block_size, hits):
+            return None
+        req.state = StateAssignment(self.states.allocate(req.request_id))
+        return len(hits)
+
     def capture_points(self, req: Request, start: int, num_new_tokens: int) -> list[int]:
         """Block boundaries in ``(start, start + num_new_tokens]`` to snapshot (the policy above)."""
         if not self.enable_caching:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -202,35 +202,98 @@ class ModelRunner:
         self.states[req.request_id] = state
 
     # ---- E/P/D: a request's KV blocks out of one replica and into another (llm_service/kv_handoff.py)
-    def read_kv_blocks(self, request_id: str, block_ids: list[int], from_block: int) -> KVBlocks:
-        """Copy blocks ``block_ids`` of every KV-writing layer to host memory: what crosses the wire."""
-        assert self.window is None, "a sliding-window group's blocks are not handed off"
+    def read_kv_blocks(
+        self,
+        request_id: str,
+        block_ids: list[int],
+        from_block: int,
+        window_ids: Sequence[int] = (),
+        window_from: int = 0,
+        state_slot: int | None = None,
+    ) -> KVBlocks:
+        """Copy blocks ``block_ids`` of every full-attention layer, ``window_ids`` of every sliding-window
+        layer, and a hybrid model's states in ``state_slot`` to host memory: what crosses the wire."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        layers = [cache.index_select(1, idx).cpu() for cache in self.kv_caches]
+        widx = torch.tensor(list(window_ids), dtype=torch.long, device=self.device)
+        windowed = self._windowed_caches()
+        layers = [
+            cache.index_select(1, widx if w else idx).cpu()
+            for cache, w in zip(self.kv_caches, windowed, strict=True)
+        ]
+        states: list[torch.Tensor] = []
+        if state_slot is not None:
+            assert self.linear_states is not None, "a state slot without a state cache"
+            for conv, rec in zip(self.linear_states.conv, self.linear_states.recurrent, strict=True):
+                states += [conv[state_slot].cpu(), rec[state_slot].cpu()]
         return KVBlocks(
             request_id,
             from_block,
             len(block_ids),
             self.config.dtype,
             [tuple(t.shape) for t in layers],
-            [t.view(torch.uint8).numpy().tobytes() for t in layers],
+            [_raw(t) for t in layers],
+            window_from=window_from,
+            state_shapes=[tuple(t.shape) for t in states],
+            state_dtypes=[_DTYPE_NAMES[t.dtype] for t in states],
+            states=[_raw(t) for t in states],
         )
 
-    def write_kv_blocks(self, block_ids: list[int], blocks: KVBlocks) -> None:
-        """Write pulled blocks into this replica's blocks ``block_ids``, block by block (no contiguous
-        copy of the sequence); checked against this model's layout first."""
-        want = [(2, len(block_ids), *c.shape[2:]) for c in self.kv_caches]
+    def write_kv_blocks(
+        self,
+        block_ids: list[int],
+        blocks: KVBlocks,
+        window_ids: Sequence[int] = (),
+        state_slot: int | None = None,
+    ) -> None:
+        """Write pulled blocks into this replica's blocks ``block_ids`` (a window layer's into
+        ``window_ids``), block by block (no contiguous copy of the sequence), and pulled states into
+        ``state_slot``; checked against this model's layout first."""
+        windowed = self._windowed_caches()
+        want = [
+            (2, len(window_ids) if w else len(block_ids), *c.shape[2:])
+            for c, w in zip(self.kv_caches, windowed, strict=True)
+        ]
         if blocks.dtype != self.config.dtype or [tuple(s) for s in blocks.shapes] != want:
             raise ValueError(
                 f"pulled KV of {blocks.dtype} {blocks.shapes} does not fit {self.config.dtype} {want}"
             )
+        self._check_states(blocks, state_slot)
         dtype = DTYPES[blocks.dtype]
-        for cache, shape, raw in zip(self.kv_caches, blocks.shapes, blocks.data, strict=True):
-            layer = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).view(shape)
-            for j, block_id in enumerate(block_ids):
+        for cache, shape, raw, w in zip(self.kv_caches, blocks.shapes, blocks.data, windowed, strict=True):
+            layer = _tensor(raw, dtype, shape)
+            for j, block_id in enumerate(window_ids if w else block_ids):
                 cache[:, block_id].copy_(layer[:, j], non_blocking=True)
+        if state_slot is not None:
+            assert self.linear_states is not None
+            tensors = [
+                _tensor(raw, DTYPES[name], shape)
+                for raw, name, shape in zip(
+                    blocks.states, blocks.state_dtypes, blocks.state_shapes, strict=True
+                )
+            ]
+            for j, (conv, rec) in enumerate(
+                zip(self.linear_states.conv, self.linear_states.recurrent, strict=True)
+            ):
+                conv[state_slot].copy_(tensors[2 * j])
+                rec[state_slot].copy_(tensors[2 * j + 1])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def _windowed_caches(self) -> list[bool]:
+        """Per KV cache: whether it is a sliding-window layer's (the window group's blocks)."""
+        if self.window is None:
+            return [False] * len(self.kv_caches)
+        return [w is not None for w in self._layer_windows()]
+
+    def _check_states(self, blocks: KVBlocks, state_slot: int | None) -> None:
+        """The pulled states fit this model's state cache (none when the import takes none)."""
+        want: list[tuple[tuple[int, ...], str]] = []
+        if state_slot is not None and (states := self.linear_states) is not None:
+            for conv, rec in zip(states.conv, states.recurrent, strict=True):
+                want += [(tuple(t.shape[1:]), _DTYPE_NAMES[t.dtype]) for t in (conv, rec)]
+        got = [(tuple(s), d) for s, d in zip(blocks.state_shapes, blocks.state_dtypes, strict=True)]
+        if got != want:
+            raise ValueError(f"pulled linear-attention states {got} do not fit this model's {want}")
 
     def release(self, request_id: str) -> None:
         """The request left the engine (finished, aborted or failed): drop its state; unknown ids are ignored."""
@@ -477,3 +540,14 @@ def _token_ids(req: Request, start: int, end: int) -> list[int]:
     if end <= n:
         return req.prompt_token_ids[start:end]
     return req.prompt_token_ids[start:] + req.output_token_ids[: end - n]
+
+
+_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _tensor(raw: bytes, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).view(tuple(shape))

@@ -59,19 +59,32 @@ REPO = Path(__file__).resolve().parents[2]
 ENCODER_NODE, LLM_NODE = {"encoder_node": 0.001}, {"llm_node": 0.001}  # as serve-gpu.yaml asks
 
 
-def make_servers(args: argparse.Namespace) -> dict[str, BenchServer]:
-    common = ["--host", "127.0.0.1"]
+def vllm_server(args: argparse.Namespace) -> ServerProcess:
+    """``vllm serve`` of ``--model-dir`` from the peer venv (shared/tools/peer_vllm), float32, on
+    ``--vllm-port``, with the environment of the peer's README."""
     vllm_env = {**QUIET_ENV, "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "2"}
     iomp = args.vllm_venv / "lib/libiomp5.so"
     if TCMALLOC.exists() and iomp.exists():  # as vLLM's CPU docs ask (~30 % more throughput here)
         vllm_env["LD_PRELOAD"] = f"{TCMALLOC}:{iomp}"
     py, cli = str(args.vllm_venv / "bin/python"), str(args.peer_dir / "vllm_cli.py")
-    vllm_argv = [py, cli, "serve", str(args.model_dir), "--served-model-name", args.served_name, *common]
-    vllm_argv += ["--port", str(args.vllm_port), "--max-model-len", "4096", "--dtype", "float32"]
-    vllm_log = args.out_dir / "vllm-serve.log"
-    vllm = ServerProcess("vLLM", vllm_argv, args.vllm_port, vllm_log, env=vllm_env, root_kind="API server")
+    argv = [py, cli, "serve", str(args.model_dir), "--served-model-name", args.served_name]
+    argv += [
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(args.vllm_port),
+        "--max-model-len",
+        "4096",
+        "--dtype",
+        "float32",
+    ]
+    log_path = args.out_dir / "vllm-serve.log"
+    return ServerProcess("vLLM", argv, args.vllm_port, log_path, env=vllm_env, root_kind="API server")
+
+
+def make_servers(args: argparse.Namespace) -> dict[str, BenchServer]:
     servers: dict[str, BenchServer] = {
-        "vllm": vllm,
+        "vllm": vllm_server(args),
         "mmserve": mmserve_server(
             args, "mmserve", args.mmserve_root, args.mmserve_port, args.mmserve_args.split()
         ),

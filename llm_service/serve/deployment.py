@@ -188,11 +188,11 @@ class LLMServer:
                 return await self._prefill.handoff(spec, first)
         raise RuntimeError(f"{spec.request_id} ended without an output")
 
-    async def pull_kv(self, request_id: str, from_block: int) -> KVBlocks:
+    async def pull_kv(self, request_id: str, from_block: int, window_from: int = 0) -> KVBlocks:
         """A decode replica's pull of a handed-off request's blocks (over the direct link)."""
         if self._prefill is None:
             raise KVTransferFailed(f"replica {self.replica_id} is not a prefill replica")
-        return await self._prefill.pull(request_id, from_block)
+        return await self._prefill.pull(request_id, from_block, window_from)
 
     async def _enqueue(self, spec: LLMRequestSpec) -> tuple[SubmitReply, list[MediaFeature]]:
         """Fetch what must be fetched, put the request on its ingress's channel and in the engine's

@@ -120,7 +120,13 @@ class ChatService:
 
         def ask(req: ChatCompletionRequest) -> tuple[tuple[ServedModel, NormalizedChat], int]:
             model = self.model_for(req.model)
-            chat = normalize_messages(req.messages, model.limits, tenant, tools_for(req, model))
+            chat = normalize_messages(
+                req.messages,
+                model.limits,
+                tenant,
+                tools_for(req, model),
+                tool_media=model.orchestrator.tool_result_modalities,
+            )
             unsupported = {m.modality for m in chat.media} - set(model.modalities)
             if unsupported:
                 raise bad_request(

@@ -148,7 +148,15 @@ class ResponsesService:
                 param="tools",
             )
         messages, paths = chat_messages(req)
-        chat = normalize_messages(messages, model.limits, tenant, tools, field="input", paths=paths)
+        chat = normalize_messages(
+            messages,
+            model.limits,
+            tenant,
+            tools,
+            field="input",
+            paths=paths,
+            tool_media=model.orchestrator.tool_result_modalities,
+        )
         unsupported = {m.modality for m in chat.media} - set(model.modalities)
         if unsupported:
             raise bad_request(
