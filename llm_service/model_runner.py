@@ -21,7 +21,7 @@ from llm_service.models.weights import load_weights
 from llm_service.mrope import prompt_mrope_positions
 from llm_service.multimodal import MultiModalInput
 from llm_service.outputs import TokenLogprob
-from llm_service.sampler import NoAllowedToken, NonFiniteLogits, prompt_logprobs, sample
+from llm_service.sampler import NoAllowedToken, NonFiniteLogits, SamplerState, prompt_logprobs, sample
 from llm_service.scheduler import ScheduledChunk, SchedulerOutput
 from llm_service.sequence import Request
 from llm_service.structured.grammars import accept_rows, fill_rows
@@ -93,6 +93,7 @@ class ModelRunner:
         ]
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.states: dict[str, RunnerState] = {}  # by request id, while the request is in the engine
+        self.sampler_state = SamplerState()  # the last batch's parameter tensors, the penalties' counts
 
     def _make_linear_states(self) -> LinearStates | None:
         """A hybrid model's state cache (its ``state_shapes``): running slots, then snapshot slots."""
@@ -289,6 +290,7 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         """The request left the engine (finished, aborted or failed): drop its state; unknown ids are ignored."""
         self.states.pop(request_id, None)
+        self.sampler_state.release(request_id)
 
     def _on_device(self, embeddings: torch.Tensor | None) -> torch.Tensor | None:
         return None if embeddings is None else embeddings.to(device=self.device, dtype=self.dtype)
@@ -432,7 +434,15 @@ class ModelRunner:
         gens = [self._generator(r.request_id) for r in sampling]
         params = [r.sampling_params for r in sampling]
         try:
-            tokens, logprobs = sample(logits, params, gens, sampling, self._grammar_masks(sampling))
+            tokens, logprobs = sample(
+                logits,
+                params,
+                gens,
+                sampling,
+                self._grammar_masks(sampling),
+                self.sampler_state,
+                [r.request_id for r in sampling],
+            )
         except NonFiniteLogits as e:
             msg = "the model produced NaN or infinite logits for this request's inputs"
             raise RequestFaults({sampling[i].request_id: msg for i in e.rows}) from e

@@ -252,6 +252,8 @@ class LLMServer:
         except BaseException:
             self.channels.forget(rid)
             raise
+        if not self.channels.holds(rid):  # orphaned during the pull: its abort found nothing to stop
+            self.loop.abort(rid)
         return SubmitReply(self.replica_id, channel_id)
 
     def _forget_unfetched(self, request_id: str, later: list[MediaFeature]) -> None:

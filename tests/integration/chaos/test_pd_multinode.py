@@ -108,12 +108,11 @@ def app_config(port: int, cache_dir: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    from ray.cluster_utils import Cluster
-
+    from cluster.bench.chaos_node import start_head
     from cluster.config import AppConfig
     from cluster.serve_cli import start
 
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    c = start_head({"num_cpus": 1, "include_dashboard": False})  # tried again if a busy host times it out
     try:
         nodes = {
             role: c.add_node(num_cpus=1, resources={f"{role}_node": 1}).node_id
