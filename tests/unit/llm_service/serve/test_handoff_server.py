@@ -74,7 +74,7 @@ def test_a_request_orphaned_during_its_pull_is_aborted_once_imported(tiny_vl_dir
         decode.channels.drop_unconnected()  # ...and its request orphaned, mid-pull
         link.release.set()
         await submit  # the import itself succeeds
-        eng = decode.engine
+        eng: Any = decode.engine  # the LLMEngine behind the replica
         await _until(lambda: not eng.scheduler.requests, "the orphaned request aborted on the decode replica")
         assert eng.stats().num_free_blocks == eng.stats().num_total_blocks
         assert decode.stats()["kv_imports"] == 1 and prefill.stats()["kv_pins_held"] == 0
