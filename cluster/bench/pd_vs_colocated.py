@@ -171,16 +171,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     slo = SLO(args.slo_ttft_long_ms / 1000, args.slo_ttft_short_ms / 1000, args.slo_max_itl_ms / 1000)
     load_avg = os.getloadavg()[0]
-    rows = [run_server(args, make_server(args, key), load, slo) for key in order]
+    rows: list[dict[str, object]] = []
+    failed: list[str] = []
+    for key in order:  # a server that fails to start or serve is named; the others still run
+        try:
+            rows.append(run_server(args, make_server(args, key), load, slo))
+        except RuntimeError as e:
+            log(f"{key} failed: {e}")
+            failed.append(f"{key}: {str(e).splitlines()[0]}")
     header = (
         f"model_dir={args.model_dir}; load: {load.describe()}; SLO: {slo.describe()}; cores={os.cpu_count()}, "
         f"load average at start {load_avg:.2f}, at end {os.getloadavg()[0]:.2f}"
     )
+    if failed:
+        header += "; not measured: " + "; ".join(failed)
     print(render(rows, header), flush=True)
     if args.json:
         args.json.write_text(json.dumps({"header": header, "rows": rows}, indent=2, default=str))
         log(f"raw numbers written to {args.json}")
-    return 0
+    return 1 if failed else 0
 
 
 def log(msg: str) -> None:
