@@ -84,9 +84,9 @@ class PrefillHandoffs:
         for out in outputs:
             if out.finish_reason == "handoff":
                 rid = out.request_id
-                blocks = self.engine.handoff_blocks(rid)
-                generation = self.pins.pin(rid, blocks, self.deadline_s)
-                self._held[rid] = (len(blocks), tuple(self.engine.handoff_hashes(rid)))
+                held = self.engine.handoff_kv(rid)
+                generation = self.pins.pin(rid, held, self.deadline_s)
+                self._held[rid] = (len(held.block_ids), tuple(self.engine.handoff_hashes(rid)))
                 asyncio.get_running_loop().call_later(self.deadline_s, self._expire, rid, generation)
                 self.stats.handoffs += 1
 
@@ -108,21 +108,30 @@ class PrefillHandoffs:
             deadline_s=self.deadline_s,
         )
 
-    async def pull(self, request_id: str, from_block: int) -> KVBlocks:
-        """Blocks ``from_block..`` of a handed-off request, read to host memory; the pin ends with it."""
-        block_ids = self.pins.take(request_id)
-        if block_ids is None:
+    async def pull(self, request_id: str, from_block: int, window_from: int = 0) -> KVBlocks:
+        """Blocks ``from_block..`` of a handed-off request (window blocks ``window_from..``, and its
+        linear-attention state), read to host memory; the pin ends with it."""
+        held = self.pins.take(request_id)
+        if held is None:
             raise KVTransferFailed(
                 f"{request_id}: no KV held on prefill replica {self.replica_id} (never handed off here, "
                 f"pulled already, or past its {self.deadline_s} s deadline)"
             )
         try:
+            if held.window_ids and window_from < held.window_first:
+                raise KVTransferFailed(
+                    f"{request_id}: window blocks from {window_from} asked, held from {held.window_first}"
+                )
             blocks, cpu_s = await asyncio.to_thread(
                 _on_thread_timed,
                 self.engine.runner.read_kv_blocks,
                 request_id,
-                block_ids[from_block:],
+                held.block_ids[from_block:],
                 from_block,
+                held.window_ids[window_from:],
+                window_from,
+                held.state_slot,
+                held.snapshot_slot,
             )
             self.stats.export_cpu_s += cpu_s
             return blocks
@@ -181,7 +190,13 @@ class DecodeImports:
         try:
             blocks = await self._pull(h, rid, slots)
             _, cpu_s = await asyncio.to_thread(
-                _on_thread_timed, self.engine.runner.write_kv_blocks, slots.block_ids, blocks
+                _on_thread_timed,
+                self.engine.runner.write_kv_blocks,
+                slots.block_ids,
+                blocks,
+                slots.window_ids,
+                slots.state_slot,
+                slots.snapshot_slot,
             )
             self.stats.import_cpu_s += cpu_s
         except BaseException as e:
@@ -193,7 +208,7 @@ class DecodeImports:
                 f"{rid}: KV pull from {h.replica_id} failed: {type(e).__name__}: {e}"
             ) from e
         self.loop.track(rid)
-        await self.loop.on_engine(self.engine.admit_import, rid)
+        await self.loop.on_engine(self.engine.admit_import, rid, blocks.snapshot)
         self.stats.imports += 1
         self.stats.blocks_hit += slots.hit_blocks
         self.stats.blocks_pulled += blocks.num_blocks
@@ -203,7 +218,9 @@ class DecodeImports:
     async def _pull(self, h: KVHandoff, rid: str, slots: ImportSlots) -> KVBlocks:
         assert h.address is not None
         link = self._connect(h.address)
-        blocks = await link.call("pull_kv", rid, slots.hit_blocks, timeout_s=self.timeout_s)
+        blocks = await link.call(
+            "pull_kv", rid, slots.hit_blocks, slots.window_from, timeout_s=self.timeout_s
+        )
         if not isinstance(blocks, KVBlocks) or blocks.num_blocks != len(slots.block_ids):
             got = getattr(blocks, "num_blocks", type(blocks).__name__)
             raise KVTransferFailed(f"{rid}: pulled {got} blocks, {len(slots.block_ids)} expected")

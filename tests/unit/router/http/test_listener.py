@@ -1,5 +1,6 @@
 """router/http/listener.py: the direct HTTP server's bounds against slow or oversized request heads
-(slowloris), on loopback; requests that keep to them are served, on kept-alive connections too."""
+(slowloris), idle kept-alive connections and too many open connections, on loopback; requests that
+keep to them are served, on kept-alive connections too."""
 
 from __future__ import annotations
 
@@ -94,3 +95,65 @@ def test_requests_within_the_bounds_are_served_on_a_kept_alive_connection() -> N
         writer.close()
 
     _serve(ConnectionLimits(header_timeout_s=0.3), check)
+
+
+async def _post(port: int) -> bytes:
+    """One request on a new connection: its status line."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello")
+    status = await asyncio.wait_for(reader.readline(), 10)
+    writer.close()
+    return status
+
+
+async def _until(cond: Callable[[], bool], within_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + within_s
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+def test_past_max_connections_a_request_is_answered_503_until_connections_close() -> None:
+    """Idle connections that hold the server's ``max_connections`` (a slowloris that opens many
+    connections, each within its header timeout) get a further request a 503, not a run of the app;
+    once some close, requests are served again."""
+
+    async def run() -> None:
+        server = DirectHTTPServer(
+            _app(), "127.0.0.1", 0, ConnectionLimits(header_timeout_s=30, max_connections=4)
+        )
+        port = int(server._sock.getsockname()[1])
+        open_now = server._server.server_state.connections  # uvicorn's set of open connections
+        try:
+            idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(4)]
+            await _until(lambda: len(open_now) == 4)  # accepted, each waiting for its head
+            assert (await _post(port)).startswith(b"HTTP/1.1 503"), "a 5th connection ran a request"
+            for _, writer in idle[:2]:
+                writer.close()
+            await _until(lambda: len(open_now) == 2)
+            assert (await _post(port)).startswith(b"HTTP/1.1 200")
+            for _, writer in idle[2:]:
+                writer.close()
+        finally:
+            await server.shutdown(1.0)
+
+    asyncio.run(run())
+
+
+def test_an_idle_kept_alive_connection_is_closed_after_keep_alive_s() -> None:
+    """After a response, a connection that sends nothing more is closed at ``keep_alive_s`` (the
+    header timeout, far longer, is not what closes it)."""
+
+    async def check(port: int) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello")
+        assert (await asyncio.wait_for(reader.readline(), 10)).startswith(b"HTTP/1.1 200")
+        t0 = asyncio.get_running_loop().time()
+        while await asyncio.wait_for(reader.readline(), 10) != b"\r\n":  # the response's headers
+            pass
+        await reader.readexactly(len(b'{"n":5}'))
+        assert await _closed_by_server(reader, 10)
+        assert asyncio.get_running_loop().time() - t0 < 5  # keep_alive_s=1, not header_timeout_s=30
+        writer.close()
+
+    _serve(ConnectionLimits(header_timeout_s=30, keep_alive_s=1), check)
