@@ -23,6 +23,7 @@ from ray.serve.config import RequestRouterConfig
 from cluster.autoscaling_policy import ENCODER_POLICY, LLM_POLICY, PREFILL_POLICY
 from cluster.cache_shards import cache_index_deployment
 from cluster.config import AppConfig, DeploymentOptions, ModelConfig
+from cluster.malloc_env import ENCODER_MALLOC_ENV
 
 TP_LEADER_NUM_CPUS = 0.1  # the replica of a TP>1 encoder group only queues, batches and puts
 
@@ -62,6 +63,16 @@ def deployment_options(
     return out
 
 
+def with_env_vars(actor_options: object, env: dict[str, str]) -> dict[str, object]:
+    """``ray_actor_options`` with ``env`` in its runtime_env's env_vars (one already set there wins). Serve
+    merges an app's runtime_env env_vars with these, these winning for the names both set."""
+    opts = dict(actor_options)  # type: ignore[call-overload]
+    runtime_env = dict(opts.get("runtime_env") or {})
+    runtime_env["env_vars"] = {**env, **(runtime_env.get("env_vars") or {})}
+    opts["runtime_env"] = runtime_env
+    return opts
+
+
 def encoder_placement(model: ModelConfig) -> dict[str, object]:
     """Where one encoder replica runs. TP size 1: the replica itself holds the rank's resources.
 
@@ -98,6 +109,7 @@ def encoder_server(
 
     opts = deployment_options(model.encoder.deployment, f"EncoderServer-{model.name}", ENCODER_POLICY)
     opts.update(encoder_placement(model))
+    opts["ray_actor_options"] = with_env_vars(opts["ray_actor_options"], ENCODER_MALLOC_ENV)
     opts["request_router_config"] = RequestRouterConfig(
         request_router_class=LeastQueuedEmbeddingsRouter, request_routing_stats_period_s=1.0
     )

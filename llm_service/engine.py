@@ -298,8 +298,9 @@ class LLMEngine:
         req = self.scheduler.handed_off[request_id]
         blocks = self.handoff_blocks(request_id)
         first, window = self.kv.window_held(request_id, len(blocks))
-        slot = None if req.state is None else req.state.slot
-        return HeldKV(blocks, window, first, slot)
+        if not isinstance(self.kv, HybridKVCacheManager) or req.state is None:
+            return HeldKV(blocks, window, first)
+        return HeldKV(blocks, window, first, req.state.slot, self.kv.hold_prompt_snapshot(req))
 
     def handoff_hashes(self, request_id: str) -> list[bytes]:
         """The chained hashes of a handed-off request's full prompt blocks (empty without prefix caching)."""
@@ -334,8 +335,9 @@ class LLMEngine:
         if hits is None:
             self.runner.release(request_id)
             raise Overloaded(
-                f"this decode replica has {self.kv.num_free_blocks} free KV blocks; "
-                f"{request_id} needs {cdiv(req.num_prompt_tokens, self.config.block_size)}"
+                f"this decode replica has {self.kv.num_free_blocks} free KV blocks (and its window "
+                f"blocks or state slots, where the model has them); {request_id} needs "
+                f"{cdiv(req.num_prompt_tokens, self.config.block_size)}"
             )
         req.num_cached_tokens = first.num_cached_tokens  # the prefill side's hit: what saved compute
         self._importing[request_id] = req
@@ -345,15 +347,22 @@ class LLMEngine:
             self.cancel_import(request_id)
             raise KVTransferFailed(f"{request_id}: the prefill side's block hashes differ from this side's")
         window_from, window_ids = self.kv.import_window(request_id, hits)
-        slot = None if req.state is None else req.state.slot
-        return ImportSlots(hits, self.kv.block_table(request_id)[hits:], window_from, window_ids, slot)
+        slots = ImportSlots(hits, self.kv.block_table(request_id)[hits:], window_from, window_ids)
+        if isinstance(self.kv, HybridKVCacheManager) and req.state is not None:
+            slots = dataclasses.replace(
+                slots, state_slot=req.state.slot, snapshot_slot=self.kv.import_snapshot(req)
+            )
+        return slots
 
-    def admit_import(self, request_id: str) -> None:
+    def admit_import(self, request_id: str, snapshot: bool = False) -> None:
         """Its KV is in its blocks: register them under their chained hashes and run it from its first
-        token (emitted by the next ``step``). Unknown ids (aborted meanwhile) are ignored."""
+        token (emitted by the next ``step``). ``snapshot``: a hybrid's pulled KV held the prefill
+        side's snapshot, filed with the blocks. Unknown ids (aborted meanwhile) are ignored."""
         req = self._importing.pop(request_id, None)
         if req is None:
             return
+        if not snapshot and isinstance(self.kv, HybridKVCacheManager):
+            self.kv.drop_import_snapshot(req)
         req.num_computed_tokens = req.num_prompt_tokens
         self.kv.cache_computed_blocks(req)
         req.scheduled_time = req.first_token_time = time.monotonic()

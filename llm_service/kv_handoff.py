@@ -23,7 +23,10 @@ What moves per family (``HeldKV`` on the prefill side, ``ImportSlots`` on the de
                           request's does once its window has passed them
   KV-shared layers        (Gemma 4) nothing: they own no cache, they read their owner's
   linear-attention layers (Qwen3.5) the request's conv and recurrent state after its ``P`` prompt
-                          tokens, written into the state slot the decode side gave the request
+                          tokens, written into the state slot the decode side gave the request;
+                          and the prefill side's snapshot at the prompt's last full block, where it
+                          took one (as a colocated engine does), filed on the decode side under that
+                          block's hash: a preempted request resumes from there
 """
 
 from __future__ import annotations
@@ -93,6 +96,7 @@ class KVBlocks:
     shapes: list[tuple[int, ...]]
     data: list[bytes]
     window_from: int = 0
+    snapshot: bool = False  # ``states`` holds a second set: the snapshot at the last full prompt block
     state_shapes: list[tuple[int, ...]] = field(default_factory=list)
     state_dtypes: list[str] = field(default_factory=list)
     states: list[bytes] = field(default_factory=list)
@@ -113,6 +117,7 @@ class HeldKV:
     window_ids: list[int] = field(default_factory=list)
     window_first: int = 0
     state_slot: int | None = None
+    snapshot_slot: int | None = None  # the state snapshot at the prompt's last full block (pinned)
 
 
 @dataclass(frozen=True)
@@ -127,6 +132,7 @@ class ImportSlots:
     window_from: int = 0
     window_ids: list[int] = field(default_factory=list)
     state_slot: int | None = None
+    snapshot_slot: int | None = None  # reserved for the prefill side's snapshot, if it sends one
 
 
 @dataclass

@@ -279,6 +279,8 @@ def report(args: argparse.Namespace, probe: AppProbe, load_t0: float, tally: Tal
         "",
         f"worst RSS growth (minute {args.ref_s / 60:.3g} → end): {100 * v.worst_rss_growth:+.2f} % "
         f"({v.worst_rss_kind}) {'OK' if v.rss_ok else 'OVER 5 %'}",
+        f"worst growth of RSS less the object store's pages: {100 * v.worst_private_growth:+.2f} % "
+        f"({v.worst_private_kind}) {'OK' if v.private_ok else 'OVER 5 %'}",
         f"open fds, summed, minute {args.ref_s / 60:.3g} → end: {v.fd_growth:+d} {'OK' if v.fds_ok else 'GREW'}",
         "object store: baseline "
         + (f"{v.store_baseline / mib:.2f} MiB" if v.store_baseline is not None else "?")

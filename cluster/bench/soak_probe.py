@@ -58,7 +58,7 @@ class AppProbe:
         used = f"{s.store.used_bytes / 2**20:.1f} MiB / {s.store.num_objects} objects" if s.store else "?"
         log(
             f"sample t={s.t_s:.0f}s {phase}: {len(s.procs)} processes, RSS {rss:.0f} MiB, store {used}, "
-            f"encoder-cache entries {entries}"
+            f"encoder-cache entries {entries}, load average {os.getloadavg()[0]:.0f}"
         )
         return s
 

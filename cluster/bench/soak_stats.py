@@ -8,6 +8,10 @@ and whether any of it grew.
                   │              filling, lazy imports) is over
                   └ the object store's baseline: it must return to it after the load
 
+A process's RSS counts the object store's pages it has touched (shared memory: the raylet, which hosts
+the store, touches a page of it each time its allocator first places an object there, up to the store's
+high-water mark); the store is measured on its own, so growth is also given without them ("private").
+
 A process is known by ``(pid, start ticks)``: a replica that Serve replaced is a new process, reported
 apart (it did not grow; it was born). Growth is relative: ``(end - ref) / ref``.
 """
@@ -39,6 +43,11 @@ class ProcMem:
     kind: str
     rss_bytes: int
     open_fds: int
+    shm_bytes: int = 0  # of rss_bytes, shared-memory pages (the object store's)
+
+    @property
+    def private_bytes(self) -> int:
+        return self.rss_bytes - self.shm_bytes
 
     @property
     def key(self) -> tuple[int, int]:
@@ -72,14 +81,23 @@ def parse_statm_rss(text: str) -> int:
     return int(fields[1]) * PAGE_BYTES
 
 
-def read_mem(pid: int) -> tuple[int, int] | None:
-    """(RSS bytes, open fds) of ``pid`` now, or None when it is gone."""
+def parse_status_shmem(text: str) -> int:
+    """``/proc/PID/status`` -> its ``RssShmem`` in bytes (resident shared-memory pages; 0 if absent)."""
+    for line in text.splitlines():
+        if line.startswith("RssShmem:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def read_mem(pid: int) -> tuple[int, int, int] | None:
+    """(RSS bytes, open fds, shared-memory bytes of the RSS) of ``pid`` now, or None when it is gone."""
     try:
         rss = parse_statm_rss((PROC / str(pid) / "statm").read_text())
         fds = len(os.listdir(PROC / str(pid) / "fd"))
+        shm = parse_status_shmem((PROC / str(pid) / "status").read_text())
     except OSError:
         return None
-    return rss, fds
+    return rss, fds, shm
 
 
 def sample_procs(procs: Mapping[int, ProcInfo], kind_of: Mapping[int, str]) -> tuple[ProcMem, ...]:
@@ -88,7 +106,7 @@ def sample_procs(procs: Mapping[int, ProcInfo], kind_of: Mapping[int, str]) -> t
     for pid, p in sorted(procs.items()):
         got = read_mem(pid)
         if got is not None:
-            out.append(ProcMem(pid, p.start_ticks, kind_of.get(pid, "?"), got[0], got[1]))
+            out.append(ProcMem(pid, p.start_ticks, kind_of.get(pid, "?"), got[0], got[1], got[2]))
     return tuple(out)
 
 
@@ -106,10 +124,18 @@ class Growth:
     fds_ref: int
     fds_end: int
     ended: bool  # gone before the last sample
+    shm_ref: int = 0
+    shm_end: int = 0
 
     @property
     def rss_growth(self) -> float:
         return (self.rss_end - self.rss_ref) / self.rss_ref if self.rss_ref else 0.0
+
+    @property
+    def private_growth(self) -> float:
+        """Growth of the RSS less its shared-memory (object store) pages."""
+        ref, end = self.rss_ref - self.shm_ref, self.rss_end - self.shm_end
+        return (end - ref) / ref if ref else 0.0
 
     @property
     def fd_growth(self) -> int:
@@ -149,6 +175,8 @@ def growth(samples: Sequence[Sample], ref_s: float) -> tuple[list[Growth], list[
             p.open_fds,
             last[p.key].open_fds,
             p.key not in final,
+            p.shm_bytes,
+            last[p.key].shm_bytes,
         )
         for p in ref.procs
     ]
@@ -162,10 +190,16 @@ class Verdict:
     fd_growth: int  # summed over the processes alive at both ends
     store_baseline: int | None
     store_after: int | None
+    worst_private_growth: float = 0.0  # RSS less the object store's pages
+    worst_private_kind: str = "-"
 
     @property
     def rss_ok(self) -> bool:
         return self.worst_rss_growth < RSS_GROWTH_LIMIT
+
+    @property
+    def private_ok(self) -> bool:
+        return self.worst_private_growth < RSS_GROWTH_LIMIT
 
     @property
     def fds_ok(self) -> bool:
@@ -182,6 +216,7 @@ def verdict(samples: Sequence[Sample], ref_s: float) -> Verdict:
     rows, _ = growth(samples, ref_s)
     alive = [g for g in rows if not g.ended]
     worst = max(alive, key=lambda g: g.rss_growth, default=None)
+    worst_private = max(alive, key=lambda g: g.private_growth, default=None)
     base = [s.store for s in samples if s.phase == "baseline" and s.store is not None]
     after = [s.store for s in samples if s.phase == "quiet" and s.store is not None]
     return Verdict(
@@ -190,6 +225,8 @@ def verdict(samples: Sequence[Sample], ref_s: float) -> Verdict:
         sum(g.fd_growth for g in alive),
         base[-1].used_bytes if base else None,
         after[-1].used_bytes if after else None,
+        worst_private.private_growth if worst_private else 0.0,
+        worst_private.kind if worst_private else "-",
     )
 
 
@@ -203,6 +240,7 @@ CSV_HEADER = (
     "kind",
     "rss_mib",
     "open_fds",
+    "shm_mib",
     "store_mib",
     "store_objects",
     "cache_entries",
@@ -218,13 +256,14 @@ def to_csv(samples: Iterable[Sample]) -> str:
     for s in samples:
         t = f"{s.t_s:.1f}"
         for p in s.procs:
-            w.writerow(
-                [t, s.phase, "proc", p.pid, p.kind, f"{p.rss_bytes / MIB:.2f}", p.open_fds, "", "", ""]
-            )
+            rss, shm = f"{p.rss_bytes / MIB:.2f}", f"{p.shm_bytes / MIB:.2f}"
+            w.writerow([t, s.phase, "proc", p.pid, p.kind, rss, p.open_fds, shm, "", "", ""])
         if s.store is not None:
             entries = "" if s.cache_entries is None else s.cache_entries
             used = f"{s.store.used_bytes / MIB:.2f}"
-            w.writerow([t, s.phase, "store", "", "object store", "", "", used, s.store.num_objects, entries])
+            w.writerow(
+                [t, s.phase, "store", "", "object store", "", "", "", used, s.store.num_objects, entries]
+            )
     return buf.getvalue()
 
 
@@ -241,7 +280,8 @@ def from_csv(text: str) -> list[Sample]:
             procs[key] = []
         if r["series"] == "proc":
             rss = round(float(r["rss_mib"]) * MIB)
-            procs[key].append(ProcMem(int(r["pid"]), 0, r["kind"], rss, int(r["open_fds"])))
+            shm = round(float(r.get("shm_mib") or 0) * MIB)
+            procs[key].append(ProcMem(int(r["pid"]), 0, r["kind"], rss, int(r["open_fds"]), shm))
         else:
             entries = int(r["cache_entries"]) if r.get("cache_entries") else None
             stores[key] = (StoreUse(round(float(r["store_mib"]) * MIB), int(r["store_objects"])), entries)
@@ -261,16 +301,30 @@ def growth_table(samples: Sequence[Sample], ref_s: float) -> str:
             f"{g.rss_ref / MIB:.1f}",
             f"{g.rss_end / MIB:.1f}",
             f"{100 * g.rss_growth:+.1f} %",
+            f"{g.shm_ref / MIB:.1f} → {g.shm_end / MIB:.1f}",
+            f"{100 * g.private_growth:+.1f} %",
             f"{g.fds_ref} → {g.fds_end}",
             "exited" if g.ended else "",
         ]
         for g in sorted(rows, key=lambda g: -g.rss_ref)
     ]
     body += [
-        [p.kind, str(p.pid), "-", f"{p.rss_bytes / MIB:.1f}", "born later", f"{p.open_fds}", ""] for p in born
+        [p.kind, str(p.pid), "-", f"{p.rss_bytes / MIB:.1f}", "born later", "", "", f"{p.open_fds}", ""]
+        for p in born
     ]
     return markdown_table(
-        ["process", "pid", "RSS at ref (MiB)", "RSS at end (MiB)", "growth", "fds", ""], body
+        [
+            "process",
+            "pid",
+            "RSS at ref (MiB)",
+            "RSS at end (MiB)",
+            "growth",
+            "of it object store (MiB)",
+            "growth without it",
+            "fds",
+            "",
+        ],
+        body,
     )
 
 

@@ -131,6 +131,7 @@ class PrefillHandoffs:
                 held.window_ids[window_from:],
                 window_from,
                 held.state_slot,
+                held.snapshot_slot,
             )
             self.stats.export_cpu_s += cpu_s
             return blocks
@@ -195,6 +196,7 @@ class DecodeImports:
                 blocks,
                 slots.window_ids,
                 slots.state_slot,
+                slots.snapshot_slot,
             )
             self.stats.import_cpu_s += cpu_s
         except BaseException as e:
@@ -206,7 +208,7 @@ class DecodeImports:
                 f"{rid}: KV pull from {h.replica_id} failed: {type(e).__name__}: {e}"
             ) from e
         self.loop.track(rid)
-        await self.loop.on_engine(self.engine.admit_import, rid)
+        await self.loop.on_engine(self.engine.admit_import, rid, blocks.snapshot)
         self.stats.imports += 1
         self.stats.blocks_hit += slots.hit_blocks
         self.stats.blocks_pulled += blocks.num_blocks

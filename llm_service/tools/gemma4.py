@@ -148,6 +148,7 @@ class Gemma4Body:
         self._count = 0  # arguments begun
         self._string_at = -1  # where the open string value's text begins
         self._sent = 0  # its characters sent
+        self._scan = 0  # where its closing quote may begin
         self._done = False  # the top-level ``}`` read, or the body broke: the rest is ignored
 
     @property
@@ -160,11 +161,12 @@ class Gemma4Body:
             return events
         while not self._done:
             if self._string_at >= 0:
-                end = body.find(QUOTE, self._string_at)
+                end = body.find(QUOTE, max(self._string_at, self._scan))
                 if end < 0:
-                    self._send(body[self._string_at : len(body) - held_back(body, QUOTE)], events)
+                    self._scan = max(0, len(body) - len(QUOTE) + 1)  # searched once per character
+                    self._send(body, len(body) - held_back(body, QUOTE), events)
                     return events
-                self._send(body[self._string_at : end], events)
+                self._send(body, end, events)
                 events.append(ArgumentsDelta(self.index, '"'))
                 self._string_at, self._at = -1, end + len(QUOTE)
             elif not self._next(body, events):
@@ -176,7 +178,7 @@ class Gemma4Body:
         if not self.started:
             return None
         if self._string_at >= 0:  # cut inside a string: close it
-            self._send(body[self._string_at :], events)
+            self._send(body, len(body), events)
             events.append(ArgumentsDelta(self.index, '"'))
         events.append(ArgumentsDelta(self.index, "}"))
         return events
@@ -245,11 +247,12 @@ class Gemma4Body:
         self._at = reader.at
         return True
 
-    def _send(self, text: str, events: list[ToolEvent]) -> None:
-        piece = text[self._sent :]
-        if piece:
-            events.append(ArgumentsDelta(self.index, json.dumps(piece, ensure_ascii=False)[1:-1]))
-            self._sent += len(piece)
+    def _send(self, body: str, stop: int, events: list[ToolEvent]) -> None:
+        """Send the open string's characters up to ``stop`` not yet sent."""
+        begin = self._string_at + self._sent
+        if stop > begin:
+            events.append(ArgumentsDelta(self.index, json.dumps(body[begin:stop], ensure_ascii=False)[1:-1]))
+            self._sent += stop - begin
 
 
 def gemma4_stream() -> MarkerStream:

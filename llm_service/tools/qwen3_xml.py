@@ -79,6 +79,7 @@ class Qwen3XMLBody:
         self._key: str | None = None  # the parameter being read
         self._value_at = 0  # where its value begins in the body
         self._sent = 0  # characters of a string value sent
+        self._scan = 0  # where ``</parameter>`` may begin
         self._head = ""  # a non-string value's ``"key": `` (and separator): it goes out with the value
         self._done = False  # ``</function>`` read: the rest of the body is ignored
 
@@ -117,7 +118,7 @@ class Qwen3XMLBody:
         if not self.started:
             return None
         if self._key is not None and self._is_string:  # cut inside a string value: close it
-            self._send_string(body[self._value_at :].removesuffix("\n"), events)
+            self._send_string(body, len(body), events)
             events.append(ArgumentsDelta(self.index, '"'))
         events.append(ArgumentsDelta(self.index, "}"))
         return events
@@ -150,35 +151,35 @@ class Qwen3XMLBody:
 
     def _read_value(self, body: str, events: list[ToolEvent]) -> bool:
         """Read the open parameter's value; True once its ``</parameter>`` has been read."""
-        end = body.find(PARAM_END, self._value_at)
+        end = body.find(PARAM_END, max(self._value_at, self._scan))
         if end < 0:
+            self._scan = max(0, len(body) - len(PARAM_END) + 1)  # searched once per character
             if self._is_string:
-                upto = len(body) - held_back(body, PARAM_END)
-                self._send_string(body[self._value_at : upto], events, hold_newline=True)
+                self._send_string(body, len(body) - held_back(body, PARAM_END), events)
             return False
-        text = body[self._value_at : end]
         if self._is_string:
-            self._send_string(text.removesuffix("\n"), events)
+            self._send_string(body, end, events)
             events.append(ArgumentsDelta(self.index, '"'))
         else:
+            text = body[self._value_at : end]
             value = json.dumps(_value(text, self._params.get(self._key or "")), ensure_ascii=False)
             events.append(ArgumentsDelta(self.index, self._head + value))
         self._key, self._at = None, end + len(PARAM_END)
         return True
 
-    def _send_string(self, text: str, events: list[ToolEvent], hold_newline: bool = False) -> None:
-        """Send the value's characters not yet sent: the newline after the tag is none of them; while
-        the value is open a last newline waits (it may be the one before ``</parameter>``)."""
-        if not text:
-            return
-        if text.startswith("\n"):
-            text = text[1:]
-        if hold_newline:
-            text = text.removesuffix("\n")
-        piece = text[self._sent :]
-        if piece:
-            events.append(ArgumentsDelta(self.index, json.dumps(piece, ensure_ascii=False)[1:-1]))
-            self._sent += len(piece)
+    def _send_string(self, body: str, stop: int, events: list[ToolEvent]) -> None:
+        """Send the open value's characters up to ``stop`` not yet sent: the newline after the tag and
+        a last newline are none of them (that one may be the newline before ``</parameter>``, else
+        it goes out with the text after it)."""
+        start = self._value_at
+        if stop > start and body[start] == "\n":
+            start += 1
+        if stop > start and body[stop - 1] == "\n":
+            stop -= 1
+        begin = start + self._sent
+        if stop > begin:
+            events.append(ArgumentsDelta(self.index, json.dumps(body[begin:stop], ensure_ascii=False)[1:-1]))
+            self._sent += stop - begin
 
 
 def qwen3_xml_stream(schemas: Mapping[str, Any]) -> MarkerStream:

@@ -17,6 +17,7 @@ from ray.autoscaler._private.util import prepare_config, validate_config
 from cluster.app import build_app, encoder_placement
 from cluster.autoscaling_policy import LLM_POLICY
 from cluster.config import AppConfig
+from cluster.malloc_env import ENCODER_MALLOC_ENV
 from tests.integration.deploy.helpers import (
     pool_options,
     pool_policy,
@@ -153,6 +154,9 @@ def test_serve_builds_the_options_the_checks_look_at() -> None:
         assert d._replica_config.placement_group_bundles == opts.get("placement_group_bundles"), name
         assert d._replica_config.placement_group_strategy == opts.get("placement_group_strategy"), name
     assert built[f"EncoderServer-{m.name}"]._replica_config.placement_group_bundles  # TP 2: a group
+    # glibc's malloc settings reach the encoder replicas' processes (cluster/malloc_env.py)
+    env = built[f"EncoderServer-{m.name}"]._replica_config.ray_actor_options["runtime_env"]["env_vars"]
+    assert ENCODER_MALLOC_ENV.items() <= env.items()
 
 
 def test_serve_cpu_pd_builds_a_prefill_and_a_decode_pool() -> None:

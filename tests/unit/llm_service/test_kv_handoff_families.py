@@ -19,6 +19,7 @@ from llm_service.kv_cache_manager import cdiv
 from llm_service.kv_handoff import ImportSlots, KVBlocks
 from llm_service.outputs import GenerateRequest, RequestOutput
 from llm_service.sampling_params import SamplingParams
+from llm_service.sequence import Request
 from tests.tiny_dirs import tiny_model_dir
 from tests.unit.llm_service.hf_ref import (
     GREEDY,
@@ -52,10 +53,13 @@ def transfer(p: LLMEngine, d: LLMEngine, rid: str, slots: ImportSlots) -> KVBloc
         held.window_ids[slots.window_from :],
         slots.window_from,
         held.state_slot,
+        held.snapshot_slot,
     )
-    d.runner.write_kv_blocks(slots.block_ids, payload, slots.window_ids, slots.state_slot)
+    d.runner.write_kv_blocks(
+        slots.block_ids, payload, slots.window_ids, slots.state_slot, slots.snapshot_slot
+    )
     p.release_handoff(rid)
-    d.admit_import(rid)
+    d.admit_import(rid, payload.snapshot)
     return payload
 
 
@@ -90,7 +94,7 @@ def next_turn(one: RefCase, answer: list[int], more: list[int]) -> RefCase:
 
 
 def window_layers(eng: LLMEngine) -> list[bool]:
-    return eng.runner._windowed_caches()
+    return [w is not None for w in eng.runner.text_config.kv_layer_windows()]
 
 
 # ---- Gemma 3: window layers -----------------------------------------------------------------------
@@ -215,8 +219,15 @@ def test_qwen3_5_moves_the_linear_state_and_equals_hf(qwen35) -> None:
     for i, c in enumerate(cases):
         tokens, slots, payload = decoded(p, d, f"h{i}", c)
         assert tokens == hf_generate(hf, c, N), i
-        assert slots.state_slot is not None
-        assert len(payload.states) == 2 * len(states.conv)  # conv then recurrent, per linear layer
+        assert slots.state_slot is not None and payload.snapshot
+        # conv then recurrent per linear layer: the state after the prompt, then the snapshot at its
+        # last full block, which the decode side filed as a colocated engine files its own
+        assert len(payload.states) == 4 * len(states.conv)
+        # so a colocated-style hit there (a preempted request's resume) reaches the prompt's last full
+        # block: the KV blocks and the snapshot at their end
+        spans = [(m.offset, m.length, m.mm_hash) for m in c.mm_inputs]
+        probe = Request("probe", [*c.prompt, 0], GREEDY, mm_spans=spans)
+        assert len(d.kv.get_computed_blocks(probe)) == len(c.prompt) // d.config.block_size
     assert_all_free(d)
     assert d.kv.states.num_free == d.kv.states.num_slots  # type: ignore[attr-defined]
 

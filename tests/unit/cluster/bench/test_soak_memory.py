@@ -31,10 +31,10 @@ Rss:                8000 kB
 
 
 def test_each_mapping_goes_to_its_class() -> None:
-    kib, arenas = parse_smaps(SMAPS)
+    kib, arena_heaps = parse_smaps(SMAPS)
     # the 64 MiB-aligned anonymous mapping is an arena; its ---p reserve holds nothing resident
     assert kib == {"shm": 8000, "file": 400, "heap": 1500, "arena": 30000, "anon": 700}
-    assert arenas == 1
+    assert arena_heaps == 1
 
 
 def test_an_anonymous_mapping_off_the_arena_alignment_is_plain_anon() -> None:

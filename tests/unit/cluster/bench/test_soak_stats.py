@@ -19,6 +19,7 @@ from cluster.bench.soak_stats import (
     growth,
     growth_table,
     parse_statm_rss,
+    parse_status_shmem,
     read_mem,
     reference_sample,
     sample_procs,
@@ -54,13 +55,43 @@ def test_statm_and_this_process_read() -> None:
     assert parse_statm_rss("1000 250 30 1 0 400 0\n") == 250 * PAGE_BYTES
     with pytest.raises(ValueError, match="statm"):
         parse_statm_rss("12")
-    rss, fds = read_mem(os.getpid()) or (0, 0)
+    rss, fds, _ = read_mem(os.getpid()) or (0, 0, 0)
     assert rss > 10 * MIB and fds >= 3  # a Python with pytest loaded, stdin/out/err open
     me = read_proc(os.getpid())
     assert me is not None
     (p,) = sample_procs({me.pid: me}, {me.pid: "bench"})
     assert (p.pid, p.kind, p.start_ticks) == (me.pid, "bench", me.start_ticks)
     assert read_mem(2**22 + 12345) is None  # no such pid
+
+
+def test_shared_memory_pages_this_process_touches_count_in_its_rss_and_as_shm() -> None:
+    """A /dev/shm segment (what the object store is) of 8 MiB, written: RssShmem and RSS both grow by
+    it, the private part (RSS less shm) by little."""
+    from multiprocessing import shared_memory
+
+    assert parse_status_shmem("VmRSS:\t 2048 kB\nRssShmem:\t  512 kB\n") == 512 * 1024
+    assert parse_status_shmem("VmRSS:\t 2048 kB\n") == 0
+    rss0, _, shm0 = read_mem(os.getpid()) or (0, 0, 0)
+    seg = shared_memory.SharedMemory(create=True, size=8 * MIB)
+    try:
+        seg.buf[:] = b"x" * (8 * MIB)
+        rss1, _, shm1 = read_mem(os.getpid()) or (0, 0, 0)
+    finally:
+        seg.close()
+        seg.unlink()
+    assert shm1 - shm0 >= 8 * MIB
+    assert rss1 - rss0 >= 8 * MIB and (rss1 - shm1) - (rss0 - shm0) < 2 * MIB
+
+
+def test_growth_without_the_object_store_pages() -> None:
+    """A raylet whose RSS grows only by store pages it touched: RSS +10 %, private growth 0."""
+    ref = Sample(300.0, "load", (ProcMem(7, 1, "raylet", 30 * MIB, 100, 1 * MIB),), None)
+    end = Sample(600.0, "load", (ProcMem(7, 1, "raylet", 33 * MIB, 100, 4 * MIB),), None)
+    (g,), _ = growth([ref, end], 300.0)
+    assert g.rss_growth == pytest.approx(0.10) and g.private_growth == 0.0
+    v = verdict([ref, end], 300.0)
+    assert not v.rss_ok and v.private_ok and v.worst_private_kind == "raylet"
+    assert from_csv(to_csv([ref, end]))[1].procs[0].shm_bytes == 4 * MIB
 
 
 def test_reference_is_the_first_load_sample_at_minute_five() -> None:
