@@ -46,7 +46,8 @@ fuzz: setup
 	$(PY) -m cluster.bench.fuzz --all --seconds $(FUZZ_SECONDS)
 
 # The chaos tier (tests/integration/chaos: node loss, kills during scale-up and overlap prefill, a head
-# restart with GCS fault tolerance): minutes each, deselected from `make test` by pyproject's addopts.
+# restart with GCS fault tolerance, E/P/D's prefill, decode and hand-off kills, E/P/D's pools on three
+# nodes scaled by their own bursts): minutes each, deselected from `make test` by pyproject's addopts.
 # The head-restart test needs redis-server (Debian: apt-get install -y redis-server).
 .PHONY: chaos
 chaos: setup

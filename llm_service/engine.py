@@ -14,7 +14,7 @@ from llm_service.config import EngineConfig
 from llm_service.errors import RequestFaults, RequestRejected
 from llm_service.hybrid_kv_cache_manager import HybridKVCacheManager
 from llm_service.kv_cache_manager import KVCacheManager, cdiv
-from llm_service.kv_handoff import ImportSlots, KVTransferFailed
+from llm_service.kv_handoff import HeldKV, ImportSlots, KVTransferFailed
 from llm_service.model_runner import ModelRunner
 from llm_service.multimodal import MultiModalInput
 from llm_service.outputs import (
@@ -123,7 +123,6 @@ class LLMEngine:
         replica's): it leaves with its first token (``finish_reason="handoff"``), its blocks held for
         a decode replica (``handoff_blocks``, ``release_handoff``)."""
         if handoff:
-            self._check_handoff_family()
             self.scheduler.release_handoff(request_id)  # prefilled again: its earlier hand-off is void
         req = self._new_request(request_id, prompt_token_ids, sampling_params, mm_inputs, cache_salt)
         req.handoff = handoff
@@ -294,6 +293,15 @@ class LLMEngine:
         req = self.scheduler.handed_off[request_id]
         return self.kv.block_table(request_id)[: cdiv(req.num_computed_tokens, self.config.block_size)]
 
+    def handoff_kv(self, request_id: str) -> HeldKV:
+        """What a handed-off request holds for its pull: its blocks, its window group's, its state slot."""
+        req = self.scheduler.handed_off[request_id]
+        blocks = self.handoff_blocks(request_id)
+        first, window = self.kv.window_held(request_id, len(blocks))
+        if not isinstance(self.kv, HybridKVCacheManager) or req.state is None:
+            return HeldKV(blocks, window, first)
+        return HeldKV(blocks, window, first, req.state.slot, self.kv.hold_prompt_snapshot(req))
+
     def handoff_hashes(self, request_id: str) -> list[bytes]:
         """The chained hashes of a handed-off request's full prompt blocks (empty without prefix caching)."""
         req = self.scheduler.handed_off[request_id]
@@ -318,8 +326,7 @@ class LLMEngine:
         no embeddings (their positions are never computed here). ``block_hashes``: the prefill side's
         chained hashes of the full blocks, which must equal this side's (the same tokens, items and
         salt), else ``KVTransferFailed``. Raises ``RequestRejected`` as ``add_request`` does,
-        ``Overloaded`` when the pool is short of blocks."""
-        self._check_handoff_family()
+        ``Overloaded`` when the pool is short of blocks (or of state slots)."""
         req = self._new_request(request_id, prompt_token_ids, sampling_params, mm_inputs, cache_salt)
         token = first.new_token_ids[0]
         req.append_output(token, first.new_logprobs[0] if first.new_logprobs else None)
@@ -328,8 +335,9 @@ class LLMEngine:
         if hits is None:
             self.runner.release(request_id)
             raise Overloaded(
-                f"this decode replica has {self.kv.num_free_blocks} free KV blocks; "
-                f"{request_id} needs {cdiv(req.num_prompt_tokens, self.config.block_size)}"
+                f"this decode replica has {self.kv.num_free_blocks} free KV blocks (and its window "
+                f"blocks or state slots, where the model has them); {request_id} needs "
+                f"{cdiv(req.num_prompt_tokens, self.config.block_size)}"
             )
         req.num_cached_tokens = first.num_cached_tokens  # the prefill side's hit: what saved compute
         self._importing[request_id] = req
@@ -338,24 +346,23 @@ class LLMEngine:
         if self.kv.enable_caching and block_hashes and ours != list(block_hashes):
             self.cancel_import(request_id)
             raise KVTransferFailed(f"{request_id}: the prefill side's block hashes differ from this side's")
-        return ImportSlots(hits, self.kv.block_table(request_id)[hits:])
-
-    def _check_handoff_family(self) -> None:
-        """Hand-offs move one group of full-attention blocks: a hybrid model's linear-attention state and
-        a sliding-window group's own blocks do not cross yet (docs/disaggregation.md)."""
-        if type(self.kv) is not KVCacheManager:
-            raise RequestRejected(
-                "bad_role",
-                f"this model's KV ({type(self.kv).__name__}) cannot be handed between prefill and "
-                "decode replicas yet; serve it with llm.pools role 'both'",
+        window_from, window_ids = self.kv.import_window(request_id, hits)
+        slots = ImportSlots(hits, self.kv.block_table(request_id)[hits:], window_from, window_ids)
+        if isinstance(self.kv, HybridKVCacheManager) and req.state is not None:
+            slots = dataclasses.replace(
+                slots, state_slot=req.state.slot, snapshot_slot=self.kv.import_snapshot(req)
             )
+        return slots
 
-    def admit_import(self, request_id: str) -> None:
+    def admit_import(self, request_id: str, snapshot: bool = False) -> None:
         """Its KV is in its blocks: register them under their chained hashes and run it from its first
-        token (emitted by the next ``step``). Unknown ids (aborted meanwhile) are ignored."""
+        token (emitted by the next ``step``). ``snapshot``: a hybrid's pulled KV held the prefill
+        side's snapshot, filed with the blocks. Unknown ids (aborted meanwhile) are ignored."""
         req = self._importing.pop(request_id, None)
         if req is None:
             return
+        if not snapshot and isinstance(self.kv, HybridKVCacheManager):
+            self.kv.drop_import_snapshot(req)
         req.num_computed_tokens = req.num_prompt_tokens
         self.kv.cache_computed_blocks(req)
         req.scheduled_time = req.first_token_time = time.monotonic()

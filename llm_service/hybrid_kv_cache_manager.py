@@ -81,6 +81,46 @@ class HybridKVCacheManager(KVCacheManager):
                 req.state.captures.append((pos, slot))
         return True
 
+    def allocate_import(self, req: Request, num_tokens: int) -> int | None:
+        """Blocks and a state slot for a request prefilled elsewhere (E/P/D's decode side): its states
+        come with its KV, so any cached leading blocks are taken (no snapshot needed) and nothing is
+        restored or captured here; the imported blocks are registered without snapshots (a later
+        prefix hit here is trimmed to blocks with one, as for every hit)."""
+        if self.states.num_free == 0:
+            return None
+        bs = self.block_size
+        hits = KVCacheManager.get_computed_blocks(self, req)[: num_tokens // bs]
+        if not KVCacheManager.allocate_slots(self, req, num_tokens - len(hits) * bs, hits):
+            return None
+        req.state = StateAssignment(self.states.allocate(req.request_id))
+        end = num_tokens // bs * bs  # the prompt's last full block: a snapshot slot for the prefill side's
+        if self.enable_caching and end > len(hits) * bs and (slot := self.snapshots.reserve()) is not None:
+            req.state.captures.append((end, slot))  # filed by cache_computed_blocks, released by free
+        return len(hits)
+
+    def import_snapshot(self, req: Request) -> int | None:
+        """The snapshot slot an import reserved for the prefill side's snapshot (None: none)."""
+        return req.state.captures[0][1] if req.state is not None and req.state.captures else None
+
+    def drop_import_snapshot(self, req: Request) -> None:
+        """The prefill side sent no snapshot: give its reserved slot back before the blocks are filed."""
+        if req.state is not None:
+            for _, slot in req.state.captures:
+                self.snapshots.release(slot)
+            req.state.captures = []
+
+    def hold_prompt_snapshot(self, req: Request) -> int | None:
+        """A handed-off request's snapshot at its prompt's last full block, pinned until the request's
+        blocks are freed (``free``): what a decode replica pulls with its state. None: none filed."""
+        n = req.num_prompt_tokens // self.block_size
+        if not self.enable_caching or n == 0 or req.request_id in self._restoring:
+            return None
+        block_hash = req.block_hashes[n - 1]
+        if self.snapshots.lookup(block_hash) is None:
+            return None
+        self._restoring[req.request_id] = block_hash  # unpinned by free(), as a restore's is
+        return self.snapshots.pin(block_hash)
+
     def capture_points(self, req: Request, start: int, num_new_tokens: int) -> list[int]:
         """Block boundaries in ``(start, start + num_new_tokens]`` to snapshot (the policy above)."""
         if not self.enable_caching:

@@ -104,6 +104,15 @@ class KVCacheManager:
             return None
         return len(hits)
 
+    def import_window(self, request_id: str, hit_blocks: int) -> tuple[int, list[int]]:
+        """An import's window-group blocks to fill: ``(first block index, block ids)`` (none here)."""
+        return 0, []
+
+    def window_held(self, request_id: str, num_blocks: int) -> tuple[int, list[int]]:
+        """A handed-off request's window-group table up to ``num_blocks`` and its first entry that is
+        not the null block (none here)."""
+        return 0, []
+
     def cache_computed_blocks(self, req: Request) -> None:
         """Register the request's newly full, computed blocks in the prefix cache."""
         if not self.enable_caching:

@@ -6,13 +6,27 @@ prefill side's pins (pure: no torch, no Ray)::
                                         the prompt's blocks pinned (``HandoffPins``) until pulled
   ingress ──submit(spec + KVHandoff)─▶ decode replica: the leading full blocks its own prefix cache
                                         holds are taken, the rest allocated (``ImportSlots``);
-          decode ──pull_kv(rid, from_block)──▶ prefill replica (over the authenticated direct link)
+          decode ──pull_kv(rid, from_block, window_from)──▶ prefill replica (over the direct link)
           decode ◀──KVBlocks (those blocks only)──  pin released: the blocks stay in its prefix cache
                                         written block by block into the allocated blocks, registered
                                         under the same chained hashes; the request runs on from the
                                         first token, its tokens streamed on the decode replica's channel
   A pin lasts until its pull or its deadline, whichever comes first; a failed pull frees the decode
   side's blocks (the ingress prefills the request again).
+
+What moves per family (``HeldKV`` on the prefill side, ``ImportSlots`` on the decode side):
+
+  full-attention layers   the prompt's blocks from the first one the decode side's cache lacks
+  sliding-window layers   (Gemma 3/4: their own block group) only the blocks the decode side's first
+                          query still reads, ``[(P - window + 1) // block_size, cdiv(P, block_size))``;
+                          the decode side's table holds the null block before them, as a colocated
+                          request's does once its window has passed them
+  KV-shared layers        (Gemma 4) nothing: they own no cache, they read their owner's
+  linear-attention layers (Qwen3.5) the request's conv and recurrent state after its ``P`` prompt
+                          tokens, written into the state slot the decode side gave the request;
+                          and the prefill side's snapshot at the prompt's last full block, where it
+                          took one (as a colocated engine does), filed on the decode side under that
+                          block's hash: a preempted request resumes from there
 """
 
 from __future__ import annotations
@@ -71,7 +85,9 @@ class KVHandoff:
 class KVBlocks:
     """What crosses the wire: blocks ``[from_block, from_block + num_blocks)`` of a request, per
     KV-writing layer one buffer of ``[2, num_blocks, block_size, heads, head_dim]`` (K and V) values
-    of ``dtype``, raw bytes in the layer's shape."""
+    of ``dtype``, raw bytes in the layer's shape (a sliding-window layer's: its window blocks from
+    ``window_from``, so its own count); a hybrid model's linear-attention state after the prompt,
+    per linear layer its conv state then its recurrent state (``state_shapes``, ``state_dtypes``)."""
 
     request_id: str
     from_block: int
@@ -79,24 +95,49 @@ class KVBlocks:
     dtype: str
     shapes: list[tuple[int, ...]]
     data: list[bytes]
+    window_from: int = 0
+    snapshot: bool = False  # ``states`` holds a second set: the snapshot at the last full prompt block
+    state_shapes: list[tuple[int, ...]] = field(default_factory=list)
+    state_dtypes: list[str] = field(default_factory=list)
+    states: list[bytes] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
-        return sum(len(d) for d in self.data)
+        return sum(len(d) for d in self.data) + sum(len(s) for s in self.states)
+
+
+@dataclass(frozen=True)
+class HeldKV:
+    """What a prefill replica holds of a handed-off request for its pull: its full-group blocks (the
+    last may be partial); a window group's table up to the prompt's end, whose entries before
+    ``window_first`` are the null block (dropped: no later query reads them); a hybrid model's state
+    slot."""
+
+    block_ids: list[int]
+    window_ids: list[int] = field(default_factory=list)
+    window_first: int = 0
+    state_slot: int | None = None
+    snapshot_slot: int | None = None  # the state snapshot at the prompt's last full block (pinned)
 
 
 @dataclass(frozen=True)
 class ImportSlots:
     """The decode replica's blocks for an imported request: ``hit_blocks`` leading full blocks found in
-    its own prefix cache (not pulled), then ``block_ids`` to fill with the pulled ones."""
+    its own prefix cache (not pulled), then ``block_ids`` to fill with the pulled ones; a window
+    group's blocks ``window_ids`` for the prompt's window blocks from ``window_from`` on; a hybrid
+    model's ``state_slot`` for the pulled state."""
 
     hit_blocks: int
     block_ids: list[int]
+    window_from: int = 0
+    window_ids: list[int] = field(default_factory=list)
+    state_slot: int | None = None
+    snapshot_slot: int | None = None  # reserved for the prefill side's snapshot, if it sends one
 
 
 @dataclass
 class _Pin:
-    block_ids: list[int]
+    held: HeldKV
     expires_at: float
     generation: int
     pulling: bool = False
@@ -116,20 +157,20 @@ class HandoffPins:
     def __len__(self) -> int:
         return len(self._pins)
 
-    def pin(self, request_id: str, block_ids: list[int], deadline_s: float) -> int:
-        """Hold ``block_ids`` for a pull; a request prefilled again replaces its earlier pin (whose blocks
+    def pin(self, request_id: str, held: HeldKV, deadline_s: float) -> int:
+        """Hold ``held`` for a pull; a request prefilled again replaces its earlier pin (whose blocks
         the engine freed). Returns the pin's generation, for ``expire``."""
         self._generations += 1
-        self._pins[request_id] = _Pin(list(block_ids), self.clock() + deadline_s, self._generations)
+        self._pins[request_id] = _Pin(held, self.clock() + deadline_s, self._generations)
         return self._generations
 
-    def take(self, request_id: str) -> list[int] | None:
-        """Start the pull: the request's block ids, or None (unknown, expired, or pulled already)."""
+    def take(self, request_id: str) -> HeldKV | None:
+        """Start the pull: what the request holds, or None (unknown, expired, or pulled already)."""
         pin = self._pins.get(request_id)
         if pin is None or pin.pulling or self.clock() > pin.expires_at:
             return None
         pin.pulling = True
-        return pin.block_ids
+        return pin.held
 
     def done(self, request_id: str) -> bool:
         """The pull ended (sent or failed): True if the caller should free the blocks now."""

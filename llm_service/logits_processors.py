@@ -4,29 +4,21 @@ Definitions and order are vLLM's: the grammar's token bitmask, ``logit_bias``, `
 tokens masked until enough were generated), then the penalties: ``repetition_penalty`` over the
 prompt and the output (transformers' ``RepetitionPenaltyLogitsProcessor``), ``frequency_penalty`` and
 ``presence_penalty`` over the output only (OpenAI's definition). Each processor touches only the rows
-that ask for it; a batch that asks for none costs one pass over ``params``.
+that ask for it, from the step's ``SamplingBatch`` (its tensors built once per distinct batch): bias
+is one sparse accumulate, ``min_tokens`` one sparse fill, the penalties read token counts kept across
+steps (``OutputCounts``). A batch that asks for none returns the logits untouched.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
+from llm_service.output_counts import OutputCounts, RowTokens
+from llm_service.sampling_batch import SamplingBatch
 from llm_service.sampling_params import SamplingParams
-
-
-class RowTokens(Protocol):
-    """What the penalties and ``min_tokens`` read of a sampling row's request (a ``Request`` is one)."""
-
-    @property
-    def prompt_token_ids(self) -> list[int]: ...
-    @property
-    def output_token_ids(self) -> list[int]: ...
-    @property
-    def stop_token_ids(self) -> frozenset[int]: ...
 
 
 @dataclass
@@ -38,82 +30,91 @@ class GrammarMasks:
     rows: list[int]
 
 
-_BIT = None  # the 32 bit positions, built on first use
+# byte value -> its 8 bits as additive logits (0: allowed, -inf: not), least significant bit first
+_BYTE_BIAS: dict[torch.device, torch.Tensor] = {}
 
 
-def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[R, W] int32 -> [R, vocab_size] bool (True: allowed)."""
-    global _BIT
-    if _BIT is None:
-        _BIT = torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int32)
-    bits = (words.unsqueeze(-1) & _BIT.to(words.device)) != 0
-    return bits.flatten(1)[:, :vocab_size]
+def bitmask_bias(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[R, W] int32 packed bitmask -> [R, vocab_size] float: 0 where allowed, -inf where not. One
+    table lookup per byte of the mask (little-endian: byte ``t // 8`` holds token ``t`` at bit
+    ``t % 8``), several times cheaper on CPU than unpacking bits into a bool mask and filling."""
+    table = _BYTE_BIAS.get(words.device)
+    if table is None:
+        bits = [[0.0 if (b >> i) & 1 else float("-inf") for i in range(8)] for b in range(256)]
+        table = _BYTE_BIAS[words.device] = torch.tensor(bits, device=words.device)
+    as_bytes = words.contiguous().view(torch.uint8).long()
+    return torch.nn.functional.embedding(as_bytes, table).view(words.shape[0], -1)[:, :vocab_size]
 
 
 def apply_grammar(logits: torch.Tensor, masks: GrammarMasks) -> None:
+    """Add each grammar row's bias (``bitmask_bias``): ``x + 0`` is ``x`` and ``x - inf`` is -inf."""
+    vocab = logits.shape[1]
+    if len(masks.rows) == logits.shape[0] == masks.bitmask.shape[0]:  # every row: no gather
+        logits += bitmask_bias(masks.bitmask.to(logits.device), vocab)
+        return
     rows = torch.tensor(masks.rows, device=logits.device)
-    allowed = unpack_bitmask(masks.bitmask[rows].to(logits.device), logits.shape[1])
-    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
-
-
-def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
-    rows, ids, vals = [], [], []
-    for i, p in enumerate(params):
-        for t, b in p.logit_bias:
-            rows.append(i)
-            ids.append(t)
-            vals.append(b)
-    if rows:
-        index = (torch.tensor(rows, device=logits.device), torch.tensor(ids, device=logits.device))
-        logits.index_put_(
-            index, torch.tensor(vals, dtype=logits.dtype, device=logits.device), accumulate=True
-        )
+    words = masks.bitmask.to(logits.device).index_select(0, rows)
+    logits.index_copy_(0, rows, logits.index_select(0, rows) + bitmask_bias(words, vocab))
 
 
 def apply_min_tokens(
-    logits: torch.Tensor, params: Sequence[SamplingParams], ctx: Sequence[RowTokens]
+    logits: torch.Tensor, batch: SamplingBatch, ctx: Sequence[RowTokens], grammar: bool
 ) -> None:
-    """Mask the stop tokens of rows below their ``min_tokens``, unless that leaves no token at all
-    (a grammar that allows only a stop token: the grammar wins)."""
-    for i, p in enumerate(params):
-        if p.min_tokens and len(ctx[i].output_token_ids) < p.min_tokens and ctx[i].stop_token_ids:
-            stops = torch.tensor(sorted(ctx[i].stop_token_ids), device=logits.device)
-            row = logits[i].index_fill(0, stops, float("-inf"))
-            if bool(torch.isfinite(row).any()):
-                logits[i] = row
-
-
-def _padded(lists: list[list[int]], fill: int, device: torch.device) -> torch.Tensor:
-    width = max(1, max(len(x) for x in lists))
-    out = torch.full((len(lists), width), fill, dtype=torch.long)
-    for r, x in enumerate(lists):
-        if x:
-            out[r, : len(x)] = torch.tensor(x, dtype=torch.long)
-    return out.to(device)
-
-
-def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], ctx: Sequence[RowTokens]) -> None:
-    rows = [i for i, p in enumerate(params) if p.penalized]
+    """Mask the stop tokens of rows below their ``min_tokens``, unless that leaves a row no token at
+    all (a ``grammar`` that allows only a stop token: the grammar wins; without one, finite logits
+    always keep a token that is not a stop token)."""
+    rows: list[int] = []
+    ids: list[int] = []
+    for i in batch.min_tokens:
+        row = ctx[i]
+        if len(row.output_token_ids) < batch.params[i].min_tokens and row.stop_token_ids:
+            rows.extend([i] * len(row.stop_token_ids))
+            ids.extend(row.stop_token_ids)
     if not rows:
         return
-    n, vocab, dev = len(rows), logits.shape[1], logits.device
-    sub = logits[rows]
-    out_ids = _padded([ctx[i].output_token_ids for i in rows], vocab, dev)
-    counts = torch.zeros(n, vocab + 1, device=dev).scatter_add_(
-        1, out_ids, torch.ones_like(out_ids, dtype=torch.float)
-    )
-    counts = counts[:, :vocab]
-    rep = torch.tensor([params[i].repetition_penalty for i in rows], dtype=sub.dtype, device=dev)
-    if bool((rep != 1.0).any()):
-        prompt_ids = _padded([ctx[i].prompt_token_ids for i in rows], vocab, dev)
-        seen = torch.zeros(n, vocab + 1, dtype=torch.bool, device=dev).scatter_(1, prompt_ids, True)
-        seen = seen[:, :vocab] | (counts > 0)
-        r = rep.unsqueeze(1)
-        sub = torch.where(seen, torch.where(sub > 0, sub / r, sub * r), sub)
-    freq = torch.tensor([params[i].frequency_penalty for i in rows], dtype=sub.dtype, device=dev)
-    pres = torch.tensor([params[i].presence_penalty for i in rows], dtype=sub.dtype, device=dev)
-    sub = sub - freq.unsqueeze(1) * counts - pres.unsqueeze(1) * (counts > 0).to(sub.dtype)
-    logits[rows] = sub
+    index = torch.tensor([rows, ids], device=logits.device).unbind()
+    saved = logits[index] if grammar else None
+    logits.index_put_(index, torch.tensor(float("-inf"), device=logits.device))
+    if saved is None:
+        return
+    touched = sorted(set(rows))
+    dead = ~torch.isfinite(logits[touched].amax(-1))
+    if bool(dead.any()):
+        dead_rows = {touched[j] for j in dead.nonzero().flatten().tolist()}
+        back = torch.tensor([r in dead_rows for r in rows], device=logits.device)
+        logits.index_put_((index[0][back], index[1][back]), saved[back])
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    batch: SamplingBatch,
+    ctx: Sequence[RowTokens],
+    counts: OutputCounts | None,
+    keys: Sequence[Hashable] | None,
+) -> None:
+    """The penalized rows' repetition, frequency and presence penalties, from ``counts`` (kept across
+    steps under ``keys``, the rows' request ids) or, without it, from each row's whole output."""
+    pen = batch.penalties
+    if pen is None:
+        return
+    rows = batch.penalized
+    row_keys: list[Hashable] = list(rows)
+    if counts is None or keys is None:
+        counts = OutputCounts(logits.shape[1], logits.device)
+    else:
+        row_keys = [keys[i] for i in rows]
+    out, prompt = counts.rows(row_keys, [ctx[i] for i in rows], pen.repetition is not None)
+    sub = logits.index_select(0, pen.rows)
+    present = out > 0
+    if pen.repetition is not None:
+        assert prompt is not None
+        r = pen.repetition
+        sub = torch.where(prompt | present, torch.where(sub > 0, sub / r, sub * r), sub)
+    if pen.frequency is not None:
+        sub = sub - pen.frequency * out
+    if pen.presence is not None:
+        sub = sub - pen.presence * present
+    logits.index_copy_(0, pen.rows, sub)
 
 
 def process_logits(
@@ -121,15 +122,22 @@ def process_logits(
     params: Sequence[SamplingParams],
     ctx: Sequence[RowTokens] | None,
     grammar: GrammarMasks | None = None,
+    batch: SamplingBatch | None = None,
+    counts: OutputCounts | None = None,
+    keys: Sequence[Hashable] | None = None,
 ) -> torch.Tensor:
-    """``logits`` (float32, a copy when anything applies) with every row's processors applied."""
-    if grammar is None and not any(p.processed for p in params):
+    """``logits`` (float32, a copy when anything applies) with every row's processors applied;
+    ``batch``: ``params`` as tensors (built here when not given)."""
+    if batch is None:
+        batch = SamplingBatch.build(params, logits.shape[1], logits.device)
+    if grammar is None and not batch.processed:
         return logits
     logits = logits.clone()
     if grammar is not None and grammar.rows:
         apply_grammar(logits, grammar)
-    apply_logit_bias(logits, params)
+    if batch.bias is not None:
+        logits.index_put_((batch.bias.rows, batch.bias.ids), batch.bias.values, accumulate=True)
     if ctx is not None:
-        apply_min_tokens(logits, params, ctx)
-        apply_penalties(logits, params, ctx)
+        apply_min_tokens(logits, batch, ctx, grammar is not None)
+        apply_penalties(logits, batch, ctx, counts, keys)
     return logits

@@ -136,6 +136,10 @@ class OutputChannels:
         self._finish(ch, request_id)
         ch.wakeup.set()
 
+    def holds(self, request_id: str) -> bool:
+        """``request_id`` is still on an open channel (not finished, forgotten or orphaned)."""
+        return request_id in self._by_request
+
     def forget(self, request_id: str) -> None:
         """The request was aborted by its ingress: nothing more is sent for it."""
         ch = self._by_request.get(request_id)

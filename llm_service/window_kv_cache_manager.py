@@ -16,6 +16,10 @@ full blocks is trimmed to the longest ``k`` whose window blocks ``[k*bs - window
 cached too (the next chunk's queries read them).
 
 Admission counts both pools: ``allocate_slots`` changes nothing unless both can supply their blocks.
+
+An import (E/P/D's decode side, ``allocate_import``) of a prompt of ``P`` tokens takes window blocks
+for ``[(P - window + 1) // block_size, cdiv(P, block_size))`` only: what its first decode reads. The
+entries before are the null block, as if its window had already passed them here.
 """
 
 from __future__ import annotations
@@ -119,6 +123,36 @@ class WindowKVCacheManager(KVCacheManager):
             table.extend(self.window_pool.allocate(need))
         self._drop(rid, table, self._first_read(start))
         return True
+
+    def allocate_import(self, req: Request, num_tokens: int) -> int | None:
+        """The full group as ``KVCacheManager``'s; the window group only the blocks the first query after
+        the prompt reads (cached ones taken, the rest allocated to be pulled)."""
+        rid, bs = req.request_id, self.block_size
+        hits = self.get_computed_blocks(req)[: num_tokens // bs]
+        k, first = len(hits), self._first_read(num_tokens)
+        tokens = req.all_token_ids
+        found = [self._window_lookup(req, tokens, i) for i in range(first, k)]
+        kept = [b for b in found if b is not None]
+        if len(kept) != len(found):  # get_computed_blocks trimmed the hit to where they are cached
+            return None
+        need = cdiv(num_tokens, bs) - max(first, k)
+        if need + sum(1 for b in kept if b.ref_count == 0) > self.window_pool.num_free:
+            return None
+        if not KVCacheManager.allocate_slots(self, req, num_tokens - k * bs, hits):
+            return None
+        self.window_pool.touch(kept)
+        self._window[rid] = [self.null_block] * first + kept + self.window_pool.allocate(need)
+        self._dropped[rid] = first
+        self._window_hashed[rid] = k
+        return k
+
+    def import_window(self, request_id: str, hit_blocks: int) -> tuple[int, list[int]]:
+        start = max(self._dropped.get(request_id, 0), hit_blocks)
+        return start, [b.block_id for b in self._window.get(request_id, [])[start:]]
+
+    def window_held(self, request_id: str, num_blocks: int) -> tuple[int, list[int]]:
+        table = self._window.get(request_id, [])[:num_blocks]
+        return self._dropped.get(request_id, 0), [b.block_id for b in table]
 
     def _drop(self, rid: str, table: list[KVBlock], before: int) -> None:
         """Give back the window blocks before ``before`` (no later query of the request reads them)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 
 def template_takes_tools(chat_template: object) -> bool:
     """The chat template reads ``tools`` (a variable it does not set itself): the family's own
@@ -22,3 +24,40 @@ def template_takes_tools(chat_template: object) -> bool:
             if "tools" in source:
                 return True
     return False
+
+
+_PROBE_CALL = {"id": "call_0", "type": "function", "function": {"name": "probe", "arguments": {}}}
+PROBE_TOOLS = [{"type": "function", "function": {"name": "probe", "parameters": {"type": "object"}}}]
+
+
+def probe_tool_chat(modality: str | None) -> list[dict[str, object]]:
+    """A user turn, a call, and its result: text, then a ``modality`` part unless None."""
+    content: list[dict[str, object]] = [{"type": "text", "text": "done"}]
+    if modality is not None:
+        content.append({"type": modality})
+    return [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": "", "tool_calls": [_PROBE_CALL]},
+        {"role": "tool", "tool_call_id": "call_0", "content": content},
+    ]
+
+
+def tool_result_modalities(
+    render: Callable[[list[dict[str, object]]], str], modalities: Sequence[str]
+) -> frozenset[str]:
+    """The modalities a chat template renders in a tool result: those whose part changes the rendered
+    prompt (Qwen's templates put them inside ``<tool_response>``; Gemma 4's renders only the text of a
+    tool result, so an image there would have no place in the prompt). ``render``: the template applied
+    to messages (with ``PROBE_TOOLS``); a template that fails on the probe is taken to render them."""
+    try:
+        bare = render(probe_tool_chat(None))
+    except Exception:
+        return frozenset(modalities)
+    out = set()
+    for modality in modalities:
+        try:
+            if render(probe_tool_chat(modality)) != bare:
+                out.add(modality)
+        except Exception:
+            out.add(modality)
+    return frozenset(out)

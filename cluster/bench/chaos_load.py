@@ -143,14 +143,18 @@ def wanted(deployment: str) -> int:
     return sum(n for s, n in states.items() if s not in ("STOPPING", "STOPPED"))
 
 
-def kill_replica(deployment: str, pick: Callable[[list[str]], str] = lambda names: names[0]) -> str:
-    """SIGKILL one replica's process (its PID asked from the actor); returns the actor's name."""
+def replica_pid(name: str) -> int:
+    """The process of a Serve replica actor (asked from the actor itself)."""
     import ray
 
-    name = pick(replica_names(deployment))
     actor = ray.get_actor(name, namespace="serve")
-    pid = int(ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30))
-    os.kill(pid, signal.SIGKILL)
+    return int(ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30))
+
+
+def kill_replica(deployment: str, pick: Callable[[list[str]], str] = lambda names: names[0]) -> str:
+    """SIGKILL one replica's process (its PID asked from the actor); returns the actor's name."""
+    name = pick(replica_names(deployment))
+    os.kill(replica_pid(name), signal.SIGKILL)
     return name
 
 
@@ -209,25 +213,41 @@ def named_actor_leaks(models_shards: dict[str, int]) -> list[str]:
     return leaks
 
 
-def held(model: str, cache_index: tuple[str, int, int, int], asks: int = 4) -> dict[str, int]:
+def held(
+    model: str,
+    cache_index: tuple[str, int, int, int],
+    asks: int = 4,
+    llm_pools: Sequence[str] = ("LLMServer",),
+) -> dict[str, int]:
     """The leak baseline (``tests/integration/e2e/app_readings.nothing_held``): requests running or
     waiting on an LLM replica, KV blocks outside the free list, encoder-cache entries reserved; and
-    embedding refs the encoder replicas hold beyond the index's entries. A pool's stats go to one
-    replica per call: asked ``asks`` times, the largest of each kept (the pools are at one replica
-    once settled)."""
+    embedding refs the encoder replicas hold beyond the index's entries. ``llm_pools``: the model's LLM
+    deployments (E/P/D: ``LLMPrefillServer`` and ``LLMDecodeServer``), summed; a prefill replica's
+    hand-off pins still held (neither pulled nor expired) count as ``handoff_pins``.
+    A pool's stats go to one replica per call: asked ``asks`` times, the largest of each kept (the
+    pools are at one replica once settled)."""
     import asyncio as _asyncio
 
     from ray import serve
 
     from cluster.cache_shards import open_cache_index
 
-    handle = serve.get_deployment_handle(f"LLMServer-{model}", app_name=APP)
     out = {"running": 0, "waiting": 0, "kv_blocks_held": 0}
-    for _ in range(asks):
-        s = handle.stats.remote().result(timeout_s=30)
-        out["running"] = max(out["running"], s["num_running"])
-        out["waiting"] = max(out["waiting"], s["num_waiting"])
-        out["kv_blocks_held"] = max(out["kv_blocks_held"], s["num_total_blocks"] - s["num_free_blocks"])
+    for pool in llm_pools:
+        handle = serve.get_deployment_handle(f"{pool}-{model}", app_name=APP)
+        most: dict[str, int] = {}
+        for _ in range(asks):
+            s = handle.stats.remote().result(timeout_s=30)
+            now = {
+                "running": int(s["num_running"]),
+                "waiting": int(s["num_waiting"]),
+                "kv_blocks_held": int(s["num_total_blocks"] - s["num_free_blocks"]),
+            }
+            if s.get("role") == "prefill":
+                now["handoff_pins"] = int(s["kv_pins_held"])
+            most = {k: max(v, most.get(k, 0)) for k, v in now.items()}
+        for k, v in most.items():
+            out[k] = out.get(k, 0) + v
     cache = _asyncio.run(open_cache_index(*cache_index).stats())
     out["reserved"] = _int(cache["reserved"])
     # Refs: what the encoder replicas keep alive beyond what the index lists. Each replica drops a

@@ -123,11 +123,13 @@ class ChaosCluster:
 
 
 @contextlib.contextmanager
-def chaos_cluster(port: int, cache_dir: str) -> Iterator[ChaosCluster]:
-    """Start the cluster and the app; on the way out shut Serve, the driver and every node down."""
+def chaos_cluster(
+    port: int, cache_dir: str, config: dict[str, Any] | None = None, worker: dict[str, float] | None = None
+) -> Iterator[ChaosCluster]:
+    """Start the cluster and the app (``config``: this module's ``app_config`` unless given; node A
+    with the ``worker`` markers); on the way out shut Serve, the driver and every node down."""
     import ray
     from ray import serve
-    from ray.cluster_utils import Cluster
 
     from cluster.config import AppConfig
     from cluster.serve_cli import start
@@ -135,13 +137,12 @@ def chaos_cluster(port: int, cache_dir: str) -> Iterator[ChaosCluster]:
 
     apply_serve_env()  # read by the Serve processes each node starts
     head = {"num_cpus": 2, "resources": {"head_node": 1.0}, "include_dashboard": False}
-    c = Cluster(initialize_head=False)
+    c = start_head(head)  # a failed start is shut down in there
     try:
-        c.add_node(**head)  # the first node is the head; in here, a failed start is shut down too
-        node = c.add_node(num_cpus=2, resources=WORKER)
+        node = c.add_node(num_cpus=2, resources=worker or WORKER)
         c.wait_for_nodes()
         ray.init(address=c.address, namespace="mmserve")
-        start(AppConfig.model_validate(app_config(port, cache_dir)))
+        start(AppConfig.model_validate(config or app_config(port, cache_dir)))
         yield ChaosCluster(c, node, f"http://127.0.0.1:{port}/v1")
     finally:
         with contextlib.suppress(Exception):
@@ -149,6 +150,24 @@ def chaos_cluster(port: int, cache_dir: str) -> Iterator[ChaosCluster]:
         with contextlib.suppress(Exception):
             ray.shutdown()
         c.shutdown()
+
+
+def start_head(head: dict[str, Any], tries: int = 3) -> Cluster:
+    """A cluster with its first node, the head, started; a start that times out (Ray waits 30 s for
+    the raylet to register, which a busy machine can miss) is shut down and tried again."""
+    from ray.cluster_utils import Cluster
+
+    for attempt in range(1, tries + 1):
+        c = Cluster(initialize_head=False)
+        try:
+            c.add_node(**head)
+            return c
+        except Exception as e:
+            c.shutdown()
+            if "timed out during startup" not in str(e) or attempt == tries:
+                raise
+            log(f"the head's start timed out (try {attempt} of {tries}): starting it again")
+    raise AssertionError("unreachable: the last try returns or raises")
 
 
 def node_pids(node: Node) -> set[int]:

@@ -4,6 +4,7 @@ at a fixed concurrency, and the server's own counters from ``GET /stats``."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, cast
@@ -29,11 +30,13 @@ def make_client(base_url: str, timeout_s: float) -> openai.AsyncOpenAI:
 
 
 async def send_request(client: openai.AsyncOpenAI, spec: RequestSpec, max_tokens: int) -> RequestResult:
-    """One streamed request; TTFT is taken at the first chunk that carries a choice."""
+    """One streamed request; TTFT is taken at the first chunk that carries a choice, and the gaps
+    between chunks that carry text are its inter-token latencies (``vllm bench serve``'s ITL)."""
     start = time.perf_counter()
     ttft: float | None = None
     usage: CompletionUsage | None = None
     chunks_with_text = 0
+    text_at: list[float] = []
     try:
         stream = await client.chat.completions.create(
             model=spec.model,
@@ -49,19 +52,29 @@ async def send_request(client: openai.AsyncOpenAI, spec: RequestSpec, max_tokens
             if chunk.choices:
                 if ttft is None:
                     ttft = time.perf_counter() - start
-                chunks_with_text += bool(chunk.choices[0].delta.content)
+                if chunk.choices[0].delta.content:
+                    chunks_with_text += 1
+                    text_at.append(time.perf_counter())
             if chunk.usage is not None:
                 usage = chunk.usage
     except Exception as e:  # any failure is one failed request in the table, not the end of the run
         return RequestResult(spec.kind, ok=False, e2e_s=time.perf_counter() - start, error=_error_text(e))
-    return _result(spec.kind, time.perf_counter() - start, ttft, usage, chunks_with_text)
+    itls = tuple(b - a for a, b in itertools.pairwise(text_at))
+    return _result(spec.kind, time.perf_counter() - start, ttft, usage, chunks_with_text, itls)
 
 
 def _result(
-    kind: str, e2e: float, ttft: float | None, usage: CompletionUsage | None, chunks_with_text: int
+    kind: str,
+    e2e: float,
+    ttft: float | None,
+    usage: CompletionUsage | None,
+    chunks_with_text: int,
+    itls: tuple[float, ...] = (),
 ) -> RequestResult:
     if usage is None:  # a server that ignores include_usage: count text chunks instead
-        return RequestResult(kind, ok=True, e2e_s=e2e, ttft_s=ttft, output_tokens=chunks_with_text)
+        return RequestResult(
+            kind, ok=True, e2e_s=e2e, ttft_s=ttft, output_tokens=chunks_with_text, itls_s=itls
+        )
     details = getattr(usage, "prompt_tokens_details", None)
     return RequestResult(
         kind,
@@ -71,6 +84,7 @@ def _result(
         output_tokens=usage.completion_tokens,
         prompt_tokens=usage.prompt_tokens,
         cached_tokens=(details.cached_tokens or 0) if details is not None else 0,
+        itls_s=itls,
     )
 
 

@@ -25,6 +25,7 @@ class RequestResult:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    itls_s: tuple[float, ...] = ()  # gaps between the streamed chunks that carried text
 
     @property
     def tpot_s(self) -> float | None:

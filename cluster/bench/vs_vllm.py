@@ -23,6 +23,10 @@ cluster: ``ray start --head --num-cpus=2 --resources='{"encoder_node": 1}'`` and
 embeddings cross from one raylet's object store to the other's. A cluster's CPU counts every process
 of it (GCS, raylets, dashboard, monitors, agents, Serve's controller, proxy and replicas).
 
+``--paired-body JSON`` runs every load twice on each server start, without and then with that JSON merged
+into every request (a ``response_format``): what a schema costs (TPOT with it against without) comes
+from one run of one server process.
+
 ``--mmserve-baseline DIR`` also runs mmserve from another checkout (e.g. ``git archive <commit> | tar -x
 -C DIR``), so a change is measured before and after in one run, under the same conditions.
 """
@@ -50,6 +54,7 @@ from cluster.bench.vs_report import (
     Load,
     LoadResult,
     median_rounds,
+    paired,
     render,
     results_json,
     select_loads,
@@ -59,19 +64,32 @@ REPO = Path(__file__).resolve().parents[2]
 ENCODER_NODE, LLM_NODE = {"encoder_node": 0.001}, {"llm_node": 0.001}  # as serve-gpu.yaml asks
 
 
-def make_servers(args: argparse.Namespace) -> dict[str, BenchServer]:
-    common = ["--host", "127.0.0.1"]
+def vllm_server(args: argparse.Namespace) -> ServerProcess:
+    """``vllm serve`` of ``--model-dir`` from the peer venv (shared/tools/peer_vllm), float32, on
+    ``--vllm-port``, with the environment of the peer's README."""
     vllm_env = {**QUIET_ENV, "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "2"}
     iomp = args.vllm_venv / "lib/libiomp5.so"
     if TCMALLOC.exists() and iomp.exists():  # as vLLM's CPU docs ask (~30 % more throughput here)
         vllm_env["LD_PRELOAD"] = f"{TCMALLOC}:{iomp}"
     py, cli = str(args.vllm_venv / "bin/python"), str(args.peer_dir / "vllm_cli.py")
-    vllm_argv = [py, cli, "serve", str(args.model_dir), "--served-model-name", args.served_name, *common]
-    vllm_argv += ["--port", str(args.vllm_port), "--max-model-len", "4096", "--dtype", "float32"]
-    vllm_log = args.out_dir / "vllm-serve.log"
-    vllm = ServerProcess("vLLM", vllm_argv, args.vllm_port, vllm_log, env=vllm_env, root_kind="API server")
+    argv = [py, cli, "serve", str(args.model_dir), "--served-model-name", args.served_name]
+    argv += [
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(args.vllm_port),
+        "--max-model-len",
+        "4096",
+        "--dtype",
+        "float32",
+    ]
+    log_path = args.out_dir / "vllm-serve.log"
+    return ServerProcess("vLLM", argv, args.vllm_port, log_path, env=vllm_env, root_kind="API server")
+
+
+def make_servers(args: argparse.Namespace) -> dict[str, BenchServer]:
     servers: dict[str, BenchServer] = {
-        "vllm": vllm,
+        "vllm": vllm_server(args),
         "mmserve": mmserve_server(
             args, "mmserve", args.mmserve_root, args.mmserve_port, args.mmserve_args.split()
         ),
@@ -142,7 +160,8 @@ def run_load(
     connection (its ready check, then the run) and closes when the client exits, and the JSON keeps
     it (``window_s``) beside the run's own ``duration``."""
     rate = "" if math.isinf(load.request_rate) else f"-r{load.request_rate:g}"
-    name = f"{server.name}-{load.dataset}-c{load.concurrency}{rate}-n{load.num_prompts}-round{round_no}"
+    body = "-body" if load.extra_body else ""
+    name = f"{server.name}-{load.dataset}-c{load.concurrency}{rate}-n{load.num_prompts}{body}-round{round_no}"
     result = args.out_dir / f"{name}.json"  # one per round: --json keeps only each pair's median
     argv = bench_argv(args, load, server.base_url, seed, result)
     log_path = result.with_suffix(".log")
@@ -262,6 +281,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="JSON merged into every request's body on every server (vllm bench serve --extra-body), e.g. "
         "a response_format with a JSON schema",
     )
+    p.add_argument(
+        "--paired-body",
+        help="JSON: run every load twice on each server start, without and then with it merged into every "
+        "request (e.g. a response_format): the with/without ratio (TPOT with a schema) from one run",
+    )
+    p.add_argument("--paired-label", default="schema", help="what the --paired-body twins are called")
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
@@ -293,11 +318,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "server and load, the round with the median req/s; this host's noise is ±10 %% between runs",
     )
     args = p.parse_args(argv)
-    if args.extra_body is not None:
+    for flag, body in (("--extra-body", args.extra_body), ("--paired-body", args.paired_body)):
         try:
-            json.loads(args.extra_body)
+            if body is not None:
+                json.loads(body)
         except ValueError as e:
-            p.error(f"--extra-body is not JSON: {e}")
+            p.error(f"{flag} is not JSON: {e}")
     try:
         args.loads = select_loads(args.loads)
     except ValueError as e:
@@ -307,6 +333,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--cluster-env takes KEY=VALUE, got {bad}")
     if args.num_prompts is not None:
         args.loads = [resized(load, args.num_prompts) for load in args.loads]
+    if args.paired_body is not None:
+        args.loads = paired(args.loads, args.paired_body, args.paired_label)
     return args
 
 

@@ -25,13 +25,12 @@ from cluster.tiny_model.gemma3 import (
     gemma3_tokenizer,
     save_gemma3_processor,
 )
+from cluster.tiny_model.gemma4 import VARIANTS as GEMMA4_VARIANTS
 from cluster.tiny_model.gemma4 import (
-    GEMMA4_CHAT_TEMPLATE,
     build_gemma4,
     gemma4_tokenizer,
     save_gemma4_processor,
 )
-from cluster.tiny_model.gemma4 import VARIANTS as GEMMA4_VARIANTS
 from cluster.tiny_model.qwen2_audio import build_qwen2_audio, save_qwen2_audio_processor
 from cluster.tiny_model.qwen2_vl import (
     build_qwen2_5_vl,
@@ -42,6 +41,7 @@ from cluster.tiny_model.qwen2_vl import (
 from cluster.tiny_model.qwen3_5 import build_qwen3_5
 from cluster.tiny_model.qwen3_vl import build_qwen3_vl, save_qwen3_vl_processor
 from cluster.tiny_model.qwen3_vl_template import QWEN3_VL_CHAT_TEMPLATE
+from cluster.tiny_model.released_templates import released_template
 from cluster.tiny_model.tokenizer import QWEN2_AUDIO_CHAT_TEMPLATE, QWEN2_VL_CHAT_TEMPLATE, train_tokenizer
 
 
@@ -168,7 +168,7 @@ TINY_RECIPES: dict[str, TinyRecipe] = {
         TinyRecipe(
             name="qwen3.5",
             model_type="qwen3_5",
-            chat_template=QWEN2_VL_CHAT_TEMPLATE,
+            chat_template=released_template("qwen3.5"),  # tools (<function=...>) included
             tokenizer=train_tokenizer,
             build=base_only(build_qwen3_5),
             save_processor=save_qwen3_vl_processor,  # transformers maps qwen3_5 to Qwen3-VL's processor
@@ -177,7 +177,7 @@ TINY_RECIPES: dict[str, TinyRecipe] = {
         TinyRecipe(
             name="gemma4",
             model_type="gemma4",
-            chat_template=GEMMA4_CHAT_TEMPLATE,
+            chat_template=released_template("gemma4"),  # tools included
             tokenizer=gemma4_tokenizer,
             build=build_gemma4,
             save_processor=save_gemma4_processor,

@@ -1,6 +1,7 @@
 """The tiny Gemma 4: a vision tower with its pooler, an audio conformer, and a decoder with sliding and
 full layers, per-layer embeddings (PLE) and KV shared by its last layers, with Gemma 4's own special
-tokens and a shortened chat template.
+tokens and its released chat template (``released_templates.py``; its tool markers stay plain text
+here, the released tokenizer makes them special tokens).
 
 Layers (5 by default): ``S F S S F`` (S: sliding window of 8 tokens, F: full attention with its own,
 wider head dim and partial "proportional" RoPE). The last two layers (one of each kind) are KV-shared:
@@ -43,21 +44,6 @@ GEMMA4_SPECIAL_TOKENS = [
     AUDIO,
     VIDEO,
 ]
-
-# Gemma's turn format with Gemma 4's markers, shortened: images and audio clips are their soft-token
-# markers (the processor widens each to begin/soft tokens/end), the assistant is "model".
-GEMMA4_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
-    "<|turn>{{ role }}\n"
-    "{% if message['content'] is string %}{{ message['content'] | trim }}"
-    "{% else %}{% for item in message['content'] %}"
-    "{% if item['type'] == 'image' or 'image' in item or 'image_url' in item %}" + IMAGE + ""
-    "{% elif item['type'] == 'audio' or 'audio' in item or 'audio_url' in item "
-    "or item['type'] == 'input_audio' %}" + AUDIO + ""
-    "{% elif item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}{% endfor %}{% endif %}"
-    "<turn|>\n{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}"
-)
 
 VARIANTS = ("base", "k_eq_v", "moe", "unshared", "causal_vision")
 SLIDING_WINDOW = 8

@@ -188,11 +188,11 @@ class LLMServer:
                 return await self._prefill.handoff(spec, first)
         raise RuntimeError(f"{spec.request_id} ended without an output")
 
-    async def pull_kv(self, request_id: str, from_block: int) -> KVBlocks:
+    async def pull_kv(self, request_id: str, from_block: int, window_from: int = 0) -> KVBlocks:
         """A decode replica's pull of a handed-off request's blocks (over the direct link)."""
         if self._prefill is None:
             raise KVTransferFailed(f"replica {self.replica_id} is not a prefill replica")
-        return await self._prefill.pull(request_id, from_block)
+        return await self._prefill.pull(request_id, from_block, window_from)
 
     async def _enqueue(self, spec: LLMRequestSpec) -> tuple[SubmitReply, list[MediaFeature]]:
         """Fetch what must be fetched, put the request on its ingress's channel and in the engine's
@@ -252,6 +252,8 @@ class LLMServer:
         except BaseException:
             self.channels.forget(rid)
             raise
+        if not self.channels.holds(rid):  # orphaned during the pull: its abort found nothing to stop
+            self.loop.abort(rid)
         return SubmitReply(self.replica_id, channel_id)
 
     def _forget_unfetched(self, request_id: str, later: list[MediaFeature]) -> None:
@@ -377,6 +379,7 @@ class LLMServer:
             "role": self.role,
             **self.loop.step_clock.stats(),
             **(self.kv_stats.as_dict() if self.role != "both" else {}),
+            **({"kv_pins_held": len(self._prefill.pins)} if self._prefill is not None else {}),
         }
 
     def record_routing_stats(self) -> dict[str, object]:

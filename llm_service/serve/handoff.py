@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from llm_service.engine_loop import EngineLoop
 from llm_service.kv_handoff import HandoffPins, ImportSlots, KVBlocks, KVHandoff, KVTransferFailed
@@ -26,6 +26,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger("mmserve.llm")
 
 Address = tuple[str, int]
+T = TypeVar("T")
+
+
+def _on_thread_timed(fn: Callable[..., T], *args: object) -> tuple[T, float]:
+    """``fn(*args)`` and the CPU time of the thread that ran it (call it in the worker thread)."""
+    t0 = time.thread_time()
+    out = fn(*args)
+    return out, time.thread_time() - t0
 
 
 class KVSource(Protocol):
@@ -46,7 +54,9 @@ class TransferStats:
     blocks_pulled: int = 0  # decode side
     blocks_hit: int = 0  # decode side: leading blocks its own prefix cache held (not pulled)
     bytes_pulled: int = 0  # decode side
-    import_cpu_s: float = 0.0  # decode side: thread CPU time writing pulled blocks
+    import_cpu_s: float = 0.0  # decode side: CPU time of the thread writing pulled blocks
+    export_cpu_s: float = 0.0  # prefill side: CPU time of the thread reading blocks out for a pull
+    pull_wall_s: float = 0.0  # decode side: from reserving the blocks to the request admitted
 
     def as_dict(self) -> dict[str, float]:
         return {f"kv_{k}": float(v) for k, v in self.__dict__.items()}
@@ -74,9 +84,9 @@ class PrefillHandoffs:
         for out in outputs:
             if out.finish_reason == "handoff":
                 rid = out.request_id
-                blocks = self.engine.handoff_blocks(rid)
-                generation = self.pins.pin(rid, blocks, self.deadline_s)
-                self._held[rid] = (len(blocks), tuple(self.engine.handoff_hashes(rid)))
+                held = self.engine.handoff_kv(rid)
+                generation = self.pins.pin(rid, held, self.deadline_s)
+                self._held[rid] = (len(held.block_ids), tuple(self.engine.handoff_hashes(rid)))
                 asyncio.get_running_loop().call_later(self.deadline_s, self._expire, rid, generation)
                 self.stats.handoffs += 1
 
@@ -98,18 +108,33 @@ class PrefillHandoffs:
             deadline_s=self.deadline_s,
         )
 
-    async def pull(self, request_id: str, from_block: int) -> KVBlocks:
-        """Blocks ``from_block..`` of a handed-off request, read to host memory; the pin ends with it."""
-        block_ids = self.pins.take(request_id)
-        if block_ids is None:
+    async def pull(self, request_id: str, from_block: int, window_from: int = 0) -> KVBlocks:
+        """Blocks ``from_block..`` of a handed-off request (window blocks ``window_from..``, and its
+        linear-attention state), read to host memory; the pin ends with it."""
+        held = self.pins.take(request_id)
+        if held is None:
             raise KVTransferFailed(
                 f"{request_id}: no KV held on prefill replica {self.replica_id} (never handed off here, "
                 f"pulled already, or past its {self.deadline_s} s deadline)"
             )
         try:
-            return await asyncio.to_thread(
-                self.engine.runner.read_kv_blocks, request_id, block_ids[from_block:], from_block
+            if held.window_ids and window_from < held.window_first:
+                raise KVTransferFailed(
+                    f"{request_id}: window blocks from {window_from} asked, held from {held.window_first}"
+                )
+            blocks, cpu_s = await asyncio.to_thread(
+                _on_thread_timed,
+                self.engine.runner.read_kv_blocks,
+                request_id,
+                held.block_ids[from_block:],
+                from_block,
+                held.window_ids[window_from:],
+                window_from,
+                held.state_slot,
+                held.snapshot_slot,
             )
+            self.stats.export_cpu_s += cpu_s
+            return blocks
         finally:
             self.stats.pulls += 1
             if self.pins.done(request_id):
@@ -150,6 +175,7 @@ class DecodeImports:
         from llm_service.embeddings import unfetched
 
         rid = spec.request_id
+        t_start = time.perf_counter()
         slots = await self.loop.on_engine(
             self.engine.reserve_import,
             rid,
@@ -161,13 +187,27 @@ class DecodeImports:
             h.block_hashes,
         )
         assert isinstance(slots, ImportSlots)
+        write: asyncio.Future[tuple[None, float]] | None = None
         try:
             blocks = await self._pull(h, rid, slots)
-            t0 = time.thread_time()
-            await asyncio.to_thread(self.engine.runner.write_kv_blocks, slots.block_ids, blocks)
-            self.stats.import_cpu_s += time.thread_time() - t0
+            write = asyncio.ensure_future(
+                asyncio.to_thread(
+                    _on_thread_timed,
+                    self.engine.runner.write_kv_blocks,
+                    slots.block_ids,
+                    blocks,
+                    slots.window_ids,
+                    slots.state_slot,
+                    slots.snapshot_slot,
+                )
+            )
+            _, cpu_s = await asyncio.shield(write)
+            self.stats.import_cpu_s += cpu_s
         except BaseException as e:
             self.stats.failed_imports += 1
+            if write is not None:  # cancelled mid-write: the blocks are the thread's until it has written
+                await asyncio.wait([write])
+                write.exception()  # its own failure, if any, is this one's
             await self.loop.on_engine(self.engine.cancel_import, rid)
             if isinstance(e, KVTransferFailed | asyncio.CancelledError):
                 raise
@@ -175,16 +215,19 @@ class DecodeImports:
                 f"{rid}: KV pull from {h.replica_id} failed: {type(e).__name__}: {e}"
             ) from e
         self.loop.track(rid)
-        await self.loop.on_engine(self.engine.admit_import, rid)
+        await self.loop.on_engine(self.engine.admit_import, rid, blocks.snapshot)
         self.stats.imports += 1
         self.stats.blocks_hit += slots.hit_blocks
         self.stats.blocks_pulled += blocks.num_blocks
         self.stats.bytes_pulled += blocks.nbytes
+        self.stats.pull_wall_s += time.perf_counter() - t_start
 
     async def _pull(self, h: KVHandoff, rid: str, slots: ImportSlots) -> KVBlocks:
         assert h.address is not None
         link = self._connect(h.address)
-        blocks = await link.call("pull_kv", rid, slots.hit_blocks, timeout_s=self.timeout_s)
+        blocks = await link.call(
+            "pull_kv", rid, slots.hit_blocks, slots.window_from, timeout_s=self.timeout_s
+        )
         if not isinstance(blocks, KVBlocks) or blocks.num_blocks != len(slots.block_ids):
             got = getattr(blocks, "num_blocks", type(blocks).__name__)
             raise KVTransferFailed(f"{rid}: pulled {got} blocks, {len(slots.block_ids)} expected")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -16,11 +15,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from llm_service.outputs import RequestOutput
-from router.http import tracing
 from router.http.auth import effective_cache_salt
 from router.http.chat_choices import answer_choices
 from router.http.json_limits import DEFAULT_MAX_JSON_VALUES
-from router.http.lifecycle import cancel_on_disconnect, chain, first_or_error, hand_over, usage_of
+from router.http.lifecycle import answer_admitted, chain, first_or_error, read_and_admit, usage_of
 from router.http.replay_log import failure_record, log_failure
 from router.http.request_body import read_body
 from router.http.sse import DONE, ChunkRenderer, SSEResponse
@@ -47,7 +45,7 @@ from router.protocol.openai import (
 from router.protocol.sampling import fit_to_prompt, request_sampling_params, requested_max_tokens
 from router.protocol.tool_choice import answer_format, with_tool_choice
 from router.protocol.tool_use import template_tools
-from router.routing.admission import AdmissionController, AdmissionLimits, BodyLease
+from router.routing.admission import AdmissionController, AdmissionLimits
 
 if TYPE_CHECKING:
     from router.http.metrics import IngressMetrics
@@ -98,13 +96,14 @@ class ChatService:
         self.metrics = metrics
         self.admission = admission or AdmissionController(AdmissionLimits())
 
-    async def read_request(self, request: Request, lease: BodyLease | None = None) -> ChatCompletionRequest:
-        """The body, read as it arrives and parsed. ``lease``: its bytes are reserved in the admission's
-        body budget first (a 503 past it); the caller releases the lease."""
-        reserve = None if lease is None else (lambda n: self.admission.reserve_body(lease, n))
-        return await read_body(
-            request, ChatCompletionRequest, self.max_request_bytes, self.max_json_values, reserve
-        )
+    @property
+    def body_limits(self) -> tuple[int, int]:
+        """A request body's bounds: bytes, JSON values."""
+        return self.max_request_bytes, self.max_json_values
+
+    async def read_request(self, request: Request) -> ChatCompletionRequest:
+        """The body, read as it arrives and parsed (no admission: the fuzz targets' path)."""
+        return await read_body(request, ChatCompletionRequest, *self.body_limits)
 
     def model_for(self, name: str) -> ServedModel:
         model = self.models.get(name)
@@ -118,11 +117,16 @@ class ChatService:
         """One chat completion for ``tenant`` (router/http/auth.py; None: the server has no API keys)."""
         start = time.monotonic()
         deadline = Deadline(self.request_timeout_s)
-        lease = BodyLease()  # the body's bytes in the admission's budget: the ticket takes it over
-        try:
-            req = await deadline.run(self.read_request(request, lease))
+
+        def ask(req: ChatCompletionRequest) -> tuple[tuple[ServedModel, NormalizedChat], int]:
             model = self.model_for(req.model)
-            chat = normalize_messages(req.messages, model.limits, tenant, tools_for(req, model))
+            chat = normalize_messages(
+                req.messages,
+                model.limits,
+                tenant,
+                tools_for(req, model),
+                tool_media=model.orchestrator.tool_result_modalities,
+            )
             unsupported = {m.modality for m in chat.media} - set(model.modalities)
             if unsupported:
                 raise bad_request(
@@ -130,32 +134,33 @@ class ChatService:
                     code="unsupported_modality",
                 )
             # Bounded work in flight, refused at once past it (router/routing/admission.py).
-            cost = self.admission.cost((m.modality for m in chat.media), chat.text_chars) * req.n
-            ticket = self.admission.admit(cost, body=lease)
-        except BaseException:  # refused, bad input, or the client left while sending
-            self.admission.release_body(lease)
-            raise
+            return (model, chat), self.admission.cost(
+                (m.modality for m in chat.media), chat.text_chars
+            ) * req.n
+
+        req, (model, chat), ticket = await read_and_admit(
+            request, ChatCompletionRequest, self.body_limits, self.admission, deadline, ask
+        )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         orch = model.orchestrator
-        span, traced = tracing.start_request_span(request.headers, request_id, model.name)
-        watcher = asyncio.ensure_future(cancel_on_disconnect(request, asyncio.current_task()))
-        response: Response | None = None
-        error: BaseException | None = None
-        try:
+
+        async def answer() -> Response:
             salt = effective_cache_salt(tenant, req.cache_salt)
-            response = await deadline.run(self._answer(req, model, request_id, chat, start, deadline, salt))
-            return response
-        except Exception as e:
-            error = e
+            return await deadline.run(self._answer(req, model, request_id, chat, start, deadline, salt))
+
+        def failed(e: Exception) -> None:
             self._log_failure(orch, request_id, chat, e)
             orch.forget(request_id)
-            raise
-        except BaseException:  # the client left: nothing failed on our side
-            orch.forget(request_id)
-            raise
-        finally:  # a streamed response watches for the disconnect itself from here on
-            watcher.cancel()
-            hand_over(response, self.admission, ticket, (span, traced), error)
+
+        return await answer_admitted(
+            request,
+            self.admission,
+            ticket,
+            (request_id, model.name),
+            answer,
+            failed,
+            lambda: orch.forget(request_id),
+        )
 
     async def _answer(
         self,

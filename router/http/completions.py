@@ -22,7 +22,6 @@ from fastapi.responses import JSONResponse, Response
 
 from llm_service.outputs import RequestOutput
 from llm_service.sampling_params import SamplingParams
-from router.http import tracing
 from router.http.auth import effective_cache_salt
 from router.http.chat import ChatService, ServedModel
 from router.http.choices import (
@@ -35,9 +34,8 @@ from router.http.choices import (
     stream_events,
 )
 from router.http.completion_events import CompletionEvents, Echo, completion_logprobs, entries, entry, joined
-from router.http.lifecycle import cancel_on_disconnect, first_or_error, hand_over
+from router.http.lifecycle import answer_admitted, first_or_error, read_and_admit
 from router.http.replay_log import failure_record, log_failure
-from router.http.request_body import read_body
 from router.http.sse import DONE, SSEResponse
 from router.journey.deadline import Deadline
 from router.journey.detokenizer import IncrementalDetokenizer
@@ -52,7 +50,6 @@ from router.protocol.completions import (
 from router.protocol.errors import APIError, bad_request, from_exception
 from router.protocol.openai import ChoiceLogprobs, PromptTokensDetails, Usage
 from router.protocol.sampling import fit_to_prompt, request_sampling_params
-from router.routing.admission import BodyLease
 
 if TYPE_CHECKING:
     from router.http.metrics import RequestMetrics
@@ -83,17 +80,8 @@ class CompletionService:
         start = time.monotonic()
         chat = self.chat
         deadline = Deadline(chat.request_timeout_s)
-        lease = BodyLease()  # the body's bytes in the admission's budget: the ticket takes it over
-        try:
-            req = await deadline.run(
-                read_body(
-                    request,
-                    CompletionRequest,
-                    chat.max_request_bytes,
-                    chat.max_json_values,
-                    lambda n: chat.admission.reserve_body(lease, n),
-                )
-            )
+
+        def ask(req: CompletionRequest) -> tuple[ServedModel, int]:
             if req.suffix is not None:
                 raise bad_request(
                     "suffix is not supported (no fill-in-the-middle on this server)",
@@ -102,26 +90,25 @@ class CompletionService:
                 )
             model = chat.model_for(req.model)
             cost = sum(chat.admission.cost((), len(p) if isinstance(p, str) else 0) for p in req.prompts)
-            ticket = chat.admission.admit(cost * req.n, body=lease)
-        except BaseException:  # refused, bad input, or the client left while sending
-            chat.admission.release_body(lease)
-            raise
+            return model, cost * req.n
+
+        req, model, ticket = await read_and_admit(
+            request, CompletionRequest, chat.body_limits, chat.admission, deadline, ask
+        )
         request_id = completion_id()
-        span, traced = tracing.start_request_span(request.headers, request_id, model.name)
-        watcher = asyncio.ensure_future(cancel_on_disconnect(request, asyncio.current_task()))
-        response: Response | None = None
-        error: BaseException | None = None
-        try:
+
+        async def answer() -> Response:
             salt = effective_cache_salt(tenant, req.cache_salt)
-            response = await deadline.run(self._answer(req, model, request_id, start, deadline, salt))
-            return response
-        except Exception as e:
-            error = e
-            _log_failure(request_id, e)
-            raise
-        finally:
-            watcher.cancel()
-            hand_over(response, chat.admission, ticket, (span, traced), error)
+            return await deadline.run(self._answer(req, model, request_id, start, deadline, salt))
+
+        return await answer_admitted(
+            request,
+            chat.admission,
+            ticket,
+            (request_id, model.name),
+            answer,
+            lambda e: _log_failure(request_id, e),
+        )
 
     async def _prompt_ids(self, orch: Orchestrator, req: CompletionRequest) -> list[list[int]]:
         ids = []

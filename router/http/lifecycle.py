@@ -1,27 +1,93 @@
-"""What every generation route does around its answer, whatever the endpoint: cancel the work when
-the client hangs up before the response starts, hand the admission ticket and the request's span to
-a streamed body (released with its last chunk), read a stream's first output, and count usage."""
+"""What every generation route does around its answer, whatever the endpoint: read the body into the
+admission's byte budget and admit it (``read_and_admit``), run the answer inside the request's span
+while cancelling it when the client hangs up before the response starts (``answer_admitted``), hand the
+admission ticket and the span to a streamed body (released with its last chunk), read a stream's
+first output, and count usage."""
 
 from __future__ import annotations
 
 import asyncio
 import weakref
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from opentelemetry import context as otel_context
 from opentelemetry.trace import Span
+from pydantic import BaseModel
 
 from llm_service.outputs import RequestOutput
 from router.http import tracing
+from router.http.request_body import read_body
 from router.http.sse import DONE
+from router.journey.deadline import Deadline
 from router.protocol.errors import APIError
 from router.protocol.openai import PromptTokensDetails, Usage
-from router.routing.admission import AdmissionController, Ticket
+from router.routing.admission import AdmissionController, BodyLease, Ticket
 
 _Chunk = TypeVar("_Chunk")  # a response body's chunk (str, bytes or memoryview)
+_Body = TypeVar("_Body", bound=BaseModel)  # a route's parsed request body
+_Asked = TypeVar("_Asked")  # what a route makes of its body once checked
+
+
+async def read_and_admit(
+    request: Request,
+    body_type: type[_Body],
+    limits: tuple[int, int],
+    admission: AdmissionController,
+    deadline: Deadline,
+    ask: Callable[[_Body], tuple[_Asked, int]],
+) -> tuple[_Body, _Asked, Ticket]:
+    """The body, read as it arrives within ``limits`` (bytes, JSON values) with its bytes reserved in the
+    admission's body budget (a 503 past it); ``ask``: every 400 the body can earn before anything runs,
+    returning what it asks and its admission cost; then the admission's ticket, which takes the body's
+    bytes over. Whatever fails on the way (refused, bad input, the client leaving) gives the bytes back."""
+    lease = BodyLease()
+    try:
+        max_bytes, max_json_values = limits
+        req = await deadline.run(
+            read_body(
+                request, body_type, max_bytes, max_json_values, lambda n: admission.reserve_body(lease, n)
+            )
+        )
+        asked, cost = ask(req)
+        return req, asked, admission.admit(cost, body=lease)
+    except BaseException:
+        admission.release_body(lease)
+        raise
+
+
+async def answer_admitted(
+    request: Request,
+    admission: AdmissionController,
+    ticket: Ticket,
+    ids: tuple[str, str],
+    answer: Callable[[], Awaitable[Response]],
+    failed: Callable[[Exception], None],
+    left: Callable[[], None] = lambda: None,
+) -> Response:
+    """``answer()`` for an admitted request (``ids``: its request id and model name) inside its span,
+    cancelled if the client hangs up before the response starts; ``failed(e)`` on our side's failure,
+    ``left()`` when the client left. The ticket and span then go to the streamed body, or end now."""
+    request_id, model_name = ids
+    span = tracing.start_request_span(request.headers, request_id, model_name)
+    watcher = asyncio.ensure_future(cancel_on_disconnect(request, asyncio.current_task()))
+    response: Response | None = None
+    error: BaseException | None = None
+    try:
+        response = await answer()
+        return response
+    except Exception as e:
+        error = e
+        failed(e)
+        raise
+    except BaseException:  # the client left: nothing failed on our side
+        left()
+        raise
+    finally:  # a streamed response watches for the disconnect itself from here on
+        watcher.cancel()
+        hand_over(response, admission, ticket, span, error)
 
 
 def hand_over(

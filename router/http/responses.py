@@ -10,7 +10,6 @@ it. Admission, deadline, disconnects, errors and metrics are the chat route's.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -24,12 +23,10 @@ from llm_service.outputs import RequestOutput
 from llm_service.sampling_params import SamplingParams
 from llm_service.tools.calls import ContentDelta, ToolEvent
 from llm_service.tools.formats import ToolFormat
-from router.http import tracing
 from router.http.auth import effective_cache_salt
 from router.http.chat import ChatService, ServedModel
-from router.http.lifecycle import cancel_on_disconnect, chain, first_or_error, hand_over
+from router.http.lifecycle import answer_admitted, chain, first_or_error, read_and_admit
 from router.http.replay_log import failure_record, log_failure
-from router.http.request_body import read_body
 from router.http.response_events import OutputItems
 from router.http.sse import DONE, SSEResponse
 from router.http.tool_answer import answer_decoder
@@ -50,7 +47,6 @@ from router.protocol.responses import ResponsesRequest
 from router.protocol.sampling import fit_to_prompt, request_sampling_params
 from router.protocol.tool_choice import answer_format, with_tool_choice
 from router.protocol.tool_use import template_tools
-from router.routing.admission import BodyLease
 
 if TYPE_CHECKING:
     from router.http.metrics import RequestMetrics
@@ -101,45 +97,35 @@ class ResponsesService:
         start = time.monotonic()
         chat = self.chat
         deadline = Deadline(chat.request_timeout_s)
-        lease = BodyLease()  # the body's bytes in the admission's budget: the ticket takes it over
-        try:
-            req = await deadline.run(
-                read_body(
-                    request,
-                    ResponsesRequest,
-                    chat.max_request_bytes,
-                    chat.max_json_values,
-                    lambda n: chat.admission.reserve_body(lease, n),
-                )
-            )
+
+        def ask(req: ResponsesRequest) -> tuple[Asked, int]:
             asked = self._validated(req, tenant)
-            model, normalized = asked.model, asked.chat
-            cost = chat.admission.cost((m.modality for m in normalized.media), normalized.text_chars)
-            ticket = chat.admission.admit(cost, body=lease)
-        except BaseException:  # refused, bad input, or the client left while sending
-            chat.admission.release_body(lease)
-            raise
+            media = asked.chat.media
+            return asked, chat.admission.cost((m.modality for m in media), asked.chat.text_chars)
+
+        req, asked, ticket = await read_and_admit(
+            request, ResponsesRequest, chat.body_limits, chat.admission, deadline, ask
+        )
         request_id = response_id()
-        orch = model.orchestrator
-        span, traced = tracing.start_request_span(request.headers, request_id, model.name)
-        watcher = asyncio.ensure_future(cancel_on_disconnect(request, asyncio.current_task()))
-        response: Response | None = None
-        error: BaseException | None = None
-        try:
+        orch = asked.model.orchestrator
+
+        async def answer() -> Response:
             salt = effective_cache_salt(tenant, req.cache_salt)
-            response = await deadline.run(self._answer(req, asked, request_id, start, deadline, salt))
-            return response
-        except Exception as e:
-            error = e
-            _log_failure(orch, request_id, normalized, e)
+            return await deadline.run(self._answer(req, asked, request_id, start, deadline, salt))
+
+        def failed(e: Exception) -> None:
+            _log_failure(orch, request_id, asked.chat, e)
             orch.forget(request_id)
-            raise
-        except BaseException:  # the client left: nothing failed on our side
-            orch.forget(request_id)
-            raise
-        finally:  # a streamed response watches for the disconnect itself from here on
-            watcher.cancel()
-            hand_over(response, chat.admission, ticket, (span, traced), error)
+
+        return await answer_admitted(
+            request,
+            chat.admission,
+            ticket,
+            (request_id, asked.model.name),
+            answer,
+            failed,
+            lambda: orch.forget(request_id),
+        )
 
     def _validated(self, req: ResponsesRequest, tenant: str | None) -> Asked:
         """Every 400 a request can earn before anything runs, and what it asks in chat's terms."""
@@ -162,7 +148,15 @@ class ResponsesService:
                 param="tools",
             )
         messages, paths = chat_messages(req)
-        chat = normalize_messages(messages, model.limits, tenant, tools, field="input", paths=paths)
+        chat = normalize_messages(
+            messages,
+            model.limits,
+            tenant,
+            tools,
+            field="input",
+            paths=paths,
+            tool_media=model.orchestrator.tool_result_modalities,
+        )
         unsupported = {m.modality for m in chat.media} - set(model.modalities)
         if unsupported:
             raise bad_request(

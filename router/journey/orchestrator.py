@@ -34,8 +34,8 @@ from llm_service.errors import RequestFailed
 from llm_service.outputs import RequestOutput
 from llm_service.request_spec import LLMRequestSpec, SubmitReply
 from llm_service.sampling_params import SamplingParams
-from mmcore.chat_template import template_takes_tools
-from mmcore.feature import MediaFeature
+from mmcore.chat_template import PROBE_TOOLS, template_takes_tools, tool_result_modalities
+from mmcore.feature import MODALITIES, MediaFeature
 from router.journey.llm_spec import request_spec
 from router.journey.model_handles import ModelHandles
 from router.journey.prepare_calls import Arrivals, PrepareCalls
@@ -109,6 +109,19 @@ class Orchestrator:
     def template_takes_tools(self) -> bool:
         """The model's chat template has a place for tool definitions (``tool_use.template_takes_tools``)."""
         return template_takes_tools(getattr(self.tokenizer, "chat_template", None))
+
+    @functools.cached_property
+    def tool_result_modalities(self) -> frozenset[str]:
+        """The media the chat template renders in a tool result (``chat_template.tool_result_modalities``)."""
+
+        def render(messages: list[dict[str, object]]) -> str:
+            return str(
+                self.tokenizer.apply_chat_template(
+                    cast(Any, messages), tools=PROBE_TOOLS, add_generation_prompt=True, tokenize=False
+                )
+            )
+
+        return tool_result_modalities(render, MODALITIES)
 
     def _tokenize_sync(self, chat: NormalizedChat) -> list[int]:
         ids = self.tokenizer.apply_chat_template(

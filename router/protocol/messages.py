@@ -143,6 +143,7 @@ def normalize_messages(
     *,
     field: str = "messages",
     paths: Sequence[str] | None = None,
+    tool_media: frozenset[str] | None = None,
 ) -> NormalizedChat:
     """OpenAI messages -> ``[{"role", "content": str | [{"type": "text"|modality, ...}]}]`` + media refs.
 
@@ -150,7 +151,9 @@ def normalize_messages(
     ``tools``: the request's checked definitions (``tool_use.template_tools``), put on the first
     message. Media is read in user and tool messages, in prompt order either way. Errors name
     ``field`` and each message by ``paths[i]`` (``messages[i]`` unless given: another endpoint's
-    request maps its own items onto chat messages)."""
+    request maps its own items onto chat messages). ``tool_media``: the modalities the chat template
+    renders in a tool result (``chat_template.tool_result_modalities``; None: all); another is a 400
+    naming the part, not a silent drop."""
     if len(messages) > limits.max_messages:
         raise bad_request(f"too many messages: {len(messages)} > {limits.max_messages}", param=field)
     out: list[NormalizedMessage] = []
@@ -174,6 +177,13 @@ def normalize_messages(
             if role not in ("user", "tool"):
                 raise bad_request(f"{where}: media is only accepted in user and tool messages", param=where)
             ref = _media_from_part(part, f"{where} (media item {len(media)})", limits.max_media_bytes)
+            if role == "tool" and tool_media is not None and ref.modality not in tool_media:
+                raise bad_request(
+                    f"{where}: this model's chat template renders only the text of a tool result, not its "
+                    f"{ref.modality}; send the {ref.modality} in a user message",
+                    code="unsupported_tool_media",
+                    param=where,
+                )
             if tenant is not None:
                 ref = replace(ref, tenant=tenant)
             parts.append({"type": ref.modality, "media": ref})

@@ -76,10 +76,14 @@ _CHAT_PATH = re.compile(r"(tools\[\d+\])\.function\.|(input\[\d+\])\.tool_call_i
 def in_responses_terms(e: APIError) -> APIError:
     """A 400 that chat's checks raised about the messages or tools, its paths in the Responses
     request's terms (``tools[0].function.parameters`` -> ``tools[0].parameters``,
-    ``input[2].tool_call_id`` -> ``input[2].call_id``)."""
+    ``input[2].tool_call_id`` -> ``input[2].call_id``, a tool result's ``input[2].content[1]`` ->
+    ``input[2].output[1]``)."""
 
     def said(text: str) -> str:
-        return _CHAT_PATH.sub(lambda m: f"{m[1]}." if m[1] else f"{m[2]}.call_id", text)
+        text = _CHAT_PATH.sub(lambda m: f"{m[1]}." if m[1] else f"{m[2]}.call_id", text)
+        if e.code == "unsupported_tool_media":  # a tool message's part: a function_call_output's
+            text = text.replace(".content[", ".output[")
+        return text
 
     e.message = said(e.message)
     e.args = (e.message,)

@@ -1,5 +1,6 @@
 """The README's cluster commands, run as a user runs them: ``ray start --head``, ``serve deploy`` of the
-shipped ``cluster/deploy/serve-cpu.yaml``, ``serve status`` until RUNNING, one chat request with the
+shipped ``cluster/deploy/serve-cpu.yaml`` (and of ``serve-cpu-pd.yaml``, E/P/D: a prefill and a decode
+pool, the answer decoded on the decode replica from the KV it pulled), ``serve status`` until RUNNING, one chat request with the
 ``openai`` client, ``serve shutdown``, and the cluster stopped; every step a subprocess of the ``ray``
 and ``serve`` command lines, in the README's environment (``RAY_AUTH_MODE=token``, Serve's settings).
 
@@ -15,6 +16,8 @@ import base64
 import io
 from pathlib import Path
 
+import httpx
+import pytest
 import yaml
 from openai import OpenAI
 from PIL import Image
@@ -24,15 +27,18 @@ from tests.hf_oracle import hf_generate
 from tests.media import make_image_bytes
 
 SHIPPED = REPO / "cluster/deploy/serve-cpu.yaml"
+SHIPPED_PD = REPO / "cluster/deploy/serve-cpu-pd.yaml"
 MODEL = "tiny-qwen2-vl"
 MAX_TOKENS = 6
+LLM_POOLS = {SHIPPED: ["LLMServer"], SHIPPED_PD: ["LLMPrefillServer", "LLMDecodeServer"]}
 
 
-def test_readme_cluster_commands_deploy_the_shipped_cpu_config(tmp_path: Path) -> None:
+@pytest.mark.parametrize("shipped", [SHIPPED, SHIPPED_PD], ids=["both", "pd"])
+def test_readme_cluster_commands_deploy_the_shipped_cpu_config(tmp_path: Path, shipped: Path) -> None:
     port = free_port()
-    config = tmp_path / "serve-cpu.yaml"
-    deploy_config(SHIPPED, config, http_port=port)
-    expected = yaml.safe_load(SHIPPED.read_text())
+    config = tmp_path / shipped.name
+    deploy_config(shipped, config, http_port=port)
+    expected = yaml.safe_load(shipped.read_text())
     expected["http_options"]["port"] = port
     expected["applications"][0]["args"]["port"] = port  # the ingress serves HTTP itself (direct)
     assert yaml.safe_load(config.read_text()) == expected  # the shipped file, but for the port
@@ -47,7 +53,7 @@ def test_readme_cluster_commands_deploy_the_shipped_cpu_config(tmp_path: Path) -
             "IngressServer": "HEALTHY",
             f"EncoderCacheIndex-{MODEL}": "HEALTHY",
             f"EncoderServer-{MODEL}": "HEALTHY",
-            f"LLMServer-{MODEL}": "HEALTHY",
+            **{f"{pool}-{MODEL}": "HEALTHY" for pool in LLM_POOLS[shipped]},
         }
 
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=180, max_retries=0)
@@ -69,6 +75,9 @@ def test_readme_cluster_commands_deploy_the_shipped_cpu_config(tmp_path: Path) -
             model_dir, hf_messages, MAX_TOKENS, images=[image]
         )
         assert reply.usage is not None and reply.usage.completion_tokens == MAX_TOKENS
+        if shipped == SHIPPED_PD:  # the answer came from the decode replica, over the KV it pulled
+            pools = httpx.get(f"http://127.0.0.1:{port}/stats?pools=true", timeout=30).json()
+            assert _pd_counters(pools[MODEL]) == (1, 1), pools
 
         cluster.shutdown_serve()
         assert not cluster.serve_status().get("applications")
@@ -103,3 +112,15 @@ def test_bench_config_rewrites_only_model_port_and_missing_markers(tmp_path: Pat
     assert yaml.safe_load(out.read_text())["applications"][0]["args"]["models"][0]["llm"]["deployment"][
         "resources"
     ] == {"llm_node": 0.5}
+
+
+def _pd_counters(stats: dict[str, object]) -> tuple[int, int]:
+    """(hand-offs by the prefill replicas, imports by the decode replicas) in an ingress's
+    ``/stats?pools=true`` entry of a model: every LLM replica it read from, tagged by its ``role``."""
+    replicas = stats["pools"]["llm_replicas"]  # type: ignore[index]
+    by_role: dict[str, int] = {"prefill": 0, "decode": 0}
+    for counters in replicas.values():
+        role = counters.get("role")
+        if role in by_role:
+            by_role[role] += int(counters["kv_handoffs" if role == "prefill" else "kv_imports"])
+    return by_role["prefill"], by_role["decode"]

@@ -4,8 +4,9 @@ makes even random weights write a call to an allowed function whose arguments va
 schema (``jsonschema``), streamed and not, ``n`` > 1 too. ``auto``: the output forced by a
 ``structured_outputs`` regex (text, then two parallel calls) parses into exactly those calls.
 
-A row per family whose tiny template takes tools (``FAMILIES``): the others answer 400 naming
-``tools`` (docs/tools.md).
+A row per family whose released template takes tools (``FAMILIES``, all served by the package's one
+app): the others answer 400 naming ``tools`` (docs/tools.md). Each family's calls stream with their
+arguments in pieces.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import openai
 import pytest
 from openai import OpenAI
 
-FAMILIES = ["qwen3-vl"]  # (tiny family, as `tiny:` names it)
+from tests.integration.tools.conftest import TOOL_FAMILIES
+
+FAMILIES = list(TOOL_FAMILIES)  # (tiny family, as `tiny:` names it)
 WEATHER = {
     "type": "object",
     "properties": {
@@ -81,6 +84,7 @@ def _stream(
     """The streamed choices reassembled from their deltas (ids and names first, then arguments)."""
     content: dict[int, str] = {}
     calls: dict[int, dict[int, list[str]]] = {}
+    pieces: dict[tuple[int, int], int] = {}  # (choice, call) -> argument deltas
     finish: dict[int, str | None] = {}
     for chunk in client.chat.completions.create(
         model=f"tiny-{family}", messages=MESSAGES, tools=TOOLS, max_tokens=MAX_TOKENS, stream=True, **kw
@@ -96,8 +100,10 @@ def _stream(
                 else:
                     assert t.id is None and t.function and t.function.name is None
                     mine[t.index][1] += t.function.arguments or ""
+                    pieces[c.index, t.index] = pieces.get((c.index, t.index), 0) + 1
             if c.finish_reason:
                 finish[c.index] = c.finish_reason
+    assert all(n >= 2 for n in pieces.values()), pieces  # arguments in pieces, not whole
     return {
         i: (content.get(i) or None, [(n, a) for n, a in calls.get(i, {}).values()], finish.get(i))
         for i in finish
@@ -131,15 +137,29 @@ def test_named_function_and_one_call(client: OpenAI, family: str) -> None:
     _valid(streamed[0][1], {"get_time"})
 
 
-SCRIPT = (
+# an answer with text then two parallel calls, as each family's format writes it
+HERMES = (
     'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "alerts": true}}\n</tool_call>\n'
     '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
 )
+SCRIPTS = {
+    "qwen3-vl": HERMES,
+    "qwen3.5": (
+        "Let me check.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "<parameter=alerts>\ntrue\n</parameter>\n</function>\n</tool_call>\n"
+        "<tool_call>\n<function=get_time>\n<parameter=zone>\nCET\n</parameter>\n</function>\n</tool_call>"
+    ),
+    "gemma4": (
+        'Let me check.<|tool_call>call:get_weather{alerts:true,city:<|"|>Paris<|"|>}<tool_call|>'
+        '<|tool_call>call:get_time{zone:<|"|>CET<|"|>}<tool_call|>'
+    ),
+}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_auto_parses_a_scripted_answer_exactly(client: OpenAI, family: str) -> None:
-    forced = {"structured_outputs": {"regex": re.escape(SCRIPT)}}
+    script = SCRIPTS[family]
+    forced = {"structured_outputs": {"regex": re.escape(script)}}
     want = [
         ("get_weather", {"city": "Paris", "alerts": True}),
         ("get_time", {"zone": "CET"}),
@@ -147,12 +167,12 @@ def test_auto_parses_a_scripted_answer_exactly(client: OpenAI, family: str) -> N
     choices, _ = _ask(client, family, tool_choice="auto", extra_body=forced)
     ((content, calls, finish),) = choices
     assert content == "Let me check."
-    assert [(n, json.loads(a)) for n, a in calls] == want
+    assert [(n, json.loads(a)) for n, a in calls] == want  # in the order written
     assert finish == "tool_calls"
     streamed = _stream(client, family, tool_choice="auto", extra_body=forced)
     assert streamed[0] == (content, calls, finish)  # the deltas reassemble to the message
     none, _ = _ask(client, family, tool_choice="none", extra_body=forced)
-    assert none[0] == (SCRIPT, [], "stop")  # none: no calls parsed
+    assert none[0] == (script, [], "stop")  # none: no calls parsed
 
 
 @pytest.mark.parametrize("family", FAMILIES)

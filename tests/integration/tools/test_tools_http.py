@@ -11,6 +11,7 @@ import json
 from typing import Any
 
 import httpx
+import openai
 import pytest
 from openai import OpenAI
 
@@ -118,6 +119,49 @@ def test_three_turn_agent_loop_equals_hf_and_reuses_the_tool_screenshot(app: dic
     alone = _ask(client, [{"role": "user", "content": [tool_part, {"type": "text", "text": "And this?"}]}])
     assert alone.choices[0].message.content
     assert _dispatched(client) - before == 2
+
+
+@pytest.mark.parametrize("family", ["qwen3.5", "gemma4"])
+def test_an_agent_turn_of_the_other_families_equals_hf(app: dict[str, Any], family: str) -> None:
+    """Qwen3.5 and Gemma 4 (their released templates): the user's screenshot, the model's call kept
+    in history, the tool's text answer; the greedy answer equals HF ``generate``. An image in the tool's
+    answer: Qwen3.5's template renders it (equal HF too); Gemma 4's renders only a tool result's text, so
+    there it is a 400 naming the part, not a silent drop."""
+    client, model_dir = app["client"], app["dirs"][family]
+    part, img = _screenshot(96, 64, seed=83)
+    tool_part, tool_img = _screenshot(64, 96, seed=84)
+    call = {
+        "id": "call_9",
+        "type": "function",
+        "function": {"name": "click", "arguments": '{"x": 3, "y": 4}'},
+    }
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": [{"type": "text", "text": "Open the settings."}, part]},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_9", "content": [{"type": "text", "text": "Clicked."}]},
+    ]
+    hf_messages = [
+        {"role": "user", "content": [{"type": "text", "text": "Open the settings."}, {"type": "image"}]},
+        {"role": "assistant", "content": "", "tool_calls": [{**call, "function": {"name": "click", "arguments": {"x": 3, "y": 4}}}]},
+        {"role": "tool", "tool_call_id": "call_9", "content": [{"type": "text", "text": "Clicked."}]},
+    ]  # fmt: skip
+
+    def ask(msgs: list[dict[str, Any]]) -> Any:
+        return client.chat.completions.create(
+            model=f"tiny-{family}", messages=msgs, tools=TOOLS, max_tokens=MAX_TOKENS, temperature=0
+        )
+
+    expected = hf_generate(model_dir, hf_messages, MAX_TOKENS, tools=TOOLS, images=[img])
+    assert ask(messages).choices[0].message.content == expected
+    with_image = [*messages[:2], {**messages[2], "content": [messages[2]["content"][0], tool_part]}]
+    if family == "gemma4":
+        with pytest.raises(openai.BadRequestError) as e:
+            ask(with_image)
+        assert e.value.body["param"] == "messages[2].content[1]"  # type: ignore[index]
+        return
+    hf_with_image = [*hf_messages[:2], {**hf_messages[2], "content": [hf_messages[2]["content"][0], {"type": "image"}]}]  # fmt: skip
+    expected = hf_generate(model_dir, hf_with_image, MAX_TOKENS, tools=TOOLS, images=[img, tool_img])
+    assert ask(with_image).choices[0].message.content == expected
 
 
 def test_text_chat_with_tools_equals_hf(app: dict[str, Any]) -> None:

@@ -17,7 +17,9 @@ from transformers import (
 )
 
 from llm_service.logits_processors import GrammarMasks, process_logits
-from llm_service.sampler import NoAllowedToken, _filter, sample
+from llm_service.output_counts import OutputCounts
+from llm_service.sampler import NoAllowedToken, SamplerState, _filter, sample
+from llm_service.sampling_batch import SamplingBatch
 from llm_service.sampling_params import SamplingParams
 
 V = 64
@@ -181,7 +183,7 @@ def test_top_p_by_rejection_samples_the_renormalised_nucleus(monkeypatch, rounds
     """Nucleus {0, 1} (the mass before token 2 is 0.7 >= 0.5): a first draw of 2 or 3 (p = 0.3) is
     rejected and drawn again among the tokens more likely than it; with one round those rows take the
     sorted nucleus. Either way the tokens follow 0.4 / 0.7, 0.3 / 0.7, and ties at the edge are kept."""
-    monkeypatch.setattr("llm_service.sampler.TOP_P_ROUNDS", rounds)
+    monkeypatch.setattr("llm_service.draw.TOP_P_ROUNDS", rounds)
     logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1] + [1e-9] * (V - 4)]))
     params = [SamplingParams(temperature=1.0, top_p=0.5)] * 6000
     tokens, _ = sample(logits.expand(6000, V), params, [torch.Generator().manual_seed(1)] * 6000)
@@ -191,3 +193,55 @@ def test_top_p_by_rejection_samples_the_renormalised_nucleus(monkeypatch, rounds
     tie = torch.log(torch.tensor([[0.3, 0.3, 0.3, 0.1] + [1e-9] * (V - 4)]))
     tied, _ = sample(tie.expand(3000, V), params[:3000], [torch.Generator().manual_seed(2)] * 3000)
     assert set(tied) == {0, 1, 2} if rounds > 1 else set(tied) <= {0, 1, 2}
+
+
+def test_counts_kept_across_steps_equal_a_recount_from_the_whole_history() -> None:
+    """The engine's path (``SamplerState``: counts added token by token, a slot per request id) gives
+    the same logits as counting each row's whole output afresh, through new tokens, a request whose
+    output was reset, and a released id whose slot another request takes."""
+    state = SamplerState()
+    params = [
+        SamplingParams(repetition_penalty=1.4),
+        SamplingParams(frequency_penalty=0.7, presence_penalty=0.3),
+        SamplingParams(),
+    ]
+    rows = [Row([1, 2], [3]), Row([4], [4, 5]), Row([6])]
+    keys = ["a", "b", "c"]
+    gens = [torch.Generator().manual_seed(i) for i in range(3)]
+    for step in range(6):
+        logits = _logits(3, seed=step)
+        batch = SamplingBatch.reuse(state.batch, params, V, logits.device)
+        counts = state.counts or OutputCounts(V, logits.device)
+        state.counts = counts
+        kept = process_logits(logits, params, rows, None, batch, counts, keys)
+        torch.testing.assert_close(kept, process_logits(logits, params, rows), rtol=0, atol=0)
+        tokens, _ = sample(logits, params, gens, rows, None, state, keys)
+        for row, t in zip(rows, tokens, strict=True):
+            row.output_token_ids.append(t)
+        if step == 2:
+            rows[1].output_token_ids = [9]  # reset: shorter than what was counted
+        if step == 3:
+            state.release("a")
+            keys[0], rows[0] = "d", Row([7], [8, 8])
+    assert state.batch is SamplingBatch.reuse(state.batch, params, V, torch.device("cpu"))
+    assert state.batch is not SamplingBatch.reuse(
+        state.batch, [*params[:2], SamplingParams()], V, torch.device("cpu")
+    )
+
+
+def test_a_bitmask_allows_exactly_its_set_bits_on_every_row_or_some() -> None:
+    """Token ``t`` is allowed by bit ``t % 32`` of word ``t // 32`` (xgrammar's layout), checked bit
+    by bit against the words, at a vocabulary that ends inside a word."""
+    vocab, words = 1000, 32
+    bitmask = torch.randint(
+        -(2**31), 2**31 - 1, (3, words), dtype=torch.int32, generator=torch.Generator().manual_seed(3)
+    )
+    want = torch.tensor(
+        [[(int(bitmask[r, t // 32]) >> (t % 32)) & 1 == 1 for t in range(vocab)] for r in range(3)]
+    )
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(4))
+    every = process_logits(logits, [SamplingParams()] * 3, None, GrammarMasks(bitmask, [0, 1, 2]))
+    assert torch.equal(torch.isfinite(every), want)
+    assert torch.equal(every[want], logits[want])
+    some = process_logits(logits, [SamplingParams()] * 3, None, GrammarMasks(bitmask, [2, 0]))
+    assert torch.equal(some[[0, 2]], every[[0, 2]]) and torch.equal(some[1], logits[1])

@@ -142,3 +142,33 @@ def test_filling_the_budget_evicts_blocks_with_their_snapshots() -> None:
         sched.update(out, {c.request.request_id: (7, None) for c in out.chunks if c.samples})
     assert_consistent(kv)
     assert kv.states.num_free == 2 and kv.num_free_blocks == 16
+
+
+def test_an_import_takes_a_state_slot_and_any_cached_blocks_without_a_snapshot() -> None:
+    """E/P/D's decode side: the state comes with the KV, so an import restores nothing and takes a hit
+    of cached blocks even where no snapshot ends; it reserves one snapshot slot, for the prefill
+    side's snapshot at the prompt's last full block (filed with the blocks, or given back when none
+    came); no free state slot: no import (the caller answers Overloaded)."""
+    sched = hybrid(slots=1)
+    kv = books(sched)
+    prompt = list(range(30, 50))
+    a = request("a", prompt)
+    assert kv.allocate_import(a, len(prompt)) == 0
+    assert a.state is not None and a.state.restore_from is None
+    slot = kv.import_snapshot(a)
+    assert slot is not None and a.state.captures == [(20, slot)]
+    assert kv.allocate_import(request("x", prompt), len(prompt)) is None  # the one slot is held
+    kv.drop_import_snapshot(a)  # the prefill side sent none
+    a.num_computed_tokens = len(prompt)
+    kv.cache_computed_blocks(a)
+    assert kv.snapshots.num_registered == 0
+    kv.free(a)
+    b = request("b", prompt)
+    b.append_output(7, None)  # its first token, sampled on the prefill side (as reserve_import does)
+    assert kv.get_computed_blocks(b) == []  # a colocated hit needs a snapshot: none was filed
+    assert kv.allocate_import(b, len(prompt)) == 5  # an import needs none
+    assert kv.import_snapshot(b) is None  # the hit covers the last full block: nothing to file
+    b.num_computed_tokens = len(prompt)
+    kv.cache_computed_blocks(b)
+    kv.free(b)
+    assert_consistent(kv)

@@ -102,3 +102,28 @@ def test_a_pool_of_window_blocks_needed_never_holds_up_the_batch() -> None:
 
     sized = window_blocks_needed(max_num_seqs=4, max_num_batched_tokens=16, window=WINDOW, block_size=BS)
     assert sized < 256 and schedule(sized) == schedule(256)
+
+
+def test_an_import_takes_only_the_window_blocks_its_first_decode_reads() -> None:
+    """E/P/D's decode side: a 22-token prompt computed elsewhere gets full blocks for all of it, and
+    window blocks only from (22 - 8 + 1) // 4 = 3 on (the entries before are the null block); a
+    second import of the same prompt finds both groups' blocks in the cache once the first was
+    registered, and allocates nothing new."""
+    kv = WindowKVCacheManager(num_blocks=64, block_size=BS, num_window_blocks=16, window=WINDOW)
+    prompt = list(range(200, 222))
+    a = req("a", prompt)
+    assert kv.allocate_import(a, len(prompt)) == 0
+    assert kv.num_window_blocks_held("a") == 6 - 3 and len(kv.block_table("a")) == 6
+    start, ids = kv.import_window("a", 0)
+    assert start == 3 and ids == kv.window_table("a")[3:] and kv.null_block.block_id not in ids
+    a.num_computed_tokens = len(prompt)
+    kv.cache_computed_blocks(a)
+    free_full, free_window = kv.num_free_blocks, kv.num_free_window_blocks
+    b = req("b", prompt)
+    hits = kv.allocate_import(b, len(prompt))
+    assert hits == 5  # every full block; the window blocks [3, 5) it reads are the cached ones
+    assert kv.import_window("b", hits) == (5, kv.window_table("b")[5:])  # only the partial block to pull
+    assert kv.num_free_blocks == free_full - 1 and kv.num_free_window_blocks == free_window - 1
+    kv.free(a)
+    kv.free(b)
+    assert kv.num_free_blocks == 64 and kv.num_free_window_blocks == 16

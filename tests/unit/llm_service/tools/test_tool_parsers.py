@@ -52,7 +52,15 @@ CASES = [
         "<tool_call>\n<function=f>\nstray\n</function>\n</tool_call>",
         [],
     ),
+    (  # a string value over lines, quotes and a '<' in it; the answer cut inside the second call's value
+        "qwen3_xml",
+        '<tool_call>\n<function=get_time>\n<parameter=zone>\nC "E"\n<T\n\n</parameter>\n</function>\n</tool_call>'
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nPa\n",
+        None,
+        [("get_time", {"zone": 'C "E"\n<T\n'}), ("get_weather", {"city": "Pa"})],
+    ),
     ("gemma4", "Sure.", "Sure.", []),
+    ("gemma4", '<|tool_call>call:get_weather{city:<|"|>Pa', None, [("get_weather", {"city": "Pa"})]),
     ("gemma4", G1, None, [WEATHER]),
     ("gemma4", f"Let me check.\n{G1}{G2}", "Let me check.", [WEATHER, TIME]),
     (
@@ -154,6 +162,26 @@ def test_hermes_arguments_stream_in_pieces() -> None:
     assert isinstance(start, CallStart) and start.name == "get_weather"
     pieces = [e.text for e in events if isinstance(e, ArgumentsDelta)]
     assert len(pieces) > 5 and json.loads("".join(pieces)) == WEATHER[1]
+
+
+@pytest.mark.parametrize(("fmt", "text"), [("qwen3_xml", X1), ("gemma4", G1)])
+def test_arguments_stream_as_they_arrive(fmt: str, text: str) -> None:
+    """Qwen3.5's and Gemma 4's calls stream as JSON built as the model writes them: the call's start
+    before its first value is whole, a string value in character pieces, never a piece after the
+    text that settles it."""
+    stream = _fmt(fmt).stream()
+    events: list[ToolEvent] = []
+    seen: list[int] = []  # how many events each character settled
+    for ch in text:
+        new = stream.feed(ch)
+        events += new
+        seen.append(len(new))
+    events += stream.finish()
+    pieces = [e.text for e in events if isinstance(e, ArgumentsDelta)]
+    assert isinstance(events[0], CallStart) and events[0].name == "get_weather"
+    assert pieces[:3] == ["{", '"city": "', "P"] and "".join(pieces) == '{"city": "Paris", "days": 3}'
+    upto = sum(seen[: text.index("Paris") + 1])  # the events out once "P" was fed
+    assert [e.text for e in events[:upto] if isinstance(e, ArgumentsDelta)][-1] == "P"
 
 
 def test_no_partial_marker_goes_out_as_content() -> None:

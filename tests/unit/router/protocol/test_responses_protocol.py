@@ -164,6 +164,32 @@ def test_an_output_answering_no_call_is_named_in_responses_terms() -> None:
     assert named.param == "input[0].call_id" and "input[0].call_id" in named.message
 
 
+def test_an_image_in_an_output_the_template_would_drop_is_named_in_responses_terms() -> None:
+    """A template that renders only the text of a tool result (Gemma 4's): the output's image is a
+    400 naming ``input[i].output[j]``, the Responses request's own path."""
+    req = _req(
+        input=[
+            {"role": "user", "content": "go"},
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+            {
+                "type": "function_call_output",
+                "call_id": "c1",
+                "output": [
+                    {"type": "input_text", "text": "shot:"},
+                    {"type": "input_image", "image_url": PNG},
+                ],
+            },
+        ]
+    )
+    messages, paths = chat_messages(req)
+    with pytest.raises(APIError) as e:
+        normalize_messages(messages, LIMITS, field="input", paths=paths, tool_media=frozenset())
+    named = in_responses_terms(e.value)
+    assert (named.status_code, named.param) == (400, "input[2].output[1]"), named.message
+    chat = normalize_messages(messages, LIMITS, field="input", paths=paths, tool_media=frozenset({"image"}))
+    assert [m.modality for m in chat.media] == ["image"]
+
+
 def test_flat_function_tools_and_their_choice_become_chats() -> None:
     req = _req(
         tools=[{"type": "function", "name": "f", "parameters": {"type": "object"}, "strict": True}],

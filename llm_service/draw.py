@@ -1,0 +1,154 @@
+"""The tokens of the rows that draw (temperature > 0), for a whole step in tensor operations.
+
+Each row's weights are its unnormalised probabilities at its temperature, ``exp((x - max) / T)``:
+the most likely token weighs exactly 1, so nothing overflows and no softmax is needed. ``min_p`` and
+``top_k`` become one floor per row (``min_p`` itself, since the top weight is 1, or the k-th largest
+weight), applied to only the rows that ask. A row then draws by inverse CDF, one uniform per row and
+round: a seeded request from its own generator, so its tokens do not depend on the batch around it;
+the others share one generator.
+
+``top_p`` is a rejection loop rather than a sort: keep the token drawn when the tokens heavier than it
+weigh less than ``top_p`` of the row (it is in the nucleus), else draw again among the tokens heavier
+than the one drawn (still a superset of the nucleus). Given acceptance the token is distributed as the
+renormalised nucleus, whatever round accepts it; rows still drawing after ``TOP_P_ROUNDS`` take the
+sorted nucleus (``top_p_mask``) and one more draw. Tokens tied with a token at the nucleus' edge are
+kept with it. Since the top weight is 1, the weight above a token is 0 (it is the top one) or at least
+1: a bound clamped to 1/2 accepts the top token even when ``top_p`` rounds to 0.
+
+Comparisons are written as ``sign`` / ``relu`` arithmetic on float tensors where that is the cheaper
+CPU kernel (a bool result and a masked fill cost several times a float op at these sizes).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llm_service.sampling_batch import Floors, SamplingBatch
+
+TOP_P_CANDIDATES = 1024  # top-p looks at this many tokens first (a partial sort), the rest only if it must
+TOP_P_ROUNDS = 8  # rejection rounds before a row's nucleus is sorted
+
+
+def draw(x: torch.Tensor, batch: SamplingBatch, generators: list[torch.Generator]) -> list[int]:
+    """The tokens of ``batch.random`` (in that order) from the processed logits ``x`` (all rows)."""
+    rows = x if len(batch.random) == x.shape[0] else x.index_select(0, batch.random_index)
+    w = weights(rows, batch.temperature)
+    if batch.floors is not None:
+        apply_floors(w, batch.floors)
+    gens = [generators[i] for i in batch.random]
+    u = _uniforms(list(range(len(gens))), gens, w.device)
+    idx, total = _inverse_cdf(w, u)
+    if batch.nucleus is None:  # no nucleus to check
+        return idx.tolist()
+    assert batch.top_p is not None
+    bound = (batch.nucleus * total).clamp_(min=0.5)
+    tokens = idx.tolist()
+    _rejection_rounds(w, batch.top_p, bound, gens, idx, tokens)
+    return tokens
+
+
+def weights(x: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """Each row's unnormalised probabilities at its temperature; the top one is exactly 1."""
+    return ((x - x.amax(-1, keepdim=True)) / temperature).exp_()
+
+
+def apply_floors(w: torch.Tensor, floors: Floors) -> None:
+    """Zero, in place, the weights under each floored row's floor (ties with it are kept)."""
+    rows = w.index_select(0, floors.rows)
+    floor = floors.min_p
+    if floors.max_k:
+        kth = torch.topk(rows, floors.max_k, dim=-1, sorted=True).values.gather(1, floors.k_index)
+        floor = torch.maximum(floor, kth * floors.has_k)
+    keep = (rows - floor).sign_().add_(1.0).clamp_(max=1.0)  # 1 where weight >= floor, else 0
+    w.index_copy_(0, floors.rows, rows.mul_(keep))
+
+
+def _heavier(w: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
+    """Per row, the total weight of the tokens heavier than ``picked`` (a column)."""
+    return (w * (w - picked).sign_().relu_()).sum(-1)
+
+
+def _uniforms(rows: list[int], generators: list[torch.Generator], device: torch.device) -> torch.Tensor:
+    """One U[0, 1) draw for each of ``rows`` from its generator; rows that share one (the unseeded
+    ones) draw together, in row order."""
+    groups: dict[int, list[int]] = {}
+    for j, r in enumerate(rows):
+        groups.setdefault(id(generators[r]), []).append(j)
+    if len(groups) == 1:
+        return torch.rand(len(rows), generator=generators[rows[0]], device=device)
+    draws = [torch.rand(len(js), generator=generators[rows[js[0]]], device=device) for js in groups.values()]
+    order = torch.tensor([j for js in groups.values() for j in js], device=device)
+    joined = torch.cat(draws)
+    return torch.empty_like(joined).index_copy_(0, order, joined)
+
+
+def _inverse_cdf(w: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row ``i``'s token drawn from the weights ``w[i]`` (>= 0, not normalised) by the uniform
+    ``u[i]``, and the row's total weight: the first token whose cumulative weight passes ``u * total``.
+    The target is held below the total (a float product can round up to it), so the token found
+    always weighs more than 0."""
+    cdf = w.cumsum(-1)
+    total = cdf[:, -1]
+    target = (u * total).minimum(total.nextafter(torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1), total
+
+
+def _rejection_rounds(
+    w: torch.Tensor,
+    top_p: torch.Tensor,
+    bound: torch.Tensor,
+    generators: list[torch.Generator],
+    idx: torch.Tensor,
+    tokens: list[int],
+) -> None:
+    """Replace in ``tokens`` each first draw (``idx``) outside its row's nucleus by one inside it
+    (the module's docstring): ``bound`` is what a token's heavier tokens must weigh less than."""
+    floor = w.gather(1, idx.unsqueeze(1))  # the weight of each row's last draw
+    ok = (_heavier(w, floor) < bound).tolist()
+    active = [j for j, good in enumerate(ok) if not good]
+    if not active:
+        return
+    floor = floor.index_select(0, torch.tensor(active, device=w.device))
+    for _ in range(TOP_P_ROUNDS - 1):
+        at = torch.tensor(active, device=w.device)
+        rows = w.index_select(0, at)
+        rows.mul_((rows - floor).sign_().relu_())  # only the tokens heavier than the one rejected
+        picked, _ = _inverse_cdf(rows, _uniforms(active, generators, w.device))
+        floor = rows.gather(1, picked.unsqueeze(1))
+        ok = (_heavier(rows, floor) < bound.index_select(0, at)).tolist()
+        for j, tok in zip(active, picked.tolist(), strict=True):
+            tokens[j] = tok
+        again = [i for i, good in enumerate(ok) if not good]
+        if not again:
+            return
+        active = [active[i] for i in again]
+        floor = floor.index_select(0, torch.tensor(again, device=w.device))
+    at = torch.tensor(active, device=w.device)
+    nucleus = top_p_mask(w.index_select(0, at).log(), top_p.index_select(0, at)).exp_()
+    picked, _ = _inverse_cdf(nucleus, _uniforms(active, generators, w.device))
+    for j, tok in zip(active, picked.tolist(), strict=True):
+        tokens[j] = tok
+
+
+def top_p_mask(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep each row's nucleus: a token is dropped when the mass of the tokens before it (by
+    probability) already reaches ``top_p``; the first is always kept. The candidates are the top
+    ``TOP_P_CANDIDATES`` (a partial sort); a row whose candidates hold less than ``top_p`` of the mass
+    is sorted whole. Exact either way: every token past the candidates of a covered row has at least
+    the candidates' mass before it."""
+    k = min(x.shape[1], TOP_P_CANDIDATES)
+    vals, order = torch.topk(x, k, dim=-1)  # sorted, largest first
+    probs = (vals - torch.logsumexp(x, -1, keepdim=True)).exp()
+    cum = probs.cumsum(-1)
+    keep = (cum - probs) < top_p.unsqueeze(1)
+    keep[:, 0] = True  # even when top_p rounds to 0 in float32 (a subnormal top_p)
+    out = torch.full_like(x, float("-inf")).scatter(1, order, vals.masked_fill(~keep, float("-inf")))
+    short = (cum[:, -1] < top_p) & (k < x.shape[1])
+    if bool(short.any()):  # the nucleus reaches past the candidates: sort those rows whole
+        rows = short.nonzero().flatten()
+        sorted_x, full_order = torch.sort(x[rows], descending=True, dim=-1)
+        p_sorted = sorted_x.softmax(-1)
+        drop = (p_sorted.cumsum(-1) - p_sorted) >= top_p[rows].unsqueeze(1)
+        drop[:, 0] = False
+        out[rows] = x[rows].masked_fill(torch.zeros_like(drop).scatter(1, full_order, drop), float("-inf"))
+    return out
