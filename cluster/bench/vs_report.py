@@ -28,6 +28,9 @@ class Load:
     items: int = 1  # media items per request (random-mm), all distinct
     # JSON merged into every request's body for this load alone (``--paired-body``'s twin loads)
     extra_body: str | None = None
+    # added to the run's seed: a twin draws other requests of the same shape, so it does not find its
+    # images and prompts in the caches the load before it filled
+    seed_offset: int = 0
 
 
 LOADS = [
@@ -43,11 +46,17 @@ WARMUP = Load("warm-up", "random-mm", 32, 32, key="warm-up")
 
 
 def paired(loads: Sequence[Load], body: str, label: str) -> list[Load]:
-    """Each load, then its twin with ``body`` merged into every request (named ``<load>, <label>``):
-    the same server process runs both, one after the other, so their ratio comes from one run."""
+    """Each load, then its twin with ``body`` merged into every request (named ``<load>, <label>``)
+    and a seed of its own: the same server process runs both, one after the other, so their ratio
+    comes from one run, and the twin does not hit the caches its load just filled."""
     out: list[Load] = []
     for load in loads:
-        out += [load, replace(load, name=f"{load.name}, {label}", key=f"{load.key}+{label}", extra_body=body)]
+        out += [
+            load,
+            replace(
+                load, name=f"{load.name}, {label}", key=f"{load.key}+{label}", extra_body=body, seed_offset=1
+            ),
+        ]
     return out
 
 

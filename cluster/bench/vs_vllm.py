@@ -210,7 +210,10 @@ def run_server(
             # a first structured request builds the grammar backend (seconds): not in a measured load
             run_load(args, server, replace(WARMUP, name="warm-up, body", extra_body=body), seed=1000)
         idle = measure_idle(server, args.idle_seconds)
-        return [run_load(args, server, load, args.seed, round_no) for load in args.loads], idle
+        results = [
+            run_load(args, server, load, args.seed + load.seed_offset, round_no) for load in args.loads
+        ]
+        return results, idle
     finally:
         server.stop()
         left = server.leftovers()

@@ -310,6 +310,7 @@ def test_paired_body_runs_each_load_then_its_twin_whose_requests_carry_the_body(
         "text-c32+schema",
     ]
     assert args.loads[1].name == "image, 128 req, c=32, schema"
+    assert (args.loads[0].seed_offset, args.loads[1].seed_offset) == (0, 1)  # the twin: other requests
     ns = argparse.Namespace(vllm_venv=Path("/v"), peer_dir=Path("/p"), served_name="m", model_dir=Path("/d"))
     ns.input_len, ns.output_len = 64, 16
     plain, twin = (
