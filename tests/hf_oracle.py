@@ -59,3 +59,19 @@ def hf_generate(
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     return str(proc.tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True))
+
+
+def hf_unshared_tail(model_dir: Path, before: list[dict[str, Any]], after: list[dict[str, Any]]) -> int:
+    """Tokens at the end of ``before``'s prompt (with its generation prompt) that ``after``'s prompt
+    does not repeat, by the checkpoint's tokenizer and template: 0 where a chat's turns extend each other;
+    the generation prompt's opener where the template writes a past answer without it (Qwen3.5's
+    ``<think>``, Gemma 4's empty thought channel). Media parts count as their unexpanded markers."""
+    proc, _ = load(model_dir)
+
+    def ids(messages: list[dict[str, Any]]) -> list[int]:
+        out = proc.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)  # a BatchEncoding or the ids
+
+    a, b = ids(before), ids(after)
+    same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    return len(a) - same

@@ -163,19 +163,29 @@ class LocalRayCluster:
         if multi_node:
             self.multi_node, self.head_ip = True, "127.0.0.2"
         self.run("ray", "get-auth-token", "--generate")
-        self.run(
-            "ray",
-            "start",
-            "--head",
-            *([f"--node-ip-address={self.head_ip}"] if multi_node else []),
-            f"--num-cpus={num_cpus}",
-            *self._resources(resources),
-            f"--temp-dir={self.temp_dir}",
-            f"--port={self.gcs_port}",
-            f"--dashboard-port={self.dashboard_port}",
-            f"--ray-client-server-port={self._port()}",
-            *self._node_ports(),
-        )
+        for attempt in range(1, _HEAD_TRIES + 1):
+            try:
+                self.run(
+                    "ray",
+                    "start",
+                    "--head",
+                    *([f"--node-ip-address={self.head_ip}"] if multi_node else []),
+                    f"--num-cpus={num_cpus}",
+                    *self._resources(resources),
+                    f"--temp-dir={self.temp_dir}",
+                    f"--port={self.gcs_port}",
+                    f"--dashboard-port={self.dashboard_port}",
+                    f"--ray-client-server-port={self._port()}",
+                    *self._node_ports(),
+                )
+                return
+            except RuntimeError as e:
+                # A busy machine can miss Ray's fixed start-up waits (the GCS's node info, the raylet's
+                # registration): stop what this try started and start again on fresh ports.
+                if not any(m in str(e) for m in _SLOW_START) or attempt == _HEAD_TRIES:
+                    raise
+                self.stop()
+                self.gcs_port, self.dashboard_port = self._port(), self._port()
 
     def add_node(self, num_cpus: int, resources: Mapping[str, float] | None = None) -> None:
         """``ray start --address=HEAD`` on this machine: another raylet and object store (the head was
@@ -268,6 +278,10 @@ class LocalRayCluster:
     @staticmethod
     def _resources(resources: Mapping[str, float] | None) -> list[str]:
         return [f"--resources={json.dumps(dict(resources))}"] if resources else []
+
+
+_HEAD_TRIES = 3
+_SLOW_START = ("Deadline Exceeded", "timed out")  # what `ray start --head` says when it was slow, not wrong
 
 
 def _signal(pid: int, sig: signal.Signals) -> None:

@@ -49,8 +49,9 @@ def bench_argv(args: argparse.Namespace, load: Load, base_url: str, seed: int, r
         "1",
         "--ignore-eos",
     ]
-    if getattr(args, "extra_body", None):  # e.g. a response_format on every request (docs/benchmarks.md)
-        argv += ["--extra-body", args.extra_body]
+    body = load.extra_body or getattr(args, "extra_body", None)
+    if body:  # e.g. a response_format on every request (docs/benchmarks.md)
+        argv += ["--extra-body", body]
     argv += ["--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99"]
     argv += ["--ready-check-timeout-sec", "60", "--disable-tqdm", "--save-result"]
     argv += ["--result-dir", str(result.parent), "--result-filename", result.name]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cluster.bench.cpu_profile import IdleProfile, ScenarioProfile, profile_table
 from cluster.bench.json_body import JSON, json_float
@@ -26,6 +26,8 @@ class Load:
     request_rate: float = math.inf
     key: str = ""  # what `--loads` names it by
     items: int = 1  # media items per request (random-mm), all distinct
+    # JSON merged into every request's body for this load alone (``--paired-body``'s twin loads)
+    extra_body: str | None = None
 
 
 LOADS = [
@@ -38,6 +40,15 @@ LOADS = [
     Load("image, 256 req, 30 req/s", "random-mm", 256, 256, request_rate=30.0, key="image-rate30"),
 ]
 WARMUP = Load("warm-up", "random-mm", 32, 32, key="warm-up")
+
+
+def paired(loads: Sequence[Load], body: str, label: str) -> list[Load]:
+    """Each load, then its twin with ``body`` merged into every request (named ``<load>, <label>``):
+    the same server process runs both, one after the other, so their ratio comes from one run."""
+    out: list[Load] = []
+    for load in loads:
+        out += [load, replace(load, name=f"{load.name}, {label}", key=f"{load.key}+{label}", extra_body=body)]
+    return out
 
 
 def select_loads(keys: str | None) -> list[Load]:

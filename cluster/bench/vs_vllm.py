@@ -23,6 +23,10 @@ cluster: ``ray start --head --num-cpus=2 --resources='{"encoder_node": 1}'`` and
 embeddings cross from one raylet's object store to the other's. A cluster's CPU counts every process
 of it (GCS, raylets, dashboard, monitors, agents, Serve's controller, proxy and replicas).
 
+``--paired-body JSON`` runs every load twice on each server start, without and then with that JSON merged
+into every request (a ``response_format``): what a schema costs (TPOT with it against without) comes
+from one run of one server process.
+
 ``--mmserve-baseline DIR`` also runs mmserve from another checkout (e.g. ``git archive <commit> | tar -x
 -C DIR``), so a change is measured before and after in one run, under the same conditions.
 """
@@ -50,6 +54,7 @@ from cluster.bench.vs_report import (
     Load,
     LoadResult,
     median_rounds,
+    paired,
     render,
     results_json,
     select_loads,
@@ -155,7 +160,8 @@ def run_load(
     connection (its ready check, then the run) and closes when the client exits, and the JSON keeps
     it (``window_s``) beside the run's own ``duration``."""
     rate = "" if math.isinf(load.request_rate) else f"-r{load.request_rate:g}"
-    name = f"{server.name}-{load.dataset}-c{load.concurrency}{rate}-n{load.num_prompts}-round{round_no}"
+    body = "-body" if load.extra_body else ""
+    name = f"{server.name}-{load.dataset}-c{load.concurrency}{rate}-n{load.num_prompts}{body}-round{round_no}"
     result = args.out_dir / f"{name}.json"  # one per round: --json keeps only each pair's median
     argv = bench_argv(args, load, server.base_url, seed, result)
     log_path = result.with_suffix(".log")
@@ -200,6 +206,9 @@ def run_server(
         server.start()
         log(f"{server.name} healthy after {server.wait_healthy(args.startup_timeout):.0f} s")
         run_load(args, server, WARMUP, seed=1000)
+        for body in dict.fromkeys(load.extra_body for load in args.loads if load.extra_body):
+            # a first structured request builds the grammar backend (seconds): not in a measured load
+            run_load(args, server, replace(WARMUP, name="warm-up, body", extra_body=body), seed=1000)
         idle = measure_idle(server, args.idle_seconds)
         return [run_load(args, server, load, args.seed, round_no) for load in args.loads], idle
     finally:
@@ -275,6 +284,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="JSON merged into every request's body on every server (vllm bench serve --extra-body), e.g. "
         "a response_format with a JSON schema",
     )
+    p.add_argument(
+        "--paired-body",
+        help="JSON: run every load twice on each server start, without and then with it merged into every "
+        "request (e.g. a response_format): the with/without ratio (TPOT with a schema) from one run",
+    )
+    p.add_argument("--paired-label", default="schema", help="what the --paired-body twins are called")
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
@@ -306,11 +321,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "server and load, the round with the median req/s; this host's noise is ±10 %% between runs",
     )
     args = p.parse_args(argv)
-    if args.extra_body is not None:
+    for flag, body in (("--extra-body", args.extra_body), ("--paired-body", args.paired_body)):
         try:
-            json.loads(args.extra_body)
+            if body is not None:
+                json.loads(body)
         except ValueError as e:
-            p.error(f"--extra-body is not JSON: {e}")
+            p.error(f"{flag} is not JSON: {e}")
     try:
         args.loads = select_loads(args.loads)
     except ValueError as e:
@@ -320,6 +336,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--cluster-env takes KEY=VALUE, got {bad}")
     if args.num_prompts is not None:
         args.loads = [resized(load, args.num_prompts) for load in args.loads]
+    if args.paired_body is not None:
+        args.loads = paired(args.loads, args.paired_body, args.paired_label)
     return args
 
 

@@ -187,20 +187,27 @@ class DecodeImports:
             h.block_hashes,
         )
         assert isinstance(slots, ImportSlots)
+        write: asyncio.Future[tuple[None, float]] | None = None
         try:
             blocks = await self._pull(h, rid, slots)
-            _, cpu_s = await asyncio.to_thread(
-                _on_thread_timed,
-                self.engine.runner.write_kv_blocks,
-                slots.block_ids,
-                blocks,
-                slots.window_ids,
-                slots.state_slot,
-                slots.snapshot_slot,
+            write = asyncio.ensure_future(
+                asyncio.to_thread(
+                    _on_thread_timed,
+                    self.engine.runner.write_kv_blocks,
+                    slots.block_ids,
+                    blocks,
+                    slots.window_ids,
+                    slots.state_slot,
+                    slots.snapshot_slot,
+                )
             )
+            _, cpu_s = await asyncio.shield(write)
             self.stats.import_cpu_s += cpu_s
         except BaseException as e:
             self.stats.failed_imports += 1
+            if write is not None:  # cancelled mid-write: the blocks are the thread's until it has written
+                await asyncio.wait([write])
+                write.exception()  # its own failure, if any, is this one's
             await self.loop.on_engine(self.engine.cancel_import, rid)
             if isinstance(e, KVTransferFailed | asyncio.CancelledError):
                 raise

@@ -17,7 +17,6 @@ import io
 from pathlib import Path
 
 import httpx
-import pytest
 import yaml
 from openai import OpenAI
 from PIL import Image
@@ -33,8 +32,21 @@ MAX_TOKENS = 6
 LLM_POOLS = {SHIPPED: ["LLMServer"], SHIPPED_PD: ["LLMPrefillServer", "LLMDecodeServer"]}
 
 
-@pytest.mark.parametrize("shipped", [SHIPPED, SHIPPED_PD], ids=["both", "pd"])
-def test_readme_cluster_commands_deploy_the_shipped_cpu_config(tmp_path: Path, shipped: Path) -> None:
+def test_readme_cluster_commands_deploy_the_shipped_cpu_configs(tmp_path: Path) -> None:
+    """One cluster, the two shipped configs one after the other (each deployed, answered, shut down)."""
+    cluster = LocalRayCluster()
+    try:
+        cluster.start_head(num_cpus=2)
+        for shipped in (SHIPPED, SHIPPED_PD):
+            _deploy_answer_and_shut_down(cluster, shipped, tmp_path)
+    finally:
+        cluster.stop()
+        left = cluster.leftovers()
+        cluster.remove()
+    assert not left, f"processes of the cluster alive after it was stopped: {left}"
+
+
+def _deploy_answer_and_shut_down(cluster: LocalRayCluster, shipped: Path, tmp_path: Path) -> None:
     port = free_port()
     config = tmp_path / shipped.name
     deploy_config(shipped, config, http_port=port)
@@ -43,49 +55,37 @@ def test_readme_cluster_commands_deploy_the_shipped_cpu_config(tmp_path: Path, s
     expected["applications"][0]["args"]["port"] = port  # the ingress serves HTTP itself (direct)
     assert yaml.safe_load(config.read_text()) == expected  # the shipped file, but for the port
 
-    cluster = LocalRayCluster()
-    try:
-        cluster.start_head(num_cpus=2)
-        cluster.deploy(config)
-        cluster.wait_running("mmserve", timeout_s=420)
-        status = cluster.serve_status()["applications"]["mmserve"]["deployments"]
-        assert {name: d["status"] for name, d in status.items()} == {
-            "IngressServer": "HEALTHY",
-            f"EncoderCacheIndex-{MODEL}": "HEALTHY",
-            f"EncoderServer-{MODEL}": "HEALTHY",
-            **{f"{pool}-{MODEL}": "HEALTHY" for pool in LLM_POOLS[shipped]},
-        }
+    cluster.deploy(config)
+    cluster.wait_running("mmserve", timeout_s=420)
+    status = cluster.serve_status()["applications"]["mmserve"]["deployments"]
+    assert {name: d["status"] for name, d in status.items()} == {
+        "IngressServer": "HEALTHY",
+        f"EncoderCacheIndex-{MODEL}": "HEALTHY",
+        f"EncoderServer-{MODEL}": "HEALTHY",
+        **{f"{pool}-{MODEL}": "HEALTHY" for pool in LLM_POOLS[shipped]},
+    }
 
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=180, max_retries=0)
-        png = make_image_bytes(84, 56, seed=5)
-        url = f"data:image/png;base64,{base64.b64encode(png).decode()}"
-        content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Describe."}]
-        reply = client.chat.completions.create(
-            model=MODEL,
-            messages=[{"role": "user", "content": content}],  # type: ignore[list-item,misc]
-            max_tokens=MAX_TOKENS,
-            temperature=0,
-        )
-        model_dir = cluster.home / ".cache/mmserve/models/tiny-qwen2-vl"  # serve-cpu.yaml's cache dir
-        image = Image.open(io.BytesIO(png)).convert("RGB")
-        hf_messages = [
-            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe."}]}
-        ]
-        assert reply.choices[0].message.content == hf_generate(
-            model_dir, hf_messages, MAX_TOKENS, images=[image]
-        )
-        assert reply.usage is not None and reply.usage.completion_tokens == MAX_TOKENS
-        if shipped == SHIPPED_PD:  # the answer came from the decode replica, over the KV it pulled
-            pools = httpx.get(f"http://127.0.0.1:{port}/stats?pools=true", timeout=30).json()
-            assert _pd_counters(pools[MODEL]) == (1, 1), pools
+    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=180, max_retries=0)
+    png = make_image_bytes(84, 56, seed=5)
+    url = f"data:image/png;base64,{base64.b64encode(png).decode()}"
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Describe."}]
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": content}],  # type: ignore[list-item,misc]
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+    )
+    model_dir = cluster.home / ".cache/mmserve/models/tiny-qwen2-vl"  # serve-cpu.yaml's cache dir
+    image = Image.open(io.BytesIO(png)).convert("RGB")
+    hf_messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe."}]}]
+    assert reply.choices[0].message.content == hf_generate(model_dir, hf_messages, MAX_TOKENS, images=[image])
+    assert reply.usage is not None and reply.usage.completion_tokens == MAX_TOKENS
+    if shipped == SHIPPED_PD:  # the answer came from the decode replica, over the KV it pulled
+        pools = httpx.get(f"http://127.0.0.1:{port}/stats?pools=true", timeout=30).json()
+        assert _pd_counters(pools[MODEL]) == (1, 1), pools
 
-        cluster.shutdown_serve()
-        assert not cluster.serve_status().get("applications")
-    finally:
-        cluster.stop()
-        left = cluster.leftovers()
-        cluster.remove()
-    assert not left, f"processes of the cluster alive after it was stopped: {left}"
+    cluster.shutdown_serve()
+    assert not cluster.serve_status().get("applications")
 
 
 def test_bench_config_rewrites_only_model_port_and_missing_markers(tmp_path: Path) -> None:

@@ -361,20 +361,8 @@ def test_three_turn_chat_resending_its_image_hits_the_prefix_cache(app: dict[str
     template writes a past answer without what its generation prompt opened (Qwen3.5's ``<think>``,
     Gemma 4's empty thought channel), the previous prompt less those tokens (counted by HF's
     tokenizer); a hybrid's snapshot then sits past where the prompts part, so it has no bound."""
-    from transformers import AutoTokenizer
-
     from tests.hf_oracle import hf_generate as hf_chat
-
-    tok = AutoTokenizer.from_pretrained(app["cache_dir"] / f.model)
-
-    def unshared(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> int:
-        """Tokens at the end of ``before``'s prompt that ``after``'s prompt does not repeat."""
-        a, b = (
-            list(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True))
-            for m in (before, after)
-        )
-        same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-        return len(a) - same
+    from tests.hf_oracle import hf_unshared_tail
 
     part, img = _image(96, 64, 70)
     served_msgs: list[dict[str, Any]] = []
@@ -397,7 +385,7 @@ def test_three_turn_chat_resending_its_image_hits_the_prefix_cache(app: dict[str
         assert answer == hf_chat(app["cache_dir"] / f.model, hf_msgs, MAX_TOKENS, images=[img]), turn
         details = r.usage.prompt_tokens_details if r.usage else None
         cached = int(getattr(details, "cached_tokens", 0) or 0)
-        drop = unshared(prev_msgs, hf_msgs) if turn else 0
+        drop = hf_unshared_tail(app["cache_dir"] / f.model, prev_msgs, hf_msgs) if turn else 0
         if turn and not (drop and f.num_state_slots):
             assert cached >= (prev_prompt - drop) // ENGINE["block_size"] * ENGINE["block_size"], (
                 turn,

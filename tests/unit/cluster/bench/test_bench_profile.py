@@ -294,6 +294,30 @@ def test_loads_are_picked_by_key_in_the_tables_order_and_an_unknown_key_is_refus
         select_loads("image-c32,image-c64")
 
 
+def test_paired_body_runs_each_load_then_its_twin_whose_requests_carry_the_body() -> None:
+    import argparse
+    from pathlib import Path
+
+    from cluster.bench.vllm_client import bench_argv
+    from cluster.bench.vs_vllm import parse_args
+
+    body = '{"response_format": {"type": "json_object"}}'
+    args = parse_args(["--loads", "text-c32,image-c32", "--paired-body", body])
+    assert [load.key for load in args.loads] == [
+        "image-c32",
+        "image-c32+schema",
+        "text-c32",
+        "text-c32+schema",
+    ]
+    assert args.loads[1].name == "image, 128 req, c=32, schema"
+    ns = argparse.Namespace(vllm_venv=Path("/v"), peer_dir=Path("/p"), served_name="m", model_dir=Path("/d"))
+    ns.input_len, ns.output_len = 64, 16
+    plain, twin = (
+        bench_argv(ns, load, "http://127.0.0.1:9", 0, Path("/r/x.json")) for load in args.loads[:2]
+    )
+    assert "--extra-body" not in plain and twin[twin.index("--extra-body") + 1] == body
+
+
 def test_vs_vllm_table_gives_each_server_its_ratio_to_vllm() -> None:
     from cluster.bench.vs_report import LOADS, LoadResult, comparison_table
 

@@ -108,3 +108,25 @@ def test_processor_cache_lru_in_bytes():
         "misses": 1,
         "evictions": 1,
     }
+
+
+def test_processor_cache_counts_and_copies_out_a_view_of_a_larger_buffer():
+    """A [1, 3000] int32 view of a 1.9 MB storage (Qwen2-Audio's feature_attention_mask) would keep the
+    whole storage alive: the cache stores a compact copy and counts its 12 KB, for torch and numpy."""
+    import torch
+
+    from encoder_service.preprocess.processor_cache import encoder_input_nbytes, held_nbytes
+
+    big = torch.zeros(160, 3000, dtype=torch.int32)
+    view = big[:1]
+    assert held_nbytes(view) == 160 * 3000 * 4  # what a cache counting view.nbytes would miss
+    arr = np.zeros((160, 3000), dtype=np.int32)[:1]
+    inp = EncoderInput("a", "audio", 1, None, {"feature_attention_mask": view, "np_mask": arr})
+    cache = ProcessorCache(1 << 20)
+    assert cache.put(inp)
+    kept = cache.get("a")
+    assert kept is not None
+    mask, np_mask = kept.tensors["feature_attention_mask"], kept.tensors["np_mask"]
+    assert mask.untyped_storage().nbytes() == 3000 * 4 and torch.equal(mask, view)
+    assert np_mask.base is None and np.array_equal(np_mask, arr)
+    assert cache.used_bytes == encoder_input_nbytes(kept) == 2 * 3000 * 4

@@ -12,6 +12,8 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from llm_service.config import EngineConfig
 from llm_service.request_spec import LLMRequestSpec
 from llm_service.sampling_params import SamplingParams
@@ -57,6 +59,7 @@ async def _until(cond: Any, what: str) -> None:
     raise AssertionError(f"not within 3 s: {what}")
 
 
+@pytest.mark.slow  # two engines loaded: 13 s here at load average 50
 def test_a_request_orphaned_during_its_pull_is_aborted_once_imported(tiny_vl_dir: Path) -> None:
     async def scenario() -> None:
         prefill, decode, link = _servers(tiny_vl_dir)
@@ -71,7 +74,7 @@ def test_a_request_orphaned_during_its_pull_is_aborted_once_imported(tiny_vl_dir
         decode.channels.drop_unconnected()  # ...and its request orphaned, mid-pull
         link.release.set()
         await submit  # the import itself succeeds
-        eng = decode.engine
+        eng: Any = decode.engine  # the LLMEngine behind the replica
         await _until(lambda: not eng.scheduler.requests, "the orphaned request aborted on the decode replica")
         assert eng.stats().num_free_blocks == eng.stats().num_total_blocks
         assert decode.stats()["kv_imports"] == 1 and prefill.stats()["kv_pins_held"] == 0
