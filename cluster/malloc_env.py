@@ -10,12 +10,13 @@ the middle of an arena, between live small objects, their pages stay resident: e
 high-water mark of what its threads ever held, fragmented. The soak saw each encoder's RSS grow by
 0.7-1.4 GiB over its first ~9 minutes, the arena heaps 18 -> 28 and the main heap 25 -> 750 MiB.
 
-``MALLOC_MMAP_THRESHOLD_`` fixes the threshold (no dynamic raise): every block over 128 KiB is its own
-mapping, returned to the kernel when freed. ``MALLOC_ARENA_MAX`` caps the arenas at 2, so small-object
-pools are not copied per thread. Cost: an ``mmap``/``munmap`` and fresh page faults per large buffer
-(a few µs per MiB; preprocessing runs at tens of items per second).
+What answers it: ``MALLOC_ARENA_MAX`` caps the arenas at 2, so pools are not copied per thread, and
+the encoder replica's heap trimmer (encoder_service/heap_trim.py) hands every arena's free pages back
+to the kernel once a second (``malloc_trim``). A fixed ``MALLOC_MMAP_THRESHOLD_`` of 128 KiB (every
+large buffer its own mapping) held RSS flat too, but cost ~55 % more CPU per image (a fresh mapping and
+its page faults per buffer: 23-24 -> 37-41 CPU-ms per image, run AW), so it is not set.
 """
 
 from __future__ import annotations
 
-ENCODER_MALLOC_ENV = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "131072"}
+ENCODER_MALLOC_ENV = {"MALLOC_ARENA_MAX": "2"}

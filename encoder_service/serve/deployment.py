@@ -41,6 +41,7 @@ from encoder_service.cache.cache_index import ref_id
 from encoder_service.cache.owned_embeddings import OwnedEmbeddings
 from encoder_service.encode.encoder_queue import EncoderQueue
 from encoder_service.encode.recent_values import RecentValues, value_key
+from encoder_service.heap_trim import HeapTrimmer, start_heap_trimmer
 from encoder_service.preprocess import tracing
 from encoder_service.preprocess.gathering import gather
 from encoder_service.preprocess.make_preparer import make_preparer, preparer_stats
@@ -164,10 +165,12 @@ class EncoderServer:
         self._commits: set[asyncio.Task[None]] = set()  # index commits in flight
         self._metrics = EncoderMetrics(model_name)
         self.preparer: RequestPreparer | None = None
+        self._heap_trimmer: HeapTrimmer | None = None
         if limits is not None:
             self.preparer = self._make_preparer(
                 model_dir, limits, limit_mm_per_prompt or {}, processor_cache_bytes
             )
+            self._heap_trimmer = start_heap_trimmer()  # the preparing threads' freed buffers (heap_trim.py)
 
     def _make_preparer(
         self,
@@ -360,6 +363,8 @@ class EncoderServer:
 
     async def _shutdown(self) -> int:
         await self.drain()
+        if self._heap_trimmer is not None:
+            self._heap_trimmer.stop()
         if self._cache is None or not len(self._owned):
             return 0
         return await self.invalidate_owned()
