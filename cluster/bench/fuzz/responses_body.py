@@ -15,6 +15,7 @@ from types import SimpleNamespace
 from typing import Any, cast
 
 from cluster.bench.fuzz.asgi import request
+from mmcore.feature import MODALITIES
 from router.http import chat as ingress
 from router.http import responses
 from router.http.request_body import read_body
@@ -27,7 +28,8 @@ LIMITS = ingress.MessageLimits(
     max_media_bytes=4096,
     limit_mm_per_prompt={"image": 2, "audio": 1},
 )
-_ORCH = SimpleNamespace(template_takes_tools=True)  # what ``_validated`` reads of the orchestrator
+# what ``_validated`` reads of the orchestrator: tools rendered, and media in tool results too
+_ORCH = SimpleNamespace(template_takes_tools=True, tool_result_modalities=MODALITIES)
 MODEL = ingress.ServedModel("m", cast(Any, _ORCH), LIMITS, max_model_len=4096, modalities=["image"])
 SERVICE = responses.ResponsesService(
     ingress.ChatService({"m": MODEL}, max_request_bytes=1 << 16, max_json_values=512)

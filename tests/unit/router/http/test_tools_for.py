@@ -43,6 +43,6 @@ def test_checks_run_before_the_template_question() -> None:
     assert e.value.param == "tools" and "repeats" in e.value.message
 
 
-def test_only_qwen3_vl_of_the_tiny_templates_reads_tools() -> None:
+def test_the_tiny_templates_that_read_tools_are_the_released_ones_that_do() -> None:
     takes = {name: template_takes_tools(recipe.chat_template) for name, recipe in TINY_RECIPES.items()}
-    assert takes == {name: name == "qwen3-vl" for name in TINY_RECIPES}
+    assert takes == {name: name in ("qwen3-vl", "qwen3.5", "gemma4") for name in TINY_RECIPES}

@@ -13,6 +13,7 @@ import pytest
 from starlette.requests import Request
 
 from llm_service.outputs import RequestOutput
+from mmcore.feature import MODALITIES
 from router.http.chat import ChatService, ServedModel
 from router.protocol.errors import APIError, from_exception
 from router.protocol.messages import MessageLimits
@@ -113,6 +114,8 @@ def test_a_body_larger_than_the_whole_budget_is_let_in_alone() -> None:
 
 class _Orchestrator:
     """Prepares anything into a 3-token prompt and answers one finished token (or fails to prepare)."""
+
+    tool_result_modalities = MODALITIES  # the chat route reads it (media allowed in tool results)
 
     def __init__(self, fail: bool = False) -> None:
         self.fail = fail
