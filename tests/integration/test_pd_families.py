@@ -247,18 +247,29 @@ def test_three_turn_chat_hits_the_prefill_replicas_cache(app: dict[str, Any]) ->
 def test_decode_side_preemption_equals_hf(app: dict[str, Any]) -> None:
     """Two text requests of about 0.3 of the KV pool each, generating another 0.3: both are imported,
     their decodes outgrow the decode replica's pool, one is preempted and recomputed there from its
-    prefix cache (text: the decode side never fetches embeddings)."""
+    prefix cache (text: the decode side never fetches embeddings). The two must decode at once: where
+    one was imported after the other ended (a busy host), the pair is sent again, up to 3 times."""
     for f in app["families"]:
-        before = _stats("decode", f)["num_preemptions"]
         n = f.max_model_len * 3 // 10  # new tokens; the prompts' words are 2-3 tokens each
         words = f.max_model_len // 12
-        texts = [f"Story {i}: " + " ".join(f"w{(7 * i + k) % 50}" for k in range(words)) for i in range(2)]
-        with ThreadPoolExecutor(2) as pool:
-            asks = [pool.submit(_chat, app["client"], f, [{"role": "user", "content": t}], n) for t in texts]
-            served = [a.result()[0] for a in asks]
-        assert _stats("decode", f)["num_preemptions"] > before, f.tiny
-        for text, got in zip(texts, served, strict=True):
-            assert got == _hf(app, f, [{"type": "text", "text": text}], n), (f.tiny, text)
+        preempted = False
+        for attempt in range(3):
+            before = _stats("decode", f)["num_preemptions"]
+            texts = [
+                f"Story {i + 2 * attempt}: " + " ".join(f"w{(7 * i + k) % 50}" for k in range(words))
+                for i in range(2)
+            ]
+            with ThreadPoolExecutor(2) as pool:
+                asks = [
+                    pool.submit(_chat, app["client"], f, [{"role": "user", "content": t}], n) for t in texts
+                ]
+                served = [a.result()[0] for a in asks]
+            for text, got in zip(texts, served, strict=True):
+                assert got == _hf(app, f, [{"type": "text", "text": text}], n), (f.tiny, text)
+            if _stats("decode", f)["num_preemptions"] > before:
+                preempted = True
+                break
+        assert preempted, f.tiny
 
 
 def test_every_pin_ended_by_its_pull(app: dict[str, Any]) -> None:
