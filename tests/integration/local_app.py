@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -20,6 +23,15 @@ def free_port() -> int:
     return free_loopback_port()
 
 
+_INIT_TRIES = 3
+
+
+def _children() -> set[int]:
+    from cluster.bench.procs import descendants, list_procs
+
+    return descendants(list_procs(), os.getpid())
+
+
 @contextmanager
 def own_ray(address: str = "local", **init: Any) -> Iterator[None]:
     """``ray.init`` for one test module; Serve (if it started) and Ray are shut down on the way out,
@@ -30,7 +42,20 @@ def own_ray(address: str = "local", **init: Any) -> Iterator[None]:
 
     if address == "local":
         init = {"num_cpus": 2, "include_dashboard": False, **init}
-    ray.init(address=address, **{"namespace": "mmserve", **init})
+    for attempt in range(1, _INIT_TRIES + 1):
+        before = _children()
+        try:
+            ray.init(address=address, **{"namespace": "mmserve", **init})
+            break
+        except Exception as e:
+            # A busy host can miss Ray's fixed 30 s wait for the raylet to register (chaos_node.start_head
+            # and LocalRayCluster.start_head try again too): end what this try started, start again.
+            ray.shutdown()
+            for pid in _children() - before:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            if address != "local" or "timed out during startup" not in str(e) or attempt == _INIT_TRIES:
+                raise
     try:
         yield
     finally:
