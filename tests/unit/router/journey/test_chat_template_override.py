@@ -176,3 +176,25 @@ def test_the_setting_is_read_and_checked_at_startup(tmp_path: Path) -> None:
         assert "model 'tiny-gemma3': chat_template" in err["msg"] and says in err["msg"], err["msg"]
     with pytest.raises(ValidationError, match="unknown tool_call_parser 'json'; known: hermes"):
         ModelConfig(name="a", tiny="gemma3", tool_call_parser="json")
+
+
+def test_mmserve_serve_flags_set_every_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--chat-template`` (a path or the text) and ``--tool-call-parser``, as ``vllm serve`` takes them;
+    a bad template stops ``mmserve serve`` before Ray starts, with the model and the setting."""
+    import argparse
+
+    from cluster.serve_cli import _cmd_serve, add_serve_command, config_from_args
+
+    def args(*argv: str) -> argparse.Namespace:
+        parser = argparse.ArgumentParser()
+        add_serve_command(parser.add_subparsers())
+        return parser.parse_args(["serve", *argv])
+
+    path = str(tool_template_path("gemma3"))
+    cfg = config_from_args(args("--chat-template", path, "--tool-call-parser", "pythonic"))
+    assert len(cfg.models) == 2  # the default app: both tiny models
+    for m in cfg.models:
+        assert m.chat_template == Path(path).read_text(encoding="utf-8") and m.tool_call_parser == "pythonic"
+    assert _cmd_serve(args("--model", str(tmp_path), "--chat-template", str(tmp_path / "nope.jinja"))) == 2
+    err = capsys.readouterr().err
+    assert f"model '{tmp_path.name}': chat_template" in err and "no such file" in err, err
