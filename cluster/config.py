@@ -308,7 +308,7 @@ def load_chat_template(model: str, value: str) -> str:
     path = Path(value).expanduser()
     try:
         is_file = path.is_file()
-    except OSError:  # a name too long for the file system: template text
+    except (OSError, ValueError):  # a name too long for the file system, a NUL: template text
         is_file = False
     if is_file:
         try:
