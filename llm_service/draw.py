@@ -74,14 +74,12 @@ def _uniforms(generators: list[torch.Generator], device: torch.device) -> torch.
     groups: dict[int, list[int]] = {}
     for j, g in enumerate(generators):
         groups.setdefault(id(g), []).append(j)
-    u = torch.empty(len(generators), device=device)
-    for js in groups.values():
-        g = generators[js[0]]
-        if len(js) == 1 or js[-1] - js[0] == len(js) - 1:  # one row, or a run of rows: a view
-            u.narrow(0, js[0], len(js)).uniform_(generator=g)
-        else:
-            u.index_copy_(0, torch.tensor(js, device=device), torch.rand(len(js), generator=g, device=device))
-    return u
+    draws = [torch.rand(len(js), generator=generators[js[0]], device=device) for js in groups.values()]
+    order = [j for js in groups.values() for j in js]  # the row of each drawn value
+    joined = torch.cat(draws)
+    if order == list(range(len(order))):
+        return joined
+    return torch.empty_like(joined).index_copy_(0, torch.tensor(order, device=device), joined)
 
 
 def _inverse_cdf(w: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
