@@ -335,9 +335,9 @@ class LLMEngine:
         if hits is None:
             self.runner.release(request_id)
             raise Overloaded(
-                f"this decode replica has {self.kv.num_free_blocks} free KV blocks (and its window "
-                f"blocks or state slots, where the model has them); {request_id} needs "
-                f"{cdiv(req.num_prompt_tokens, self.config.block_size)}"
+                f"{request_id} needs up to {cdiv(req.num_prompt_tokens, self.config.block_size)} KV "
+                f"blocks (and its window blocks or a state slot, where the model has them); "
+                f"free: {self._free_for_import()}"
             )
         req.num_cached_tokens = first.num_cached_tokens  # the prefill side's hit: what saved compute
         self._importing[request_id] = req
@@ -353,6 +353,16 @@ class LLMEngine:
                 slots, state_slot=req.state.slot, snapshot_slot=self.kv.import_snapshot(req)
             )
         return slots
+
+    def _free_for_import(self) -> str:
+        """What this replica has free of what an import takes (the refusal's message)."""
+        s = self.stats()
+        free = [f"{s.num_free_blocks} KV blocks"]
+        if s.num_free_window_blocks is not None:
+            free.append(f"{s.num_free_window_blocks} window blocks")
+        if s.num_free_state_slots is not None:
+            free.append(f"{s.num_free_state_slots} state slots")
+        return ", ".join(free)
 
     def admit_import(self, request_id: str, snapshot: bool = False) -> None:
         """Its KV is in its blocks: register them under their chained hashes and run it from its first
@@ -401,6 +411,8 @@ class LLMEngine:
             prefix_hit_tokens=self.kv.prefix_hit_tokens,
             prefix_query_tokens=self.kv.prefix_query_tokens,
             num_preemptions=self.scheduler.num_preemptions,
+            num_free_window_blocks=getattr(self.kv, "num_free_window_blocks", None),
+            num_free_state_slots=getattr(self.kv, "num_free_state_slots", None),
         )
 
     # ---- offline -----------------------------------------------------------------------------------
