@@ -15,6 +15,7 @@ from llm_service.errors import RequestFaults, RequestRejected
 from llm_service.hybrid_kv_cache_manager import HybridKVCacheManager
 from llm_service.kv_cache_manager import KVCacheManager, cdiv
 from llm_service.kv_handoff import HeldKV, ImportSlots, KVTransferFailed
+from llm_service.kv_swap import SwapSpace
 from llm_service.model_runner import ModelRunner
 from llm_service.multimodal import MultiModalInput
 from llm_service.outputs import (
@@ -62,6 +63,7 @@ class LLMEngine:
         self._importing: dict[str, Request] = {}  # decode side: blocks reserved, KV on its way
         self._imported: list[Request] = []  # admitted since the last step: their first token is due
         self._firsts: dict[str, RequestOutput] = {}  # their first outputs, as the prefill side gave them
+        self.swap = SwapSpace()  # decode side: preempted imports' KV in host memory (llm_service/kv_swap.py)
 
     @property
     def grammars(self) -> GrammarBackend:
@@ -185,6 +187,7 @@ class LLMEngine:
         """One engine iteration; returns the requests that got a new token (finished ones included)
         and those whose computation failed in it (``finish_reason="error"``, see ``_execute``)."""
         sched = self.scheduler.schedule()
+        self.swap.apply(sched, self.runner, self.kv)
         sampled, faults = self._execute(sched)
         self.runner.accept_sampled(sampled)  # the grammars advance only once the step stands
         outputs = self._first_outputs()
@@ -269,6 +272,7 @@ class LLMEngine:
         """Retire a culprit (its KV blocks freed) and say so in its last output."""
         req = self.scheduler.abort(request_id, RequestStatus.FINISHED_ERROR)
         assert req is not None, f"failed request {request_id!r} is not in the engine"
+        self.swap.drop(request_id)
         self.runner.release(request_id)
         return RequestOutput(
             request_id=request_id,
@@ -285,6 +289,7 @@ class LLMEngine:
         """Drop a request and free its blocks; unknown or finished ids are ignored. Emits no output."""
         self.scheduler.abort(request_id)
         self.cancel_import(request_id)
+        self.swap.drop(request_id)
         self.runner.release(request_id)
 
     # ---- E/P/D: the prefill side's hand-off, the decode side's import (llm_service/kv_handoff.py) ------
@@ -328,6 +333,7 @@ class LLMEngine:
         salt), else ``KVTransferFailed``. Raises ``RequestRejected`` as ``add_request`` does,
         ``Overloaded`` when the pool is short of blocks (or of state slots)."""
         req = self._new_request(request_id, prompt_token_ids, sampling_params, mm_inputs, cache_salt)
+        req.imported = True
         token = first.new_token_ids[0]
         req.append_output(token, first.new_logprobs[0] if first.new_logprobs else None)
         self.runner.accept_sampled({request_id: (token, None)})
