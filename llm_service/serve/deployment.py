@@ -382,6 +382,7 @@ class LLMServer:
             **self.loop.step_clock.stats(),
             **(self.kv_stats.as_dict() if self.role != "both" else {}),
             **({"kv_pins_held": len(self._prefill.pins)} if self._prefill is not None else {}),
+            **({"kv_swapped_out": self._decode.engine.swap.swapped_out} if self._decode is not None else {}),
         }
 
     def record_routing_stats(self) -> dict[str, object]:
