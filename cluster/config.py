@@ -10,12 +10,14 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import Field, SecretStr, WithJsonSchema, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationInfo, WithJsonSchema, field_validator, model_validator
 
 from cluster.serve_options import AutoscalingConfig, AutoscalingPolicyConfig, DeploymentOptions
 from cluster.serve_options import StrictModel as _Strict
 from encoder_service.cache.uuid_aliases import MAX_ALIASES_PER_TENANT
 from encoder_service.families import FAMILY_NAMES
+from llm_service.tools.formats import TOOL_FORMATS
+from mmcore.chat_template import check_template_syntax
 
 # The Serve options of a pool are cluster/serve_options.py's; importable from here as they always were.
 __all__ = [
@@ -217,6 +219,34 @@ class PreprocessConfig(_Strict):
 # A tiny family's name: one of the registry's (``EncoderFamily.name``; the tiny generator's recipes
 # carry the same names, a test checks), so JSON Schema readers see the list too.
 TinyFamily = Annotated[str, WithJsonSchema({"type": "string", "enum": list(FAMILY_NAMES)})]
+ToolCallParser = Annotated[str, WithJsonSchema({"type": "string", "enum": list(TOOL_FORMATS)})]
+
+
+def load_chat_template(model: str, value: str) -> str:
+    """vLLM's ``--chat-template`` semantics: a value naming a readable file is that file's text (read
+    here, where the config is validated: the replicas get the text); one that looks like a path (no
+    ``{``, ``}`` or newline) but cannot be read is an error; any other value is the template itself.
+    Either must parse as jinja (a ``ValueError`` naming the model, the setting and the line)."""
+    path = Path(value).expanduser()
+    try:
+        is_file = path.is_file()
+    except (OSError, ValueError):  # a name too long for the file system, a NUL: template text
+        is_file = False
+    if is_file:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"model {model!r}: chat_template {value!r} cannot be read: {e}") from e
+    elif not any(c in value for c in "{}\n"):
+        raise ValueError(f"model {model!r}: chat_template {value!r} looks like a path, but no such file")
+    else:
+        text = value
+    try:
+        check_template_syntax(text)
+    except ValueError as e:
+        where = value if is_file else "(inline text)"
+        raise ValueError(f"model {model!r}: chat_template {where}: {e}") from e
+    return text
 
 
 class ModelConfig(_Strict):
@@ -228,6 +258,30 @@ class ModelConfig(_Strict):
     llm: LLMConfig = Field(default_factory=LLMConfig)
     encoder: EncoderConfig = Field(default_factory=EncoderConfig)
     preprocess: PreprocessConfig = Field(default_factory=PreprocessConfig)
+    chat_template: str | None = Field(
+        None,
+        description="a chat template in place of the checkpoint's, as vLLM's `--chat-template`: the path of a "
+        ".jinja file (read when the config is validated: relative to that process's working directory) or the "
+        "template text; the ingress's tokenizer and the encoder's processor both render with it "
+        "(docs/tools.md ships tool-capable ones under cluster/data/)",
+    )
+    tool_call_parser: ToolCallParser | None = Field(
+        None,
+        description="how the model writes tool calls (vLLM's `--tool-call-parser`): "
+        f"{', '.join(TOOL_FORMATS)}; default: the family's (llm_service/models/families.py)",
+    )
+
+    @field_validator("chat_template")
+    @classmethod
+    def _readable_template(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return None if value is None else load_chat_template(str(info.data.get("name", "?")), value)
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _known_parser(cls, value: str | None) -> str | None:
+        if value is not None and value not in TOOL_FORMATS:
+            raise ValueError(f"unknown tool_call_parser {value!r}; known: {', '.join(TOOL_FORMATS)}")
+        return value
 
     @field_validator("tiny")
     @classmethod

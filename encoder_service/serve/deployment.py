@@ -78,6 +78,7 @@ class EncoderServer:
         limits: MediaLimits | None = None,
         limit_mm_per_prompt: dict[str, int] | None = None,
         processor_cache_bytes: int = 0,
+        chat_template: str | None = None,
     ) -> None:
         if torch_threads is not None and tp_size == 1:  # the tower's forward runs in this process
             import torch
@@ -108,7 +109,7 @@ class EncoderServer:
         self._heap_trimmer: HeapTrimmer | None = None
         if limits is not None:
             self.preparer = self._make_preparer(
-                model_dir, limits, limit_mm_per_prompt or {}, processor_cache_bytes
+                model_dir, limits, limit_mm_per_prompt or {}, processor_cache_bytes, chat_template
             )
             self._heap_trimmer = start_heap_trimmer()  # the preparing threads' freed buffers (heap_trim.py)
 
@@ -118,6 +119,7 @@ class EncoderServer:
         limits: MediaLimits,
         limit_mm_per_prompt: dict[str, int],
         processor_cache_bytes: int,
+        chat_template: str | None = None,
     ) -> RequestPreparer:
         if self._cache is None:
             raise ValueError("an encoder replica that prepares needs the shared cache index (cache=)")
@@ -126,6 +128,7 @@ class EncoderServer:
             limits=limits,
             limit_mm_per_prompt=limit_mm_per_prompt,
             processor_cache_bytes=processor_cache_bytes,
+            chat_template=chat_template,
             cache=self._cache,
             encode=self.encode,  # this replica's own FIFO: no hop, batched with every other request's items
             encode_each=self.submit_apart,  # one step per item: each reaches the LLM when encoded
