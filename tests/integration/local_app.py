@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -20,6 +23,15 @@ def free_port() -> int:
     return free_loopback_port()
 
 
+_INIT_TRIES = 3
+
+
+def _children() -> set[int]:
+    from cluster.bench.procs import descendants, list_procs
+
+    return descendants(list_procs(), os.getpid())
+
+
 @contextmanager
 def own_ray(address: str = "local", **init: Any) -> Iterator[None]:
     """``ray.init`` for one test module; Serve (if it started) and Ray are shut down on the way out,
@@ -30,7 +42,20 @@ def own_ray(address: str = "local", **init: Any) -> Iterator[None]:
 
     if address == "local":
         init = {"num_cpus": 2, "include_dashboard": False, **init}
-    ray.init(address=address, **{"namespace": "mmserve", **init})
+    for attempt in range(1, _INIT_TRIES + 1):
+        before = _children()
+        try:
+            ray.init(address=address, **{"namespace": "mmserve", **init})
+            break
+        except Exception as e:
+            # A busy host can miss Ray's fixed 30 s wait for the raylet to register (chaos_node.start_head
+            # and LocalRayCluster.start_head try again too): end what this try started, start again.
+            ray.shutdown()
+            for pid in _children() - before:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            if address != "local" or "timed out during startup" not in str(e) or attempt == _INIT_TRIES:
+                raise
     try:
         yield
     finally:
@@ -40,13 +65,43 @@ def own_ray(address: str = "local", **init: Any) -> Iterator[None]:
             ray.shutdown()
 
 
+TEST_SHUTDOWN_WAIT_LOOP_S = 0.1
+
+
 @contextmanager
-def local_app(config: dict[str, Any], num_cpus: int = 2) -> Iterator[OpenAI]:
+def shutdown_wait_loop(seconds: float | None) -> Iterator[None]:
+    """Serve's ``graceful_shutdown_wait_loop_s`` for the deployments built inside: the driver makes
+    each deployment's config (``serve.run`` of ``build_app``), from ``DeploymentConfig``'s defaults.
+    A stopping replica sleeps this long before it first counts its in-flight requests (then again
+    every this long). Serve stops an app's deployments group by group (the ingress, then the pools,
+    then the cache index), each group after its wait: Serve's 2 s made a module's teardown ~9 s of
+    mostly sleeping, 0.1 s ~4 s. ``None``: Serve's default (a module that scales a pool down under
+    load keeps it: routers learn of a stopping replica during that wait)."""
+    from ray.serve._private.config import DeploymentConfig
+
+    if seconds is None:
+        yield
+        return
+    field = DeploymentConfig.model_fields["graceful_shutdown_wait_loop_s"]
+    default = field.default
+    field.default = seconds
+    DeploymentConfig.model_rebuild(force=True)
+    try:
+        yield
+    finally:
+        field.default = default
+        DeploymentConfig.model_rebuild(force=True)
+
+
+@contextmanager
+def local_app(
+    config: dict[str, Any], num_cpus: int = 2, shutdown_wait_loop_s: float | None = TEST_SHUTDOWN_WAIT_LOOP_S
+) -> Iterator[OpenAI]:
     """``config`` (an AppConfig dict without port) served directly on a free port, on this module's
     own Ray; yields its client, and shuts Serve and Ray down on the way out. ``num_cpus``: Ray's
     logical CPUs (a scheduling budget: an app of many models' fractional replicas needs more than
     the machine's 2, although they mostly idle; short of it, a replica waits to be scheduled forever
-    and the requests routed to it hang)."""
+    and the requests routed to it hang). ``shutdown_wait_loop_s``: ``shutdown_wait_loop``'s."""
     from cluster.config import AppConfig
     from cluster.serve_cli import start
     from cluster.serve_env import apply_serve_env
@@ -55,5 +110,6 @@ def local_app(config: dict[str, Any], num_cpus: int = 2) -> Iterator[OpenAI]:
     cfg = AppConfig.model_validate({**config, "port": port, "ingress": {"http_mode": "direct"}})
     apply_serve_env()  # what `mmserve serve` runs with, before Ray starts its processes
     with own_ray(num_cpus=num_cpus):
-        start(cfg)
+        with shutdown_wait_loop(shutdown_wait_loop_s):
+            start(cfg)
         yield OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120, max_retries=0)

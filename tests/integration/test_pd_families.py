@@ -1,12 +1,15 @@
-"""E/P/D over HTTP for every served family but Qwen2-VL (tests/integration/test_pd.py), in two apps:
-the tiny Gemma 3 and Gemma 4 (a sliding-window block group: only the window's blocks move; Gemma 4's
-KV-shared layers move nothing) and Qwen3.5 (hybrid: the linear-attention state moves with the
-blocks); then Qwen2.5-VL, Qwen3-VL (DeepStack) and Qwen2-Audio. Each model has a prefill pool and a
-decode pool of one replica (`llm.pools`). Answers equal transformers' greedy ``generate`` for text,
-one and two images, audio and video where the family takes them;
-the prefill side's chunks cut through the prompts; a three-turn chat hits the prefill replica's
-prefix cache on its later turns; two long generations outgrow the decode replica's KV pool, so it
-preempts and recomputes from its own prefix cache; every pin ends by its pull.
+"""E/P/D over HTTP for every served family, in two apps: the tiny Gemma 3 and Gemma 4 (a sliding-window
+block group: only the window's blocks move; Gemma 4's KV-shared layers move nothing) and Qwen3.5
+(hybrid: the linear-attention state moves with the blocks); then Qwen2-VL, Qwen2.5-VL, Qwen3-VL
+(DeepStack) and Qwen2-Audio. Each model has a prefill pool and a decode pool of one replica
+(`llm.pools`), each its own Serve deployment; the KV of every request moves from the prefill replica
+to the decode replica over their direct link, and the decode replica never fetches an embedding.
+Answers equal transformers' greedy ``generate`` for text, one and two images, audio and video where
+the family takes them; the prefill side's chunks cut through the prompts; a three-turn chat hits the
+prefill replica's prefix cache on its later turns (and, for the one-group families, the decode
+replica's own: the imported blocks are registered under the same chained hashes); two long
+generations outgrow the decode replica's KV pool, so it preempts and recomputes from its own prefix
+cache; every pin ends by its pull.
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ class Family:
     # template drops the generation prompt's thought channel from the history, and the next turn
     # shares 79 of the first turn's 99 tokens: a hit of 76)
     full_hit: bool = True
+    # a later turn finds the earlier turns' imported blocks in the decode replica's own prefix cache
+    # (it pulls only the rest): the families whose KV is one group of full-attention blocks
+    decode_hit: bool = False
     llm: tuple[tuple[str, Any], ...] = ()  # more `llm` settings
 
     @property
@@ -54,7 +60,7 @@ class Family:
 
 # Two apps, one after the other (each of its families' three pools at once is what this machine holds):
 # the families whose KV is more than one group of full-attention blocks, then the Qwen families whose
-# KV is that one group (Qwen2-VL: tests/integration/test_pd.py).
+# KV is that one group.
 APPS = {
     "window-and-hybrid": [
         Family("gemma3", max_num_batched_tokens=24),
@@ -65,9 +71,10 @@ APPS = {
         Family("qwen3.5", video=True, full_hit=False, llm=(("snapshot_interval_blocks", 4),)),
     ],
     "full-attention": [
-        Family("qwen2.5-vl", video=True),
-        Family("qwen3-vl", video=True),
-        Family("qwen2-audio", images=False, audio=True),
+        Family("qwen2-vl", video=True, decode_hit=True),
+        Family("qwen2.5-vl", video=True, decode_hit=True),
+        Family("qwen3-vl", video=True, decode_hit=True),
+        Family("qwen2-audio", images=False, audio=True, decode_hit=True),
     ],
 }
 
@@ -181,7 +188,8 @@ def test_text_and_images_equal_hf(app: dict[str, Any]) -> None:
         assert after["kv_imports"] == before["kv_imports"] + asked, (
             f.tiny
         )  # all decoded on the decode replica
-        assert after["skipped_embedding_fetches"] == 0, f.tiny
+        assert after["kv_blocks_pulled"] > before["kv_blocks_pulled"], f.tiny
+        assert after["skipped_embedding_fetches"] == 0, f.tiny  # it was never asked to fetch one
 
 
 def test_audio_equals_hf(app: dict[str, Any]) -> None:
@@ -223,6 +231,7 @@ def test_three_turn_chat_hits_the_prefill_replicas_cache(app: dict[str, Any]) ->
     ``<think>``): the previous prompt less those tokens; a hybrid's snapshot then sits past where the
     prompts part, so it has no bound."""
     for f in app["families"]:
+        decode_hits = _stats("decode", f)["kv_blocks_hit"]
         part, hf_part, media = _item(f, 70)
         served: list[dict[str, Any]] = []
         hf_msgs: list[dict[str, Any]] = []
@@ -242,6 +251,8 @@ def test_three_turn_chat_hits_the_prefill_replicas_cache(app: dict[str, Any]) ->
             prev_prompt, prev_msgs = prompt, list(hf_msgs)
             served.append({"role": "assistant", "content": answer})
             hf_msgs.append({"role": "assistant", "content": answer})
+        if f.decode_hit:
+            assert _stats("decode", f)["kv_blocks_hit"] > decode_hits, f.tiny
 
 
 def test_decode_side_preemption_equals_hf(app: dict[str, Any]) -> None:

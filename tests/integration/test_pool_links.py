@@ -66,7 +66,8 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         },
     }
     cache_dir = str(tmp_path_factory.mktemp("models"))
-    with local_app({"models": [model], "models_cache_dir": cache_dir}) as client:
+    # Serve's own wait before a stopping replica counts its requests: the scale-down under load is the test
+    with local_app({"models": [model], "models_cache_dir": cache_dir}, shutdown_wait_loop_s=None) as client:
         yield {"client": client, "url": str(client.base_url).removesuffix("/v1/")}
 
 

@@ -23,19 +23,25 @@ backlog builds on the one replica. In the chaos tier: minutes on a small machine
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 import random
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from openai import AsyncOpenAI, OpenAI
-from PIL import Image
+from openai import OpenAI
 
 from tests.hf_oracle import hf_generate
-from tests.integration.local_app import free_port, own_ray
+from tests.integration.multinode import (
+    Request,
+    alive_actors,
+    burst,
+    hf_for_image,
+    image_messages,
+    multinode_app,
+    running,
+    wait_for,
+    wanted,
+)
 from tests.media import make_image_bytes
 
 pytestmark = pytest.mark.chaos
@@ -108,59 +114,9 @@ def app_config(port: int, cache_dir: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    from cluster.bench.chaos_node import start_head
-    from cluster.config import AppConfig
-    from cluster.serve_cli import start
-
-    c = start_head({"num_cpus": 1, "include_dashboard": False})  # tried again if a busy host times it out
-    try:
-        nodes = {
-            role: c.add_node(num_cpus=1, resources={f"{role}_node": 1}).node_id
-            for role in ("encoder", "prefill", "decode")
-        }
-        c.wait_for_nodes()
-        with own_ray(c.address):
-            port = free_port()
-            cache_dir = tmp_path_factory.mktemp("models")
-            start(AppConfig.model_validate(app_config(port, str(cache_dir))))
-            yield {"nodes": {"head": c.head_node.node_id, **nodes}, "dir": cache_dir / VL, "port": port}
-    finally:
-        c.shutdown()
-
-
-def alive_actors(class_suffix: str) -> list[dict[str, Any]]:
-    """Live actors whose class name ends with ``class_suffix``, from the GCS actor table."""
-    import ray
-
-    table = ray._private.state.actors()  # the GCS view; the state API would need the dashboard
-    return [a for a in table.values() if a["State"] == "ALIVE" and a["ActorClassName"].endswith(class_suffix)]
-
-
-def states(deployment: str) -> dict[str, int]:
-    from ray import serve
-
-    d = serve.status().applications["mmserve"].deployments[deployment]
-    return {str(getattr(s, "value", s)): int(n) for s, n in d.replica_states.items()}
-
-
-def running(deployment: str) -> int:
-    return states(deployment).get("RUNNING", 0)
-
-
-def wanted(deployment: str) -> int:
-    """Replicas starting or running (not stopping): what the pool has grown to."""
-    return sum(n for s, n in states(deployment).items() if s not in ("STOPPING", "STOPPED"))
-
-
-def image_messages(png: bytes, text: str = "Describe.") -> list[dict[str, Any]]:
-    url = f"data:image/png;base64,{base64.b64encode(png).decode()}"
-    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]
-    return [{"role": "user", "content": content}]
-
-
-def hf_for_image(model_dir: Any, png: bytes, text: str = "Describe.") -> str:
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
-    return hf_generate(model_dir, messages, MAX_TOKENS, images=[Image.open(io.BytesIO(png)).convert("RGB")])
+    nodes = {role: (1, {f"{role}_node": 1}) for role in ("encoder", "prefill", "decode")}
+    with multinode_app(tmp_path_factory, 1, nodes, app_config) as app:
+        yield {**app, "dir": app["cache_dir"] / VL}
 
 
 def test_pools_run_on_their_own_nodes_and_answer_as_hf(cluster: dict[str, Any]) -> None:
@@ -182,55 +138,7 @@ def test_pools_run_on_their_own_nodes_and_answer_as_hf(cluster: dict[str, Any]) 
         max_tokens=MAX_TOKENS,
         temperature=0,
     )
-    assert r.choices[0].message.content == hf_for_image(cluster["dir"], png)
-
-
-Request = tuple[Any, list[dict[str, Any]], int]  # (key, messages, max_tokens)
-
-
-async def _burst(
-    port: int, next_request: Callable[[], Request], concurrency: int, until: Callable[[], bool], max_s: float
-) -> tuple[dict[Any, Any], float | None]:
-    """Keep ``concurrency`` fresh requests in flight until ``until()`` holds (or ``max_s`` passes), then
-    let them finish. Returns each answer (or exception) by key, and the seconds until ``until()`` held."""
-    client = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", timeout=180, max_retries=0)
-    start = time.monotonic()
-    reached: list[float] = []
-    answers: dict[Any, Any] = {}
-
-    async def worker() -> None:
-        while not reached and time.monotonic() - start < max_s:
-            key, messages, max_tokens = next_request()
-            try:
-                r = await client.chat.completions.create(
-                    model=VL,
-                    messages=messages,  # type: ignore[arg-type]
-                    max_tokens=max_tokens,
-                    temperature=0,
-                    extra_body={"ignore_eos": True},
-                )
-                answers[key] = r.choices[0].message.content or ""
-            except Exception as e:  # recorded, asserted on by the test
-                answers[key] = e
-
-    async def watch() -> None:
-        while not reached and time.monotonic() - start < max_s:
-            if await asyncio.to_thread(until):
-                reached.append(time.monotonic() - start)
-            await asyncio.sleep(0.25)
-
-    await asyncio.gather(watch(), *(worker() for _ in range(concurrency)))
-    await client.close()
-    return answers, (reached[0] if reached else None)
-
-
-def _wait_for(cond: Callable[[], bool], timeout_s: float, what: str) -> float:
-    start = time.monotonic()
-    while not cond():
-        if time.monotonic() - start > timeout_s:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.25)
-    return time.monotonic() - start
+    assert r.choices[0].message.content == hf_for_image(cluster["dir"], png, MAX_TOKENS)
 
 
 def _scales_alone(
@@ -238,7 +146,7 @@ def _scales_alone(
 ) -> dict[Any, Any]:
     """Burst until ``pool`` runs 2 replicas; the other pools never want a second; no request fails;
     then the pool scales back to one. Returns the answers."""
-    _wait_for(lambda: all(wanted(p) == 1 and running(p) == 1 for p in POOLS), 90, "every pool at one replica")
+    wait_for(lambda: all(wanted(p) == 1 and running(p) == 1 for p in POOLS), 90, "every pool at one replica")
     others = [p for p in POOLS if p != pool]
     seen: dict[str, int] = dict.fromkeys(others, 1)
 
@@ -247,9 +155,9 @@ def _scales_alone(
             seen[p] = max(seen[p], wanted(p))
         return running(pool) >= 2
 
-    answers, up_s = asyncio.run(_burst(port, next_request, concurrency, scaled_up, max_s=150))
+    answers, up_s = asyncio.run(burst(port, VL, next_request, concurrency, scaled_up, max_s=150))
     failures = [a for a in answers.values() if isinstance(a, BaseException)]
-    down_s = _wait_for(lambda: wanted(pool) == 1, 90, f"{pool} to scale down")
+    down_s = wait_for(lambda: wanted(pool) == 1, 90, f"{pool} to scale down")
     print(
         f"\n{pool}: 1 -> 2 replicas {up_s} s into the burst ({len(answers)} requests), 2 -> 1 {down_s:.1f} s after"
     )
@@ -269,7 +177,7 @@ def test_image_burst_scales_the_encoder_pool_alone(cluster: dict[str, Any]) -> N
     answers = _scales_alone(cluster["port"], ENC, next_image, 16)
     images = list(answers)
     for png in images[:: max(1, len(images) // 4)]:
-        assert answers[png] == hf_for_image(cluster["dir"], png)
+        assert answers[png] == hf_for_image(cluster["dir"], png, MAX_TOKENS)
 
 
 def test_long_prompt_burst_scales_the_prefill_pool_alone(cluster: dict[str, Any]) -> None:
