@@ -316,3 +316,32 @@ def test_chunk_by_chunk_pull_overlaps_the_prefill_and_equals_colocated(
         assert len(prefill._prefill.pins) == 0 and not prefill._prefill.early._firsts  # type: ignore[union-attr]
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen3.5"])
+def test_chunk_by_chunk_pull_of_window_and_hybrid_families_equals_hf(family: str) -> None:
+    """The chunks' full-attention blocks cross early; Gemma 3's window blocks and Qwen3.5's linear
+    state only with the last pull (they are final only once the prompt is): greedy tokens equal HF's."""
+    import time
+
+    from tests.hf_oracle import hf_generate_ids
+    from tests.tiny_dirs import tiny_model_dir
+
+    model_dir = tiny_model_dir(family)
+    prompt = [(7 * i + 3) % 150 + 10 for i in range(45)]
+    params = SamplingParams(max_tokens=8)
+
+    async def scenario() -> list[int]:
+        prefill = _server(model_dir, "prefill", pull_chunks=True)
+        engine: Any = prefill.engine
+        step = engine.step
+        engine.step = lambda: (time.sleep(0.05), step())[1]  # a larger model's step time
+        decode = _server(model_dir, "decode", FlakyLink(prefill))
+        client = PDClient(PrefillHandle(prefill), DecodeHandle(decode), reroute_timeout_s=5.0)
+        out: list[int] = []
+        async for o in client.stream(LLMRequestSpec("w", prompt, params)):
+            out += o.new_token_ids
+        assert decode.kv_stats.blocks_overlapped >= 4 and decode.kv_stats.blocks_pulled == 12
+        return out
+
+    assert asyncio.run(scenario()) == hf_generate_ids(model_dir, prompt, 8)
