@@ -198,11 +198,14 @@ class LLMServer:
             raise KVTransferFailed(f"replica {self.replica_id} is not a prefill replica")
         return await self._prefill.pull(request_id, from_block, window_from)
 
-    async def pull_kv_chunks(self, request_id: str, from_block: int) -> tuple[KVBlocks | None, bool]:
-        """A decode replica's pull of an early hand-off's blocks computed so far (llm_service/serve/early_handoff.py)."""
+    async def pull_kv_chunks(
+        self, request_id: str, from_block: int, window_from: int = 0
+    ) -> tuple[KVBlocks | None, bool]:
+        """A decode replica's pull of an early hand-off's blocks computed so far, the rest once the
+        prefill is done (llm_service/serve/early_handoff.py)."""
         if self._prefill is None:
             raise KVTransferFailed(f"replica {self.replica_id} is not a prefill replica")
-        return await self._prefill.early.pull_chunks(request_id, from_block)
+        return await self._prefill.early.pull_chunks(request_id, from_block, window_from)
 
     async def _enqueue(self, spec: LLMRequestSpec) -> tuple[SubmitReply, list[MediaFeature]]:
         """Fetch what must be fetched, put the request on its ingress's channel and in the engine's

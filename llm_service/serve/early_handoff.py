@@ -4,11 +4,10 @@ llm_service/kv_handoff.py is the plain hand-off's)::
   ingress ──prefill(spec)─────────▶ prefill replica: the request queued; answered at once
           ◀──KVHandoff(early)──────  (where it runs, how many blocks it will take)
   ingress ──submit(spec + KVHandoff)─▶ decode replica: blocks allocated for the whole prompt, then
-          decode ──pull_kv_chunks(rid, from_block)──▶ prefill replica: the full blocks its chunks have
-          decode ◀──KVBlocks──  computed since, read while the next chunk computes (again, until the
-                                prompt is done)
-          decode ──pull_kv(rid, from_block, window_from)──▶ the rest as a plain pull: the last blocks,
-          decode ◀──KVBlocks + first output──  the window's, the linear-attention state, the first token
+          decode ──pull_kv_chunks(rid, from_block, window_from)──▶ prefill replica: the full blocks its
+          decode ◀──KVBlocks──  chunks have computed since, read while the next chunk computes (again,
+                                until the prompt is done; then the answer is a plain pull's: the last
+                                blocks, the window's, the linear-attention state, and the first output)
 
 So the decode replica is chosen and its blocks allocated while the prompt computes, and a long
 prompt's blocks cross while its next chunks run: what is left for after the prefill is its last
@@ -99,9 +98,12 @@ class EarlyHandoffs:
     def holds(self, request_id: str) -> bool:
         return request_id in self._firsts
 
-    async def pull_chunks(self, request_id: str, from_block: int) -> tuple[KVBlocks | None, bool]:
+    async def pull_chunks(
+        self, request_id: str, from_block: int, window_from: int = 0
+    ) -> tuple[KVBlocks | None, bool]:
         """The prompt's full blocks computed since ``from_block`` (waiting up to ``CHUNK_WAIT_S`` for
-        one), and whether the prefill is done (then ``pull_kv`` brings the rest and the first token)."""
+        one, else none), or, once the prefill is done, the last pull's answer (the rest, the window's
+        blocks from ``window_from``, the state, the first output: ``PrefillHandoffs.pull``) and True."""
         h, future = self.h, self._firsts.get(request_id)
         if future is None:
             raise KVTransferFailed(f"{request_id}: no early hand-off on prefill replica {h.replica_id}")
@@ -112,7 +114,7 @@ class EarlyHandoffs:
             if ids is None or future.done():
                 if ids:
                     await h.loop.on_engine(h.engine.unpin_blocks, ids)
-                return None, True
+                return await h.pull(request_id, from_block, window_from), True
             assert isinstance(ids, list)
             if ids:
                 break

@@ -245,20 +245,20 @@ class DecodeImports:
         pulled, nbytes = 0, 0
         try:
             received = slots.hit_blocks  # the blocks this side holds: its hits, then what it pulled
-            if h.early:  # pull the prompt's blocks as the prefill computes them
-                while True:
-                    part, done = await self._connect(h.address).call(
-                        "pull_kv_chunks", rid, received, timeout_s=self.timeout_s
-                    )
-                    if part is not None and part.num_blocks:
-                        k = received - slots.hit_blocks
-                        await self._write(writes, slots.block_ids[k : k + part.num_blocks], part)
-                        received += part.num_blocks
-                        pulled, nbytes = pulled + part.num_blocks, nbytes + part.nbytes
-                        self.stats.blocks_overlapped += part.num_blocks
-                    if done:
-                        break
-            blocks = await self._pull(h, rid, slots, received)
+            last: KVBlocks | None = None
+            while h.early and last is None:  # the prompt's blocks as the prefill computes them
+                part, done = await self._connect(h.address).call(
+                    "pull_kv_chunks", rid, received, slots.window_from, timeout_s=self.timeout_s
+                )
+                if done:
+                    last = self._checked(part, rid, slots, received)
+                elif part is not None and part.num_blocks:
+                    k = received - slots.hit_blocks
+                    await self._write(writes, slots.block_ids[k : k + part.num_blocks], part)
+                    received += part.num_blocks
+                    pulled, nbytes = pulled + part.num_blocks, nbytes + part.nbytes
+                    self.stats.blocks_overlapped += part.num_blocks
+            blocks = last or await self._pull(h, rid, slots, received)
             if blocks.first is None or not blocks.first.finished:
                 k = received - slots.hit_blocks
                 await self._write(
@@ -319,6 +319,11 @@ class DecodeImports:
         assert h.address is not None
         link = self._connect(h.address)
         blocks = await link.call("pull_kv", rid, from_block, slots.window_from, timeout_s=self.timeout_s)
+        return self._checked(blocks, rid, slots, from_block)
+
+    @staticmethod
+    def _checked(blocks: object, rid: str, slots: ImportSlots, from_block: int) -> KVBlocks:
+        """A last pull's answer: the blocks from ``from_block`` on (none: the first token ended it)."""
         want = len(slots.block_ids) - (from_block - slots.hit_blocks)
         if not isinstance(blocks, KVBlocks):
             raise KVTransferFailed(f"{rid}: pulled a {type(blocks).__name__}, KV blocks expected")
