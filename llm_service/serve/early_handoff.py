@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from llm_service.errors import RequestFailed
 from llm_service.kv_handoff import KVBlocks, KVHandoff, KVTransferFailed
@@ -57,10 +57,9 @@ class EarlyHandoffs:
         future: asyncio.Future[RequestOutput] = loop.create_future()
         future.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._firsts[rid] = future
-        task = loop.create_task(self._first(outs, future))
+        task = loop.create_task(self._first(rid, outs, future))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        loop.call_later(h.deadline_s, self._forget, rid, future)
         n = len(spec.prompt_token_ids)
         blocks, window, states = h.engine.import_needs(n)
         return KVHandoff(
@@ -76,7 +75,10 @@ class EarlyHandoffs:
             early=True,
         )
 
-    async def _first(self, outs: AsyncIterator[RequestOutput], future: asyncio.Future[RequestOutput]) -> None:
+    async def _first(
+        self, rid: str, outs: AsyncIterator[RequestOutput], future: asyncio.Future[RequestOutput]
+    ) -> None:
+        """Wait for the first output; from then on the last pull has ``deadline_s`` to come, as a pin."""
         try:
             async with contextlib.aclosing(outs):  # type: ignore[type-var]
                 async for first in outs:
@@ -88,6 +90,8 @@ class EarlyHandoffs:
         except BaseException as e:
             if not future.done():
                 future.set_exception(e if isinstance(e, Exception) else KVTransferFailed(repr(e)))
+        finally:
+            asyncio.get_running_loop().call_later(self.h.deadline_s, self._forget, rid, future)
 
     def _forget(self, request_id: str, future: asyncio.Future[RequestOutput]) -> None:
         if self._firsts.get(request_id) is future:
@@ -109,20 +113,20 @@ class EarlyHandoffs:
             raise KVTransferFailed(f"{request_id}: no early hand-off on prefill replica {h.replica_id}")
         give_up = time.monotonic() + CHUNK_WAIT_S
         while True:
+            if future.done():
+                return await h.pull(request_id, from_block, window_from), True
             stepped = self._stepped = self._stepped or asyncio.Event()
             ids = await h.loop.on_engine(h.engine.pin_computed_blocks, request_id, from_block)
-            if ids is None or future.done():
-                if ids:
-                    await h.loop.on_engine(h.engine.unpin_blocks, ids)
-                return await h.pull(request_id, from_block, window_from), True
-            assert isinstance(ids, list)
-            if ids:
+            if ids:  # None: not in the engine yet (queued on its loop), or just done (first output due)
+                assert isinstance(ids, list)
                 break
             left = give_up - time.monotonic()
             if left <= 0:
                 return None, False
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stepped.wait(), left)
+            waiter = asyncio.ensure_future(stepped.wait())
+            either: set[asyncio.Future[Any]] = {waiter, future}
+            await asyncio.wait(either, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
         try:
             return await h.read(request_id, ids, from_block), False
         finally:
@@ -135,6 +139,10 @@ class EarlyHandoffs:
             raise KVTransferFailed(f"{request_id}: no early hand-off on prefill replica {self.h.replica_id}")
         try:
             return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            if not future.cancelled():
+                raise  # this call's own cancellation
+            raise KVTransferFailed(f"{request_id}: its hand-off passed its deadline") from None
         finally:
             if future.done():
                 self._firsts.pop(request_id, None)
