@@ -345,3 +345,31 @@ def test_chunk_by_chunk_pull_of_window_and_hybrid_families_equals_hf(family: str
         return out
 
     assert asyncio.run(scenario()) == hf_generate_ids(model_dir, prompt, 8)
+
+
+def test_a_chunk_pull_before_the_prefill_started_waits_for_its_first_chunk(tiny_vl_dir: Path) -> None:
+    """The decode replica's first ``pull_kv_chunks`` may come before the request has reached the
+    prefill engine: it waits for the first chunk's blocks (it does not take the request for done and
+    wait out the whole prefill); the chunks then come in order, the last answer a plain pull's."""
+    import time
+
+    async def scenario() -> None:
+        prefill = _server(tiny_vl_dir, "prefill", pull_chunks=True)
+        engine: Any = prefill.engine
+        step = engine.step
+        engine.step = lambda: (time.sleep(0.05), step())[1]
+        handoff = await prefill.prefill(LLMRequestSpec("e", list(PROMPT), PARAMS))
+        assert handoff.early and handoff.num_blocks == 10 and not engine.scheduler.requests
+        got, done, parts = 0, False, []
+        while not done:
+            part, done = await prefill.pull_kv_chunks("e", got)
+            if part is not None:
+                parts.append((part.from_block, part.num_blocks, done))
+                got += part.num_blocks
+        assert parts[0] in ((0, 4, False), (0, 8, False))  # a chunk's 16 tokens: 4 full blocks (or two)
+        assert parts[-1][2] and parts[-1][0] + parts[-1][1] == 10 and got == 10
+        assert part is not None and part.first is not None and len(part.first.new_token_ids) == 1
+        await asyncio.sleep(0.05)
+        assert len(prefill._prefill.pins) == 0 and engine.stats().num_free_blocks == 64  # type: ignore[union-attr]
+
+    asyncio.run(scenario())
