@@ -7,101 +7,34 @@ The services take frozen dataclasses built from these sections; pydantic stays h
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal, TypedDict
+from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, WithJsonSchema, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationInfo, WithJsonSchema, field_validator, model_validator
 
+from cluster.serve_options import AutoscalingConfig, AutoscalingPolicyConfig, DeploymentOptions
+from cluster.serve_options import StrictModel as _Strict
 from encoder_service.cache.uuid_aliases import MAX_ALIASES_PER_TENANT
 from encoder_service.families import FAMILY_NAMES
+from llm_service.tools.formats import TOOL_FORMATS
+from mmcore.chat_template import check_template_syntax
 
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class AutoscalingPolicyConfig(_Strict):
-    """A Serve autoscaling policy: ``module:Class`` built once with ``policy_kwargs``, or ``module:function``."""
-
-    policy_function: str = Field(..., pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-    policy_kwargs: dict[str, float | int | str | bool] = Field(default_factory=dict)
-
-
-class AutoscalingConfig(_Strict):
-    """Ray Serve ``autoscaling_config``; ``target_ongoing_requests`` is per replica.
-
-    ``policy`` unset means the pool's own policy: encoder pools scale on queued embeddings
-    (``EncoderQueuePolicy``), LLM pools on KV use and requests (``LLMLoadPolicy``), the preprocessor
-    and ingress on Serve's ongoing requests. ``target_ongoing_requests`` is the fallback signal until
-    replicas report their own metrics. Serve's default everywhere:
-    ``{policy_function: "ray.serve.autoscaling_policy:default_autoscaling_policy"}``.
-    """
-
-    min_replicas: int = Field(1, ge=0)
-    max_replicas: int = Field(1, ge=1)
-    initial_replicas: int | None = Field(None, ge=0)
-    target_ongoing_requests: float = Field(2.0, gt=0)
-    upscale_delay_s: float = Field(5.0, ge=0)
-    downscale_delay_s: float = Field(30.0, ge=0)
-    look_back_period_s: float = Field(30.0, gt=0)
-    metrics_interval_s: float | None = Field(
-        None,
-        gt=0,
-        description="how often replicas and handles push autoscaling metrics (Ray's default: 10 s). "
-        "Ray 2.60 marks it deprecated in favour of RAY_SERVE_*_AUTOSCALING_METRIC_PUSH_INTERVAL_S, "
-        "but its replicas and handles still read only this field",
-    )
-    policy: AutoscalingPolicyConfig | None = None
-
-    @model_validator(mode="after")
-    def _check(self) -> AutoscalingConfig:
-        if self.min_replicas > self.max_replicas:
-            raise ValueError("min_replicas must be <= max_replicas")
-        if self.look_back_period_s <= (self.metrics_interval_s or 10.0):
-            raise ValueError(
-                f"look_back_period_s ({self.look_back_period_s}) must exceed metrics_interval_s "
-                f"({self.metrics_interval_s or 10.0}), or the window may hold no sample"
-            )
-        return self
-
-
-class RayActorOptions(TypedDict, total=False):
-    """Ray's ``ray_actor_options`` for one pool's replicas (what ``DeploymentOptions`` sets)."""
-
-    num_cpus: float
-    num_gpus: float
-    resources: dict[str, float]
-
-
-class DeploymentOptions(_Strict):
-    """What Ray Serve needs to place and scale one pool's replicas."""
-
-    num_replicas: int | None = Field(None, ge=1, description="fixed replica count; omit to autoscale")
-    autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
-    max_ongoing_requests: int = Field(64, ge=1)
-    max_queued_requests: int = Field(
-        256,
-        ge=-1,
-        description="calls a caller's handle queues for this pool beyond max_ongoing_requests per replica; "
-        "past it Serve refuses at once (BackPressureError, a 503 with Retry-After); -1: unbounded",
-    )
-    graceful_shutdown_timeout_s: float = Field(
-        30.0, gt=0, description="scale-down/redeploy/shutdown: how long a replica may finish in-flight work"
-    )
-    access_log: bool = Field(
-        False, description="Serve's per-request log line in the replica's log (costs CPU per request)"
-    )
-    num_cpus: float = Field(0.1, ge=0)
-    num_gpus: float = Field(0.0, ge=0)
-    resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources")
-
-    def ray_actor_options(self) -> RayActorOptions:
-        opts: RayActorOptions = {"num_cpus": self.num_cpus}
-        if self.num_gpus:
-            opts["num_gpus"] = self.num_gpus
-        if self.resources:
-            opts["resources"] = dict(self.resources)
-        return opts
+# The Serve options of a pool are cluster/serve_options.py's; importable from here as they always were.
+__all__ = [
+    "AdmissionConfig",
+    "AppConfig",
+    "AutoscalingConfig",
+    "AutoscalingPolicyConfig",
+    "DeploymentOptions",
+    "EncoderConfig",
+    "IngressConfig",
+    "LLMConfig",
+    "LLMPoolConfig",
+    "MediaLimitsConfig",
+    "ModelConfig",
+    "PreprocessConfig",
+    "default_config",
+]
 
 
 class MediaLimitsConfig(_Strict):
@@ -286,6 +219,34 @@ class PreprocessConfig(_Strict):
 # A tiny family's name: one of the registry's (``EncoderFamily.name``; the tiny generator's recipes
 # carry the same names, a test checks), so JSON Schema readers see the list too.
 TinyFamily = Annotated[str, WithJsonSchema({"type": "string", "enum": list(FAMILY_NAMES)})]
+ToolCallParser = Annotated[str, WithJsonSchema({"type": "string", "enum": list(TOOL_FORMATS)})]
+
+
+def load_chat_template(model: str, value: str) -> str:
+    """vLLM's ``--chat-template`` semantics: a value naming a readable file is that file's text (read
+    here, where the config is validated: the replicas get the text); one that looks like a path (no
+    ``{``, ``}`` or newline) but cannot be read is an error; any other value is the template itself.
+    Either must parse as jinja (a ``ValueError`` naming the model, the setting and the line)."""
+    path = Path(value).expanduser()
+    try:
+        is_file = path.is_file()
+    except (OSError, ValueError):  # a name too long for the file system, a NUL: template text
+        is_file = False
+    if is_file:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"model {model!r}: chat_template {value!r} cannot be read: {e}") from e
+    elif not any(c in value for c in "{}\n"):
+        raise ValueError(f"model {model!r}: chat_template {value!r} looks like a path, but no such file")
+    else:
+        text = value
+    try:
+        check_template_syntax(text)
+    except ValueError as e:
+        where = value if is_file else "(inline text)"
+        raise ValueError(f"model {model!r}: chat_template {where}: {e}") from e
+    return text
 
 
 class ModelConfig(_Strict):
@@ -297,6 +258,30 @@ class ModelConfig(_Strict):
     llm: LLMConfig = Field(default_factory=LLMConfig)
     encoder: EncoderConfig = Field(default_factory=EncoderConfig)
     preprocess: PreprocessConfig = Field(default_factory=PreprocessConfig)
+    chat_template: str | None = Field(
+        None,
+        description="a chat template in place of the checkpoint's, as vLLM's `--chat-template`: the path of a "
+        ".jinja file (read when the config is validated: relative to that process's working directory) or the "
+        "template text; the ingress's tokenizer and the encoder's processor both render with it "
+        "(docs/tools.md ships tool-capable ones under cluster/data/)",
+    )
+    tool_call_parser: ToolCallParser | None = Field(
+        None,
+        description="how the model writes tool calls (vLLM's `--tool-call-parser`): "
+        f"{', '.join(TOOL_FORMATS)}; default: the family's (llm_service/models/families.py)",
+    )
+
+    @field_validator("chat_template")
+    @classmethod
+    def _readable_template(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return None if value is None else load_chat_template(str(info.data.get("name", "?")), value)
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _known_parser(cls, value: str | None) -> str | None:
+        if value is not None and value not in TOOL_FORMATS:
+            raise ValueError(f"unknown tool_call_parser {value!r}; known: {', '.join(TOOL_FORMATS)}")
+        return value
 
     @field_validator("tiny")
     @classmethod

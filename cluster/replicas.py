@@ -49,6 +49,7 @@ def preprocess_args(m: ModelConfig) -> PreprocessArgs:
         "limits": MediaLimits(**m.preprocess.media.model_dump()),
         "limit_mm_per_prompt": dict(m.preprocess.limit_mm_per_prompt),
         "processor_cache_bytes": m.preprocess.processor_cache_bytes,
+        "chat_template": m.chat_template,
     }
 
 
@@ -71,8 +72,10 @@ def model_modalities(model_dir: str) -> list[str]:
     return list(encoder_family(model_type, model_dir).modalities)
 
 
-def model_tool_format(model_dir: str) -> str:
-    """How the model's family writes tool calls, from the family registry."""
+def model_tool_format(m: ModelConfig, model_dir: str) -> str:
+    """How the model writes tool calls: its ``tool_call_parser``, else its family's (the registry)."""
+    if m.tool_call_parser is not None:
+        return m.tool_call_parser
     import json
     from pathlib import Path
 
@@ -253,7 +256,8 @@ class IngressServer(http_app.IngressServer):
                     # each link call's deadline: the request's own, not the link's 300 s default
                     link_to=functools.partial(pool_links, timeout_s=cfg.ingress.request_timeout_s),
                     overlap_prefill=m.preprocess.overlap_prefill,
-                    tool_format=model_tool_format(model_dir),
+                    tool_format=model_tool_format(m, model_dir),
+                    chat_template=m.chat_template,
                 )
             )
         ing = cfg.ingress

@@ -101,6 +101,17 @@ def add_serve_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default=None,
         help="serve Prometheus metrics on 127.0.0.1:PORT/metrics (default: a port Ray picks)",
     )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="a chat template for every model served, in place of its checkpoint's (vLLM's --chat-template): "
+        "a .jinja file's path or the template text; e.g. cluster/data/*_tool_chat_template.jinja (docs/tools.md)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="how the model writes tool calls (hermes, qwen3_xml, gemma4, pythonic); default: its family's",
+    )
     p.set_defaults(func=_cmd_serve)
 
 
@@ -160,6 +171,10 @@ def config_from_args(args: argparse.Namespace) -> AppConfig:
             m["encoder"]["encoder_step_embeds"] = args.encoder_step_embeds
         if getattr(args, "overlap_prefill", None):
             m["preprocess"]["overlap_prefill"] = True
+        if getattr(args, "chat_template", None) is not None:
+            m["chat_template"] = args.chat_template  # read (if a file) and checked by the config
+        if getattr(args, "tool_call_parser", None) is not None:
+            m["tool_call_parser"] = args.tool_call_parser
         if getattr(args, "pd", None) and not m["llm"]["pools"]:
             m["llm"]["pools"] = pd_pools(m["llm"]["deployment"])
     return AppConfig.model_validate(data)
@@ -315,7 +330,13 @@ def _ray_started() -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args)
+    from pydantic import ValidationError
+
+    try:
+        cfg = config_from_args(args)
+    except ValidationError as e:  # a config error: the model and the setting, without a traceback
+        print(f"mmserve: the config is not valid: {e}", file=sys.stderr, flush=True)
+        return 2
     check_port_free(cfg.host, cfg.port)
     # Installed before Ray starts, so no Ray or Serve process inherits them: SIGTERM (Kubernetes,
     # systemd, docker stop) and Ctrl-C both drain instead of dying mid-request.

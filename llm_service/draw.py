@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from llm_service.sampling_batch import Floors, SamplingBatch
+from llm_service.sampling_batch import Floors, SamplingBatch, TopP
 
 TOP_P_CANDIDATES = 1024  # top-p looks at this many tokens first (a partial sort), the rest only if it must
 TOP_P_ROUNDS = 8  # rejection rounds before a row's nucleus is sorted
@@ -36,14 +36,10 @@ def draw(x: torch.Tensor, batch: SamplingBatch, generators: list[torch.Generator
     if batch.floors is not None:
         apply_floors(w, batch.floors)
     gens = [generators[i] for i in batch.random]
-    u = _uniforms(list(range(len(gens))), gens, w.device)
-    idx, total = _inverse_cdf(w, u)
-    if batch.nucleus is None:  # no nucleus to check
-        return idx.tolist()
-    assert batch.top_p is not None
-    bound = (batch.nucleus * total).clamp_(min=0.5)
+    idx, total = _inverse_cdf(w, _uniforms(gens, w.device))
     tokens = idx.tolist()
-    _rejection_rounds(w, batch.top_p, bound, gens, idx, tokens)
+    if batch.nucleus is not None:
+        _nucleus(w, batch.nucleus, gens, idx, total, tokens)
     return tokens
 
 
@@ -63,23 +59,27 @@ def apply_floors(w: torch.Tensor, floors: Floors) -> None:
     w.index_copy_(0, floors.rows, rows.mul_(keep))
 
 
-def _heavier(w: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
-    """Per row, the total weight of the tokens heavier than ``picked`` (a column)."""
-    return (w * (w - picked).sign_().relu_()).sum(-1)
+def _heavier_only(w: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
+    """``w`` with only the tokens heavier than each row's ``picked`` token (an index column) kept."""
+    return w * (w - w.gather(1, picked.unsqueeze(1))).sign_().relu_()
 
 
-def _uniforms(rows: list[int], generators: list[torch.Generator], device: torch.device) -> torch.Tensor:
-    """One U[0, 1) draw for each of ``rows`` from its generator; rows that share one (the unseeded
-    ones) draw together, in row order."""
+def _uniforms(generators: list[torch.Generator], device: torch.device) -> torch.Tensor:
+    """One U[0, 1) draw per row from its generator: a generator serving several rows (the unseeded
+    ones share the engine's) draws for them together, in row order; each seeded row takes exactly one
+    draw from its own, so its stream does not depend on the rows around it."""
+    first = generators[0]
+    if all(g is first for g in generators):
+        return torch.rand(len(generators), generator=first, device=device)
     groups: dict[int, list[int]] = {}
-    for j, r in enumerate(rows):
-        groups.setdefault(id(generators[r]), []).append(j)
-    if len(groups) == 1:
-        return torch.rand(len(rows), generator=generators[rows[0]], device=device)
-    draws = [torch.rand(len(js), generator=generators[rows[js[0]]], device=device) for js in groups.values()]
-    order = torch.tensor([j for js in groups.values() for j in js], device=device)
+    for j, g in enumerate(generators):
+        groups.setdefault(id(g), []).append(j)
+    draws = [torch.rand(len(js), generator=generators[js[0]], device=device) for js in groups.values()]
+    order = [j for js in groups.values() for j in js]  # the row of each drawn value
     joined = torch.cat(draws)
-    return torch.empty_like(joined).index_copy_(0, order, joined)
+    if order == list(range(len(order))):
+        return joined
+    return torch.empty_like(joined).index_copy_(0, torch.tensor(order, device=device), joined)
 
 
 def _inverse_cdf(w: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,41 +93,44 @@ def _inverse_cdf(w: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.
     return torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1), total
 
 
-def _rejection_rounds(
+def _nucleus(
     w: torch.Tensor,
-    top_p: torch.Tensor,
-    bound: torch.Tensor,
+    nucleus: TopP,
     generators: list[torch.Generator],
     idx: torch.Tensor,
+    total: torch.Tensor,
     tokens: list[int],
 ) -> None:
-    """Replace in ``tokens`` each first draw (``idx``) outside its row's nucleus by one inside it
-    (the module's docstring): ``bound`` is what a token's heavier tokens must weigh less than."""
-    floor = w.gather(1, idx.unsqueeze(1))  # the weight of each row's last draw
-    ok = (_heavier(w, floor) < bound).tolist()
-    active = [j for j, good in enumerate(ok) if not good]
+    """Replace in ``tokens`` each first draw (``idx``) of a top-p row that fell outside its nucleus
+    by one inside it (the module's docstring), touching only the top-p rows."""
+    rows = nucleus.rows_list
+    if len(rows) < w.shape[0]:
+        w, idx, total = (t.index_select(0, nucleus.rows) for t in (w, idx, total))
+    bound = (nucleus.top_p * total).clamp_(min=0.5)  # the mass a kept token's heavier ones stay under
+    heavier = _heavier_only(w, idx)
+    ok = (heavier.sum(-1) < bound).tolist()
+    active = [k for k, good in enumerate(ok) if not good]
     if not active:
         return
-    floor = floor.index_select(0, torch.tensor(active, device=w.device))
-    for _ in range(TOP_P_ROUNDS - 1):
-        at = torch.tensor(active, device=w.device)
-        rows = w.index_select(0, at)
-        rows.mul_((rows - floor).sign_().relu_())  # only the tokens heavier than the one rejected
-        picked, _ = _inverse_cdf(rows, _uniforms(active, generators, w.device))
-        floor = rows.gather(1, picked.unsqueeze(1))
-        ok = (_heavier(rows, floor) < bound.index_select(0, at)).tolist()
-        for j, tok in zip(active, picked.tolist(), strict=True):
-            tokens[j] = tok
-        again = [i for i, good in enumerate(ok) if not good]
-        if not again:
-            return
-        active = [active[i] for i in again]
-        floor = floor.index_select(0, torch.tensor(again, device=w.device))
     at = torch.tensor(active, device=w.device)
-    nucleus = top_p_mask(w.index_select(0, at).log(), top_p.index_select(0, at)).exp_()
-    picked, _ = _inverse_cdf(nucleus, _uniforms(active, generators, w.device))
-    for j, tok in zip(active, picked.tolist(), strict=True):
-        tokens[j] = tok
+    heavier, bound, top_p, whole = (t.index_select(0, at) for t in (heavier, bound, nucleus.top_p, w))
+    for _ in range(TOP_P_ROUNDS - 1):
+        picked, _ = _inverse_cdf(heavier, _uniforms([generators[rows[k]] for k in active], w.device))
+        for k, tok in zip(active, picked.tolist(), strict=True):
+            tokens[rows[k]] = tok
+        heavier = _heavier_only(heavier, picked)
+        ok = (heavier.sum(-1) < bound).tolist()
+        if all(ok):
+            return
+        if any(ok):
+            again = [i for i, good in enumerate(ok) if not good]
+            active = [active[i] for i in again]
+            at = torch.tensor(again, device=w.device)
+            heavier, bound, top_p, whole = (t.index_select(0, at) for t in (heavier, bound, top_p, whole))
+    kept = top_p_mask(whole.log(), top_p).exp_()
+    picked, _ = _inverse_cdf(kept, _uniforms([generators[rows[k]] for k in active], w.device))
+    for k, tok in zip(active, picked.tolist(), strict=True):
+        tokens[rows[k]] = tok
 
 
 def top_p_mask(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from llm_service.errors import RequestFaults, RequestRejected
 from llm_service.hybrid_kv_cache_manager import HybridKVCacheManager
 from llm_service.kv_cache_manager import KVCacheManager, cdiv
 from llm_service.kv_handoff import HeldKV, ImportSlots, KVTransferFailed
+from llm_service.kv_swap import SwapSpace
 from llm_service.model_runner import ModelRunner
 from llm_service.multimodal import MultiModalInput
 from llm_service.outputs import (
@@ -62,6 +63,7 @@ class LLMEngine:
         self._importing: dict[str, Request] = {}  # decode side: blocks reserved, KV on its way
         self._imported: list[Request] = []  # admitted since the last step: their first token is due
         self._firsts: dict[str, RequestOutput] = {}  # their first outputs, as the prefill side gave them
+        self.swap = SwapSpace()  # decode side: preempted imports' KV in host memory (llm_service/kv_swap.py)
 
     @property
     def grammars(self) -> GrammarBackend:
@@ -185,6 +187,7 @@ class LLMEngine:
         """One engine iteration; returns the requests that got a new token (finished ones included)
         and those whose computation failed in it (``finish_reason="error"``, see ``_execute``)."""
         sched = self.scheduler.schedule()
+        self.swap.apply(sched, self.runner, self.kv)
         sampled, faults = self._execute(sched)
         self.runner.accept_sampled(sampled)  # the grammars advance only once the step stands
         outputs = self._first_outputs()
@@ -269,6 +272,7 @@ class LLMEngine:
         """Retire a culprit (its KV blocks freed) and say so in its last output."""
         req = self.scheduler.abort(request_id, RequestStatus.FINISHED_ERROR)
         assert req is not None, f"failed request {request_id!r} is not in the engine"
+        self.swap.drop(request_id)
         self.runner.release(request_id)
         return RequestOutput(
             request_id=request_id,
@@ -285,6 +289,7 @@ class LLMEngine:
         """Drop a request and free its blocks; unknown or finished ids are ignored. Emits no output."""
         self.scheduler.abort(request_id)
         self.cancel_import(request_id)
+        self.swap.drop(request_id)
         self.runner.release(request_id)
 
     # ---- E/P/D: the prefill side's hand-off, the decode side's import (llm_service/kv_handoff.py) ------
@@ -328,6 +333,7 @@ class LLMEngine:
         salt), else ``KVTransferFailed``. Raises ``RequestRejected`` as ``add_request`` does,
         ``Overloaded`` when the pool is short of blocks (or of state slots)."""
         req = self._new_request(request_id, prompt_token_ids, sampling_params, mm_inputs, cache_salt)
+        req.imported = True
         token = first.new_token_ids[0]
         req.append_output(token, first.new_logprobs[0] if first.new_logprobs else None)
         self.runner.accept_sampled({request_id: (token, None)})
@@ -335,9 +341,9 @@ class LLMEngine:
         if hits is None:
             self.runner.release(request_id)
             raise Overloaded(
-                f"this decode replica has {self.kv.num_free_blocks} free KV blocks (and its window "
-                f"blocks or state slots, where the model has them); {request_id} needs "
-                f"{cdiv(req.num_prompt_tokens, self.config.block_size)}"
+                f"{request_id} needs up to {cdiv(req.num_prompt_tokens, self.config.block_size)} KV "
+                f"blocks (and its window blocks or a state slot, where the model has them); "
+                f"free: {self._free_for_import()}"
             )
         req.num_cached_tokens = first.num_cached_tokens  # the prefill side's hit: what saved compute
         self._importing[request_id] = req
@@ -353,6 +359,16 @@ class LLMEngine:
                 slots, state_slot=req.state.slot, snapshot_slot=self.kv.import_snapshot(req)
             )
         return slots
+
+    def _free_for_import(self) -> str:
+        """What this replica has free of what an import takes (the refusal's message)."""
+        s = self.stats()
+        free = [f"{s.num_free_blocks} KV blocks"]
+        if s.num_free_window_blocks is not None:
+            free.append(f"{s.num_free_window_blocks} window blocks")
+        if s.num_free_state_slots is not None:
+            free.append(f"{s.num_free_state_slots} state slots")
+        return ", ".join(free)
 
     def admit_import(self, request_id: str, snapshot: bool = False) -> None:
         """Its KV is in its blocks: register them under their chained hashes and run it from its first
@@ -401,6 +417,8 @@ class LLMEngine:
             prefix_hit_tokens=self.kv.prefix_hit_tokens,
             prefix_query_tokens=self.kv.prefix_query_tokens,
             num_preemptions=self.scheduler.num_preemptions,
+            num_free_window_blocks=getattr(self.kv, "num_free_window_blocks", None),
+            num_free_state_slots=getattr(self.kv, "num_free_state_slots", None),
         )
 
     # ---- offline -----------------------------------------------------------------------------------

@@ -93,6 +93,15 @@ class KVCacheManager:
             blocks.extend(self.pool.allocate(need))
         return True
 
+    def allocate_swap_in(self, req: Request, num_new_tokens: int) -> bool:
+        """Blocks for a swapped-out request's ``num_computed_tokens`` (their KV written back from host
+        memory, not recomputed) and its next ``num_new_tokens``; False, changing nothing, if short."""
+        return self.allocate_slots(req, num_new_tokens)
+
+    def first_window_block(self, num_tokens: int) -> int:
+        """The first window-group block a query after ``num_tokens`` tokens reads (0: no window group)."""
+        return 0
+
     def allocate_import(self, req: Request, num_tokens: int) -> int | None:
         """Blocks for the KV of ``req``'s first ``num_tokens`` tokens, computed elsewhere (a prefill
         replica): the leading full blocks this prefix cache holds are taken as they are, the rest

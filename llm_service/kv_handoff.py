@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llm_service.outputs import RequestOutput
+from mmcore.errors import Overloaded
 from mmcore.wire import from_fields, to_fields
 
 
@@ -50,6 +51,19 @@ class KVTransferFailed(RuntimeError):
 
     def __reduce__(self):  # type: ignore[no-untyped-def]  # keeps the message across pickling
         return (type(self), self.args)
+
+
+class DecodeRefused(Overloaded):
+    """A decode replica is short of what an import needs (blocks, window blocks, a state slot): it
+    allocated nothing, and the prefill side's pin stands, so the ingress tries another decode replica
+    (``replica_id`` last); a 503 ``overloaded`` with Retry-After when none has room in time."""
+
+    def __init__(self, message: str, replica_id: str = "") -> None:
+        super().__init__(message)
+        self.replica_id = replica_id
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]  # keeps ``replica_id`` across pickling
+        return (type(self), (self.args[0], self.replica_id))
 
 
 @dataclass(frozen=True)
@@ -66,6 +80,10 @@ class KVHandoff:
     num_blocks: int = 0  # blocks holding them (the last may be partial)
     block_hashes: tuple[bytes, ...] = ()
     deadline_s: float = 0.0  # how long the prefill replica holds the blocks for the pull
+    # besides ``num_blocks``, what a decode replica allocates to import it (router.routing.decode_choice)
+    num_window_blocks: int = 0  # a sliding-window family's window-group blocks still read
+    num_state_slots: int = 0  # a hybrid family's linear-attention state slot
+    refused_by: tuple[str, ...] = ()  # decode replicas that refused it as overloaded: tried last
 
     @property
     def handed_off(self) -> bool:

@@ -103,17 +103,18 @@ def apply_penalties(
         counts = OutputCounts(logits.shape[1], logits.device)
     else:
         row_keys = [keys[i] for i in rows]
-    out, prompt = counts.rows(row_keys, [ctx[i] for i in rows], pen.repetition is not None)
+    out, seen = counts.rows(row_keys, [ctx[i] for i in rows], pen.repetition is not None)
     sub = logits.index_select(0, pen.rows)
-    present = out > 0
     if pen.repetition is not None:
-        assert prompt is not None
-        r = pen.repetition
-        sub = torch.where(prompt | present, torch.where(sub > 0, sub / r, sub * r), sub)
+        assert seen is not None
+        # The divisor is the row's penalty where a token was seen, exactly 1 elsewhere; only one of
+        # the two terms is nonzero, so each logit is transformers' x / r or x * r to the bit.
+        d = torch.addcmul(1.0 - seen, seen, pen.repetition)
+        sub = sub.clamp_min(0.0).div_(d).add_(sub.clamp_max(0.0).mul_(d))
     if pen.frequency is not None:
-        sub = sub - pen.frequency * out
+        sub = sub.addcmul_(out, pen.frequency, value=-1.0)
     if pen.presence is not None:
-        sub = sub - pen.presence * present
+        sub = sub.addcmul_(out.sign(), pen.presence, value=-1.0)
     logits.index_copy_(0, pen.rows, sub)
 
 

@@ -96,6 +96,9 @@ class EngineStats:
     prefix_hit_tokens: int
     prefix_query_tokens: int
     num_preemptions: int
+    # what an E/P/D import needs besides blocks, where the model has it (router.routing.decode_choice)
+    num_free_window_blocks: int | None = None  # a sliding-window family's window group
+    num_free_state_slots: int | None = None  # a hybrid family's linear-attention state slots
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -105,17 +105,25 @@ def sample(
         dead = ~torch.isfinite(x.amax(-1))
         raise NoAllowedToken(dead.nonzero().flatten().tolist())
     if not batch.random:
-        out = x.argmax(-1).tolist()
+        out = argmax(x)
     elif not batch.greedy:
         out = draw(x, batch, generators)
     else:
         out = [0] * len(params)
-        greedy = x.index_select(0, batch.greedy_index).argmax(-1).tolist()
+        greedy = argmax(x.index_select(0, batch.greedy_index))
         for i, t in zip(batch.greedy, greedy, strict=True):
             out[i] = t
         for i, t in zip(batch.random, draw(x, batch, generators), strict=True):
             out[i] = t
     return out, _logprobs(raw, params, out)
+
+
+def argmax(x: torch.Tensor) -> list[int]:
+    """Each row's index of its first largest value. On CPU through numpy, whose argmax is vectorised
+    where torch's CPU kernel is not (~4 vs ~50 us at 32 x 1,024 here); the same index either way."""
+    if x.device.type == "cpu":
+        return x.detach().numpy().argmax(-1).tolist()  # type: ignore[no-any-return]
+    return x.argmax(-1).tolist()  # type: ignore[no-any-return]
 
 
 def _logprobs(

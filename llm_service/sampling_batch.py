@@ -36,6 +36,15 @@ class Floors:
 
 
 @dataclass(frozen=True)
+class TopP:
+    """The random rows with ``top_p < 1`` (``rows`` index ``SamplingBatch.random``'s tensors)."""
+
+    rows: torch.Tensor  # [n] long
+    rows_list: list[int]
+    top_p: torch.Tensor  # [n]
+
+
+@dataclass(frozen=True)
 class Penalties:
     """The penalty columns of the ``penalized`` rows (``None``: no row in the batch uses it)."""
 
@@ -65,7 +74,7 @@ class SamplingBatch:
     random_index: torch.Tensor  # ``random`` as a tensor
     temperature: torch.Tensor  # [len(random), 1]
     top_p: torch.Tensor | None  # [len(random)]; None: no random row has top_p < 1
-    nucleus: torch.Tensor | None  # [len(random)]: top_p, or inf where the row has none
+    nucleus: TopP | None  # the rows that check a nucleus
     floors: Floors | None  # min_p and top_k; None: no random row has either
     bias: LogitBias | None
     min_tokens: list[int]  # rows with a min_tokens (whether it still holds is a per-step question)
@@ -106,9 +115,7 @@ class SamplingBatch:
             random_index=torch.tensor(random, dtype=torch.long, device=device),
             temperature=_column([p.temperature for p in drawn], device),
             top_p=torch.tensor(top_p, device=device) if nucleus else None,
-            nucleus=torch.tensor([p if p < 1.0 else float("inf") for p in top_p], device=device)
-            if nucleus
-            else None,
+            nucleus=_nucleus(top_p, device) if nucleus else None,
             floors=_floors(drawn, vocab, device),
             bias=_bias(params, device),
             min_tokens=[i for i, p in enumerate(params) if p.min_tokens],
@@ -120,6 +127,15 @@ class SamplingBatch:
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+
+
+def _nucleus(top_p: list[float], device: torch.device) -> TopP:
+    rows = [j for j, p in enumerate(top_p) if p < 1.0]
+    return TopP(
+        torch.tensor(rows, dtype=torch.long, device=device),
+        rows,
+        torch.tensor([top_p[j] for j in rows], dtype=torch.float32, device=device),
+    )
 
 
 def _floors(drawn: list[SamplingParams], vocab: int, device: torch.device) -> Floors | None:

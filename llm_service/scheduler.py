@@ -4,7 +4,12 @@ Each step gives every running request its next tokens — the rest of its prompt
 budget) or one decode token — then admits waiting requests FCFS while budget, ``max_num_seqs`` and
 blocks allow. When a running request cannot get a block, the most recently admitted request is
 preempted: its blocks go back to the pool and it returns to the front of the waiting queue, to be
-recomputed later from whatever prefix the cache still holds. A chunk never ends inside a request's
+recomputed later from whatever prefix the cache still holds. A decode replica's imported request
+that holds no embeddings for an item (E/P/D: it could not recompute its prompt) is swapped instead,
+as SGLang's decode side retracts to host memory: the step's ``swapped_out`` names its blocks, which
+the engine copies out before the step runs (nothing has overwritten them yet); readmitted, its
+blocks are allocated at once for every computed token (``swapped_in``: the engine writes them back)
+and it decodes on. A chunk never ends inside a request's
 bidirectional span (``chunk_size``): the chunk stops before it and the span goes whole into a later one.
 
 A request may arrive before all its media items' embeddings (``Request.missing``: still encoding,
@@ -21,7 +26,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from llm_service.kv_cache_manager import KVCacheManager
+from llm_service.kv_cache_manager import KVCacheManager, cdiv
 from llm_service.sequence import Request, RequestStatus
 from mmcore.errors import Overloaded
 
@@ -42,9 +47,23 @@ class ScheduledChunk:
 
 
 @dataclass
+class SwapOut:
+    """A preempted request's KV to copy to host memory before the step runs: its computed tokens'
+    blocks, the window group's still read from ``window_from`` (none without one), its state slot."""
+
+    request: Request
+    block_ids: list[int]
+    window_from: int = 0
+    window_ids: list[int] = field(default_factory=list)
+    state_slot: int | None = None
+
+
+@dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    swapped_out: list[SwapOut] = field(default_factory=list)
+    swapped_in: list[Request] = field(default_factory=list)  # blocks allocated: write their KV back
 
     @property
     def num_tokens(self) -> int:
@@ -176,7 +195,7 @@ class Scheduler:
                 continue
             while not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()
-                self._preempt(victim)
+                self._preempt(victim, out)
                 out.preempted.append(victim.request_id)
                 if victim is req:
                     break
@@ -190,6 +209,17 @@ class Scheduler:
             return out
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if req.swapped:
+                n = chunk_size(req, req.num_computed_tokens, budget)
+                if n == 0 or not self.kv.allocate_swap_in(req, n):
+                    break
+                self.waiting.popleft()
+                req.status, req.swapped = RequestStatus.RUNNING, False
+                self.running.append(req)
+                out.swapped_in.append(req)
+                out.chunks.append(self._chunk(req, req.num_computed_tokens, n))
+                budget -= n
+                continue
             hits = self.kv.get_computed_blocks(req)
             if req.sampling_params.prompt_logprobs is not None:  # cached positions have no logits
                 hits = hits[:0]
@@ -250,10 +280,23 @@ class Scheduler:
             req.missing_reported = True
             self.newly_parked.append(req.request_id)
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        if req.imported and req.missing:  # no embeddings to recompute its prompt with: swap it
+            out.swapped_out.append(self._swap_out(req))
+            req.swapped = True
+        else:
+            req.num_computed_tokens = 0
         self.kv.free(req)
         req.status = RequestStatus.WAITING
-        req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+
+    def _swap_out(self, req: Request) -> SwapOut:
+        rid, computed = req.request_id, req.num_computed_tokens
+        blocks = self.kv.block_table(rid)[: cdiv(computed, self.kv.block_size)]
+        window = self.kv.window_table(rid)
+        if window is None:
+            return SwapOut(req, blocks, state_slot=req.state.slot if req.state else None)
+        first = self.kv.first_window_block(computed)
+        return SwapOut(req, blocks, first, window[first : len(blocks)])

@@ -81,6 +81,11 @@ class Request:
     # A prefill replica's request (E/P/D): it leaves the engine with its first token, ``HANDED_OFF``,
     # its blocks held until a decode replica pulls them (llm_service/kv_handoff.py)
     handoff: bool = False
+    # A decode replica's request (E/P/D), its prompt's KV imported. Preempted while it holds no
+    # embeddings for an item, it cannot recompute its prompt here (the decode pool never fetches
+    # media): its KV is swapped to host memory and back instead (``swapped``: out, waiting to resume)
+    imported: bool = False
+    swapped: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -124,6 +124,22 @@ class WindowKVCacheManager(KVCacheManager):
         self._drop(rid, table, self._first_read(start))
         return True
 
+    def first_window_block(self, num_tokens: int) -> int:
+        return self._first_read(num_tokens)
+
+    def allocate_swap_in(self, req: Request, num_new_tokens: int) -> bool:
+        """The full group as ``KVCacheManager``'s; the window group only from the first block the next
+        query reads (the null block before it, as for a request whose window has passed them)."""
+        rid, start = req.request_id, req.num_computed_tokens
+        first = self._first_read(start)
+        need = cdiv(start + num_new_tokens, self.block_size) - first
+        if need > self.window_pool.num_free or not KVCacheManager.allocate_slots(self, req, num_new_tokens):
+            return False
+        self._window[rid] = [self.null_block] * first + self.window_pool.allocate(need)
+        self._dropped[rid] = first
+        self._window_hashed[rid] = 0
+        return True
+
     def allocate_import(self, req: Request, num_tokens: int) -> int | None:
         """The full group as ``KVCacheManager``'s; the window group only the blocks the first query after
         the prompt reads (cached ones taken, the rest allocated to be pulled)."""

@@ -26,6 +26,26 @@ def template_takes_tools(chat_template: object) -> bool:
     return False
 
 
+def check_template_syntax(source: str) -> None:
+    """A ``ValueError`` (with the line) if ``source`` does not parse as a chat template the way
+    transformers compiles one: jinja2 with loop controls and its ``{% generation %}`` block."""
+    import jinja2
+    from jinja2 import ext, nodes
+
+    class _Generation(ext.Extension):  # transformers' AssistantTracker tag, parsed only
+        tags = {"generation"}  # noqa: RUF012 (jinja2 declares it an instance attribute)
+
+        def parse(self, parser: jinja2.parser.Parser) -> list[nodes.Node]:
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    env = jinja2.Environment(extensions=[ext.loopcontrols, _Generation])
+    try:
+        env.parse(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"jinja syntax error on line {e.lineno}: {e.message}") from e
+
+
 _PROBE_CALL = {"id": "call_0", "type": "function", "function": {"name": "probe", "arguments": {}}}
 PROBE_TOOLS = [{"type": "function", "function": {"name": "probe", "parameters": {"type": "object"}}}]
 

@@ -50,11 +50,15 @@ def hf_generate(
     messages: list[dict[str, Any]],
     max_new_tokens: int,
     tools: list[dict[str, Any]] | None = None,
+    chat_template: str | None = None,
     **media: Any,
 ) -> str:
-    """Its processor, its chat template (given ``tools``) and ``generate(do_sample=False)``; the new text only."""
+    """Its processor, its chat template (given ``tools``; ``chat_template``: another in its place) and
+    ``generate(do_sample=False)``; the new text only."""
     proc, model = load(model_dir)
-    text = proc.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
+    text = proc.apply_chat_template(
+        messages, tools=tools, chat_template=chat_template, add_generation_prompt=True
+    )
     inputs = proc(text=[text], return_tensors="pt", **media)
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)

@@ -33,33 +33,30 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from cluster.bench import chaos_cluster as common
+from cluster.bench.chaos_cluster import VL, ChaosCluster, render, start_head
 from cluster.bench.chaos_load import (
     Load,
     at_capacity,
-    held,
     image_specs,
     kill_replica,
-    named_actor_leaks,
     replica_names,
     running,
     wait_until,
     wanted,
 )
-from cluster.bench.chaos_outcomes import HEADERS, OK, ScenarioReport, report, row
+from cluster.bench.chaos_outcomes import OK, ScenarioReport, report
 from cluster.bench.procs import descendants, list_procs
-from cluster.bench.stats import markdown_table
 
 if TYPE_CHECKING:
     from ray._private.node import Node
-    from ray.cluster_utils import Cluster
 
-VL = "tiny-qwen2-vl"
+__all__ = ["ChaosCluster", "chaos_cluster", "render", "start_head"]  # as before chaos_cluster.py
+
 ENC, LLM = f"EncoderServer-{VL}", f"LLMServer-{VL}"
 TARGETS = {ENC: 1, LLM: 1, "IngressServer": 1, f"EncoderCacheIndex-{VL}": 1}
-SHARDS = 1
 WORKER = {"encoder_node": 1.0, "llm_node": 1.0}
 SCENARIOS = ("overlap-kill", "scale-up-kill", "node-loss")
 
@@ -80,94 +77,27 @@ def app_config(port: int, cache_dir: str) -> dict[str, Any]:
             "embeddings_per_handle_queued_request": 64,
         },
     }
-    return {
-        "host": "127.0.0.1",
-        "port": port,
-        "models_cache_dir": cache_dir,
-        "ingress": {
-            "http_mode": "direct",
-            "deployment": {"num_replicas": 1, "num_cpus": 0.1, "resources": {"head_node": 0.01}},
+    autoscaling = {"min_replicas": 1, "max_replicas": 2, **fast, "policy": enc_policy}
+    return common.app_config(
+        port,
+        cache_dir,
+        {"num_cpus": 0.2, "autoscaling": autoscaling},
+        preprocess={"overlap_prefill": True},
+        llm={
+            "device": "cpu",
+            "num_kv_blocks": 512,
+            "deployment": {"num_replicas": 1, "num_cpus": 0.2, "resources": {"llm_node": 0.01}},
         },
-        "models": [
-            {
-                "name": VL,
-                "tiny": "qwen2-vl",
-                "preprocess": {"overlap_prefill": True},
-                "encoder": {
-                    "device": "cpu",
-                    "cache_index_shards": SHARDS,
-                    "cache_index_resources": {"encoder_node": 0.01},
-                    "deployment": {
-                        "num_cpus": 0.2,
-                        "resources": {"encoder_node": 0.01},
-                        "autoscaling": {"min_replicas": 1, "max_replicas": 2, **fast, "policy": enc_policy},
-                    },
-                },
-                "llm": {
-                    "device": "cpu",
-                    "num_kv_blocks": 512,
-                    "deployment": {"num_replicas": 1, "num_cpus": 0.2, "resources": {"llm_node": 0.01}},
-                },
-            }
-        ],
-    }
-
-
-@dataclass
-class ChaosCluster:
-    """The cluster and this driver's connection to it; ``node`` is node A (replaced by node-loss)."""
-
-    cluster: Cluster
-    node: Node
-    base_url: str
+    )
 
 
 @contextlib.contextmanager
 def chaos_cluster(
     port: int, cache_dir: str, config: dict[str, Any] | None = None, worker: dict[str, float] | None = None
 ) -> Iterator[ChaosCluster]:
-    """Start the cluster and the app (``config``: this module's ``app_config`` unless given; node A
-    with the ``worker`` markers); on the way out shut Serve, the driver and every node down."""
-    import ray
-    from ray import serve
-
-    from cluster.config import AppConfig
-    from cluster.serve_cli import start
-    from cluster.serve_env import apply_serve_env
-
-    apply_serve_env()  # read by the Serve processes each node starts
-    head = {"num_cpus": 2, "resources": {"head_node": 1.0}, "include_dashboard": False}
-    c = start_head(head)  # a failed start is shut down in there
-    try:
-        node = c.add_node(num_cpus=2, resources=worker or WORKER)
-        c.wait_for_nodes()
-        ray.init(address=c.address, namespace="mmserve")
-        start(AppConfig.model_validate(config or app_config(port, cache_dir)))
-        yield ChaosCluster(c, node, f"http://127.0.0.1:{port}/v1")
-    finally:
-        with contextlib.suppress(Exception):
-            serve.shutdown()
-        with contextlib.suppress(Exception):
-            ray.shutdown()
-        c.shutdown()
-
-
-def start_head(head: dict[str, Any], tries: int = 3) -> Cluster:
-    """A cluster with its first node, the head, started; a start that times out (Ray waits 30 s for
-    the raylet to register, which a busy machine can miss) is shut down and tried again."""
-    from ray.cluster_utils import Cluster
-
-    for attempt in range(1, tries + 1):
-        c = Cluster(initialize_head=False)
-        try:
-            c.add_node(**head)
-            return c
-        except Exception as e:
-            c.shutdown()
-            if "timed out during startup" not in str(e) or attempt == tries:
-                raise
-            log(f"the head's start timed out (try {attempt} of {tries}): starting it again")
-    raise AssertionError("unreachable: the last try returns or raises")
+    """``chaos_cluster.chaos_cluster`` with this module's app and node A's markers unless given."""
+    with common.chaos_cluster(port, config or app_config(port, cache_dir), worker or WORKER) as cc:
+        yield cc
 
 
 def node_pids(node: Node) -> set[int]:
@@ -310,69 +240,21 @@ async def run_scenario(name: str, cc: ChaosCluster, args: argparse.Namespace) ->
 
 
 def settle_and_read_leaks(timeout_s: float) -> dict[str, object]:
-    """Wait for the pools to settle and the books to empty, then read what is still held."""
-    from cluster.cache_shards import cache_index_args
-    from cluster.config import ModelConfig
-
-    args = cache_index_args(ModelConfig(name=VL, tiny="qwen2-vl", encoder={"cache_index_shards": SHARDS}))
-
-    def empty() -> bool:  # each pool back at exactly its target (scaled down), nothing held
-        exact = all(wanted(d) == n for d, n in TARGETS.items())
-        return exact and at_capacity(TARGETS) and not any(held(VL, args).values())
-
-    wait_until(empty, timeout_s, 1.0)
-    found: dict[str, object] = dict(held(VL, args))
-    found["named_actors"] = named_actor_leaks({VL: SHARDS})
-    return found
+    return common.settle_and_read_leaks(TARGETS, timeout_s)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m cluster.bench.chaos_node", description=__doc__.split("\n\n")[0]
-    )
-    p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma list of {SCENARIOS}")
-    p.add_argument("--port", type=int, default=8471)
-    p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--concurrency", type=int, default=8)
+    p = common.argument_parser("cluster.bench.chaos_node", __doc__ or "", SCENARIOS, port=8471)
     p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument("--deadline-s", type=float, default=240.0, help="a request open longer is lost")
     p.add_argument("--rejoin-after-s", type=float, default=5.0, help="node-loss: when the new node starts")
-    p.add_argument("--recover-timeout-s", type=float, default=300.0)
-    p.add_argument(
-        "--settle-timeout-s", type=float, default=180.0, help="> the cache's 60 s evict grace + a sweep"
-    )
-    p.add_argument("--models-dir", default=os.path.expanduser("~/.cache/mmserve/models"))
-    args = p.parse_args(argv)
-    args.scenario_list = [s.strip() for s in args.scenarios.split(",") if s.strip()]
-    for s in args.scenario_list:
-        if s not in SCENARIOS:
-            p.error(f"--scenarios: unknown {s!r}; one of {SCENARIOS}")
-    return args
+    return common.parse_scenarios(p, SCENARIOS, argv)
 
 
 async def run_all(cc: ChaosCluster, args: argparse.Namespace) -> list[ScenarioReport]:
-    """Every scenario in turn; Serve is shut down on the loop its handles live on (after the loop,
-    their long-poll threads find it closed and Ray's exit hangs)."""
-    from ray import serve
-
-    reports = []
-    try:
-        for name in args.scenario_list:
-            reports.append(await run_scenario(name, cc, args))
-            log(f"{name}: {row(reports[-1])}")
-    finally:
-        await serve.shutdown_async()
-    return reports
+    return await common.run_all(cc, args, run_scenario, log)
 
 
-def render(reports: list[ScenarioReport]) -> str:
-    out = [markdown_table(HEADERS, [row(r) for r in reports])]
-    out += [f"- {r.scenario}: {n}" for r in reports for n in r.notes]
-    return "\n".join(out)
-
-
-def log(msg: str) -> None:
-    print(f"[chaos-node {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = common.logger("chaos-node")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -381,8 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     with chaos_cluster(args.port, args.models_dir) as cc:
         reports = asyncio.run(run_all(cc, args))
     print(render(reports), flush=True)
-    bad = [r for r in reports if r.counts["uncoded"] or r.counts["lost"] or r.leak_count]
-    return 1 if bad else 0
+    return common.exit_code(reports)
 
 
 if __name__ == "__main__":

@@ -37,25 +37,21 @@ import sys
 import time
 from typing import Any
 
+from cluster.bench import chaos_cluster as common
+from cluster.bench.chaos_cluster import VL, ChaosCluster, chaos_cluster, render
 from cluster.bench.chaos_load import (
     Load,
     at_capacity,
-    held,
     image_specs,
     kill_replica,
-    named_actor_leaks,
     replica_names,
     replica_pid,
     wait_until,
-    wanted,
 )
-from cluster.bench.chaos_node import ChaosCluster, chaos_cluster, render
-from cluster.bench.chaos_outcomes import OK, ScenarioReport, report, row
+from cluster.bench.chaos_outcomes import OK, ScenarioReport, report
 
-VL = "tiny-qwen2-vl"
 ENC, PREFILL, DECODE = f"EncoderServer-{VL}", f"LLMPrefillServer-{VL}", f"LLMDecodeServer-{VL}"
 TARGETS = {ENC: 1, PREFILL: 1, DECODE: 1, "IngressServer": 1, f"EncoderCacheIndex-{VL}": 1}
-SHARDS = 1
 WORKER = {"encoder_node": 1.0, "prefill_node": 1.0, "decode_node": 1.0}
 SCENARIOS = ("prefill-kill", "decode-kill", "handoff-kill")
 VICTIM = {"prefill-kill": PREFILL, "decode-kill": DECODE}
@@ -65,37 +61,21 @@ PAUSE_S = 2.0  # the longest the decode replica stays stopped: under the links' 
 def app_config(port: int, cache_dir: str, handoff_deadline_s: float = 30.0) -> dict[str, Any]:
     """The app of the scenarios: the ingress on the head, every pool one replica on node A."""
     one = {"num_replicas": 1, "num_cpus": 0.2}
-    return {
-        "host": "127.0.0.1",
-        "port": port,
-        "models_cache_dir": cache_dir,
-        "ingress": {
-            "http_mode": "direct",
-            "deployment": {"num_replicas": 1, "num_cpus": 0.1, "resources": {"head_node": 0.01}},
+    return common.app_config(
+        port,
+        cache_dir,
+        one,
+        llm={
+            "device": "cpu",
+            "num_kv_blocks": 512,
+            "handoff_deadline_s": handoff_deadline_s,
+            "kv_transfer_timeout_s": 10.0,
+            "pools": [
+                {"role": "prefill", "deployment": {**one, "resources": {"prefill_node": 0.01}}},
+                {"role": "decode", "deployment": {**one, "resources": {"decode_node": 0.01}}},
+            ],
         },
-        "models": [
-            {
-                "name": VL,
-                "tiny": "qwen2-vl",
-                "encoder": {
-                    "device": "cpu",
-                    "cache_index_shards": SHARDS,
-                    "cache_index_resources": {"encoder_node": 0.01},
-                    "deployment": {**one, "resources": {"encoder_node": 0.01}},
-                },
-                "llm": {
-                    "device": "cpu",
-                    "num_kv_blocks": 512,
-                    "handoff_deadline_s": handoff_deadline_s,
-                    "kv_transfer_timeout_s": 10.0,
-                    "pools": [
-                        {"role": "prefill", "deployment": {**one, "resources": {"prefill_node": 0.01}}},
-                        {"role": "decode", "deployment": {**one, "resources": {"decode_node": 0.01}}},
-                    ],
-                },
-            }
-        ],
-    }
+    )
 
 
 def pool_stats(deployment: str) -> dict[str, Any]:
@@ -192,69 +172,30 @@ async def run_scenario(name: str, cc: ChaosCluster, args: argparse.Namespace) ->
 
 
 def settle_and_read_leaks(timeout_s: float) -> dict[str, object]:
-    """Wait for the pools to settle and the books to empty, then read what is still held."""
-    from cluster.cache_shards import cache_index_args
-    from cluster.config import ModelConfig
-
-    args = cache_index_args(ModelConfig(name=VL, tiny="qwen2-vl", encoder={"cache_index_shards": SHARDS}))
-    pools = ("LLMPrefillServer", "LLMDecodeServer")
-
-    def empty() -> bool:
-        exact = all(wanted(d) == n for d, n in TARGETS.items())
-        return exact and at_capacity(TARGETS) and not any(held(VL, args, llm_pools=pools).values())
-
-    wait_until(empty, timeout_s, 1.0)
-    found: dict[str, object] = dict(held(VL, args, llm_pools=pools))
-    found["named_actors"] = named_actor_leaks({VL: SHARDS})
-    return found
+    return common.settle_and_read_leaks(TARGETS, timeout_s, llm_pools=("LLMPrefillServer", "LLMDecodeServer"))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m cluster.bench.chaos_pd", description=__doc__.split("\n\n")[0])
-    p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma list of {SCENARIOS}")
-    p.add_argument("--port", type=int, default=8473)
-    p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--concurrency", type=int, default=8)
+    p = common.argument_parser("cluster.bench.chaos_pd", __doc__ or "", SCENARIOS, port=8473)
     p.add_argument("--max-tokens", type=int, default=24, help="long enough that decodes are in flight")
-    p.add_argument("--deadline-s", type=float, default=240.0, help="a request open longer is lost")
-    p.add_argument("--recover-timeout-s", type=float, default=300.0)
-    p.add_argument("--settle-timeout-s", type=float, default=180.0, help="> the cache's 60 s evict grace")
-    p.add_argument("--models-dir", default=os.path.expanduser("~/.cache/mmserve/models"))
-    args = p.parse_args(argv)
-    args.scenario_list = [s.strip() for s in args.scenarios.split(",") if s.strip()]
-    for s in args.scenario_list:
-        if s not in SCENARIOS:
-            p.error(f"--scenarios: unknown {s!r}; one of {SCENARIOS}")
-    return args
+    return common.parse_scenarios(p, SCENARIOS, argv)
 
 
 async def run_all(cc: ChaosCluster, args: argparse.Namespace) -> list[ScenarioReport]:
-    """Every scenario in turn; Serve shut down on the loop its handles live on (as ``chaos_node``)."""
-    from ray import serve
-
-    reports = []
-    try:
-        for name in args.scenario_list:
-            reports.append(await run_scenario(name, cc, args))
-            log(f"{name}: {row(reports[-1])}")
-    finally:
-        await serve.shutdown_async()
-    return reports
+    return await common.run_all(cc, args, run_scenario, log)
 
 
-def log(msg: str) -> None:
-    print(f"[chaos-pd {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = common.logger("chaos-pd")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     log("starting a 2-node cluster and the E/P/D app ...")
     config = app_config(args.port, args.models_dir)
-    with chaos_cluster(args.port, args.models_dir, config=config, worker=WORKER) as cc:
+    with chaos_cluster(args.port, config, WORKER) as cc:
         reports = asyncio.run(run_all(cc, args))
     print(render(reports), flush=True)
-    bad = [r for r in reports if r.counts["uncoded"] or r.counts["lost"] or r.leak_count]
-    return 1 if bad else 0
+    return common.exit_code(reports)
 
 
 if __name__ == "__main__":

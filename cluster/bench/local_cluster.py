@@ -28,6 +28,7 @@ import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -71,7 +72,8 @@ def deploy_config(
 ) -> dict[str, object]:
     """``shipped`` with only what this machine needs rewritten, written to ``out``: Serve's HTTP port,
     and optionally the first model's checkpoint (``path`` instead of ``tiny``), its served name, and
-    node markers per pool (``{"encoder": {"encoder_node": 0.001}}``) where the file sets none."""
+    node markers per pool (``{"encoder": {"encoder_node": 0.001}}``) where the file sets none (see
+    ``place_markers``)."""
     config = yaml.safe_load(shipped.read_text())
     config["http_options"]["port"] = http_port
     args = config["applications"][0]["args"]
@@ -83,10 +85,32 @@ def deploy_config(
         model["path"] = model_path
     if model_name is not None:
         model["name"] = model_name
-    for pool, markers in (resources or {}).items():
-        model[pool].setdefault("deployment", {}).setdefault("resources", dict(markers))
+    place_markers(model, resources or {})
     out.write_text(yaml.safe_dump(config, sort_keys=False))
     return dict(config)
+
+
+def place_markers(model: dict[str, Any], resources: Mapping[str, Mapping[str, float]]) -> None:
+    """Node markers on each Serve deployment of a model config's pools, where the deployment sets no
+    ``resources`` of its own. Keys: ``encoder``, ``llm``, ``prefill``, ``decode``. An E/P/D model
+    (``llm.pools``) has no deployment of ``llm.deployment`` (its pools have their own): ``llm``'s
+    markers go to every pool there, a role's own markers (``prefill``, ``decode``) before them."""
+    llm = model.get("llm") or {}
+    pools = {p["role"]: p for p in llm.get("pools") or []}
+    for name, markers in resources.items():
+        if name in ("prefill", "decode"):
+            if name not in pools:
+                raise KeyError(f"markers for the {name} pool, but the config's llm.pools has none")
+            _put_markers(pools[name], markers)
+        elif not (name == "llm" and pools):
+            _put_markers(model[name], markers)
+    if pools and "llm" in resources:
+        for p in pools.values():
+            _put_markers(p, resources["llm"])
+
+
+def _put_markers(section: dict[str, Any], markers: Mapping[str, float]) -> None:
+    section.setdefault("deployment", {}).setdefault("resources", dict(markers))
 
 
 class LocalRayCluster:

@@ -9,7 +9,8 @@ raylet, Serve controller and proxy, each replica and cache shard), its resident 
 descriptors from ``/proc``, and the object store's use from the raylet; then ``--quiet-s`` seconds
 without load, still sampling, to see the store return to its baseline.
 
-Writes ``soak.csv`` and ``soak.png`` under ``--out-dir`` and prints the growth of each process between
+Writes ``soak.csv`` and ``soak_memory.csv`` (a row per process appended at each sample, so a killed run
+keeps them) and ``soak.png`` under ``--out-dir`` and prints the growth of each process between
 minute 5 (``--ref-s``) and the end, the fd growth and the store before and after
 (``cluster/bench/soak_stats.py``). Real Ray, real HTTP, the real ``openai`` client.
 """
@@ -34,12 +35,11 @@ import openai
 from cluster.bench.client import make_client, send_request
 from cluster.bench.servers import ServerProcess
 from cluster.bench.soak_plot import write_figure
-from cluster.bench.soak_probe import AppProbe, log, write_memory_rows
+from cluster.bench.soak_probe import AppProbe, log
 from cluster.bench.soak_stats import (
     Sample,
     growth_table,
     verdict,
-    write_outputs,
 )
 from cluster.bench.workload import (
     RequestSpec,
@@ -304,12 +304,10 @@ async def run(args: argparse.Namespace) -> str:
     server.start()
     try:
         log(f"healthy after {server.wait_healthy(600):.0f} s")
-        probe = AppProbe(server)
+        probe = AppProbe(server, out_dir=args.out_dir)  # soak.csv, soak_memory.csv: a row per sample
         load_t0, tally = await drive(args, server, probe)
     finally:
         server.stop()
-    write_outputs(probe.samples, args.out_dir / "soak.csv")
-    write_memory_rows(probe.memory_rows, args.out_dir / "soak_memory.csv")
     write_figure(probe.samples, args.out_dir / "soak.png", load_t0, args.ref_s)
     if args.plot is not None:
         write_figure(probe.samples, args.plot, load_t0, args.ref_s)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import csv
 import json
 import os
 import sys
@@ -20,7 +19,7 @@ from cluster.bench.cpu_profile import process_kind
 from cluster.bench.procs import cluster_members, find_raylet, gcs_address, list_procs
 from cluster.bench.servers import ServerProcess
 from cluster.bench.soak_memory import breakdown_row, read_breakdown
-from cluster.bench.soak_stats import Sample, StoreUse, sample_procs
+from cluster.bench.soak_stats import CSV_HEADER, CsvLog, Sample, StoreUse, csv_rows, sample_procs
 
 
 def log(msg: str) -> None:
@@ -33,8 +32,12 @@ class AppProbe:
 
     server: ServerProcess
     t0: float = field(default_factory=time.monotonic)
+    out_dir: Path | None = None  # where each sample is appended: soak.csv, soak_memory.csv
     samples: list[Sample] = field(default_factory=list)
-    memory_rows: list[dict[str, object]] = field(default_factory=list)  # soak_memory's, per process
+
+    def __post_init__(self) -> None:
+        self.csv = CsvLog(self.out_dir / "soak.csv") if self.out_dir else None
+        self.memory_csv = CsvLog(self.out_dir / "soak_memory.csv") if self.out_dir else None
 
     def sample(self, phase: str) -> Sample:
         assert self.server.popen is not None
@@ -50,10 +53,15 @@ class AppProbe:
         store = store_use(procs[raylet].title) if raylet is not None else None
         entries = cache_entries(self.server.base_url)
         s = Sample(time.monotonic() - self.t0, phase, sample_procs(mine, kinds), store, entries)
-        for pid, kind in kinds.items():
-            if (b := read_breakdown(pid)) is not None:
-                self.memory_rows.append({"phase": phase} | breakdown_row(s.t_s, kind, pid, b))
+        memory_rows = [
+            {"phase": phase} | breakdown_row(s.t_s, kind, pid, b)
+            for pid, kind in kinds.items()
+            if (b := read_breakdown(pid)) is not None
+        ]
         self.samples.append(s)
+        if self.csv is not None and self.memory_csv is not None:
+            self.csv.append([dict(zip(CSV_HEADER, row, strict=True)) for row in csv_rows(s)])
+            self.memory_csv.append(memory_rows)
         rss = sum(p.rss_bytes for p in s.procs) / 2**20
         used = f"{s.store.used_bytes / 2**20:.1f} MiB / {s.store.num_objects} objects" if s.store else "?"
         log(
@@ -103,13 +111,3 @@ def store_use(raylet_title: str) -> StoreUse | None:
         st = reply.store_stats
         return StoreUse(int(st.object_store_bytes_used), int(st.num_local_objects))
     return None
-
-
-def write_memory_rows(rows: list[dict[str, object]], path: Path) -> None:
-    """The breakdowns as CSV (``soak_memory.csv``): one row per process per sample."""
-    if not rows:
-        return
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)

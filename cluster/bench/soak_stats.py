@@ -247,23 +247,28 @@ CSV_HEADER = (
 )
 
 
+def csv_rows(s: Sample) -> list[list[object]]:
+    """A sample's CSV rows: one per process (``series`` = ``proc``) and one for the store (with the
+    encoder cache's entries beside it)."""
+    t = f"{s.t_s:.1f}"
+    rows: list[list[object]] = []
+    for p in s.procs:
+        rss, shm = f"{p.rss_bytes / MIB:.2f}", f"{p.shm_bytes / MIB:.2f}"
+        rows.append([t, s.phase, "proc", p.pid, p.kind, rss, p.open_fds, shm, "", "", ""])
+    if s.store is not None:
+        entries = "" if s.cache_entries is None else s.cache_entries
+        used = f"{s.store.used_bytes / MIB:.2f}"
+        rows.append([t, s.phase, "store", "", "object store", "", "", "", used, s.store.num_objects, entries])
+    return rows
+
+
 def to_csv(samples: Iterable[Sample]) -> str:
-    """One row per process per sample (``series`` = ``proc``) and one per sample for the store (with
-    the encoder cache's entries beside it)."""
+    """The samples' rows (``csv_rows``) under ``CSV_HEADER``: what ``soak.csv`` holds."""
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(CSV_HEADER)
     for s in samples:
-        t = f"{s.t_s:.1f}"
-        for p in s.procs:
-            rss, shm = f"{p.rss_bytes / MIB:.2f}", f"{p.shm_bytes / MIB:.2f}"
-            w.writerow([t, s.phase, "proc", p.pid, p.kind, rss, p.open_fds, shm, "", "", ""])
-        if s.store is not None:
-            entries = "" if s.cache_entries is None else s.cache_entries
-            used = f"{s.store.used_bytes / MIB:.2f}"
-            w.writerow(
-                [t, s.phase, "store", "", "object store", "", "", "", used, s.store.num_objects, entries]
-            )
+        w.writerows(csv_rows(s))
     return buf.getvalue()
 
 
@@ -328,6 +333,22 @@ def growth_table(samples: Sequence[Sample], ref_s: float) -> str:
     )
 
 
-def write_outputs(samples: Sequence[Sample], csv_path: Path) -> None:
-    csv_path.parent.mkdir(parents=True, exist_ok=True)
-    csv_path.write_text(to_csv(samples))
+class CsvLog:
+    """A CSV file written as the rows come: each ``append`` opens it, writes and closes it (flushed), so
+    a run killed midway keeps every sample taken. The first rows' keys are the header."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fieldnames: list[str] | None = None
+
+    def append(self, rows: Sequence[Mapping[str, object]]) -> None:
+        if not rows:
+            return
+        first = self.fieldnames is None
+        if self.fieldnames is None:
+            self.fieldnames = list(rows[0])
+        with self.path.open("w" if first else "a", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=self.fieldnames, lineterminator="\n")
+            if first:
+                w.writeheader()
+            w.writerows(rows)

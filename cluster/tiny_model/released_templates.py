@@ -14,6 +14,21 @@ sha256 recorded here when it is read.
   it renders no media there), and still reads Google's own ``tool_responses`` field. Source: llama.cpp
   ``models/templates/google-gemma-4-31B-it.jinja`` (commit 3fc65063d, "better align to the updated
   official gemma4 template").
+
+Tool-capable templates for the families whose checkpoints ship none, served with the model's
+``chat_template`` setting (docs/tools.md), as vLLM users serve them with ``--chat-template``:
+
+- Gemma 3, pythonic calls (``[f(k=v)]``): vLLM's ``examples/tool_chat_template_gemma3_pythonic.jinja``
+  (commit c6991a3bf, Apache-2.0; 5,784 bytes, CRLF line endings as committed), the one vLLM's docs give
+  with ``--tool-call-parser pythonic``; tools in the first user turn, results as ``<tool_response>``.
+- Qwen2-VL and Qwen2.5-VL, hermes calls: their checkpoints' templates have no tool section, and
+  Qwen2.5's (text) template, which has one, renders no media. Qwen3-VL-Instruct's released template is
+  that hermes section (the same wording) with Qwen-VL's vision parts, in user turns and in tool results,
+  and the same vision tokens: the bytes of ``qwen3_vl_template.py`` (5,292 bytes), unchanged. It has no
+  default system prompt (Qwen2-VL's adds "You are a helpful assistant.").
+- Qwen2-Audio, hermes calls: **adapted** (no public template has both): the Qwen-VL one above with its
+  image and video parts replaced by Qwen2-Audio's ``Audio N: <|audio_bos|><|AUDIO|><|audio_eos|>\\n``
+  (in user turns and tool results), nothing else changed.
 """
 
 from __future__ import annotations
@@ -21,6 +36,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from importlib import resources
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -44,11 +60,44 @@ RELEASED_TEMPLATES: dict[str, ReleasedTemplate] = {
 }
 
 
-def released_template(family: str) -> str:
-    """``family``'s released chat template; a ``ValueError`` if its file is not the recorded bytes."""
-    spec = RELEASED_TEMPLATES[family]
+_QWEN_VL_TOOLS = ReleasedTemplate(
+    "qwen_vl_tool_chat_template.jinja",
+    "3636d0f0bd6bef02654cdffdc447b79cb2cef8ab02cc75267345946291a489e4",
+    5292,
+)
+# tiny family -> its tool-capable template (and the parser its calls take is the family's default)
+TOOL_TEMPLATES: dict[str, ReleasedTemplate] = {
+    "qwen2-vl": _QWEN_VL_TOOLS,
+    "qwen2.5-vl": _QWEN_VL_TOOLS,
+    "gemma3": ReleasedTemplate(
+        "gemma3_pythonic_tool_chat_template.jinja",
+        "f13b988fbd4c082937e342acec34892a8e589690a41e95b0445fcf837e31aefa",
+        5784,
+    ),
+    "qwen2-audio": ReleasedTemplate(  # adapted: see the module's docstring
+        "qwen2_audio_tool_chat_template.jinja",
+        "e4d507d52e7931bb1eadb9c15ed7f8412e69c6d976db47881362398cafd24ec7",
+        4546,
+    ),
+}
+
+
+def _checked(spec: ReleasedTemplate, what: str) -> bytes:
     data = resources.files("cluster").joinpath(f"data/{spec.file}").read_bytes()
     digest = hashlib.sha256(data).hexdigest()
     if digest != spec.sha256 or len(data) != spec.num_bytes:
-        raise ValueError(f"cluster/data/{spec.file} is not the released {family} template (sha256 {digest})")
-    return data.decode("utf-8")
+        raise ValueError(f"cluster/data/{spec.file} is not the recorded {what} template (sha256 {digest})")
+    return data
+
+
+def released_template(family: str) -> str:
+    """``family``'s released chat template; a ``ValueError`` if its file is not the recorded bytes."""
+    return _checked(RELEASED_TEMPLATES[family], family).decode("utf-8")
+
+
+def tool_template_path(family: str) -> Path:
+    """The shipped tool-capable template for ``family`` (a tiny family's name), checked, as a path for
+    a model's ``chat_template`` setting."""
+    spec = TOOL_TEMPLATES[family]
+    _checked(spec, f"{family} tool")
+    return Path(str(resources.files("cluster").joinpath(f"data/{spec.file}")))

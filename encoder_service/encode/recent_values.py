@@ -27,7 +27,7 @@ class RecentValues:
     def __init__(self, max_entries: int = MAX_ENTRIES, max_bytes: int = INLINE_VALUE_BYTES) -> None:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
-        # ref id -> the stored form (``serve/deployment.stored_form``): kept and handed back as it is
+        # ref id -> the stored form (``serve/encoder_steps.stored_form``): kept and handed back as it is
         self._values: OrderedDict[str, object] = OrderedDict()
         self.taken = 0  # values handed to forwarded requests
 

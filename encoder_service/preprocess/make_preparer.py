@@ -20,6 +20,7 @@ class PreprocessArgs(TypedDict):
     limits: MediaLimits
     limit_mm_per_prompt: dict[str, int]
     processor_cache_bytes: int
+    chat_template: str | None  # the model's override of its checkpoint's template (text); None: its own
 
 
 class SharedCache(CacheIndex, AliasStore, Protocol):
@@ -34,6 +35,7 @@ def make_preparer(
     limit_mm_per_prompt: dict[str, int],
     processor_cache_bytes: int,
     cache: SharedCache,
+    chat_template: str | None = None,
     encode: Encode,
     model_name: str = "",
     stages: MediaStages | None = None,
@@ -50,6 +52,7 @@ def make_preparer(
         processor_cache_bytes,
         model_id=model_name or None,
         stages=stages,
+        chat_template=chat_template,
     )
     preprocessor.aliases = cache  # uuid names live in the cache shards (uuid_aliases.py)
     return RequestPreparer(preprocessor, cache, encode, stages=stages, encode_each=encode_each)

@@ -88,10 +88,13 @@ class Preprocessor:
         http_client: PinnedClient | None = None,
         aliases: AliasStore | None = None,
         stages: MediaStages | None = None,
+        chat_template: str | None = None,
     ) -> None:
         self.limits = limits or MediaLimits()
         self.stages = stages  # fetch, decode and processor timings (stage_timing.py); None: not timed
         self.family: FamilyProcessor = load_family_processor(model_dir, self.limits)
+        if chat_template is not None:  # the model's override (config ``chat_template``), as the ingress's
+            self.family.hf.chat_template = chat_template
         self.model_id = model_id or Path(model_dir).name
         limit = (
             limit_mm_per_prompt if limit_mm_per_prompt is not None else {m: 1 for m in self.family.modalities}

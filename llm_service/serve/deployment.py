@@ -114,7 +114,7 @@ class LLMServer:
                 )
             else:
                 self._decode = DecodeImports(
-                    self.loop, engine, handoff.connect, handoff.timeout_s, self.kv_stats
+                    self.loop, engine, handoff.connect, handoff.timeout_s, self.kv_stats, self.replica_id
                 )
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
@@ -374,12 +374,15 @@ class LLMServer:
             "skipped_embedding_fetches": self.skipped_fetches,
             "prefix_query_tokens": s.prefix_query_tokens,
             "num_preemptions": s.num_preemptions,
+            **_reported_if_any(num_free_window_blocks=s.num_free_window_blocks),
+            **_reported_if_any(num_free_state_slots=s.num_free_state_slots),
             "output_channels": len(self.channels),
             "replica_id": self.replica_id,
             "role": self.role,
             **self.loop.step_clock.stats(),
             **(self.kv_stats.as_dict() if self.role != "both" else {}),
             **({"kv_pins_held": len(self._prefill.pins)} if self._prefill is not None else {}),
+            **({"kv_swapped_out": self._decode.engine.swap.swapped_out} if self._decode is not None else {}),
         }
 
     def record_routing_stats(self) -> dict[str, object]:
@@ -406,3 +409,8 @@ class LLMServer:
         if task is not None and task.done():
             why = "cancelled" if task.cancelled() else repr(task.exception())
             raise RuntimeError(f"engine loop died: {why}")
+
+
+def _reported_if_any(**counts: int | None) -> dict[str, int]:
+    """The counts the model has (a window group's, a hybrid's state slots), for ``stats``."""
+    return {k: v for k, v in counts.items() if v is not None}

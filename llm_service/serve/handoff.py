@@ -16,8 +16,16 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from llm_service.engine_loop import EngineLoop
-from llm_service.kv_handoff import HandoffPins, ImportSlots, KVBlocks, KVHandoff, KVTransferFailed
+from llm_service.kv_handoff import (
+    DecodeRefused,
+    HandoffPins,
+    ImportSlots,
+    KVBlocks,
+    KVHandoff,
+    KVTransferFailed,
+)
 from llm_service.outputs import RequestOutput
+from mmcore.errors import Overloaded
 
 if TYPE_CHECKING:
     from llm_service.engine import LLMEngine
@@ -51,6 +59,7 @@ class TransferStats:
     expired: int = 0  # prefill side: pins dropped unpulled at their deadline
     imports: int = 0  # decode side: requests imported
     failed_imports: int = 0  # decode side: imports whose pull or write failed (blocks freed)
+    refused_imports: int = 0  # decode side: imports refused as overloaded (nothing allocated)
     blocks_pulled: int = 0  # decode side
     blocks_hit: int = 0  # decode side: leading blocks its own prefix cache held (not pulled)
     bytes_pulled: int = 0  # decode side
@@ -60,6 +69,16 @@ class TransferStats:
 
     def as_dict(self) -> dict[str, float]:
         return {f"kv_{k}": float(v) for k, v in self.__dict__.items()}
+
+
+@dataclass(frozen=True)
+class _Held:
+    """A pinned hand-off's counts for its answer (``KVHandoff``)."""
+
+    num_blocks: int
+    block_hashes: tuple[bytes, ...]
+    num_window_blocks: int
+    num_state_slots: int
 
 
 class PrefillHandoffs:
@@ -77,7 +96,7 @@ class PrefillHandoffs:
         self.deadline_s = deadline_s
         self.pins = HandoffPins()
         self.stats = stats
-        self._held: dict[str, tuple[int, tuple[bytes, ...]]] = {}  # pinned, not yet answered: blocks, hashes
+        self._held: dict[str, _Held] = {}  # pinned, not yet answered
 
     def on_outputs(self, outputs: list[RequestOutput]) -> None:
         """After a step (the engine's thread idle): pin each request that left with its first token."""
@@ -86,7 +105,12 @@ class PrefillHandoffs:
                 rid = out.request_id
                 held = self.engine.handoff_kv(rid)
                 generation = self.pins.pin(rid, held, self.deadline_s)
-                self._held[rid] = (len(held.block_ids), tuple(self.engine.handoff_hashes(rid)))
+                self._held[rid] = _Held(
+                    len(held.block_ids),
+                    tuple(self.engine.handoff_hashes(rid)),
+                    len(held.window_ids) - held.window_first if held.window_ids else 0,
+                    int(held.state_slot is not None),
+                )
                 asyncio.get_running_loop().call_later(self.deadline_s, self._expire, rid, generation)
                 self.stats.handoffs += 1
 
@@ -96,16 +120,17 @@ class PrefillHandoffs:
         held = self._held.pop(rid, None)
         if first.finish_reason != "handoff" or held is None:
             return KVHandoff(rid, self.replica_id, first)
-        num_blocks, hashes = held
         return KVHandoff(
             rid,
             self.replica_id,
             replace(first, finished=False, finish_reason=None),
             address=await self._address(),
             num_tokens=first.num_prompt_tokens,
-            num_blocks=num_blocks,
-            block_hashes=hashes,
+            num_blocks=held.num_blocks,
+            block_hashes=held.block_hashes,
             deadline_s=self.deadline_s,
+            num_window_blocks=held.num_window_blocks,
+            num_state_slots=held.num_state_slots,
         )
 
     async def pull(self, request_id: str, from_block: int, window_from: int = 0) -> KVBlocks:
@@ -161,31 +186,37 @@ class DecodeImports:
         connect: Callable[[Address], KVSource],
         timeout_s: float,
         stats: TransferStats,
+        replica_id: str = "",
     ) -> None:
-        self.loop, self.engine = loop, engine
+        self.loop, self.engine, self.replica_id = loop, engine, replica_id
         self._connect = connect
         self.timeout_s = timeout_s
         self.stats = stats
 
     async def import_request(self, spec: LLMRequestSpec) -> None:
         """Reserve blocks, pull what the prefix cache lacks, write it, run the request on. A failed pull
-        or write frees the blocks and raises ``KVTransferFailed``; a full pool ``Overloaded``."""
+        or write frees the blocks and raises ``KVTransferFailed``; a pool short of blocks, window
+        blocks or a state slot ``DecodeRefused`` (nothing allocated: the ingress tries another)."""
         h = spec.handoff
         assert h is not None and h.address is not None
         from llm_service.embeddings import unfetched
 
         rid = spec.request_id
         t_start = time.perf_counter()
-        slots = await self.loop.on_engine(
-            self.engine.reserve_import,
-            rid,
-            list(spec.prompt_token_ids),
-            spec.sampling_params,
-            unfetched(list(spec.mm_items)),
-            spec.cache_salt,
-            h.first,
-            h.block_hashes,
-        )
+        try:
+            slots = await self.loop.on_engine(
+                self.engine.reserve_import,
+                rid,
+                list(spec.prompt_token_ids),
+                spec.sampling_params,
+                unfetched(list(spec.mm_items)),
+                spec.cache_salt,
+                h.first,
+                h.block_hashes,
+            )
+        except Overloaded as e:
+            self.stats.refused_imports += 1
+            raise DecodeRefused(f"decode replica {self.replica_id}: {e}", self.replica_id) from e
         assert isinstance(slots, ImportSlots)
         write: asyncio.Future[tuple[None, float]] | None = None
         try:

@@ -27,7 +27,7 @@ from router.http.metrics import IngressMetrics
 from router.http.responses import ResponsesService
 from router.journey.llm_client import LLMClient
 from router.journey.model_handles import ModelHandles
-from router.journey.orchestrator import Orchestrator
+from router.journey.orchestrator import Orchestrator, chat_tokenizer
 from router.journey.pd_client import PDClient
 from router.protocol.errors import APIError, from_exception
 from router.protocol.messages import MessageLimits
@@ -71,8 +71,9 @@ class IngressModel:
     link_to: Callable[["DeploymentHandle"], PoolLinks] | None = None  # cluster/replica_links.py
     overlap_prefill: bool = False  # items handed to the LLM as they are encoded (Orchestrator)
     tool_format: str = (
-        "hermes"  # how the family writes tool calls (its line in llm_service/models/families.py)
+        "hermes"  # how the model writes tool calls (its family's line in llm_service/models/families.py)
     )
+    chat_template: str | None = None  # the model's override of its checkpoint's template (its text)
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,7 @@ def _hit_path(m: IngressModel) -> "RequestPreparer | None":
         limit_mm_per_prompt=m.preprocess["limit_mm_per_prompt"],
         processor_cache_bytes=0,  # it processes nothing either
         cache=m.cache,
+        chat_template=m.chat_template,  # it renders prompts: as the encoder's and the tokenizer's
         encode=no_encode,
         model_name=m.name,
         stages=media_stages(m.name, "ingress"),
@@ -153,8 +155,6 @@ class IngressServer:
         admission: AdmissionLimits | None = None,
         keys: KeyRing | None = None,
     ) -> None:
-        from transformers import AutoTokenizer
-
         self.keys = keys or KeyRing()  # API keys -> tenants; every route but /health checks them
 
         self.metrics = IngressMetrics(m.name for m in models)
@@ -180,7 +180,7 @@ class IngressServer:
             )
             orch = Orchestrator(
                 handles,
-                AutoTokenizer.from_pretrained(m.model_dir),
+                chat_tokenizer(m.model_dir, m.chat_template),  # the override: as the encoder renders
                 m.block_size,
                 m.max_model_len,
                 on_encoder_run=self._counter(m.name),

@@ -79,6 +79,17 @@ class ChatTokenizer(Protocol):
     def __len__(self) -> int: ...
 
 
+def chat_tokenizer(model_dir: str, chat_template: str | None = None) -> ChatTokenizer:
+    """The model's tokenizer, rendering with ``chat_template`` (the model's override of its
+    checkpoint's template, as the encoder's processor renders: ``Preprocessor(chat_template=)``)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return cast(ChatTokenizer, tokenizer)
+
+
 class Orchestrator:
     def __init__(
         self,

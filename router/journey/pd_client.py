@@ -11,7 +11,9 @@ never sees a media item's bytes or embeddings, only the items' positions and has
 Failure: a prefill replica lost before its answer → prefilled again (another replica, or its
 successor, within ``reroute_timeout_s``); a transfer that fails (the prefill replica died or let its
 pin go: ``kv_transfer_failed``; the decode replica freed what it allocated) → prefilled again once;
-a decode replica lost before the request's first output → prefilled again and sent to another.
+a decode replica lost before the request's first output → prefilled again and sent to another;
+a decode replica short of what the import needs (``DecodeRefused``: nothing allocated, the prefill
+replica's pin stands) → the same hand-off to another decode replica, the refusing ones last.
 """
 
 from __future__ import annotations
@@ -43,6 +45,23 @@ class PrefillPool(Protocol):
     def stats(self) -> UnaryMethod[Counters]: ...
 
 
+MAX_DECODE_TRIES = 4  # decode replicas asked in turn while they refuse an import as overloaded
+
+
+def decode_refused(e: BaseException | None) -> str | None:
+    """The decode replica that refused an import as overloaded (``DecodeRefused``, or what wraps it),
+    else None."""
+    for _ in range(5):
+        if e is None:
+            return None
+        if getattr(e, "code", None) == "overloaded" and isinstance(
+            rid := getattr(e, "replica_id", None), str
+        ):
+            return rid
+        e = getattr(e, "cause", None) or e.__cause__
+    return None
+
+
 def transfer_failed(e: BaseException | None) -> bool:
     """``e`` (or what it wraps: Ray's ``cause``, ``__cause__``) is a failed KV transfer."""
     for _ in range(5):
@@ -70,6 +89,7 @@ class PDClient(LLMClient):
         self.prefill_links = prefill_links
         self._answered: dict[str, RequestOutput] = {}  # ended by their first token: no decode
         self.prefilled_again = 0
+        self.decode_refusals = 0  # imports a decode replica refused as overloaded, sent to another
         self._prefill_replicas: dict[str, None] = {}  # every prefill replica that answered this client
 
     async def submit(self, spec: LLMRequestSpec) -> SubmitReply:
@@ -82,13 +102,37 @@ class PDClient(LLMClient):
                 self._answered[spec.request_id] = handoff.first
                 return SubmitReply(handoff.replica_id, "")
             try:
-                return await super().submit(replace(spec, handoff=handoff))
+                return await self._submit_decode(spec, handoff)
             except BaseException as e:
                 if attempt == 2 or not transfer_failed(e):
                     raise
                 logger.warning("KV transfer of %s failed (%r); prefilling it again", spec.request_id, e)
                 self.prefilled_again += 1
         raise AssertionError("unreachable: the second attempt returns or raises")
+
+    async def _submit_decode(self, spec: LLMRequestSpec, handoff: KVHandoff) -> SubmitReply:
+        """The spec with its hand-off to a decode replica; one that refuses it as overloaded (short of
+        blocks, window blocks or a state slot: it allocated nothing, the pin stands) is named in
+        ``refused_by`` and another asked, up to ``MAX_DECODE_TRIES`` replicas within half the pin's
+        deadline, backing off while every one refuses; then the 503 ``overloaded`` (retryable) stands."""
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + handoff.deadline_s / 2
+        for tries in range(1, MAX_DECODE_TRIES + 1):
+            try:
+                return await super().submit(replace(spec, handoff=handoff))
+            except BaseException as e:
+                refuser = decode_refused(e)
+                if refuser is None or tries == MAX_DECODE_TRIES or loop.time() > give_up_at:
+                    raise
+                logger.info("decode replica %s refused %s (%s); trying another", refuser, spec.request_id, e)
+                self.decode_refusals += 1
+                again = refuser in handoff.refused_by  # the router had none left that had not refused
+                handoff = replace(
+                    handoff, refused_by=(*[r for r in handoff.refused_by if r != refuser], refuser)
+                )
+                if again:
+                    await asyncio.sleep(min(0.05 * 2**tries, 0.5))
+        raise AssertionError("unreachable: the last try returns or raises")
 
     async def replica_stats(self, timeout_s: float = 5.0) -> dict[str, dict[str, object]]:
         """The decode replicas' counters (``LLMClient``'s), then each prefill replica's that answered."""

@@ -21,7 +21,7 @@ from typing import TypeVar
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from mmcore.link.pool_links import LINK_STAT, register_router
-from router.routing.decode_choice import rank_decode
+from router.routing.decode_choice import ImportNeed, rank_decode
 from router.routing.inflight import REPORTED_AT, InFlight
 from router.routing.prefix_affinity import deployment_key, least_loaded, shared_index
 
@@ -193,8 +193,9 @@ class FreeKVRouter(PrefixAffinityRouter):
     """E/P/D's decode pool: the replica with the most free KV and the least load
     (router.routing.decode_choice); calls naming ``target_replica`` (channels, aborts) go there. The
     load is ``PrefixAffinityRouter``'s (running + waiting, this router's own in flight exact:
-    router.routing.inflight); the KV is each replica's last routing report (``kv_usage``,
-    ``num_free_blocks``)."""
+    router.routing.inflight); the KV is each replica's last routing report (``kv_usage``, and what
+    it has free of what the import needs: ``num_free_blocks``, ``num_free_window_blocks``,
+    ``num_free_state_slots``); replicas that refused this hand-off already (``refused_by``) go last."""
 
     def _rank(
         self, pending_request: PendingRequest | _Args | None, load: dict[ReplicaID, float]
@@ -203,10 +204,15 @@ class FreeKVRouter(PrefixAffinityRouter):
             return super()._rank(pending_request, load)
         stats = {rid: r.routing_stats for rid, r in self.curr_replicas.items() if rid in load}
         usage = {rid: float(s.get("kv_usage", 0.0)) for rid, s in stats.items()}
-        free = {rid: float(s.get("num_free_blocks", float("inf"))) for rid, s in stats.items()}
         handoff = _request_arg(pending_request, "handoff", None)
-        need = int(getattr(handoff, "num_blocks", 0) or 0)
-        return rank_decode(load, usage, free, need)
+        need = ImportNeed(
+            int(getattr(handoff, "num_blocks", 0) or 0),
+            int(getattr(handoff, "num_window_blocks", 0) or 0),
+            int(getattr(handoff, "num_state_slots", 0) or 0),
+        )
+        refused_uids = set(getattr(handoff, "refused_by", ()) or ())
+        refused = [rid for rid in load if rid.unique_id in refused_uids]
+        return rank_decode(load, usage, stats, need, refused)
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: object

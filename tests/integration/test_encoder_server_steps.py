@@ -28,7 +28,7 @@ def _no_ray_left_behind():  # type: ignore[no-untyped-def]
 
 def test_apart_items_take_a_step_each_and_plain_ones_share(tiny_vl_dir: Path) -> None:
     server = EncoderServer(str(tiny_vl_dir), device="cpu")
-    runner = server._runner
+    runner = server._steps.runner
     assert runner is not None
     encode = runner.encode
     steps: list[tuple[list[str], str]] = []  # each tower call: its items, the thread it ran on
@@ -52,6 +52,6 @@ def test_apart_items_take_a_step_each_and_plain_ones_share(tiny_vl_dir: Path) ->
     asyncio.run(main())
     assert [hashes for hashes, _ in steps] == [["s0"], ["s1"], ["s2", "p0", "p1"]]
     assert all(name.startswith("encoder-step") for _, name in steps)
-    clock = server._step_clock  # the step thread's clock counted the three steps
+    clock = server._steps.step_clock  # the step thread's clock counted the three steps
     assert server.stats()["steps"] == 3
     assert 0 < clock.cpu_s <= clock.wall_s

@@ -57,6 +57,12 @@ applications:
           {{- if $m.tiny }}
           tiny: {{ $m.tiny | toJson }}
           {{- end }}
+          {{- if $m.chat_template }}
+          chat_template: {{ $m.chat_template | toJson }}
+          {{- end }}
+          {{- if $m.tool_call_parser }}
+          tool_call_parser: {{ $m.tool_call_parser | toJson }}
+          {{- end }}
           preprocess: {{ toJson $pre }}
           encoder: {{ toJson $enc }}
           llm: {{ toJson $llm }}

@@ -309,3 +309,18 @@ def test_an_epd_model_renders_a_prefill_and_a_decode_pool() -> None:
     assert decode.num_cpus == 2 and set(decode.resources) == {"decode_node"}
     assert (decode.autoscaling.min_replicas, decode.autoscaling.max_replicas) == (2, 6)
     assert decode.autoscaling.upscale_delay_s == prefill.autoscaling.upscale_delay_s  # the rest: pools.llm's
+
+
+def test_a_models_chat_template_and_tool_call_parser_reach_the_app() -> None:
+    """``--set-file 'models[0].chat_template=cluster/data/....jinja'`` puts the template's text in the
+    values; the chart passes it (and ``tool_call_parser``) through to the model's config unchanged."""
+    from cluster.tiny_model.released_templates import tool_template_path
+
+    text = tool_template_path("gemma3").read_text(encoding="utf-8")
+    vals = yaml.safe_load((CHART / "values.yaml").read_text())
+    vals["models"][0] |= {"chat_template": text, "tool_call_parser": "pythonic"}
+    jsonschema.validate(vals, json.loads((CHART / "values.schema.json").read_text()))
+    (m,) = _serve_config(vals).models
+    assert (m.chat_template, m.tool_call_parser) == (text, "pythonic")
+    (m,) = _serve_config(yaml.safe_load((CHART / "values.yaml").read_text())).models
+    assert (m.chat_template, m.tool_call_parser) == (None, None)  # unset: not written

@@ -1,5 +1,7 @@
 """One app for the package, serving the tiny families whose released chat template reads ``tools``:
-Qwen3-VL (hermes), Qwen3.5 (``<function=...>``) and Gemma 4 (``<|tool_call>``), shared by the
+Qwen3-VL (hermes), Qwen3.5 (``<function=...>``) and Gemma 4 (``<|tool_call>``), and the four whose
+checkpoints' templates have none, served with the shipped tool template as their ``chat_template``
+(Qwen2-VL, Qwen2.5-VL and Qwen2-Audio hermes, Gemma 3 pythonic: docs/tools.md); shared by the
 tools-in-the-prompt, tool-call and Responses-tools modules (one Ray start instead of three). Each
 module's checks read counters as differences, and each sends its own images."""
 
@@ -11,26 +13,41 @@ from typing import Any
 
 import pytest
 
+from cluster.tiny_model.released_templates import tool_template_path
 from tests.integration.local_app import local_app
+from tests.tiny_dirs import tiny_model_dir
 
 MODEL = "tiny-qwen3-vl"
 TOOL_FAMILIES = ("qwen3-vl", "qwen3.5", "gemma4")  # tiny families, as `tiny:` names them
+# served with `chat_template:` the shipped tool template (cluster/tiny_model/released_templates.py)
+OVERRIDE_FAMILIES = ("qwen2-vl", "qwen2.5-vl", "gemma3", "qwen2-audio")
+# Gemma 3's tool template writes the tools as indented JSON: 1,662 prompt tokens with the tests' two
+LLM = {"gemma3": {"max_model_len": 4096, "num_kv_blocks": 320}}
+LIMIT_MM = {"gemma4": {"image": 4}, "gemma3": {"image": 4}, "qwen2-audio": {"audio": 2}}
 
 
 def _model(family: str) -> dict[str, Any]:
+    override = {"chat_template": str(tool_template_path(family))} if family in OVERRIDE_FAMILIES else {}
+    # the override families from this process's tiny dirs (the unit tests' too: made once)
+    where = {"path": str(tiny_model_dir(family))} if override else {"tiny": family}
     return {
         "name": f"tiny-{family}",
-        "tiny": family,
-        "llm": {"max_model_len": 2048, "block_size": 16, "num_kv_blocks": 256},
+        **where,
+        "llm": {"block_size": 16, **LLM.get(family, {"max_model_len": 2048, "num_kv_blocks": 256})},
         "encoder": {"cache_index_shards": 1},
-        "preprocess": {"limit_mm_per_prompt": {"image": 4, **({} if family == "gemma4" else {"video": 1})}},
+        "preprocess": {"limit_mm_per_prompt": LIMIT_MM.get(family, {"image": 4, "video": 1})},
+        **override,
     }
 
 
 @pytest.fixture(scope="package")
 def tool_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     cache_dir = tmp_path_factory.mktemp("models")
-    models = [_model(f) for f in TOOL_FAMILIES]
-    with local_app({"models": models, "models_cache_dir": str(cache_dir)}, num_cpus=3) as client:
-        dirs = {f: Path(cache_dir) / f"tiny-{f}" for f in TOOL_FAMILIES}
+    families = TOOL_FAMILIES + OVERRIDE_FAMILIES
+    models = [_model(f) for f in families]
+    with local_app({"models": models, "models_cache_dir": str(cache_dir)}, num_cpus=4) as client:
+        dirs = {
+            f: Path(m.get("path") or Path(cache_dir) / f"tiny-{f}")
+            for f, m in zip(families, models, strict=True)
+        }
         yield {"client": client, "dir": dirs["qwen3-vl"], "dirs": dirs}

@@ -183,3 +183,56 @@ def test_decode_side_preemption_recomputes_from_the_imported_blocks(tiny_vl_dir:
     assert d.scheduler.num_preemptions > 0
     assert [got[f"q{i}"] for i in range(4)] == expected
     assert_all_free(d)
+
+
+def preempted_images_equal_hf(
+    hf: Any, model_dir: Path, cases: list[RefCase], spare: int = 2, n: int = 32
+) -> LLMEngine:
+    """Image requests imported into a decode engine whose pool holds their prompts and ``spare`` blocks
+    more: their ``n``-token decodes outgrow it, so some are preempted and their blocks taken by the
+    others (the images' blocks evicted from its prefix cache). With no embeddings there (the decode
+    pool never fetches media), they are swapped to host memory and back; every answer equals HF
+    ``generate``. Returns the decode engine."""
+    params = SamplingParams(max_tokens=n)
+    p = engine(model_dir, max_num_batched_tokens=32)
+    bs = p.config.block_size
+    d = engine(model_dir, num_kv_blocks=sum(-(-len(c.prompt) // bs) for c in cases) + spare)
+    for i, case in enumerate(cases):
+        rid = f"m{i}"
+        first = prefill(p, rid, case, params)
+        held = p.handoff_kv(rid)
+        no_embeddings = [dataclasses.replace(m, embeddings=None) for m in case.mm_inputs]
+        slots = d.reserve_import(rid, case.prompt, params, no_embeddings, None, first)
+        payload = p.runner.read_kv_blocks(
+            rid,
+            held.block_ids[slots.hit_blocks :],
+            slots.hit_blocks,
+            held.window_ids[slots.window_from :],
+            slots.window_from,
+            held.state_slot,
+        )
+        d.runner.write_kv_blocks(slots.block_ids, payload, slots.window_ids, slots.state_slot)
+        p.release_handoff(rid)
+        d.admit_import(rid)
+    got: dict[str, list[int]] = {f"m{i}": [] for i in range(len(cases))}
+    while d.has_unfinished_requests():
+        for o in d.step():
+            assert o.finish_reason != "error", o.error
+            got[o.request_id] += o.new_token_ids
+    for i, case in enumerate(cases):
+        assert got[f"m{i}"] == hf_generate(hf, case, n), i
+    assert d.scheduler.num_preemptions > 0 and d.swap.swapped_out > 0
+    assert_all_free(d)
+    assert len(d.swap) == 0 and not d.runner.states
+    return d
+
+
+def test_decode_side_preemption_of_image_requests_swaps_their_kv(vl, tiny_vl_dir: Path) -> None:
+    hf, proc = vl
+    cases = [
+        build_case(
+            hf, proc, f"describe {IMG} please, in a few words", [f"img-{i}"], images=[image(96, 64, 11 + i)]
+        )
+        for i in range(4)
+    ]
+    preempted_images_equal_hf(hf, tiny_vl_dir, cases)

@@ -147,6 +147,20 @@ def test_gemma3_next_turn_and_decode_side_preemption(gemma3) -> None:
     _preempted_equal_colocated(model_dir, num_kv_blocks=24, max_num_batched_tokens=24)
 
 
+def test_gemma3_decode_side_preemption_of_image_requests_swaps_their_window_blocks(gemma3) -> None:
+    """Image requests preempted on the decode side, their blocks evicted: swapped out and back in, the
+    window group only from the first block the next query reads; equal to HF."""
+    from tests.unit.llm_service.models.test_engine_gemma3 import case
+    from tests.unit.llm_service.test_kv_handoff import preempted_images_equal_hf
+
+    cases = [
+        case(gemma3, "describe <image> please, in a few words", [image(96, 64, 11 + i)], {0: f"img-{i}"})
+        for i in range(4)
+    ]
+    d = preempted_images_equal_hf(gemma3[0], tiny_model_dir("gemma3"), cases)
+    assert d.runner.window is not None and len(cases[0].prompt) > d.runner.window  # past the window
+
+
 def _preempted_equal_colocated(model_dir: Path, **decode_kw: Any) -> None:
     """Four imported text requests whose decodes outgrow the decode engine's pool: preempted and
     recomputed there; every answer equals a colocated engine's."""
@@ -245,3 +259,19 @@ def test_qwen3_5_next_turn_and_decode_side_preemption(qwen35) -> None:
     # the imported blocks and the generated ones were registered: only the rest was pulled
     assert slots.hit_blocks == (len(one.prompt) + len(answer) - 1) // p.config.block_size
     _preempted_equal_colocated(model_dir, num_kv_blocks=24)
+
+
+def test_qwen3_5_decode_side_preemption_of_image_requests_swaps_their_state(qwen35) -> None:
+    """Image requests preempted on the decode side, their blocks evicted: their KV and their linear
+    layers' state slot swapped out and back in (no snapshot, no recompute); equal to HF."""
+    from tests.unit.llm_service.test_kv_handoff import preempted_images_equal_hf
+
+    hf, proc = qwen35
+    cases = [
+        build_case(
+            hf, proc, f"describe {IMG} please, in a few words", [f"img-{i}"], images=[image(96, 64, 11 + i)]
+        )
+        for i in range(4)
+    ]
+    d = preempted_images_equal_hf(hf, tiny_model_dir("qwen3.5"), cases)
+    assert d.kv.states.num_free == d.kv.states.num_slots  # type: ignore[attr-defined]

@@ -1,26 +1,27 @@
-"""cluster.bench.api_vs_peer's pure parts: the call check, content kinds, the table."""
+"""cluster.bench.api_vs_peer's pure parts (and api_senders'): the call check, content kinds, the table."""
 
 from __future__ import annotations
 
 import json
 
 from cluster.bench import api_vs_peer as avp
+from cluster.bench.api_senders import check_call, content_kind
 
 
 def test_check_call() -> None:
-    assert avp.check_call("get_weather", json.dumps({"city": "Paris"})) == "valid"
-    assert avp.check_call("get_weather", json.dumps({"city": "Rome"})).startswith("args invalid")
-    assert avp.check_call("nope", "{}") == "unknown name 'nope'"
-    assert avp.check_call("get_time", '{"tz": "UT') == "args not JSON"
+    assert check_call("get_weather", json.dumps({"city": "Paris"})) == "valid"
+    assert check_call("get_weather", json.dumps({"city": "Rome"})).startswith("args invalid")
+    assert check_call("nope", "{}") == "unknown name 'nope'"
+    assert check_call("get_time", '{"tz": "UT') == "args not JSON"
     # vLLM 0.32's streamed `required` arguments: a bare digit run, which JSON reads as a number
-    assert avp.check_call("get_time", "63555555e815555") == "args not a JSON object (float)"
+    assert check_call("get_time", "63555555e815555") == "args not a JSON object (float)"
 
 
 def test_content_kind() -> None:
-    assert avp.content_kind(None) == "none"
-    assert avp.content_kind("") == "none"
-    assert avp.content_kind("hi") == "text"
-    assert avp.content_kind('<tool_call>\n{"name"') == "text with <tool_call>"
+    assert content_kind(None) == "none"
+    assert content_kind("") == "none"
+    assert content_kind("hi") == "text"
+    assert content_kind('<tool_call>\n{"name"') == "text with <tool_call>"
 
 
 def test_request_set_names_unique() -> None:

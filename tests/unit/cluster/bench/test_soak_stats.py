@@ -4,17 +4,21 @@ samples (and this test process's own ``/proc`` entry)."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
 from cluster.bench.procs import read_proc
 from cluster.bench.soak_plot import figure, series_by_kind
 from cluster.bench.soak_stats import (
+    CSV_HEADER,
     MIB,
     PAGE_BYTES,
+    CsvLog,
     ProcMem,
     Sample,
     StoreUse,
+    csv_rows,
     from_csv,
     growth,
     growth_table,
@@ -138,6 +142,24 @@ def test_csv_round_trip_and_the_table() -> None:
     assert [p.rss_bytes for p in back[5].procs] == [p.rss_bytes for p in samples[5].procs]
     table = growth_table(samples, 300.0)
     assert "+10.0 %" in table and "born later" in table and "exited" in table
+
+
+def test_csv_log_keeps_every_sample_as_it_is_taken(tmp_path: Path) -> None:
+    """What the soak appends per sample is on disk after each one (a run killed midway keeps it), and
+    the file read back is the run's samples."""
+    samples = _run()
+    log = CsvLog(tmp_path / "soak.csv")
+    for i, s in enumerate(samples):
+        log.append([dict(zip(CSV_HEADER, row, strict=True)) for row in csv_rows(s)])
+        on_disk = from_csv((tmp_path / "soak.csv").read_text())
+        assert [(x.t_s, x.phase) for x in on_disk] == [(x.t_s, x.phase) for x in samples[: i + 1]]
+    assert (tmp_path / "soak.csv").read_text() == to_csv(samples)
+    memory = CsvLog(tmp_path / "soak_memory.csv")
+    memory.append([])  # a sample with no breakdown writes nothing
+    assert not (tmp_path / "soak_memory.csv").exists()
+    memory.append([{"t_s": 1.0, "pid": 7}])
+    memory.append([{"t_s": 2.0, "pid": 8}])
+    assert (tmp_path / "soak_memory.csv").read_text().splitlines() == ["t_s,pid", "1.0,7", "2.0,8"]
 
 
 def test_plot_series_sum_each_kind() -> None:

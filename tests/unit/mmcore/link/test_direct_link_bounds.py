@@ -1,5 +1,6 @@
-"""mmcore/link/direct_link.py against peers that misbehave: no key or a wrong key, garbage and oversized
-frames, a client that does not read, a server that stops answering without closing."""
+"""mmcore/link/direct_link.py against peers that misbehave on a connection: garbage and oversized
+frames, a client that does not read, a server that stops answering without closing, a slow link,
+calls past the bytes-in-flight bound (who may connect at all: test_direct_link_auth.py)."""
 
 from __future__ import annotations
 
@@ -25,80 +26,9 @@ from mmcore.link.direct_link import (
     LinkKeys,
     LinkLost,
     LinkServer,
-    PlainOffLoopback,
-    check_mechanism,
 )
-from mmcore.link.frames import is_loopback
 from router.protocol.errors import replica_gone
-
-KEYS = LinkKeys.generate()
-PWNED: list[str] = []
-
-
-def _pwn() -> None:
-    PWNED.append("unpickled")
-
-
-class _Payload:
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_pwn, ())
-
-
-async def _echo(*args: Any) -> Any:
-    return ("echo", args)
-
-
-def _raw_dealer(ctx: zmq.asyncio.Context, keys: LinkKeys | None, server_public: bytes) -> zmq.asyncio.Socket:
-    """A DEALER as an outsider would make it: no key (NULL), or CURVE with ``keys``' client pair."""
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    if keys is not None:
-        sock.setsockopt(zmq.CURVE_SERVERKEY, server_public)
-        sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.client_public)
-        sock.setsockopt(zmq.CURVE_SECRETKEY, keys.client_secret)
-    return sock
-
-
-_REFUSED = {
-    zmq.EVENT_HANDSHAKE_FAILED_AUTH,
-    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
-    zmq.EVENT_DISCONNECTED,
-}
-
-
-@pytest.mark.parametrize("peer", ["no key", "another cluster's client key"])
-def test_a_peer_without_the_cluster_key_never_gets_a_frame_decoded_or_a_handler_run(peer: str) -> None:
-    from zmq.utils.monitor import parse_monitor_message
-
-    async def run() -> None:
-        server = LinkServer({"echo": _echo}, KEYS)
-        host, port = await server.address("127.0.0.1")
-        ctx = zmq.asyncio.Context()
-        outsider = _raw_dealer(ctx, None if peer == "no key" else LinkKeys.generate(), KEYS.server_public)
-        monitor = outsider.get_monitor_socket()
-        outsider.connect(f"tcp://{host}:{port}")
-        call = [msgpack.packb([1, "echo", None]), pickle.dumps((_Payload(),))]
-        outsider.send_multipart(call)  # queued: goes out if the handshake passes
-        while (
-            event := parse_monitor_message(await asyncio.wait_for(monitor.recv_multipart(), 10))["event"]
-        ) not in (_REFUSED | {zmq.EVENT_HANDSHAKE_SUCCEEDED}):
-            pass
-        assert event != zmq.EVENT_HANDSHAKE_SUCCEEDED
-        # the cluster's own client still gets through, after the outsider tried
-        client = await LinkClient.connect(host, port, KEYS)
-        assert await client.call("echo", 1) == ("echo", (1,))
-        assert PWNED == [] and server.calls == 1 and server.garbled == 0
-        with pytest.raises(LinkLost, match=r"refused|handshake"):
-            await LinkClient.connect(host, port, LinkKeys.generate())  # the client's view of the same
-        outsider.disable_monitor()
-        monitor.close(0)
-        outsider.close(0)
-        ctx.term()
-        client.close()
-        await server.close()
-
-    asyncio.run(run())
+from tests.unit.mmcore.link.peers import KEYS, echo, raw_dealer
 
 
 def test_garbage_and_oversized_frames_fail_their_own_call_and_the_connection_goes_on() -> None:
@@ -113,7 +43,7 @@ def test_garbage_and_oversized_frames_fail_their_own_call_and_the_connection_goe
             return b"\x80not a pickle" if value == "junk" else pickle.dumps(value)
 
         bound = 1 << 20
-        server = LinkServer({"echo": _echo, "big": big, "junk": junk}, KEYS, dumps, max_frame_bytes=bound)
+        server = LinkServer({"echo": echo, "big": big, "junk": junk}, KEYS, dumps, max_frame_bytes=bound)
         host, port = await server.address("127.0.0.1")
         client = await LinkClient.connect(host, port, KEYS, max_frame_bytes=bound)
         with pytest.raises(FrameTooLarge, match="not sent"):
@@ -126,7 +56,7 @@ def test_garbage_and_oversized_frames_fail_their_own_call_and_the_connection_goe
         assert client.lost is None and server.calls == 3
 
         ctx = zmq.asyncio.Context()  # an authenticated peer that speaks garbage
-        peer = _raw_dealer(ctx, KEYS, KEYS.server_public)
+        peer = raw_dealer(ctx, KEYS, KEYS.server_public)
         peer.connect(f"tcp://{host}:{port}")
         await peer.send_multipart([b"\xc1 no header"])  # no seq to answer: dropped
         await peer.send_multipart([msgpack.packb([7, "echo", None]), b"\x80not a pickle"])
@@ -161,12 +91,10 @@ def test_a_client_that_does_not_read_keeps_the_server_bounded_and_gets_fast_503s
         async def blob() -> bytes:
             return os.urandom(256 << 10)
 
-        server = LinkServer(
-            {"blob": blob, "echo": _echo}, KEYS, max_in_flight=16, hwm=8, reply_patience_s=600
-        )
+        server = LinkServer({"blob": blob, "echo": echo}, KEYS, max_in_flight=16, hwm=8, reply_patience_s=600)
         host, port = await server.address("127.0.0.1")
         ctx = zmq.asyncio.Context()
-        reader = _raw_dealer(ctx, KEYS, KEYS.server_public)
+        reader = raw_dealer(ctx, KEYS, KEYS.server_public)
         reader.setsockopt(zmq.RCVHWM, 8)
         reader.setsockopt(zmq.SNDHWM, 10_000)
         reader.connect(f"tcp://{host}:{port}")
@@ -260,63 +188,6 @@ def test_a_server_that_stops_answering_without_closing_fails_waiting_calls_withi
     asyncio.run(run())
 
 
-@pytest.mark.parametrize(
-    ("host", "loopback"),
-    [
-        ("127.0.0.1", True),
-        ("127.3.2.1", True),
-        ("::1", True),
-        ("[::1]", True),
-        ("localhost", True),
-        ("10.0.0.5", False),
-        ("192.168.1.20", False),
-        ("0.0.0.0", False),
-        ("::", False),
-        ("fe80::1", False),
-        ("node-3.cluster.local", False),
-    ],
-)
-def test_plain_is_refused_off_loopback_and_curve_is_not(host: str, loopback: bool) -> None:
-    assert is_loopback(host) is loopback
-    check_mechanism(KEYS, host)  # CURVE: anywhere
-    plain = LinkKeys.generate(encrypt=False)
-    if loopback:
-        check_mechanism(plain, host)
-    else:
-        with pytest.raises(PlainOffLoopback, match=r"only on loopback.*turn encryption on"):
-            check_mechanism(plain, host)
-
-
-def test_plain_checks_its_secret_in_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:
-    import hmac
-
-    from mmcore.link import server as link_server
-
-    compared: list[bytes] = []
-    real = hmac.compare_digest
-
-    def compare_digest(a: bytes, b: bytes) -> bool:
-        compared.append(b)
-        return real(a, b)
-
-    monkeypatch.setattr(link_server.hmac, "compare_digest", compare_digest)
-
-    async def run() -> None:
-        keys = LinkKeys.generate(encrypt=False)
-        server = LinkServer({"echo": _echo}, keys)
-        host, port = await server.address("127.0.0.1")
-        client = await LinkClient.connect(host, port, keys)
-        assert await client.call("echo", 1) == ("echo", (1,))
-        assert keys.client_secret in compared  # the password went through compare_digest, not ==
-        same_length = LinkKeys(*[b"A" * len(v) if isinstance(v, bytes) else v for v in vars(keys).values()])
-        with pytest.raises(LinkLost, match="refused"):
-            await LinkClient.connect(host, port, same_length)
-        client.close()
-        await server.close()
-
-    asyncio.run(run())
-
-
 class _SlowLink:
     """A loopback TCP relay to ``port`` that passes the server's bytes to the client at ``rate`` bytes
     a second (a busy link between nodes), the client's at once."""
@@ -374,7 +245,7 @@ def test_a_frame_that_takes_longer_than_the_heartbeat_timeout_to_arrive_keeps_th
 
     async def run() -> None:
         keys = KEYS if encrypt else LinkKeys.generate(encrypt=False)
-        server = LinkServer({"echo": _echo, "big": big}, keys)
+        server = LinkServer({"echo": echo, "big": big}, keys)
         _, port = await server.address("127.0.0.1")
         slow = _SlowLink(port, rate=size // 2)
         client = await LinkClient.connect("127.0.0.1", await slow.start(), keys, timeout_s=60)
@@ -400,7 +271,7 @@ def test_past_the_bytes_in_flight_bound_a_call_is_refused_unrun_and_the_bytes_co
             await release.wait()
             return len(body)
 
-        server = LinkServer({"echo": _echo, "hold": hold}, KEYS, max_in_flight_bytes=1 << 20)
+        server = LinkServer({"echo": echo, "hold": hold}, KEYS, max_in_flight_bytes=1 << 20)
         host, port = await server.address("127.0.0.1")
         client = await LinkClient.connect(host, port, KEYS)
         held = asyncio.ensure_future(client.call("hold", b"h" * (768 << 10)))

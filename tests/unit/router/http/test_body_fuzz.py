@@ -12,8 +12,8 @@ from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from starlette.requests import Request
 
+from cluster.bench.fuzz.asgi import request
 from router.http.chat import ChatService
 from router.protocol.errors import APIError
 from router.protocol.messages import MessageLimits, normalize_messages
@@ -47,23 +47,9 @@ LIMITS = MessageLimits(
 SERVICE = ChatService({}, max_request_bytes=1 << 16, max_json_values=512)
 
 
-def _request(body: bytes) -> Request:
-    sent = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal sent
-        if sent:
-            return {"type": "http.disconnect"}
-        sent = True
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
-    return Request(scope, receive)
-
-
 def _check(body: bytes) -> None:
     async def run() -> None:
-        req = await SERVICE.read_request(_request(body))
+        req = await SERVICE.read_request(request(body, "/v1/chat/completions"))
         normalize_messages(req.messages, LIMITS, tenant=None)
 
     try:

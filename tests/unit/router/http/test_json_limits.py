@@ -8,8 +8,8 @@ import json
 import tracemalloc
 
 import pytest
-from starlette.requests import Request
 
+from cluster.bench.fuzz.asgi import request
 from router.http.chat import ChatService
 from router.http.json_limits import check_json_values, count_values
 from router.protocol.errors import APIError
@@ -28,20 +28,6 @@ def test_count_values_is_exact_outside_strings(doc: object, n: int) -> None:
     assert count_values(json.dumps(doc).encode()) == n
 
 
-def _request(body: bytes) -> Request:
-    sent = False
-
-    async def receive() -> dict[str, object]:
-        nonlocal sent
-        if sent:
-            return {"type": "http.disconnect"}
-        sent = True
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    scope = {"type": "http", "method": "POST", "path": "/", "headers": [], "query_string": b""}
-    return Request(scope, receive)
-
-
 def test_a_body_of_many_small_parts_is_refused_before_it_is_parsed() -> None:
     parts = [{"type": "text", "text": ""}] * 280_000  # ~7 MB
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": parts}]}).encode()
@@ -49,7 +35,7 @@ def test_a_body_of_many_small_parts_is_refused_before_it_is_parsed() -> None:
     tracemalloc.start()
     try:
         with pytest.raises(APIError) as e:
-            asyncio.run(service.read_request(_request(body)))
+            asyncio.run(service.read_request(request(body, "/")))
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -65,7 +51,7 @@ def test_ordinary_bodies_pass() -> None:
     messages += [{"role": "user", "content": prose}]
     body = json.dumps({"model": "m", "messages": messages, "stop": ["a", "b"]}).encode()
     asyncio.run(check_json_values(body, 256))
-    req = asyncio.run(ChatService({}, 64 << 20).read_request(_request(body)))
+    req = asyncio.run(ChatService({}, 64 << 20).read_request(request(body, "/")))
     assert len(req.messages) == 3
 
 

@@ -212,3 +212,61 @@ def test_a_decode_replica_lost_before_the_first_output_is_prefilled_again(
         await dying.abort(ReplicaTarget(dying.replica_id, request_ids=("d",)))  # (the "dead" one's leftovers)
 
     asyncio.run(scenario())
+
+
+class TwoDecodeHandle(FakeLLMHandle):
+    """Two decode replicas behind one handle, routed as ``FreeKVRouter`` routes a hand-off: the first
+    one that has not refused it (``KVHandoff.refused_by``), else the first."""
+
+    def __init__(self, first: LLMServer, second: LLMServer) -> None:
+        super().__init__(first)
+        self.replicas = [first, second]
+        self.asked: list[str] = []
+
+    @property
+    def submit(self) -> Any:
+        def route(spec: LLMRequestSpec) -> Any:
+            refused = spec.handoff.refused_by if spec.handoff is not None else ()
+            self.server = next((s for s in self.replicas if s.replica_id not in refused), self.replicas[0])
+            self.asked.append(self.server.replica_id)
+            return super(TwoDecodeHandle, self).submit.remote(spec)
+
+        return SimpleNamespace(remote=route)
+
+
+def test_a_decode_replica_short_of_blocks_refuses_and_another_takes_the_import(
+    tiny_vl_dir: Path, colocated: list[int]
+) -> None:
+    """The first decode replica's pool is held by other requests (4 blocks free of 64; the import needs
+    10): it refuses the import as overloaded, allocating nothing, and the ingress sends the same hand-off
+    (the prefill replica's pin still stands) to the second, which answers. When both are short, the
+    ingress stops after ``MAX_DECODE_TRIES`` with the retryable 503 ``overloaded``."""
+    from router.journey.pd_client import MAX_DECODE_TRIES
+
+    async def scenario() -> None:
+        prefill = _server(tiny_vl_dir, "prefill", deadline_s=2.0)
+        link = FlakyLink(prefill)
+        full, free = _server(tiny_vl_dir, "decode", link), _server(tiny_vl_dir, "decode", link)
+        hog = full.engine.kv.pool.allocate(60)  # type: ignore[attr-defined]  # other requests' blocks
+        handle = TwoDecodeHandle(full, free)
+        client = PDClient(PrefillHandle(prefill), handle, reroute_timeout_s=5.0)
+
+        assert await _tokens(client, "r") == colocated
+        assert handle.asked == [full.replica_id, free.replica_id]
+        assert client.decode_refusals == 1 and client.prefilled_again == 0
+        assert full.kv_stats.refused_imports == 1 and full.kv_stats.failed_imports == 0
+        assert full.engine.stats().num_free_blocks == 4 and not full.engine.scheduler.requests  # type: ignore[attr-defined]
+        assert prefill.kv_stats.handoffs == prefill.kv_stats.pulls == 1  # one prefill, one pull
+
+        free.engine.kv.pool.allocate(60)  # type: ignore[attr-defined]  # now both are short
+        handle.asked.clear()
+        with pytest.raises(Exception) as err:
+            await _tokens(client, "s")
+        assert getattr(err.value, "code", None) == "overloaded" and err.value.status_code == 503  # type: ignore[attr-defined]
+        assert "4 KV blocks" in str(err.value)
+        assert len(handle.asked) == MAX_DECODE_TRIES
+        assert set(handle.asked) == {full.replica_id, free.replica_id}
+        full.engine.kv.pool.free(hog)  # type: ignore[attr-defined]
+        assert full.engine.stats().num_free_blocks == 64  # type: ignore[attr-defined]  # the refusals held none
+
+    asyncio.run(scenario())

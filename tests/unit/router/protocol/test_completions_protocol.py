@@ -8,8 +8,8 @@ import json
 from typing import Any
 
 import pytest
-from starlette.requests import Request
 
+from cluster.bench.fuzz.asgi import request
 from router.http.completion_events import Echo, completion_logprobs
 from router.http.request_body import read_body
 from router.protocol.completions import MAX_CHOICES, MAX_PROMPTS, CompletionRequest
@@ -18,25 +18,10 @@ from router.protocol.openai import TokenLogprobEntry, TopLogprob
 from router.protocol.sampling import request_sampling_params, to_sampling_params
 
 
-def _request(body: bytes) -> Request:
-    sent = False
-
-    async def receive() -> dict[str, object]:
-        nonlocal sent
-        if sent:
-            return {"type": "http.disconnect"}
-        sent = True
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    return Request(
-        {"type": "http", "method": "POST", "path": "/", "headers": [], "query_string": b""}, receive
-    )
-
-
 def parse(**body: Any) -> CompletionRequest:
     body.setdefault("model", "m")
     raw = json.dumps(body).encode()
-    return asyncio.run(read_body(_request(raw), CompletionRequest, 1 << 20, 16_384))
+    return asyncio.run(read_body(request(raw, "/"), CompletionRequest, 1 << 20, 16_384))
 
 
 def refused(**body: Any) -> APIError:

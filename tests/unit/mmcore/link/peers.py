@@ -1,0 +1,28 @@
+"""What the direct-link tests' peers share: the cluster's keys, an echo handler, and a raw DEALER
+socket as an outsider (or a misbehaving insider) would open it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from mmcore.link.direct_link import LinkKeys
+
+KEYS = LinkKeys.generate()
+
+
+async def echo(*args: Any) -> Any:
+    return ("echo", args)
+
+
+def raw_dealer(ctx: zmq.asyncio.Context, keys: LinkKeys | None, server_public: bytes) -> zmq.asyncio.Socket:
+    """A DEALER as an outsider would make it: no key (NULL), or CURVE with ``keys``' client pair."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if keys is not None:
+        sock.setsockopt(zmq.CURVE_SERVERKEY, server_public)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.client_public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, keys.client_secret)
+    return sock
