@@ -43,6 +43,7 @@ from router.protocol.openai import (
     TopLogprob,
 )
 from router.protocol.sampling import fit_to_prompt, request_sampling_params, requested_max_tokens
+from router.protocol.template_kwargs import template_kwargs_for
 from router.protocol.tool_choice import answer_format, with_tool_choice
 from router.protocol.tool_use import template_tools
 from router.routing.admission import AdmissionController, AdmissionLimits
@@ -126,6 +127,9 @@ class ChatService:
                 tenant,
                 tools_for(req, model),
                 tool_media=model.orchestrator.tool_result_modalities,
+                template_kwargs=template_kwargs_for(
+                    req.chat_template_kwargs, model.orchestrator.template_variables
+                ),
             )
             unsupported = {m.modality for m in chat.media} - set(model.modalities)
             if unsupported:
