@@ -133,6 +133,12 @@ class LLMConfig(_Strict):
     kv_transfer_timeout_s: float = Field(
         10.0, gt=0, description="E/P/D: a decode replica's pull of a request's KV fails past this"
     )
+    kv_pull_chunks: bool = Field(
+        False,
+        description="E/P/D: the prefill replica answers at once and the decode replica pulls the prompt's "
+        "blocks chunk by chunk as they are computed, overlapping the transfer with the prefill "
+        "(docs/disaggregation.md)",
+    )
 
     @model_validator(mode="after")
     def _check_pools(self) -> LLMConfig:

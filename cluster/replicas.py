@@ -195,7 +195,11 @@ class LLMServer(llm_serve.LLMServer, DirectLLM):
             handoff=None
             if self.ROLE == "both"
             else llm_serve.HandoffWiring(
-                self.direct_address, kv_links(), llm.handoff_deadline_s, llm.kv_transfer_timeout_s
+                self.direct_address,
+                kv_links(),
+                llm.handoff_deadline_s,
+                llm.kv_transfer_timeout_s,
+                llm.kv_pull_chunks,
             ),
         )
 
@@ -220,6 +224,7 @@ class LLMPrefillServer(LLMServer):
         **LLMServer.DIRECT_METHODS,
         "prefill": "prefill",
         "pull_kv": "pull_kv",
+        "pull_kv_chunks": "pull_kv_chunks",
     }
 
 

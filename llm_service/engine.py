@@ -63,6 +63,7 @@ class LLMEngine:
         self._importing: dict[str, Request] = {}  # decode side: blocks reserved, KV on its way
         self._imported: list[Request] = []  # admitted since the last step: their first token is due
         self._firsts: dict[str, RequestOutput] = {}  # their first outputs, as the prefill side gave them
+        self._ended: list[RequestOutput] = []  # early imports whose first token ended them: to emit
         self.swap = SwapSpace()  # decode side: preempted imports' KV in host memory (llm_service/kv_swap.py)
 
     @property
@@ -323,7 +324,7 @@ class LLMEngine:
         sampling_params: SamplingParams,
         mm_inputs: Sequence[MultiModalInput],
         cache_salt: str | None,
-        first: RequestOutput,
+        first: RequestOutput | None,
         block_hashes: Sequence[bytes] = (),
     ) -> ImportSlots:
         """Blocks for a request prefilled elsewhere, whose first token is ``first``: the leading full
@@ -334,9 +335,8 @@ class LLMEngine:
         ``Overloaded`` when the pool is short of blocks (or of state slots)."""
         req = self._new_request(request_id, prompt_token_ids, sampling_params, mm_inputs, cache_salt)
         req.imported = True
-        token = first.new_token_ids[0]
-        req.append_output(token, first.new_logprobs[0] if first.new_logprobs else None)
-        self.runner.accept_sampled({request_id: (token, None)})
+        if first is not None:
+            self._take_first(req, first)
         hits = self.kv.allocate_import(req, req.num_prompt_tokens)
         if hits is None:
             self.runner.release(request_id)
@@ -345,9 +345,7 @@ class LLMEngine:
                 f"blocks (and its window blocks or a state slot, where the model has them); "
                 f"free: {self._free_for_import()}"
             )
-        req.num_cached_tokens = first.num_cached_tokens  # the prefill side's hit: what saved compute
         self._importing[request_id] = req
-        self._firsts[request_id] = first
         ours = req.block_hashes[: len(block_hashes)]
         if self.kv.enable_caching and block_hashes and ours != list(block_hashes):
             self.cancel_import(request_id)
@@ -370,13 +368,32 @@ class LLMEngine:
             free.append(f"{s.num_free_state_slots} state slots")
         return ", ".join(free)
 
-    def admit_import(self, request_id: str, snapshot: bool = False) -> None:
+    def _take_first(self, req: Request, first: RequestOutput) -> None:
+        """The prefill side's first output of an import: its token appended, emitted by a later step."""
+        token = first.new_token_ids[0]
+        req.append_output(token, first.new_logprobs[0] if first.new_logprobs else None)
+        self.runner.accept_sampled({req.request_id: (token, None)})
+        req.num_cached_tokens = first.num_cached_tokens  # the prefill side's hit: what saved compute
+        self._firsts[req.request_id] = first
+
+    def admit_import(
+        self, request_id: str, snapshot: bool = False, first: RequestOutput | None = None
+    ) -> None:
         """Its KV is in its blocks: register them under their chained hashes and run it from its first
         token (emitted by the next ``step``). ``snapshot``: a hybrid's pulled KV held the prefill
-        side's snapshot, filed with the blocks. Unknown ids (aborted meanwhile) are ignored."""
-        req = self._importing.pop(request_id, None)
+        side's snapshot, filed with the blocks. ``first``: an early hand-off's first output, which
+        came with the last pull (one that ended the request is emitted as it is, the blocks freed).
+        Unknown ids (aborted meanwhile) are ignored."""
+        req = self._importing.get(request_id)
         if req is None:
             return
+        if first is not None and first.finished:
+            self.cancel_import(request_id)
+            self._ended.append(first)
+            return
+        if first is not None:
+            self._take_first(req, first)
+        del self._importing[request_id]
         if not snapshot and isinstance(self.kv, HybridKVCacheManager):
             self.kv.drop_import_snapshot(req)
         req.num_computed_tokens = req.num_prompt_tokens
@@ -395,17 +412,43 @@ class LLMEngine:
 
     def _first_outputs(self) -> list[RequestOutput]:
         """The first output of each request imported since the last step, as the prefill side gave it
-        (its first token, its logprobs and prompt logprobs when asked for, the prefill side's hit)."""
+        (its first token, its logprobs and prompt logprobs when asked for, the prefill side's hit);
+        and those of early imports whose first token ended them."""
         imported, self._imported = self._imported, []
+        ended, self._ended = self._ended, []
         firsts = [(req, self._firsts.pop(req.request_id)) for req in imported]
-        return [
+        return ended + [
             dataclasses.replace(first, finished=False, finish_reason=None)
             for req, first in firsts
             if req.request_id in self.scheduler.requests
         ]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._imported)
+        return self.scheduler.has_unfinished() or bool(self._imported) or bool(self._ended)
+
+    # ---- E/P/D, the pull overlapped with the prefill (``KVHandoff.early``) ------------------------
+    def import_needs(self, num_tokens: int) -> tuple[int, int, int]:
+        """What an import of a ``num_tokens``-token prompt takes: (blocks, window blocks, state slots)."""
+        n = cdiv(num_tokens, self.config.block_size)
+        window = (
+            n - self.kv.first_window_block(num_tokens) if isinstance(self.kv, WindowKVCacheManager) else 0
+        )
+        return n, window, int(isinstance(self.kv, HybridKVCacheManager))
+
+    def pin_computed_blocks(self, request_id: str, from_block: int) -> list[int] | None:
+        """A request still prefilling here: its computed full blocks from ``from_block`` on, each given
+        one more reference (``unpin_blocks`` after reading them: a preemption cannot hand them to
+        another request meanwhile); [] while none is new. None: it is no longer prefilling here."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None or req.output_token_ids:
+            return None
+        table = self.kv.block_table(request_id)
+        ids = table[from_block : min(req.num_computed_tokens // self.config.block_size, len(table))]
+        self.kv.pool.touch([self.kv.pool.blocks[i] for i in ids])
+        return ids
+
+    def unpin_blocks(self, block_ids: list[int]) -> None:
+        self.kv.pool.free([self.kv.pool.blocks[i] for i in block_ids])
 
     def stats(self) -> EngineStats:
         return EngineStats(

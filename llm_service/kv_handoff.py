@@ -84,6 +84,9 @@ class KVHandoff:
     num_window_blocks: int = 0  # a sliding-window family's window-group blocks still read
     num_state_slots: int = 0  # a hybrid family's linear-attention state slot
     refused_by: tuple[str, ...] = ()  # decode replicas that refused it as overloaded: tried last
+    # answered before its first token (``kv_pull_chunks``): the decode replica pulls the prompt's full
+    # blocks as the prefill computes them (``pull_kv_chunks``), the rest and the first token at the end
+    early: bool = False
 
     @property
     def handed_off(self) -> bool:
@@ -118,6 +121,7 @@ class KVBlocks:
     state_shapes: list[tuple[int, ...]] = field(default_factory=list)
     state_dtypes: list[str] = field(default_factory=list)
     states: list[bytes] = field(default_factory=list)
+    first: RequestOutput | None = None  # an early hand-off's last pull: its first output
 
     @property
     def nbytes(self) -> int:

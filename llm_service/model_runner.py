@@ -266,6 +266,8 @@ class ModelRunner:
         _check_states(self, blocks, state_slot)
         dtype = DTYPES[blocks.dtype]
         for cache, shape, raw, w in zip(self.kv_caches, blocks.shapes, blocks.data, windowed, strict=True):
+            if shape[1] == 0:  # a window layer's part of a chunk's pull (its blocks come last)
+                continue
             layer = _tensor(raw, dtype, shape)
             for j, block_id in enumerate(window_ids if w else block_ids):
                 cache[:, block_id].copy_(layer[:, j], non_blocking=True)

@@ -58,6 +58,7 @@ class HandoffWiring:
     connect: Callable[[Address], KVSource]
     deadline_s: float = 30.0  # a prefill replica holds a hand-off's blocks this long for its pull
     timeout_s: float = 10.0  # a decode replica's pull fails past this
+    pull_chunks: bool = False  # a prefill replica answers at once; the decode side pulls chunk by chunk
 
 
 class LLMServer:
@@ -104,6 +105,7 @@ class LLMServer:
         self.kv_stats = TransferStats()
         self._prefill: PrefillHandoffs | None = None
         self._decode: DecodeImports | None = None
+        self.kv_pull_chunks = handoff is not None and handoff.pull_chunks
         if role != "both":
             if handoff is None:
                 raise ValueError(f"an LLM replica of role {role!r} needs its hand-off wiring")
@@ -181,6 +183,8 @@ class LLMServer:
         outs = self.loop.stream(
             spec.request_id, list(spec.prompt_token_ids), params, mm_inputs, spec.cache_salt, handoff=True
         )
+        if self.kv_pull_chunks:  # answered at once: the decode replica pulls as the chunks compute
+            return await self._prefill.early.answer(spec, outs)
         async with contextlib.aclosing(outs):  # type: ignore[type-var]
             async for first in outs:
                 if first.finish_reason == "error":
@@ -193,6 +197,15 @@ class LLMServer:
         if self._prefill is None:
             raise KVTransferFailed(f"replica {self.replica_id} is not a prefill replica")
         return await self._prefill.pull(request_id, from_block, window_from)
+
+    async def pull_kv_chunks(
+        self, request_id: str, from_block: int, window_from: int = 0
+    ) -> tuple[KVBlocks | None, bool]:
+        """A decode replica's pull of an early hand-off's blocks computed so far, the rest once the
+        prefill is done (llm_service/serve/early_handoff.py)."""
+        if self._prefill is None:
+            raise KVTransferFailed(f"replica {self.replica_id} is not a prefill replica")
+        return await self._prefill.early.pull_chunks(request_id, from_block, window_from)
 
     async def _enqueue(self, spec: LLMRequestSpec) -> tuple[SubmitReply, list[MediaFeature]]:
         """Fetch what must be fetched, put the request on its ingress's channel and in the engine's

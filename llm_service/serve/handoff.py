@@ -25,6 +25,7 @@ from llm_service.kv_handoff import (
     KVTransferFailed,
 )
 from llm_service.outputs import RequestOutput
+from llm_service.serve.early_handoff import EarlyHandoffs
 from mmcore.errors import Overloaded
 
 if TYPE_CHECKING:
@@ -66,6 +67,7 @@ class TransferStats:
     import_cpu_s: float = 0.0  # decode side: CPU time of the thread writing pulled blocks
     export_cpu_s: float = 0.0  # prefill side: CPU time of the thread reading blocks out for a pull
     pull_wall_s: float = 0.0  # decode side: from reserving the blocks to the request admitted
+    blocks_overlapped: int = 0  # decode side: blocks pulled while their prompt still computed (early)
 
     def as_dict(self) -> dict[str, float]:
         return {f"kv_{k}": float(v) for k, v in self.__dict__.items()}
@@ -97,9 +99,22 @@ class PrefillHandoffs:
         self.pins = HandoffPins()
         self.stats = stats
         self._held: dict[str, _Held] = {}  # pinned, not yet answered
+        self.early = EarlyHandoffs(self)  # hand-offs answered before their first token (kv_pull_chunks)
+
+    async def address(self) -> Address:
+        return await self._address()
+
+    async def read(self, request_id: str, block_ids: list[int], from_block: int) -> KVBlocks:
+        """Full-attention blocks of a request still prefilling (pinned by the caller), read on a thread."""
+        blocks, cpu_s = await asyncio.to_thread(
+            _on_thread_timed, self.engine.runner.read_kv_blocks, request_id, block_ids, from_block
+        )
+        self.stats.export_cpu_s += cpu_s
+        return blocks
 
     def on_outputs(self, outputs: list[RequestOutput]) -> None:
         """After a step (the engine's thread idle): pin each request that left with its first token."""
+        self.early.on_step()
         for out in outputs:
             if out.finish_reason == "handoff":
                 rid = out.request_id
@@ -135,7 +150,15 @@ class PrefillHandoffs:
 
     async def pull(self, request_id: str, from_block: int, window_from: int = 0) -> KVBlocks:
         """Blocks ``from_block..`` of a handed-off request (window blocks ``window_from..``, and its
-        linear-attention state), read to host memory; the pin ends with it."""
+        linear-attention state), read to host memory; the pin ends with it. An early hand-off's pull
+        waits for the first output and brings it (alone, no blocks, when it ended the request)."""
+        first = None
+        if self.early.holds(request_id):
+            first = await self.early.first(request_id)
+            self._held.pop(request_id, None)
+            if first.finish_reason != "handoff":
+                return KVBlocks(request_id, from_block, 0, "", [], [], first=first)
+            first = replace(first, finished=False, finish_reason=None)
         held = self.pins.take(request_id)
         if held is None:
             raise KVTransferFailed(
@@ -159,7 +182,7 @@ class PrefillHandoffs:
                 held.snapshot_slot,
             )
             self.stats.export_cpu_s += cpu_s
-            return blocks
+            return blocks if first is None else replace(blocks, first=first)
         finally:
             self.stats.pulls += 1
             if self.pins.done(request_id):
@@ -211,34 +234,47 @@ class DecodeImports:
                 spec.sampling_params,
                 unfetched(list(spec.mm_items)),
                 spec.cache_salt,
-                h.first,
+                None if h.early else h.first,
                 h.block_hashes,
             )
         except Overloaded as e:
             self.stats.refused_imports += 1
             raise DecodeRefused(f"decode replica {self.replica_id}: {e}", self.replica_id) from e
         assert isinstance(slots, ImportSlots)
-        write: asyncio.Future[tuple[None, float]] | None = None
+        writes: list[asyncio.Future[tuple[None, float]]] = []
+        pulled, nbytes = 0, 0
         try:
-            blocks = await self._pull(h, rid, slots)
-            write = asyncio.ensure_future(
-                asyncio.to_thread(
-                    _on_thread_timed,
-                    self.engine.runner.write_kv_blocks,
-                    slots.block_ids,
+            received = slots.hit_blocks  # the blocks this side holds: its hits, then what it pulled
+            last: KVBlocks | None = None
+            while h.early and last is None:  # the prompt's blocks as the prefill computes them
+                part, done = await self._connect(h.address).call(
+                    "pull_kv_chunks", rid, received, slots.window_from, timeout_s=self.timeout_s
+                )
+                if done:
+                    last = self._checked(part, rid, slots, received)
+                elif part is not None and part.num_blocks:
+                    k = received - slots.hit_blocks
+                    await self._write(writes, slots.block_ids[k : k + part.num_blocks], part)
+                    received += part.num_blocks
+                    pulled, nbytes = pulled + part.num_blocks, nbytes + part.nbytes
+                    self.stats.blocks_overlapped += part.num_blocks
+            blocks = last or await self._pull(h, rid, slots, received)
+            if blocks.first is None or not blocks.first.finished:
+                k = received - slots.hit_blocks
+                await self._write(
+                    writes,
+                    slots.block_ids[k:],
                     blocks,
                     slots.window_ids,
                     slots.state_slot,
                     slots.snapshot_slot,
                 )
-            )
-            _, cpu_s = await asyncio.shield(write)
-            self.stats.import_cpu_s += cpu_s
         except BaseException as e:
             self.stats.failed_imports += 1
-            if write is not None:  # cancelled mid-write: the blocks are the thread's until it has written
-                await asyncio.wait([write])
-                write.exception()  # its own failure, if any, is this one's
+            if writes:  # cancelled mid-write: the blocks are the thread's until it has written
+                await asyncio.wait(writes)
+                for w in writes:
+                    w.exception()  # its own failure, if any, is this one's
             await self.loop.on_engine(self.engine.cancel_import, rid)
             if isinstance(e, KVTransferFailed | asyncio.CancelledError):
                 raise
@@ -246,20 +282,51 @@ class DecodeImports:
                 f"{rid}: KV pull from {h.replica_id} failed: {type(e).__name__}: {e}"
             ) from e
         self.loop.track(rid)
-        await self.loop.on_engine(self.engine.admit_import, rid, blocks.snapshot)
+        await self.loop.on_engine(self.engine.admit_import, rid, blocks.snapshot, blocks.first)
         self.stats.imports += 1
         self.stats.blocks_hit += slots.hit_blocks
-        self.stats.blocks_pulled += blocks.num_blocks
-        self.stats.bytes_pulled += blocks.nbytes
+        self.stats.blocks_pulled += pulled + blocks.num_blocks
+        self.stats.bytes_pulled += nbytes + blocks.nbytes
         self.stats.pull_wall_s += time.perf_counter() - t_start
 
-    async def _pull(self, h: KVHandoff, rid: str, slots: ImportSlots) -> KVBlocks:
+    async def _write(
+        self,
+        writes: list[asyncio.Future[tuple[None, float]]],
+        block_ids: list[int],
+        blocks: KVBlocks,
+        window_ids: list[int] | None = None,
+        state_slot: int | None = None,
+        snapshot_slot: int | None = None,
+    ) -> None:
+        """Write pulled blocks on a thread; a cancelled caller still waits for it (``writes``)."""
+        write = asyncio.ensure_future(
+            asyncio.to_thread(
+                _on_thread_timed,
+                self.engine.runner.write_kv_blocks,
+                block_ids,
+                blocks,
+                window_ids or [],
+                state_slot,
+                snapshot_slot,
+            )
+        )
+        writes.append(write)
+        _, cpu_s = await asyncio.shield(write)
+        self.stats.import_cpu_s += cpu_s
+
+    async def _pull(self, h: KVHandoff, rid: str, slots: ImportSlots, from_block: int) -> KVBlocks:
+        """The plain pull (an early hand-off's last one): blocks ``from_block..``, the window's, the state."""
         assert h.address is not None
         link = self._connect(h.address)
-        blocks = await link.call(
-            "pull_kv", rid, slots.hit_blocks, slots.window_from, timeout_s=self.timeout_s
-        )
-        if not isinstance(blocks, KVBlocks) or blocks.num_blocks != len(slots.block_ids):
-            got = getattr(blocks, "num_blocks", type(blocks).__name__)
-            raise KVTransferFailed(f"{rid}: pulled {got} blocks, {len(slots.block_ids)} expected")
+        blocks = await link.call("pull_kv", rid, from_block, slots.window_from, timeout_s=self.timeout_s)
+        return self._checked(blocks, rid, slots, from_block)
+
+    @staticmethod
+    def _checked(blocks: object, rid: str, slots: ImportSlots, from_block: int) -> KVBlocks:
+        """A last pull's answer: the blocks from ``from_block`` on (none: the first token ended it)."""
+        want = len(slots.block_ids) - (from_block - slots.hit_blocks)
+        if not isinstance(blocks, KVBlocks):
+            raise KVTransferFailed(f"{rid}: pulled a {type(blocks).__name__}, KV blocks expected")
+        if blocks.num_blocks != want and not (blocks.first is not None and blocks.first.finished):
+            raise KVTransferFailed(f"{rid}: pulled {blocks.num_blocks} blocks, {want} expected")
         return blocks

@@ -61,14 +61,17 @@ class Family:
 # Two apps, one after the other (each of its families' three pools at once is what this machine holds):
 # the families whose KV is more than one group of full-attention blocks, then the Qwen families whose
 # KV is that one group.
+CHUNKS = (("kv_pull_chunks", True),)  # this app's pulls overlap the prefill, chunk by chunk
 APPS = {
     "window-and-hybrid": [
-        Family("gemma3", max_num_batched_tokens=24),
-        Family("gemma4", max_num_batched_tokens=72, max_model_len=192, audio=True, full_hit=False),
+        Family("gemma3", max_num_batched_tokens=24, llm=CHUNKS),
+        Family(
+            "gemma4", max_num_batched_tokens=72, max_model_len=192, audio=True, full_hit=False, llm=CHUNKS
+        ),
         # Qwen3.5: its template drops the generation prompt's `<think>\n` (7 tiny-tokenizer tokens) from
         # the history, so a next turn leaves the previous prompt before the snapshots at its end; a
         # snapshot every 4 blocks (16 tokens) gives it a hit below that (docs/disaggregation.md)
-        Family("qwen3.5", video=True, full_hit=False, llm=(("snapshot_interval_blocks", 4),)),
+        Family("qwen3.5", video=True, full_hit=False, llm=(("snapshot_interval_blocks", 4), *CHUNKS)),
     ],
     "full-attention": [
         Family("qwen2-vl", video=True, decode_hit=True),

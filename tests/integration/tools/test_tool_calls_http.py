@@ -5,8 +5,9 @@ schema (``jsonschema``), streamed and not, ``n`` > 1 too. ``auto``: the output f
 ``structured_outputs`` regex (text, then two parallel calls) parses into exactly those calls.
 
 A row per family (``FAMILIES``, all served by the package's one app): those whose released template
-takes tools, and the four served with a shipped tool template as their ``chat_template`` (Qwen2-VL,
-Qwen2.5-VL, Qwen2-Audio: hermes; Gemma 3: pythonic); without it those answer 400 naming ``tools``
+takes tools, and two served with a shipped tool template as their ``chat_template`` (Qwen2.5-VL:
+hermes; Gemma 3: pythonic; conftest.py says why not Qwen2-VL and Qwen2-Audio); without it they answer
+400 naming ``tools``
 (docs/tools.md, tests/integration/e2e/test_errors.py). Each family's calls stream with their arguments
 in pieces, but pythonic ones (a call list is parsed when it ends).
 """
@@ -157,9 +158,7 @@ SCRIPTS = {
         'Let me check.<|tool_call>call:get_weather{alerts:true,city:<|"|>Paris<|"|>}<tool_call|>'
         '<|tool_call>call:get_time{zone:<|"|>CET<|"|>}<tool_call|>'
     ),
-    "qwen2-vl": HERMES,
     "qwen2.5-vl": HERMES,
-    "qwen2-audio": HERMES,
     "gemma3": '[get_weather(city="Paris", alerts=True), get_time(zone="CET")]',  # the whole answer
 }
 TEXT_BEFORE = {"gemma3": None}  # pythonic: no text before the list

@@ -35,12 +35,12 @@ class FlakyLink:
         self.prefill, self.fail, self.calls = prefill, fail, 0
 
     async def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
-        assert method == "pull_kv"
+        assert method in ("pull_kv", "pull_kv_chunks")
         self.calls += 1
         if self.fail:
             self.fail -= 1
             raise ConnectionError("link lost mid-pull")
-        return await self.prefill.pull_kv(*args)  # type: ignore[arg-type]
+        return await getattr(self.prefill, method)(*args)
 
 
 class PrefillHandle:
@@ -79,12 +79,16 @@ class DecodeHandle(FakeLLMHandle):
         return SimpleNamespace(remote=call)
 
 
-def _server(model_dir: Path, role: str, link: Any = None, deadline_s: float = 30.0) -> LLMServer:
+def _server(
+    model_dir: Path, role: str, link: Any = None, deadline_s: float = 30.0, pull_chunks: bool = False
+) -> LLMServer:
     async def address() -> tuple[str, int]:
         return ("127.0.0.1", 1)
 
     config = EngineConfig(model=str(model_dir), block_size=4, num_kv_blocks=64, max_num_batched_tokens=16)
-    wiring = HandoffWiring(address, lambda _: link, deadline_s=deadline_s, timeout_s=5.0)
+    wiring = HandoffWiring(
+        address, lambda _: link, deadline_s=deadline_s, timeout_s=5.0, pull_chunks=pull_chunks
+    )
     return LLMServer(config, "tiny", role=role, handoff=None if role == "both" else wiring)
 
 
@@ -268,5 +272,104 @@ def test_a_decode_replica_short_of_blocks_refuses_and_another_takes_the_import(
         assert set(handle.asked) == {full.replica_id, free.replica_id}
         full.engine.kv.pool.free(hog)  # type: ignore[attr-defined]
         assert full.engine.stats().num_free_blocks == 64  # type: ignore[attr-defined]  # the refusals held none
+
+    asyncio.run(scenario())
+
+
+def test_chunk_by_chunk_pull_overlaps_the_prefill_and_equals_colocated(
+    tiny_vl_dir: Path, colocated: list[int]
+) -> None:
+    """``kv_pull_chunks``: the prefill replica answers at once, the decode replica allocates the blocks
+    and pulls each chunk's full blocks while the next one computes (every prefill step here takes
+    50 ms more, a larger model's: the 37-token prompt runs in chunks of 16, 16 and 5), then the rest and
+    the first token. Greedy tokens equal a colocated engine's; a first token that ends the request
+    comes back alone; nothing is left held on either side."""
+    import time
+
+    async def scenario() -> None:
+        prefill = _server(tiny_vl_dir, "prefill", pull_chunks=True)
+        engine: Any = prefill.engine
+        step = engine.step
+
+        def slow_step() -> Any:
+            time.sleep(0.05)
+            return step()
+
+        engine.step = slow_step
+        decode = _server(tiny_vl_dir, "decode", FlakyLink(prefill))
+        client = PDClient(PrefillHandle(prefill), DecodeHandle(decode), reroute_timeout_s=5.0)
+
+        assert await _tokens(client, "o") == colocated
+        assert decode.kv_stats.blocks_pulled == 10  # 9 full blocks and the partial one
+        assert decode.kv_stats.blocks_overlapped >= 4  # the first chunk's, at least, pulled early
+        assert prefill.kv_stats.pulls == 1 and prefill.kv_stats.handoffs == 1
+
+        spec = LLMRequestSpec("one", [*PROMPT[:-1], 77], SamplingParams(max_tokens=1))
+        outs = [o async for o in client.stream(spec)]
+        assert len(outs) == 1 and outs[0].finished and outs[0].finish_reason == "length"
+        assert len(outs[0].new_token_ids) == 1
+
+        await asyncio.sleep(0.05)
+        for server in (prefill, decode):
+            st: Any = server.engine.stats()  # type: ignore[attr-defined]
+            assert st.num_free_blocks == 64 and st.num_running == 0
+        assert len(prefill._prefill.pins) == 0 and not prefill._prefill.early._firsts  # type: ignore[union-attr]
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen3.5"])
+def test_chunk_by_chunk_pull_of_window_and_hybrid_families_equals_hf(family: str) -> None:
+    """The chunks' full-attention blocks cross early; Gemma 3's window blocks and Qwen3.5's linear
+    state only with the last pull (they are final only once the prompt is): greedy tokens equal HF's."""
+    import time
+
+    from tests.hf_oracle import hf_generate_ids
+    from tests.tiny_dirs import tiny_model_dir
+
+    model_dir = tiny_model_dir(family)
+    prompt = [(7 * i + 3) % 150 + 10 for i in range(45)]
+    params = SamplingParams(max_tokens=8)
+
+    async def scenario() -> list[int]:
+        prefill = _server(model_dir, "prefill", pull_chunks=True)
+        engine: Any = prefill.engine
+        step = engine.step
+        engine.step = lambda: (time.sleep(0.05), step())[1]  # a larger model's step time
+        decode = _server(model_dir, "decode", FlakyLink(prefill))
+        client = PDClient(PrefillHandle(prefill), DecodeHandle(decode), reroute_timeout_s=5.0)
+        out: list[int] = []
+        async for o in client.stream(LLMRequestSpec("w", prompt, params)):
+            out += o.new_token_ids
+        assert decode.kv_stats.blocks_overlapped >= 4 and decode.kv_stats.blocks_pulled == 12
+        return out
+
+    assert asyncio.run(scenario()) == hf_generate_ids(model_dir, prompt, 8)
+
+
+def test_a_chunk_pull_before_the_prefill_started_waits_for_its_first_chunk(tiny_vl_dir: Path) -> None:
+    """The decode replica's first ``pull_kv_chunks`` may come before the request has reached the
+    prefill engine: it waits for the first chunk's blocks (it does not take the request for done and
+    wait out the whole prefill); the chunks then come in order, the last answer a plain pull's."""
+    import time
+
+    async def scenario() -> None:
+        prefill = _server(tiny_vl_dir, "prefill", pull_chunks=True)
+        engine: Any = prefill.engine
+        step = engine.step
+        engine.step = lambda: (time.sleep(0.05), step())[1]
+        handoff = await prefill.prefill(LLMRequestSpec("e", list(PROMPT), PARAMS))
+        assert handoff.early and handoff.num_blocks == 10 and not engine.scheduler.requests
+        got, done, parts = 0, False, []
+        while not done:
+            part, done = await prefill.pull_kv_chunks("e", got)
+            if part is not None:
+                parts.append((part.from_block, part.num_blocks, done))
+                got += part.num_blocks
+        assert parts[0] in ((0, 4, False), (0, 8, False))  # a chunk's 16 tokens: 4 full blocks (or two)
+        assert parts[-1][2] and parts[-1][0] + parts[-1][1] == 10 and got == 10
+        assert part is not None and part.first is not None and len(part.first.new_token_ids) == 1
+        await asyncio.sleep(0.05)
+        assert len(prefill._prefill.pins) == 0 and engine.stats().num_free_blocks == 64  # type: ignore[union-attr]
 
     asyncio.run(scenario())
