@@ -68,6 +68,9 @@ class OutputMessage(BaseModel):
 
 class InputTokensDetails(BaseModel):
     cached_tokens: int = 0
+    # the SDK's ``InputTokensDetails`` requires it (openai 3.63): tokens written to a priced prompt
+    # cache; the prefix cache keeps every computed block with no write of its own, so 0
+    cache_write_tokens: int = 0
 
 
 class OutputTokensDetails(BaseModel):
