@@ -43,14 +43,30 @@ def _model(family: str) -> dict[str, Any]:
     }
 
 
+# Qwen3.5 again, thinking: served with its reasoning parser (test_reasoning_http.py); the row above keeps
+# it off, as the forced-output tool tests need grammars, which a thinking model refuses
+THINKING = {
+    "name": "tiny-qwen3.5-think",
+    "path": str(tiny_model_dir("qwen3.5")),
+    "reasoning_parser": "auto",
+    "llm": {"block_size": 16, "max_model_len": 1024, "num_kv_blocks": 128},
+    "encoder": {"cache_index_shards": 1},
+}
+
+
 @pytest.fixture(scope="package")
 def tool_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     cache_dir = tmp_path_factory.mktemp("models")
     families = TOOL_FAMILIES + OVERRIDE_FAMILIES
     models = [_model(f) for f in families]
-    with local_app({"models": models, "models_cache_dir": str(cache_dir)}, num_cpus=4) as client:
+    with local_app({"models": [*models, THINKING], "models_cache_dir": str(cache_dir)}, num_cpus=4) as client:
         dirs = {
             f: Path(m.get("path") or Path(cache_dir) / f"tiny-{f}")
             for f, m in zip(families, models, strict=True)
         }
-        yield {"client": client, "dir": dirs["qwen3-vl"], "dirs": dirs}
+        yield {
+            "client": client,
+            "dir": dirs["qwen3-vl"],
+            "dirs": dirs,
+            "thinking_dir": Path(THINKING["path"]),
+        }

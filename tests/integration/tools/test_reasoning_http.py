@@ -5,13 +5,12 @@ and equals HF's greedy text; ``chat_template_kwargs: {"enable_thinking": false}`
 equal to HF's on the prompt rendered with that kwarg; a grammar while thinking is a 400 naming both fields;
 ``/v1/responses`` answers with a ``reasoning`` item and counts ``reasoning_tokens``.
 
-Its own one-model app: the tools package's shared app serves Qwen3.5 without a reasoning parser (its
-forced-output tests need grammars, which a thinking Qwen3.5 refuses)."""
+Served by the tools package's one app as a second Qwen3.5 model, ``tiny-qwen3.5-think`` (the first row
+keeps the parser off: the forced-output tool tests need grammars, which a thinking Qwen3.5 refuses)."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,27 +19,17 @@ import pytest
 from openai import OpenAI
 
 from tests.hf_oracle import hf_generate_ids
-from tests.integration.local_app import local_app
 
 pytestmark = pytest.mark.slow
 
-MODEL = "tiny-qwen3.5"
+MODEL = "tiny-qwen3.5-think"
 ASK = [{"role": "user", "content": "What is two plus two?"}]
 OFF = {"enable_thinking": False}
 
 
 @pytest.fixture(scope="module")
-def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[OpenAI, Path]]:
-    cache_dir = tmp_path_factory.mktemp("models")
-    model = {
-        "name": MODEL,
-        "tiny": "qwen3.5",
-        "reasoning_parser": "auto",
-        "llm": {"block_size": 16, "max_model_len": 1024, "num_kv_blocks": 128},
-        "encoder": {"cache_index_shards": 1},
-    }
-    with local_app({"models": [model], "models_cache_dir": str(cache_dir)}) as client:
-        yield client, Path(cache_dir) / MODEL
+def app(tool_app: dict[str, Any]) -> tuple[OpenAI, Path]:
+    return tool_app["client"], tool_app["thinking_dir"]
 
 
 def _hf_text(model_dir: Path, kwargs: dict[str, Any], max_tokens: int) -> str:
