@@ -18,6 +18,7 @@ from cluster.serve_options import StrictModel as _Strict
 from encoder_service.cache.uuid_aliases import MAX_ALIASES_PER_TENANT
 from encoder_service.families import FAMILY_NAMES
 from llm_service.tools.formats import TOOL_FORMATS
+from llm_service.tools.reasoning import REASONING_FORMATS
 from mmcore.chat_template import check_template_syntax
 
 # A pool's Serve options (cluster/serve_options.py) and the ingress's section (cluster/ingress_config.py)
@@ -228,6 +229,7 @@ class PreprocessConfig(_Strict):
 # carry the same names, a test checks), so JSON Schema readers see the list too.
 TinyFamily = Annotated[str, WithJsonSchema({"type": "string", "enum": list(FAMILY_NAMES)})]
 ToolCallParser = Annotated[str, WithJsonSchema({"type": "string", "enum": list(TOOL_FORMATS)})]
+ReasoningParser = Annotated[str, WithJsonSchema({"type": "string", "enum": ["auto", *REASONING_FORMATS]})]
 
 
 def load_chat_template(model: str, value: str) -> str:
@@ -278,6 +280,11 @@ class ModelConfig(_Strict):
         description="how the model writes tool calls (vLLM's `--tool-call-parser`): "
         f"{', '.join(TOOL_FORMATS)}; default: the family's (llm_service/models/families.py)",
     )
+    reasoning_parser: ReasoningParser | None = Field(
+        None,
+        description="split the answer's thinking into `reasoning` (vLLM's `--reasoning-parser`): "
+        f"{', '.join(REASONING_FORMATS)}, or auto (the family's own); default: off (docs/reasoning.md)",
+    )
 
     @field_validator("chat_template")
     @classmethod
@@ -289,6 +296,15 @@ class ModelConfig(_Strict):
     def _known_parser(cls, value: str | None) -> str | None:
         if value is not None and value not in TOOL_FORMATS:
             raise ValueError(f"unknown tool_call_parser {value!r}; known: {', '.join(TOOL_FORMATS)}")
+        return value
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _known_reasoning_parser(cls, value: str | None) -> str | None:
+        if value is not None and value != "auto" and value not in REASONING_FORMATS:
+            raise ValueError(
+                f"unknown reasoning_parser {value!r}; known: auto, {', '.join(REASONING_FORMATS)}"
+            )
         return value
 
     @field_validator("tiny")

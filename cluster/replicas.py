@@ -85,6 +85,22 @@ def model_tool_format(m: ModelConfig, model_dir: str) -> str:
     return decoder_family(model_type, model_dir).tool_format
 
 
+def model_reasoning_format(m: ModelConfig, model_dir: str) -> str | None:
+    """The model's reasoning parser: its ``reasoning_parser`` (``auto``: its family's line), else none."""
+    if m.reasoning_parser != "auto":
+        return m.reasoning_parser
+    import json
+    from pathlib import Path
+
+    from llm_service.models.families import decoder_family
+
+    model_type = json.loads((Path(model_dir) / "config.json").read_text())["model_type"]
+    fmt = decoder_family(model_type, model_dir).reasoning_format
+    if fmt is None:
+        raise ValueError(f"model {m.name!r}: reasoning_parser auto, but its family has no reasoning format")
+    return fmt
+
+
 class EncoderServer(encoder_serve.EncoderServer, DirectServed):
     """The encoder pool's replica: ``prepare`` and ``prepare_stream`` also over its direct link."""
 
@@ -262,6 +278,7 @@ class IngressServer(http_app.IngressServer):
                     link_to=functools.partial(pool_links, timeout_s=cfg.ingress.request_timeout_s),
                     overlap_prefill=m.preprocess.overlap_prefill,
                     tool_format=model_tool_format(m, model_dir),
+                    reasoning_format=model_reasoning_format(m, model_dir),
                     chat_template=m.chat_template,
                 )
             )

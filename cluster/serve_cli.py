@@ -112,6 +112,12 @@ def add_serve_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default=None,
         help="how the model writes tool calls (hermes, qwen3_xml, gemma4, pythonic); default: its family's",
     )
+    p.add_argument(
+        "--reasoning-parser",
+        default=None,
+        help="split the answer's thinking into the `reasoning` field (qwen3, gemma4, or auto: the family's "
+        "own); default: off, as in vLLM (docs/reasoning.md)",
+    )
     p.set_defaults(func=_cmd_serve)
 
 
@@ -175,6 +181,8 @@ def config_from_args(args: argparse.Namespace) -> AppConfig:
             m["chat_template"] = args.chat_template  # read (if a file) and checked by the config
         if getattr(args, "tool_call_parser", None) is not None:
             m["tool_call_parser"] = args.tool_call_parser
+        if getattr(args, "reasoning_parser", None) is not None:
+            m["reasoning_parser"] = args.reasoning_parser
         if getattr(args, "pd", None) and not m["llm"]["pools"]:
             m["llm"]["pools"] = pd_pools(m["llm"]["deployment"])
     return AppConfig.model_validate(data)

@@ -9,7 +9,8 @@ the others share one generator.
 
 ``top_p`` is a rejection loop rather than a sort: keep the token drawn when the tokens heavier than it
 weigh less than ``top_p`` of the row (it is in the nucleus), else draw again among the tokens heavier
-than the one drawn (still a superset of the nucleus). Given acceptance the token is distributed as the
+than the one drawn (still a superset of the nucleus). Only the top-p rows are checked, and a round
+keeps the heavier-only weights it checked for the next (no recomputation). Given acceptance the token is distributed as the
 renormalised nucleus, whatever round accepts it; rows still drawing after ``TOP_P_ROUNDS`` take the
 sorted nucleus (``top_p_mask``) and one more draw. Tokens tied with a token at the nucleus' edge are
 kept with it. Since the top weight is 1, the weight above a token is 0 (it is the top one) or at least

@@ -2,7 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
+
+
+def template_variables(chat_template: object) -> frozenset[str]:
+    """The variables a chat template reads and does not set itself (``chat_template``: a tokenizer's,
+    a string or named ones; a template transformers' extensions keep jinja2 from parsing reads none)."""
+    import jinja2
+    from jinja2 import meta
+
+    templates = chat_template.values() if isinstance(chat_template, dict) else [chat_template]
+    env = jinja2.Environment()
+    out: set[str] = set()
+    for source in templates:
+        if isinstance(source, str):
+            with contextlib.suppress(jinja2.TemplateSyntaxError):
+                out |= meta.find_undeclared_variables(env.parse(source))
+    return frozenset(out)
 
 
 def template_takes_tools(chat_template: object) -> bool:

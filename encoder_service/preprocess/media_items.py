@@ -24,9 +24,9 @@ from mmcore.feature import ItemFacts
 # A chat message as the ingress normalised it: ``role`` and ``content``, a string or a list of parts
 # ({"type": "text", "text": ...} or {"type": <modality>, "media": MediaRef}); beside them what the
 # template reads about tools (router/protocol/messages.py): an assistant message's ``tool_calls``, a
-# tool message's ``tool_call_id``, the request's ``tools`` on the first message.
+# tool message's ``tool_call_id``, the request's ``tools`` and ``chat_template_kwargs`` on the first message.
 Message = Mapping[str, object]
-TOOL_KEYS = ("tool_calls", "tool_call_id", "tools")
+TOOL_KEYS = ("tool_calls", "tool_call_id", "tools", "chat_template_kwargs")
 
 
 @dataclass

@@ -27,7 +27,7 @@ import json
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 from encoder_service.cache.uuid_aliases import AliasStore, LocalAliases
 from encoder_service.preprocess.errors import (
@@ -378,16 +378,18 @@ class Preprocessor:
         self, template_messages: Sequence[Mapping[str, object]], items: list[MediaItem]
     ) -> PreprocessedRequest:
         hf = self.family.hf
-        tools = template_messages[0].get("tools") if template_messages else None
-        if tools is not None:  # the request's tool definitions ride on its first message
-            if not self._template_takes_tools:
-                raise ToolsUnsupported(f"the chat template of model {self.model_id!r} has no place for tools")
-            template_messages = [
-                {k: v for k, v in template_messages[0].items() if k != "tools"},
-                *template_messages[1:],
-            ]
+        first = template_messages[0] if template_messages else {}
+        tools = first.get("tools")  # the request's tool definitions ride on its first message
+        if tools is not None and not self._template_takes_tools:
+            raise ToolsUnsupported(f"the chat template of model {self.model_id!r} has no place for tools")
+        template_kwargs = cast(
+            dict[str, Any], first.get("chat_template_kwargs") or {}
+        )  # checked at the ingress
+        if tools is not None or "chat_template_kwargs" in first:
+            rest = {k: v for k, v in first.items() if k not in ("tools", "chat_template_kwargs")}
+            template_messages = [rest, *template_messages[1:]]
         text = hf.apply_chat_template(
-            template_messages, tools=tools, add_generation_prompt=True, tokenize=False
+            template_messages, tools=tools, add_generation_prompt=True, tokenize=False, **template_kwargs
         )
         text = self.family.prompt_text(text)
         ids = list(self.family.tokenizer(text)["input_ids"])

@@ -26,6 +26,7 @@ class DecoderFamily:
     modalities: tuple[str, ...]  # what the family's prompts may carry embeddings for
     config: type[TextConfig] = TextConfig  # reads the decoder's facts from config.json
     tool_format: str = "hermes"  # how its answers write tool calls: llm_service/tools/formats.py
+    reasoning_format: str | None = None  # how its template writes thinking: llm_service/tools/reasoning.py
 
 
 DECODER_FAMILIES: dict[str, DecoderFamily] = {
@@ -35,8 +36,12 @@ DECODER_FAMILIES: dict[str, DecoderFamily] = {
     "qwen2_5_vl": DecoderFamily(Qwen2ForCausalLM, "mrope_abs_time", ("image", "video")),
     "gemma3": DecoderFamily(Gemma3ForCausalLM, "rope", ("image",), Gemma3TextConfig, "pythonic"),
     "qwen3_vl": DecoderFamily(Qwen3VLForCausalLM, "mrope", ("image", "video"), Qwen3VLTextConfig),
-    "qwen3_5": DecoderFamily(Qwen35ForCausalLM, "mrope", ("image", "video"), Qwen35TextConfig, "qwen3_xml"),
-    "gemma4": DecoderFamily(Gemma4ForCausalLM, "rope", ("image", "audio"), Gemma4TextConfig, "gemma4"),
+    "qwen3_5": DecoderFamily(
+        Qwen35ForCausalLM, "mrope", ("image", "video"), Qwen35TextConfig, "qwen3_xml", "qwen3"
+    ),
+    "gemma4": DecoderFamily(
+        Gemma4ForCausalLM, "rope", ("image", "audio"), Gemma4TextConfig, "gemma4", "gemma4"
+    ),
 }
 
 

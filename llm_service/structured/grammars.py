@@ -181,8 +181,12 @@ def fill_rows(states: list[GrammarState], bitmask: torch.Tensor, rows: list[int]
     import xgrammar as xgr
 
     _batch_matcher(xgr).batch_fill_next_token_bitmask([st._m for st in states], bitmask, rows)
+    allowed = states[0]._allowed
+    if rows[-1] == len(rows) - 1 and rows == list(range(len(rows))):  # the first rows: a view
+        bitmask[: len(rows)] &= allowed  # ~3 us, where an indexed read-and-write costs ~35 us
+        return
     index = torch.tensor(rows)
-    bitmask[index] &= states[0]._allowed
+    bitmask.index_copy_(0, index, bitmask.index_select(0, index) & allowed)
 
 
 def accept_rows(states: list[GrammarState], tokens: list[int]) -> list[bool]:

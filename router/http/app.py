@@ -74,6 +74,7 @@ class IngressModel:
         "hermes"  # how the model writes tool calls (its family's line in llm_service/models/families.py)
     )
     chat_template: str | None = None  # the model's override of its checkpoint's template (its text)
+    reasoning_format: str | None = None  # its reasoning parser (llm_service/tools/reasoning.py); None: off
 
 
 @dataclass(frozen=True)
@@ -186,7 +187,9 @@ class IngressServer:
                 on_encoder_run=self._counter(m.name),
                 overlap_prefill=m.overlap_prefill,
             )
-            served[m.name] = ServedModel(m.name, orch, m.limits, m.max_model_len, m.modalities, m.tool_format)
+            served[m.name] = ServedModel(
+                m.name, orch, m.limits, m.max_model_len, m.modalities, m.tool_format, m.reasoning_format
+            )
         self.admission = AdmissionController(admission or AdmissionLimits())
         self.service = ChatService(
             served,

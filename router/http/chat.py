@@ -19,17 +19,17 @@ from router.http.auth import effective_cache_salt
 from router.http.chat_choices import answer_choices
 from router.http.json_limits import DEFAULT_MAX_JSON_VALUES
 from router.http.lifecycle import answer_admitted, chain, first_or_error, read_and_admit, usage_of
+from router.http.reasoning_answer import ReasoningDeltas, Thinking, answer_message
 from router.http.replay_log import failure_record, log_failure
 from router.http.request_body import read_body
 from router.http.sse import DONE, ChunkRenderer, SSEResponse
-from router.http.tool_answer import ToolDeltas, answer_decoder, tool_message
+from router.http.tool_answer import ToolDeltas, answer_decoder
 from router.journey.deadline import Deadline
 from router.journey.detokenizer import IncrementalDetokenizer
 from router.journey.orchestrator import Orchestrator
 from router.protocol.errors import APIError, bad_request, from_exception
 from router.protocol.messages import MessageLimits, NormalizedChat, normalize_messages
 from router.protocol.openai import (
-    AssistantMessage,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -43,6 +43,7 @@ from router.protocol.openai import (
     TopLogprob,
 )
 from router.protocol.sampling import fit_to_prompt, request_sampling_params, requested_max_tokens
+from router.protocol.template_kwargs import template_kwargs_for
 from router.protocol.tool_choice import answer_format, with_tool_choice
 from router.protocol.tool_use import template_tools
 from router.routing.admission import AdmissionController, AdmissionLimits
@@ -61,6 +62,7 @@ class ServedModel:
     max_model_len: int
     modalities: list[str]
     tool_format: str = "hermes"  # how its answers write tool calls (llm_service/tools/formats.py)
+    reasoning_format: str | None = None  # its reasoning parser (llm_service/tools/reasoning.py); None: off
 
 
 def tools_for(req: ChatCompletionRequest, model: ServedModel) -> list[dict[str, Any]] | None:
@@ -126,6 +128,9 @@ class ChatService:
                 tenant,
                 tools_for(req, model),
                 tool_media=model.orchestrator.tool_result_modalities,
+                template_kwargs=template_kwargs_for(
+                    req.chat_template_kwargs, model.orchestrator.template_variables
+                ),
             )
             unsupported = {m.modality for m in chat.media} - set(model.modalities)
             if unsupported:
@@ -176,6 +181,11 @@ class ChatService:
         # ``max_tokens`` is fitted to the prompt once it is prepared.
         base, requested = request_sampling_params(req), requested_max_tokens(req)
         base = with_tool_choice(base, req, model.tool_format)  # required / named: a grammar of calls
+        thinking = Thinking.of(model.reasoning_format, chat.template_kwargs)
+        if thinking is not None:
+            thinking.check_grammar(base)
+            if req.n > 1 and req.stream:
+                raise bad_request("n > 1 streamed with a reasoning parser is not supported yet", param="n")
         timed = self.metrics.model(model.name) if self.metrics is not None else None
         with timed.prepare.timing() if timed is not None and chat.has_media else contextlib.nullcontext():
             prepared = await orch.prepare(request_id, chat, overlap=req.n == 1)
@@ -185,7 +195,9 @@ class ChatService:
                 self, req, model, request_id, chat, prepared, params, start, deadline, cache_salt
             )
         stream = deadline.stream(orch.stream(request_id, prepared, params, cache_salt))
-        decode = answer_decoder(orch, answer_format(req, model.tool_format))
+        decode = answer_decoder(
+            orch, answer_format(req, model.tool_format), thinking.fmt.markers if thinking else ()
+        )
         detok = IncrementalDetokenizer(decode, stop=req.stop_strings)
         first = await first_or_error(stream)
         first_at = time.monotonic()
@@ -193,9 +205,9 @@ class ChatService:
             timed.ttft.observe(first_at - start)
         times = (start, first_at)
         if req.stream:
-            gen = self._sse(req, model, request_id, first, stream, detok, times, chat)
+            gen = self._sse(req, model, request_id, first, stream, detok, times, chat, thinking)
             return SSEResponse(gen, media_type="text/event-stream")
-        response = await self._collect(req, model, request_id, first, stream, detok, times)
+        response = await self._collect(req, model, request_id, first, stream, detok, times, thinking)
         orch.forget(request_id)
         return response
 
@@ -225,6 +237,7 @@ class ChatService:
         stream: AsyncGenerator[RequestOutput, None],
         detok: IncrementalDetokenizer,
         times: tuple[float, float],
+        thinking: Thinking | None = None,
     ) -> JSONResponse:
         text: list[str] = []
         logprobs: list[TokenLogprobEntry] = []
@@ -243,9 +256,9 @@ class ChatService:
         finally:  # a stop string ends it early: the LLM stops now, not when the generator is collected
             await stream.aclose()
         finish: str | None = "stop" if detok.stopped else last.finish_reason
-        message = AssistantMessage(content="".join(text))
-        if (fmt := answer_format(req, model.tool_format)) is not None:
-            message, finish = tool_message(fmt, message.content or "", finish)
+        message, finish = answer_message(
+            "".join(text), finish, answer_format(req, model.tool_format), thinking
+        )
         await model.orchestrator.settle(request_id)
         self._observe_done(model.name, times, completion_tokens)
         resp = ChatCompletionResponse(
@@ -272,6 +285,7 @@ class ChatService:
         detok: IncrementalDetokenizer,
         times: tuple[float, float],
         chat: NormalizedChat,
+        thinking: Thinking | None = None,
     ) -> AsyncIterator[str]:
         def lp_chunk(delta: Delta, finish: str | None, logprobs: ChoiceLogprobs) -> str:
             c = ChatCompletionChunk(
@@ -284,6 +298,7 @@ class ChatService:
         events = ChunkRenderer(request_id, model.name)
         fmt = answer_format(req, model.tool_format)
         tools = ToolDeltas(fmt, events) if fmt is not None else None
+        reasoning = ReasoningDeltas(thinking, events) if thinking is not None else None
         head = events.role()  # goes out with the first text: one write, not two
         tail = ""  # the last token's event: goes out with the usage and [DONE]
         completion_tokens = 0
@@ -297,7 +312,13 @@ class ChatService:
                 lp = self._logprobs(model.orchestrator, out) if req.logprobs else None
                 if finish:  # a stop string ends it before the engine does: settle here too
                     await model.orchestrator.settle(request_id)
+                thought = ""  # the reasoning's events, before the content's
+                if reasoning is not None:
+                    thought, text = reasoning.split(text, bool(finish))
                 if not (text or finish or lp):
+                    if thought:
+                        yield head + thought
+                        head = ""
                     continue
                 if tools is not None:
                     event = tools.events(text, finish, lp.model_dump_json() if lp else "")
@@ -305,6 +326,7 @@ class ChatService:
                     event = events.delta(text, finish)
                 else:
                     event = lp_chunk(Delta(content=text), finish, lp)
+                event = thought + event
                 if finish:
                     tail = event
                     break

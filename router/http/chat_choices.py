@@ -14,14 +14,14 @@ from llm_service.sampling_params import SamplingParams
 from llm_service.tools.formats import ToolFormat
 from router.http.choices import ChoiceState, child_ids, child_params, collect, first_outputs, stream_events
 from router.http.lifecycle import first_or_error, usage_of
+from router.http.reasoning_answer import Thinking, answer_message
 from router.http.sse import DONE, SSEResponse
-from router.http.tool_answer import ToolChoiceEvents, answer_decoder, tool_message
+from router.http.tool_answer import ToolChoiceEvents, answer_decoder
 from router.journey.deadline import Deadline
 from router.journey.detokenizer import IncrementalDetokenizer
 from router.journey.orchestrator import Prepared
 from router.protocol.messages import NormalizedChat
 from router.protocol.openai import (
-    AssistantMessage,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -34,10 +34,10 @@ if TYPE_CHECKING:
     from router.http.chat import ChatService, ServedModel
 
 
-def _choice(req: ChatCompletionRequest, s: ChoiceState, fmt: ToolFormat | None) -> Choice:
-    message, finish = AssistantMessage(content="".join(s.text)), s.finish
-    if fmt is not None:
-        message, finish = tool_message(fmt, message.content or "", finish)
+def _choice(
+    req: ChatCompletionRequest, s: ChoiceState, fmt: ToolFormat | None, thinking: Thinking | None
+) -> Choice:
+    message, finish = answer_message("".join(s.text), s.finish, fmt, thinking)
     lp = ChoiceLogprobs(content=s.logprobs) if req.logprobs else None
     return Choice(index=s.index, message=message, finish_reason=finish, logprobs=lp)
 
@@ -81,7 +81,10 @@ async def answer_choices(
     first_at = time.monotonic()
     if (timed := svc.metrics.model(model.name) if svc.metrics is not None else None) is not None:
         timed.ttft.observe(first_at - start)
-    decode = answer_decoder(orch, answer_format(req, model.tool_format))
+    thinking = Thinking.of(model.reasoning_format, chat.template_kwargs)
+    decode = answer_decoder(
+        orch, answer_format(req, model.tool_format), thinking.fmt.markers if thinking else ()
+    )
     states = [ChoiceState(i, IncrementalDetokenizer(decode, stop=req.stop_strings)) for i in range(req.n)]
 
     def lp(out: RequestOutput) -> ChoiceLogprobs | None:
@@ -104,7 +107,7 @@ async def answer_choices(
     resp = ChatCompletionResponse(
         id=request_id,
         model=model.name,
-        choices=[_choice(req, s, fmt) for s in states],
+        choices=[_choice(req, s, fmt, thinking) for s in states],
         usage=usage_of(firsts[0] if states[0].last is None else states[0].last, total),
     )
     orch.forget(request_id)

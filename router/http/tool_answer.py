@@ -18,16 +18,20 @@ from router.http.sse import ChunkRenderer
 from router.protocol.openai import AssistantMessage, ChoiceLogprobs, MessageToolCall, ToolCallFunction
 
 
-def answer_decoder(orch: Any, fmt: ToolFormat | None) -> Callable[[Sequence[int]], str]:
+def answer_decoder(
+    orch: Any, fmt: ToolFormat | None, more_markers: Sequence[str] = ()
+) -> Callable[[Sequence[int]], str]:
     """How the answer's tokens become text: ``orch.decode`` (special tokens skipped), unless the
-    tool format's markers are special tokens of ``orch.tokenizer`` (Gemma 4's ``<|tool_call>``): then
-    every special token but those is dropped and the rest decoded as it is, markers included."""
+    tool format's markers (or ``more_markers``: the reasoning parser's) are special tokens of
+    ``orch.tokenizer`` (Gemma 4's ``<|tool_call>``, ``<|channel>``): then every special token but those
+    is dropped and the rest decoded as it is, markers included."""
     decode: Callable[[Sequence[int]], str] = orch.decode
-    if fmt is None or not fmt.markers:
+    markers = (*(fmt.markers if fmt is not None else ()), *more_markers)
+    if not markers:
         return decode
     tokenizer = orch.tokenizer
     added = tokenizer.get_added_vocab()
-    kept = {added[m] for m in fmt.markers if m in added}
+    kept = {added[m] for m in markers if m in added}
     special = set(tokenizer.all_special_ids) | {
         i for i, t in tokenizer.added_tokens_decoder.items() if t.special
     }

@@ -34,7 +34,12 @@ from llm_service.errors import RequestFailed
 from llm_service.outputs import RequestOutput
 from llm_service.request_spec import LLMRequestSpec, SubmitReply
 from llm_service.sampling_params import SamplingParams
-from mmcore.chat_template import PROBE_TOOLS, template_takes_tools, tool_result_modalities
+from mmcore.chat_template import (
+    PROBE_TOOLS,
+    template_takes_tools,
+    template_variables,
+    tool_result_modalities,
+)
 from mmcore.feature import MODALITIES, MediaFeature
 from router.journey.llm_spec import request_spec
 from router.journey.model_handles import ModelHandles
@@ -70,6 +75,7 @@ class ChatTokenizer(Protocol):
         tools: list[dict[str, Any]] | None,
         add_generation_prompt: bool,
         tokenize: bool,
+        **template_kwargs: Any,
     ) -> Sequence[int] | Mapping[str, Sequence[int]]: ...
 
     def decode(self, token_ids: list[int], *, skip_special_tokens: bool) -> str: ...
@@ -122,6 +128,11 @@ class Orchestrator:
         return template_takes_tools(getattr(self.tokenizer, "chat_template", None))
 
     @functools.cached_property
+    def template_variables(self) -> frozenset[str]:
+        """The variables the model's chat template reads (``chat_template.template_variables``)."""
+        return template_variables(getattr(self.tokenizer, "chat_template", None))
+
+    @functools.cached_property
     def tool_result_modalities(self) -> frozenset[str]:
         """The media the chat template renders in a tool result (``chat_template.tool_result_modalities``)."""
 
@@ -136,7 +147,11 @@ class Orchestrator:
 
     def _tokenize_sync(self, chat: NormalizedChat) -> list[int]:
         ids = self.tokenizer.apply_chat_template(
-            text_only_messages(chat), tools=chat.tools, add_generation_prompt=True, tokenize=True
+            text_only_messages(chat),
+            tools=chat.tools,
+            add_generation_prompt=True,
+            tokenize=True,
+            **chat.template_kwargs,
         )
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # a BatchEncoding
             ids = cast(Mapping[str, Sequence[int]], ids)["input_ids"]

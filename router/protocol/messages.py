@@ -60,6 +60,7 @@ class NormalizedMessage(TypedDict):
     tool_calls: NotRequired[list[dict[str, Any]]]
     tool_call_id: NotRequired[str]
     tools: NotRequired[list[dict[str, Any]]]
+    chat_template_kwargs: NotRequired[dict[str, Any]]  # the request's, on the first message only
 
 
 class TextMessage(TypedDict):
@@ -82,6 +83,11 @@ class NormalizedChat:
     def tools(self) -> list[dict[str, Any]] | None:
         """The tool definitions the template gets (on the first message), None without tools."""
         return self.messages[0].get("tools") if self.messages else None
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        """The request's ``chat_template_kwargs`` the template reads (on the first message), or {}."""
+        return self.messages[0].get("chat_template_kwargs", {}) if self.messages else {}
 
     def count(self, modality: Modality) -> int:
         return sum(1 for m in self.media if m.modality == modality)
@@ -144,6 +150,7 @@ def normalize_messages(
     field: str = "messages",
     paths: Sequence[str] | None = None,
     tool_media: frozenset[str] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> NormalizedChat:
     """OpenAI messages -> ``[{"role", "content": str | [{"type": "text"|modality, ...}]}]`` + media refs.
 
@@ -153,7 +160,8 @@ def normalize_messages(
     ``field`` and each message by ``paths[i]`` (``messages[i]`` unless given: another endpoint's
     request maps its own items onto chat messages). ``tool_media``: the modalities the chat template
     renders in a tool result (``chat_template.tool_result_modalities``; None: all); another is a 400
-    naming the part, not a silent drop."""
+    naming the part, not a silent drop. ``template_kwargs``: the checked ``chat_template_kwargs`` the
+    template reads (``template_kwargs.template_kwargs_for``), put on the first message beside ``tools``."""
     if len(messages) > limits.max_messages:
         raise bad_request(f"too many messages: {len(messages)} > {limits.max_messages}", param=field)
     out: list[NormalizedMessage] = []
@@ -193,6 +201,8 @@ def normalize_messages(
         raise bad_request(f"too many content parts: {num_parts} > {limits.max_content_parts}", param=field)
     if tools:
         out[0]["tools"] = tools
+    if template_kwargs:
+        out[0]["chat_template_kwargs"] = template_kwargs
     chat = NormalizedChat(out, media)
     for modality in MODALITIES:
         n, cap = chat.count(modality), limits.limit_mm_per_prompt.get(modality, 0)

@@ -9,6 +9,7 @@ from typing import Annotated, Any, ClassVar, Literal, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from router.protocol.template_kwargs import check_template_kwargs
 from router.protocol.tools import (
     MAX_ID_CHARS,
     MAX_TOOL_CALLS,
@@ -241,6 +242,13 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ToolDefinition] | None = Field(None, min_length=1, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's extension: variables for the chat template (router/protocol/template_kwargs.py)
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        return None if v is None else check_template_kwargs(v)
 
     @field_validator("tool_choice", mode="before")
     @classmethod
@@ -329,6 +337,7 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None  # None: the answer is only tool calls
     tool_calls: list[MessageToolCall] | None = None
+    reasoning: str | None = None  # with a reasoning parser (docs/reasoning.md): vLLM 0.32's field
 
 
 class Choice(BaseModel):
@@ -354,6 +363,7 @@ class ChatCompletionResponse(BaseModel):
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning: str | None = None
 
 
 class StreamChoice(BaseModel):

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import ray.serve  # noqa: F401
+from openai import OpenAI
 
 HERE = Path(__file__).resolve().parent
 _MARKERS = ("Traceback", "ERROR", "Error", "Exception", "request failed")
@@ -59,10 +60,62 @@ def _errors_since(root: Path, before: dict[Path, int]) -> list[str]:
     return kept
 
 
+# Modules that share one app (tests/integration/local_app.py's ``shared_app``), by the fixture that
+# gives it: they run one after the other, where the first of them would, and the app ends after the last.
+SHARED_APPS = {"vl_pair_app": ("test_docs_examples.py", "test_prefix_affinity.py")}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if Path(item.path).resolve().is_relative_to(HERE):
             item.add_marker(pytest.mark.slow)
+    for modules in SHARED_APPS.values():
+        paths = [HERE / m for m in modules]
+        group = [i for i in items if Path(i.path).resolve() in paths]
+        if len({i.path for i in group}) < 2:
+            continue
+        group.sort(key=lambda i: paths.index(Path(i.path).resolve()))  # stable: each module's own order
+        first = next(n for n, i in enumerate(items) if i in group)
+        rest = [i for i in items if i not in group]
+        items[:] = rest[:first] + group + rest[first:]
+
+
+def _shared_app_of(item: pytest.Item | None) -> str | None:
+    names = getattr(item, "fixturenames", ()) if item is not None else ()
+    return next((key for key in SHARED_APPS if key in names), None)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """The shared app ends after the last test that uses it, when the next test is of another module
+    (or none): not left running beside the next modules' own clusters."""
+    from tests.integration.local_app import close_shared_app, shared_app_key
+
+    key = shared_app_key()
+    if key is not None and (
+        nextitem is None or (nextitem.path != item.path and _shared_app_of(nextitem) != key)
+    ):
+        close_shared_app()
+
+
+@pytest.fixture(scope="module")
+def vl_pair_app(tmp_path_factory: pytest.TempPathFactory) -> OpenAI:
+    """The tiny Qwen2-VL with two LLM replicas (test_prefix_affinity.py: which replica a conversation
+    goes to) and the tiny Qwen3-VL, whose template takes tools (test_docs_examples.py: the README's and
+    docs' examples, tool calls among them)."""
+    from tests.integration.local_app import shared_app
+
+    models = [
+        {
+            "name": "tiny-qwen2-vl",
+            "tiny": "qwen2-vl",
+            "llm": {"deployment": {"num_replicas": 2}},
+            "encoder": {"cache_index_shards": 1},
+        },
+        {"name": "tiny-qwen3-vl", "tiny": "qwen3-vl"},
+    ]
+    cache_dir = str(tmp_path_factory.mktemp("models"))
+    return shared_app("vl_pair_app", {"models": models, "models_cache_dir": cache_dir})
 
 
 @pytest.hookimpl(hookwrapper=True)

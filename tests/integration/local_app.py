@@ -7,7 +7,7 @@ import contextlib
 import os
 import signal
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 from openai import OpenAI
@@ -40,6 +40,7 @@ def own_ray(address: str = "local", **init: Any) -> Iterator[None]:
     import ray
     from ray import serve
 
+    close_shared_app()  # one Ray per test process: a shared app still open ends here
     if address == "local":
         init = {"num_cpus": 2, "include_dashboard": False, **init}
     for attempt in range(1, _INIT_TRIES + 1):
@@ -69,7 +70,7 @@ TEST_SHUTDOWN_WAIT_LOOP_S = 0.1
 
 
 @contextmanager
-def shutdown_wait_loop(seconds: float | None) -> Iterator[None]:
+def shutdown_wait_loop(seconds: float | None = TEST_SHUTDOWN_WAIT_LOOP_S) -> Iterator[None]:
     """Serve's ``graceful_shutdown_wait_loop_s`` for the deployments built inside: the driver makes
     each deployment's config (``serve.run`` of ``build_app``), from ``DeploymentConfig``'s defaults.
     A stopping replica sleeps this long before it first counts its in-flight requests (then again
@@ -113,3 +114,31 @@ def local_app(
         with shutdown_wait_loop(shutdown_wait_loop_s):
             start(cfg)
         yield OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+_SHARED: dict[str, Any] = {}  # the shared app open now: its key, what it yields, its ExitStack
+
+
+def shared_app(key: str, config: dict[str, Any], num_cpus: int = 2) -> OpenAI:
+    """``local_app(config)`` once for the modules that ask for it by ``key``: the first starts it, the
+    next ones get its client. tests/integration/conftest.py runs those modules one after the other
+    (``SHARED_APPS``) and ends the app after the last of them; ``own_ray`` ends it too (one Ray per
+    process). Each module reads the app's counters as differences, so the modules share it safely."""
+    if _SHARED.get("key") == key:
+        return _SHARED["client"]  # type: ignore[no-any-return]
+    close_shared_app()
+    stack = ExitStack()
+    client = stack.enter_context(local_app(config, num_cpus))
+    _SHARED.update(key=key, client=client, stack=stack)
+    return client
+
+
+def shared_app_key() -> str | None:
+    return _SHARED.get("key")
+
+
+def close_shared_app() -> None:
+    if _SHARED:
+        stack = _SHARED["stack"]
+        _SHARED.clear()
+        stack.close()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import io
+import time
 from pathlib import Path
 
 import httpx
@@ -56,7 +57,7 @@ def _deploy_answer_and_shut_down(cluster: LocalRayCluster, shipped: Path, tmp_pa
     assert yaml.safe_load(config.read_text()) == expected  # the shipped file, but for the port
 
     cluster.deploy(config)
-    cluster.wait_running("mmserve", timeout_s=420)
+    _wait_running(cluster, "mmserve", timeout_s=420)
     status = cluster.serve_status()["applications"]["mmserve"]["deployments"]
     assert {name: d["status"] for name, d in status.items()} == {
         "IngressServer": "HEALTHY",
@@ -112,6 +113,26 @@ def test_bench_config_rewrites_only_model_port_and_missing_markers(tmp_path: Pat
     assert yaml.safe_load(out.read_text())["applications"][0]["args"]["models"][0]["llm"]["deployment"][
         "resources"
     ] == {"llm_node": 0.5}
+
+
+def _wait_running(cluster: LocalRayCluster, app: str, timeout_s: float) -> None:
+    """Until ``app`` is RUNNING (raises on DEPLOY_FAILED or timeout), read where ``serve status`` reads
+    it, the dashboard's REST API, with the cluster's token: a ``serve status`` process every 2 s
+    (``cluster.wait_running``) costs ~1.3 CPU-s each, competing with the replicas' start on 2 cores.
+    The test still runs ``serve status`` itself once the app is up."""
+    token = (cluster.home / ".ray/auth_token").read_text().strip()
+    url, headers = f"{cluster.dashboard_url}/api/serve/applications/", {"Authorization": f"Bearer {token}"}
+    deadline = time.monotonic() + timeout_s
+    state = None
+    while time.monotonic() < deadline:
+        apps = httpx.get(url, headers=headers, timeout=30).raise_for_status().json().get("applications") or {}
+        state = (apps.get(app) or {}).get("status")
+        if state == "RUNNING":
+            return
+        assert state != "DEPLOY_FAILED", apps[app]
+        cluster.members()  # learn the pids while it starts, so stop() finds them all
+        time.sleep(0.5)
+    raise AssertionError(f"{app} not RUNNING after {timeout_s:.0f} s (last: {state})")
 
 
 def _pd_counters(stats: dict[str, object]) -> tuple[int, int]:

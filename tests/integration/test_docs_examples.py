@@ -9,12 +9,11 @@ import json
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from openai import OpenAI
 
-from tests.integration.local_app import local_app
 from tests.unit.docs.test_docs import PAGES, README, ROOT, _fenced_blocks, _section
 
 DOCS_URL = "http://127.0.0.1:8000"
@@ -27,14 +26,10 @@ SERVER_EXAMPLES = [
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    cache_dir = str(tmp_path_factory.mktemp("models"))
-    models = [
-        {"name": "tiny-qwen2-vl", "tiny": "qwen2-vl"},
-        {"name": "tiny-qwen3-vl", "tiny": "qwen3-vl"},  # its template takes tools (the README's tool calls)
-    ]
-    with local_app({"models": models, "models_cache_dir": cache_dir}) as client:
-        yield str(client.base_url).rstrip("/").removesuffix("/v1")
+def server(vl_pair_app: OpenAI) -> str:
+    """tests/integration/conftest.py's app (the tiny Qwen2-VL and Qwen3-VL), shared with
+    test_prefix_affinity.py."""
+    return str(vl_pair_app.base_url).rstrip("/").removesuffix("/v1")
 
 
 def test_there_are_examples_that_need_a_server() -> None:

@@ -24,7 +24,7 @@ import pytest
 from PIL import Image
 
 from tests.hf_oracle import hf_generate
-from tests.integration.local_app import free_port, own_ray
+from tests.integration.local_app import free_port, own_ray, shutdown_wait_loop
 from tests.media import make_image_bytes
 
 VL = "tiny-qwen2-vl"
@@ -74,7 +74,8 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     )
     apply_serve_env()
     with own_ray():
-        start(cfg)
+        with shutdown_wait_loop():  # kills, not stops, are its tests: a quick teardown
+            start(cfg)
         yield {"url": f"http://127.0.0.1:{port}", "dir": cache_dir / VL}
 
 

@@ -9,14 +9,11 @@ cache at the ingress) both choose by the same prefix index."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 from openai import OpenAI
-
-from tests.integration.local_app import local_app
 
 MODEL = "tiny-qwen2-vl"
 LLM = f"LLMServer-{MODEL}"
@@ -25,16 +22,10 @@ _LOOP = asyncio.new_event_loop()  # Serve's handles here keep their router on th
 
 
 @pytest.fixture(scope="module")
-def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    model = {
-        "name": MODEL,
-        "tiny": "qwen2-vl",
-        "llm": {"deployment": {"num_replicas": 2}},
-        "encoder": {"cache_index_shards": 1},
-    }
-    cache_dir = str(tmp_path_factory.mktemp("models"))
-    with local_app({"models": [model], "models_cache_dir": cache_dir}) as client:
-        yield {"client": client}
+def app(vl_pair_app: OpenAI) -> dict[str, Any]:
+    """tests/integration/conftest.py's app, shared with test_docs_examples.py: this model's LLM pool
+    has two replicas."""
+    return {"client": vl_pair_app}
 
 
 def _replica_stats() -> dict[str, dict[str, Any]]:

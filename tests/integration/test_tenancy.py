@@ -27,7 +27,7 @@ from PIL import Image
 
 from tests.hf_oracle import hf_generate
 from tests.integration.e2e.common import data_url, wait_for
-from tests.integration.local_app import free_port, own_ray
+from tests.integration.local_app import free_port, own_ray, shutdown_wait_loop
 from tests.media import make_image_bytes
 
 MODEL = "tiny-qwen2-vl"
@@ -78,7 +78,8 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     apply_serve_env()
     with own_ray():
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": proxy})
-        serve.run(build_app(cfg), name="mmserve", route_prefix="/")
+        with shutdown_wait_loop():  # a quick teardown
+            serve.run(build_app(cfg), name="mmserve", route_prefix="/")
         yield {
             "direct": f"http://127.0.0.1:{direct}",
             "proxy": f"http://127.0.0.1:{proxy}",

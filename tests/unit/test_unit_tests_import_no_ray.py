@@ -48,8 +48,12 @@ def test_no_unit_test_imports_ray() -> None:
 
 
 def test_the_check_finds_a_ray_import() -> None:
-    """Not vacuous: the integration tests' conftest imports ``ray.serve``, and a helper of a helper counts."""
-    assert _ray_importers([TESTS / "integration" / "conftest.py"]) == ["tests/integration/conftest.py"]
+    """Not vacuous: the integration tests' conftest imports ``ray.serve`` (and ``local_app``, for the shared
+    app, which imports Ray), and a helper of a helper counts."""
+    assert _ray_importers([TESTS / "integration" / "conftest.py"]) == [
+        "tests/integration/conftest.py",
+        "tests/integration/local_app.py",
+    ]
     drain = TESTS / "integration" / "test_graceful_drain.py"  # Ray only through local_app's own_ray
     assert _ray_importers([drain]) == ["tests/integration/local_app.py"]
     assert RAY_IMPORT.search("def f():\n    from ray.exceptions import ObjectLostError\n")

@@ -63,6 +63,9 @@ applications:
           {{- if $m.tool_call_parser }}
           tool_call_parser: {{ $m.tool_call_parser | toJson }}
           {{- end }}
+          {{- if $m.reasoning_parser }}
+          reasoning_parser: {{ $m.reasoning_parser | toJson }}
+          {{- end }}
           preprocess: {{ toJson $pre }}
           encoder: {{ toJson $enc }}
           llm: {{ toJson $llm }}

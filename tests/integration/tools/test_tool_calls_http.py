@@ -6,7 +6,7 @@ schema (``jsonschema``), streamed and not, ``n`` > 1 too. ``auto``: the output f
 
 A row per family (``FAMILIES``, all served by the package's one app): those whose released template
 takes tools, and the four served with a shipped tool template as their ``chat_template`` (Qwen2-VL,
-Qwen2.5-VL, Qwen2-Audio: hermes; Gemma 3: pythonic); without it those answer 400 naming ``tools``
+Qwen2.5-VL and Qwen2-Audio: hermes; Gemma 3: pythonic); without it they answer 400 naming ``tools``
 (docs/tools.md, tests/integration/e2e/test_errors.py). Each family's calls stream with their arguments
 in pieces, but pythonic ones (a call list is parsed when it ends).
 """

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from llm_service.errors import RequestRejected
 from llm_service.outputs import GenerateRequest
@@ -148,3 +149,31 @@ def test_logit_bias_and_stop_ids_outside_the_vocabulary_are_refused(eng) -> None
     ):
         with pytest.raises(RequestRejected, match=name):
             eng.add_request("oov", [1, 2, 3], params)
+
+
+def test_a_batch_fill_on_all_rows_or_some_equals_filling_each_row_alone(eng) -> None:
+    """``fill_rows`` (one call for the batch, then the special tokens kept out: through a view when
+    the rows are the batch's first ones, else an indexed write) against ``GrammarState.fill`` row by
+    row, after the matchers have moved apart; the rows it was not given stay as they were."""
+    from llm_service.structured.grammars import fill_rows
+
+    backend = eng.grammars
+    states = [backend.matcher(StructuredSpec.json_schema(PERSON)) for _ in range(3)]
+    one = backend.allocate(1)
+    for st, steps in zip(states, (0, 2, 5), strict=True):
+        for _ in range(steps):  # each time the last allowed token
+            st.fill(one, 0)
+            bits = [(int(one[0, t // 32]) >> (t % 32)) & 1 for t in range(backend.vocab_size)]
+            assert st.accept(max(t for t, b in enumerate(bits) if b))
+    want = backend.allocate(3)
+    for i, st in enumerate(states):
+        st.fill(want, i)
+    assert not torch.equal(want[0], want[2])
+    every = backend.allocate(3)
+    fill_rows(states, every, [0, 1, 2])
+    assert torch.equal(every, want)
+    some = backend.allocate(4)
+    some[0] = 7
+    fill_rows([states[2], states[0]], some, [3, 1])
+    assert torch.equal(some[3], want[2]) and torch.equal(some[1], want[0])
+    assert int(some[0, 0]) == 7 and bool((some[2] == -1).all())

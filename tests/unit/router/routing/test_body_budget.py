@@ -116,6 +116,7 @@ class _Orchestrator:
     """Prepares anything into a 3-token prompt and answers one finished token (or fails to prepare)."""
 
     tool_result_modalities = MODALITIES  # the chat route reads it (media allowed in tool results)
+    template_variables: frozenset[str] = frozenset()  # the chat route checks chat_template_kwargs against it
 
     def __init__(self, fail: bool = False) -> None:
         self.fail = fail
