@@ -25,6 +25,13 @@ class Lane(Enum):
 
 
 @dataclass(frozen=True)
+class ReasoningDelta:
+    """A piece of the reasoning, beside the tool parser's events (``llm_service.tools.calls``)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
 class ReasoningFormat:
     name: str
     start: str  # the marker that opens the reasoning

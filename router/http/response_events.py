@@ -7,6 +7,8 @@ order the ``openai`` SDK's ``client.responses.stream`` accumulates them, each wi
       a message:  response.output_item.added, response.content_part.added,
                   response.output_text.delta ..., response.output_text.done,
                   response.content_part.done, response.output_item.done
+      reasoning:  response.output_item.added, response.reasoning_text.delta ...,
+                  response.reasoning_text.done, response.output_item.done (with a reasoning parser on)
       a call:     response.output_item.added (arguments ""),
                   response.function_call_arguments.delta ..., response.function_call_arguments.done,
                   response.output_item.done
@@ -24,17 +26,21 @@ import json
 from typing import Any
 
 from llm_service.tools.calls import ArgumentsDelta, CallStart, ContentDelta, ToolEvent
+from llm_service.tools.reasoning import ReasoningDelta
 from router.protocol.errors import APIError
 from router.protocol.response_object import (
     OutputFunctionCall,
     OutputMessage,
+    OutputReasoning,
     OutputTextPart,
+    ReasoningTextPart,
     ResponseObject,
     function_call_id,
     message_id,
+    reasoning_id,
 )
 
-Item = OutputMessage | OutputFunctionCall
+Item = OutputReasoning | OutputMessage | OutputFunctionCall
 _COMPACT = (",", ":")
 _TEXT_TAIL = ',"logprobs":[]}'  # what a text delta carries after its text
 
@@ -73,10 +79,21 @@ class OutputItems:
             "response.in_progress", {"response": started}
         )
 
-    def feed(self, events: list[ToolEvent]) -> str:
+    def feed(self, events: list[ToolEvent | ReasoningDelta]) -> str:
         out = []
         for e in events:
-            if isinstance(e, ContentDelta):
+            if isinstance(e, ReasoningDelta):
+                if not isinstance(self._open, OutputReasoning):
+                    out.append(self._close("completed"))
+                    item = OutputReasoning(id=reasoning_id(), status="in_progress", content=[])
+                    out.append(self._add(item))
+                self._pieces.append(e.text)
+                out.append(
+                    self._delta(
+                        "response.reasoning_text.delta", self.items[-1].id, e.text, '"content_index":0,'
+                    )
+                )
+            elif isinstance(e, ContentDelta):
                 if not e.text:
                     continue
                 message = self._open
@@ -151,6 +168,8 @@ class OutputItems:
             done = self.event(
                 "response.output_text.done", self._at(item, text=part.text, logprobs=[])
             ) + self.event("response.content_part.done", self._at(item, part=part.model_dump()))
+        elif isinstance(item, OutputReasoning):
+            done = self.event("response.reasoning_text.done", self._at(item, text=item.content[0].text))
         else:
             done = self.event(
                 "response.function_call_arguments.done",
@@ -165,10 +184,12 @@ class OutputItems:
         item = self._open
         if isinstance(item, OutputMessage):
             item.content[0].text = "".join(self._pieces)
+        elif isinstance(item, OutputReasoning):
+            item.content = [ReasoningTextPart(text="".join(self._pieces))]
         elif item is not None:
             item.arguments = "".join(self._pieces)
         return item
 
-    def _at(self, item: OutputMessage, **fields: Any) -> dict[str, Any]:
+    def _at(self, item: OutputMessage | OutputReasoning, **fields: Any) -> dict[str, Any]:
         """A text event's place: the message (always the last item while it is open), its one part."""
         return {"item_id": item.id, "output_index": len(self.items) - 1, "content_index": 0, **fields}

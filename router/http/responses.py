@@ -23,9 +23,11 @@ from llm_service.outputs import RequestOutput
 from llm_service.sampling_params import SamplingParams
 from llm_service.tools.calls import ContentDelta, ToolEvent
 from llm_service.tools.formats import ToolFormat
+from llm_service.tools.reasoning import Lane, ReasoningDelta
 from router.http.auth import effective_cache_salt
 from router.http.chat import ChatService, ServedModel
 from router.http.lifecycle import answer_admitted, chain, first_or_error, read_and_admit
+from router.http.reasoning_answer import Thinking
 from router.http.replay_log import failure_record, log_failure
 from router.http.response_events import OutputItems
 from router.http.sse import DONE, SSEResponse
@@ -39,6 +41,7 @@ from router.protocol.response_input import chat_messages, in_responses_terms
 from router.protocol.response_object import (
     IncompleteDetails,
     InputTokensDetails,
+    OutputTokensDetails,
     ResponseObject,
     ResponseUsage,
     response_id,
@@ -64,27 +67,40 @@ class Asked:
     chat: NormalizedChat
     params: SamplingParams
     tool_format: ToolFormat | None
+    thinking: Thinking | None = None  # the model's reasoning parser, if on
 
 
 class TextOut:
-    """The answer's text as it is generated, as tool-parser events (content alone without tools)."""
+    """The answer's text as it is generated, as tool-parser events (content alone without tools),
+    its reasoning first as ``ReasoningDelta``s with a reasoning parser on."""
 
-    def __init__(self, detok: IncrementalDetokenizer, tool_format: ToolFormat | None) -> None:
+    def __init__(
+        self, detok: IncrementalDetokenizer, tool_format: ToolFormat | None, thinking: Thinking | None = None
+    ) -> None:
         self.detok = detok
         self.parser = tool_format.stream() if tool_format is not None else None
+        self.reasoning = thinking.stream() if thinking is not None else None
         self.tokens = 0
+        self.reasoning_tokens = 0  # the tokens generated inside the reasoning (its end marker not counted)
         self.last: RequestOutput | None = None
 
     @property
     def done(self) -> bool:
         return self.detok.stopped or (self.last is not None and self.last.finished)
 
-    def add(self, out: RequestOutput) -> list[ToolEvent]:
+    def add(self, out: RequestOutput) -> list[ToolEvent | ReasoningDelta]:
         self.last, self.tokens = out, self.tokens + len(out.new_token_ids)
         piece = self.detok.add(out.new_token_ids, final=out.finished)
+        thought: list[ToolEvent | ReasoningDelta] = []
+        if self.reasoning is not None:
+            parts = self.reasoning.feed(piece) + (self.reasoning.finish() if self.done else [])
+            thought = [ReasoningDelta(t) for lane, t in parts if lane is Lane.REASONING]
+            if thought or self.reasoning.in_reasoning:
+                self.reasoning_tokens += len(out.new_token_ids)
+            piece = "".join(t for lane, t in parts if lane is Lane.CONTENT)
         if self.parser is None:
-            return [ContentDelta(piece)]
-        return self.parser.feed(piece) + (self.parser.finish() if self.done else [])
+            return [*thought, ContentDelta(piece)]
+        return thought + self.parser.feed(piece) + (self.parser.finish() if self.done else [])
 
 
 class ResponsesService:
@@ -166,7 +182,10 @@ class ResponsesService:
             )
         # the sampling fields', text.format's and tool_choice's 400s, before admission
         params = with_tool_choice(request_sampling_params(req), ask, model.tool_format)
-        return Asked(model, chat, params, answer_format(ask, model.tool_format))
+        thinking = Thinking.of(model.reasoning_format, chat.template_kwargs)
+        if thinking is not None:
+            thinking.check_grammar(params)
+        return Asked(model, chat, params, answer_format(ask, model.tool_format), thinking)
 
     async def _answer(
         self,
@@ -186,8 +205,9 @@ class ResponsesService:
         )
         stream = deadline.stream(orch.stream(request_id, prepared, params, salt))
         # with tools, the format's markers survive decoding where they are special tokens (Gemma 4)
-        decode = answer_decoder(orch, asked.tool_format)
-        text = TextOut(IncrementalDetokenizer(decode, stop=req.stop_strings), asked.tool_format)
+        thinking = asked.thinking
+        decode = answer_decoder(orch, asked.tool_format, thinking.fmt.markers if thinking else ())
+        text = TextOut(IncrementalDetokenizer(decode, stop=req.stop_strings), asked.tool_format, thinking)
         first = await first_or_error(stream)
         first_at = time.monotonic()
         if timed is not None:
@@ -281,6 +301,7 @@ def _ended(shell: ResponseObject, text: TextOut) -> ResponseObject:
         input_tokens=last.num_prompt_tokens,
         input_tokens_details=InputTokensDetails(cached_tokens=last.num_cached_tokens),
         output_tokens=text.tokens,
+        output_tokens_details=OutputTokensDetails(reasoning_tokens=text.reasoning_tokens),
         total_tokens=last.num_prompt_tokens + text.tokens,
     )
     return shell.model_copy(

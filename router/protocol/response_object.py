@@ -22,6 +22,10 @@ def function_call_id() -> str:
     return f"fc_{uuid.uuid4().hex}"
 
 
+def reasoning_id() -> str:
+    return f"rs_{uuid.uuid4().hex}"
+
+
 class OutputTextPart(BaseModel):
     type: Literal["output_text"] = "output_text"
     text: str
@@ -38,6 +42,22 @@ class OutputFunctionCall(BaseModel):
     status: Literal["in_progress", "completed", "incomplete"]
 
 
+class ReasoningTextPart(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class OutputReasoning(BaseModel):
+    """The answer's reasoning with a reasoning parser on (the SDK's ``ResponseReasoningItem``, as vLLM
+    fills it: the text in ``content``, no summary)."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningTextPart]
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
 class OutputMessage(BaseModel):
     type: Literal["message"] = "message"
     id: str
@@ -48,6 +68,9 @@ class OutputMessage(BaseModel):
 
 class InputTokensDetails(BaseModel):
     cached_tokens: int = 0
+    # the SDK's ``InputTokensDetails`` requires it (openai 3.63): tokens written to a priced prompt
+    # cache; the prefix cache keeps every computed block with no write of its own, so 0
+    cache_write_tokens: int = 0
 
 
 class OutputTokensDetails(BaseModel):
@@ -78,7 +101,7 @@ class ResponseObject(BaseModel):
     instructions: str | None = None
     max_output_tokens: int | None = None
     model: str
-    output: list[OutputMessage | OutputFunctionCall] = Field(default_factory=list)
+    output: list[OutputReasoning | OutputMessage | OutputFunctionCall] = Field(default_factory=list)
     parallel_tool_calls: bool = True
     previous_response_id: None = None
     temperature: float | None = None

@@ -313,14 +313,22 @@ def test_an_epd_model_renders_a_prefill_and_a_decode_pool() -> None:
 
 def test_a_models_chat_template_and_tool_call_parser_reach_the_app() -> None:
     """``--set-file 'models[0].chat_template=cluster/data/....jinja'`` puts the template's text in the
-    values; the chart passes it (and ``tool_call_parser``) through to the model's config unchanged."""
+    values; the chart passes it (and ``tool_call_parser``, ``reasoning_parser``) through to the model's config unchanged."""
     from cluster.tiny_model.released_templates import tool_template_path
 
     text = tool_template_path("gemma3").read_text(encoding="utf-8")
     vals = yaml.safe_load((CHART / "values.yaml").read_text())
-    vals["models"][0] |= {"chat_template": text, "tool_call_parser": "pythonic"}
-    jsonschema.validate(vals, json.loads((CHART / "values.schema.json").read_text()))
+    vals["models"][0] |= {"chat_template": text, "tool_call_parser": "pythonic", "reasoning_parser": "auto"}
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    jsonschema.validate(vals, schema)
     (m,) = _serve_config(vals).models
-    assert (m.chat_template, m.tool_call_parser) == (text, "pythonic")
+    assert (m.chat_template, m.tool_call_parser, m.reasoning_parser) == (text, "pythonic", "auto")
     (m,) = _serve_config(yaml.safe_load((CHART / "values.yaml").read_text())).models
-    assert (m.chat_template, m.tool_call_parser) == (None, None)  # unset: not written
+    assert (m.chat_template, m.tool_call_parser, m.reasoning_parser) == (
+        None,
+        None,
+        None,
+    )  # unset: not written
+    vals["models"][0]["reasoning_parser"] = "deepseek_r1"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(vals, schema)

@@ -126,3 +126,51 @@ def test_a_grammar_while_thinking_is_refused_naming_both_fields(
         thinking.check_grammar(params)
     assert e.value.param == "structured_outputs" and "chat_template_kwargs" in e.value.message
     assert e.value.status_code == 400
+
+
+def test_responses_output_items_a_reasoning_item_then_message_and_call_and_reasoning_tokens() -> None:
+    """/v1/responses: a ``reasoning`` item (the SDK's ``ResponseReasoningItem``) before the message and the
+    call, its text streamed as ``response.reasoning_text.delta``; ``reasoning_tokens`` counts the tokens
+    inside the reasoning (5: those of the cut end marker's first two pieces included, its last not)."""
+    from openai.types.responses import ResponseFunctionToolCall, ResponseOutputMessage, ResponseReasoningItem
+
+    from router.http.response_events import OutputItems
+    from router.http.responses import TextOut, _ended
+    from router.protocol.response_object import ResponseObject
+    from router.protocol.tool_choice import answer_format
+
+    req = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "2+2?"}], "tools": TOOLS}
+    )
+    text = TextOut(
+        IncrementalDetokenizer(_Orchestrator().decode),
+        answer_format(req, "qwen3_xml"),
+        Thinking.of("qwen3", {}),
+    )
+    items = OutputItems()
+    shell = ResponseObject(id="resp_1", status="in_progress", model="m")
+    events = items.started(shell)
+    for i in range(len(PIECES)):
+        last = i == len(PIECES) - 1
+        events += items.feed(text.add(RequestOutput("r", [i], None, last, "stop" if last else None, 3, 0)))
+    final, tail = items.finished(_ended(shell, text))
+    events += tail
+    kinds = [line.removeprefix("event: ") for line in events.splitlines() if line.startswith("event: ")]
+    assert kinds[2:4] == ["response.output_item.added", "response.reasoning_text.delta"]
+    assert "response.reasoning_text.done" in kinds and "response.output_text.delta" in kinds
+    deltas = [
+        json.loads(line.removeprefix("data: "))
+        for line in events.splitlines()
+        if line.startswith('data: {"type":"response.reasoning_text.delta"')
+    ]
+    assert "".join(d["delta"] for d in deltas) == "Two plus two.\n"
+    out = final.model_dump()["output"]  # each item as the SDK's types read it
+    reasoning = ResponseReasoningItem.model_validate(out[0])
+    message = ResponseOutputMessage.model_validate(out[1])
+    call = ResponseFunctionToolCall.model_validate(out[2])
+    assert reasoning.content is not None and reasoning.summary == []
+    assert reasoning.content[0].text == "Two plus two.\n" and reasoning.status == "completed"
+    assert message.content[0].text == "\n\nFour."  # type: ignore[union-attr]
+    assert json.loads(call.arguments) == {"a": 2} and len(out) == 3
+    assert final.usage is not None and final.usage.output_tokens == len(PIECES)
+    assert final.usage.output_tokens_details.reasoning_tokens == 5

@@ -119,3 +119,23 @@ def test_a_failure_is_an_error_event_then_response_failed() -> None:
     )
     kinds = [e["type"] for e in _events(body)]
     assert kinds[-2:] == ["error", "response.failed"]
+
+
+def test_a_finished_response_validates_as_the_sdks_response() -> None:
+    """The whole object as the SDK's own pydantic model reads it, strictly (``Response.model_validate``:
+    every field the SDK requires, usage's details included), not only its lenient stream builder."""
+    from openai.types.responses import Response
+
+    from router.protocol.response_object import InputTokensDetails, ResponseUsage
+
+    _, final = _stream(CALL_AFTER_TEXT)
+    usage = ResponseUsage(
+        input_tokens=12,
+        input_tokens_details=InputTokensDetails(cached_tokens=8),
+        output_tokens=5,
+        total_tokens=17,
+    )
+    body = json.loads(final.model_copy(update={"usage": usage}).model_dump_json())
+    sdk = Response.model_validate(body)
+    assert sdk.usage is not None and sdk.usage.input_tokens_details.cached_tokens == 8
+    assert [i.type for i in sdk.output] == ["message", "function_call"]

@@ -113,3 +113,22 @@ def test_media_chat_renders_as_hf_with_thinking_off_and_both_sides_agree() -> No
     # the ingress's text side renders the same template tail from the same kwargs
     text_only = orch._tokenize_sync(_chat([{"role": "user", "content": "?"}], OFF, orch.template_variables))
     assert out.prompt_token_ids[-len(text_only) :][-8:] == text_only[-8:]
+
+
+def test_gemma4_thinking_on_renders_as_hf() -> None:
+    """Gemma 4's template thinks only when asked: ``enable_thinking`` true leaves the thought channel to the
+    model (its parser, ``gemma4``, then reads it); the default closes an empty one in the prompt."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir("gemma4"))
+    orch = Orchestrator(cast(Any, None), tok, block_size=4)
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    for kwargs in ({"enable_thinking": True}, None):
+        ids = orch._tokenize_sync(_chat(messages, kwargs, orch.template_variables))
+        expected = tok.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, **(kwargs or {})
+        )
+        if not isinstance(expected, list):
+            expected = expected["input_ids"]
+        assert ids == list(expected)
+        assert tok.decode(ids).endswith("<|channel>thought\n<channel|>") == (kwargs is None)
