@@ -22,6 +22,8 @@ from tests.unit.router.journey.test_llm_client import FakeLLMHandle
 
 PROMPT = [(7 * i + 3) % 150 + 10 for i in range(37)]  # 37 tokens: 9 full blocks of 4 and a partial one
 PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
+STEP_S = 0.2  # kv_pull_chunks tests: a prefill step takes this much more (a larger model's), so the
+# decode replica's pulls, a few event-loop hops each, land between the chunks even on a loaded host
 
 
 class ActorDiedError(RuntimeError):
@@ -281,7 +283,7 @@ def test_chunk_by_chunk_pull_overlaps_the_prefill_and_equals_colocated(
 ) -> None:
     """``kv_pull_chunks``: the prefill replica answers at once, the decode replica allocates the blocks
     and pulls each chunk's full blocks while the next one computes (every prefill step here takes
-    50 ms more, a larger model's: the 37-token prompt runs in chunks of 16, 16 and 5), then the rest and
+    200 ms more, a larger model's: the 37-token prompt runs in chunks of 16, 16 and 5), then the rest and
     the first token. Greedy tokens equal a colocated engine's; a first token that ends the request
     comes back alone; nothing is left held on either side."""
     import time
@@ -292,7 +294,7 @@ def test_chunk_by_chunk_pull_overlaps_the_prefill_and_equals_colocated(
         step = engine.step
 
         def slow_step() -> Any:
-            time.sleep(0.05)
+            time.sleep(STEP_S)
             return step()
 
         engine.step = slow_step
@@ -335,7 +337,7 @@ def test_chunk_by_chunk_pull_of_window_and_hybrid_families_equals_hf(family: str
         prefill = _server(model_dir, "prefill", pull_chunks=True)
         engine: Any = prefill.engine
         step = engine.step
-        engine.step = lambda: (time.sleep(0.05), step())[1]  # a larger model's step time
+        engine.step = lambda: (time.sleep(STEP_S), step())[1]  # a larger model's step time
         decode = _server(model_dir, "decode", FlakyLink(prefill))
         client = PDClient(PrefillHandle(prefill), DecodeHandle(decode), reroute_timeout_s=5.0)
         out: list[int] = []
@@ -357,7 +359,7 @@ def test_a_chunk_pull_before_the_prefill_started_waits_for_its_first_chunk(tiny_
         prefill = _server(tiny_vl_dir, "prefill", pull_chunks=True)
         engine: Any = prefill.engine
         step = engine.step
-        engine.step = lambda: (time.sleep(0.05), step())[1]
+        engine.step = lambda: (time.sleep(STEP_S), step())[1]
         handoff = await prefill.prefill(LLMRequestSpec("e", list(PROMPT), PARAMS))
         assert handoff.early and handoff.num_blocks == 10 and not engine.scheduler.requests
         got, done, parts = 0, False, []
