@@ -7,7 +7,7 @@ replicas' direct link (mmcore/link, ZeroMQ on loopback with CURVE, as the app's 
 For each prompt length it pulls the prompt's blocks ``--repeat`` times and prints per pull: MiB moved,
 wall ms and this process's CPU ms (both ends of the link, the ZeroMQ I/O threads included), split into
 the read on the prefill side (``index_select`` to host, bytes), the call, and the write into the decode
-side's blocks. The serving path's numbers on the tiny model are ``tests/integration/test_pd.py``'s.
+side's blocks. The serving path's numbers on the tiny model are ``tests/integration/test_pd_families.py``'s.
 """
 
 from __future__ import annotations
