@@ -101,8 +101,8 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 @pytest.fixture(scope="module")
 def vl_pair_app(tmp_path_factory: pytest.TempPathFactory) -> OpenAI:
     """The tiny Qwen2-VL with two LLM replicas (test_prefix_affinity.py: which replica a conversation
-    goes to) and the tiny Qwen3-VL, whose template takes tools (test_docs_examples.py: the README's and
-    docs' examples, tool calls among them)."""
+    goes to), the tiny Qwen3-VL, whose template takes tools, and the tiny Qwen3.5 with its reasoning
+    parser (test_docs_examples.py: the README's and docs' examples, tool calls and thinking among them)."""
     from tests.integration.local_app import shared_app
 
     models = [
@@ -113,6 +113,13 @@ def vl_pair_app(tmp_path_factory: pytest.TempPathFactory) -> OpenAI:
             "encoder": {"cache_index_shards": 1},
         },
         {"name": "tiny-qwen3-vl", "tiny": "qwen3-vl"},
+        {
+            "name": "tiny-qwen3.5",
+            "tiny": "qwen3.5",
+            "reasoning_parser": "auto",
+            "llm": {"max_model_len": 1024, "num_kv_blocks": 128},
+            "encoder": {"cache_index_shards": 1},
+        },
     ]
     cache_dir = str(tmp_path_factory.mktemp("models"))
     return shared_app("vl_pair_app", {"models": models, "models_cache_dir": cache_dir})

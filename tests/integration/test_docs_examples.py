@@ -1,6 +1,7 @@
 """The README's and docs/' examples that need a running server, run as a reader runs them: the Python
 blocks marked ``<!-- needs: server -->`` with the venv's Python, and the README's quick-start curl
-block with bash, against one app (the tiny Qwen2-VL the examples name, and the tiny Qwen3-VL of the tool calls) on a free loopback port instead
+block with bash, against one app (the tiny Qwen2-VL the examples name, the tiny Qwen3-VL of the tool calls, the tiny Qwen3.5
+thinking) on a free loopback port instead
 of 127.0.0.1:8000. The examples that need no server run in ``tests/unit/docs/test_docs.py``."""
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ SERVER_EXAMPLES = [
 
 @pytest.fixture(scope="module")
 def server(vl_pair_app: OpenAI) -> str:
-    """tests/integration/conftest.py's app (the tiny Qwen2-VL and Qwen3-VL), shared with
+    """tests/integration/conftest.py's app (the tiny Qwen2-VL, Qwen3-VL and Qwen3.5), shared with
     test_prefix_affinity.py."""
     return str(vl_pair_app.base_url).rstrip("/").removesuffix("/v1")
 
