@@ -1,8 +1,11 @@
-"""What the direct-link tests' peers share: the cluster's keys, an echo handler, and a raw DEALER
-socket as an outsider (or a misbehaving insider) would open it."""
+"""What the direct-link tests' peers share: the cluster's keys, an echo handler, a raw DEALER
+socket as an outsider (or a misbehaving insider) would open it, and a bounded wait for a condition."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -26,3 +29,12 @@ def raw_dealer(ctx: zmq.asyncio.Context, keys: LinkKeys | None, server_public: b
         sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.client_public)
         sock.setsockopt(zmq.CURVE_SECRETKEY, keys.client_secret)
     return sock
+
+
+async def until(condition: Callable[[], object], what: str, timeout_s: float = 60.0) -> None:
+    """Wait for ``condition()`` on the event loop, failing with ``what`` after ``timeout_s`` (a bare
+    ``while not ...: await asyncio.sleep`` would wait forever when the condition never comes)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"still waiting after {timeout_s:.0f} s: {what}"
+        await asyncio.sleep(0.01)

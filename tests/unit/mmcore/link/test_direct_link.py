@@ -19,6 +19,7 @@ from mmcore.link.direct_link import (
     LinkTimeout,
 )
 from router.protocol.errors import from_exception, replica_gone
+from tests.unit.mmcore.link.peers import until
 
 KEYS = LinkKeys.generate()
 
@@ -134,8 +135,7 @@ def test_past_the_in_flight_bound_a_call_is_refused_at_once_with_a_503() -> None
         client = await LinkClient.connect(host, port, KEYS)
         hanging = [asyncio.ensure_future(client.call("hang")) for _ in range(2)]
         await asyncio.wait_for(seen["started"].wait(), 5)
-        while len(server._running) < 2:
-            await asyncio.sleep(0.01)
+        await until(lambda: len(server._running) == 2, "two calls running")
         with pytest.raises(LinkBusy) as e:
             await client.call("echo", "third")
         api = from_exception(e.value)
@@ -143,8 +143,7 @@ def test_past_the_in_flight_bound_a_call_is_refused_at_once_with_a_503() -> None
         assert server.refused == 1 and server.calls == 2
         for call in hanging:
             call.cancel()
-        while server._running:
-            await asyncio.sleep(0.01)
+        await until(lambda: not server._running, "the cancelled calls ended")
         assert await client.call("echo", "after") == ("echo", ("after",))
         client.close()
         await server.close()
@@ -220,8 +219,7 @@ def test_a_draining_server_finishes_running_calls_and_refuses_later_ones_unrun()
         host, port = await server.address("127.0.0.1")
         client = await LinkClient.connect(host, port, KEYS)
         running = asyncio.ensure_future(client.call("slow", "first"))
-        while not ran:
-            await asyncio.sleep(0.01)
+        await until(lambda: ran, "the slow call started")
         server.drain()  # the replica's shutdown hook
         with pytest.raises(LinkLost, match="shutting down"):
             await client.call("slow", "late")
@@ -245,8 +243,7 @@ def test_a_link_whose_replica_drains_lets_its_running_calls_finish_then_rests() 
         server, _ = _server(slow=slow)
         link = DirectLink(lambda: server.address("127.0.0.1"), KEYS)
         running = asyncio.ensure_future(link.call("slow"))
-        while not server._running:
-            await asyncio.sleep(0.01)
+        await until(lambda: server._running, "the slow call running")
         server.drain()
         with pytest.raises(LinkLost):
             await link.call("echo", 1)

@@ -28,7 +28,7 @@ from mmcore.link.direct_link import (
     LinkServer,
 )
 from router.protocol.errors import replica_gone
-from tests.unit.mmcore.link.peers import KEYS, echo, raw_dealer
+from tests.unit.mmcore.link.peers import KEYS, echo, raw_dealer, until
 
 
 def test_garbage_and_oversized_frames_fail_their_own_call_and_the_connection_goes_on() -> None:
@@ -110,8 +110,7 @@ def test_a_client_that_does_not_read_keeps_the_server_bounded_and_gets_fast_503s
         for _ in range(2000):  # the flood: refused unrun, at once
             await reader.send_multipart([msgpack.packb([seq, "blob", None]), pickle.dumps(())])
             seq += 1
-        while server.calls + server.refused < seq:
-            await asyncio.sleep(0.05)
+        await until(lambda: server.calls + server.refused >= seq, "every flooded call counted")
         assert server.calls == ran and server.refused == refused + 2000 and len(server._running) == 16
         grown = _rss_bytes() - before
         assert grown < 120 << 20, f"memory grew {grown >> 20} MiB"
