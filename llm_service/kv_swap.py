@@ -26,7 +26,6 @@ if TYPE_CHECKING:
 class SwapSpace:
     _held: dict[str, tuple[SwapOut, KVBlocks]] = field(default_factory=dict)
     swapped_out: int = 0  # requests swapped out so far
-    bytes_out: int = 0  # host memory they took
 
     def __len__(self) -> int:
         return len(self._held)
@@ -39,7 +38,6 @@ class SwapSpace:
             )
             self._held[out.request.request_id] = (out, blocks)
             self.swapped_out += 1
-            self.bytes_out += blocks.nbytes
         for req in sched.swapped_in:
             out, blocks = self._held.pop(req.request_id)
             rid = req.request_id
