@@ -14,6 +14,7 @@ from llm_service.config import EngineConfig
 from llm_service.errors import RequestFaults, RequestRejected
 from llm_service.kv_cache_manager import cdiv
 from llm_service.kv_handoff import KVBlocks
+from llm_service.kv_io import DTYPES, read_kv_blocks, write_kv_blocks
 from llm_service.linear_states import LinearStates, StepSeq
 from llm_service.logits_processors import GrammarMasks
 from llm_service.models import build_decoder, load_text_config
@@ -32,7 +33,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_CACHE_CAP_BYTES = 1 << 30
 PROMPT_LOGPROBS_ROWS = 512  # prompt positions scored per lm_head call (a vocabulary's row each)
 
@@ -202,7 +202,7 @@ class ModelRunner:
             state.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.states[req.request_id] = state
 
-    # ---- E/P/D: a request's KV blocks out of one replica and into another (llm_service/kv_handoff.py)
+    # ---- E/P/D: a request's KV blocks out of one replica and into another (llm_service/kv_io.py)
     def read_kv_blocks(
         self,
         request_id: str,
@@ -213,34 +213,9 @@ class ModelRunner:
         state_slot: int | None = None,
         snapshot_slot: int | None = None,
     ) -> KVBlocks:
-        """Copy blocks ``block_ids`` of every full-attention layer, ``window_ids`` of every sliding-window
-        layer, and a hybrid model's states in ``state_slot`` (and ``snapshot_slot``) to host memory:
-        what crosses the wire."""
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        widx = torch.tensor(list(window_ids), dtype=torch.long, device=self.device)
-        windowed = _windowed_caches(self)
-        layers = [
-            cache.index_select(1, widx if w else idx).cpu()
-            for cache, w in zip(self.kv_caches, windowed, strict=True)
-        ]
-        states: list[torch.Tensor] = []
-        for slot in (state_slot, snapshot_slot if state_slot is not None else None):
-            if slot is not None:
-                assert self.linear_states is not None, "a state slot without a state cache"
-                for conv, rec in zip(self.linear_states.conv, self.linear_states.recurrent, strict=True):
-                    states += [conv[slot].cpu(), rec[slot].cpu()]
-        return KVBlocks(
-            request_id,
-            from_block,
-            len(block_ids),
-            self.config.dtype,
-            [tuple(t.shape) for t in layers],
-            [_raw(t) for t in layers],
-            window_from=window_from,
-            snapshot=state_slot is not None and snapshot_slot is not None,
-            state_shapes=[tuple(t.shape) for t in states],
-            state_dtypes=[_DTYPE_NAMES[t.dtype] for t in states],
-            states=[_raw(t) for t in states],
+        """``kv_io.read_kv_blocks`` of this runner's caches."""
+        return read_kv_blocks(
+            self, request_id, block_ids, from_block, window_ids, window_from, state_slot, snapshot_slot
         )
 
     def write_kv_blocks(
@@ -251,43 +226,8 @@ class ModelRunner:
         state_slot: int | None = None,
         snapshot_slot: int | None = None,
     ) -> None:
-        """Write pulled blocks into this replica's blocks ``block_ids`` (a window layer's into
-        ``window_ids``), block by block (no contiguous copy of the sequence), and pulled states into
-        ``state_slot``; checked against this model's layout first."""
-        windowed = _windowed_caches(self)
-        want = [
-            (2, len(window_ids) if w else len(block_ids), *c.shape[2:])
-            for c, w in zip(self.kv_caches, windowed, strict=True)
-        ]
-        if blocks.dtype != self.config.dtype or [tuple(s) for s in blocks.shapes] != want:
-            raise ValueError(
-                f"pulled KV of {blocks.dtype} {blocks.shapes} does not fit {self.config.dtype} {want}"
-            )
-        _check_states(self, blocks, state_slot)
-        dtype = DTYPES[blocks.dtype]
-        for cache, shape, raw, w in zip(self.kv_caches, blocks.shapes, blocks.data, windowed, strict=True):
-            if shape[1] == 0:  # a window layer's part of a chunk's pull (its blocks come last)
-                continue
-            layer = _tensor(raw, dtype, shape)
-            for j, block_id in enumerate(window_ids if w else block_ids):
-                cache[:, block_id].copy_(layer[:, j], non_blocking=True)
-        if state_slot is not None:
-            assert self.linear_states is not None
-            tensors = [
-                _tensor(raw, DTYPES[name], shape)
-                for raw, name, shape in zip(
-                    blocks.states, blocks.state_dtypes, blocks.state_shapes, strict=True
-                )
-            ]
-            pairs = list(zip(self.linear_states.conv, self.linear_states.recurrent, strict=True))
-            # a snapshot this side reserved no slot for (its cache held the block): not written
-            slots = [state_slot, snapshot_slot] if blocks.snapshot else [state_slot]
-            for k, slot in enumerate(s for s in slots if s is not None):
-                for j, (conv, rec) in enumerate(pairs):
-                    conv[slot].copy_(tensors[2 * (k * len(pairs) + j)])
-                    rec[slot].copy_(tensors[2 * (k * len(pairs) + j) + 1])
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        """``kv_io.write_kv_blocks`` into this runner's caches."""
+        write_kv_blocks(self, block_ids, blocks, window_ids, state_slot, snapshot_slot)
 
     def release(self, request_id: str) -> None:
         """The request left the engine (finished, aborted or failed): drop its state; unknown ids are ignored."""
@@ -543,35 +483,3 @@ def _token_ids(req: Request, start: int, end: int) -> list[int]:
     if end <= n:
         return req.prompt_token_ids[start:end]
     return req.prompt_token_ids[start:] + req.output_token_ids[: end - n]
-
-
-_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
-
-
-def _raw(t: torch.Tensor) -> bytes:
-    return t.contiguous().view(torch.uint8).numpy().tobytes()
-
-
-def _tensor(raw: bytes, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).view(tuple(shape))
-
-
-def _windowed_caches(runner: ModelRunner) -> list[bool]:
-    """Per KV cache: whether it is a sliding-window layer's (the window group's blocks). A function of
-    what it reads (``window``, ``kv_caches``), so a stand-in runner (cluster/bench/kv_transfer.py)
-    needs no more."""
-    if runner.window is None:
-        return [False] * len(runner.kv_caches)
-    return [w is not None for w in runner.text_config.kv_layer_windows()]
-
-
-def _check_states(runner: ModelRunner, blocks: KVBlocks, state_slot: int | None) -> None:
-    """The pulled states fit this model's state cache (none when the import takes none)."""
-    want: list[tuple[tuple[int, ...], str]] = []
-    if state_slot is not None and (states := runner.linear_states) is not None:
-        for conv, rec in zip(states.conv, states.recurrent, strict=True):
-            want += [(tuple(t.shape[1:]), _DTYPE_NAMES[t.dtype]) for t in (conv, rec)]
-        want *= 2 if blocks.snapshot else 1
-    got = [(tuple(s), d) for s, d in zip(blocks.state_shapes, blocks.state_dtypes, strict=True)]
-    if got != want:
-        raise ValueError(f"pulled linear-attention states {got} do not fit this model's {want}")

@@ -21,13 +21,13 @@ from typing import Any
 import torch
 
 from llm_service.kv_handoff import KVBlocks
-from llm_service.model_runner import DTYPES, ModelRunner
+from llm_service.kv_io import DTYPES, read_kv_blocks, write_kv_blocks
 from mmcore.link.direct_link import DirectLink, LinkServer
 from mmcore.link.frames import LinkKeys
 
 
 def _side(layers: int, heads: int, head_dim: int, blocks: int, block_size: int, dtype: str) -> Any:
-    """What ``ModelRunner.read_kv_blocks`` / ``write_kv_blocks`` read of a runner: its caches and dtype."""
+    """What ``kv_io.read_kv_blocks`` / ``write_kv_blocks`` read of a runner: its caches and dtype."""
     caches = [torch.randn(2, blocks, block_size, heads, head_dim).to(DTYPES[dtype]) for _ in range(layers)]
     return SimpleNamespace(
         kv_caches=caches, config=SimpleNamespace(dtype=dtype), window=None, device=torch.device("cpu")
@@ -44,7 +44,7 @@ async def _measure(args: argparse.Namespace, tokens: int) -> dict[str, float]:
 
     async def pull_kv(request_id: str, from_block: int) -> KVBlocks:
         t0 = time.thread_time()
-        out = ModelRunner.read_kv_blocks(prefill, request_id, src[from_block:], from_block)  # type: ignore[arg-type]
+        out = read_kv_blocks(prefill, request_id, src[from_block:], from_block)
         read_s[0] += time.thread_time() - t0
         return out
 
@@ -63,7 +63,7 @@ async def _measure(args: argparse.Namespace, tokens: int) -> dict[str, float]:
         c0, w0 = time.process_time(), time.perf_counter()
         got: KVBlocks = await link.call("pull_kv", f"r{i}", 0)
         t0 = time.thread_time()
-        ModelRunner.write_kv_blocks(decode, dst, got)  # type: ignore[arg-type]
+        write_kv_blocks(decode, dst, got)
         write += time.thread_time() - t0
         wall += time.perf_counter() - w0
         cpu += time.process_time() - c0
