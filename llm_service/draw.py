@@ -16,8 +16,9 @@ sorted nucleus (``top_p_mask``) and one more draw. Tokens tied with a token at t
 kept with it. Since the top weight is 1, the weight above a token is 0 (it is the top one) or at least
 1: a bound clamped to 1/2 accepts the top token even when ``top_p`` rounds to 0.
 
-Comparisons are written as ``sign`` / ``relu`` arithmetic on float tensors where that is the cheaper
-CPU kernel (a bool result and a masked fill cost several times a float op at these sizes).
+At 32 rows of a small vocabulary each tensor operation costs its dispatch (~5 us on CPU) more than its
+arithmetic, so the step is written for fewer operations: in-place where it can, a comparison multiplied
+in rather than turned into arithmetic, no row gather when every row takes part.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from llm_service.sampling_batch import Floors, SamplingBatch, TopP
 
 TOP_P_CANDIDATES = 1024  # top-p looks at this many tokens first (a partial sort), the rest only if it must
 TOP_P_ROUNDS = 8  # rejection rounds before a row's nucleus is sorted
+U_MAX = 1.0 - 2.0**-22  # the largest uniform the inverse CDF uses (below 1 by more than float32's rounding)
 
 
 def draw(x: torch.Tensor, batch: SamplingBatch, generators: list[torch.Generator]) -> list[int]:
@@ -46,23 +48,25 @@ def draw(x: torch.Tensor, batch: SamplingBatch, generators: list[torch.Generator
 
 def weights(x: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     """Each row's unnormalised probabilities at its temperature; the top one is exactly 1."""
-    return ((x - x.amax(-1, keepdim=True)) / temperature).exp_()
+    return (x - x.amax(-1, keepdim=True)).div_(temperature).exp_()
 
 
 def apply_floors(w: torch.Tensor, floors: Floors) -> None:
     """Zero, in place, the weights under each floored row's floor (ties with it are kept)."""
-    rows = w.index_select(0, floors.rows)
+    every = floors.rows.shape[0] == w.shape[0]  # the floored rows are 0..n-1 (``SamplingBatch``)
+    rows = w if every else w.index_select(0, floors.rows)
     floor = floors.min_p
     if floors.max_k:
         kth = torch.topk(rows, floors.max_k, dim=-1, sorted=True).values.gather(1, floors.k_index)
         floor = torch.maximum(floor, kth * floors.has_k)
-    keep = (rows - floor).sign_().add_(1.0).clamp_(max=1.0)  # 1 where weight >= floor, else 0
-    w.index_copy_(0, floors.rows, rows.mul_(keep))
+    rows.mul_(rows >= floor)
+    if not every:
+        w.index_copy_(0, floors.rows, rows)
 
 
 def _heavier_only(w: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
     """``w`` with only the tokens heavier than each row's ``picked`` token (an index column) kept."""
-    return w * (w - w.gather(1, picked.unsqueeze(1))).sign_().relu_()
+    return w * (w > w.gather(1, picked.unsqueeze(1)))
 
 
 def _uniforms(generators: list[torch.Generator], device: torch.device) -> torch.Tensor:
@@ -86,12 +90,12 @@ def _uniforms(generators: list[torch.Generator], device: torch.device) -> torch.
 def _inverse_cdf(w: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Row ``i``'s token drawn from the weights ``w[i]`` (>= 0, not normalised) by the uniform
     ``u[i]``, and the row's total weight: the first token whose cumulative weight passes ``u * total``.
-    The target is held below the total (a float product can round up to it), so the token found
-    always weighs more than 0."""
+    The uniform is held at most ``U_MAX``, so the float32 target stays below the total (a product of
+    ``u < 1`` may round up to it; ``U_MAX * total`` cannot): the token found always weighs more than 0."""
     cdf = w.cumsum(-1)
-    total = cdf[:, -1]
-    target = (u * total).minimum(total.nextafter(torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1), total
+    total = cdf[:, -1:]
+    target = u.unsqueeze(1).clamp_max_(U_MAX).mul_(total)
+    return torch.searchsorted(cdf, target, right=True).squeeze(1), total.squeeze(1)
 
 
 def _nucleus(
