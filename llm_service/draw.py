@@ -9,7 +9,7 @@ the others share one generator.
 
 ``top_p`` is a rejection loop rather than a sort: keep the token drawn when the tokens heavier than it
 weigh less than ``top_p`` of the row (it is in the nucleus), else draw again among the tokens heavier
-than the one drawn (still a superset of the nucleus). Only the top-p rows are checked, and a round
+than the one drawn (still a superset of the nucleus). A round
 keeps the heavier-only weights it checked for the next (no recomputation). Given acceptance the token is distributed as the
 renormalised nucleus, whatever round accepts it; rows still drawing after ``TOP_P_ROUNDS`` take the
 sorted nucleus (``top_p_mask``) and one more draw. Tokens tied with a token at the nucleus' edge are
@@ -107,22 +107,21 @@ def _nucleus(
     tokens: list[int],
 ) -> None:
     """Replace in ``tokens`` each first draw (``idx``) of a top-p row that fell outside its nucleus
-    by one inside it (the module's docstring), touching only the top-p rows."""
-    rows = nucleus.rows_list
-    if len(rows) < w.shape[0]:
-        w, idx, total = (t.index_select(0, nucleus.rows) for t in (w, idx, total))
-    bound = (nucleus.top_p * total).clamp_(min=0.5)  # the mass a kept token's heavier ones stay under
+    by one inside it (the module's docstring). The first check runs on every drawing row (a row
+    without top-p has an infinite bound: gathering the top-p rows first costs more operations than
+    checking the others); the later rounds only on the rows still drawing."""
+    bound = (nucleus.scale * total).clamp_(min=0.5)  # the mass a kept token's heavier ones stay under
     heavier = _heavier_only(w, idx)
     ok = (heavier.sum(-1) < bound).tolist()
     active = [k for k, good in enumerate(ok) if not good]
     if not active:
         return
     at = torch.tensor(active, device=w.device)
-    heavier, bound, top_p, whole = (t.index_select(0, at) for t in (heavier, bound, nucleus.top_p, w))
+    heavier, bound, top_p, whole = (t.index_select(0, at) for t in (heavier, bound, nucleus.scale, w))
     for _ in range(TOP_P_ROUNDS - 1):
-        picked, _ = _inverse_cdf(heavier, _uniforms([generators[rows[k]] for k in active], w.device))
+        picked, _ = _inverse_cdf(heavier, _uniforms([generators[k] for k in active], w.device))
         for k, tok in zip(active, picked.tolist(), strict=True):
-            tokens[rows[k]] = tok
+            tokens[k] = tok
         heavier = _heavier_only(heavier, picked)
         ok = (heavier.sum(-1) < bound).tolist()
         if all(ok):
@@ -133,9 +132,9 @@ def _nucleus(
             at = torch.tensor(again, device=w.device)
             heavier, bound, top_p, whole = (t.index_select(0, at) for t in (heavier, bound, top_p, whole))
     kept = top_p_mask(whole.log(), top_p).exp_()
-    picked, _ = _inverse_cdf(kept, _uniforms([generators[rows[k]] for k in active], w.device))
+    picked, _ = _inverse_cdf(kept, _uniforms([generators[k] for k in active], w.device))
     for k, tok in zip(active, picked.tolist(), strict=True):
-        tokens[rows[k]] = tok
+        tokens[k] = tok
 
 
 def top_p_mask(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
