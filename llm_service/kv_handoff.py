@@ -198,6 +198,11 @@ class HandoffPins:
         """The pull ended (sent or failed): True if the caller should free the blocks now."""
         return self._pins.pop(request_id, None) is not None
 
+    def drop(self, request_id: str) -> bool:
+        """Its hand-off was abandoned (every decode replica refused it): True if unpulled (dropped:
+        the caller frees the blocks now, not at the deadline); a pull in progress keeps it."""
+        return self.expire(request_id)
+
     def expire(self, request_id: str, generation: int | None = None) -> bool:
         """Its deadline: True if unpulled (dropped: the caller frees the blocks); a pull in progress
         keeps it until ``done``; ``generation``: only that pin, not one that replaced it."""

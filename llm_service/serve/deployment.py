@@ -367,9 +367,12 @@ class LLMServer:
             yield batch
 
     async def abort(self, target: ReplicaTarget) -> None:
+        """Stop the requests; on a prefill replica, also give up their hand-offs (pins freed now)."""
         for rid in target.request_ids:
             self.channels.forget(rid)
             self.loop.abort(rid)
+            if self._prefill is not None:
+                await self._prefill.abandon(rid)
 
     def _engine_stats(self) -> EngineStats:
         return self.loop.last_stats or self.engine.stats()

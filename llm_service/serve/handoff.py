@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from llm_service.engine_loop import EngineLoop
+from llm_service.errors import RequestRejected
 from llm_service.kv_handoff import (
     DecodeRefused,
     HandoffPins,
@@ -45,6 +46,13 @@ def _on_thread_timed(fn: Callable[..., T], *args: object) -> tuple[T, float]:
     return out, time.thread_time() - t0
 
 
+def rejected(e: BaseException) -> bool:
+    """``e`` is the request's own fault, as the prefill replica found it (``RequestRejected``, or any
+    coded 4xx): the client gets it as it is, not a retryable failed transfer."""
+    status = getattr(e, "status_code", None)
+    return isinstance(e, RequestRejected) or (isinstance(status, int) and 400 <= status < 500)
+
+
 class KVSource(Protocol):
     """A link to a prefill replica (``mmcore.link.DirectLink`` in production)."""
 
@@ -58,6 +66,7 @@ class TransferStats:
     handoffs: int = 0  # prefill side: requests handed off
     pulls: int = 0  # prefill side: pulls served
     expired: int = 0  # prefill side: pins dropped unpulled at their deadline
+    abandoned: int = 0  # prefill side: hand-offs the ingress gave up on (freed at once, unpulled)
     imports: int = 0  # decode side: requests imported
     failed_imports: int = 0  # decode side: imports whose pull or write failed (blocks freed)
     refused_imports: int = 0  # decode side: imports refused as overloaded (nothing allocated)
@@ -188,6 +197,20 @@ class PrefillHandoffs:
             if self.pins.done(request_id):
                 await self.loop.on_engine(self.engine.release_handoff, request_id)
 
+    async def abandon(self, request_id: str) -> None:
+        """The ingress gave the hand-off up (every decode replica refused it, or its client left):
+        its pin ends now, not at the deadline; an early one still prefilling is aborted. A pull in
+        progress runs to its end; unknown ids are ignored."""
+        early = await self.early.abandon(request_id)
+        if early:  # gone from the engine (its blocks freed) when this returns, not at its next step
+            await self.loop.on_engine(self.engine.abort, request_id)
+        dropped = self.pins.drop(request_id)
+        if dropped or early:
+            self._held.pop(request_id, None)
+            self.stats.abandoned += 1
+        if dropped:
+            await self.loop.on_engine(self.engine.release_handoff, request_id)
+
     def _expire(self, request_id: str, generation: int) -> None:
         if self.pins.expire(request_id, generation):
             self._held.pop(request_id, None)
@@ -276,8 +299,8 @@ class DecodeImports:
                 for w in writes:
                     w.exception()  # its own failure, if any, is this one's
             await self.loop.on_engine(self.engine.cancel_import, rid)
-            if isinstance(e, KVTransferFailed | asyncio.CancelledError):
-                raise
+            if isinstance(e, KVTransferFailed | asyncio.CancelledError) or rejected(e):
+                raise  # a request the prefill side rejected (after an early answer): its 4xx, as it is
             raise KVTransferFailed(
                 f"{rid}: KV pull from {h.replica_id} failed: {type(e).__name__}: {e}"
             ) from e
