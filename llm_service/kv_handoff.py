@@ -122,6 +122,9 @@ class KVBlocks:
     state_dtypes: list[str] = field(default_factory=list)
     states: list[bytes] = field(default_factory=list)
     first: RequestOutput | None = None  # an early hand-off's last pull: its first output
+    # an early hand-off's last pull: the prompt's full blocks' chained hashes, as the prefill side
+    # computed them (a plain hand-off sends them in ``KVHandoff.block_hashes``), checked by the decode side
+    block_hashes: tuple[bytes, ...] = ()
 
     @property
     def nbytes(self) -> int:

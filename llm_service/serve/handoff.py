@@ -161,10 +161,12 @@ class PrefillHandoffs:
         """Blocks ``from_block..`` of a handed-off request (window blocks ``window_from..``, and its
         linear-attention state), read to host memory; the pin ends with it. An early hand-off's pull
         waits for the first output and brings it (alone, no blocks, when it ended the request)."""
-        first = None
+        first: RequestOutput | None = None
+        hashes: tuple[bytes, ...] = ()
         if self.early.holds(request_id):
             first = await self.early.first(request_id)
-            self._held.pop(request_id, None)
+            if (early := self._held.pop(request_id, None)) is not None:
+                hashes = early.block_hashes
             if first.finish_reason != "handoff":
                 return KVBlocks(request_id, from_block, 0, "", [], [], first=first)
             first = replace(first, finished=False, finish_reason=None)
@@ -191,7 +193,7 @@ class PrefillHandoffs:
                 held.snapshot_slot,
             )
             self.stats.export_cpu_s += cpu_s
-            return blocks if first is None else replace(blocks, first=first)
+            return blocks if first is None else replace(blocks, first=first, block_hashes=hashes)
         finally:
             self.stats.pulls += 1
             if self.pins.done(request_id):
@@ -282,6 +284,8 @@ class DecodeImports:
                     pulled, nbytes = pulled + part.num_blocks, nbytes + part.nbytes
                     self.stats.blocks_overlapped += part.num_blocks
             blocks = last or await self._pull(h, rid, slots, received)
+            if blocks.block_hashes:  # an early hand-off's: its hashes came with its last pull
+                await self.loop.on_engine(self.engine.check_import_hashes, rid, blocks.block_hashes)
             if blocks.first is None or not blocks.first.finished:
                 k = received - slots.hit_blocks
                 await self._write(

@@ -332,6 +332,16 @@ def test_chunk_by_chunk_pull_overlaps_the_prefill_and_equals_colocated(
             assert st.num_free_blocks == 64 and st.num_running == 0
         assert len(prefill._prefill.pins) == 0 and not prefill._prefill.early._firsts  # type: ignore[union-attr]
 
+        # a prefill replica hashing the prompt otherwise (another version, a bug): its hashes come with
+        # the last pull and the decode replica refuses the blocks, as it does a plain hand-off's at once
+        engine.handoff_hashes = lambda rid: [b"\0" * 16 for _ in range(len(PROMPT) // 4)]
+        with pytest.raises(Exception, match="block hashes differ") as err:
+            await _tokens(client, "other-hashes")
+        assert getattr(err.value, "code", None) == "kv_transfer_failed"
+        assert decode.kv_stats.failed_imports == 2 and client.prefilled_again == 1  # prefilled again once
+        st = decode.engine.stats()  # type: ignore[attr-defined]
+        assert st.num_free_blocks == 64 and st.num_running == 0
+
     asyncio.run(scenario())
 
 
