@@ -133,3 +133,14 @@ def test_every_thread_is_pinned_and_later_threads_inherit() -> None:
         early.join()
         pin_process(frozenset(before))
     assert set(process_cpus()) == before
+
+
+def test_a_replica_with_a_core_its_node_lacks_fails_naming_it() -> None:
+    from cluster.cpu_affinity import pin_replica
+
+    before = os.sched_getaffinity(0)
+    missing = max(before) + 1000
+    with pytest.raises(CpuAffinityError, match=f"deployment LLMDecodeServer-m: cpu_affinity core {missing} "):
+        pin_replica(f"{min(before)}|{missing}", "deployment LLMDecodeServer-m", "app.LLMDecodeServer-m")
+    assert os.sched_getaffinity(0) == before  # nothing pinned
+    assert pin_replica(None, "deployment X", "app.X") is None
