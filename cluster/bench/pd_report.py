@@ -109,6 +109,7 @@ def server_table(rows: Sequence[Mapping[str, object]]) -> str:
         "KV MB/req",
         "KV CPU-ms/req",
         "CPU-ms/req",
+        "host load",
     ]
     out = []
     for row in rows:
@@ -123,6 +124,8 @@ def server_table(rows: Sequence[Mapping[str, object]]) -> str:
             cells.append(f"{fmt_num(_pair_ms(ttft[kind], 0), 0)} / {fmt_num(_pair_ms(ttft[kind], 1), 0)}")
         cells += [str(s["slo_met"]), fmt_num(s["goodput"]), fmt_num(mb, 3), fmt_num(kv_ms, 2)]  # type: ignore[arg-type]
         cells.append(fmt_num(row.get("cpu_ms_per_request"), 0))  # type: ignore[arg-type]
+        load = row.get("host_load")  # the 1-min load average before and after the measured load
+        cells.append(f"{load[0]:.1f} → {load[1]:.1f}" if isinstance(load, list | tuple) else "-")
         out.append(cells)
     return markdown_table(headers, out)
 

@@ -112,8 +112,10 @@ def run_server(
         )
         asyncio.run(run_mixed(server.base_url + "/v1", warm, run="warm-up"))
         stats_before, cpu_before = pool_stats(server.base_url), server.snapshot()
+        load_before = os.getloadavg()[0]
         results, wall_s = asyncio.run(run_mixed(server.base_url + "/v1", load, run="measured"))
         cpu_after, stats_after = server.snapshot(), pool_stats(server.base_url)
+        host_load = (load_before, os.getloadavg()[0])  # the host's 1-min load average around the load
     finally:
         server.stop()
         left = server.leftovers()
@@ -130,6 +132,7 @@ def run_server(
         "cpu_ms_per_request": sum(c.cpu_ms for c in costs) / max(1, summary.completed),
         "kv": kv_transfer(stats_before, stats_after),
         "cores": replica_cores(stats_after),
+        "host_load": host_load,
         "errors": errors,
     }
 

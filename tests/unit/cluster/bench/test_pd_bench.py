@@ -116,8 +116,9 @@ def test_render_gives_the_ratios_over_colocated() -> None:
         }
         return {"server": name, "summary": summary, "kv": None, "cpu_ms_per_request": 100.0}
 
-    text = render([row("colocated", 0.4, 1.0), row("pd", 0.1, 1.5)], "header")
+    text = render([row("colocated", 0.4, 1.0), {**row("pd", 0.1, 1.5), "host_load": [1.25, 3.0]}], "header")
     assert "| pd | 0.25 | 0.25 | 1.50 |" in text
+    assert "| 100 | - |" in text and "| 100 | 1.2 → 3.0 |" in text  # the host's load around each load
     assert "| colocated | 1.00 | 1.00 | 1.00 |" in text
     assert "1000 / 2000" in text and "- / -" in text
 
