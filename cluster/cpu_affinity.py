@@ -93,19 +93,23 @@ def claim_set(sets: CpuSets, key: str, lock_dir: Path | None = None) -> int:
     if len(sets) == 1:
         return 0
     lock_dir = lock_dir or Path(tempfile.gettempdir()) / f"mmserve-cpu-affinity-{os.getuid()}"
-    lock_dir.mkdir(parents=True, exist_ok=True)
     safe = re.sub(r"[^\w.-]", "_", key)
-    for i in range(len(sets)):
-        f = open(lock_dir / f"{safe}.{i}.lock", "wb")  # noqa: SIM115 - held open while the process lives
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.close()
-            continue
-        _HELD.append(f)
-        return i
+    try:
+        lock_dir.mkdir(parents=True, exist_ok=True)
+        for i in range(len(sets)):
+            f = open(lock_dir / f"{safe}.{i}.lock", "wb")  # noqa: SIM115 - held open while the process lives
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.close()
+                continue
+            _HELD.append(f)
+            return i
+        why = "every cpu_affinity set is taken on this node"
+    except OSError as e:  # no writable temp directory (a read-only root file system)
+        why = f"the sets' lock files cannot be made in {lock_dir} ({e})"
     i = os.getpid() % len(sets)
-    logger.warning("%s: every cpu_affinity set is taken on this node; this replica shares set %d", key, i)
+    logger.warning("%s: %s; this replica takes set %d, which another may share", key, why, i)
     return i
 
 

@@ -144,3 +144,9 @@ def test_a_replica_with_a_core_its_node_lacks_fails_naming_it() -> None:
         pin_replica(f"{min(before)}|{missing}", "deployment LLMDecodeServer-m", "app.LLMDecodeServer-m")
     assert os.sched_getaffinity(0) == before  # nothing pinned
     assert pin_replica(None, "deployment X", "app.X") is None
+
+
+def test_no_writable_lock_directory_still_gives_a_set(tmp_path: Path) -> None:
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # a file where the lock directory would be: mkdir fails
+    assert claim_set(parse_cpu_affinity("0|1"), "k", blocked / "locks") == os.getpid() % 2
