@@ -63,6 +63,10 @@ class MediaLimitsConfig(_Strict):
     allowed_local_media_path: str | None = None
 
 
+# An LLM pool's deployment is named `<prefix>-<model>` by its role (cluster/replicas.py's classes).
+LLM_DEPLOYMENT_PREFIX = {"both": "LLMServer", "prefill": "LLMPrefillServer", "decode": "LLMDecodeServer"}
+
+
 class LLMPoolConfig(_Strict):
     """One LLM pool of an E/P/D model: its role and its Serve options."""
 
@@ -350,6 +354,15 @@ class AppConfig(_Strict):
                     f"model {m.name!r}: preprocess.overlap_prefill is not written for llm.pools yet"
                 )
         return self
+
+    def pool_deployments(self) -> dict[str, DeploymentOptions]:
+        """Every pool's Serve options by its deployment's name (as cluster/app.py names them)."""
+        out = {"IngressServer": self.ingress.deployment}
+        for m in self.models:
+            out[f"EncoderServer-{m.name}"] = m.encoder.deployment
+            for role in m.llm.roles:
+                out[f"{LLM_DEPLOYMENT_PREFIX[role]}-{m.name}"] = m.llm.pool(role)
+        return out
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> AppConfig:
