@@ -43,21 +43,61 @@ LOADS = [
     Load("image, 256 req, 30 req/s", "random-mm", 256, 256, request_rate=30.0, key="image-rate30"),
 ]
 WARMUP = Load("warm-up", "random-mm", 32, 32, key="warm-up")
+# what --paired-body compares pair by pair
+PAIRED_METRICS = ("mean_tpot_ms", "request_throughput", "cpu_ms_per_request")
 
 
-def paired(loads: Sequence[Load], body: str, label: str) -> list[Load]:
+def paired(loads: Sequence[Load], body: str, label: str, repeats: int = 1) -> list[Load]:
     """Each load, then its twin with ``body`` merged into every request (named ``<load>, <label>``)
     and a seed of its own: the same server process runs both, one after the other, so their ratio
-    comes from one run, and the twin does not hit the caches its load just filled."""
+    comes from one run, and the twin does not hit the caches its load just filled. ``repeats`` pairs
+    per load, every other one twin first (ABBA: a drift over the run weighs on both sides alike), each
+    pair with seeds of its own; the repeats keep their load's name, so a table shows their median."""
     out: list[Load] = []
     for load in loads:
-        out += [
-            load,
-            replace(
-                load, name=f"{load.name}, {label}", key=f"{load.key}+{label}", extra_body=body, seed_offset=1
-            ),
-        ]
+        for k in range(repeats):
+            base = replace(load, seed_offset=2 * k)
+            twin = replace(
+                load,
+                name=f"{load.name}, {label}",
+                key=f"{load.key}+{label}",
+                extra_body=body,
+                seed_offset=2 * k + 1,
+            )
+            out += [base, twin] if k % 2 == 0 else [twin, base]
     return out
+
+
+def paired_ratios(results: Sequence[LoadResult], label: str, metrics: Sequence[str] = PAIRED_METRICS) -> str:
+    """Per server and load, the twin's metric over its load's, pair by pair (the k-th run of the load
+    with the k-th run of its twin: adjacent in time), as the median and the range over the pairs: the
+    with/without reading of ``--paired-body`` that a drift between pairs does not move."""
+    runs: dict[tuple[str, str], list[LoadResult]] = {}
+    for r in results:
+        runs.setdefault((r.server, r.load.name), []).append(r)
+    suffix = f", {label}"
+    headers = ["server", "load", "pairs"]
+    for m in metrics:
+        headers += [f"{m} ×without (median)", "range"]
+    rows = []
+    for (server, name), twins in runs.items():
+        if not name.endswith(suffix):
+            continue
+        bases = runs.get((server, name[: -len(suffix)]), [])
+        row = [server, name, str(min(len(bases), len(twins)))]
+        for m in metrics:
+            got = sorted(
+                q
+                for b, t in zip(bases, twins, strict=False)
+                if (q := ratio(t.value(m), b.value(m))) is not None
+            )
+            row += (
+                [fmt_num(got[(len(got) - 1) // 2]), f"{fmt_num(got[0])}–{fmt_num(got[-1])}"]
+                if got
+                else ["-", "-"]
+            )
+        rows.append(row)
+    return markdown_table(headers, rows)
 
 
 def select_loads(keys: str | None) -> list[Load]:

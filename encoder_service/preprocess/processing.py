@@ -23,18 +23,16 @@ import asyncio
 import copy
 import functools
 import inspect
-import json
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 from encoder_service.cache.uuid_aliases import AliasStore, LocalAliases
 from encoder_service.preprocess.errors import (
     InvalidMediaInput,
     MediaDecodeError,
     MMCacheMiss,
-    ToolsUnsupported,
     processed_or_422,
 )
 from encoder_service.preprocess.gathering import gather
@@ -46,9 +44,9 @@ from encoder_service.preprocess.media.loader import decode_media
 from encoder_service.preprocess.media.pinned_client import PinnedClient
 from encoder_service.preprocess.media.url_safety import Resolver, resolve_host
 from encoder_service.preprocess.media_items import MediaItem, Message, collect_media
-from encoder_service.preprocess.placeholders import expand_placeholders
 from encoder_service.preprocess.processor_cache import ProcessorCache
 from encoder_service.preprocess.processors import FamilyProcessor, ProcessedItem, load_family_processor
+from encoder_service.preprocess.prompt_tokens import render_prompt, text_chars
 from encoder_service.preprocess.stage_timing import MediaStages
 from encoder_service.types import (
     MODALITIES,
@@ -216,7 +214,7 @@ class Preprocessor:
             first = computed.get(it.mm_hash)
             if first is not None and first is not it:
                 it.facts, it.encoder_input, it.metadata = first.facts, first.encoder_input, first.metadata
-        if _text_chars(template_messages) > INLINE_TEMPLATE_CHARS:  # not on the caller's loop
+        if text_chars(template_messages) > INLINE_TEMPLATE_CHARS:  # not on the caller's loop
             return await asyncio.to_thread(self._tokenize, template_messages, items)
         return self._tokenize(template_messages, items)
 
@@ -377,38 +375,4 @@ class Preprocessor:
     def _tokenize(
         self, template_messages: Sequence[Mapping[str, object]], items: list[MediaItem]
     ) -> PreprocessedRequest:
-        hf = self.family.hf
-        first = template_messages[0] if template_messages else {}
-        tools = first.get("tools")  # the request's tool definitions ride on its first message
-        if tools is not None and not self._template_takes_tools:
-            raise ToolsUnsupported(f"the chat template of model {self.model_id!r} has no place for tools")
-        template_kwargs = cast(
-            dict[str, Any], first.get("chat_template_kwargs") or {}
-        )  # checked at the ingress
-        if tools is not None or "chat_template_kwargs" in first:
-            rest = {k: v for k, v in first.items() if k not in ("tools", "chat_template_kwargs")}
-            template_messages = [rest, *template_messages[1:]]
-        text = hf.apply_chat_template(
-            template_messages, tools=tools, add_generation_prompt=True, tokenize=False, **template_kwargs
-        )
-        text = self.family.prompt_text(text)
-        ids = list(self.family.tokenizer(text)["input_ids"])
-        out_ids, mm_items = expand_placeholders(self.family, ids, items)
-        kwargs: dict[str, object] = {
-            m: self.family.log_kwargs(m) for m in sorted({it.ref.modality for it in items})
-        }
-        return PreprocessedRequest(out_ids, mm_items, kwargs)
-
-
-def _text_chars(template_messages: Sequence[Mapping[str, object]]) -> int:
-    """The text the template gets: each message's content is a string or a list of parts (``collect_media``)."""
-    n = 0
-    for m in template_messages:
-        tool_fields = {k: m[k] for k in ("tools", "tool_calls") if k in m}  # as the template writes them
-        n += len(json.dumps(tool_fields, ensure_ascii=False)) if tool_fields else 0
-        content = m["content"]
-        if isinstance(content, str):
-            n += len(content)
-        elif isinstance(content, list):
-            n += sum(len(p.get("text", "")) for p in content)
-    return n
+        return render_prompt(self.family, self.model_id, template_messages, items, self._template_takes_tools)

@@ -27,11 +27,8 @@ from router.http.tool_answer import ToolDeltas, answer_decoder
 from router.journey.deadline import Deadline
 from router.journey.detokenizer import IncrementalDetokenizer
 from router.journey.orchestrator import Orchestrator
-from router.protocol.errors import APIError, bad_request, from_exception
-from router.protocol.messages import MessageLimits, NormalizedChat, normalize_messages
-from router.protocol.openai import (
+from router.protocol.chat_output import (
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     Choice,
     ChoiceLogprobs,
@@ -42,6 +39,9 @@ from router.protocol.openai import (
     TokenLogprobEntry,
     TopLogprob,
 )
+from router.protocol.errors import APIError, bad_request, from_exception
+from router.protocol.messages import MessageLimits, NormalizedChat, normalize_messages
+from router.protocol.openai import ChatCompletionRequest
 from router.protocol.sampling import fit_to_prompt, request_sampling_params, requested_max_tokens
 from router.protocol.template_kwargs import template_kwargs_for
 from router.protocol.tool_choice import answer_format, with_tool_choice

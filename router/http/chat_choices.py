@@ -20,14 +20,9 @@ from router.http.tool_answer import ToolChoiceEvents, answer_decoder
 from router.journey.deadline import Deadline
 from router.journey.detokenizer import IncrementalDetokenizer
 from router.journey.orchestrator import Prepared
+from router.protocol.chat_output import ChatCompletionChunk, ChatCompletionResponse, Choice, ChoiceLogprobs
 from router.protocol.messages import NormalizedChat
-from router.protocol.openai import (
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    Choice,
-    ChoiceLogprobs,
-)
+from router.protocol.openai import ChatCompletionRequest
 from router.protocol.tool_choice import answer_format
 
 if TYPE_CHECKING:

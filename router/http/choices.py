@@ -17,8 +17,8 @@ from llm_service.outputs import RequestOutput
 from llm_service.sampling_params import SEED_RANGE, SamplingParams
 from router.http.sse import DONE, ChunkRenderer
 from router.journey.detokenizer import IncrementalDetokenizer
+from router.protocol.chat_output import ChoiceLogprobs, TokenLogprobEntry
 from router.protocol.errors import APIError, from_exception
-from router.protocol.openai import ChoiceLogprobs, TokenLogprobEntry
 
 Stream = AsyncGenerator[RequestOutput, None]
 
@@ -213,7 +213,7 @@ def _delta(
 ) -> str:
     if lp is None:
         return r.delta(text, state.finish)
-    from router.protocol.openai import ChatCompletionChunk, Delta, StreamChoice
+    from router.protocol.chat_output import ChatCompletionChunk, Delta, StreamChoice
 
     c = ChatCompletionChunk(
         id=request_id,

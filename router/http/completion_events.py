@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from llm_service.outputs import RequestOutput, TokenLogprob
 from router.http.choices import ChoiceState
 from router.journey.orchestrator import Orchestrator
+from router.protocol.chat_output import ChoiceLogprobs, TokenLogprobEntry, TopLogprob
 from router.protocol.completions import CompletionChoice, CompletionChunk, CompletionLogprobs
-from router.protocol.openai import ChoiceLogprobs, TokenLogprobEntry, TopLogprob
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ from router.http.sse import DONE, SSEResponse
 from router.journey.deadline import Deadline
 from router.journey.detokenizer import IncrementalDetokenizer
 from router.journey.orchestrator import Orchestrator, Prepared
+from router.protocol.chat_output import ChoiceLogprobs, PromptTokensDetails, Usage
 from router.protocol.completions import (
     CompletionChoice,
     CompletionChunk,
@@ -48,7 +49,6 @@ from router.protocol.completions import (
     completion_id,
 )
 from router.protocol.errors import APIError, bad_request, from_exception
-from router.protocol.openai import ChoiceLogprobs, PromptTokensDetails, Usage
 from router.protocol.sampling import fit_to_prompt, request_sampling_params
 
 if TYPE_CHECKING:

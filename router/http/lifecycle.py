@@ -22,8 +22,8 @@ from router.http import tracing
 from router.http.request_body import read_body
 from router.http.sse import DONE
 from router.journey.deadline import Deadline
+from router.protocol.chat_output import PromptTokensDetails, Usage
 from router.protocol.errors import APIError
-from router.protocol.openai import PromptTokensDetails, Usage
 from router.routing.admission import AdmissionController, BodyLease, Ticket
 
 _Chunk = TypeVar("_Chunk")  # a response body's chunk (str, bytes or memoryview)

@@ -15,8 +15,8 @@ from llm_service.tools.formats import ToolFormat
 from llm_service.tools.reasoning import Lane, ReasoningFormat, ReasoningStream, reasoning_format
 from router.http.sse import ChunkRenderer
 from router.http.tool_answer import tool_message
+from router.protocol.chat_output import AssistantMessage
 from router.protocol.errors import bad_request
-from router.protocol.openai import AssistantMessage
 
 
 @dataclass(frozen=True)

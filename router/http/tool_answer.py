@@ -15,7 +15,7 @@ from llm_service.tools.calls import CallStart, ContentDelta, ToolEvent
 from llm_service.tools.formats import ToolFormat
 from router.http.choices import ChoiceState
 from router.http.sse import ChunkRenderer
-from router.protocol.openai import AssistantMessage, ChoiceLogprobs, MessageToolCall, ToolCallFunction
+from router.protocol.chat_output import AssistantMessage, ChoiceLogprobs, MessageToolCall, ToolCallFunction
 
 
 def answer_decoder(

@@ -15,7 +15,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from router.protocol.openai import SamplingFields, Usage
+from router.protocol.chat_output import Usage
+from router.protocol.openai import SamplingFields
 
 MAX_PROMPTS = 128  # prompts in one request's list
 MAX_CHOICES = 128  # prompts x n: each one a sequence in the engine

@@ -11,14 +11,7 @@ from __future__ import annotations
 import re
 
 from router.protocol.errors import APIError, bad_request
-from router.protocol.openai import (
-    ChatMessage,
-    ContentPart,
-    ImagePart,
-    ImageURL,
-    InputAudioPart,
-    TextPart,
-)
+from router.protocol.openai import ChatMessage, ContentPart, ImagePart, ImageURL, InputAudioPart, TextPart
 from router.protocol.openai import InputAudio as ChatInputAudio
 from router.protocol.responses import (
     FunctionCallItem,

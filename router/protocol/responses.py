@@ -16,12 +16,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 
 from router.protocol.errors import bad_request
-from router.protocol.openai import (
-    MAX_TOKENS_LIMIT,
-    JSONSchemaFormat,
-    ResponseFormat,
-    SamplingFields,
-)
+from router.protocol.openai import MAX_TOKENS_LIMIT, JSONSchemaFormat, ResponseFormat, SamplingFields
 from router.protocol.tools import (
     FUNCTION_NAME_PATTERN,
     MAX_DESCRIPTION_CHARS,

@@ -11,7 +11,16 @@ import pytest
 
 from cluster.bench.cpu_profile import ProcessCost, ScenarioProfile
 from cluster.bench.vllm_client import bench_argv
-from cluster.bench.vs_report import LOADS, LoadResult, comparison_table, median_rounds, select_loads
+from cluster.bench.vs_report import (
+    LOADS,
+    Load,
+    LoadResult,
+    comparison_table,
+    median_rounds,
+    paired,
+    paired_ratios,
+    select_loads,
+)
 from cluster.bench.vs_vllm import parse_args
 
 
@@ -145,3 +154,41 @@ def test_median_rounds_picks_each_pairs_median_round_whole_and_reports_the_range
     kept, ranges = median_rounds([[broken], [ok]])
     assert kept[0] is ok and ranges[("vLLM", LOADS[0].name)] == "108.0–108.0 (1 suspect round(s) left out)"
     assert median_rounds([[broken]])[0] == [broken]  # nothing else to pick: kept, not dropped
+
+
+def test_paired_repeats_alternate_which_goes_first_and_give_each_pair_its_seeds() -> None:
+    body = '{"response_format": {"type": "json_object"}}'
+    args = parse_args(["--loads", "text-c32", "--paired-body", body, "--paired-repeats", "3"])
+    assert [(load.key, load.seed_offset) for load in args.loads] == [
+        ("text-c32", 0),
+        ("text-c32+schema", 1),
+        ("text-c32+schema", 3),
+        ("text-c32", 2),
+        ("text-c32", 4),
+        ("text-c32+schema", 5),
+    ]
+
+
+def test_paired_ratios_divide_each_twin_by_its_own_pair_and_give_the_median() -> None:
+    base, twin = paired([LOADS[5]], "{}", "schema", repeats=3)[:2]
+
+    def result(load: Load, tpot: float, rps: float) -> LoadResult:
+        m = {"request_throughput": rps, "mean_tpot_ms": tpot}
+        prof = ScenarioProfile(load.name, 10, rps, None, [ProcessCost(1, "x", "", 100.0)])
+        return LoadResult("mmserve", load, m, prof)
+
+    # pair 1: 12/10, pair 2: 30/20 (a slow stretch of the run weighs on both), pair 3: 11/10
+    results = [
+        result(base, 10.0, 100.0),
+        result(twin, 12.0, 90.0),
+        result(twin, 30.0, 40.0),
+        result(base, 20.0, 50.0),
+        result(base, 10.0, 100.0),
+        result(twin, 11.0, 100.0),
+    ]
+    lines = paired_ratios(results, "schema").splitlines()
+    cells = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert cells[:3] == ["mmserve", twin.name, "3"]
+    assert cells[3:5] == ["1.20", "1.10–1.50"]  # TPOT: 1.10, 1.20, 1.50
+    assert cells[5:7] == ["0.90", "0.80–1.00"]  # req/s: 0.90, 0.80, 1.00
+    assert cells[7:9] == ["1.00", "1.00–1.00"]  # CPU-ms per request

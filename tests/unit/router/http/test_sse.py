@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from router.http.sse import DONE, ChunkRenderer, SSEResponse
+from router.protocol.chat_output import ChatCompletionChunk, Delta, StreamChoice
 from router.protocol.messages import MessageLimits
-from router.protocol.openai import ChatCompletionChunk, Delta, StreamChoice
 
 LIMITS = MessageLimits(max_messages=4, max_content_parts=4, max_media_bytes=1 << 10, limit_mm_per_prompt={})
 TEXTS = ["", "a", 'quote " and \\ backslash', "line\nbreak\ttab\x01", "héllo — 你好 🙂", "\u2028"]

@@ -12,9 +12,9 @@ import pytest
 from cluster.bench.fuzz.asgi import request
 from router.http.completion_events import Echo, completion_logprobs
 from router.http.request_body import read_body
+from router.protocol.chat_output import TokenLogprobEntry, TopLogprob
 from router.protocol.completions import MAX_CHOICES, MAX_PROMPTS, CompletionRequest
 from router.protocol.errors import APIError
-from router.protocol.openai import TokenLogprobEntry, TopLogprob
 from router.protocol.sampling import request_sampling_params, to_sampling_params
 
 
