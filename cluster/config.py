@@ -63,6 +63,10 @@ class MediaLimitsConfig(_Strict):
     allowed_local_media_path: str | None = None
 
 
+# An LLM pool's deployment is named `<prefix>-<model>` by its role (cluster/replicas.py's classes).
+LLM_DEPLOYMENT_PREFIX = {"both": "LLMServer", "prefill": "LLMPrefillServer", "decode": "LLMDecodeServer"}
+
+
 class LLMPoolConfig(_Strict):
     """One LLM pool of an E/P/D model: its role and its Serve options."""
 
@@ -97,6 +101,12 @@ class LLMConfig(_Strict):
         16,
         ge=0,
         description="hybrid models: besides prompt ends, a state snapshot every this many prompt blocks; 0: none",
+    )
+    kv_swap_space_mib: float | None = Field(
+        None,
+        ge=0,
+        description="E/P/D decode replicas: host memory for preempted media requests' KV copies, MiB; "
+        "default the KV cache's size; a copy past it ends its request with a retryable 503",
     )
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=16)
@@ -344,6 +354,15 @@ class AppConfig(_Strict):
                     f"model {m.name!r}: preprocess.overlap_prefill is not written for llm.pools yet"
                 )
         return self
+
+    def pool_deployments(self) -> dict[str, DeploymentOptions]:
+        """Every pool's Serve options by its deployment's name (as cluster/app.py names them)."""
+        out = {"IngressServer": self.ingress.deployment}
+        for m in self.models:
+            out[f"EncoderServer-{m.name}"] = m.encoder.deployment
+            for role in m.llm.roles:
+                out[f"{LLM_DEPLOYMENT_PREFIX[role]}-{m.name}"] = m.llm.pool(role)
+        return out
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> AppConfig:

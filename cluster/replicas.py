@@ -24,7 +24,8 @@ from ray import serve
 
 from cluster.budgets import encoder_budgets
 from cluster.cache_shards import cache_index_args, open_cache_index
-from cluster.config import AppConfig, ModelConfig
+from cluster.config import AppConfig, DeploymentOptions, ModelConfig
+from cluster.cpu_affinity import pin_replica, process_cpus
 from cluster.model_dirs import resolve_model_dir
 from cluster.replica_links import DirectLLM, DirectServed, kv_links, pool_links
 from cluster.tracing import setup_tracing
@@ -101,6 +102,14 @@ def model_reasoning_format(m: ModelConfig, model_dir: str) -> str | None:
     return fmt
 
 
+def pin_to_pool_cores(opts: DeploymentOptions) -> None:
+    """The pool's ``cpu_affinity`` on every thread of this replica's process (cluster/cpu_affinity.py),
+    before the model is built: the threads torch starts later inherit it."""
+    if opts.cpu_affinity is not None:
+        ctx = serve.get_replica_context()
+        pin_replica(opts.cpu_affinity, f"deployment {ctx.deployment}", f"{ctx.app_name}.{ctx.deployment}")
+
+
 class EncoderServer(encoder_serve.EncoderServer, DirectServed):
     """The encoder pool's replica: ``prepare`` and ``prepare_stream`` also over its direct link."""
 
@@ -114,9 +123,10 @@ class EncoderServer(encoder_serve.EncoderServer, DirectServed):
         self.links_on = links
         self.refuse_plain_off_loopback()
         m = ModelConfig.model_validate(model_json)
+        d = m.encoder.deployment
+        pin_to_pool_cores(d)
         model_dir = resolve_model_dir(m, cache_dir)
         compute_budget, _ = encoder_budgets(m, model_dir)
-        d = m.encoder.deployment
         super().__init__(
             model_dir,
             **preprocess_args(m),
@@ -143,7 +153,12 @@ class EncoderServer(encoder_serve.EncoderServer, DirectServed):
 
     def stats(self) -> dict[str, object]:
         replica = str(serve.get_replica_context().replica_id.unique_id)
-        return {**super().stats(), "link_calls": self.link_calls(), "replica_id": replica}
+        return {
+            **super().stats(),
+            "link_calls": self.link_calls(),
+            "replica_id": replica,
+            "cpu_affinity": process_cpus(),
+        }
 
     # Serve's shutdown hook: refuse new frames, then drain the FIFO
     def __del__(self) -> Awaitable[int] | None:
@@ -165,6 +180,7 @@ class LLMServer(llm_serve.LLMServer, DirectLLM):
         self.refuse_plain_off_loopback()
         m = ModelConfig.model_validate(model_json)
         llm = m.llm
+        pin_to_pool_cores(llm.pool(self.ROLE))
         engine_config = EngineConfig(
             model=resolve_model_dir(m, cache_dir),
             dtype=llm.dtype,
@@ -176,6 +192,7 @@ class LLMServer(llm_serve.LLMServer, DirectLLM):
             num_state_slots=llm.num_state_slots,
             num_state_snapshots=llm.num_state_snapshots,
             snapshot_interval_blocks=llm.snapshot_interval_blocks,
+            kv_swap_space_mib=llm.kv_swap_space_mib,
             sliding_window_blocks=llm.sliding_window_blocks,
             max_num_seqs=llm.max_num_seqs,
             max_num_batched_tokens=llm.max_num_batched_tokens,
@@ -212,6 +229,7 @@ class LLMServer(llm_serve.LLMServer, DirectLLM):
             **super().stats(target),
             "link_calls": self.link_calls(),
             "link_channel_batches": self.linked_channel_batches,
+            "cpu_affinity": process_cpus(),  # the cores its threads may use (deployment.cpu_affinity)
         }
 
 
@@ -248,6 +266,7 @@ class IngressServer(http_app.IngressServer):
 
         setup_tracing("ingress")
         cfg = AppConfig.model_validate(config_json)
+        pin_to_pool_cores(cfg.ingress.deployment)
         models = []
         for m in cfg.models:
             model_dir = resolve_model_dir(m, cfg.models_cache_dir)

@@ -222,6 +222,16 @@ def one_machine_defaults(cfg: AppConfig, data: dict[str, object]) -> None:
             fixed_replica_counts(_field(llm_pool, "deployment"))
 
 
+def check_cpu_affinity(cfg: AppConfig, node_cores: set[int]) -> None:
+    """One machine: every pool's ``cpu_affinity`` names cores of this machine (a ``CpuAffinityError``
+    naming the pool's deployment); each replica checks again where it starts."""
+    from cluster.cpu_affinity import check_cores, parse_cpu_affinity
+
+    for name, opts in cfg.pool_deployments().items():
+        if opts.cpu_affinity is not None:
+            check_cores(parse_cpu_affinity(opts.cpu_affinity), node_cores, name)
+
+
 def fixed_replica_counts(deployment: dict[str, object]) -> None:
     """``num_replicas: n`` for a pool autoscaled within ``[n, n]`` (``DeploymentOptions``' dump).
 
@@ -343,6 +353,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         cfg = config_from_args(args)
     except ValidationError as e:  # a config error: the model and the setting, without a traceback
+        print(f"mmserve: the config is not valid: {e}", file=sys.stderr, flush=True)
+        return 2
+    try:
+        check_cpu_affinity(cfg, os.sched_getaffinity(0))
+    except ValueError as e:
         print(f"mmserve: the config is not valid: {e}", file=sys.stderr, flush=True)
         return 2
     check_port_free(cfg.host, cfg.port)

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from typing import TypedDict
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from cluster.cpu_affinity import parse_cpu_affinity
 
 
 class StrictModel(BaseModel):
@@ -90,6 +92,19 @@ class DeploymentOptions(StrictModel):
     num_cpus: float = Field(0.1, ge=0)
     num_gpus: float = Field(0.0, ge=0)
     resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources")
+    cpu_affinity: str | list[int] | None = Field(
+        None,
+        description="the cores this pool's replicas' threads run on, on their node: '3', '0-3', '0,2', [0, 1], "
+        "or one set per replica, '0|1' (on a node its replicas take the sets in turn); checked against the "
+        "node's cores when a replica starts (cluster/cpu_affinity.py); default: not pinned",
+    )
+
+    @field_validator("cpu_affinity")
+    @classmethod
+    def _cpu_list(cls, value: str | list[int] | None) -> str | list[int] | None:
+        if value is not None:
+            parse_cpu_affinity(value)  # CpuAffinityError (a ValueError): pydantic names the pool's field
+        return value
 
     def ray_actor_options(self) -> RayActorOptions:
         opts: RayActorOptions = {"num_cpus": self.num_cpus}

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from cluster.bench.stats import fmt_num, markdown_table, ratio
+from cluster.cpu_affinity import format_cpus
 
 KV_KEYS = (
     "kv_imports",
@@ -26,6 +27,34 @@ def _llm_replicas(stats: Mapping[str, object]) -> dict[str, Mapping[str, object]
         if isinstance(replicas, Mapping):
             out.update({f"{model}/{rid}": s for rid, s in replicas.items() if isinstance(s, Mapping)})
     return out
+
+
+def replica_cores(stats: Mapping[str, object]) -> dict[str, list[int]]:
+    """Each replica's ``cpu_affinity`` (the cores its threads may use) by ``<role or encoder>/<replica>``:
+    the LLM replicas, and the encoder replica that answered for its pool."""
+    out: dict[str, list[int]] = {}
+    for name, s in _llm_replicas(stats).items():
+        llm_cores = s.get("cpu_affinity")
+        if isinstance(llm_cores, list):
+            out[f"{s.get('role', 'llm')}/{name.split('/', 1)[1]}"] = list(llm_cores)
+    for body in stats.values():
+        pools = body.get("pools") if isinstance(body, Mapping) else None
+        enc = pools.get("preparing_replica") if isinstance(pools, Mapping) else None
+        cores = enc.get("cpu_affinity") if isinstance(enc, Mapping) else None
+        if isinstance(enc, Mapping) and isinstance(cores, list):
+            out[f"encoder/{enc.get('replica_id', '?')}"] = list(cores)
+    return out
+
+
+def cores_line(rows: Sequence[Mapping[str, object]]) -> str:
+    """Where each server's replicas ran: ``colocated: both/ab12 0, both/cd34 1, encoder/ef56 0-1``."""
+    parts = []
+    for row in rows:
+        cores = row.get("cores")
+        if isinstance(cores, Mapping) and cores:
+            placed = ", ".join(f"{name} {format_cpus(c)}" for name, c in sorted(cores.items()))
+            parts.append(f"{row['server']}: {placed}")
+    return "Replicas' cores (cpu_affinity): " + "; ".join(parts) if parts else ""
 
 
 def kv_transfer(before: Mapping[str, object], after: Mapping[str, object]) -> dict[str, float] | None:
@@ -80,6 +109,7 @@ def server_table(rows: Sequence[Mapping[str, object]]) -> str:
         "KV MB/req",
         "KV CPU-ms/req",
         "CPU-ms/req",
+        "host load",
     ]
     out = []
     for row in rows:
@@ -94,6 +124,8 @@ def server_table(rows: Sequence[Mapping[str, object]]) -> str:
             cells.append(f"{fmt_num(_pair_ms(ttft[kind], 0), 0)} / {fmt_num(_pair_ms(ttft[kind], 1), 0)}")
         cells += [str(s["slo_met"]), fmt_num(s["goodput"]), fmt_num(mb, 3), fmt_num(kv_ms, 2)]  # type: ignore[arg-type]
         cells.append(fmt_num(row.get("cpu_ms_per_request"), 0))  # type: ignore[arg-type]
+        load = row.get("host_load")  # the 1-min load average before and after the measured load
+        cells.append(f"{load[0]:.1f} → {load[1]:.1f}" if isinstance(load, list | tuple) else "-")
         out.append(cells)
     return markdown_table(headers, out)
 
@@ -119,6 +151,7 @@ def render(rows: Sequence[Mapping[str, object]], header: str) -> str:
         [
             "## Colocated vs prefill/decode (`python -m cluster.bench.pd_vs_colocated`)",
             header,
+            *([cores_line(rows)] if cores_line(rows) else []),
             server_table(rows),
             target_table(rows),
         ]

@@ -7,6 +7,13 @@ runs its model on one torch thread (``llm.torch_threads: 1``), and both have the
 ingress. ``vllm`` is ``vllm serve`` of the same directory (the peer venv: shared/tools/peer_vllm),
 colocated by construction. One server after the other, on the same machine, in one run.
 
+``--pin``: the same, with each LLM replica on a core of its own (``deployment.cpu_affinity``,
+cluster/cpu_affinity.py): ``colocated``'s two replicas on the first and the second of ``--pin-cores``
+(``"0|1"``: each replica claims a set), ``pd``'s prefill replica on the first and its decode replica on
+the second. The encoder and the ingress are the same in both: not pinned (the OS places them on any
+core), or both on ``--others-cores``. vLLM is not pinned (one engine process). The table's header says
+which cores each replica reported (its ``cpu_affinity`` in ``/stats?pools=true``).
+
 The load (``cluster.bench.mixed_load``): long multimodal prompts (4 distinct images and a paragraph)
 arriving at random among short-prompt long-output text requests, sent by the project's ``openai``
 client as an open loop. Per server: decode ITL p50/p99 (every gap between streamed tokens), TTFT
@@ -30,7 +37,7 @@ from pathlib import Path
 
 from cluster.bench.cpu_profile import process_costs
 from cluster.bench.mixed_load import SLO, MixedLoad, MixedSummary, run_mixed, summarize_mixed
-from cluster.bench.pd_report import kv_transfer, render
+from cluster.bench.pd_report import kv_transfer, render, replica_cores
 from cluster.bench.procs import CLOCK_TICKS_PER_S
 from cluster.bench.servers import ServerProcess, pool_stats
 from cluster.bench.vs_vllm import vllm_server
@@ -40,14 +47,35 @@ SERVERS = ("colocated", "pd", "vllm")
 
 
 def mmserve_config(args: argparse.Namespace, pd: bool) -> str:
-    """The ``AppConfig`` YAML of a ``colocated`` (2 replicas, role both) or ``pd`` (1 + 1) server."""
+    """The ``AppConfig`` YAML of a ``colocated`` (2 replicas, role both) or ``pd`` (1 + 1) server;
+    ``--pin``: each LLM replica on its own core, the encoder and ingress on ``--others-cores`` or not pinned."""
+    first, second = pin_cores(args) if args.pin else (None, None)
     llm: dict[str, object] = {"torch_threads": 1}
     if pd:
-        llm["pools"] = [{"role": role, "deployment": {"num_replicas": 1}} for role in ("prefill", "decode")]
+        llm["pools"] = [
+            {"role": role, "deployment": _pinned({"num_replicas": 1}, core)}
+            for role, core in (("prefill", first), ("decode", second))
+        ]
     else:
-        llm["deployment"] = {"num_replicas": 2}
-    model = {"name": args.served_name, "path": str(args.model_dir), "llm": llm}
-    return json.dumps({"models": [model]})  # YAML reads JSON
+        llm["deployment"] = _pinned({"num_replicas": 2}, None if first is None else f"{first}|{second}")
+    model: dict[str, object] = {"name": args.served_name, "path": str(args.model_dir), "llm": llm}
+    config: dict[str, object] = {"models": [model]}
+    if args.pin and args.others_cores is not None:
+        model["encoder"] = {"deployment": {"cpu_affinity": args.others_cores}}
+        config["ingress"] = {"deployment": {"cpu_affinity": args.others_cores}}
+    return json.dumps(config)  # YAML reads JSON
+
+
+def pin_cores(args: argparse.Namespace) -> tuple[str, str]:
+    """``--pin-cores A,B``: colocated replica 1 / the prefill replica on A, replica 2 / decode on B."""
+    cores = [c.strip() for c in args.pin_cores.split(",") if c.strip()]
+    if len(cores) != 2 or not all(c.isdigit() for c in cores) or cores[0] == cores[1]:
+        raise SystemExit(f"--pin-cores: two distinct core numbers A,B, got {args.pin_cores!r}")
+    return cores[0], cores[1]
+
+
+def _pinned(deployment: dict[str, object], cores: str | None) -> dict[str, object]:
+    return deployment if cores is None else {**deployment, "cpu_affinity": cores}
 
 
 def mmserve_server(args: argparse.Namespace, name: str, port: int) -> ServerProcess:
@@ -84,8 +112,10 @@ def run_server(
         )
         asyncio.run(run_mixed(server.base_url + "/v1", warm, run="warm-up"))
         stats_before, cpu_before = pool_stats(server.base_url), server.snapshot()
+        load_before = os.getloadavg()[0]
         results, wall_s = asyncio.run(run_mixed(server.base_url + "/v1", load, run="measured"))
         cpu_after, stats_after = server.snapshot(), pool_stats(server.base_url)
+        host_load = (load_before, os.getloadavg()[0])  # the host's 1-min load average around the load
     finally:
         server.stop()
         left = server.leftovers()
@@ -101,6 +131,8 @@ def run_server(
         "summary": summary.as_dict(),
         "cpu_ms_per_request": sum(c.cpu_ms for c in costs) / max(1, summary.completed),
         "kv": kv_transfer(stats_before, stats_after),
+        "cores": replica_cores(stats_after),
+        "host_load": host_load,
         "errors": errors,
     }
 
@@ -116,6 +148,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mmserve-args", default="", help="more `mmserve serve` flags for both mmserve servers")
     p.add_argument("--peer-dir", type=Path, default=REPO.parent / "shared/tools/peer_vllm")
     p.add_argument("--vllm-venv", type=Path, default=Path("/tmp/peer_vllm/venv"))
+    p.add_argument(
+        "--pin",
+        action="store_true",
+        help="each LLM replica on a core of its own (colocated: one per replica; pd: prefill, decode)",
+    )
+    p.add_argument("--pin-cores", default="0,1", help="--pin: the two LLM cores, A,B")
+    p.add_argument(
+        "--others-cores",
+        default=None,
+        help="--pin: the encoder's and the ingress's cpu_affinity (e.g. 0); default: not pinned",
+    )
     p.add_argument("--colocated-port", type=int, default=8731)
     p.add_argument("--pd-port", type=int, default=8732)
     p.add_argument("--vllm-port", type=int, default=8733)
@@ -179,8 +222,14 @@ def main(argv: list[str] | None = None) -> int:
         except RuntimeError as e:
             log(f"{key} failed: {e}")
             failed.append(f"{key}: {str(e).splitlines()[0]}")
+    pinned = (
+        f"pinned: LLM replicas on cores {args.pin_cores} (colocated one each, pd prefill then decode), encoder "
+        f"and ingress {'on ' + args.others_cores if args.others_cores else 'not pinned'}"
+        if args.pin
+        else "not pinned"
+    )
     header = (
-        f"model_dir={args.model_dir}; load: {load.describe()}; SLO: {slo.describe()}; cores={os.cpu_count()}, "
+        f"model_dir={args.model_dir}; {pinned}; load: {load.describe()}; SLO: {slo.describe()}; cores={os.cpu_count()}, "
         f"load average at start {load_avg:.2f}, at end {os.getloadavg()[0]:.2f}"
     )
     if failed:

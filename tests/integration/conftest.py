@@ -13,6 +13,7 @@ traceback lives in the ingress replica's log, which a CI run does not keep).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Generator
 from pathlib import Path
 
@@ -98,6 +99,11 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
         close_shared_app()
 
 
+# vl_pair_app's two tiny-qwen2-vl LLM replicas: one set of cores each ("0|1"), or not pinned on one core
+_CORES = sorted(os.sched_getaffinity(0))
+PAIR_CORES = f"{_CORES[0]}|{_CORES[1]}" if len(_CORES) >= 2 else None
+
+
 @pytest.fixture(scope="module")
 def vl_pair_app(tmp_path_factory: pytest.TempPathFactory) -> OpenAI:
     """The tiny Qwen2-VL with two LLM replicas (test_prefix_affinity.py: which replica a conversation
@@ -109,7 +115,8 @@ def vl_pair_app(tmp_path_factory: pytest.TempPathFactory) -> OpenAI:
         {
             "name": "tiny-qwen2-vl",
             "tiny": "qwen2-vl",
-            "llm": {"deployment": {"num_replicas": 2}},
+            # each replica on a core of its own where the machine has two (test_prefix_affinity.py)
+            "llm": {"deployment": {"num_replicas": 2, "cpu_affinity": PAIR_CORES}},
             "encoder": {"cache_index_shards": 1},
         },
         {"name": "tiny-qwen3-vl", "tiny": "qwen3-vl"},

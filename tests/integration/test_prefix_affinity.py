@@ -105,3 +105,15 @@ def test_an_image_conversation_repeated_hits_the_replica_that_holds_it(app: dict
         cached = again.usage.prompt_tokens_details.cached_tokens
         assert cached >= (prompt - 1) // block * block - block, (i, prompt, cached)
         assert again.choices[0].message.content == first[i].choices[0].message.content
+
+
+def test_each_replica_runs_on_the_core_its_pool_gave_it(app: dict[str, Any]) -> None:
+    """``deployment.cpu_affinity: "A|B"`` (tests/integration/conftest.py): each of the two replicas
+    claimed one of the sets on this node, and every thread of its process runs on that core alone."""
+    from tests.integration.conftest import PAIR_CORES
+
+    if PAIR_CORES is None:
+        pytest.skip("one core: the pair is not pinned")
+    cores = [s["cpu_affinity"] for s in _replica_stats().values()]
+    want = [[int(c)] for c in PAIR_CORES.split("|")]
+    assert sorted(cores) == sorted(want), cores

@@ -74,6 +74,9 @@ max_queued_requests: {{ .pool.maxQueuedRequests | toJson }}
 {{- if hasKey .pool "gracefulShutdownTimeoutS" }}
 graceful_shutdown_timeout_s: {{ .pool.gracefulShutdownTimeoutS | toJson }}
 {{- end }}
+{{- if hasKey .pool "cpuAffinity" }}
+cpu_affinity: {{ .pool.cpuAffinity | toJson }}
+{{- end }}
 {{- with .resources }}
 resources: {{ toJson . }}
 {{- end }}

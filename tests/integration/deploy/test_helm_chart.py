@@ -332,3 +332,24 @@ def test_a_models_chat_template_and_tool_call_parser_reach_the_app() -> None:
     vals["models"][0]["reasoning_parser"] = "deepseek_r1"
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(vals, schema)
+
+
+def test_cpu_affinity_reaches_each_pool_and_bad_forms_are_refused() -> None:
+    """``pools.<pool>.cpuAffinity``: the pool's ``deployment.cpu_affinity`` (E/P/D's roles each their own,
+    over pools.llm's); unset: not pinned; a form that is no core list fails the schema."""
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    (m,) = _serve_config(values).models
+    assert m.llm.deployment.cpu_affinity is None  # off by default
+    values["models"][0]["llm"]["pools"] = [{"role": "prefill"}, {"role": "decode"}]
+    values["pools"]["llm"]["cpuAffinity"] = "0-1"
+    values["pools"]["decode"] = {"cpuAffinity": "2|3"}
+    values["pools"]["ingress"]["cpuAffinity"] = [4]
+    cfg = _serve_config(values)
+    (m,) = cfg.models
+    assert (m.llm.pool("prefill").cpu_affinity, m.llm.pool("decode").cpu_affinity) == ("0-1", "2|3")
+    assert cfg.ingress.deployment.cpu_affinity == [4] and m.encoder.deployment.cpu_affinity is None
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    for bad in ("0-", "a", [-1], []):
+        values["pools"]["encoder"]["cpuAffinity"] = bad
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(values, schema)

@@ -116,7 +116,57 @@ def test_render_gives_the_ratios_over_colocated() -> None:
         }
         return {"server": name, "summary": summary, "kv": None, "cpu_ms_per_request": 100.0}
 
-    text = render([row("colocated", 0.4, 1.0), row("pd", 0.1, 1.5)], "header")
+    text = render([row("colocated", 0.4, 1.0), {**row("pd", 0.1, 1.5), "host_load": [1.25, 3.0]}], "header")
     assert "| pd | 0.25 | 0.25 | 1.50 |" in text
+    assert "| 100 | - |" in text and "| 100 | 1.2 → 3.0 |" in text  # the host's load around each load
     assert "| colocated | 1.00 | 1.00 | 1.00 |" in text
     assert "1000 / 2000" in text and "- / -" in text
+
+
+def test_pinned_configs_give_each_llm_replica_a_core_and_the_others_the_same() -> None:
+    import json
+
+    from cluster.bench.pd_vs_colocated import mmserve_config, parse_args
+    from cluster.config import AppConfig
+
+    def config(argv: list[str], pd: bool) -> AppConfig:
+        return AppConfig.model_validate(json.loads(mmserve_config(parse_args(argv), pd)))
+
+    plain = config([], pd=False)
+    assert all(d.cpu_affinity is None for d in plain.pool_deployments().values())
+    coloc = config(["--pin", "--pin-cores", "2,3"], pd=False).pool_deployments()
+    assert coloc["LLMServer-epd-qwen2-vl"].cpu_affinity == "2|3"  # one core per replica
+    assert coloc["LLMServer-epd-qwen2-vl"].num_replicas == 2
+    assert coloc["EncoderServer-epd-qwen2-vl"].cpu_affinity is None is coloc["IngressServer"].cpu_affinity
+    pd = config(["--pin", "--pin-cores", "2,3", "--others-cores", "0"], pd=True).pool_deployments()
+    assert (
+        pd["LLMPrefillServer-epd-qwen2-vl"].cpu_affinity,
+        pd["LLMDecodeServer-epd-qwen2-vl"].cpu_affinity,
+    ) == (
+        "2",
+        "3",
+    )
+    assert pd["EncoderServer-epd-qwen2-vl"].cpu_affinity == "0" == pd["IngressServer"].cpu_affinity
+    with pytest.raises(SystemExit, match="--pin-cores"):
+        mmserve_config(parse_args(["--pin", "--pin-cores", "1,1"]), pd=True)
+
+
+def test_replica_cores_read_every_replicas_cpu_affinity() -> None:
+    from cluster.bench.pd_report import cores_line, replica_cores
+
+    stats = {
+        "m": {
+            "pools": {
+                "llm_replicas": {
+                    "a1": {"role": "prefill", "cpu_affinity": [0]},
+                    "b2": {"role": "decode", "cpu_affinity": [1]},
+                },
+                "preparing_replica": {"replica_id": "e3", "cpu_affinity": [0, 1]},
+            }
+        }
+    }
+    cores = replica_cores(stats)
+    assert cores == {"prefill/a1": [0], "decode/b2": [1], "encoder/e3": [0, 1]}
+    line = cores_line([{"server": "pd", "cores": cores}, {"server": "vllm", "cores": {}}])
+    assert line == "Replicas' cores (cpu_affinity): pd: decode/b2 1, encoder/e3 0-1, prefill/a1 0"
+    assert cores_line([{"server": "vllm"}]) == ""
