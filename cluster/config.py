@@ -102,6 +102,12 @@ class LLMConfig(_Strict):
         ge=0,
         description="hybrid models: besides prompt ends, a state snapshot every this many prompt blocks; 0: none",
     )
+    kv_swap_space_mib: float | None = Field(
+        None,
+        ge=0,
+        description="E/P/D decode replicas: host memory for preempted media requests' KV copies, MiB; "
+        "default the KV cache's size; a copy past it ends its request with a retryable 503",
+    )
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=16)
     enable_prefix_caching: bool = True

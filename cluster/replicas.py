@@ -192,6 +192,7 @@ class LLMServer(llm_serve.LLMServer, DirectLLM):
             num_state_slots=llm.num_state_slots,
             num_state_snapshots=llm.num_state_snapshots,
             snapshot_interval_blocks=llm.snapshot_interval_blocks,
+            kv_swap_space_mib=llm.kv_swap_space_mib,
             sliding_window_blocks=llm.sliding_window_blocks,
             max_num_seqs=llm.max_num_seqs,
             max_num_batched_tokens=llm.max_num_batched_tokens,

@@ -39,6 +39,10 @@ class EngineConfig:
     # their own blocks, only those their window still reads (``window_kv_cache_manager.py``); False:
     # one block table for every layer, blocks held for the whole context (the comparison)
     sliding_window_blocks: bool = True
+    # E/P/D decode replicas: host memory for the KV of preempted requests that cannot recompute
+    # (their media's embeddings are not here: llm_service/kv_swap.py), in MiB; None: the KV cache's
+    # own size. A preempted request whose copy would pass it ends with a retryable 503 instead.
+    kv_swap_space_mib: float | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.max_model_len <= 0:
@@ -53,6 +57,8 @@ class EngineConfig:
             raise ValueError("num_state_snapshots must not be negative")
         if self.snapshot_interval_blocks < 0:
             raise ValueError("snapshot_interval_blocks must not be negative")
+        if self.kv_swap_space_mib is not None and self.kv_swap_space_mib < 0:
+            raise ValueError("kv_swap_space_mib must not be negative")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ValueError("kv_cache_memory_fraction must be in (0, 1]")
         if self.dtype not in ("float32", "bfloat16", "float16"):

@@ -9,15 +9,16 @@ the others share one generator.
 
 ``top_p`` is a rejection loop rather than a sort: keep the token drawn when the tokens heavier than it
 weigh less than ``top_p`` of the row (it is in the nucleus), else draw again among the tokens heavier
-than the one drawn (still a superset of the nucleus). Only the top-p rows are checked, and a round
+than the one drawn (still a superset of the nucleus). A round
 keeps the heavier-only weights it checked for the next (no recomputation). Given acceptance the token is distributed as the
 renormalised nucleus, whatever round accepts it; rows still drawing after ``TOP_P_ROUNDS`` take the
 sorted nucleus (``top_p_mask``) and one more draw. Tokens tied with a token at the nucleus' edge are
 kept with it. Since the top weight is 1, the weight above a token is 0 (it is the top one) or at least
 1: a bound clamped to 1/2 accepts the top token even when ``top_p`` rounds to 0.
 
-Comparisons are written as ``sign`` / ``relu`` arithmetic on float tensors where that is the cheaper
-CPU kernel (a bool result and a masked fill cost several times a float op at these sizes).
+At 32 rows of a small vocabulary each tensor operation costs its dispatch (~5 us on CPU) more than its
+arithmetic, so the step is written for fewer operations: in-place where it can, a comparison multiplied
+in rather than turned into arithmetic, no row gather when every row takes part.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from llm_service.sampling_batch import Floors, SamplingBatch, TopP
 
 TOP_P_CANDIDATES = 1024  # top-p looks at this many tokens first (a partial sort), the rest only if it must
 TOP_P_ROUNDS = 8  # rejection rounds before a row's nucleus is sorted
+U_MAX = 1.0 - 2.0**-22  # the largest uniform the inverse CDF uses (below 1 by more than float32's rounding)
 
 
 def draw(x: torch.Tensor, batch: SamplingBatch, generators: list[torch.Generator]) -> list[int]:
@@ -46,23 +48,25 @@ def draw(x: torch.Tensor, batch: SamplingBatch, generators: list[torch.Generator
 
 def weights(x: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     """Each row's unnormalised probabilities at its temperature; the top one is exactly 1."""
-    return ((x - x.amax(-1, keepdim=True)) / temperature).exp_()
+    return (x - x.amax(-1, keepdim=True)).div_(temperature).exp_()
 
 
 def apply_floors(w: torch.Tensor, floors: Floors) -> None:
     """Zero, in place, the weights under each floored row's floor (ties with it are kept)."""
-    rows = w.index_select(0, floors.rows)
+    every = floors.rows.shape[0] == w.shape[0]  # the floored rows are 0..n-1 (``SamplingBatch``)
+    rows = w if every else w.index_select(0, floors.rows)
     floor = floors.min_p
     if floors.max_k:
         kth = torch.topk(rows, floors.max_k, dim=-1, sorted=True).values.gather(1, floors.k_index)
         floor = torch.maximum(floor, kth * floors.has_k)
-    keep = (rows - floor).sign_().add_(1.0).clamp_(max=1.0)  # 1 where weight >= floor, else 0
-    w.index_copy_(0, floors.rows, rows.mul_(keep))
+    rows.mul_(rows >= floor)
+    if not every:
+        w.index_copy_(0, floors.rows, rows)
 
 
 def _heavier_only(w: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
     """``w`` with only the tokens heavier than each row's ``picked`` token (an index column) kept."""
-    return w * (w - w.gather(1, picked.unsqueeze(1))).sign_().relu_()
+    return w * (w > w.gather(1, picked.unsqueeze(1)))
 
 
 def _uniforms(generators: list[torch.Generator], device: torch.device) -> torch.Tensor:
@@ -86,12 +90,12 @@ def _uniforms(generators: list[torch.Generator], device: torch.device) -> torch.
 def _inverse_cdf(w: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Row ``i``'s token drawn from the weights ``w[i]`` (>= 0, not normalised) by the uniform
     ``u[i]``, and the row's total weight: the first token whose cumulative weight passes ``u * total``.
-    The target is held below the total (a float product can round up to it), so the token found
-    always weighs more than 0."""
+    The uniform is held at most ``U_MAX``, so the float32 target stays below the total (a product of
+    ``u < 1`` may round up to it; ``U_MAX * total`` cannot): the token found always weighs more than 0."""
     cdf = w.cumsum(-1)
-    total = cdf[:, -1]
-    target = (u * total).minimum(total.nextafter(torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1), total
+    total = cdf[:, -1:]
+    target = u.unsqueeze(1).clamp_max_(U_MAX).mul_(total)
+    return torch.searchsorted(cdf, target, right=True).squeeze(1), total.squeeze(1)
 
 
 def _nucleus(
@@ -103,22 +107,21 @@ def _nucleus(
     tokens: list[int],
 ) -> None:
     """Replace in ``tokens`` each first draw (``idx``) of a top-p row that fell outside its nucleus
-    by one inside it (the module's docstring), touching only the top-p rows."""
-    rows = nucleus.rows_list
-    if len(rows) < w.shape[0]:
-        w, idx, total = (t.index_select(0, nucleus.rows) for t in (w, idx, total))
-    bound = (nucleus.top_p * total).clamp_(min=0.5)  # the mass a kept token's heavier ones stay under
+    by one inside it (the module's docstring). The first check runs on every drawing row (a row
+    without top-p has an infinite bound: gathering the top-p rows first costs more operations than
+    checking the others); the later rounds only on the rows still drawing."""
+    bound = (nucleus.scale * total).clamp_(min=0.5)  # the mass a kept token's heavier ones stay under
     heavier = _heavier_only(w, idx)
     ok = (heavier.sum(-1) < bound).tolist()
     active = [k for k, good in enumerate(ok) if not good]
     if not active:
         return
     at = torch.tensor(active, device=w.device)
-    heavier, bound, top_p, whole = (t.index_select(0, at) for t in (heavier, bound, nucleus.top_p, w))
+    heavier, bound, top_p, whole = (t.index_select(0, at) for t in (heavier, bound, nucleus.scale, w))
     for _ in range(TOP_P_ROUNDS - 1):
-        picked, _ = _inverse_cdf(heavier, _uniforms([generators[rows[k]] for k in active], w.device))
+        picked, _ = _inverse_cdf(heavier, _uniforms([generators[k] for k in active], w.device))
         for k, tok in zip(active, picked.tolist(), strict=True):
-            tokens[rows[k]] = tok
+            tokens[k] = tok
         heavier = _heavier_only(heavier, picked)
         ok = (heavier.sum(-1) < bound).tolist()
         if all(ok):
@@ -129,9 +132,9 @@ def _nucleus(
             at = torch.tensor(again, device=w.device)
             heavier, bound, top_p, whole = (t.index_select(0, at) for t in (heavier, bound, top_p, whole))
     kept = top_p_mask(whole.log(), top_p).exp_()
-    picked, _ = _inverse_cdf(kept, _uniforms([generators[rows[k]] for k in active], w.device))
+    picked, _ = _inverse_cdf(kept, _uniforms([generators[k] for k in active], w.device))
     for k, tok in zip(active, picked.tolist(), strict=True):
-        tokens[rows[k]] = tok
+        tokens[k] = tok
 
 
 def top_p_mask(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from llm_service.engine_handoff import EngineHandoffs
 from llm_service.errors import RequestFaults, RequestRejected
 from llm_service.hybrid_kv_cache_manager import HybridKVCacheManager
 from llm_service.kv_cache_manager import KVCacheManager, cdiv
+from llm_service.kv_io import swap_sizes
 from llm_service.kv_swap import SwapSpace
 from llm_service.model_runner import ModelRunner
 from llm_service.multimodal import MultiModalInput
@@ -63,7 +64,10 @@ class LLMEngine(EngineHandoffs):
         self._imported: list[Request] = []  # admitted since the last step: their first token is due
         self._firsts: dict[str, RequestOutput] = {}  # their first outputs, as the prefill side gave them
         self._ended: list[RequestOutput] = []  # early imports whose first token ended them: to emit
-        self.swap = SwapSpace()  # decode side: preempted imports' KV in host memory (llm_service/kv_swap.py)
+        # decode side: preempted imports' KV in host memory, within its budget (llm_service/kv_swap.py)
+        self.swap = self._make_swap_space()
+        self.scheduler.swap_room = self.swap.room
+        self._failed: list[tuple[str, BaseException]] = []  # ended by the engine with a coded error
 
     @property
     def grammars(self) -> GrammarBackend:
@@ -87,6 +91,24 @@ class LLMEngine(EngineHandoffs):
         if backend is None:
             backend = await asyncio.to_thread(lambda: self.grammars)
         await backend.compile_async(spec)
+
+    def _make_swap_space(self) -> SwapSpace:
+        r = self.runner
+        sizes = swap_sizes(r)
+        budget = self.config.kv_swap_space_mib
+        if budget is None:  # the KV cache's own size
+            window = r.num_window_blocks if r.window is not None else 0
+            states = r.num_state_slots if r.linear_states is not None else 0
+            total = r.num_blocks * sizes.block + window * sizes.window_block + states * sizes.state
+        else:
+            total = int(budget * 2**20)
+        return SwapSpace(sizes, total)
+
+    def take_failed(self) -> list[tuple[str, BaseException]]:
+        """Requests the engine ended since the last call with a coded error for their caller (a swap
+        past its budget: ``SwapSpaceFull``); their blocks are freed already."""
+        out, self._failed = self._failed, []
+        return out
 
     def _make_kv_manager(self) -> KVCacheManager:
         """Blocks for every model; for a hybrid one also its state-cache slots (``linear_states``)."""
@@ -187,6 +209,9 @@ class LLMEngine(EngineHandoffs):
         """One engine iteration; returns the requests that got a new token (finished ones included)
         and those whose computation failed in it (``finish_reason="error"``, see ``_execute``)."""
         sched = self.scheduler.schedule()
+        for refused in sched.swap_refused:  # retired by the scheduler, their blocks freed
+            self.runner.release(refused.request.request_id)
+            self._failed.append((refused.request.request_id, self.swap.refusal(refused)))
         self.swap.apply(sched, self.runner, self.kv)
         sampled, faults = self._execute(sched)
         self.runner.accept_sampled(sampled)  # the grammars advance only once the step stands

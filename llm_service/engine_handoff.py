@@ -103,10 +103,7 @@ class EngineHandoffs:
                 f"free: {self._free_for_import()}"
             )
         self._importing[request_id] = req
-        ours = req.block_hashes[: len(block_hashes)]
-        if self.kv.enable_caching and block_hashes and ours != list(block_hashes):
-            self.cancel_import(request_id)
-            raise KVTransferFailed(f"{request_id}: the prefill side's block hashes differ from this side's")
+        self.check_import_hashes(request_id, block_hashes)
         window_from, window_ids = self.kv.import_window(request_id, hits)
         slots = ImportSlots(hits, self.kv.block_table(request_id)[hits:], window_from, window_ids)
         if isinstance(self.kv, HybridKVCacheManager) and req.state is not None:
@@ -114,6 +111,22 @@ class EngineHandoffs:
                 slots, state_slot=req.state.slot, snapshot_slot=self.kv.import_snapshot(req)
             )
         return slots
+
+    def check_import_hashes(self, request_id: str, block_hashes: Sequence[bytes]) -> None:
+        """The prefill side's chained hashes of the prompt's full blocks equal this side's (the same
+        tokens, items and salt), else the import is cancelled (its blocks freed) and
+        ``KVTransferFailed`` raised. Checked at the reservation (``KVHandoff.block_hashes``), or, for
+        an early hand-off, whose answer came before the prefill side had hashed anything, with its last
+        pull (``KVBlocks.block_hashes``) before the blocks are registered under this side's hashes."""
+        req = self._importing.get(request_id)
+        if req is None or not self.kv.enable_caching or not block_hashes:
+            return
+        # an early import hashed its prompt without its first token: its last full block is hashed
+        # once that token is in (``admit_import``), so it may have one hash fewer than the prefill side
+        n = min(len(req.block_hashes), len(block_hashes))
+        if len(req.block_hashes) < len(block_hashes) - 1 or req.block_hashes[:n] != list(block_hashes[:n]):
+            self.cancel_import(request_id)
+            raise KVTransferFailed(f"{request_id}: the prefill side's block hashes differ from this side's")
 
     def _free_for_import(self) -> str:
         """What this replica has free of what an import takes (the refusal's message)."""

@@ -253,6 +253,8 @@ class EngineLoop:
             outputs, self.last_step_s = [], None
         take_parked = getattr(self.engine, "take_parked", None)
         parked = take_parked() if take_parked is not None else []
+        if (take_failed := getattr(self.engine, "take_failed", None)) is not None:
+            errors += take_failed()  # ended by the engine with a coded error (a swap past its budget)
         self.last_stats = self.engine.stats()
         scheduler = getattr(self.engine, "scheduler", None)
         waiting = [*getattr(scheduler, "waiting", ()), *getattr(scheduler, "parked", {}).values()]

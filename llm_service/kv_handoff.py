@@ -122,6 +122,9 @@ class KVBlocks:
     state_dtypes: list[str] = field(default_factory=list)
     states: list[bytes] = field(default_factory=list)
     first: RequestOutput | None = None  # an early hand-off's last pull: its first output
+    # an early hand-off's last pull: the prompt's full blocks' chained hashes, as the prefill side
+    # computed them (a plain hand-off sends them in ``KVHandoff.block_hashes``), checked by the decode side
+    block_hashes: tuple[bytes, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -197,6 +200,11 @@ class HandoffPins:
     def done(self, request_id: str) -> bool:
         """The pull ended (sent or failed): True if the caller should free the blocks now."""
         return self._pins.pop(request_id, None) is not None
+
+    def drop(self, request_id: str) -> bool:
+        """Its hand-off was abandoned (every decode replica refused it): True if unpulled (dropped:
+        the caller frees the blocks now, not at the deadline); a pull in progress keeps it."""
+        return self.expire(request_id)
 
     def expire(self, request_id: str, generation: int | None = None) -> bool:
         """Its deadline: True if unpulled (dropped: the caller frees the blocks); a pull in progress

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from llm_service.kv_handoff import KVBlocks
+from llm_service.kv_swap import SwapSizes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -102,6 +103,21 @@ def write_kv_blocks(
                 rec[slot].copy_(tensors[2 * (k * len(pairs) + j) + 1])
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
+
+
+def swap_sizes(runner: Any) -> SwapSizes:
+    """Host bytes of what ``read_kv_blocks`` copies per full-attention block (every full layer's K
+    and V), per sliding-window block, and per state slot: a swap's size before it is read."""
+    windowed = _windowed_caches(runner)
+    per = [c[:, 0].numel() * c.element_size() for c in runner.kv_caches]
+    state = 0
+    if (states := getattr(runner, "linear_states", None)) is not None:
+        state = sum(t[0].numel() * t.element_size() for t in (*states.conv, *states.recurrent))
+    return SwapSizes(
+        sum(n for n, w in zip(per, windowed, strict=True) if not w),
+        sum(n for n, w in zip(per, windowed, strict=True) if w),
+        state,
+    )
 
 
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}

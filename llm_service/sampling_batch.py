@@ -37,11 +37,10 @@ class Floors:
 
 @dataclass(frozen=True)
 class TopP:
-    """The random rows with ``top_p < 1`` (``rows`` index ``SamplingBatch.random``'s tensors)."""
+    """Each random row's ``top_p`` (indexed as ``SamplingBatch.random``), ``inf`` where it is 1: a
+    bound no token's heavier mass reaches."""
 
-    rows: torch.Tensor  # [n] long
-    rows_list: list[int]
-    top_p: torch.Tensor  # [n]
+    scale: torch.Tensor  # [len(random)]
 
 
 @dataclass(frozen=True)
@@ -130,12 +129,8 @@ def _column(values: list[float], device: torch.device) -> torch.Tensor:
 
 
 def _nucleus(top_p: list[float], device: torch.device) -> TopP:
-    rows = [j for j, p in enumerate(top_p) if p < 1.0]
-    return TopP(
-        torch.tensor(rows, dtype=torch.long, device=device),
-        rows,
-        torch.tensor([top_p[j] for j in rows], dtype=torch.float32, device=device),
-    )
+    scale = [p if p < 1.0 else float("inf") for p in top_p]
+    return TopP(torch.tensor(scale, dtype=torch.float32, device=device))
 
 
 def _floors(drawn: list[SamplingParams], vocab: int, device: torch.device) -> Floors | None:

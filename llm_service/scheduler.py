@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from llm_service.kv_cache_manager import KVCacheManager, cdiv
@@ -64,6 +65,7 @@ class SchedulerOutput:
     preempted: list[str] = field(default_factory=list)
     swapped_out: list[SwapOut] = field(default_factory=list)
     swapped_in: list[Request] = field(default_factory=list)  # blocks allocated: write their KV back
+    swap_refused: list[SwapOut] = field(default_factory=list)  # past the swap budget: retired, to fail
 
     @property
     def num_tokens(self) -> int:
@@ -128,6 +130,8 @@ class Scheduler:
         # Prefill replicas (E/P/D): requests that left with their first token, their blocks still held
         # for a decode replica's pull (``release_handoff``)
         self.handed_off: dict[str, Request] = {}
+        # Decode replicas (E/P/D): room for a swap's host copy, reserved (llm_service/kv_swap.py's budget)
+        self.swap_room: Callable[[SwapOut], bool] = lambda _: True
 
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -282,7 +286,14 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         if req.imported and req.missing:  # no embeddings to recompute its prompt with: swap it
-            out.swapped_out.append(self._swap_out(req))
+            swap = self._swap_out(req)
+            if not self.swap_room(swap):  # its copy would pass the swap budget: it ends (the engine
+                out.swap_refused.append(swap)  # fails it, retryable), its blocks freed
+                self.requests.pop(req.request_id, None)
+                self.kv.free(req)
+                req.status = RequestStatus.FINISHED_ERROR
+                return
+            out.swapped_out.append(swap)
             req.swapped = True
         else:
             req.num_computed_tokens = 0

@@ -58,8 +58,11 @@ VICTIM = {"prefill-kill": PREFILL, "decode-kill": DECODE}
 PAUSE_S = 2.0  # the longest the decode replica stays stopped: under the links' 3 s heartbeat timeout
 
 
-def app_config(port: int, cache_dir: str, handoff_deadline_s: float = 30.0) -> dict[str, Any]:
-    """The app of the scenarios: the ingress on the head, every pool one replica on node A."""
+def app_config(
+    port: int, cache_dir: str, handoff_deadline_s: float = 30.0, kv_pull_chunks: bool = False
+) -> dict[str, Any]:
+    """The app of the scenarios: the ingress on the head, every pool one replica on node A;
+    ``kv_pull_chunks``: the pulls overlap the prefill, chunk by chunk (early hand-offs)."""
     one = {"num_replicas": 1, "num_cpus": 0.2}
     return common.app_config(
         port,
@@ -70,6 +73,7 @@ def app_config(port: int, cache_dir: str, handoff_deadline_s: float = 30.0) -> d
             "num_kv_blocks": 512,
             "handoff_deadline_s": handoff_deadline_s,
             "kv_transfer_timeout_s": 10.0,
+            "kv_pull_chunks": kv_pull_chunks,
             "pools": [
                 {"role": "prefill", "deployment": {**one, "resources": {"prefill_node": 0.01}}},
                 {"role": "decode", "deployment": {**one, "resources": {"decode_node": 0.01}}},
@@ -178,6 +182,11 @@ def settle_and_read_leaks(timeout_s: float) -> dict[str, object]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = common.argument_parser("cluster.bench.chaos_pd", __doc__ or "", SCENARIOS, port=8473)
     p.add_argument("--max-tokens", type=int, default=24, help="long enough that decodes are in flight")
+    p.add_argument(
+        "--kv-pull-chunks",
+        action="store_true",
+        help="llm.kv_pull_chunks: early hand-offs, pulled chunk by chunk",
+    )
     return common.parse_scenarios(p, SCENARIOS, argv)
 
 
@@ -191,7 +200,7 @@ log = common.logger("chaos-pd")
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     log("starting a 2-node cluster and the E/P/D app ...")
-    config = app_config(args.port, args.models_dir)
+    config = app_config(args.port, args.models_dir, kv_pull_chunks=args.kv_pull_chunks)
     with chaos_cluster(args.port, config, WORKER) as cc:
         reports = asyncio.run(run_all(cc, args))
     print(render(reports), flush=True)

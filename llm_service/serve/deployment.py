@@ -367,9 +367,24 @@ class LLMServer:
             yield batch
 
     async def abort(self, target: ReplicaTarget) -> None:
+        """Stop the requests; on a prefill replica, also give up their hand-offs (pins freed now)."""
         for rid in target.request_ids:
             self.channels.forget(rid)
             self.loop.abort(rid)
+            if self._prefill is not None:
+                await self._prefill.abandon(rid)
+
+    def _swap_counters(self) -> dict[str, float]:
+        """A decode replica's swap space (llm_service/kv_swap.py): swaps so far, host bytes held
+        now, its budget, and the requests ended because their copy would have passed it."""
+        assert self._decode is not None
+        swap = self._decode.engine.swap
+        return {
+            "kv_swapped_out": swap.swapped_out,
+            "kv_swap_bytes": swap.held_bytes,
+            "kv_swap_budget_bytes": swap.budget_bytes or 0,
+            "kv_swap_refused": swap.refused,
+        }
 
     def _engine_stats(self) -> EngineStats:
         return self.loop.last_stats or self.engine.stats()
@@ -395,7 +410,7 @@ class LLMServer:
             **self.loop.step_clock.stats(),
             **(self.kv_stats.as_dict() if self.role != "both" else {}),
             **({"kv_pins_held": len(self._prefill.pins)} if self._prefill is not None else {}),
-            **({"kv_swapped_out": self._decode.engine.swap.swapped_out} if self._decode is not None else {}),
+            **(self._swap_counters() if self._decode is not None else {}),
         }
 
     def record_routing_stats(self) -> dict[str, object]:

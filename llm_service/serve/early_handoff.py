@@ -41,7 +41,7 @@ class EarlyHandoffs:
     def __init__(self, handoffs: PrefillHandoffs) -> None:
         self.h = handoffs
         self._firsts: dict[str, asyncio.Future[RequestOutput]] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: dict[str, asyncio.Task[None]] = {}  # waiting for their first output
         self._stepped: asyncio.Event | None = None  # set (and replaced) after every engine step
 
     def on_step(self) -> None:
@@ -58,8 +58,8 @@ class EarlyHandoffs:
         future.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._firsts[rid] = future
         task = loop.create_task(self._first(rid, outs, future))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks[rid] = task
+        task.add_done_callback(lambda t: self._tasks.pop(rid, None) if self._tasks.get(rid) is t else None)
         n = len(spec.prompt_token_ids)
         blocks, window, states = h.engine.import_needs(n)
         return KVHandoff(
@@ -98,6 +98,17 @@ class EarlyHandoffs:
             del self._firsts[request_id]
             if not future.done():
                 future.cancel()
+
+    async def abandon(self, request_id: str) -> bool:
+        """The ingress gave the hand-off up: a prefill still running is aborted (closing its stream
+        aborts it in the engine), its first output forgotten. True if it held the request."""
+        task, future = self._tasks.get(request_id), self._firsts.pop(request_id, None)
+        if task is not None:
+            task.cancel()
+            await asyncio.wait([task])
+        if future is not None and not future.done():
+            future.cancel()
+        return task is not None or future is not None
 
     def holds(self, request_id: str) -> bool:
         return request_id in self._firsts

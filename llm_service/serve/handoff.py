@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from llm_service.engine_loop import EngineLoop
+from llm_service.errors import RequestRejected
 from llm_service.kv_handoff import (
     DecodeRefused,
     HandoffPins,
@@ -45,6 +46,13 @@ def _on_thread_timed(fn: Callable[..., T], *args: object) -> tuple[T, float]:
     return out, time.thread_time() - t0
 
 
+def rejected(e: BaseException) -> bool:
+    """``e`` is the request's own fault, as the prefill replica found it (``RequestRejected``, or any
+    coded 4xx): the client gets it as it is, not a retryable failed transfer."""
+    status = getattr(e, "status_code", None)
+    return isinstance(e, RequestRejected) or (isinstance(status, int) and 400 <= status < 500)
+
+
 class KVSource(Protocol):
     """A link to a prefill replica (``mmcore.link.DirectLink`` in production)."""
 
@@ -58,6 +66,7 @@ class TransferStats:
     handoffs: int = 0  # prefill side: requests handed off
     pulls: int = 0  # prefill side: pulls served
     expired: int = 0  # prefill side: pins dropped unpulled at their deadline
+    abandoned: int = 0  # prefill side: hand-offs the ingress gave up on (freed at once, unpulled)
     imports: int = 0  # decode side: requests imported
     failed_imports: int = 0  # decode side: imports whose pull or write failed (blocks freed)
     refused_imports: int = 0  # decode side: imports refused as overloaded (nothing allocated)
@@ -152,10 +161,12 @@ class PrefillHandoffs:
         """Blocks ``from_block..`` of a handed-off request (window blocks ``window_from..``, and its
         linear-attention state), read to host memory; the pin ends with it. An early hand-off's pull
         waits for the first output and brings it (alone, no blocks, when it ended the request)."""
-        first = None
+        first: RequestOutput | None = None
+        hashes: tuple[bytes, ...] = ()
         if self.early.holds(request_id):
             first = await self.early.first(request_id)
-            self._held.pop(request_id, None)
+            if (early := self._held.pop(request_id, None)) is not None:
+                hashes = early.block_hashes
             if first.finish_reason != "handoff":
                 return KVBlocks(request_id, from_block, 0, "", [], [], first=first)
             first = replace(first, finished=False, finish_reason=None)
@@ -182,11 +193,25 @@ class PrefillHandoffs:
                 held.snapshot_slot,
             )
             self.stats.export_cpu_s += cpu_s
-            return blocks if first is None else replace(blocks, first=first)
+            return blocks if first is None else replace(blocks, first=first, block_hashes=hashes)
         finally:
             self.stats.pulls += 1
             if self.pins.done(request_id):
                 await self.loop.on_engine(self.engine.release_handoff, request_id)
+
+    async def abandon(self, request_id: str) -> None:
+        """The ingress gave the hand-off up (every decode replica refused it, or its client left):
+        its pin ends now, not at the deadline; an early one still prefilling is aborted. A pull in
+        progress runs to its end; unknown ids are ignored."""
+        early = await self.early.abandon(request_id)
+        if early:  # gone from the engine (its blocks freed) when this returns, not at its next step
+            await self.loop.on_engine(self.engine.abort, request_id)
+        dropped = self.pins.drop(request_id)
+        if dropped or early:
+            self._held.pop(request_id, None)
+            self.stats.abandoned += 1
+        if dropped:
+            await self.loop.on_engine(self.engine.release_handoff, request_id)
 
     def _expire(self, request_id: str, generation: int) -> None:
         if self.pins.expire(request_id, generation):
@@ -259,6 +284,8 @@ class DecodeImports:
                     pulled, nbytes = pulled + part.num_blocks, nbytes + part.nbytes
                     self.stats.blocks_overlapped += part.num_blocks
             blocks = last or await self._pull(h, rid, slots, received)
+            if blocks.block_hashes:  # an early hand-off's: its hashes came with its last pull
+                await self.loop.on_engine(self.engine.check_import_hashes, rid, blocks.block_hashes)
             if blocks.first is None or not blocks.first.finished:
                 k = received - slots.hit_blocks
                 await self._write(
@@ -276,8 +303,8 @@ class DecodeImports:
                 for w in writes:
                     w.exception()  # its own failure, if any, is this one's
             await self.loop.on_engine(self.engine.cancel_import, rid)
-            if isinstance(e, KVTransferFailed | asyncio.CancelledError):
-                raise
+            if isinstance(e, KVTransferFailed | asyncio.CancelledError) or rejected(e):
+                raise  # a request the prefill side rejected (after an early answer): its 4xx, as it is
             raise KVTransferFailed(
                 f"{rid}: KV pull from {h.replica_id} failed: {type(e).__name__}: {e}"
             ) from e

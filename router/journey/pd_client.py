@@ -13,7 +13,10 @@ successor, within ``reroute_timeout_s``); a transfer that fails (the prefill rep
 pin go: ``kv_transfer_failed``; the decode replica freed what it allocated) → prefilled again once;
 a decode replica lost before the request's first output → prefilled again and sent to another;
 a decode replica short of what the import needs (``DecodeRefused``: nothing allocated, the prefill
-replica's pin stands) → the same hand-off to another decode replica, the refusing ones last.
+replica's pin stands) → the same hand-off to another decode replica, the refusing ones last; when
+every one refused (or the hand-off failed otherwise), the prefill replica is told to let its pin go
+at once (``abort``), and the client gets the retryable 503 (its retry prefills again, mostly from that
+replica's prefix cache, where the freed blocks stay).
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ class PrefillPool(Protocol):
 
     @property
     def stats(self) -> UnaryMethod[Counters]: ...
+
+    @property
+    def abort(self) -> UnaryMethod[None]: ...
 
 
 MAX_DECODE_TRIES = 4  # decode replicas asked in turn while they refuse an import as overloaded
@@ -90,6 +96,7 @@ class PDClient(LLMClient):
         self._answered: dict[str, RequestOutput] = {}  # ended by their first token: no decode
         self.prefilled_again = 0
         self.decode_refusals = 0  # imports a decode replica refused as overloaded, sent to another
+        self.abandoned = 0  # hand-offs no decode replica took, whose pins the prefill replica freed at once
         self._prefill_replicas: dict[str, None] = {}  # every prefill replica that answered this client
 
     async def submit(self, spec: LLMRequestSpec) -> SubmitReply:
@@ -104,6 +111,13 @@ class PDClient(LLMClient):
             try:
                 return await self._submit_decode(spec, handoff)
             except BaseException as e:
+                # no decode replica took it (refused, failed, or the client left): the prefill replica
+                # lets its pin go now, not at its deadline (an early one still prefilling is aborted)
+                abandon = self._abandon(handoff)
+                if isinstance(e, asyncio.CancelledError):
+                    self._background(abandon)
+                else:
+                    await abandon
                 if attempt == 2 or not transfer_failed(e):
                     raise
                 logger.warning("KV transfer of %s failed (%r); prefilling it again", spec.request_id, e)
@@ -133,6 +147,23 @@ class PDClient(LLMClient):
                 if again:
                     await asyncio.sleep(min(0.05 * 2**tries, 0.5))
         raise AssertionError("unreachable: the last try returns or raises")
+
+    async def _abandon(self, handoff: KVHandoff) -> None:
+        """Tell the prefill replica holding ``handoff`` that no decode replica will pull it (its
+        ``abort``: the pin freed at once, an early hand-off's prefill stopped); a gone replica has
+        nothing left to free."""
+        target = ReplicaTarget(handoff.replica_id, request_ids=(handoff.request_id,))
+        try:
+            link = self.prefill_links.link(handoff.replica_id) if self.prefill_links is not None else None
+            if link is not None:
+                await asyncio.wait_for(link.call("abort", target), self.connect_timeout_s)
+            else:
+                await asyncio.wait_for(self.prefill_pool.abort.remote(target), self.connect_timeout_s)
+            self.abandoned += 1
+        except Exception:
+            logger.debug(
+                "abandoning %s's hand-off on %s failed", handoff.request_id, handoff.replica_id, exc_info=True
+            )
 
     async def replica_stats(self, timeout_s: float = 5.0) -> dict[str, dict[str, object]]:
         """The decode replicas' counters (``LLMClient``'s), then each prefill replica's that answered."""

@@ -23,6 +23,25 @@ def free_port() -> int:
     return free_loopback_port()
 
 
+def seed_tiny_models(config: dict[str, Any]) -> None:
+    """Each ``tiny:`` model of an AppConfig dict copied into its ``models_cache_dir`` from this test
+    process's own (tests/tiny_dirs.py, made once per process), where cluster/model_dirs.py would have
+    the first replica generate it: the bytes are the same (the generator is deterministic), but then no
+    replica imports the generator (torch's and transformers' modeling modules, ~3 CPU-s) nor makes the
+    pool's other replicas wait on its lock. The apps of tests/integration/e2e/, test_deploy_cli.py and
+    test_graceful_drain.py still generate theirs on their replicas."""
+    import shutil
+    from pathlib import Path
+
+    from tests.tiny_dirs import tiny_model_dir
+
+    root = Path(str(config.get("models_cache_dir", "~/.cache/mmserve/models"))).expanduser()
+    for model in config.get("models", []):
+        target = root / f"tiny-{model.get('tiny')}"
+        if model.get("tiny") and not model.get("path") and not (target / "model.safetensors").exists():
+            shutil.copytree(tiny_model_dir(model["tiny"]), target, dirs_exist_ok=True)
+
+
 _INIT_TRIES = 3
 
 
@@ -108,6 +127,7 @@ def local_app(
     from cluster.serve_env import apply_serve_env
 
     port = free_port()
+    seed_tiny_models(config)
     cfg = AppConfig.model_validate({**config, "port": port, "ingress": {"http_mode": "direct"}})
     apply_serve_env()  # what `mmserve serve` runs with, before Ray starts its processes
     with own_ray(num_cpus=num_cpus):

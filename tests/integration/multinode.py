@@ -19,7 +19,7 @@ import pytest
 from openai import AsyncOpenAI
 
 from tests.hf_oracle import hf_generate
-from tests.integration.local_app import free_port, own_ray
+from tests.integration.local_app import free_port, own_ray, seed_tiny_models
 
 Request = tuple[Any, list[dict[str, Any]], int]  # (key, messages, max_tokens)
 
@@ -45,7 +45,9 @@ def multinode_app(
         with own_ray(c.address):
             port = free_port()
             cache_dir = tmp_path_factory.mktemp("models")
-            start(AppConfig.model_validate(app_config(port, str(cache_dir))))
+            config = app_config(port, str(cache_dir))
+            seed_tiny_models(config)
+            start(AppConfig.model_validate(config))
             yield {"nodes": {"head": c.head_node.node_id, **ids}, "cache_dir": Path(cache_dir), "port": port}
     finally:
         c.shutdown()

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.local_app import free_port, own_ray
+from tests.integration.local_app import free_port, own_ray, seed_tiny_models
 from tests.media import make_image_bytes
 
 APP = "mmserve"
@@ -135,7 +135,9 @@ def test_shards_end_with_the_app_and_serve_transport_opens_no_link(
     model = f"tiny-qwen2-vl-{transport}"  # its own shard names: none left from another case can pass
     shards_prefix = f"mmserve-encoder-cache-{model}-"
     owner_prefix = f"SERVE_REPLICA::{APP}#EncoderCacheIndex-{model}#"
-    start(_config(tmp_path, port, transport, model))
+    config = _config(tmp_path, port, transport, model)
+    seed_tiny_models(config.model_dump())
+    start(config)
     try:
         shards = [_pid(a) for a in _alive(shards_prefix)]
         assert len(shards) == 2 and len(_alive(owner_prefix)) == 1

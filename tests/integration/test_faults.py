@@ -24,7 +24,7 @@ import pytest
 from PIL import Image
 
 from tests.hf_oracle import hf_generate
-from tests.integration.local_app import free_port, own_ray, shutdown_wait_loop
+from tests.integration.local_app import free_port, own_ray, seed_tiny_models, shutdown_wait_loop
 from tests.media import make_image_bytes
 
 VL = "tiny-qwen2-vl"
@@ -72,6 +72,7 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             ],
         }
     )
+    seed_tiny_models(cfg.model_dump())
     apply_serve_env()
     with own_ray():
         with shutdown_wait_loop():  # kills, not stops, are its tests: a quick teardown

@@ -9,7 +9,7 @@ the family takes them; the prefill side's chunks cut through the prompts; a thre
 prefill replica's prefix cache on its later turns (and, for the one-group families, the decode
 replica's own: the imported blocks are registered under the same chained hashes); two long
 generations outgrow the decode replica's KV pool, so it preempts and recomputes from its own prefix
-cache; every pin ends by its pull.
+cache, and two with media, which it swaps to host memory and back; every pin ends by its pull.
 """
 
 from __future__ import annotations
@@ -65,8 +65,9 @@ CHUNKS = (("kv_pull_chunks", True),)  # this app's pulls overlap the prefill, ch
 APPS = {
     "window-and-hybrid": [
         Family("gemma3", max_num_batched_tokens=24, llm=CHUNKS),
+        # 256: two of its image prompts (119 tokens: its images take 60 whatever their size) in its pool
         Family(
-            "gemma4", max_num_batched_tokens=72, max_model_len=192, audio=True, full_hit=False, llm=CHUNKS
+            "gemma4", max_num_batched_tokens=72, max_model_len=256, audio=True, full_hit=False, llm=CHUNKS
         ),
         # Qwen3.5: its template drops the generation prompt's `<think>\n` (7 tiny-tokenizer tokens) from
         # the history, so a next turn leaves the previous prompt before the snapshots at its end; a
@@ -135,12 +136,14 @@ def _clip(f: Family, seconds: float, seed: int) -> tuple[dict[str, Any], dict[st
     return part, {"audio": [sf.read(io.BytesIO(wav), dtype="float32")[0]]}
 
 
-def _item(f: Family, seed: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+def _item(
+    f: Family, seed: int, size: tuple[int, int] = (96, 64), seconds: float = 1.2
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """A media part the family takes: served, its HF content part, its HF media."""
     if f.images:
-        part, img = _image(96, 64, seed)
+        part, img = _image(*size, seed)
         return part, {"type": "image"}, {"images": [img]}
-    part, media = _clip(f, 1.2, seed)
+    part, media = _clip(f, seconds, seed)
     return part, {"type": "audio"}, media
 
 
@@ -284,6 +287,52 @@ def test_decode_side_preemption_equals_hf(app: dict[str, Any]) -> None:
                 preempted = True
                 break
         assert preempted, f.tiny
+
+
+def test_decode_side_preemption_of_media_requests_swaps_and_equals_hf(app: dict[str, Any]) -> None:
+    """Two requests with an image (Qwen2-Audio: a clip) generating about 0.3 of the decode replica's
+    KV pool each: their decodes outgrow it and one is preempted there. It holds no embeddings (the
+    decode pool never fetches media), so it cannot recompute its prompt: its KV is swapped to host
+    memory and back (``kv_swapped_out``), and both answers equal HF's. Afterwards the swap space holds
+    nothing. As above, the pair is sent again (new media) where one was imported after the other ended."""
+    for f in app["families"]:
+        n = f.max_model_len * 3 // 10
+        words = f.max_model_len // 24
+        swapped = False
+        for attempt in range(3):
+            before = _stats("decode", f)
+            # small media: both prompts fit the decode replica's pool at once (Qwen2-Audio's 1.2 s clip
+            # takes 21 of its 40 blocks)
+            items = [_item(f, 90 + 2 * attempt + i, size=(48, 32), seconds=0.5) for i in range(2)]
+            texts = [
+                f"Story {i + 2 * attempt}: " + " ".join(f"w{(5 * i + k) % 40}" for k in range(words))
+                for i in range(2)
+            ]
+            with ThreadPoolExecutor(2) as pool:
+                asks = [
+                    pool.submit(
+                        _chat,
+                        app["client"],
+                        f,
+                        [{"role": "user", "content": [part, {"type": "text", "text": t}]}],
+                        n,
+                    )
+                    for (part, _, _), t in zip(items, texts, strict=True)
+                ]
+                served = [a.result()[0] for a in asks]
+            for (_, hf_part, media), text, got in zip(items, texts, served, strict=True):
+                assert got == _hf(app, f, [hf_part, {"type": "text", "text": text}], n, **media), (
+                    f.tiny,
+                    text,
+                )
+            after = _stats("decode", f)
+            if after["kv_swapped_out"] > before["kv_swapped_out"]:
+                swapped = True
+                break
+        assert swapped, f.tiny
+        after = _stats("decode", f)
+        assert after["kv_swap_bytes"] == 0 and after["kv_swap_refused"] == 0, f.tiny
+        assert after["num_running"] == after["num_waiting"] == 0, f.tiny
 
 
 def test_every_pin_ended_by_its_pull(app: dict[str, Any]) -> None:

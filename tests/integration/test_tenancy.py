@@ -27,7 +27,7 @@ from PIL import Image
 
 from tests.hf_oracle import hf_generate
 from tests.integration.e2e.common import data_url, wait_for
-from tests.integration.local_app import free_port, own_ray, shutdown_wait_loop
+from tests.integration.local_app import free_port, own_ray, seed_tiny_models, shutdown_wait_loop
 from tests.media import make_image_bytes
 
 MODEL = "tiny-qwen2-vl"
@@ -75,6 +75,7 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             },
         }
     )
+    seed_tiny_models(cfg.model_dump())
     apply_serve_env()
     with own_ray():
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": proxy})

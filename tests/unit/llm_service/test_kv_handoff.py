@@ -186,17 +186,23 @@ def test_decode_side_preemption_recomputes_from_the_imported_blocks(tiny_vl_dir:
 
 
 def preempted_images_equal_hf(
-    hf: Any, model_dir: Path, cases: list[RefCase], spare: int = 2, n: int = 32
-) -> LLMEngine:
+    hf: Any, model_dir: Path, cases: list[RefCase], spare: int = 2, n: int = 32, swap_mib: float | None = None
+) -> tuple[LLMEngine, dict[str, BaseException]]:
     """Image requests imported into a decode engine whose pool holds their prompts and ``spare`` blocks
     more: their ``n``-token decodes outgrow it, so some are preempted and their blocks taken by the
     others (the images' blocks evicted from its prefix cache). With no embeddings there (the decode
     pool never fetches media), they are swapped to host memory and back; every answer equals HF
-    ``generate``. Returns the decode engine."""
+    ``generate``, but for those ended because their copy would have passed the swap space
+    (``swap_mib``: ``kv_swap_space_mib``), returned with their errors. After every step the swap
+    space's books equal the bytes it holds, within its budget. Returns the decode engine."""
     params = SamplingParams(max_tokens=n)
     p = engine(model_dir, max_num_batched_tokens=32)
     bs = p.config.block_size
-    d = engine(model_dir, num_kv_blocks=sum(-(-len(c.prompt) // bs) for c in cases) + spare)
+    d = engine(
+        model_dir,
+        num_kv_blocks=sum(-(-len(c.prompt) // bs) for c in cases) + spare,
+        kv_swap_space_mib=swap_mib,
+    )
     for i, case in enumerate(cases):
         rid = f"m{i}"
         first = prefill(p, rid, case, params)
@@ -215,16 +221,23 @@ def preempted_images_equal_hf(
         p.release_handoff(rid)
         d.admit_import(rid)
     got: dict[str, list[int]] = {f"m{i}": [] for i in range(len(cases))}
+    failed: dict[str, BaseException] = {}
+    budget = d.swap.budget_bytes
+    assert budget is not None
     while d.has_unfinished_requests():
         for o in d.step():
             assert o.finish_reason != "error", o.error
             got[o.request_id] += o.new_token_ids
+        failed.update(d.take_failed())
+        held = sum(blocks.nbytes for _, blocks in d.swap._held.values())
+        assert d.swap.held_bytes == held <= budget
     for i, case in enumerate(cases):
-        assert got[f"m{i}"] == hf_generate(hf, case, n), i
-    assert d.scheduler.num_preemptions > 0 and d.swap.swapped_out > 0
+        if f"m{i}" not in failed:
+            assert got[f"m{i}"] == hf_generate(hf, case, n), i
+    assert d.scheduler.num_preemptions + d.swap.refused > 0 and d.swap.swapped_out + d.swap.refused > 0
     assert_all_free(d)
-    assert len(d.swap) == 0 and not d.runner.states
-    return d
+    assert len(d.swap) == 0 and d.swap.held_bytes == 0 and not d.runner.states
+    return d, failed
 
 
 def test_decode_side_preemption_of_image_requests_swaps_their_kv(vl, tiny_vl_dir: Path) -> None:
@@ -235,4 +248,28 @@ def test_decode_side_preemption_of_image_requests_swaps_their_kv(vl, tiny_vl_dir
         )
         for i in range(4)
     ]
-    preempted_images_equal_hf(hf, tiny_vl_dir, cases)
+    d, failed = preempted_images_equal_hf(hf, tiny_vl_dir, cases)
+    assert not failed and d.swap.refused == 0  # the default budget: the KV cache's size
+
+
+def test_a_swap_past_the_swap_space_ends_its_request_with_a_retryable_503(vl, tiny_vl_dir: Path) -> None:
+    """``kv_swap_space_mib`` smaller than a preempted request's copy (its prompt's blocks alone): the
+    request that would be swapped out ends instead (``kv_swap_full``, 503, Retry-After), its blocks
+    freed for the others, which equal HF; nothing is held in host memory past the budget. (The
+    default budget, the KV cache's size, swapped every one: the test above.)"""
+    hf, proc = vl
+    cases = [
+        build_case(
+            hf, proc, f"describe {IMG} please, in a few words", [f"img-{i}"], images=[image(96, 64, 11 + i)]
+        )
+        for i in range(4)
+    ]
+    from llm_service.kv_io import swap_sizes
+
+    block = swap_sizes(engine(tiny_vl_dir, num_kv_blocks=8).runner).block
+    prompt = -(-len(cases[0].prompt) // 4) * block  # the least a preempted request's copy takes
+    d, failed = preempted_images_equal_hf(hf, tiny_vl_dir, cases, swap_mib=0.5 * prompt / 2**20)
+    assert failed and d.swap.refused == len(failed), (d.swap.swapped_out, d.swap.refused)
+    for err in failed.values():
+        assert (getattr(err, "status_code", None), getattr(err, "code", None)) == (503, "kv_swap_full")
+        assert getattr(err, "retry_after_s", None) and "kv_swap_space_mib" in str(err)

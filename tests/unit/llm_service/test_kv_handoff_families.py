@@ -157,7 +157,8 @@ def test_gemma3_decode_side_preemption_of_image_requests_swaps_their_window_bloc
         case(gemma3, "describe <image> please, in a few words", [image(96, 64, 11 + i)], {0: f"img-{i}"})
         for i in range(4)
     ]
-    d = preempted_images_equal_hf(gemma3[0], tiny_model_dir("gemma3"), cases)
+    d, failed = preempted_images_equal_hf(gemma3[0], tiny_model_dir("gemma3"), cases)
+    assert not failed
     assert d.runner.window is not None and len(cases[0].prompt) > d.runner.window  # past the window
 
 
@@ -273,5 +274,6 @@ def test_qwen3_5_decode_side_preemption_of_image_requests_swaps_their_state(qwen
         )
         for i in range(4)
     ]
-    d = preempted_images_equal_hf(hf, tiny_model_dir("qwen3.5"), cases)
+    d, failed = preempted_images_equal_hf(hf, tiny_model_dir("qwen3.5"), cases)
+    assert not failed
     assert d.kv.states.num_free == d.kv.states.num_slots  # type: ignore[attr-defined]

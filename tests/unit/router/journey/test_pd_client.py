@@ -69,6 +69,10 @@ class PrefillHandle:
 
         return SimpleNamespace(remote=call)
 
+    @property
+    def abort(self) -> Any:
+        return SimpleNamespace(remote=self.server.abort)
+
 
 class DecodeHandle(FakeLLMHandle):
     """The decode pool's handle, its ``stats`` too."""
@@ -82,12 +86,19 @@ class DecodeHandle(FakeLLMHandle):
 
 
 def _server(
-    model_dir: Path, role: str, link: Any = None, deadline_s: float = 30.0, pull_chunks: bool = False
+    model_dir: Path,
+    role: str,
+    link: Any = None,
+    deadline_s: float = 30.0,
+    pull_chunks: bool = False,
+    num_kv_blocks: int = 64,
 ) -> LLMServer:
     async def address() -> tuple[str, int]:
         return ("127.0.0.1", 1)
 
-    config = EngineConfig(model=str(model_dir), block_size=4, num_kv_blocks=64, max_num_batched_tokens=16)
+    config = EngineConfig(
+        model=str(model_dir), block_size=4, num_kv_blocks=num_kv_blocks, max_num_batched_tokens=16
+    )
     wiring = HandoffWiring(
         address, lambda _: link, deadline_s=deadline_s, timeout_s=5.0, pull_chunks=pull_chunks
     )
@@ -272,6 +283,10 @@ def test_a_decode_replica_short_of_blocks_refuses_and_another_takes_the_import(
         assert "4 KV blocks" in str(err.value)
         assert len(handle.asked) == MAX_DECODE_TRIES
         assert set(handle.asked) == {full.replica_id, free.replica_id}
+        # the prefill replica let the refused hand-off's pin go at once, not at its 2 s deadline
+        assert client.abandoned == 1 and prefill.kv_stats.abandoned == 1 and prefill.kv_stats.expired == 0
+        assert len(prefill._prefill.pins) == 0 and not prefill.engine.scheduler.handed_off  # type: ignore[union-attr,attr-defined]
+        assert prefill.engine.stats().num_free_blocks == 64  # type: ignore[attr-defined]
         full.engine.kv.pool.free(hog)  # type: ignore[attr-defined]
         assert full.engine.stats().num_free_blocks == 64  # type: ignore[attr-defined]  # the refusals held none
 
@@ -316,6 +331,16 @@ def test_chunk_by_chunk_pull_overlaps_the_prefill_and_equals_colocated(
             st: Any = server.engine.stats()  # type: ignore[attr-defined]
             assert st.num_free_blocks == 64 and st.num_running == 0
         assert len(prefill._prefill.pins) == 0 and not prefill._prefill.early._firsts  # type: ignore[union-attr]
+
+        # a prefill replica hashing the prompt otherwise (another version, a bug): its hashes come with
+        # the last pull and the decode replica refuses the blocks, as it does a plain hand-off's at once
+        engine.handoff_hashes = lambda rid: [b"\0" * 16 for _ in range(len(PROMPT) // 4)]
+        with pytest.raises(Exception, match="block hashes differ") as err:
+            await _tokens(client, "other-hashes")
+        assert getattr(err.value, "code", None) == "kv_transfer_failed"
+        assert decode.kv_stats.failed_imports == 2 and client.prefilled_again == 1  # prefilled again once
+        st = decode.engine.stats()  # type: ignore[attr-defined]
+        assert st.num_free_blocks == 64 and st.num_running == 0
 
     asyncio.run(scenario())
 
@@ -373,5 +398,53 @@ def test_a_chunk_pull_before_the_prefill_started_waits_for_its_first_chunk(tiny_
         assert part is not None and part.first is not None and len(part.first.new_token_ids) == 1
         await asyncio.sleep(0.05)
         assert len(prefill._prefill.pins) == 0 and engine.stats().num_free_blocks == 64  # type: ignore[union-attr]
+
+    asyncio.run(scenario())
+
+
+def test_an_early_handoff_rejected_or_refused_everywhere_leaves_nothing_on_the_prefill_side(
+    tiny_vl_dir: Path,
+) -> None:
+    """``kv_pull_chunks``: the prefill replica answers before its engine has seen the request. One its
+    engine then rejects (here its pool, 10 blocks, can never hold the 11 the request needs; the decode
+    replicas' 64 can: pools on machines of different memory) reaches the client as that
+    ``RequestRejected`` (``too_many_blocks``, a 400), not as a failed transfer prefilled again into a
+    503. One every decode replica refuses (both short of blocks) is the 503 ``overloaded``, and the
+    prefill replica is told to give it up at once: its prefill aborted or its pin freed, not kept to
+    the 30 s deadline."""
+    import time
+
+    async def scenario() -> None:
+        prefill = _server(tiny_vl_dir, "prefill", pull_chunks=True, num_kv_blocks=10)
+        engine: Any = prefill.engine
+        step = engine.step
+
+        def slow_step() -> Any:
+            time.sleep(STEP_S)
+            return step()
+
+        engine.step = slow_step
+        link = FlakyLink(prefill)
+        first, second = _server(tiny_vl_dir, "decode", link), _server(tiny_vl_dir, "decode", link)
+        client = PDClient(PrefillHandle(prefill), TwoDecodeHandle(first, second), reroute_timeout_s=5.0)
+
+        with pytest.raises(Exception) as err:
+            await _tokens(client, "too-long")  # 37 prompt tokens + 8 new: 11 blocks of 4
+        assert getattr(err.value, "code", None) == "too_many_blocks", err.value
+        assert "the pool has 10" in str(err.value)
+        assert client.prefilled_again == 0 and first.kv_stats.failed_imports == 1
+        assert first.engine.stats().num_free_blocks == 64  # type: ignore[attr-defined]
+
+        for server in (first, second):
+            server.engine.kv.pool.allocate(60)  # type: ignore[attr-defined]  # other requests' blocks
+        with pytest.raises(Exception) as err:
+            spec = LLMRequestSpec("refused", PROMPT[:30], PARAMS)  # 10 blocks: it fits the prefill side
+            async for _ in client.stream(spec):
+                pass
+        assert getattr(err.value, "code", None) == "overloaded", err.value
+        assert client.abandoned >= 1 and prefill.kv_stats.abandoned == 1
+        assert not engine.scheduler.requests and not engine.scheduler.handed_off
+        assert len(prefill._prefill.pins) == 0 and not prefill._prefill.early._firsts  # type: ignore[union-attr]
+        assert engine.stats().num_free_blocks == 10
 
     asyncio.run(scenario())
