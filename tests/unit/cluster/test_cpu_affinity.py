@@ -40,7 +40,9 @@ def test_forms(value: str | list[int], sets: list[set[int]]) -> None:
     assert [set(s) for s in parse_cpu_affinity(value)] == sets
 
 
-@pytest.mark.parametrize("value", ["", "a", "0-", "3-1", "0||1", "0,,1", "-1", [], [-1], [True]])
+@pytest.mark.parametrize(
+    "value", ["", "a", "0-", "3-1", "0||1", "0,,1", "-1", "\u0663", "0-99999999", [], [-1], [True], [70000]]
+)
 def test_bad_forms_are_refused(value: str | list[int]) -> None:
     with pytest.raises(CpuAffinityError):
         parse_cpu_affinity(value)
