@@ -1,6 +1,6 @@
 """Encoder budgets: ``max_num_encoder_input_tokens`` and ``encoder_cache_size``, in embeddings.
 
-Both default from the LLM's ``max_num_batched_tokens`` and are raised to fit the largest item the
+Both default from the LLM's ``max_num_batched_tokens`` (E/P/D: the prefill pool's) and are raised to fit the largest item the
 preprocessing limits allow, so an admitted item always fits one encoder step and the cache.
 """
 
@@ -40,7 +40,9 @@ def encoder_budgets(model: ModelConfig, model_dir: str | None = None) -> tuple[i
     LLM-width rows: an item costs its embeddings times ``row_units``."""
     largest = largest_item_embeds(model, model_dir)
     units = row_units(model, model_dir)
-    compute = max(model.encoder.max_num_encoder_input_tokens or model.llm.max_num_batched_tokens, largest)
-    default_cache = model.llm.max_num_batched_tokens * units
+    # the LLM pool the encoder feeds: `both`, or E/P/D's prefill pool (its own engine settings)
+    step_tokens = model.llm.for_role(model.llm.roles[0]).max_num_batched_tokens
+    compute = max(model.encoder.max_num_encoder_input_tokens or step_tokens, largest)
+    default_cache = step_tokens * units
     cache = max(model.encoder.encoder_cache_size or default_cache, largest * units)
     return compute, cache

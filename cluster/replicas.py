@@ -179,7 +179,7 @@ class LLMServer(llm_serve.LLMServer, DirectLLM):
         self.links_on = links
         self.refuse_plain_off_loopback()
         m = ModelConfig.model_validate(model_json)
-        llm = m.llm
+        llm = m.llm.for_role(self.ROLE)  # E/P/D: the pool's own engine settings over llm's
         pin_to_pool_cores(llm.pool(self.ROLE))
         engine_config = EngineConfig(
             model=resolve_model_dir(m, cache_dir),

@@ -81,6 +81,10 @@ def from_exception(exc: BaseException) -> APIError | None:
         infra = _infrastructure_error(exc)
         if infra is not None:
             return infra
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, BaseException):  # a RayTaskError (its dual class has the cause's `code`,
+            exc, seen = cause, seen + 1  # but its text is the remote traceback): the original's own text
+            continue
         status = getattr(exc, "status_code", None)
         code = getattr(exc, "code", None)
         if isinstance(status, int) and isinstance(code, str) and 400 <= status < 600:

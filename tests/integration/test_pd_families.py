@@ -52,6 +52,7 @@ class Family:
     # (it pulls only the rest): the families whose KV is one group of full-attention blocks
     decode_hit: bool = False
     llm: tuple[tuple[str, Any], ...] = ()  # more `llm` settings
+    prefill_engine: tuple[tuple[str, Any], ...] = ()  # the prefill pool's own (llm.pools[].engine)
 
     @property
     def model(self) -> str:
@@ -75,7 +76,11 @@ APPS = {
         Family("qwen3.5", video=True, full_hit=False, llm=(("snapshot_interval_blocks", 4), *CHUNKS)),
     ],
     "full-attention": [
-        Family("qwen2-vl", video=True, decode_hit=True),
+        # its prefill pool one block short of a whole max_model_len (the decode pool's 40): a request
+        # whose prompt + max_tokens fills max_model_len is the prefill side's 400, nothing shorter is
+        Family(
+            "qwen2-vl", video=True, decode_hit=True, prefill_engine=(("num_kv_blocks", 160 // BLOCK - 1),)
+        ),
         Family("qwen2.5-vl", video=True, decode_hit=True),
         Family("qwen3-vl", video=True, decode_hit=True),
         Family("qwen2-audio", images=False, audio=True, decode_hit=True),
@@ -94,7 +99,10 @@ def _model_config(f: Family) -> dict[str, Any]:
             "block_size": BLOCK,
             "max_num_batched_tokens": f.max_num_batched_tokens,
             "num_kv_blocks": f.max_model_len // BLOCK,  # both pools: two long generations do not fit
-            "pools": [{"role": "prefill", "deployment": pool}, {"role": "decode", "deployment": pool}],
+            "pools": [
+                {"role": "prefill", "deployment": pool, "engine": dict(f.prefill_engine)},
+                {"role": "decode", "deployment": pool},
+            ],
             **dict(f.llm),
         },
         "encoder": {"cache_index_shards": 1},
@@ -333,6 +341,32 @@ def test_decode_side_preemption_of_media_requests_swaps_and_equals_hf(app: dict[
         after = _stats("decode", f)
         assert after["kv_swap_bytes"] == 0 and after["kv_swap_refused"] == 0, f.tiny
         assert after["num_running"] == after["num_waiting"] == 0, f.tiny
+
+
+def test_a_request_only_the_prefill_pool_cannot_hold_is_its_400(app: dict[str, Any]) -> None:
+    """A pool's own engine settings (``llm.pools[].engine``): the prefill pool has one KV block fewer
+    than a whole ``max_model_len`` needs, the decode pool all of them. A request whose prompt and
+    ``max_tokens`` fill ``max_model_len`` (no ``max_tokens``: the rest of it) is refused by the prefill
+    replica's engine and reaches the client as that 400 ``too_many_blocks`` with its message, not as a
+    hand-off failed and retried into a 503; nothing is left held on either side."""
+    import openai
+
+    for f in [f for f in app["families"] if f.prefill_engine]:
+        blocks = dict(f.prefill_engine)["num_kv_blocks"]
+        before = _stats("decode", f)
+        with pytest.raises(openai.BadRequestError) as err:
+            app["client"].chat.completions.create(
+                model=f.model, messages=[{"role": "user", "content": "hello"}], temperature=0
+            )
+        assert err.value.status_code == 400, f.tiny
+        assert "too_many_blocks" in str(err.value) and f"the pool has {blocks}" in str(err.value), err.value
+        after = _stats("decode", f)
+        assert after["kv_imports"] == before["kv_imports"] and after["kv_failed_imports"] == 0, f.tiny
+        p = _stats("prefill", f)
+        assert p["num_running"] == p["num_waiting"] == 0 and p["kv_expired"] == 0, f.tiny
+        # the same prompt with room for the prefill pool is served (the decode pool's 40 blocks hold it)
+        served, _, _ = _chat(app["client"], f, [{"role": "user", "content": "hello"}])
+        assert served == _hf(app, f, [{"type": "text", "text": "hello"}]), f.tiny
 
 
 def test_every_pin_ended_by_its_pull(app: dict[str, Any]) -> None:

@@ -46,7 +46,7 @@ applications:
 {{- end }}
 {{- $pol := include "mmserve.policy" (dict "function" $fn "values" $polValues) | fromJson }}
 {{- $dep := include "mmserve.deployment" (dict "name" $role "pool" $pv "gpus" true "resources" (dict $marker $pl.markerAmount) "policy" $pol) | fromYaml }}
-{{- $roles = append $roles (dict "role" $role "deployment" $dep) }}
+{{- $roles = append $roles (dict "role" $role "deployment" $dep "engine" ($entry.engine | default dict)) }}
 {{- end }}
 {{- $_ := set $llm "pools" $roles }}
 {{- end }}

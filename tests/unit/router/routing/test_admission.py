@@ -84,3 +84,21 @@ def test_ray_and_serve_failures_map_to_retryable_503s() -> None:
     wrapped.__cause__ = ActorDiedError("inner")
     got = from_exception(wrapped)
     assert got is not None and got.code == "replica_lost"
+
+
+def test_a_wrapped_rejection_is_mapped_with_its_own_message_not_the_remote_traceback() -> None:
+    """Ray's RayTaskError dual class passes ``isinstance`` for the cause's class and shows its ``code``,
+    but its text is the remote traceback: the client gets the original's message."""
+    from llm_service.errors import RequestRejected
+
+    cause = RequestRejected("too_many_blocks", "prompt + max_tokens need 40 KV blocks; the pool has 39")
+
+    class RayTaskErrorRequestRejected(RequestRejected):
+        def __init__(self) -> None:
+            ValueError.__init__(self, "ray::ServeReplica:... Traceback (most recent call last): ...")
+            self.code = cause.code
+            self.cause = cause
+
+    api = from_exception(RayTaskErrorRequestRejected())
+    assert api is not None and (api.status_code, api.code) == (400, "too_many_blocks")
+    assert api.message == "prompt + max_tokens need 40 KV blocks; the pool has 39"
