@@ -203,3 +203,39 @@ def test_a_failing_on_outputs_callback_does_not_stop_the_loop() -> None:
         return sum(len(o.new_token_ids) for o in outs)
 
     assert asyncio.run(asyncio.wait_for(scenario(), 10)) == 5
+
+
+def test_a_request_the_engine_ends_with_a_coded_error_gets_it_as_a_retryable_503() -> None:
+    """An engine that ends a request with a coded error between steps (``take_failed``: a decode
+    replica's swap past its budget, llm_service/kv_swap.py) has it raised to that request's caller
+    only, as the 503 ``kv_swap_full`` with Retry-After at the edge; the other request runs on."""
+    from llm_service.kv_swap import SwapSpaceFull
+    from router.protocol.errors import from_exception
+
+    class Ending(FakeEngine):
+        def take_failed(self) -> list[tuple[str, BaseException]]:
+            req = self.scheduler.requests.get("victim")
+            if req is None or self.generated["victim"] < 3:
+                return []
+            self.scheduler.abort("victim")  # the engine retires it, its blocks freed
+            return [("victim", SwapSpaceFull("victim: its KV copy would pass kv_swap_space_mib"))]
+
+    engine = Ending()
+    loop = EngineLoop(engine)
+
+    async def scenario() -> tuple[BaseException, int]:
+        async def drain(rid: str) -> int:
+            return len([o async for o in stream(loop, rid)])
+
+        other = asyncio.ensure_future(drain("other"))
+        try:
+            await asyncio.wait_for(drain("victim"), 30)  # without its error it would wait forever
+        except SwapSpaceFull as e:
+            return e, await other
+        raise AssertionError("the victim's stream ended without its error")
+
+    err, other_outputs = asyncio.run(scenario())
+    api = from_exception(err)
+    assert api is not None and (api.status_code, api.code, api.retry_after_s) == (503, "kv_swap_full", 1)
+    assert other_outputs == MAX_TOKENS and engine.generated["victim"] < MAX_TOKENS
+    assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
