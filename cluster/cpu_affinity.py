@@ -33,7 +33,8 @@ from typing import IO
 logger = logging.getLogger("mmserve.cpu_affinity")
 
 CpuSets = tuple[frozenset[int], ...]
-_PART = re.compile(r"^(\d+)(?:-(\d+))?$")
+_PART = re.compile(r"^([0-9]+)(?:-([0-9]+))?$")
+MAX_CORE = 65535  # past any node's core numbers; bounds the sets a config can make
 _HELD: list[IO[bytes]] = []  # the lock files of this process's claimed sets, open while it lives
 
 
@@ -45,8 +46,10 @@ def parse_cpu_affinity(value: str | Iterable[int]) -> CpuSets:
     """``"0-3,5"`` / ``"0|1"`` / ``[0, 1]`` -> the sets of cores, one per ``|``-separated part."""
     if not isinstance(value, str):
         listed = list(value)
-        if not listed or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in listed):
-            raise CpuAffinityError(f"a list of cores must hold core numbers >= 0, got {listed}")
+        if not listed or any(
+            isinstance(c, bool) or not isinstance(c, int) or not 0 <= c <= MAX_CORE for c in listed
+        ):
+            raise CpuAffinityError(f"a list of cores must hold core numbers 0-{MAX_CORE}, got {listed}")
         return (frozenset(listed),)
     sets = []
     for group in value.split("|"):
@@ -60,6 +63,8 @@ def parse_cpu_affinity(value: str | Iterable[int]) -> CpuSets:
             lo, hi = int(m[1]), int(m[2] or m[1])
             if hi < lo:
                 raise CpuAffinityError(f"{value!r}: the range {part!r} runs backwards")
+            if hi > MAX_CORE:
+                raise CpuAffinityError(f"{value!r}: core {hi} is past {MAX_CORE}")
             cores.update(range(lo, hi + 1))
         sets.append(frozenset(cores))
     return tuple(sets)

@@ -74,6 +74,14 @@ def add_serve_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "the llm deployment's options, the KV moved between them (docs/disaggregation.md)",
     )
     p.add_argument(
+        "--cpu-affinity",
+        action="append",
+        default=None,
+        metavar="POOL=CORES",
+        help="pin a pool's replicas to cores (deployment.cpu_affinity), for every model; POOL: ingress, "
+        "encoder, llm, prefill, decode; CORES: 0-3, 0,2 or one set per replica 0|1; repeatable",
+    )
+    p.add_argument(
         "--http-mode",
         choices=["direct", "proxy"],
         default=None,
@@ -185,7 +193,33 @@ def config_from_args(args: argparse.Namespace) -> AppConfig:
             m["reasoning_parser"] = args.reasoning_parser
         if getattr(args, "pd", None) and not m["llm"]["pools"]:
             m["llm"]["pools"] = pd_pools(m["llm"]["deployment"])
+    for flag in getattr(args, "cpu_affinity", None) or ():
+        pin_pool(data, flag)
     return AppConfig.model_validate(data)
+
+
+CPU_AFFINITY_POOLS = ("ingress", "encoder", "llm", "prefill", "decode")
+
+
+def pin_pool(data: dict[str, object], flag: str) -> None:
+    """``--cpu-affinity POOL=CORES``: that pool's ``deployment.cpu_affinity`` in ``data`` (a config's
+    dump), for every model; the cores' form is checked with the config."""
+    pool, sep, cores = flag.partition("=")
+    if not sep or pool not in CPU_AFFINITY_POOLS:
+        raise SystemExit(
+            f"--cpu-affinity {flag!r}: POOL=CORES with POOL one of {', '.join(CPU_AFFINITY_POOLS)}"
+        )
+    if pool == "ingress":
+        _field(_field(data, "ingress"), "deployment")["cpu_affinity"] = cores
+        return
+    for m in data["models"]:  # type: ignore[attr-defined]
+        if pool in ("encoder", "llm"):
+            _field(_field(m, pool), "deployment")["cpu_affinity"] = cores
+            continue
+        roles = [p for p in _field(m, "llm")["pools"] if p["role"] == pool]  # type: ignore[attr-defined]
+        if not roles:
+            raise SystemExit(f"--cpu-affinity {flag!r}: model {m['name']!r} has no {pool} pool (--pd)")
+        roles[0]["deployment"]["cpu_affinity"] = cores
 
 
 def pd_pools(deployment: Mapping[str, object]) -> list[dict[str, object]]:

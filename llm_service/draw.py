@@ -13,8 +13,8 @@ than the one drawn (still a superset of the nucleus). A round
 keeps the heavier-only weights it checked for the next (no recomputation). Given acceptance the token is distributed as the
 renormalised nucleus, whatever round accepts it; rows still drawing after ``TOP_P_ROUNDS`` take the
 sorted nucleus (``top_p_mask``) and one more draw. Tokens tied with a token at the nucleus' edge are
-kept with it. Since the top weight is 1, the weight above a token is 0 (it is the top one) or at least
-1: a bound clamped to 1/2 accepts the top token even when ``top_p`` rounds to 0.
+kept with it. The weight above the top token is 0, below any bound (``TopP.scale`` is at least
+float32's smallest normal), so the top token is accepted even when ``top_p`` rounds to 0.
 
 At 32 rows of a small vocabulary each tensor operation costs its dispatch (~5 us on CPU) more than its
 arithmetic, so the step is written for fewer operations: in-place where it can, a comparison multiplied
@@ -58,7 +58,10 @@ def apply_floors(w: torch.Tensor, floors: Floors) -> None:
     floor = floors.min_p
     if floors.max_k:
         kth = torch.topk(rows, floors.max_k, dim=-1, sorted=True).values.gather(1, floors.k_index)
-        floor = torch.maximum(floor, kth * floors.has_k)
+        if floors.has_k is not None:
+            kth = kth.mul_(floors.has_k)
+        floor = kth if floor is None else torch.maximum(floor, kth)
+    assert floor is not None, "a floored row has a min_p or a top_k"
     rows.mul_(rows >= floor)
     if not every:
         w.index_copy_(0, floors.rows, rows)
@@ -110,7 +113,7 @@ def _nucleus(
     by one inside it (the module's docstring). The first check runs on every drawing row (a row
     without top-p has an infinite bound: gathering the top-p rows first costs more operations than
     checking the others); the later rounds only on the rows still drawing."""
-    bound = (nucleus.scale * total).clamp_(min=0.5)  # the mass a kept token's heavier ones stay under
+    bound = nucleus.scale * total  # the mass a kept token's heavier ones stay under (> 0: ``TopP``)
     heavier = _heavier_only(w, idx)
     ok = (heavier.sum(-1) < bound).tolist()
     active = [k for k, good in enumerate(ok) if not good]

@@ -29,9 +29,9 @@ class Floors:
     ``min_p`` (the top weight is 1) or the k-th largest weight, whichever is higher."""
 
     rows: torch.Tensor  # [n] long
-    min_p: torch.Tensor  # [n, 1], 0 where off
+    min_p: torch.Tensor | None  # [n, 1], 0 where off; None: no row has a min_p
     k_index: torch.Tensor  # [n, 1] long: k - 1, or 0 where off
-    has_k: torch.Tensor  # [n, 1] float: 1 where the row has a top_k
+    has_k: torch.Tensor | None  # [n, 1] float: 1 where the row has a top_k; None: every row has one
     max_k: int  # 0: no row has a top_k
 
 
@@ -124,12 +124,17 @@ class SamplingBatch:
         )
 
 
+_TINY = float(torch.finfo(torch.float32).tiny)
+
+
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
 
 
 def _nucleus(top_p: list[float], device: torch.device) -> TopP:
-    scale = [p if p < 1.0 else float("inf") for p in top_p]
+    # At least float32's smallest normal: a top_p that would round to 0 still bounds above 0, so the
+    # top token (nothing heavier) is always kept.
+    scale = [max(p, _TINY) if p < 1.0 else float("inf") for p in top_p]
     return TopP(torch.tensor(scale, dtype=torch.float32, device=device))
 
 
@@ -138,11 +143,12 @@ def _floors(drawn: list[SamplingParams], vocab: int, device: torch.device) -> Fl
     rows = [j for j, p in enumerate(drawn) if p.min_p > 0 or top_k[j]]
     if not rows:
         return None
+    min_p = [drawn[j].min_p for j in rows]
     return Floors(
         torch.tensor(rows, device=device),
-        _column([drawn[j].min_p for j in rows], device),
+        _column(min_p, device) if any(min_p) else None,
         torch.tensor([max(top_k[j] - 1, 0) for j in rows], device=device).unsqueeze(1),
-        _column([float(top_k[j] > 0) for j in rows], device),
+        None if all(top_k[j] for j in rows) else _column([float(top_k[j] > 0) for j in rows], device),
         max(top_k),
     )
 

@@ -120,6 +120,7 @@ def _stepper(logits: torch.Tensor, params: list[SamplingParams], grammar: Gramma
     if state_cls is not None:
         extra = [state_cls(), list(range(len(rows)))]
 
+    @torch.inference_mode()  # as the engine's step runs
     def step() -> object:
         tokens, _ = sampler_module.sample(logits, params, gens, rows, grammar, *extra)
         for row, t in zip(rows, tokens, strict=True):

@@ -27,8 +27,8 @@ def seed_tiny_models(config: dict[str, Any]) -> None:
     """Each ``tiny:`` model of an AppConfig dict copied into its ``models_cache_dir`` from this test
     process's own (tests/tiny_dirs.py, made once per process), where cluster/model_dirs.py would have
     the first replica generate it: the bytes are the same (the generator is deterministic), but then no
-    replica imports the generator (torch's and transformers' modeling modules, ~3 CPU-s) nor makes the
-    pool's other replicas wait on its lock. The apps of tests/integration/e2e/, test_deploy_cli.py and
+    replica imports the generator (transformers' modeling modules; at most ~1 CPU-s over what a replica
+    imports anyway) nor makes the model's other replicas wait on its lock while it writes. The apps of tests/integration/e2e/, test_deploy_cli.py and
     test_graceful_drain.py still generate theirs on their replicas."""
     import shutil
     from pathlib import Path

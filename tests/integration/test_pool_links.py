@@ -23,6 +23,17 @@ from tests.media import make_image_bytes
 MODEL = "tiny-qwen2-vl"
 POOLS = (f"EncoderServer-{MODEL}", f"LLMServer-{MODEL}")
 
+# The load decides the counts whatever the host's speed: one client has at most one request in flight,
+# so at most one image's embeddings queued (IMAGE_EMBEDS) and one request at the LLM, which both policies'
+# targets below put at one replica (their ratio to two replicas' target is at most 0.5, under the 0.7
+# that scales down); CLIENTS requests in flight keep more than that queued at each pool. With targets
+# the light load could also meet (the encoder's 8 embeddings, two 4-embedding images; the LLM's 2
+# requests), the policies wanted one replica now and then under the full load too, and once cancelled
+# a second replica while it started: 55-110 s for the scale-up instead of one replica start.
+CLIENTS = 16
+IMAGE_PX = 112  # the tiny Qwen2-VL: 8x8 patches of 14 px, merged 2x2: 16 embeddings
+IMAGE_EMBEDS = 16
+
 FAST_SCALING = {
     "min_replicas": 1,
     "max_replicas": 2,
@@ -47,7 +58,7 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
                     **FAST_SCALING,
                     "policy": {
                         "policy_function": policy + "EncoderQueuePolicy",
-                        "policy_kwargs": {"target_queued_embeddings_per_replica": 8},
+                        "policy_kwargs": {"target_queued_embeddings_per_replica": IMAGE_EMBEDS},
                     },
                 },
             },
@@ -59,7 +70,7 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
                     **FAST_SCALING,
                     "policy": {
                         "policy_function": policy + "LLMLoadPolicy",
-                        "policy_kwargs": {"target_kv_usage": 0.9, "target_ongoing_requests": 2},
+                        "policy_kwargs": {"target_kv_usage": 0.9, "target_ongoing_requests": 1},
                     },
                 },
             },
@@ -79,7 +90,7 @@ def _running_replicas() -> dict[str, int]:
 
 
 def _ask(client: OpenAI, i: int) -> str:
-    png = make_image_bytes(32 + (i % 7) * 8, 32, seed=i)
+    png = make_image_bytes(IMAGE_PX, IMAGE_PX, seed=i)
     url = "data:image/png;base64," + base64.b64encode(png).decode()
     content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": f"Image {i}?"}]
     r = client.chat.completions.create(
@@ -90,7 +101,8 @@ def _ask(client: OpenAI, i: int) -> str:
 
 
 class _Load:
-    """``clients`` threads sending distinct image requests until stopped; every outcome is kept."""
+    """``CLIENTS`` threads sending distinct image requests until stopped (``clients(n)``: only the first
+    ``n`` send); every outcome is kept."""
 
     def __init__(self, client: OpenAI) -> None:
         self.client = client
@@ -99,9 +111,9 @@ class _Load:
         self._n = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._width = 8
-        self._pool = ThreadPoolExecutor(8)
-        self._threads = [self._pool.submit(self._run, k) for k in range(8)]
+        self._width = CLIENTS
+        self._pool = ThreadPoolExecutor(CLIENTS)
+        self._threads = [self._pool.submit(self._run, k) for k in range(CLIENTS)]
 
     def clients(self, n: int) -> None:
         self._width = n

@@ -40,7 +40,9 @@ def test_forms(value: str | list[int], sets: list[set[int]]) -> None:
     assert [set(s) for s in parse_cpu_affinity(value)] == sets
 
 
-@pytest.mark.parametrize("value", ["", "a", "0-", "3-1", "0||1", "0,,1", "-1", [], [-1], [True]])
+@pytest.mark.parametrize(
+    "value", ["", "a", "0-", "3-1", "0||1", "0,,1", "-1", "\u0663", "0-99999999", [], [-1], [True], [70000]]
+)
 def test_bad_forms_are_refused(value: str | list[int]) -> None:
     with pytest.raises(CpuAffinityError):
         parse_cpu_affinity(value)
@@ -150,3 +152,29 @@ def test_no_writable_lock_directory_still_gives_a_set(tmp_path: Path) -> None:
     blocked = tmp_path / "file"
     blocked.write_text("")  # a file where the lock directory would be: mkdir fails
     assert claim_set(parse_cpu_affinity("0|1"), "k", blocked / "locks") == os.getpid() % 2
+
+
+def test_the_serve_flag_pins_each_named_pool_of_every_model() -> None:
+    import argparse
+
+    from cluster.serve_cli import add_serve_command, config_from_args
+
+    def cfg(*argv: str) -> AppConfig:
+        parser = argparse.ArgumentParser()
+        add_serve_command(parser.add_subparsers())
+        return config_from_args(parser.parse_args(["serve", *argv]))
+
+    c = cfg(
+        "--pd", "--cpu-affinity", "prefill=0", "--cpu-affinity", "decode=1", "--cpu-affinity", "ingress=0"
+    )
+    assert {m.llm.pool("prefill").cpu_affinity for m in c.models} == {"0"}
+    assert {m.llm.pool("decode").cpu_affinity for m in c.models} == {"1"}
+    assert c.ingress.deployment.cpu_affinity == "0" and c.models[0].encoder.deployment.cpu_affinity is None
+    both = cfg("--cpu-affinity", "llm=0|1", "--cpu-affinity", "encoder=0-1").models[1]
+    assert (both.llm.deployment.cpu_affinity, both.encoder.deployment.cpu_affinity) == ("0|1", "0-1")
+    with pytest.raises(SystemExit, match="has no decode pool"):
+        cfg("--cpu-affinity", "decode=1")
+    with pytest.raises(SystemExit, match="POOL=CORES"):
+        cfg("--cpu-affinity", "gpu=1")
+    with pytest.raises(ValidationError, match="cpu_affinity"):
+        cfg("--cpu-affinity", "llm=0-")
