@@ -76,6 +76,12 @@ def desired_replicas(
 
     ``running`` replicas carry the load now; ``hold`` is what to keep inside the deadband (the last
     decision, default ``running``). The result is clamped to ``bounds``.
+
+    While a scale-up is still starting replicas (``hold > running``) the answer is never below
+    ``hold``: the load per *running* replica says nothing about a pool that has not come up yet, and a
+    lower answer held for Serve's downscale delay cancels a replica that has spent most of its start
+    (on a busy 2-core host a start takes 20–45 s; one cancelled there took 47 s to start again). The
+    pool shrinks, if it must, once what it asked for is running.
     """
     if target_per_replica <= 0:
         raise ValueError(f"target_per_replica must be > 0, got {target_per_replica}")
@@ -87,7 +93,7 @@ def desired_replicas(
         return bounds.clamp(max(keep, fit))
     ratio = total_load / (target_per_replica * running)
     if ratio > hysteresis.upscale_above or ratio < hysteresis.downscale_below:
-        return bounds.clamp(fit)
+        return bounds.clamp(fit if keep <= running else max(fit, keep))
     return bounds.clamp(keep)
 
 

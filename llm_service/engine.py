@@ -32,6 +32,7 @@ from llm_service.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from llm_service.sequence import Request, RequestStatus
 from llm_service.structured.spec import StructuredSpec
 from llm_service.window_kv_cache_manager import WindowKVCacheManager
+from mmcore.errors import StillHeld
 
 if TYPE_CHECKING:
     import torch
@@ -162,9 +163,8 @@ class LLMEngine(EngineHandoffs):
     ) -> Request:
         """A checked request, its runner state prepared (``RequestRejected`` if it can never be served)."""
         if request_id in self.scheduler.requests or request_id in self._importing:
-            raise RequestRejected(
-                "duplicate_request_id", f"request id {request_id!r} is already in the engine"
-            )
+            # an earlier attempt still here (a prefill copy pinned for its hand-off, say): retry later
+            raise StillHeld(f"request id {request_id!r} is already in the engine")
         sampling_params.validate()
         self._validate_prompt(prompt_token_ids, sampling_params)
         self._validate_token_ids(sampling_params)

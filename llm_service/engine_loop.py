@@ -209,6 +209,10 @@ class EngineLoop:
         """A request put in the engine by ``on_engine`` (an import): its outputs and aborts as a submit's."""
         self._live.add(request_id)
 
+    def holds(self, request_id: str) -> bool:
+        """Whether ``request_id`` was submitted (or imported) here and has not finished or been aborted."""
+        return request_id in self._live
+
     def abort(self, request_id: str) -> None:
         if request_id not in self._live:
             return

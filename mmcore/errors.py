@@ -14,3 +14,11 @@ class Overloaded(RuntimeError):
 
     def __reduce__(self):  # type: ignore[no-untyped-def]  # keeps the message across pickling (Ray)
         return (type(self), self.args)
+
+
+class StillHeld(Overloaded):
+    """A request sent again (its ingress lost the link to the replica running it) reached the replica
+    that still runs the earlier attempt, before that replica saw the link go and aborted it: a 503 to
+    retry once it has, not a duplicate."""
+
+    code = "request_still_held"

@@ -30,6 +30,7 @@ from llm_service.sequence import Request
 from llm_service.serve.handoff import Address, DecodeImports, KVSource, PrefillHandoffs, TransferStats
 from llm_service.serve.metrics import LLMMetrics
 from llm_service.tracing import RequestTraces
+from mmcore.errors import StillHeld
 from mmcore.feature import MediaFeature
 
 if TYPE_CHECKING:
@@ -172,6 +173,8 @@ class LLMServer:
         are fetched here (never on the decode side); cancelled before the answer: aborted."""
         if self._prefill is None:
             raise RequestRejected("bad_role", f"replica {self.replica_id} is not a prefill replica")
+        if self.loop.holds(spec.request_id):
+            raise StillHeld(f"replica {self.replica_id} still runs an earlier attempt of {spec.request_id!r}")
         self.loop.check_capacity(len(spec.prompt_token_ids))
         structured = spec.sampling_params.structured
         if structured is not None and (prepare := getattr(self.engine, "prepare_structured", None)):
@@ -211,6 +214,8 @@ class LLMServer:
         """Fetch what must be fetched, put the request on its ingress's channel and in the engine's
         queue; returns where its outputs go and the items sent without their embeddings. A decode
         replica imports the request's KV instead (``spec.handoff``), fetching nothing."""
+        if self.loop.holds(spec.request_id):  # nothing of the earlier attempt is touched
+            raise StillHeld(f"replica {self.replica_id} still runs an earlier attempt of {spec.request_id!r}")
         if self._decode is not None or spec.handoff is not None:
             return await self._import(spec), []
         if self._prefill is not None:

@@ -9,7 +9,10 @@ import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 from llm_service.engine_loop import EngineLoop
 from llm_service.kv_cache_manager import KVCacheManager
@@ -17,6 +20,7 @@ from llm_service.outputs import EngineStats, RequestOutput
 from llm_service.sampling_params import SamplingParams
 from llm_service.scheduler import Scheduler
 from llm_service.sequence import Request
+from mmcore.errors import StillHeld
 
 MAX_TOKENS = 200  # what a request would generate if nobody aborted it
 PROMPT = list(range(10))
@@ -239,3 +243,35 @@ def test_a_request_the_engine_ends_with_a_coded_error_gets_it_as_a_retryable_503
     assert api is not None and (api.status_code, api.code, api.retry_after_s) == (503, "kv_swap_full", 1)
     assert other_outputs == MAX_TOKENS and engine.generated["victim"] < MAX_TOKENS
     assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
+
+
+def test_a_request_sent_again_while_its_earlier_attempt_runs_is_a_retryable_503_and_the_earlier_runs_on() -> (
+    None
+):
+    """What a replica's ``submit``/``prefill`` checks first (``EngineLoop.holds``): an ingress that lost
+    its link to this replica sends the request again, and Serve may route it back here before the
+    replica saw the link go. The engine's own check answers the same coded 503."""
+    engine = FakeEngine()
+    loop = EngineLoop(engine)
+
+    async def scenario() -> None:
+        gen = stream(loop, "r1")
+        await gen.__anext__()
+        assert loop.holds("r1") and not loop.holds("r2")
+        await gen.aclose()
+        await wait_until(lambda: idle(loop), "the engine to drop the closed request")
+        assert not loop.holds("r1")
+
+    asyncio.run(scenario())
+
+
+def test_the_engine_answers_a_duplicate_request_id_with_a_retryable_503(tiny_vl_dir: Path) -> None:
+    from llm_service.config import EngineConfig
+    from llm_service.engine import LLMEngine
+
+    eng = LLMEngine(EngineConfig(model=str(tiny_vl_dir), max_model_len=256, num_kv_blocks=64))
+    eng.add_request("r1", PROMPT, SamplingParams(max_tokens=4))
+    with pytest.raises(StillHeld, match="already in the engine") as e:
+        eng.add_request("r1", PROMPT, SamplingParams(max_tokens=4))
+    assert (e.value.status_code, e.value.code) == (503, "request_still_held")
+    assert list(eng.scheduler.requests) == ["r1"]  # the earlier attempt untouched

@@ -51,6 +51,21 @@ def test_hold_keeps_the_last_decision_inside_the_deadband() -> None:
     assert desired_replicas(2, 20.0, 10.0, B, hold=3) == 3
 
 
+def test_a_scale_up_still_starting_is_not_undone_by_the_load_on_the_running_replicas() -> None:
+    # 2 asked for, 1 running: the backlog on the one drops under the deadband (1 would do) while the
+    # second starts; asking for 1 would cancel it. Keep 2 until it runs; then the same load shrinks.
+    assert desired_replicas(1, 4.0, 10.0, B, hold=2) == 2
+    assert desired_replicas(2, 4.0, 10.0, B, hold=2) == 1
+    # a growing load still grows past what is starting
+    assert desired_replicas(1, 45.0, 10.0, B, hold=2) == 5
+    t = LLMTargets(target_ongoing_requests=4.0)
+    idle = {"a": LLMReplicaLoad(num_running=1.0)}
+    assert desired_llm_replicas(1, idle, 0, t, B, hold=3) == 3
+    assert (
+        desired_llm_replicas(3, {**idle, "b": LLMReplicaLoad(), "c": LLMReplicaLoad()}, 0, t, B, hold=3) == 1
+    )
+
+
 def test_decision_is_stable_once_taken() -> None:
     """After a move, the same load must not move the pool again (no flapping)."""
     h = Hysteresis()
