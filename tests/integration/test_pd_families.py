@@ -359,7 +359,10 @@ def test_a_request_only_the_prefill_pool_cannot_hold_is_its_400(app: dict[str, A
                 model=f.model, messages=[{"role": "user", "content": "hello"}], temperature=0
             )
         assert err.value.status_code == 400, f.tiny
-        assert "too_many_blocks" in str(err.value) and f"the pool has {blocks}" in str(err.value), err.value
+        assert err.value.code == "too_many_blocks", err.value.body
+        assert err.value.message.endswith(
+            f"need {blocks + 1} KV blocks of {BLOCK} tokens; the pool has {blocks}"
+        )
         after = _stats("decode", f)
         assert after["kv_imports"] == before["kv_imports"] and after["kv_failed_imports"] == 0, f.tiny
         p = _stats("prefill", f)

@@ -311,6 +311,26 @@ def test_an_epd_model_renders_a_prefill_and_a_decode_pool() -> None:
     assert decode.autoscaling.upscale_delay_s == prefill.autoscaling.upscale_delay_s  # the rest: pools.llm's
 
 
+def test_an_epd_pools_engine_settings_reach_the_app_and_shared_ones_are_refused() -> None:
+    """``llm.pools[].engine``: a pool's own engine settings over llm's pass through the chart as they are
+    (the decode pool with 4x the KV blocks); the values schema refuses one the moved KV needs alike."""
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    values["models"][0]["llm"] |= {"num_kv_blocks": 512}
+    values["models"][0]["llm"]["pools"] = [
+        {"role": "prefill", "engine": {"max_num_batched_tokens": 4096}},
+        {"role": "decode", "engine": {"num_kv_blocks": 2048, "max_num_seqs": 256}},
+    ]
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    jsonschema.validate(values, schema)
+    (m,) = _serve_config(values).models
+    prefill, decode = m.llm.for_role("prefill"), m.llm.for_role("decode")
+    assert (prefill.num_kv_blocks, prefill.max_num_batched_tokens) == (512, 4096)
+    assert (decode.num_kv_blocks, decode.max_num_seqs) == (2048, 256)
+    values["models"][0]["llm"]["pools"][1]["engine"]["block_size"] = 32
+    with pytest.raises(jsonschema.ValidationError, match="block_size"):
+        jsonschema.validate(values, schema)
+
+
 def test_a_models_chat_template_and_tool_call_parser_reach_the_app() -> None:
     """``--set-file 'models[0].chat_template=cluster/data/....jinja'`` puts the template's text in the
     values; the chart passes it (and ``tool_call_parser``, ``reasoning_parser``) through to the model's config unchanged."""
