@@ -62,7 +62,9 @@ def mmserve_config(args: argparse.Namespace, pd: bool) -> str:
     config: dict[str, object] = {"models": [model]}
     if args.pin and args.others_cores is not None:
         model["encoder"] = {"deployment": {"cpu_affinity": args.others_cores}}
-        config["ingress"] = {"deployment": {"cpu_affinity": args.others_cores}}
+    ingress = args.ingress_cores if args.ingress_cores is not None else args.others_cores
+    if args.pin and ingress is not None:
+        config["ingress"] = {"deployment": {"cpu_affinity": ingress}}
     return json.dumps(config)  # YAML reads JSON
 
 
@@ -159,6 +161,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="--pin: the encoder's and the ingress's cpu_affinity (e.g. 0); default: not pinned",
     )
+    p.add_argument(
+        "--ingress-cores",
+        default=None,
+        help="--pin: the ingress's cpu_affinity alone (e.g. 1: beside the decode replica, whose tokens it "
+        "relays); default: --others-cores",
+    )
     p.add_argument("--colocated-port", type=int, default=8731)
     p.add_argument("--pd-port", type=int, default=8732)
     p.add_argument("--vllm-port", type=int, default=8733)
@@ -224,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
             failed.append(f"{key}: {str(e).splitlines()[0]}")
     pinned = (
         f"pinned: LLM replicas on cores {args.pin_cores} (colocated one each, pd prefill then decode), encoder "
-        f"and ingress {'on ' + args.others_cores if args.others_cores else 'not pinned'}"
+        f"{'on ' + args.others_cores if args.others_cores else 'not pinned'}, ingress "
+        f"{'on ' + ing if (ing := args.ingress_cores or args.others_cores) else 'not pinned'}"
         if args.pin
         else "not pinned"
     )

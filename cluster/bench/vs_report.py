@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -70,7 +71,7 @@ def paired(loads: Sequence[Load], body: str, label: str, repeats: int = 1) -> li
 
 def paired_ratios(results: Sequence[LoadResult], label: str, metrics: Sequence[str] = PAIRED_METRICS) -> str:
     """Per server and load, the twin's metric over its load's, pair by pair (the k-th run of the load
-    with the k-th run of its twin: adjacent in time), as the median and the range over the pairs: the
+    with the k-th run of its twin: adjacent in time), as the median (of an even count: the mean of the middle two) and the range over the pairs: the
     with/without reading of ``--paired-body`` that a drift between pairs does not move."""
     runs: dict[tuple[str, str], list[LoadResult]] = {}
     for r in results:
@@ -92,7 +93,7 @@ def paired_ratios(results: Sequence[LoadResult], label: str, metrics: Sequence[s
                 if (q := ratio(t.value(m), b.value(m))) is not None
             )
             row += (
-                [fmt_num(got[(len(got) - 1) // 2]), f"{fmt_num(got[0])}–{fmt_num(got[-1])}"]
+                [fmt_num(statistics.median(got)), f"{fmt_num(got[0])}–{fmt_num(got[-1])}"]
                 if got
                 else ["-", "-"]
             )
