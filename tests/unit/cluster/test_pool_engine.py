@@ -12,13 +12,8 @@ import pytest
 from pydantic import ValidationError
 
 from cluster.budgets import encoder_budgets
-from cluster.config import (
-    POOL_SHARED_FIELDS,
-    AppConfig,
-    LLMConfig,
-    LLMPoolEngine,
-    ModelConfig,
-)
+from cluster.config import AppConfig, LLMConfig, ModelConfig
+from cluster.pool_config import POOL_SHARED_FIELDS, LLMPoolEngine
 
 
 def _model(
