@@ -217,6 +217,7 @@ class LLMServer(llm_serve.LLMServer, DirectLLM):
                 llm.handoff_deadline_s,
                 llm.kv_transfer_timeout_s,
                 llm.kv_pull_chunks,
+                llm.kv_transfer,
             ),
         )
 
@@ -243,6 +244,8 @@ class LLMPrefillServer(LLMServer):
         "prefill": "prefill",
         "pull_kv": "pull_kv",
         "pull_kv_chunks": "pull_kv_chunks",
+        "kv_pair_join": "kv_pair_join",  # llm.kv_transfer: collective (llm_service/serve/kv_pair.py)
+        "kv_send": "kv_send",
     }
 
 
