@@ -144,11 +144,29 @@ class LLMConfig(_Strict):
         "(docs/disaggregation.md)",
     )
 
+    kv_transfer: Literal["link", "collective"] = Field(
+        "link",
+        description="E/P/D: how a request's KV moves from the prefill to the decode replica: `link`, over their "
+        "authenticated direct link (host bytes); `collective`, on a torch.distributed group the pair forms "
+        "(NCCL between CUDA caches, gloo on CPU), straight between the paged caches; unauthenticated and "
+        "unencrypted: a trusted cluster network only (docs/disaggregation.md)",
+    )
+
     @model_validator(mode="after")
     def _check_pools(self) -> LLMConfig:
         roles = sorted(p.role for p in self.pools)
         if roles and roles != ["decode", "prefill"]:
             raise ValueError(f"llm.pools: one `prefill` and one `decode` pool (or none), got roles {roles}")
+        if self.kv_transfer == "collective" and not self.pools:
+            raise ValueError(
+                "llm.kv_transfer: `collective` moves KV between a prefill and a decode pool; this model has "
+                "one LLM pool (set llm.pools, or leave kv_transfer at `link`)"
+            )
+        if self.kv_transfer == "collective" and self.kv_pull_chunks:
+            raise ValueError(
+                "llm.kv_transfer: `collective` does not take llm.kv_pull_chunks (the chunks' pulls go over "
+                "the link); set one of them"
+            )
         return self
 
     def for_role(self, role: str) -> LLMConfig:

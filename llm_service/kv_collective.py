@@ -4,45 +4,93 @@ The prefill rank sends a request's blocks straight out of its paged KV cache; th
 them straight into the blocks it allocated (``LLMEngine.reserve_import``'s ``ImportSlots``). Each
 layer's cache is ``[2, num_blocks, block_size, heads, head_dim]``, so one block's K (or V) is a
 contiguous ``[block_size, heads, head_dim]`` slice: one send/recv per (layer, K|V, block), all posted
-at once (``batch_isend_irecv``: NCCL coalesces them into one group call), and no contiguous copy of the
-sequence on either side, no trip through host memory on GPUs::
+at once, then waited for, and no contiguous copy of the sequence on either side, no trip through host
+memory on GPUs::
 
-    prefill rank  cache[l][k, src_ids[j]] ──isend──▶ irecv──▶ cache[l][k, dst_ids[j]]  decode rank
+    prefill rank  cache[l][k, src_ids[j]] ──send──▶ recv──▶ cache[l][k, dst_ids[j]]  decode rank
 
-Not wired into serving yet: it needs a process group between a prefill and a decode replica, which
-the cluster does not form (the serving path moves the KV over the direct link, llm_service/serve/
-handoff.py); docs/disaggregation.md says so.
+A sliding-window layer's cache moves its own block ids (the window group's), a hybrid model's
+linear-attention state slots move as one conv and one recurrent tensor per linear layer
+(``kv_parts``). Both sides list the same parts in the same order; each part travels under its index
+as the tag. The ops go to the group's own ``send``/``recv``, so a group built outside
+``init_process_group`` (llm_service/serve/kv_pair.py's pair groups) works as the default one does.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from llm_service.kv_io import _windowed_caches
 
-def _ops(
-    kv_caches: Sequence[torch.Tensor],
+
+def kv_parts(
+    runner: Any,
     block_ids: Sequence[int],
-    peer: int,
-    op: object,
-    group: dist.ProcessGroup | None,
-) -> list[dist.P2POp]:
-    ops = []
-    for cache in kv_caches:
-        for k_or_v in (0, 1):
-            for block_id in block_ids:
-                part = cache[k_or_v, block_id]
-                assert part.is_contiguous(), "a paged KV block must be one contiguous slice"
-                ops.append(dist.P2POp(op, part, peer, group))  # type: ignore[arg-type]
-    return ops
+    window_ids: Sequence[int] = (),
+    state_slots: Sequence[int] = (),
+) -> list[torch.Tensor]:
+    """The views a hand-off moves, in the order both sides list them: per KV cache, K then V of each
+    block (``window_ids`` for a sliding-window layer's cache, ``block_ids`` for the others), then per
+    state slot each linear layer's conv and recurrent state. ``runner`` as kv_io's."""
+    parts = [
+        cache[k_or_v, block_id]
+        for cache, w in zip(runner.kv_caches, _windowed_caches(runner), strict=True)
+        for k_or_v in (0, 1)
+        for block_id in (window_ids if w else block_ids)
+    ]
+    for slot in state_slots:
+        assert runner.linear_states is not None, "a state slot without a state cache"
+        for conv, rec in zip(runner.linear_states.conv, runner.linear_states.recurrent, strict=True):
+            parts += [conv[slot], rec[slot]]
+    for part in parts:
+        assert part.is_contiguous(), "a paged KV block (or a state slot) must be one contiguous slice"
+    return parts
 
 
-def _run(ops: list[dist.P2POp]) -> None:
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+def nbytes(parts: Sequence[torch.Tensor]) -> int:
+    return sum(p.numel() * p.element_size() for p in parts)
+
+
+def _group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    if group is not None:
+        return group
+    default = dist.distributed_c10d._get_default_group()
+    return default
+
+
+def _wait(works: list[Any], device: torch.device) -> None:
+    for work in works:
+        work.wait()
+    if device.type == "cuda":  # the ops ran on the group's stream: done when this returns
+        torch.cuda.synchronize(device)
+
+
+def send_tensors(parts: Sequence[torch.Tensor], dst: int, group: dist.ProcessGroup | None = None) -> int:
+    """Send ``parts`` to rank ``dst`` (its ``recv_tensors`` lists the same shapes); returns the bytes sent."""
+    pg = _group(group)
+    if parts:
+        if parts[0].device.type == "cuda":
+            torch.cuda.set_device(parts[0].device)
+        _wait([pg.send([p], dst, tag) for tag, p in enumerate(parts)], parts[0].device)
+    return nbytes(parts)
+
+
+def recv_tensors(parts: Sequence[torch.Tensor], src: int, group: dist.ProcessGroup | None = None) -> int:
+    """Receive what rank ``src`` sends (``send_tensors``) into ``parts``, in place; returns the bytes."""
+    pg = _group(group)
+    if parts:
+        if parts[0].device.type == "cuda":
+            torch.cuda.set_device(parts[0].device)
+        _wait([pg.recv([p], src, tag) for tag, p in enumerate(parts)], parts[0].device)
+    return nbytes(parts)
+
+
+def _block_parts(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int]) -> list[torch.Tensor]:
+    return [cache[k_or_v, b] for cache in kv_caches for k_or_v in (0, 1) for b in block_ids]
 
 
 def send_blocks(
@@ -52,8 +100,7 @@ def send_blocks(
     group: dist.ProcessGroup | None = None,
 ) -> int:
     """Send blocks ``block_ids`` of every layer's cache to rank ``dst``; returns the bytes sent."""
-    _run(_ops(kv_caches, block_ids, dst, dist.isend, group))
-    return sum(2 * len(block_ids) * c[0, 0].numel() * c.element_size() for c in kv_caches)
+    return send_tensors(_block_parts(kv_caches, block_ids), dst, group)
 
 
 def recv_blocks(
@@ -63,4 +110,4 @@ def recv_blocks(
     group: dist.ProcessGroup | None = None,
 ) -> None:
     """Receive the blocks rank ``src`` sends (``send_blocks``, in the same order) into ``block_ids``."""
-    _run(_ops(kv_caches, block_ids, src, dist.irecv, group))
+    recv_tensors(_block_parts(kv_caches, block_ids), src, group)

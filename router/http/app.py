@@ -290,8 +290,16 @@ class IngressServer:
                 **orchestrator.hit_path_stats(),
             }
             if pools:
-                out[name]["pools"] = await orchestrator.handles.pool_stats()
+                out[name]["pools"] = {
+                    **await orchestrator.handles.pool_stats(),
+                    "ingress_replica": self.replica_stats(),
+                }
         return JSONResponse(out)
+
+    def replica_stats(self) -> dict[str, object]:
+        """This ingress replica's own entry in ``/stats?pools=true`` (``ingress_replica``), as the other
+        pools' replicas report theirs; the wiring adds its id and ``cpu_affinity`` (cluster/replicas.py)."""
+        return {}
 
     def check_health(self) -> None:
         if self.http is not None:
