@@ -117,6 +117,34 @@ def test_a_miss_is_handed_on_not_processed(family: tuple[str, Preprocessor, Prep
     assert len(e.value.hashes) == sum(FAMILIES[name].values())
 
 
+def test_the_older_layout_and_defaults_equal_the_hf_processor(tmp_path: Path) -> None:
+    """A checkpoint with only ``preprocessor_config.json`` (flat, ``min_pixels`` / ``max_pixels``, no
+    ``patch_size``): the video processor reads it too, and a missing key is the class's default."""
+    import shutil
+
+    from transformers import AutoProcessor
+
+    src = tiny_model_dir("qwen2.5-vl")
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(src / name, tmp_path / name)
+    image = dict(json.loads((src / "processor_config.json").read_text())["image_processor"])
+    size = image.pop("size")
+    del image["patch_size"]
+    image.update(min_pixels=2 * size["shortest_edge"], max_pixels=size["longest_edge"] // 2)
+    image["processor_class"] = "Qwen2_5_VLProcessor"
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(image))
+    hf = AutoProcessor.from_pretrained(str(tmp_path), use_fast=True)
+    facts = read_hit_path_facts(tmp_path)
+    for proc, geometry in (
+        (hf.image_processor, facts.image_geometry),
+        (hf.video_processor, facts.video_geometry),
+    ):
+        assert geometry is not None
+        got = (geometry.patch_size, geometry.merge_size, geometry.min_pixels, geometry.max_pixels)
+        assert got == (proc.patch_size, proc.merge_size, proc.size.shortest_edge, proc.size.longest_edge)
+    assert facts.frame_multiple == hf.video_processor.temporal_patch_size
+
+
 def test_the_ingress_preparer_imports_no_image_stack() -> None:
     """``router.http.app``'s hit path as the ingress builds it: its tokenizer, then ``make_preparer``."""
     model_dir = tiny_model_dir("qwen2-vl")
