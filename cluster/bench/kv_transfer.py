@@ -9,6 +9,7 @@ wall ms and this process's CPU ms (both ends of the link, the ZeroMQ I/O threads
 the read on the prefill side (``index_select`` to host, bytes), the call, and the write into the decode
 side's blocks. ``--transfer collective``: the same blocks on a two-rank gloo pair group instead
 (llm_service/serve/kv_pair.py's ``llm.kv_transfer: collective``), each rank on a thread of this process,
+twice: the blocks in one run on both sides (one op per layer and K|V), and scattered (one op per block),
 sent straight out of one cache and received straight into the other (read ms: the send's thread, write
 ms: the receive's). The serving path's numbers on the tiny model are
 ``tests/integration/test_pd_families.py``'s (link) and ``test_pd_collective.py``'s (collective).
@@ -87,7 +88,7 @@ async def _measure(args: argparse.Namespace, tokens: int) -> dict[str, float]:
     }
 
 
-def _measure_collective(args: argparse.Namespace, tokens: int) -> dict[str, float]:
+def _measure_collective(args: argparse.Namespace, tokens: int, scattered: bool) -> dict[str, float]:
     from concurrent.futures import ThreadPoolExecutor
 
     from llm_service.kv_collective import kv_parts, recv_tensors, send_tensors
@@ -97,14 +98,20 @@ def _measure_collective(args: argparse.Namespace, tokens: int) -> dict[str, floa
     blocks = max(2 * n, 8)
     prefill = _side(args.layers, args.kv_heads, args.head_dim, blocks, args.block_size, args.dtype)
     decode = _side(args.layers, args.kv_heads, args.head_dim, blocks, args.block_size, args.dtype)
-    src, dst = list(range(0, 2 * n, 2)), list(range(1, 2 * n, 2))
+    # scattered: no two blocks consecutive on both sides, one op per block (the link's layout above);
+    # else one run (a fresh pool's allocation): one op per layer and K|V
+    src, dst = (
+        (list(range(0, 2 * n, 2)), list(range(1, 2 * n, 2)))
+        if scattered
+        else (list(range(n)), list(range(n, 2 * n)))
+    )
     store = host_store("127.0.0.1", 60)
     client = join_store("127.0.0.1", int(store.port), 60)
     with ThreadPoolExecutor(1) as pool:
         mine = pool.submit(build_group, store, "bench", DECODE_RANK, "gloo", "127.0.0.1", 60)
         sender = build_group(client, "bench", PREFILL_RANK, "gloo", "127.0.0.1", 60)
         receiver = mine.result()
-        out, into = kv_parts(prefill, src), kv_parts(decode, dst)
+        out, into = kv_parts(prefill, src, peer_block_ids=dst), kv_parts(decode, dst, peer_block_ids=src)
 
         def timed_recv() -> tuple[int, float]:
             t0 = time.thread_time()
@@ -159,13 +166,16 @@ def main() -> None:
     torch.set_num_threads(1)
     print("| transfer | prompt tokens | blocks | MiB | wall ms | CPU ms (both ends) | read ms | write ms |")
     print("| :--- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    transfers = ["link", "collective"] if args.transfer == "both" else [args.transfer]
+    chosen = ["link", "collective"] if args.transfer == "both" else [args.transfer]
+    transfers = [
+        t for x in chosen for t in ([x] if x == "link" else ["collective, runs", "collective, scattered"])
+    ]
     for tokens in args.tokens:
         for transfer in transfers:
             m = (
                 asyncio.run(_measure(args, tokens))
                 if transfer == "link"
-                else _measure_collective(args, tokens)
+                else _measure_collective(args, tokens, scattered=transfer.endswith("scattered"))
             )
             print(
                 f"| {transfer} | {m['tokens']} | {m['blocks']:.0f} | {m['mib']:.1f} | {m['wall_ms']:.1f} "

@@ -30,7 +30,8 @@ STATE = [((3, 5), (2, 4, 4))]  # one linear layer: conv and recurrent state per 
 TIMEOUT_S = 3.0
 # request -> (prefill side's HeldKV, decode side's ImportSlots)
 HANDOFFS = {
-    "r1": (HeldKV([3, 7, 1, 4], [0, 2, 5], 1, 1, 2), ImportSlots(0, [0, 5, 2, 6], 1, [1, 3], 0, 3)),
+    # blocks 3, 4 -> 5, 6 and window blocks 2, 3 -> 1, 2: consecutive on both sides, one op each run
+    "r1": (HeldKV([3, 4, 1, 7], [0, 2, 3], 1, 1, 2), ImportSlots(0, [5, 6, 2, 0], 1, [1, 2], 0, 3)),
     "r2": (HeldKV([8, 9], [4], 0, 3, None), ImportSlots(1, [7], 0, [4], 1, None)),
     "stall": (HeldKV([2, 6], [1], 0, 0, None), ImportSlots(0, [1, 8], 0, [0], 2, None)),
     "r3": (HeldKV([5, 0], [3], 0, 0, 2), ImportSlots(0, [9, 4], 0, [5], 2, None)),
@@ -177,8 +178,8 @@ def test_pair_group_moves_blocks_window_and_states_reuses_drops_and_reforms(tmp_
     assert "KV receive on the pair group failed" in o["stall"][0] and o["stall"][1:] == (1, 0)  # dropped
     assert o["r3"][2:] == (False, 2, 1)  # a new pair; no snapshot where this side reserved no slot for it
     moved = {  # decode block <- prefill block, per group
-        "full": [(0, 3), (5, 7), (2, 1), (6, 4), (7, 9), (9, 5), (4, 0)],
-        "window": [(1, 2), (3, 5), (4, 4), (5, 3)],
+        "full": [(5, 3), (6, 4), (2, 1), (0, 7), (7, 9), (9, 5), (4, 0)],
+        "window": [(1, 2), (2, 3), (4, 4), (5, 3)],
     }
     for layer, w in enumerate(WINDOWS):
         for d, s in moved["window" if w else "full"]:
@@ -194,3 +195,19 @@ def test_pair_group_moves_blocks_window_and_states_reuses_drops_and_reforms(tmp_
     assert (pre["pins"], sorted(pre["released"])) == (0, sorted(HANDOFFS))  # every pin ended, stall's too
     assert pre["stats"]["pairs_formed"] == 2 and pre["stats"]["pairs_dropped"] == 1 and pre["pairs"] == 1
     assert dec["stats"].bytes_collective == o["r1"][1] + o["r2"][1] + o["r3"][1]
+
+
+def test_runs_are_cut_alike_from_either_side_and_each_is_one_part() -> None:
+    from llm_service.kv_collective import kv_parts, runs
+
+    src, dst = [3, 4, 5, 1, 7, 8], [5, 6, 7, 2, 0, 1]
+    assert runs(src, dst) == runs(dst, src) == [(0, 3), (3, 1), (4, 2)]
+    r = runner(seed=0)
+    window_src, window_dst = [2, 3], [1, 2]
+    parts = kv_parts(r, src, window_src, [1], peer_block_ids=dst, peer_window_ids=window_dst)
+    # two full layers x K|V x 3 runs, the window layer x K|V x 1 run, the state's conv and recurrent
+    assert len(parts) == 2 * 2 * 3 + 2 * 1 + 2
+    assert torch.equal(parts[0], r.kv_caches[0][0, 3:6]) and torch.equal(parts[3], r.kv_caches[0][1, 3:6])
+    assert len(kv_parts(r, src, window_src, [1])) == 2 * 2 * 6 + 2 * 2 + 2  # no peer ids: one part a block
+    with pytest.raises(ValueError, match="different numbers of blocks"):
+        kv_parts(r, src, window_src, peer_block_ids=dst[:-1], peer_window_ids=window_dst)
