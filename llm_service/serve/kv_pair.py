@@ -74,8 +74,8 @@ class SendAsk:
     seq: int
     from_block: int
     window_from: int
-    num_blocks: int
-    num_window_blocks: int
+    block_ids: tuple[int, ...]  # the decode side's blocks it receives into (runs are cut on both sides' ids)
+    window_ids: tuple[int, ...]
     state: bool  # it reserved a state slot (a hybrid model)
     snapshot: bool  # and a snapshot slot (its cache lacks the prompt's last full block's snapshot)
 
@@ -84,8 +84,8 @@ class SendAsk:
 class SendPlan:
     """The prefill side's answer: what it sends on the group, in ``kv_parts`` order."""
 
-    num_blocks: int
-    num_window_blocks: int
+    block_ids: tuple[int, ...]  # the prefill side's blocks it sends out of
+    window_ids: tuple[int, ...]
     state_slots: int  # 0, 1 (the request's state) or 2 (and the snapshot)
     nbytes: int
 
@@ -251,8 +251,8 @@ class DecodePairs:
             pair.seq,
             from_block,
             slots.window_from,
-            len(ids),
-            len(slots.window_ids),
+            tuple(ids),
+            tuple(slots.window_ids),
             slots.state_slot is not None,
             slots.snapshot_slot is not None,
         )
@@ -261,13 +261,13 @@ class DecodePairs:
         if not isinstance(plan, SendPlan):
             raise KVTransferFailed(f"{rid}: kv_send answered a {type(plan).__name__}")
         states = [s for s in (slots.state_slot, slots.snapshot_slot) if s is not None][: plan.state_slots]
-        parts = kv_parts(self.engine.runner, ids, slots.window_ids, states)
-        if (plan.num_blocks, plan.num_window_blocks, len(states), plan.nbytes) != (
-            len(ids),
-            len(slots.window_ids),
-            plan.state_slots,
-            nbytes(parts),
-        ):
+        try:
+            parts = kv_parts(
+                self.engine.runner, ids, slots.window_ids, states, plan.block_ids, plan.window_ids
+            )
+        except ValueError as e:
+            raise KVTransferFailed(f"{rid}: the prefill side sends {plan}: {e}") from e
+        if (len(states), plan.nbytes) != (plan.state_slots, nbytes(parts)):
             raise KVTransferFailed(f"{rid}: the prefill side sends {plan}, this side holds {len(ids)} blocks")
         recv = asyncio.ensure_future(asyncio.to_thread(_timed, recv_tensors, parts, PREFILL_RANK, pair.group))
         writes.append(recv)  # the blocks are the thread's until it has received
@@ -342,18 +342,18 @@ class PrefillPairs:
                     f"{rid}: window blocks from {ask.window_from}, held from {held.window_first}"
                 )
             if (len(ids), len(window), held.state_slot is not None) != (
-                ask.num_blocks,
-                ask.num_window_blocks,
+                len(ask.block_ids),
+                len(ask.window_ids),
                 ask.state,
             ):
                 raise KVTransferFailed(
-                    f"{rid}: {ask.num_blocks} blocks, {ask.num_window_blocks} window blocks, state "
+                    f"{rid}: {len(ask.block_ids)} blocks, {len(ask.window_ids)} window blocks, state "
                     f"{ask.state} asked; held {len(ids)}, {len(window)}, {held.state_slot is not None}"
                 )
             states = [] if held.state_slot is None else [held.state_slot]
             if states and ask.snapshot and held.snapshot_slot is not None:
                 states.append(held.snapshot_slot)
-            parts = kv_parts(h.engine.runner, ids, window, states)
+            parts = kv_parts(h.engine.runner, ids, window, states, ask.block_ids, ask.window_ids)
         except BaseException:
             await self._release(rid)
             raise
@@ -361,7 +361,7 @@ class PrefillPairs:
         task = asyncio.get_running_loop().create_task(self._send(pair, rid, parts))
         self._sends.add(task)
         task.add_done_callback(self._sends.discard)
-        return SendPlan(len(ids), len(window), len(states), nbytes(parts))
+        return SendPlan(tuple(ids), tuple(window), len(states), nbytes(parts))
 
     async def _send(self, pair: PairGroup, rid: str, parts: list[torch.Tensor]) -> None:
         try:
