@@ -326,6 +326,12 @@ class IngressServer(http_app.IngressServer):
         )
         await super().__init__(models, pools, http, admission, keys=ingress_keys(cfg))  # type: ignore[misc]
 
+    def replica_stats(self) -> dict[str, object]:
+        return {
+            "replica_id": str(serve.get_replica_context().replica_id.unique_id),
+            "cpu_affinity": process_cpus(),  # the cores its threads may use (ingress.deployment.cpu_affinity)
+        }
+
 
 def ingress_keys(cfg: AppConfig) -> KeyRing:
     """The ingress replica's ``KeyRing``: ``ingress.api_key`` (or ``MMSERVE_API_KEY`` where the replica

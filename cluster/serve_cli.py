@@ -13,6 +13,7 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from cluster.config import AppConfig, ModelConfig, default_config
+from cluster.pool_engine_flag import add_pool_engine_argument, apply_pool_engine
 from cluster.serve_env import apply_serve_env
 
 if TYPE_CHECKING:
@@ -73,6 +74,7 @@ def add_serve_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="E/P/D: each model's LLM runs as a prefill pool and a decode pool (llm.pools), each of "
         "the llm deployment's options, the KV moved between them (docs/disaggregation.md)",
     )
+    add_pool_engine_argument(p)
     p.add_argument(
         "--cpu-affinity",
         action="append",
@@ -195,6 +197,7 @@ def config_from_args(args: argparse.Namespace) -> AppConfig:
             m["llm"]["pools"] = pd_pools(m["llm"]["deployment"])
     for flag in getattr(args, "cpu_affinity", None) or ():
         pin_pool(data, flag)
+    apply_pool_engine(data, getattr(args, "pool_engine", None) or ())
     return AppConfig.model_validate(data)
 
 

@@ -219,7 +219,10 @@ class LLMEngine(EngineHandoffs):
         outputs += [self._fail(rid, msg) for rid, msg in faults.items()]
         now = time.monotonic()
         for req in self.scheduler.update(sched, sampled):
+            rng_state = None
             if req.is_finished:
+                if req.status is RequestStatus.HANDED_OFF:  # a seeded one's draws go on elsewhere
+                    rng_state = self.runner.generator_state(req.request_id)
                 self.runner.release(req.request_id)
             lp = req.output_logprobs[-1]  # the runner's TokenLogprob when asked for (execute)
             if len(req.output_token_ids) == 1:
@@ -237,6 +240,7 @@ class LLMEngine(EngineHandoffs):
                     num_cached_tokens=max(req.num_cached_tokens, 0),
                     timing=_timing(req, now) if req.is_finished else None,
                     prompt_logprobs=_prompt_logprobs(req) if len(req.output_token_ids) == 1 else None,
+                    rng_state=rng_state,
                 )
             )
         return outputs

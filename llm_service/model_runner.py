@@ -436,6 +436,32 @@ class ModelRunner:
         own = self.states[request_id].generator
         return self.default_generator if own is None else own
 
+    def generator_state(self, request_id: str) -> bytes | None:
+        """A seeded request's generator state, for a decode replica to resume from (E/P/D); None
+        for an unseeded one (it draws from the engine's shared generator, as on any replica)."""
+        state = self.states.get(request_id)
+        if state is None or state.generator is None:
+            return None
+        return bytes(state.generator.get_state().numpy().tobytes())
+
+    def resume_generator(self, request_id: str, raw: bytes) -> None:
+        """Continue a seeded request's draws from where a prefill replica's generator left them
+        (``generator_state``). Raises ``ValueError`` for a request without a seed, or a state this
+        device's generator cannot take (a CPU and a CUDA generator's differ in size)."""
+        generator = self.states[request_id].generator
+        if generator is None:
+            raise ValueError(f"{request_id}: a generator state for a request without a seed")
+        size = generator.get_state().numel()
+        if len(raw) != size:
+            raise ValueError(
+                f"{request_id}: a generator state of {len(raw)} bytes, this replica's "
+                f"{self.device.type} generator's takes {size}"
+            )
+        try:
+            generator.set_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+        except RuntimeError as e:  # torch checks the state's contents too
+            raise ValueError(f"{request_id}: a malformed generator state: {e}") from e
+
     def rng_states(self, out: SchedulerOutput) -> dict[str, torch.Tensor]:
         """The seeded generators' states of the step's requests, to replay the step exactly."""
         gens = ((c.request.request_id, self.states[c.request.request_id].generator) for c in out.chunks)

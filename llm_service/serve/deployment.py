@@ -24,6 +24,7 @@ from llm_service.errors import RequestFailed, RequestRejected
 from llm_service.kv_handoff import KVBlocks, KVHandoff, KVTransferFailed
 from llm_service.output_channels import ChannelBatch, OutputChannels
 from llm_service.outputs import EngineStats, RequestOutput
+from llm_service.recent_ttft import RecentTTFT
 from llm_service.request_spec import LLMRequestSpec, ReplicaTarget, SubmitReply
 from llm_service.scheduler import WaitingBound
 from llm_service.sequence import Request
@@ -87,6 +88,7 @@ class LLMServer:
         self.replica_id = _replica_id()
         self.engine = engine_cls(engine_config)
         self._metrics = LLMMetrics(model_name)
+        self._ttft = RecentTTFT()  # the prefill pool's autoscaling signal (with a target_ttft_ms)
         self.channels = OutputChannels(self.replica_id, self._abort_all, linger_s=channel_linger_s)
         self.loop = EngineLoop(
             self.engine,
@@ -137,6 +139,7 @@ class LLMServer:
         if self._prefill is not None:
             self._prefill.on_outputs(outputs)
         self.channels.deliver(outputs)
+        self._ttft.observe(outputs)
         self._metrics.observe_step(outputs, self.loop.last_step_s, self.loop.step_clock.last_cpu_s)
         if self._traces:  # sampled requests in flight: their spans, once done
             for out in outputs:
@@ -470,6 +473,7 @@ class LLMServer:
             "queued_prompt_tokens": float(
                 self.loop.queued_prompt_tokens
             ),  # E/P/D's prefill pool scales on it
+            "ttft_p90_ms": self._ttft.p90_ms(),  # and on this, given a target_ttft_ms
         }
 
     def check_health(self) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from collections.abc import Generator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import ray.serve  # noqa: F401
@@ -65,11 +66,30 @@ def _errors_since(root: Path, before: dict[Path, int]) -> list[str]:
 # gives it: they run one after the other, where the first of them would, and the app ends after the last.
 SHARED_APPS = {"vl_pair_app": ("test_docs_examples.py", "test_prefix_affinity.py")}
 
+# Modules (or packages) that start a cluster of their own, not the session's Ray (local_app.py's
+# ``own_ray``): they run after the other integration modules, so the session Ray starts once, and it is
+# ended before them. e2e/: Ray's metrics agent on a port of its own, reports every second;
+# test_multinode.py: a multi-node ``ray.cluster_utils.Cluster``; test_deploy_cli.py: ``ray start``;
+# test_graceful_drain.py: ``mmserve serve`` in a subprocess; chaos/: multi-node clusters.
+OWN_CLUSTER = ("e2e", "test_multinode.py", "test_deploy_cli.py", "test_graceful_drain.py", "chaos")
+
+
+def _own_cluster(item: pytest.Item | None) -> bool:
+    if item is None:
+        return True
+    path = Path(item.path).resolve()
+    return not path.is_relative_to(HERE) or path.relative_to(HERE).parts[0] in OWN_CLUSTER
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if Path(item.path).resolve().is_relative_to(HERE):
             item.add_marker(pytest.mark.slow)
+    ours = [n for n, i in enumerate(items) if Path(i.path).resolve().is_relative_to(HERE)]
+    if ours:  # the integration tests are one run of the collection: the own-cluster ones to its end
+        block = [items[n] for n in ours]
+        block.sort(key=_own_cluster)  # stable: every module keeps its place among its kind
+        items[ours[0] : ours[-1] + 1] = block
     for modules in SHARED_APPS.values():
         paths = [HERE / m for m in modules]
         group = [i for i in items if Path(i.path).resolve() in paths]
@@ -89,14 +109,17 @@ def _shared_app_of(item: pytest.Item | None) -> str | None:
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     """The shared app ends after the last test that uses it, when the next test is of another module
-    (or none): not left running beside the next modules' own clusters."""
-    from tests.integration.local_app import close_shared_app, shared_app_key
+    (or none): not left running beside the next modules' own apps. The session Ray ends before a
+    module with a cluster of its own, and after the last integration test."""
+    from tests.integration.local_app import close_session_ray, close_shared_app, shared_app_key
 
     key = shared_app_key()
     if key is not None and (
         nextitem is None or (nextitem.path != item.path and _shared_app_of(nextitem) != key)
     ):
         close_shared_app()
+    if (nextitem is None or nextitem.path != item.path) and _own_cluster(nextitem):
+        close_session_ray()
 
 
 # vl_pair_app's two tiny-qwen2-vl LLM replicas: one set of cores each ("0|1"), or not pinned on one core
@@ -129,7 +152,10 @@ def vl_pair_app(tmp_path_factory: pytest.TempPathFactory) -> OpenAI:
         },
     ]
     cache_dir = str(tmp_path_factory.mktemp("models"))
-    return shared_app("vl_pair_app", {"models": models, "models_cache_dir": cache_dir})
+    config: dict[str, Any] = {"models": models, "models_cache_dir": cache_dir}
+    if PAIR_CORES is not None:  # the ingress on both of the pair's cores (it reports them: /stats?pools=true)
+        config["ingress"] = {"deployment": {"cpu_affinity": PAIR_CORES.replace("|", ",")}}
+    return shared_app("vl_pair_app", config)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -145,6 +171,12 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
 
 @pytest.hookimpl(trylast=True)
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    from tests.integration.local_app import session_ray_cleanups
+
+    cleaned = session_ray_cleanups()
+    if cleaned:
+        terminalreporter.write_sep("-", "left running by integration modules on the session Ray, ended")
+        terminalreporter.write_line("\n".join(cleaned))
     for nodeid, errors in _FOUND.items():
         terminalreporter.write_sep("-", f"errors the app's processes logged during {nodeid}")
         terminalreporter.write_line(errors)

@@ -51,31 +51,173 @@ def _children() -> set[int]:
     return descendants(list_procs(), os.getpid())
 
 
-@contextmanager
-def own_ray(address: str = "local", **init: Any) -> Iterator[None]:
-    """``ray.init`` for one test module; Serve (if it started) and Ray are shut down on the way out,
-    also when the start fails or Serve's shutdown raises. A module whose start failed thus leaves no
-    Ray behind, so the next module's ``ray.init`` does not fail with "called ray.init twice"."""
+def _init_ray(address: str, init: dict[str, Any]) -> None:
+    """``ray.init``, again where a busy host missed Ray's fixed 30 s wait for the raylet to register
+    (chaos_node.start_head and LocalRayCluster.start_head try again too): what a failed try started
+    is ended first."""
     import ray
-    from ray import serve
 
-    close_shared_app()  # one Ray per test process: a shared app still open ends here
-    if address == "local":
-        init = {"num_cpus": 2, "include_dashboard": False, **init}
     for attempt in range(1, _INIT_TRIES + 1):
         before = _children()
         try:
             ray.init(address=address, **{"namespace": "mmserve", **init})
-            break
+            return
         except Exception as e:
-            # A busy host can miss Ray's fixed 30 s wait for the raylet to register (chaos_node.start_head
-            # and LocalRayCluster.start_head try again too): end what this try started, start again.
             ray.shutdown()
             for pid in _children() - before:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             if address != "local" or "timed out during startup" not in str(e) or attempt == _INIT_TRIES:
                 raise
+
+
+# The session's one local Ray (docs/testing.md, "One Ray per session"): every module whose own_ray is a
+# plain local one (no settings but ``num_cpus`` and ``log_to_driver``) runs on it, one after the other;
+# a module's Serve apps, actors and placement groups end with the module. SESSION_CPUS logical CPUs,
+# the most any module asks for; a module that asks for fewer gets the rest held by an idle actor.
+SESSION_CPUS = 4
+_SHAREABLE = {"num_cpus", "log_to_driver"}
+_SESSION: dict[str, Any] = {}  # "open": the session Ray runs; "cleaned": what modules left behind
+
+
+def session_ray_open() -> bool:
+    import ray
+
+    if _SESSION.get("open") and not ray.is_initialized():
+        _SESSION.pop("open")  # a module shut it down itself: the next one starts it again
+    return bool(_SESSION.get("open"))
+
+
+def close_session_ray() -> None:
+    """The session Ray (and a shared app on it) ended, before a module that starts its own cluster,
+    and at the end of the integration tests."""
+    close_shared_app()
+    if session_ray_open():
+        import ray
+        from ray import serve
+
+        _SESSION.pop("open")
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+def session_ray_cleanups() -> list[str]:
+    """What modules left running on the session Ray, which their end removed: one line each."""
+    return list(_SESSION.get("cleaned", []))
+
+
+@contextmanager
+def _session_ray(num_cpus: int) -> Iterator[None]:
+    import ray
+
+    from cluster.serve_env import apply_serve_env
+
+    close_shared_app()
+    if not session_ray_open():
+        if ray.is_initialized():
+            ray.shutdown()  # a Ray no module owns (``ray.put`` starts one): not this session's
+        apply_serve_env()  # every module on it runs with `mmserve serve`'s Serve settings
+        _init_ray("local", {"num_cpus": SESSION_CPUS, "include_dashboard": False})
+        _SESSION["open"] = True
+    holder = _hold_cpus(SESSION_CPUS - num_cpus)
+    try:
+        yield
+    finally:
+        _end_module(holder)
+
+
+def _hold_cpus(cpus: float) -> Any:
+    """An idle actor holding ``cpus`` of the session's logical CPUs: the module sees the budget it
+    asked for (an actor, not a placement group: test_encoder_tp checks that every group is removed)."""
+    import ray
+
+    if cpus <= 0:
+        return None
+
+    @ray.remote(num_cpus=cpus)
+    class HeldCPUs:
+        def ready(self) -> bool:
+            return True
+
+    holder = HeldCPUs.remote()  # type: ignore[attr-defined]
+    ray.get(holder.ready.remote(), timeout=120)
+    return holder
+
+
+def _end_module(holder: Any) -> None:
+    """Serve shut down; the holder and whatever else the module left (actors, placement groups) ended
+    and waited for, each named in the session's cleanups. A cleanup that fails ends the session Ray:
+    the next module starts a fresh one."""
+    import ray
+    from ray import serve
+    from ray._private.state import state
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    if not session_ray_open():
+        return
+    module = os.environ.get("PYTEST_CURRENT_TEST", "").split("::")[0]
+
+    def cleaned(what: str) -> None:
+        _SESSION.setdefault("cleaned", []).append(f"{module}: {what}")
+
+    try:
+        serve.shutdown()
+        if holder is not None:
+            ray.kill(holder)
+        gone = {holder._actor_id.hex()} if holder is not None else set()
+        for actor_id, a in state.actor_table(None).items():
+            if a["State"] != "DEAD" and actor_id not in gone:
+                cleaned(f"actor {a['ActorClassName']} {a['Name']!r}")
+                _kill(actor_id)
+        for pg_id, pg in ray.util.placement_group_table().items():
+            if pg["state"] != "REMOVED":
+                cleaned(f"placement group {pg['name']!r} {pg['state']}")
+                remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+        _wait_all_dead(state)
+    except Exception as e:
+        cleaned(f"cleanup failed ({e!r}): the session Ray restarted")
+        _SESSION.pop("open", None)
+        ray.shutdown()
+
+
+def _kill(actor_id: str) -> None:
+    """``ray.kill`` of an actor by its id (an unnamed actor the module dropped its handle to)."""
+    import ray
+    from ray._private.worker import global_worker
+
+    global_worker.core_worker.kill_actor(ray.ActorID(bytes.fromhex(actor_id)), True)
+
+
+def _wait_all_dead(state: Any, timeout_s: float = 60.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while any(a["State"] != "DEAD" for a in state.actor_table(None).values()):
+        if time.monotonic() > deadline:
+            raise TimeoutError("actors still alive after the module's end")
+        time.sleep(0.1)
+
+
+@contextmanager
+def own_ray(address: str = "local", **init: Any) -> Iterator[None]:
+    """Ray for one test module, ended however the module ends, also when the start fails or Serve's
+    shutdown raises (the next module's ``ray.init`` then does not fail with "called ray.init twice").
+    A plain local one (``num_cpus``, ``log_to_driver`` at most) is the session's shared Ray, its
+    Serve and actors ended after the module; any other (another address, other settings) is the
+    module's own, started after the session Ray is ended."""
+    import ray
+    from ray import serve
+
+    if address == "local" and set(init) <= _SHAREABLE:
+        with _session_ray(int(init.get("num_cpus", 2))):
+            yield
+        return
+    close_session_ray()  # one Ray per process: the session's ends here (a shared app on it too)
+    if address == "local":
+        init = {"num_cpus": 2, "include_dashboard": False, **init}
+    _init_ray(address, init)
     try:
         yield
     finally:

@@ -13,17 +13,15 @@ import pytest
 from cluster.bench.encoder import make_inputs
 from encoder_service.serve.deployment import EncoderServer
 from encoder_service.types import EncodeBatch, EncoderInput
+from tests.integration.local_app import own_ray
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _no_ray_left_behind():  # type: ignore[no-untyped-def]
-    """A step puts its outputs with ``ray.put``, which starts a local Ray here: stop it after this
-    module, or the next module's own cluster could not start in this process."""
-    yield
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
+def _ray():  # type: ignore[no-untyped-def]
+    """A step puts its outputs with ``ray.put``: on the session's Ray (``own_ray``), not on a local
+    Ray that ``ray.put`` would start here and the next module's could not start beside."""
+    with own_ray():
+        yield
 
 
 def test_apart_items_take_a_step_each_and_plain_ones_share(tiny_vl_dir: Path) -> None:
