@@ -225,15 +225,19 @@ class DecodePairs:
     ) -> Received:
         """Blocks ``from_block..`` (the window's, the states) received straight into ``slots``; a
         failure drops the pair and raises (the caller frees the blocks once ``writes`` ended)."""
-        pair = await self.pair(address, link)
-        async with pair.lock:
-            if pair.dropped:  # an earlier transfer on it failed while this one waited: a new one
-                pair = await self.pair(address, link)
-            try:
-                return await self._pull_on(pair, link, rid, slots, from_block, writes)
-            except BaseException:
-                self.drop(address, pair)
-                raise
+        for _ in range(3):
+            pair = await self.pair(address, link)
+            async with pair.lock:
+                if pair.dropped:  # an earlier transfer on it failed while this one waited: a new one
+                    continue
+                try:
+                    return await self._pull_on(pair, link, rid, slots, from_block, writes)
+                except BaseException:
+                    self.drop(address, pair)
+                    raise
+        raise KVTransferFailed(
+            f"{rid}: the pair group with {address} was dropped three times while it waited"
+        )
 
     async def _pull_on(
         self,

@@ -154,3 +154,24 @@ def test_a_cancelled_import_frees_its_blocks_only_after_its_receive_ended(monkey
     assert engine.log == ["receive ended", "freed r"]
     assert imports.stats.pairs_dropped == 1 and len(imports.pairs or ()) == 0
     assert len(h.pins) == 0 and h.released == ["r"]  # the prefill side's pin ended with its failed send
+
+
+def test_an_import_waiting_on_a_pair_that_fails_under_it_goes_on_on_a_new_pair() -> None:
+    imports, engine, h = _sides()
+    h.pins.pin("ok", HeldKV([5, 6, 7]), 30.0)
+
+    async def run() -> list[BaseException | None]:
+        out = await asyncio.gather(
+            imports.import_request(_spec("missing")),
+            imports.import_request(_spec("ok")),
+            return_exceptions=True,
+        )
+        while h.pairs._sends:
+            await asyncio.sleep(0.01)
+        return out
+
+    bad, good = asyncio.run(run())
+    assert isinstance(bad, KVTransferFailed) and good is None
+    assert engine.log == ["freed missing", "admitted ok"]
+    assert (imports.stats.pairs_formed, imports.stats.pairs_dropped) == (2, 1)
+    assert torch.equal(engine.runner.kv_caches[0][:, [2, 3, 6]], h.engine.runner.kv_caches[0][:, [5, 6, 7]])
