@@ -196,12 +196,17 @@ class DecodePairs:
                     build_group, store, pair_id, DECODE_RANK, self.backend, host, self.timeout_s
                 )
             )
-            joined = await asyncio.gather(
-                link.call("kv_pair_join", offer, timeout_s=self.timeout_s), return_exceptions=True
-            )
-            group = await asyncio.shield(mine)  # the other rank joined, or its timeout passed
-            if isinstance(joined[0], BaseException):
-                raise KVTransferFailed(f"pair group with {address}: {joined[0]}") from joined[0]
+            failed: BaseException | None = None
+            try:
+                await link.call("kv_pair_join", offer, timeout_s=self.timeout_s)
+            except Exception as e:
+                failed = e
+            try:  # the other rank joined, or this side's timeout passes: its thread ends either way
+                group = await asyncio.shield(mine)
+            except Exception as e:
+                failed = failed or e
+            if failed is not None:
+                raise KVTransferFailed(f"pair group with {address}: {failed}") from failed
             pair = PairGroup(pair_id, group, store)
             self._pairs[address] = pair
             self.stats.pairs_formed += 1

@@ -175,3 +175,14 @@ def test_an_import_waiting_on_a_pair_that_fails_under_it_goes_on_on_a_new_pair()
     assert engine.log == ["freed missing", "admitted ok"]
     assert (imports.stats.pairs_formed, imports.stats.pairs_dropped) == (2, 1)
     assert torch.equal(engine.runner.kv_caches[0][:, [2, 3, 6]], h.engine.runner.kv_caches[0][:, [5, 6, 7]])
+
+
+def test_a_prefill_side_whose_cache_takes_another_backend_refuses_the_pair() -> None:
+    imports, engine, h = _sides()
+    h.engine.runner.device = torch.device("cuda")  # its cache on CUDA: NCCL; the decode side's on CPU
+    h.pins.pin("r", HeldKV([5, 6, 7]), 30.0)
+    with pytest.raises(
+        KVTransferFailed, match="a gloo pair group asked of prefill replica prefill, whose KV"
+    ):
+        asyncio.run(imports.import_request(_spec("r")))
+    assert engine.log == ["freed r"] and imports.stats.pairs_formed == 0 and len(h.pairs) == 0
