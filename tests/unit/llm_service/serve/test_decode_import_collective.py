@@ -20,7 +20,7 @@ from llm_service.kv_handoff import HandoffPins, HeldKV, ImportSlots, KVHandoff, 
 from llm_service.outputs import RequestOutput
 from llm_service.request_spec import LLMRequestSpec
 from llm_service.sampling_params import SamplingParams
-from llm_service.serve import kv_pair
+from llm_service.serve import kv_pair, kv_pair_prefill
 from llm_service.serve.handoff import DecodeImports, TransferStats
 
 TIMEOUT_S = 1.5
@@ -54,7 +54,7 @@ class _DecodeEngine:
 class _Link:
     """The decode side's link to the prefill side: calls its ``PrefillPairs`` directly."""
 
-    def __init__(self, pairs: kv_pair.PrefillPairs) -> None:
+    def __init__(self, pairs: kv_pair_prefill.PrefillPairs) -> None:
         self.pairs = pairs
 
     async def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
@@ -78,7 +78,7 @@ def _sides() -> tuple[DecodeImports, _DecodeEngine, SimpleNamespace]:
         address=address,
         released=released,
     )
-    h.pairs = kv_pair.PrefillPairs(h)  # type: ignore[arg-type]
+    h.pairs = kv_pair_prefill.PrefillPairs(h)  # type: ignore[arg-type]
     engine, stats = _DecodeEngine(), TransferStats()
     pairs = kv_pair.DecodePairs(engine, address, TIMEOUT_S, stats, "decode")  # type: ignore[arg-type]
     link = _Link(h.pairs)
@@ -126,7 +126,7 @@ def test_a_cancelled_import_frees_its_blocks_only_after_its_receive_ended(monkey
         time.sleep(TIMEOUT_S + 0.5)
         raise RuntimeError("stalled")
 
-    monkeypatch.setattr(kv_pair, "send_tensors", stalled)
+    monkeypatch.setattr(kv_pair_prefill, "send_tensors", stalled)
     real_recv = kv_pair.recv_tensors
     receiving = asyncio.Event()
 
