@@ -1,4 +1,4 @@
-"""``llm.kv_transfer: collective`` (llm_service/serve/kv_pair.py) between two processes on gloo over
+"""``llm.kv_transfer: collective`` (llm_service/serve/kv_pair.py, kv_pair_prefill.py) between two processes on gloo over
 loopback: a decode side (``DecodePairs``) and a prefill side (``PrefillPairs``), their control calls on a
 pipe standing in for the link, their bytes on the pair group they form. Three layers (a full one, a
 sliding-window one with its own block ids, a narrower full one) and a hybrid's state slots move
@@ -68,7 +68,7 @@ class PipeLink:
 
 
 def prefill_main(conn: Connection, out: str) -> None:
-    from llm_service.serve import kv_pair
+    from llm_service.serve import kv_pair_prefill
 
     released: list[str] = []
 
@@ -91,8 +91,8 @@ def prefill_main(conn: Connection, out: str) -> None:
     h.address = address
     for rid, (held, _) in HANDOFFS.items():
         h.pins.pin(rid, held, 30.0)
-    pairs = kv_pair.PrefillPairs(h)  # type: ignore[arg-type]
-    real_send = kv_pair.send_tensors
+    pairs = kv_pair_prefill.PrefillPairs(h)  # type: ignore[arg-type]
+    real_send = kv_pair_prefill.send_tensors
 
     def stalled(*args: object) -> int:  # a prefill side that never sends: the decode side's timeout
         time.sleep(TIMEOUT_S + 1)
@@ -104,7 +104,9 @@ def prefill_main(conn: Connection, out: str) -> None:
             if method == "stop":
                 await asyncio.sleep(0.2)  # the last send's release
                 break
-            kv_pair.send_tensors = stalled if getattr(args[0], "request_id", "") == "stall" else real_send  # type: ignore[attr-defined]
+            kv_pair_prefill.send_tensors = (
+                stalled if getattr(args[0], "request_id", "") == "stall" else real_send
+            )  # type: ignore[attr-defined]
             try:
                 value = await getattr(pairs, {"kv_pair_join": "join", "kv_send": "send"}[method])(*args)
                 conn.send((True, value))
