@@ -16,7 +16,7 @@ from llm_service.scheduler import ScheduledChunk
 from llm_service.sequence import Request
 
 
-def positions(
+def _positions(
     model: Any, states: Mapping[str, RunnerState], req: Request, start: int, end: int, device: torch.device
 ) -> torch.Tensor:
     if not model.uses_mrope:
@@ -42,7 +42,7 @@ def flat_positions(
     for c in chunks:
         req, start, end = c.request, c.start, c.start + c.num_tokens
         if start < req.num_prompt_tokens:
-            parts.append(positions(model, states, req, start, end, device))
+            parts.append(_positions(model, states, req, start, end, device))
             continue
         # past the prompt: text positions, shifted; all 3 axes alike
         delta = states[req.request_id].delta

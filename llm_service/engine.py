@@ -201,7 +201,8 @@ class LLMEngine(EngineHandoffs):
 
     def step(self) -> list[RequestOutput]:
         """One engine iteration; returns the requests that got a new token (finished ones included)
-        and those whose computation failed in it (``finish_reason="error"``, see ``_execute``)."""
+        and those whose computation failed in it (``finish_reason="error"``, see
+        ``step_isolation.execute_isolating``)."""
         sched = self.scheduler.schedule()
         for refused in sched.swap_refused:  # retired by the scheduler, their blocks freed
             self.runner.release(refused.request.request_id)
