@@ -3,8 +3,8 @@
 The prefill rank sends a request's blocks straight out of its paged KV cache; the decode rank receives
 them straight into the blocks it allocated (``LLMEngine.reserve_import``'s ``ImportSlots``). Each
 layer's cache is ``[2, num_blocks, block_size, heads, head_dim]``, so one block's K (or V) is a
-contiguous ``[block_size, heads, head_dim]`` slice: one send/recv per (layer, K|V, block), all posted
-at once, then waited for, and no contiguous copy of the sequence on either side, no trip through host
+contiguous ``[block_size, heads, head_dim]`` slice, and a run of blocks consecutive on both sides one
+contiguous slice too: one send/recv per (layer, K|V, run), all posted at once, then waited for, and no contiguous copy of the sequence on either side, no trip through host
 memory on GPUs::
 
     prefill rank  cache[l][k, src_ids[j]] ──send──▶ recv──▶ cache[l][k, dst_ids[j]]  decode rank
@@ -27,28 +27,53 @@ import torch.distributed as dist
 from llm_service.kv_io import _windowed_caches
 
 
+def runs(ids: Sequence[int], peer: Sequence[int]) -> list[tuple[int, int]]:
+    """``(first index, length)`` of the runs over which ``ids`` and the other side's ``peer`` both go up
+    by one: one op each. The condition is the same read from either side, so both cut alike."""
+    out: list[tuple[int, int]] = []
+    i = 0
+    while i < len(ids):
+        j = i + 1
+        while j < len(ids) and ids[j] == ids[j - 1] + 1 and peer[j] == peer[j - 1] + 1:
+            j += 1
+        out.append((i, j - i))
+        i = j
+    return out
+
+
 def kv_parts(
     runner: Any,
     block_ids: Sequence[int],
     window_ids: Sequence[int] = (),
     state_slots: Sequence[int] = (),
+    peer_block_ids: Sequence[int] | None = None,
+    peer_window_ids: Sequence[int] | None = None,
 ) -> list[torch.Tensor]:
     """The views a hand-off moves, in the order both sides list them: per KV cache, K then V of each
-    block (``window_ids`` for a sliding-window layer's cache, ``block_ids`` for the others), then per
-    state slot each linear layer's conv and recurrent state. ``runner`` as kv_io's."""
-    parts = [
-        cache[k_or_v, block_id]
-        for cache, w in zip(runner.kv_caches, _windowed_caches(runner), strict=True)
-        for k_or_v in (0, 1)
-        for block_id in (window_ids if w else block_ids)
-    ]
+    run of blocks (``window_ids`` for a sliding-window layer's cache, ``block_ids`` for the others;
+    a run: consecutive here and at the peer, whose ids are ``peer_*``, one block each without them),
+    then per state slot each linear layer's conv and recurrent state. ``runner`` as kv_io's."""
+    if len(block_ids) != len(peer_block_ids if peer_block_ids is not None else block_ids) or len(
+        window_ids
+    ) != len(peer_window_ids if peer_window_ids is not None else window_ids):
+        raise ValueError("a hand-off's two sides list different numbers of blocks")
+    full = runs(block_ids, peer_block_ids) if peer_block_ids is not None else _singles(block_ids)
+    window = runs(window_ids, peer_window_ids) if peer_window_ids is not None else _singles(window_ids)
+    parts: list[torch.Tensor] = []
+    for cache, w in zip(runner.kv_caches, _windowed_caches(runner), strict=True):
+        ids, cuts = (window_ids, window) if w else (block_ids, full)
+        parts += [cache[k_or_v, ids[i] : ids[i] + n] for k_or_v in (0, 1) for i, n in cuts]
     for slot in state_slots:
         assert runner.linear_states is not None, "a state slot without a state cache"
         for conv, rec in zip(runner.linear_states.conv, runner.linear_states.recurrent, strict=True):
             parts += [conv[slot], rec[slot]]
     for part in parts:
-        assert part.is_contiguous(), "a paged KV block (or a state slot) must be one contiguous slice"
+        assert part.is_contiguous(), "a run of paged KV blocks (or a state slot) must be one contiguous slice"
     return parts
+
+
+def _singles(ids: Sequence[int]) -> list[tuple[int, int]]:
+    return [(i, 1) for i in range(len(ids))]
 
 
 def nbytes(parts: Sequence[torch.Tensor]) -> int:

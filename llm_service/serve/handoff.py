@@ -27,7 +27,8 @@ from llm_service.kv_handoff import (
 )
 from llm_service.outputs import RequestOutput
 from llm_service.serve.early_handoff import EarlyHandoffs
-from llm_service.serve.kv_pair import DecodePairs, PrefillPairs
+from llm_service.serve.kv_pair import DecodePairs
+from llm_service.serve.kv_pair_prefill import PrefillPairs
 from mmcore.errors import Overloaded
 
 if TYPE_CHECKING:

@@ -39,12 +39,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed import PrefixStore, TCPStore
 
-from llm_service.kv_collective import kv_parts, nbytes, recv_tensors, send_tensors
+from llm_service.kv_collective import kv_parts, nbytes, recv_tensors
 from llm_service.kv_handoff import ImportSlots, KVTransferFailed
 
 if TYPE_CHECKING:
     from llm_service.engine import LLMEngine
-    from llm_service.serve.handoff import KVSource, PrefillHandoffs, TransferStats
+    from llm_service.serve.handoff import KVSource, TransferStats
 
 logger = logging.getLogger("mmserve.llm")
 
@@ -74,8 +74,8 @@ class SendAsk:
     seq: int
     from_block: int
     window_from: int
-    num_blocks: int
-    num_window_blocks: int
+    block_ids: tuple[int, ...]  # the decode side's blocks it receives into (runs are cut on both sides' ids)
+    window_ids: tuple[int, ...]
     state: bool  # it reserved a state slot (a hybrid model)
     snapshot: bool  # and a snapshot slot (its cache lacks the prompt's last full block's snapshot)
 
@@ -84,8 +84,8 @@ class SendAsk:
 class SendPlan:
     """The prefill side's answer: what it sends on the group, in ``kv_parts`` order."""
 
-    num_blocks: int
-    num_window_blocks: int
+    block_ids: tuple[int, ...]  # the prefill side's blocks it sends out of
+    window_ids: tuple[int, ...]
     state_slots: int  # 0, 1 (the request's state) or 2 (and the snapshot)
     nbytes: int
 
@@ -146,7 +146,8 @@ def build_group(store: TCPStore, pair_id: str, rank: int, backend: str, host: st
     return ProcessGroupNCCL(prefixed, rank, 2, nccl)
 
 
-def _timed(fn: Callable[..., int], *args: object) -> tuple[int, float]:
+def timed(fn: Callable[..., int], *args: object) -> tuple[int, float]:
+    """``fn(*args)`` and the CPU time of the thread that ran it (call it in the worker thread)."""
     t0 = time.thread_time()
     out = fn(*args)
     return out, time.thread_time() - t0
@@ -196,12 +197,17 @@ class DecodePairs:
                     build_group, store, pair_id, DECODE_RANK, self.backend, host, self.timeout_s
                 )
             )
-            joined = await asyncio.gather(
-                link.call("kv_pair_join", offer, timeout_s=self.timeout_s), return_exceptions=True
-            )
-            group = await asyncio.shield(mine)  # the other rank joined, or its timeout passed
-            if isinstance(joined[0], BaseException):
-                raise KVTransferFailed(f"pair group with {address}: {joined[0]}") from joined[0]
+            failed: BaseException | None = None
+            try:
+                await link.call("kv_pair_join", offer, timeout_s=self.timeout_s)
+            except Exception as e:
+                failed = e
+            try:  # the other rank joined, or this side's timeout passes: its thread ends either way
+                group = await asyncio.shield(mine)
+            except Exception as e:
+                failed = failed or e
+            if failed is not None:
+                raise KVTransferFailed(f"pair group with {address}: {failed}") from failed
             pair = PairGroup(pair_id, group, store)
             self._pairs[address] = pair
             self.stats.pairs_formed += 1
@@ -225,15 +231,19 @@ class DecodePairs:
     ) -> Received:
         """Blocks ``from_block..`` (the window's, the states) received straight into ``slots``; a
         failure drops the pair and raises (the caller frees the blocks once ``writes`` ended)."""
-        pair = await self.pair(address, link)
-        async with pair.lock:
-            if pair.dropped:  # an earlier transfer on it failed while this one waited: a new one
-                pair = await self.pair(address, link)
-            try:
-                return await self._pull_on(pair, link, rid, slots, from_block, writes)
-            except BaseException:
-                self.drop(address, pair)
-                raise
+        for _ in range(3):
+            pair = await self.pair(address, link)
+            async with pair.lock:
+                if pair.dropped:  # an earlier transfer on it failed while this one waited: a new one
+                    continue
+                try:
+                    return await self._pull_on(pair, link, rid, slots, from_block, writes)
+                except BaseException:
+                    self.drop(address, pair)
+                    raise
+        raise KVTransferFailed(
+            f"{rid}: the pair group with {address} was dropped three times while it waited"
+        )
 
     async def _pull_on(
         self,
@@ -251,8 +261,8 @@ class DecodePairs:
             pair.seq,
             from_block,
             slots.window_from,
-            len(ids),
-            len(slots.window_ids),
+            tuple(ids),
+            tuple(slots.window_ids),
             slots.state_slot is not None,
             slots.snapshot_slot is not None,
         )
@@ -261,15 +271,15 @@ class DecodePairs:
         if not isinstance(plan, SendPlan):
             raise KVTransferFailed(f"{rid}: kv_send answered a {type(plan).__name__}")
         states = [s for s in (slots.state_slot, slots.snapshot_slot) if s is not None][: plan.state_slots]
-        parts = kv_parts(self.engine.runner, ids, slots.window_ids, states)
-        if (plan.num_blocks, plan.num_window_blocks, len(states), plan.nbytes) != (
-            len(ids),
-            len(slots.window_ids),
-            plan.state_slots,
-            nbytes(parts),
-        ):
+        try:
+            parts = kv_parts(
+                self.engine.runner, ids, slots.window_ids, states, plan.block_ids, plan.window_ids
+            )
+        except ValueError as e:
+            raise KVTransferFailed(f"{rid}: the prefill side sends {plan}: {e}") from e
+        if (len(states), plan.nbytes) != (plan.state_slots, nbytes(parts)):
             raise KVTransferFailed(f"{rid}: the prefill side sends {plan}, this side holds {len(ids)} blocks")
-        recv = asyncio.ensure_future(asyncio.to_thread(_timed, recv_tensors, parts, PREFILL_RANK, pair.group))
+        recv = asyncio.ensure_future(asyncio.to_thread(timed, recv_tensors, parts, PREFILL_RANK, pair.group))
         writes.append(recv)  # the blocks are the thread's until it has received
         try:
             received, cpu_s = await asyncio.shield(recv)
@@ -278,103 +288,3 @@ class DecodePairs:
         self.stats.import_cpu_s += cpu_s
         self.stats.bytes_collective += received
         return Received(len(ids), received, plan.snapshot)
-
-
-class PrefillPairs:
-    """A prefill replica's pair groups, by id, and its sends out of pinned blocks."""
-
-    def __init__(self, handoffs: PrefillHandoffs) -> None:
-        self.h = handoffs
-        self._pairs: dict[str, PairGroup] = {}
-        self._by_decode: dict[str, str] = {}  # a decode replica's id -> its current pair's id
-        self._sends: set[asyncio.Task[None]] = set()
-
-    def __len__(self) -> int:
-        return len(self._pairs)
-
-    async def join(self, offer: PairOffer) -> None:
-        """Build this side of the decode replica's pair group (rank 0), replacing its older one."""
-        mine = backend_for(self.h.engine.runner.device)
-        if offer.backend != mine:
-            raise KVTransferFailed(
-                f"a {offer.backend} pair group asked of prefill replica {self.h.replica_id}, "
-                f"whose KV cache takes {mine}"
-            )
-        host = (await self.h.address())[0]
-        store = await asyncio.to_thread(join_store, offer.host, offer.port, offer.timeout_s)
-        group = await asyncio.to_thread(
-            build_group, store, offer.pair_id, PREFILL_RANK, mine, host, offer.timeout_s
-        )
-        if (old := self._by_decode.pop(offer.decode_id, None)) is not None:
-            self._drop(old)
-        self._pairs[offer.pair_id] = PairGroup(offer.pair_id, group, store)
-        self._by_decode[offer.decode_id] = offer.pair_id
-        self.h.stats.pairs_formed += 1
-
-    def _drop(self, pair_id: str) -> None:
-        pair = self._pairs.pop(pair_id, None)
-        if pair is not None and not pair.dropped:
-            pair.drop()
-            self.h.stats.pairs_dropped += 1
-
-    async def send(self, ask: SendAsk) -> SendPlan:
-        """Check ``ask`` against the request's pin and start sending its KV on the pair's group (the
-        answer comes first: the decode side then posts its receives); the pin ends with the send."""
-        h, rid = self.h, ask.request_id
-        pair = self._pairs.get(ask.pair_id)
-        if pair is None or pair.dropped:
-            raise KVTransferFailed(f"{rid}: no pair group {ask.pair_id} on prefill replica {h.replica_id}")
-        if ask.seq != pair.seq:
-            self._drop(ask.pair_id)
-            raise KVTransferFailed(f"{rid}: transfer {ask.seq} asked on pair {ask.pair_id}, {pair.seq} due")
-        if h.early.holds(rid):
-            raise KVTransferFailed(f"{rid}: an early hand-off (kv_pull_chunks) moves over the link only")
-        held = h.pins.take(rid)
-        if held is None:
-            raise KVTransferFailed(
-                f"{rid}: no KV held on prefill replica {h.replica_id} (never handed off here, "
-                f"pulled already, or past its {h.deadline_s} s deadline)"
-            )
-        try:
-            ids, window = held.block_ids[ask.from_block :], held.window_ids[ask.window_from :]
-            if held.window_ids and ask.window_from < held.window_first:
-                raise KVTransferFailed(
-                    f"{rid}: window blocks from {ask.window_from}, held from {held.window_first}"
-                )
-            if (len(ids), len(window), held.state_slot is not None) != (
-                ask.num_blocks,
-                ask.num_window_blocks,
-                ask.state,
-            ):
-                raise KVTransferFailed(
-                    f"{rid}: {ask.num_blocks} blocks, {ask.num_window_blocks} window blocks, state "
-                    f"{ask.state} asked; held {len(ids)}, {len(window)}, {held.state_slot is not None}"
-                )
-            states = [] if held.state_slot is None else [held.state_slot]
-            if states and ask.snapshot and held.snapshot_slot is not None:
-                states.append(held.snapshot_slot)
-            parts = kv_parts(h.engine.runner, ids, window, states)
-        except BaseException:
-            await self._release(rid)
-            raise
-        pair.seq += 1
-        task = asyncio.get_running_loop().create_task(self._send(pair, rid, parts))
-        self._sends.add(task)
-        task.add_done_callback(self._sends.discard)
-        return SendPlan(len(ids), len(window), len(states), nbytes(parts))
-
-    async def _send(self, pair: PairGroup, rid: str, parts: list[torch.Tensor]) -> None:
-        try:
-            async with pair.lock:
-                _, cpu_s = await asyncio.to_thread(_timed, send_tensors, parts, DECODE_RANK, pair.group)
-            self.h.stats.export_cpu_s += cpu_s
-        except Exception as e:
-            logger.warning("KV send of %s on pair group %s failed: %r", rid, pair.pair_id, e)
-            self._drop(pair.pair_id)
-        finally:
-            await self._release(rid)
-
-    async def _release(self, rid: str) -> None:
-        self.h.stats.pulls += 1
-        if self.h.pins.done(rid):
-            await self.h.loop.on_engine(self.h.engine.release_handoff, rid)
