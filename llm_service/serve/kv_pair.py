@@ -7,7 +7,8 @@ under a random id, ``ProcessGroupGloo`` or ``ProcessGroupNCCL`` of size 2), as v
 do. The link (authenticated) carries the control, the group carries the bytes::
 
   decode replica (rank 1)                                        prefill replica (rank 0)
-  TCPStore on its node's address, port 0 ──kv_pair_join(offer)──▶ joins the store: both build the group
+  TCPStore on its node's address, port 0 ──kv_pair_join(offer)──▶ accepted; joins the store:
+  builds its rank of the group ◀════ the two meet in the store ════▶ builds its rank of the group
   blocks reserved (ImportSlots)           ──kv_send(ask, seq)───▶ pin taken, counts and seq checked:
                                           ◀──SendPlan──────────── what it will send (blocks, states)
   recv straight into its reserved blocks  ◀══ group: every part ══ send straight out of its pinned blocks
@@ -192,22 +193,13 @@ class DecodePairs:
             pair_id = secrets.token_hex(8)
             store = await asyncio.to_thread(host_store, host, self.timeout_s)
             offer = PairOffer(pair_id, host, int(store.port), self.backend, self.timeout_s, self.replica_id)
-            mine = asyncio.ensure_future(
-                asyncio.to_thread(
+            try:  # answered at once: the prefill side builds its own in the background
+                await link.call("kv_pair_join", offer, timeout_s=self.timeout_s)
+                group = await asyncio.to_thread(
                     build_group, store, pair_id, DECODE_RANK, self.backend, host, self.timeout_s
                 )
-            )
-            failed: BaseException | None = None
-            try:
-                await link.call("kv_pair_join", offer, timeout_s=self.timeout_s)
             except Exception as e:
-                failed = e
-            try:  # the other rank joined, or this side's timeout passes: its thread ends either way
-                group = await asyncio.shield(mine)
-            except Exception as e:
-                failed = failed or e
-            if failed is not None:
-                raise KVTransferFailed(f"pair group with {address}: {failed}") from failed
+                raise KVTransferFailed(f"pair group with {address}: {e}") from e
             pair = PairGroup(pair_id, group, store)
             self._pairs[address] = pair
             self.stats.pairs_formed += 1

@@ -39,12 +39,16 @@ class PrefillPairs:
         self._pairs: dict[str, PairGroup] = {}
         self._by_decode: dict[str, str] = {}  # a decode replica's id -> its current pair's id
         self._sends: set[asyncio.Task[None]] = set()
+        self._forming: dict[str, asyncio.Task[None]] = {}  # pair id -> this side's build, until it ends
 
     def __len__(self) -> int:
         return len(self._pairs)
 
     async def join(self, offer: PairOffer) -> None:
-        """Build this side of the decode replica's pair group (rank 0), replacing its older one."""
+        """Accept the decode replica's offer and start building this side of its pair group (rank 0):
+        answered at once (the decode side then builds its own, and both meet in the store), refused
+        at once where this replica's cache takes another backend. The group replaces the decode
+        replica's older one once built; a ``send`` on it waits for that."""
         mine = backend_for(self.h.engine.runner.device)
         if offer.backend != mine:
             raise KVTransferFailed(
@@ -52,10 +56,19 @@ class PrefillPairs:
                 f"whose KV cache takes {mine}"
             )
         host = (await self.h.address())[0]
-        store = await asyncio.to_thread(join_store, offer.host, offer.port, offer.timeout_s)
-        group = await asyncio.to_thread(
-            build_group, store, offer.pair_id, PREFILL_RANK, mine, host, offer.timeout_s
-        )
+        task = asyncio.get_running_loop().create_task(self._build(offer, host, mine))
+        self._forming[offer.pair_id] = task
+        task.add_done_callback(lambda _: self._forming.pop(offer.pair_id, None))
+
+    async def _build(self, offer: PairOffer, host: str, backend: str) -> None:
+        try:
+            store = await asyncio.to_thread(join_store, offer.host, offer.port, offer.timeout_s)
+            group = await asyncio.to_thread(
+                build_group, store, offer.pair_id, PREFILL_RANK, backend, host, offer.timeout_s
+            )
+        except Exception as e:  # the decode side's build failed or timed out too: its import fails there
+            logger.warning("pair group %s with %s failed to form: %r", offer.pair_id, offer.decode_id, e)
+            return
         if (old := self._by_decode.pop(offer.decode_id, None)) is not None:
             self._drop(old)
         self._pairs[offer.pair_id] = PairGroup(offer.pair_id, group, store)
@@ -72,6 +85,8 @@ class PrefillPairs:
         """Check ``ask`` against the request's pin and start sending its KV on the pair's group (the
         answer comes first: the decode side then posts its receives); the pin ends with the send."""
         h, rid = self.h, ask.request_id
+        if (forming := self._forming.get(ask.pair_id)) is not None:  # the decode side built first
+            await asyncio.shield(forming)
         pair = self._pairs.get(ask.pair_id)
         if pair is None or pair.dropped:
             raise KVTransferFailed(f"{rid}: no pair group {ask.pair_id} on prefill replica {h.replica_id}")
