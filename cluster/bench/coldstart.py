@@ -1,6 +1,6 @@
 """A replica's cold start: CPU-seconds of its imports and construction, each run in a fresh process.
 
-    python -m cluster.bench.coldstart [--runs 3] [--family qwen2-vl --family qwen2-audio] (default: every family)
+    python -m cluster.bench.coldstart [--runs 3] [--family qwen2-vl ...] [--replica ingress]  (default: all)
 
 Rows per tiny family (``cluster.tiny_model``) and replica kind:
   ingress   ``router.http.app`` imported, then per model what ``IngressServer`` builds: its tokenizer
@@ -21,6 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+KINDS = ("ingress", "encoder")
 HEAVY = ("torch", "torchvision", "torch._dynamo", "triton", "sympy", "scipy", "ray.serve", "fastapi")
 
 _CHILD = """
@@ -63,6 +64,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--family", action="append", help="cluster.tiny_model family (repeatable)")
+    p.add_argument(
+        "--replica", action="append", choices=KINDS, help="replica kind (repeatable; default: both)"
+    )
     args = p.parse_args()
     from cluster.tiny_model import make_tiny_model
     from encoder_service.families import FAMILY_NAMES
@@ -72,7 +76,7 @@ def main() -> None:
         print(f"{'family':<12} {'replica':<8} {'import CPU-s':>12} {'build CPU-s':>11} {'total':>6}  heavy")
         for family in families:
             model_dir = make_tiny_model(Path(root) / family, family)
-            for kind in ("ingress", "encoder"):
+            for kind in args.replica or KINDS:
                 runs = [one_start(kind, model_dir) for _ in range(args.runs)]
                 best = min(runs, key=lambda r: float(r["import_s"]) + float(r["build_s"]))  # type: ignore[arg-type]
                 imp, build = float(best["import_s"]), float(best["build_s"])  # type: ignore[arg-type]

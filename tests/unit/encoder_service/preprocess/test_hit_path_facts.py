@@ -20,13 +20,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
 
 from encoder_service.preprocess.hit_path_facts import read_hit_path_facts
 from encoder_service.preprocess.hit_path_family import HitPathFamily
 from encoder_service.preprocess.media import MediaLimits
 from encoder_service.preprocess.processing import NeedsEncoding, Preprocessor
 from encoder_service.types import EmbeddingMeta, EncoderInput, MediaRef, PreprocessedRequest
+from router.journey.orchestrator import chat_tokenizer
 from tests.media import make_audio_bytes, make_image_bytes, make_video_bytes
 from tests.tiny_dirs import tiny_model_dir
 
@@ -57,7 +57,7 @@ def family(request: pytest.FixtureRequest) -> tuple[str, Preprocessor, Preproces
     model_dir = tiny_model_dir(name)
     limit = FAMILIES[name]
     full = Preprocessor(model_dir, LIMITS, limit, processor_cache_bytes=0)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer = chat_tokenizer(str(model_dir))  # the ingress's, as IngressServer loads it
     light = HitPathFamily(read_hit_path_facts(model_dir), tokenizer, LIMITS)
     hit = Preprocessor(model_dir, LIMITS, limit, processor_cache_bytes=0, family=light)
     return name, full, hit
@@ -145,9 +145,10 @@ def test_the_older_layout_and_defaults_equal_the_hf_processor(tmp_path: Path) ->
     assert facts.frame_multiple == hf.video_processor.temporal_patch_size
 
 
-def test_the_ingress_preparer_imports_no_image_stack() -> None:
+@pytest.mark.parametrize("name", ["qwen2-vl", "gemma4"])  # Gemma 4's own config class imports the stack
+def test_the_ingress_preparer_imports_no_image_stack(name: str) -> None:
     """``router.http.app``'s hit path as the ingress builds it: its tokenizer, then ``make_preparer``."""
-    model_dir = tiny_model_dir("qwen2-vl")
+    model_dir = tiny_model_dir(name)
     code = f"""
 import json, sys
 from encoder_service.preprocess.make_preparer import make_preparer
