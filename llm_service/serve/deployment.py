@@ -13,8 +13,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, cast
 
 from llm_service.config import EngineConfig
@@ -27,10 +26,12 @@ from llm_service.outputs import EngineStats, RequestOutput
 from llm_service.recent_ttft import RecentTTFT
 from llm_service.request_spec import LLMRequestSpec, ReplicaTarget, SubmitReply
 from llm_service.scheduler import WaitingBound
-from llm_service.sequence import Request
-from llm_service.serve.handoff import Address, DecodeImports, KVSource, PrefillHandoffs, TransferStats
-from llm_service.serve.kv_pair import DecodePairs, PairOffer, SendAsk, SendPlan
+from llm_service.serve.handoff import DecodeImports, PrefillHandoffs, TransferStats
+from llm_service.serve.kv_pair import PairOffer, SendAsk, SendPlan
 from llm_service.serve.metrics import LLMMetrics
+from llm_service.serve.prefix_probe import cached_prefix_tokens
+from llm_service.serve.replica_stats import autoscaling_stats, replica_stats
+from llm_service.serve.roles import HandoffWiring, role_books
 from llm_service.tracing import RequestTraces
 from mmcore.errors import StillHeld
 from mmcore.feature import MediaFeature
@@ -50,19 +51,6 @@ def _replica_id() -> str:
         return str(serve.get_replica_context().replica_id.unique_id)
     except Exception:  # outside Serve (tests): any unique name will do
         return f"local-{uuid.uuid4().hex[:8]}"
-
-
-@dataclass(frozen=True)
-class HandoffWiring:
-    """What an E/P/D replica takes from the wiring: where its own link listens (a prefill replica's
-    answer names it), a link to a prefill replica (a decode replica pulls over it), the deadlines."""
-
-    address: Callable[[], Awaitable[Address]]
-    connect: Callable[[Address], KVSource]
-    deadline_s: float = 30.0  # a prefill replica holds a hand-off's blocks this long for its pull
-    timeout_s: float = 10.0  # a decode replica's pull fails past this
-    pull_chunks: bool = False  # a prefill replica answers at once; the decode side pulls chunk by chunk
-    transfer: str = "link"  # "collective": the KV moves on a pair group (llm_service/serve/kv_pair.py)
 
 
 class LLMServer:
@@ -112,28 +100,9 @@ class LLMServer:
         self._decode: DecodeImports | None = None
         self.kv_pull_chunks = handoff is not None and handoff.pull_chunks
         if role != "both":
-            if handoff is None:
-                raise ValueError(f"an LLM replica of role {role!r} needs its hand-off wiring")
-            engine = cast("LLMEngine", self.engine)
-            if role == "prefill":
-                self._prefill = PrefillHandoffs(
-                    self.loop, engine, self.replica_id, handoff.address, handoff.deadline_s, self.kv_stats
-                )
-            else:
-                pairs = None
-                if handoff.transfer == "collective":
-                    pairs = DecodePairs(
-                        engine, handoff.address, handoff.timeout_s, self.kv_stats, self.replica_id
-                    )
-                self._decode = DecodeImports(
-                    self.loop,
-                    engine,
-                    handoff.connect,
-                    handoff.timeout_s,
-                    self.kv_stats,
-                    self.replica_id,
-                    pairs,
-                )
+            self._prefill, self._decode = role_books(
+                role, handoff, self.loop, cast("LLMEngine", self.engine), self.replica_id, self.kv_stats
+            )
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         if self._prefill is not None:
@@ -312,29 +281,7 @@ class LLMServer:
             return await ref
 
     def _cached_prefix_tokens(self, spec: LLMRequestSpec) -> int:
-        """How many leading prompt tokens the engine's prefix cache holds for ``spec`` now. Read on
-        the event loop while a step may run on the engine thread, so only a hint: the scheduler
-        checks again when it admits the request, and parks it if an unfetched item fell out."""
-        kv = getattr(self.engine, "kv", None)
-        if kv is None or not spec.mm_items:
-            return 0
-        try:
-            probe = Request(
-                spec.request_id,
-                list(spec.prompt_token_ids),
-                spec.sampling_params,
-                mm_spans=sorted((m.offset, m.length, m.mm_hash) for m in spec.mm_items),
-                cache_salt=spec.cache_salt,
-            )
-            # The router hashed the same blocks for its prefix affinity: reused when they are this
-            # engine's blocks (a lookup checks each block's tokens and keys too, so a wrong hash
-            # can only miss).
-            if len(spec.block_hashes) == len(spec.prompt_token_ids) // int(kv.block_size):
-                probe.block_hashes = [bytes(h) for h in spec.block_hashes]
-            return len(kv.get_computed_blocks(probe)) * int(kv.block_size)
-        except Exception:  # a block changed under the read: fetch everything
-            logger.debug("prefix probe of %s failed", spec.request_id, exc_info=True)
-            return 0
+        return cached_prefix_tokens(self.engine, spec)
 
     def _on_parked(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -408,53 +355,12 @@ class LLMServer:
             if self._prefill is not None:
                 await self._prefill.abandon(rid)
 
-    def _swap_counters(self) -> dict[str, float]:
-        """A decode replica's swap space (llm_service/kv_swap.py): swaps so far, host bytes held
-        now, its budget, and the requests ended because their copy would have passed it."""
-        assert self._decode is not None
-        swap = self._decode.engine.swap
-        return {
-            "kv_swapped_out": swap.swapped_out,
-            "kv_swap_bytes": swap.held_bytes,
-            "kv_swap_budget_bytes": swap.budget_bytes or 0,
-            "kv_swap_refused": swap.refused,
-        }
-
-    def _pair_counts(self) -> dict[str, int]:
-        """Pair groups held now (``llm.kv_transfer: collective``), either side."""
-        if self._prefill is not None:
-            return {"kv_pairs": len(self._prefill.pairs)}
-        if self._decode is not None and self._decode.pairs is not None:
-            return {"kv_pairs": len(self._decode.pairs)}
-        return {}
-
     def _engine_stats(self) -> EngineStats:
         return self.loop.last_stats or self.engine.stats()
 
     def stats(self, target: ReplicaTarget | None = None) -> dict[str, object]:
         """Engine counters; ``target`` (a ``ReplicaTarget``) routes the call to one replica."""
-        s = self._engine_stats()
-        return {
-            "num_running": s.num_running,
-            "num_waiting": s.num_waiting,
-            "num_free_blocks": s.num_free_blocks,
-            "num_total_blocks": s.num_total_blocks,
-            "kv_usage": s.kv_usage,
-            "prefix_hit_tokens": s.prefix_hit_tokens,
-            "skipped_embedding_fetches": self.skipped_fetches,
-            "prefix_query_tokens": s.prefix_query_tokens,
-            "num_preemptions": s.num_preemptions,
-            **_reported_if_any(num_free_window_blocks=s.num_free_window_blocks),
-            **_reported_if_any(num_free_state_slots=s.num_free_state_slots),
-            "output_channels": len(self.channels),
-            "replica_id": self.replica_id,
-            "role": self.role,
-            **self.loop.step_clock.stats(),
-            **(self.kv_stats.as_dict() if self.role != "both" else {}),
-            **({"kv_pins_held": len(self._prefill.pins)} if self._prefill is not None else {}),
-            **self._pair_counts(),
-            **(self._swap_counters() if self._decode is not None else {}),
-        }
+        return replica_stats(self, self._engine_stats())
 
     def record_routing_stats(self) -> dict[str, object]:
         """Called by Serve's controller; read by router.routing.request_routers.PrefixAffinityRouter."""
@@ -465,24 +371,10 @@ class LLMServer:
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Custom autoscaling metrics read by cluster.autoscaling_policy.LLMLoadPolicy."""
-        s = self._engine_stats()
-        return {
-            "kv_usage": float(s.kv_usage),
-            "num_running": float(s.num_running),
-            "num_waiting": float(s.num_waiting),
-            "queued_prompt_tokens": float(
-                self.loop.queued_prompt_tokens
-            ),  # E/P/D's prefill pool scales on it
-            "ttft_p90_ms": self._ttft.p90_ms(),  # and on this, given a target_ttft_ms
-        }
+        return autoscaling_stats(self._engine_stats(), self.loop.queued_prompt_tokens, self._ttft.p90_ms())
 
     def check_health(self) -> None:
         task = self.loop.task
         if task is not None and task.done():
             why = "cancelled" if task.cancelled() else repr(task.exception())
             raise RuntimeError(f"engine loop died: {why}")
-
-
-def _reported_if_any(**counts: int | None) -> dict[str, int]:
-    """The counts the model has (a window group's, a hybrid's state slots), for ``stats``."""
-    return {k: v for k, v in counts.items() if v is not None}
