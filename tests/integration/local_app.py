@@ -150,9 +150,12 @@ def _end_module(holder: Any) -> None:
     """Serve shut down; the holder and whatever else the module left (actors, placement groups) ended
     and waited for, each named in the session's cleanups. A cleanup that fails ends the session Ray:
     the next module starts a fresh one."""
+    import gc
+
     import ray
     from ray import serve
     from ray._private.state import state
+    from ray._private.worker import global_worker
     from ray.util.placement_group import PlacementGroup, remove_placement_group
 
     if not session_ray_open():
@@ -176,6 +179,10 @@ def _end_module(holder: Any) -> None:
                 cleaned(f"placement group {pg['name']!r} {pg['state']}")
                 remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
         _wait_all_dead(state)
+        gc.collect()
+        held = global_worker.core_worker.get_all_reference_counts()
+        if held:  # in the object store until their holders (module globals?) let them go: named only
+            cleaned(f"{len(held)} object references the test process still holds (not freed)")
     except Exception as e:
         cleaned(f"cleanup failed ({e!r}): the session Ray restarted")
         _SESSION.pop("open", None)
