@@ -7,7 +7,9 @@ Each pool scales on its own signal:
   backlog per replica;
 - **prefill pool** (E/P/D): prompt tokens still to compute (``queued_prompt_tokens``: waiting and
   partly prefilled prompts on every replica), plus requests queued at the handles, against a target
-  backlog per replica (the time to a first token grows with it);
+  backlog per replica (the time to a first token grows with it); and, given a ``target_ttft_ms``,
+  its replicas' recent TTFT p90 (``ttft_p90_ms``): one replica more while it stays over the target,
+  no fewer while it is near it (:func:`with_ttft`);
 - **LLM pool** (and E/P/D's decode pool): its own load, the larger of KV-cache use (``kv_usage`` against ``target_kv_usage``)
   and requests per replica (``num_running + num_waiting`` against ``target_ongoing_requests``).
 
@@ -236,3 +238,36 @@ def desired_prefill_replicas(
     return desired_replicas(
         running, backlog, targets.target_queued_prompt_tokens_per_replica, bounds, hysteresis, hold
     )
+
+
+def with_ttft(
+    backlog_answer: int,
+    running: int,
+    ttft_p90_ms: Mapping[ReplicaKey, float],
+    target_ttft_ms: float,
+    bounds: ScalingBounds,
+    hysteresis: Hysteresis = Hysteresis(),
+    hold: int | None = None,
+) -> int:
+    """The prefill pool's count once its TTFT has its say over the backlog's answer. ``ttft_p90_ms``:
+    replica id → its recent TTFT p90 (0 with no first token in its window); the slowest one counts,
+    as a fraction of ``target_ttft_ms`` and with the backlog's deadband:
+
+        ratio:    0 ─── downscale_below ─── 1 ─── upscale_above ───▶
+        answer:   the backlog's ─┤ not below ``hold`` ├─ one more than running (or ``hold``), at least
+
+    So the pool grows while its TTFT stays over the target, even with a short backlog, and shrinks
+    only when both the backlog and the TTFT are under theirs. One replica at a time: TTFT is not
+    proportional to the replicas (a lone long prompt's prefill takes what it takes), and a scale-up
+    still starting (``hold > running``) adds none. No report, or no replica running: the backlog's."""
+    if target_ttft_ms <= 0:
+        raise ValueError(f"target_ttft_ms must be > 0, got {target_ttft_ms}")
+    if not ttft_p90_ms or running <= 0:
+        return backlog_answer
+    ratio = max(max(ttft_p90_ms.values()), 0.0) / target_ttft_ms
+    keep = running if hold is None else hold
+    if ratio > hysteresis.upscale_above:
+        return bounds.clamp(max(backlog_answer, keep, running + 1))
+    if ratio >= hysteresis.downscale_below:
+        return bounds.clamp(max(backlog_answer, keep))
+    return backlog_answer

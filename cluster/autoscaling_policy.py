@@ -9,7 +9,8 @@ Wiring (Ray Serve 2.60):
   ``RAY_SERVE_RECORD_AUTOSCALING_STATS_TIMEOUT_S`` = 10 s). Values must be int or float, or Serve disables
   the replica's stats. Only deployments with an ``autoscaling_config`` push them.
   ``EncoderServer`` returns ``{ENCODER_QUEUED_EMBEDDINGS: ...}``; ``LLMServer`` returns
-  ``{LLM_KV_USAGE: ..., LLM_NUM_RUNNING: ..., LLM_NUM_WAITING: ...}``.
+  ``{LLM_KV_USAGE: ..., LLM_NUM_RUNNING: ..., LLM_NUM_WAITING: ..., LLM_QUEUED_PROMPT_TOKENS: ...,
+  LLM_TTFT_P90_MS: ...}``.
 - The deployment's ``autoscaling_config.policy`` names a class below, e.g.
   ``{policy_function: "cluster.autoscaling_policy:EncoderQueuePolicy", policy_kwargs: {...}}``;
   ``cluster/app.py`` sets it from ``AppConfig`` (each pool's default unless the config names one).
@@ -39,6 +40,7 @@ from cluster.autoscaling import (
     desired_llm_replicas,
     desired_prefill_replicas,
     desired_replicas,
+    with_ttft,
 )
 
 if TYPE_CHECKING:
@@ -52,6 +54,7 @@ LLM_KV_USAGE = "kv_usage"
 LLM_NUM_RUNNING = "num_running"
 LLM_NUM_WAITING = "num_waiting"
 LLM_QUEUED_PROMPT_TOKENS = "queued_prompt_tokens"  # E/P/D's prefill replicas
+LLM_TTFT_P90_MS = "ttft_p90_ms"  # their recent time to a first token (llm_service/recent_ttft.py)
 
 ENCODER_POLICY = "cluster.autoscaling_policy:EncoderQueuePolicy"
 LLM_POLICY = "cluster.autoscaling_policy:LLMLoadPolicy"
@@ -120,10 +123,18 @@ class _BacklogPolicy:
             self.hysteresis,
             hold=ctx.target_num_replicas,
         )
+        n, also = self._also(ctx, n)
         self._log(
-            ctx, n, f"{sum(queued.values()):.0f} {self.what} on replicas, {handles:.1f} requests at handles"
+            ctx,
+            n,
+            f"{sum(queued.values()):.0f} {self.what} on replicas, {handles:.1f} requests at handles{also}",
         )
         return n, {}
+
+    def _also(self, ctx: AutoscalingContext, n: int) -> tuple[int, str]:
+        """A second signal over the backlog's answer ``n`` (the prefill pool's TTFT): the count, and
+        what it saw for the log line."""
+        return n, ""
 
 
 class EncoderQueuePolicy(_BacklogPolicy):
@@ -188,7 +199,10 @@ class LLMLoadPolicy:
 
 
 class PrefillQueuePolicy(_BacklogPolicy):
-    """Scale E/P/D's prefill pool on prompt tokens still to compute (``queued_prompt_tokens``)."""
+    """Scale E/P/D's prefill pool on prompt tokens still to compute (``queued_prompt_tokens``), and,
+    given ``target_ttft_ms`` (0: not used), on its replicas' recent TTFT p90 (``ttft_p90_ms``): up
+    while the slowest replica's stays over the target, down only when it and the backlog are under
+    theirs (``cluster.autoscaling.with_ttft``)."""
 
     metric, what, desired = LLM_QUEUED_PROMPT_TOKENS, "prompt tokens to compute", desired_prefill_replicas
 
@@ -198,9 +212,28 @@ class PrefillQueuePolicy(_BacklogPolicy):
         prompt_tokens_per_handle_queued_request: float = 1024.0,
         upscale_above: float = 1.1,
         downscale_below: float = 0.7,
+        target_ttft_ms: float = 0.0,
     ) -> None:
         super().__init__()
         self.targets = PrefillTargets(
             target_queued_prompt_tokens_per_replica, prompt_tokens_per_handle_queued_request
         )
         self.hysteresis = Hysteresis(upscale_above, downscale_below)
+        if target_ttft_ms < 0:
+            raise ValueError(f"target_ttft_ms must be >= 0 (0: TTFT not used), got {target_ttft_ms}")
+        self.target_ttft_ms = float(target_ttft_ms)
+
+    def _also(self, ctx: AutoscalingContext, n: int) -> tuple[int, str]:
+        ttft = _metric(ctx, LLM_TTFT_P90_MS)
+        if not self.target_ttft_ms or not ttft:
+            return n, ""
+        n = with_ttft(
+            n,
+            ctx.current_num_replicas,
+            ttft,
+            self.target_ttft_ms,
+            _bounds(ctx),
+            self.hysteresis,
+            hold=ctx.target_num_replicas,
+        )
+        return n, f", TTFT p90 up to {max(ttft.values()):.0f} ms (target {self.target_ttft_ms:.0f})"

@@ -49,6 +49,7 @@ POOL_SHARED_FIELDS = frozenset(
         "handoff_deadline_s",
         "kv_transfer_timeout_s",
         "kv_pull_chunks",
+        "kv_transfer",
     }
 )
 # ``engine`` settings of one role only: a prefill replica never preempts a request it hands off.

@@ -217,6 +217,7 @@ class LLMServer(llm_serve.LLMServer, DirectLLM):
                 llm.handoff_deadline_s,
                 llm.kv_transfer_timeout_s,
                 llm.kv_pull_chunks,
+                llm.kv_transfer,
             ),
         )
 
@@ -243,6 +244,8 @@ class LLMPrefillServer(LLMServer):
         "prefill": "prefill",
         "pull_kv": "pull_kv",
         "pull_kv_chunks": "pull_kv_chunks",
+        "kv_pair_join": "kv_pair_join",  # llm.kv_transfer: collective (llm_service/serve/kv_pair.py)
+        "kv_send": "kv_send",
     }
 
 
@@ -322,6 +325,12 @@ class IngressServer(http_app.IngressServer):
             a.max_body_bytes_in_flight,
         )
         await super().__init__(models, pools, http, admission, keys=ingress_keys(cfg))  # type: ignore[misc]
+
+    def replica_stats(self) -> dict[str, object]:
+        return {
+            "replica_id": str(serve.get_replica_context().replica_id.unique_id),
+            "cpu_affinity": process_cpus(),  # the cores its threads may use (ingress.deployment.cpu_affinity)
+        }
 
 
 def ingress_keys(cfg: AppConfig) -> KeyRing:

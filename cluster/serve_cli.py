@@ -8,11 +8,13 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Mapping
-from types import FrameType
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from cluster.config import AppConfig, ModelConfig, default_config
+from cluster.one_machine import check_cpu_affinity, one_machine_defaults, pd_pools, pin_pool
+from cluster.pool_engine_flag import add_pool_engine_argument, apply_pool_engine
+from cluster.serve_drain import Stop, drain, hold_sigterm_for_ray, ray_started, take_signals
 from cluster.serve_env import apply_serve_env
 
 if TYPE_CHECKING:
@@ -73,6 +75,7 @@ def add_serve_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="E/P/D: each model's LLM runs as a prefill pool and a decode pool (llm.pools), each of "
         "the llm deployment's options, the KV moved between them (docs/disaggregation.md)",
     )
+    add_pool_engine_argument(p)
     p.add_argument(
         "--cpu-affinity",
         action="append",
@@ -195,88 +198,8 @@ def config_from_args(args: argparse.Namespace) -> AppConfig:
             m["llm"]["pools"] = pd_pools(m["llm"]["deployment"])
     for flag in getattr(args, "cpu_affinity", None) or ():
         pin_pool(data, flag)
+    apply_pool_engine(data, getattr(args, "pool_engine", None) or ())
     return AppConfig.model_validate(data)
-
-
-CPU_AFFINITY_POOLS = ("ingress", "encoder", "llm", "prefill", "decode")
-
-
-def pin_pool(data: dict[str, object], flag: str) -> None:
-    """``--cpu-affinity POOL=CORES``: that pool's ``deployment.cpu_affinity`` in ``data`` (a config's
-    dump), for every model; the cores' form is checked with the config."""
-    pool, sep, cores = flag.partition("=")
-    if not sep or pool not in CPU_AFFINITY_POOLS:
-        raise SystemExit(
-            f"--cpu-affinity {flag!r}: POOL=CORES with POOL one of {', '.join(CPU_AFFINITY_POOLS)}"
-        )
-    if pool == "ingress":
-        _field(_field(data, "ingress"), "deployment")["cpu_affinity"] = cores
-        return
-    for m in data["models"]:  # type: ignore[attr-defined]
-        if pool in ("encoder", "llm"):
-            _field(_field(m, pool), "deployment")["cpu_affinity"] = cores
-            continue
-        roles = [p for p in _field(m, "llm")["pools"] if p["role"] == pool]  # type: ignore[attr-defined]
-        if not roles:
-            raise SystemExit(f"--cpu-affinity {flag!r}: model {m['name']!r} has no {pool} pool (--pd)")
-        roles[0]["deployment"]["cpu_affinity"] = cores
-
-
-def pd_pools(deployment: Mapping[str, object]) -> list[dict[str, object]]:
-    """``--pd``: a prefill and a decode pool, each with the model's LLM deployment options."""
-    import copy
-
-    return [{"role": role, "deployment": copy.deepcopy(dict(deployment))} for role in ("prefill", "decode")]
-
-
-def _field(dump: Mapping[str, object], key: str) -> dict[str, object]:
-    """``dump[key]``, a nested model of a config's ``model_dump()``."""
-    value = dump[key]
-    assert isinstance(value, dict), f"{key}: a model's dump, not {value!r}"
-    return value
-
-
-def one_machine_defaults(cfg: AppConfig, data: dict[str, object]) -> None:
-    """What one machine runs unless ``cfg`` says otherwise, written into ``data`` (``cfg``'s dump):
-    the ingress serves HTTP itself (no proxy hop), each model's encoder cache is one shard (one
-    process fewer), and a pool whose autoscaling bounds leave it one count runs that many replicas
-    fixed."""
-    ingress = _field(data, "ingress")
-    if "http_mode" not in cfg.ingress.model_fields_set:
-        ingress["http_mode"] = "direct"
-    fixed_replica_counts(_field(ingress, "deployment"))
-    models = data["models"]
-    assert isinstance(models, list)
-    for m, model in zip(models, cfg.models, strict=True):
-        if "cache_index_shards" not in model.encoder.model_fields_set:
-            _field(m, "encoder")["cache_index_shards"] = 1
-        for pool in ("encoder", "llm"):
-            fixed_replica_counts(_field(_field(m, pool), "deployment"))
-        for llm_pool in _field(m, "llm")["pools"]:  # type: ignore[attr-defined]
-            fixed_replica_counts(_field(llm_pool, "deployment"))
-
-
-def check_cpu_affinity(cfg: AppConfig, node_cores: set[int]) -> None:
-    """One machine: every pool's ``cpu_affinity`` names cores of this machine (a ``CpuAffinityError``
-    naming the pool's deployment); each replica checks again where it starts."""
-    from cluster.cpu_affinity import check_cores, parse_cpu_affinity
-
-    for name, opts in cfg.pool_deployments().items():
-        if opts.cpu_affinity is not None:
-            check_cores(parse_cpu_affinity(opts.cpu_affinity), node_cores, name)
-
-
-def fixed_replica_counts(deployment: dict[str, object]) -> None:
-    """``num_replicas: n`` for a pool autoscaled within ``[n, n]`` (``DeploymentOptions``' dump).
-
-    Nothing can scale there, but with an ``autoscaling_config`` every handle and replica still pushes
-    its load to the Serve controller, which runs the policy on it. Measured at image c=32 (README,
-    "What one machine runs"): the idle background fell, the controller's ~2 CPU-ms per request did
-    not consistently (most of it is something else)."""
-    a = _field(deployment, "autoscaling")
-    lo, hi = a["min_replicas"], a["max_replicas"]
-    if deployment["num_replicas"] is None and isinstance(lo, int) and lo == hi and lo >= 1:
-        deployment["num_replicas"] = lo
 
 
 def start(
@@ -351,36 +274,6 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-class _Stop(Exception):
-    """SIGTERM or SIGINT arrived: drain and exit."""
-
-
-def _raise_stop(signum: int, frame: FrameType | None) -> None:
-    raise _Stop(signal.Signals(signum).name)
-
-
-def _take_signals() -> None:
-    signal.signal(signal.SIGTERM, _raise_stop)
-    signal.signal(signal.SIGINT, _raise_stop)
-
-
-def _hold_sigterm_for_ray() -> None:
-    """Block SIGTERM in this thread while ``ray.init`` starts Ray's processes: each inherits the
-    blocked signal (the mask survives fork and exec) and passes it on to what it starts, Serve's
-    replicas included, so a SIGTERM sent to every process at once (``kill -TERM -PGID``, systemd's
-    ``KillMode=control-group``) reaches only this driver, which drains and then stops them. Ray does
-    the same with SIGINT for Ctrl-C. Ray's own stop (``ray.shutdown``) sends SIGTERM, waits 1 s,
-    then SIGKILLs: that second is what the held signal costs each of its processes."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-
-
-def _ray_started() -> None:
-    """Ray is up: take SIGTERM back from the handlers ``ray.init`` installed (Python's sys.exit, the
-    core worker's stack dump and abort) and unblock it here; one that arrived meanwhile raises now."""
-    _take_signals()
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-
-
 def _cmd_serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
@@ -397,44 +290,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     check_port_free(cfg.host, cfg.port)
     # Installed before Ray starts, so no Ray or Serve process inherits them: SIGTERM (Kubernetes,
     # systemd, docker stop) and Ctrl-C both drain instead of dying mid-request.
-    _take_signals()
-    _hold_sigterm_for_ray()
+    take_signals()
+    hold_sigterm_for_ray()
     try:
-        start(cfg, args.num_cpus, metrics_export_port=args.metrics_export_port, on_ray_started=_ray_started)
+        start(cfg, args.num_cpus, metrics_export_port=args.metrics_export_port, on_ray_started=ray_started)
         names = ", ".join(m.name for m in cfg.models)
         print(f"mmserve is serving {names} on http://{cfg.host}:{cfg.port}/v1 (Ctrl-C to stop)", flush=True)
         while True:
             time.sleep(3600)
-    except _Stop as why:
+    except Stop as why:
         print(f"mmserve: {why}: draining (in-flight requests finish, new ones get 503)", flush=True)
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # if Ray never came up
     return drain()
-
-
-def drain() -> int:
-    """Stop taking requests, let those in flight finish, shut Serve and Ray down: 0 on success.
-
-    Deleting the app is graceful: each replica stops taking calls and gets its pool's
-    ``graceful_shutdown_timeout_s`` for the ones in flight (the LLM replica's open submit calls are its
-    requests, the encoder's encode calls its FIFO), then its ``__del__``: the ingress closes admission
-    and its direct HTTP server (no new connections, responses in flight finish), the encoder drains its
-    FIFO and drops the cache entries it owns. A second signal while draining is ignored.
-    """
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    code = 0
-    try:
-        import ray
-        from ray import serve
-
-        if ray.is_initialized():
-            for name in list(serve.status().applications):
-                serve.delete(name)  # blocks until every replica finished (or timed out) and exited
-            serve.shutdown()
-            ray.shutdown()
-    except Exception as e:  # a failed drain is still an exit, but not a clean one
-        print(f"mmserve: shutdown failed: {e!r}", file=sys.stderr, flush=True)
-        code = 1
-    print("mmserve: stopped", flush=True)
-    return code

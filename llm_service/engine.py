@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -12,9 +11,9 @@ from typing import TYPE_CHECKING, cast
 
 from llm_service.config import EngineConfig
 from llm_service.engine_handoff import EngineHandoffs
-from llm_service.errors import RequestFaults, RequestRejected
+from llm_service.errors import RequestRejected
 from llm_service.hybrid_kv_cache_manager import HybridKVCacheManager
-from llm_service.kv_cache_manager import KVCacheManager, cdiv
+from llm_service.kv_cache_manager import KVCacheManager
 from llm_service.kv_io import swap_sizes
 from llm_service.kv_swap import SwapSpace
 from llm_service.model_runner import ModelRunner
@@ -27,22 +26,17 @@ from llm_service.outputs import (
     RequestTiming,
     TokenLogprob,
 )
+from llm_service.request_validation import validate_mm, validate_prompt, validate_token_ids
 from llm_service.sampling_params import SamplingParams
-from llm_service.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from llm_service.scheduler import Scheduler
 from llm_service.sequence import Request, RequestStatus
+from llm_service.step_isolation import execute_isolating
 from llm_service.structured.spec import StructuredSpec
 from llm_service.window_kv_cache_manager import WindowKVCacheManager
 from mmcore.errors import StillHeld
 
 if TYPE_CHECKING:
-    import torch
-
     from llm_service.structured.grammars import GrammarBackend
-
-logger = logging.getLogger(__name__)
-
-MODALITIES = ("image", "video", "audio")
-Sampled = dict[str, tuple[int, object]]
 
 
 class LLMEngine(EngineHandoffs):
@@ -166,8 +160,8 @@ class LLMEngine(EngineHandoffs):
             # an earlier attempt still here (a prefill copy pinned for its hand-off, say): retry later
             raise StillHeld(f"request id {request_id!r} is already in the engine")
         sampling_params.validate()
-        self._validate_prompt(prompt_token_ids, sampling_params)
-        self._validate_token_ids(sampling_params)
+        validate_prompt(prompt_token_ids, sampling_params, self.config, self.vocab_size, self.kv)
+        validate_token_ids(sampling_params, self.vocab_size)
         items = sorted(mm_inputs, key=lambda m: m.offset)
         self._validate_mm(len(prompt_token_ids), items)
         stop = set(sampling_params.stop_token_ids)
@@ -207,19 +201,23 @@ class LLMEngine(EngineHandoffs):
 
     def step(self) -> list[RequestOutput]:
         """One engine iteration; returns the requests that got a new token (finished ones included)
-        and those whose computation failed in it (``finish_reason="error"``, see ``_execute``)."""
+        and those whose computation failed in it (``finish_reason="error"``, see
+        ``step_isolation.execute_isolating``)."""
         sched = self.scheduler.schedule()
         for refused in sched.swap_refused:  # retired by the scheduler, their blocks freed
             self.runner.release(refused.request.request_id)
             self._failed.append((refused.request.request_id, self.swap.refusal(refused)))
         self.swap.apply(sched, self.runner, self.kv)
-        sampled, faults = self._execute(sched)
+        sampled, faults = execute_isolating(self.runner, sched)
         self.runner.accept_sampled(sampled)  # the grammars advance only once the step stands
         outputs = self._first_outputs()
         outputs += [self._fail(rid, msg) for rid, msg in faults.items()]
         now = time.monotonic()
         for req in self.scheduler.update(sched, sampled):
+            rng_state = None
             if req.is_finished:
+                if req.status is RequestStatus.HANDED_OFF:  # a seeded one's draws go on elsewhere
+                    rng_state = self.runner.generator_state(req.request_id)
                 self.runner.release(req.request_id)
             lp = req.output_logprobs[-1]  # the runner's TokenLogprob when asked for (execute)
             if len(req.output_token_ids) == 1:
@@ -237,62 +235,12 @@ class LLMEngine(EngineHandoffs):
                     num_cached_tokens=max(req.num_cached_tokens, 0),
                     timing=_timing(req, now) if req.is_finished else None,
                     prompt_logprobs=_prompt_logprobs(req) if len(req.output_token_ids) == 1 else None,
+                    rng_state=rng_state,
                 )
             )
         return outputs
 
-    # ---- failure isolation -------------------------------------------------------------------------
-    def _execute(self, sched: SchedulerOutput) -> tuple[Sampled, dict[str, str]]:
-        """Run the step; if it raises, find the request(s) at fault and run it for the others.
-
-        Returns ``(sampled, faults)``: ``faults`` maps each culprit to what went wrong. Culprits are
-        the ones a ``RequestFaults`` names, then any group that still fails is halved until single
-        requests fail alone. If every request not so named fails alone too, the fault is not one
-        request's: the original exception is raised. Replaying chunks is safe: a chunk writes KV only
-        into its own request's not-yet-computed slots (never a shared, cached block) and rewrites
-        the same values; seeded generators are rewound before each attempt.
-        """
-        rng = self.runner.rng_states(sched)
-        try:
-            return self.runner.execute(sched), {}
-        except Exception as exc:
-            first = exc
-        sampled: Sampled = {}
-        named: dict[str, str] = {}
-        alone: dict[str, str] = {}
-        todo: list[tuple[list[ScheduledChunk], Exception]] = [(sched.chunks, first)]
-        while todo:
-            group, err = todo.pop()
-            hit = {c.request.request_id for c in group} & set(getattr(err, "faults", ()))
-            if isinstance(err, RequestFaults) and hit:
-                named.update({rid: err.faults[rid] for rid in hit})
-                rest = [c for c in group if c.request.request_id not in hit]
-                parts = [rest] if rest else []
-            elif len(group) == 1:
-                alone[group[0].request.request_id] = f"{type(err).__name__}: {err}"
-                continue
-            else:
-                parts = _halves(group)
-            for part in parts:
-                result = self._attempt(part, rng)
-                if isinstance(result, Exception):
-                    todo.append((part, result))
-                else:
-                    sampled.update(result)
-        if alone and len(named) + len(alone) == len(sched.chunks):
-            raise first  # every request that is not named fails alone too: not one request's fault
-        faults = {**named, **alone}
-        for rid, msg in faults.items():
-            logger.warning("request %s failed in an engine step (the others went on): %s", rid, msg)
-        return sampled, faults
-
-    def _attempt(self, chunks: list[ScheduledChunk], rng: dict[str, torch.Tensor]) -> Sampled | Exception:
-        self.runner.restore_rng_states(SchedulerOutput(chunks), rng)
-        try:
-            return self.runner.execute(SchedulerOutput(chunks))
-        except Exception as e:
-            return e
-
+    # ---- failure isolation (llm_service/step_isolation.py) -------------------------------------------
     def _fail(self, request_id: str, message: str) -> RequestOutput:
         """Retire a culprit (its KV blocks freed) and say so in its last output."""
         req = self.scheduler.abort(request_id, RequestStatus.FINISHED_ERROR)
@@ -376,83 +324,10 @@ class LLMEngine(EngineHandoffs):
                     pending.discard(o.request_id)
         return [results[rid] for rid in ids]
 
-    # ---- validation --------------------------------------------------------------------------------
-    def _validate_prompt(self, prompt: list[int], params: SamplingParams) -> None:
-        c = self.config
-        if not prompt:
-            raise RequestRejected("prompt_too_long", "the prompt is empty")
-        if len(prompt) > c.max_model_len:
-            raise RequestRejected(
-                "prompt_too_long",
-                f"prompt has {len(prompt)} tokens, more than max_model_len={c.max_model_len}",
-            )
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestRejected(
-                "bad_prompt", f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
-            )
-        # KV is needed for every token but the last sampled one.
-        peak = min(len(prompt) + params.max_tokens - 1, c.max_model_len)
-        if not self.kv.can_ever_fit(peak):
-            raise RequestRejected(
-                "too_many_blocks",
-                f"prompt + max_tokens need {cdiv(peak, c.block_size)} KV blocks of {c.block_size} tokens; "
-                f"the pool has {self.kv.num_total_blocks}",
-            )
-
-    def _validate_token_ids(self, params: SamplingParams) -> None:
-        """``logit_bias`` and ``stop_token_ids`` name tokens of this model's vocabulary."""
-        for name, ids in (
-            ("logit_bias", [t for t, _ in params.logit_bias]),
-            ("stop_token_ids", list(params.stop_token_ids)),
-        ):
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise RequestRejected(
-                    "bad_sampling_params",
-                    f"{name}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
-                    param=name,
-                )
-
     def _validate_mm(self, num_tokens: int, items: list[MultiModalInput]) -> None:
-        prev_end, prev_name = 0, ""
-        for i, m in enumerate(items):
-            name = f"{m.modality} item {i} (mm_hash={m.mm_hash!r}, offset={m.offset})"
-            if m.modality not in MODALITIES:
-                raise RequestRejected("bad_mm_input", f"{name}: unknown modality {m.modality!r}")
-            if m.embeddings is not None and (
-                m.embeddings.dim() != 2 or tuple(m.embeddings.shape) != (m.length, self.mm_row_width)
-            ):
-                raise RequestRejected(
-                    "bad_mm_input",
-                    f"{name}: embeddings have shape {tuple(m.embeddings.shape)}, "
-                    f"expected [{m.length}, {self.mm_row_width}]",
-                )
-            if m.length == 0 or m.offset < 0 or m.end > num_tokens:
-                raise RequestRejected(
-                    "bad_mm_input",
-                    f"{name}: range [{m.offset}, {m.end}) is empty or outside the prompt of {num_tokens}",
-                )
-            if m.offset < prev_end:
-                raise RequestRejected("bad_mm_input", f"{name}: overlaps {prev_name}")
-            prev_end, prev_name = m.end, name
-            if self.runner.model.uses_mrope:
-                self._validate_grid(name, m)
-
-    def _validate_grid(self, name: str, m: MultiModalInput) -> None:
-        if m.modality == "audio":
-            raise RequestRejected(
-                "bad_mm_input", f"{name}: this model ({self.runner.text_config.architecture}) takes no audio"
-            )
-        merge = self.runner.text_config.spatial_merge_size
-        if m.grid_thw is None or len(m.grid_thw) != 3:
-            raise RequestRejected("bad_mm_input", f"{name}: grid_thw (t, h, w) is required for M-RoPE")
-        t, h, w = m.grid_thw
-        if h % merge or w % merge or t * h * w // merge**2 != m.length:
-            raise RequestRejected(
-                "bad_mm_input",
-                f"{name}: grid_thw={m.grid_thw} gives {t * h * w // merge**2} embeddings, got {m.length}",
-            )
+        """``request_validation.validate_mm`` against this model (items sorted by offset)."""
+        r = self.runner
+        validate_mm(num_tokens, items, self.mm_row_width, r.text_config, r.model.uses_mrope)
 
 
 def _prompt_logprobs(req: Request) -> list[TokenLogprob] | None:
@@ -470,8 +345,3 @@ def _timing(req: Request, now: float) -> RequestTiming:
         prefill=req.first_token_time - req.scheduled_time,
         decode=now - req.first_token_time,
     )
-
-
-def _halves(chunks: list[ScheduledChunk]) -> list[list[ScheduledChunk]]:
-    mid = len(chunks) // 2
-    return [part for part in (chunks[:mid], chunks[mid:]) if part]

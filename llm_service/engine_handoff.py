@@ -93,7 +93,11 @@ class EngineHandoffs:
         req = self._new_request(request_id, prompt_token_ids, sampling_params, mm_inputs, cache_salt)
         req.imported = True
         if first is not None:
-            self._take_first(req, first)
+            try:
+                self._take_first(req, first)
+            except ValueError as e:  # its generator state does not fit this replica's generator
+                self.runner.release(request_id)
+                raise KVTransferFailed(str(e)) from e
         hits = self.kv.allocate_import(req, req.num_prompt_tokens)
         if hits is None:
             self.runner.release(request_id)
@@ -139,7 +143,12 @@ class EngineHandoffs:
         return ", ".join(free)
 
     def _take_first(self, req: Request, first: RequestOutput) -> None:
-        """The prefill side's first output of an import: its token appended, emitted by a later step."""
+        """The prefill side's first output of an import: its token appended, emitted by a later step;
+        a seeded request's generator resumes where the prefill side's left it (``ValueError`` if its
+        state does not fit this replica's generator: nothing taken)."""
+        if first.rng_state is not None:
+            self.runner.resume_generator(req.request_id, first.rng_state)
+            first = dataclasses.replace(first, rng_state=None)  # not sent on to the client
         token = first.new_token_ids[0]
         req.append_output(token, first.new_logprobs[0] if first.new_logprobs else None)
         self.runner.accept_sampled({req.request_id: (token, None)})
@@ -162,7 +171,12 @@ class EngineHandoffs:
             self._ended.append(first)
             return
         if first is not None:
-            self._take_first(req, first)
+            try:
+                self._take_first(req, first)
+            except ValueError as e:  # a clean failure of this request (its output says why), no crash
+                self.cancel_import(request_id)
+                self._ended.append(_failed(first, f"KV hand-off failed: {e}"))
+                return
         del self._importing[request_id]
         if not snapshot and isinstance(self.kv, HybridKVCacheManager):
             self.kv.drop_import_snapshot(req)
@@ -203,3 +217,17 @@ class EngineHandoffs:
 
     def unpin_blocks(self, block_ids: list[int]) -> None:
         self.kv.pool.free([self.kv.pool.blocks[i] for i in block_ids])
+
+
+def _failed(first: RequestOutput, message: str) -> RequestOutput:
+    """An import that could not go on: its last output, a failure naming why."""
+    return dataclasses.replace(
+        first,
+        new_token_ids=[],
+        new_logprobs=None,
+        finished=True,
+        finish_reason="error",
+        error=message,
+        prompt_logprobs=None,
+        rng_state=None,
+    )

@@ -4,53 +4,36 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from llm_service.attention import TorchPagedAttention, build_metadata
+from llm_service.batch_inputs import flat_embeds, flat_ids, flat_positions, step_seq
 from llm_service.config import EngineConfig
 from llm_service.errors import RequestFaults, RequestRejected
-from llm_service.kv_cache_manager import cdiv
+from llm_service.kv_cache_sizing import KVCacheSizing, sliding_window
 from llm_service.kv_handoff import KVBlocks
 from llm_service.kv_io import DTYPES, read_kv_blocks, write_kv_blocks
-from llm_service.linear_states import LinearStates, StepSeq
+from llm_service.linear_states import LinearStates
 from llm_service.logits_processors import GrammarMasks
 from llm_service.models import build_decoder, load_text_config
 from llm_service.models.weights import load_weights
 from llm_service.mrope import prompt_mrope_positions
 from llm_service.multimodal import MultiModalInput
 from llm_service.outputs import TokenLogprob
+from llm_service.runner_state import RunnerState, generator_bytes, resume_generator
 from llm_service.sampler import NoAllowedToken, NonFiniteLogits, SamplerState, prompt_logprobs, sample
 from llm_service.scheduler import ScheduledChunk, SchedulerOutput
 from llm_service.sequence import Request
 from llm_service.structured.grammars import accept_rows, fill_rows
-from llm_service.window_kv_cache_manager import window_blocks_needed
 
 if TYPE_CHECKING:
     from llm_service.structured.grammars import GrammarState
 
 logger = logging.getLogger(__name__)
 
-CPU_KV_CACHE_CAP_BYTES = 1 << 30
 PROMPT_LOGPROBS_ROWS = 512  # prompt positions scored per lm_head call (a vocabulary's row each)
-
-
-@dataclass
-class RunnerState:
-    """What the runner keeps for one request, from ``prepare_request`` until it leaves (``release``)."""
-
-    # (offset, length, embeddings on the device) per media item, in prompt order; None: not supplied yet
-    mm: list[tuple[int, int, torch.Tensor | None]] = field(default_factory=list)
-    mrope: torch.Tensor | None = None  # M-RoPE models: the prompt's positions [3, num_prompt_tokens]
-    delta: int = 0  # M-RoPE models: past the prompt, text positions are shifted by it
-    generator: torch.Generator | None = None  # a seeded request's own RNG
-    grammar: GrammarState | None = None  # a structured output's matcher, advanced by each token
-
-    def missing(self) -> list[tuple[int, int]]:
-        """``(offset, end)`` of the items it has no embeddings for, in prompt order."""
-        return [(off, off + n) for off, n, emb in self.mm if emb is None]
 
 
 def resolve_device(device: str) -> torch.device:
@@ -69,28 +52,14 @@ class ModelRunner:
         load_weights(model, config.model)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.linear_states = self._make_linear_states()
-        self.window = self._window()
-        # what the batch can read of the window layers' own pool at once (0: they have none)
-        self.window_cap = (
-            0
-            if self.window is None
-            else window_blocks_needed(
-                config.max_num_seqs, config.max_num_batched_tokens, self.window, config.block_size
-            )
+        self.sizing = KVCacheSizing(
+            self.text_config, config, self.dtype, sliding_window(self.text_config, config)
         )
-        self.num_blocks = config.num_kv_blocks or self._derive_num_blocks()
+        self.window = self.sizing.window
+        self.window_cap = self.sizing.window_cap
+        self.num_blocks = config.num_kv_blocks or self.sizing.derive_num_blocks(self.device)
         self.num_window_blocks = min(self.num_blocks, self.window_cap)  # and a null block besides
-        bs = config.block_size
-        # one cache per KV-writing layer (Gemma 4: shared layers own none, full layers are wider);
-        # a sliding-window layer's holds the window group's blocks only
-        self.kv_caches = [
-            torch.zeros(
-                (2, self.num_blocks if w is None else self.num_window_blocks + 1, bs, h, d),
-                dtype=self.dtype,
-                device=self.device,
-            )
-            for (h, d), w in zip(self.text_config.kv_layer_specs(), self._layer_windows(), strict=True)
-        ]
+        self.kv_caches = self.sizing.allocate(self.num_blocks, self.num_window_blocks, self.device)
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.states: dict[str, RunnerState] = {}  # by request id, while the request is in the engine
         self.sampler_state = SamplerState()  # the last batch's parameter tensors, the penalties' counts
@@ -119,67 +88,10 @@ class ModelRunner:
         self.model.linear_states = states
         return states
 
-    def _layer_windows(self) -> list[int | None]:
-        """Per KV cache: its layers' window when the window layers keep their own blocks, else None."""
-        windows = self.text_config.kv_layer_windows()
-        return windows if self.window is not None else [None] * len(windows)
-
-    def _window(self) -> int | None:
-        """The sliding window whose layers get their own block group: models with one window size and
-        full layers beside (a model of window layers only, or of several sizes, keeps one group)."""
-        windows = self.text_config.kv_layer_windows()
-        sizes = {w for w in windows if w is not None}
-        if len(sizes) != 1 or None not in windows or not self.config.sliding_window_blocks:
-            return None
-        return sizes.pop()
-
-    def _bytes_per_block(self, windowed: bool | None) -> int:
-        """One block's K and V over the layers that write KV (``windowed``: only the window layers'
-        caches, or only the others'; None: all of them: what a block of tokens costs unwindowed)."""
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        per_token = sum(
-            h * d
-            for (h, d), w in zip(
-                self.text_config.kv_layer_specs(), self.text_config.kv_layer_windows(), strict=True
-            )
-            if windowed is None or (w is not None) == windowed
-        )
-        return 2 * self.config.block_size * per_token * elem
-
     @property
     def block_bytes(self) -> int:
         """One block's K and V over every layer that writes KV (what a block of tokens costs)."""
-        return self._bytes_per_block(None)
-
-    def _blocks_for(self, budget: int, want: int | None) -> int:
-        """Full-group blocks that ``budget`` bytes hold (at most ``want``), after the window group's
-        blocks (as many as the batch can hold at once, ``window_blocks_needed``) where there is one."""
-        if self.window is None:
-            n = budget // self.block_bytes
-            return n if want is None else min(want, n)
-        both = budget // self.block_bytes  # every layer's block: no fewer full blocks than this
-        n_window = min(self.window_cap, both if want is None else min(want, both))
-        n = (budget - (n_window + 1) * self._bytes_per_block(True)) // self._bytes_per_block(False)
-        return max(0, n if want is None else min(want, n))
-
-    def _derive_num_blocks(self) -> int:
-        c = self.config
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(total * c.kv_cache_memory_fraction) - (total - free)
-            n = self._blocks_for(budget, None)
-            if n <= 0:
-                raise RuntimeError(f"no GPU memory left for the KV cache ({free / 2**30:.1f} GiB free)")
-        else:
-            want = c.max_num_seqs * cdiv(min(c.max_model_len, 2048), c.block_size)
-            n = max(1, self._blocks_for(CPU_KV_CACHE_CAP_BYTES, want))
-        if self.window is None:
-            mib = n * self.block_bytes / 2**20
-        else:
-            n_window = min(n, self.window_cap) + 1
-            mib = (n * self._bytes_per_block(False) + n_window * self._bytes_per_block(True)) / 2**20
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", n, c.block_size, mib)
-        return int(n)
+        return self.sizing.block_bytes
 
     def prepare_request(
         self, req: Request, mm_inputs: list[MultiModalInput], grammar: GrammarState | None = None
@@ -264,75 +176,15 @@ class ModelRunner:
                     f"so must be computed in one step; max_num_batched_tokens is {budget}",
                 )
 
-    def _positions(self, req: Request, start: int, end: int) -> torch.Tensor:
-        if not self.model.uses_mrope:
-            return torch.arange(start, end, device=self.device)
-        state, n = self.states[req.request_id], req.num_prompt_tokens
-        assert state.mrope is not None, f"request {req.request_id} has no M-RoPE positions"
-        parts = []
-        if start < n:
-            parts.append(state.mrope[:, start : min(end, n)])
-        if end > n:
-            parts.append(torch.arange(max(start, n), end, device=self.device).expand(3, -1) + state.delta)
-        return torch.cat(parts, dim=1)
-
-    def _positions_all(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Every chunk's positions, in batch order; decode runs built from ints, not per-chunk tensors."""
-        if not self.model.uses_mrope:
-            flat = [p for c in chunks for p in range(c.start, c.start + c.num_tokens)]
-            return torch.tensor(flat, dtype=torch.long, device=self.device)
-        parts: list[torch.Tensor | list[int]] = []
-        for c in chunks:
-            req, start, end = c.request, c.start, c.start + c.num_tokens
-            if start < req.num_prompt_tokens:
-                parts.append(self._positions(req, start, end))
-                continue
-            # past the prompt: text positions, shifted; all 3 axes alike
-            delta = self.states[req.request_id].delta
-            if not parts or not isinstance(parts[-1], list):
-                parts.append([])
-            parts[-1].extend(range(start + delta, end + delta))  # type: ignore[union-attr]
-        tensors = [
-            p
-            if isinstance(p, torch.Tensor)
-            else torch.tensor(p, dtype=torch.long, device=self.device).expand(3, -1)
-            for p in parts
-        ]
-        return torch.cat(tensors, dim=-1)
-
-    def _ids_all(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        ids = [t for c in chunks for t in _token_ids(c.request, c.start, c.start + c.num_tokens)]
-        return torch.tensor(ids, dtype=torch.long, device=self.device)
-
-    def _embeds_all(self, chunks: list[ScheduledChunk], ids: torch.Tensor) -> torch.Tensor:
-        """Every chunk's input rows, in batch order: one embedding lookup for the whole batch (``ids``),
-        then each chunk's slices of its media items' embeddings written over their placeholder rows."""
-        emb = self.model.embed_tokens(ids)
-        width = getattr(self.model, "mm_row_width", emb.shape[1])
-        if width > emb.shape[1]:  # DeepStack (Qwen3-VL): an item's levels ride after its main columns
-            emb = torch.cat([emb, emb.new_zeros(emb.shape[0], width - emb.shape[1])], dim=1)
-        row = 0
-        for c in chunks:
-            start, end = c.start, c.start + c.num_tokens
-            for offset, length, embeds in self.states[c.request.request_id].mm:
-                lo, hi = max(start, offset), min(end, offset + length)
-                if lo >= hi:  # a chunk may hold only a slice of the item, or none of it
-                    continue
-                if embeds is None:  # the scheduler parks such a request: never here
-                    raise RequestFaults({c.request.request_id: f"no embeddings for the item at {offset}"})
-                emb[row + lo - start : row + hi - start] = embeds[lo - offset : hi - offset]
-            row += c.num_tokens
-        return emb
-
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, TokenLogprob | None]]:
         """Compute the scheduled chunks; return ``{request_id: (token, logprob)}`` for those that sample."""
         chunks = out.chunks
         if not chunks:
             return {}
-        ids = self._ids_all(chunks)
-        embeds = self._embeds_all(chunks, ids)
-        positions = self._positions_all(chunks)
+        ids = flat_ids(chunks, self.device)
+        embeds = flat_embeds(self.model, self.states, chunks, ids)
+        positions = flat_positions(self.model, self.states, chunks, self.device)
         meta = build_metadata(
             [(c.start, c.num_tokens, c.block_table) for c in chunks],
             self.config.block_size,
@@ -347,7 +199,7 @@ class ModelRunner:
                 [c.request.attention_spans for c in chunks],
             )
         if self.linear_states is not None:
-            meta.states = self.linear_states.step([_step_seq(c) for c in chunks])
+            meta.states = self.linear_states.step([step_seq(c) for c in chunks])
         if getattr(self.model, "takes_token_ids", False):  # Gemma 4's per-layer embeddings
             hidden = self.model(embeds, positions, self.kv_caches, meta, token_ids=ids)
         else:
@@ -436,6 +288,16 @@ class ModelRunner:
         own = self.states[request_id].generator
         return self.default_generator if own is None else own
 
+    def generator_state(self, request_id: str) -> bytes | None:
+        """A seeded request's generator state, for a decode replica to resume from (E/P/D); None
+        for an unseeded one (it draws from the engine's shared generator, as on any replica)."""
+        return generator_bytes(self.states.get(request_id))
+
+    def resume_generator(self, request_id: str, raw: bytes) -> None:
+        """Continue a seeded request's draws from where a prefill replica's generator left them
+        (``generator_state``); ``runner_state.resume_generator`` says what it raises."""
+        resume_generator(request_id, self.states[request_id].generator, raw)
+
     def rng_states(self, out: SchedulerOutput) -> dict[str, torch.Tensor]:
         """The seeded generators' states of the step's requests, to replay the step exactly."""
         gens = ((c.request.request_id, self.states[c.request.request_id].generator) for c in out.chunks)
@@ -464,22 +326,3 @@ def _check_finite(chunks: list[ScheduledChunk], hidden: torch.Tensor) -> None:
     raise RequestFaults(
         {c.request.request_id: msg for c, p in zip(chunks, parts, strict=True) if bool(p.any())}
     )
-
-
-def _step_seq(c: ScheduledChunk) -> StepSeq:
-    """A chunk's state slots: it reads its own (or the snapshot it restores) and writes its own."""
-    st = c.request.state
-    assert st is not None, f"request {c.request.request_id} runs without a state slot"
-    read = st.slot if st.restore_from is None else st.restore_from
-    captures = [(pos - c.start, slot) for pos, slot in st.captures]
-    return StepSeq(c.num_tokens, read, st.slot, c.start == 0, captures)
-
-
-def _token_ids(req: Request, start: int, end: int) -> list[int]:
-    """``req.all_token_ids[start:end]`` without building the whole list (a decode reads one id)."""
-    n = len(req.prompt_token_ids)
-    if start >= n:
-        return req.output_token_ids[start - n : end - n]
-    if end <= n:
-        return req.prompt_token_ids[start:end]
-    return req.prompt_token_ids[start:] + req.output_token_ids[: end - n]

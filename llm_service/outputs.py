@@ -43,6 +43,10 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob] | None = None
     # on a request's last output from its engine, for the replica's metrics; not sent over the wire
     timing: RequestTiming | None = None
+    # a seeded request's first output on a prefill replica (``finish_reason="handoff"``): its
+    # generator's state after that token (``torch.Generator.get_state``), which the decode replica
+    # resumes from, so its later tokens are a colocated pool's (llm_service/kv_handoff.py)
+    rng_state: bytes | None = None
 
     def __reduce__(self) -> tuple[Callable[[bytes], RequestOutput], tuple[bytes]]:
         return (_request_output_from_bytes, (self.to_wire(),))
@@ -50,7 +54,7 @@ class RequestOutput:
     def to_wire(self) -> bytes:
         """Its versioned msgpack form (``from_wire`` reads it); ``timing`` stays behind."""
         logprobs = _logprobs_wire(self.new_logprobs)
-        fields = {
+        fields: dict[str, object] = {
             "request_id": self.request_id,
             "new_token_ids": list(self.new_token_ids),
             "new_logprobs": logprobs,
@@ -61,6 +65,8 @@ class RequestOutput:
             "error": self.error,
             "prompt_logprobs": _logprobs_wire(self.prompt_logprobs),
         }
+        if self.rng_state is not None:  # a hand-off's only: no key on the other outputs
+            fields["rng_state"] = self.rng_state
         return pack("RequestOutput", fields)
 
     @staticmethod
@@ -129,4 +135,5 @@ def _request_output_from_bytes(raw: bytes) -> RequestOutput:
         num_cached_tokens=int(d["num_cached_tokens"]),
         error=d.get("error"),
         prompt_logprobs=_logprobs_from_wire(d.get("prompt_logprobs")),
+        rng_state=d.get("rng_state"),
     )

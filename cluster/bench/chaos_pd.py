@@ -59,10 +59,15 @@ PAUSE_S = 2.0  # the longest the decode replica stays stopped: under the links' 
 
 
 def app_config(
-    port: int, cache_dir: str, handoff_deadline_s: float = 30.0, kv_pull_chunks: bool = False
+    port: int,
+    cache_dir: str,
+    handoff_deadline_s: float = 30.0,
+    kv_pull_chunks: bool = False,
+    kv_transfer: str = "link",
 ) -> dict[str, Any]:
     """The app of the scenarios: the ingress on the head, every pool one replica on node A;
-    ``kv_pull_chunks``: the pulls overlap the prefill, chunk by chunk (early hand-offs)."""
+    ``kv_pull_chunks``: the pulls overlap the prefill, chunk by chunk (early hand-offs);
+    ``kv_transfer``: ``collective``, the KV on a gloo pair group (llm_service/serve/kv_pair.py)."""
     one = {"num_replicas": 1, "num_cpus": 0.2}
     return common.app_config(
         port,
@@ -74,6 +79,7 @@ def app_config(
             "handoff_deadline_s": handoff_deadline_s,
             "kv_transfer_timeout_s": 10.0,
             "kv_pull_chunks": kv_pull_chunks,
+            "kv_transfer": kv_transfer,
             "pools": [
                 {"role": "prefill", "deployment": {**one, "resources": {"prefill_node": 0.01}}},
                 {"role": "decode", "deployment": {**one, "resources": {"decode_node": 0.01}}},
@@ -187,6 +193,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="llm.kv_pull_chunks: early hand-offs, pulled chunk by chunk",
     )
+    p.add_argument(
+        "--kv-transfer",
+        choices=["link", "collective"],
+        default="link",
+        help="llm.kv_transfer: the KV over the link, or on a gloo pair group",
+    )
     return common.parse_scenarios(p, SCENARIOS, argv)
 
 
@@ -200,7 +212,9 @@ log = common.logger("chaos-pd")
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     log("starting a 2-node cluster and the E/P/D app ...")
-    config = app_config(args.port, args.models_dir, kv_pull_chunks=args.kv_pull_chunks)
+    config = app_config(
+        args.port, args.models_dir, kv_pull_chunks=args.kv_pull_chunks, kv_transfer=args.kv_transfer
+    )
     with chaos_cluster(args.port, config, WORKER) as cc:
         reports = asyncio.run(run_all(cc, args))
     print(render(reports), flush=True)

@@ -1,11 +1,12 @@
 """A replica's cold start: CPU-seconds of its imports and construction, each run in a fresh process.
 
-    python -m cluster.bench.coldstart [--runs 3] [--family qwen2-vl --family qwen2-audio]
+    python -m cluster.bench.coldstart [--runs 3] [--family qwen2-vl ...] [--replica ingress]  (default: all)
 
 Rows per tiny family (``cluster.tiny_model``) and replica kind:
-  ingress   ``router.http.app`` imported, ``chat_tokenizer`` and the hit path's ``make_preparer``
-            (the full ``Preprocessor``: the ingress builds one per model, ``app._hit_path``)
-  encoder   ``EncoderServer`` (the tower, on CPU) and its ``Preprocessor``
+  ingress   ``router.http.app`` imported, then per model what ``IngressServer`` builds: its tokenizer
+            (``chat_tokenizer``, loaded once) and the hit path's preparer over it (``app._hit_path``:
+            ``make_preparer(tokenizer=)``, the model's ``HitPathFacts``, no HF processor)
+  encoder   ``EncoderServer`` (the tower, on CPU) and its ``Preprocessor`` (the HF processor)
 CPU time is ``time.process_time()`` of the child (all its threads): the figure that moves least when
 other processes share the machine; the table gives the minimum over ``--runs``. ``heavy`` lists the
 costly packages the child ended up importing.
@@ -20,6 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+KINDS = ("ingress", "encoder")
 HEAVY = ("torch", "torchvision", "torch._dynamo", "triton", "sympy", "scipy", "ray.serve", "fastapi")
 
 _CHILD = """
@@ -28,10 +30,12 @@ kind, model_dir = sys.argv[1], sys.argv[2]
 t0 = time.process_time()
 if kind == "ingress":
     import router.http.app as app
-    from encoder_service.preprocess.processing import Preprocessor
+    from encoder_service.preprocess.make_preparer import make_preparer
+    from encoder_service.preprocess.media import MediaLimits
     t1 = time.process_time()
-    app.chat_tokenizer(model_dir, None)
-    Preprocessor(model_dir, processor_cache_bytes=0)
+    tokenizer = app.chat_tokenizer(model_dir, None)
+    make_preparer(model_dir, limits=MediaLimits(), limit_mm_per_prompt={}, processor_cache_bytes=0,
+                  cache=None, encode=None, tokenizer=tokenizer)
 else:
     from encoder_service.preprocess.processing import Preprocessor
     from encoder_service.serve.deployment import EncoderServer
@@ -60,15 +64,19 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--family", action="append", help="cluster.tiny_model family (repeatable)")
+    p.add_argument(
+        "--replica", action="append", choices=KINDS, help="replica kind (repeatable; default: both)"
+    )
     args = p.parse_args()
     from cluster.tiny_model import make_tiny_model
+    from encoder_service.families import FAMILY_NAMES
 
-    families = args.family or ["qwen2-vl", "qwen2-audio"]
+    families = args.family or list(FAMILY_NAMES)
     with tempfile.TemporaryDirectory() as root:
         print(f"{'family':<12} {'replica':<8} {'import CPU-s':>12} {'build CPU-s':>11} {'total':>6}  heavy")
         for family in families:
             model_dir = make_tiny_model(Path(root) / family, family)
-            for kind in ("ingress", "encoder"):
+            for kind in args.replica or KINDS:
                 runs = [one_start(kind, model_dir) for _ in range(args.runs)]
                 best = min(runs, key=lambda r: float(r["import_s"]) + float(r["build_s"]))  # type: ignore[arg-type]
                 imp, build = float(best["import_s"]), float(best["build_s"])  # type: ignore[arg-type]

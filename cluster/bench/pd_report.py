@@ -30,8 +30,9 @@ def _llm_replicas(stats: Mapping[str, object]) -> dict[str, Mapping[str, object]
 
 
 def replica_cores(stats: Mapping[str, object]) -> dict[str, list[int]]:
-    """Each replica's ``cpu_affinity`` (the cores its threads may use) by ``<role or encoder>/<replica>``:
-    the LLM replicas, and the encoder replica that answered for its pool."""
+    """Each replica's ``cpu_affinity`` (the cores its threads may use) by ``<role, encoder or
+    ingress>/<replica>``: the LLM replicas, the encoder replica that answered for its pool, and the
+    ingress replica that answered ``/stats``."""
     out: dict[str, list[int]] = {}
     for name, s in _llm_replicas(stats).items():
         llm_cores = s.get("cpu_affinity")
@@ -39,10 +40,11 @@ def replica_cores(stats: Mapping[str, object]) -> dict[str, list[int]]:
             out[f"{s.get('role', 'llm')}/{name.split('/', 1)[1]}"] = list(llm_cores)
     for body in stats.values():
         pools = body.get("pools") if isinstance(body, Mapping) else None
-        enc = pools.get("preparing_replica") if isinstance(pools, Mapping) else None
-        cores = enc.get("cpu_affinity") if isinstance(enc, Mapping) else None
-        if isinstance(enc, Mapping) and isinstance(cores, list):
-            out[f"encoder/{enc.get('replica_id', '?')}"] = list(cores)
+        for pool, key in (("encoder", "preparing_replica"), ("ingress", "ingress_replica")):
+            one = pools.get(key) if isinstance(pools, Mapping) else None
+            cores = one.get("cpu_affinity") if isinstance(one, Mapping) else None
+            if isinstance(one, Mapping) and isinstance(cores, list):
+                out[f"{pool}/{one.get('replica_id', '?')}"] = list(cores)
     return out
 
 

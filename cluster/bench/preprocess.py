@@ -59,8 +59,8 @@ def _decode(data: bytes) -> Image.Image:
 def _image_path(pre: Preprocessor, data: bytes) -> ProcessedItem:
     """What ``Preprocessor`` does to a miss after fetching: header, (draft) decode, pixel values."""
     header = image_header(data, pre.limits)
-    decoded = decode_opened(header, min_size=pre.family.image_decode_size(*header.size))
-    return pre.family.process_image(decoded)
+    decoded = decode_opened(header, min_size=pre.processor.image_decode_size(*header.size))
+    return pre.processor.process_image(decoded)
 
 
 def _rows(model_dir: Path, data: bytes, fmt: str, runner: asyncio.Runner) -> dict[str, Callable[[], object]]:

@@ -118,7 +118,8 @@ def workload_config(args: argparse.Namespace) -> WorkloadConfig:
 def start_embedded(args: argparse.Namespace) -> str:
     """The whole app on an embedded local Ray, HTTP on 127.0.0.1 only; returns its base URL."""
     from cluster.config import AppConfig, default_config
-    from cluster.serve_cli import one_machine_defaults, start
+    from cluster.one_machine import one_machine_defaults
+    from cluster.serve_cli import start
 
     cfg = AppConfig.from_yaml(args.config) if args.config else default_config()
     data = {**cfg.model_dump(), "host": "127.0.0.1", "port": args.port}

@@ -1,5 +1,6 @@
 """``make_preparer``: a ``RequestPreparer`` over a model's processor and the shared cache, as the
-encoder replicas that prepare and the ingress's hit path each build one."""
+encoder replicas that prepare and the ingress's hit path each build one (the ingress's over its
+tokenizer and the model's ``HitPathFacts`` instead of the processor: it processes nothing)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from encoder_service.preprocess.prepare import CacheIndex, Encode, EncodeEach, R
 from encoder_service.preprocess.stage_timing import MediaStages
 
 if TYPE_CHECKING:
+    from encoder_service.preprocess.hit_path_family import Tokenizer
     from encoder_service.preprocess.processing import Preprocessor
 
 
@@ -40,11 +42,20 @@ def make_preparer(
     model_name: str = "",
     stages: MediaStages | None = None,
     encode_each: EncodeEach | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> RequestPreparer:
     """A ``RequestPreparer`` over this model's processor, the shared cache client and ``encode`` (the
-    encoder pool's handle, or an encoder replica's own FIFO when it prepares itself)."""
+    encoder pool's handle, or an encoder replica's own FIFO when it prepares itself).
+    ``tokenizer``: the ingress's hit path, which processes nothing: the model's ``HitPathFacts``
+    and this tokenizer (with ``chat_template`` set already) stand in for the processor."""
     from encoder_service.preprocess.processing import Preprocessor
 
+    family = None
+    if tokenizer is not None:
+        from encoder_service.preprocess.hit_path_facts import read_hit_path_facts
+        from encoder_service.preprocess.hit_path_family import HitPathFamily
+
+        family = HitPathFamily(read_hit_path_facts(model_dir), tokenizer, limits)
     preprocessor = Preprocessor(
         model_dir,
         limits,
@@ -53,6 +64,7 @@ def make_preparer(
         model_id=model_name or None,
         stages=stages,
         chat_template=chat_template,
+        family=family,
     )
     preprocessor.aliases = cache  # uuid names live in the cache shards (uuid_aliases.py)
     return RequestPreparer(preprocessor, cache, encode, stages=stages, encode_each=encode_each)

@@ -37,6 +37,7 @@ from encoder_service.preprocess.errors import (
 )
 from encoder_service.preprocess.gathering import gather
 from encoder_service.preprocess.hashing import canonical_kwargs, compute_mm_hash, uuid_alias_key
+from encoder_service.preprocess.hit_path_facts import HitPathFacts, read_hit_path_facts
 from encoder_service.preprocess.media.fetch import FetchedMedia, fetch_media_bytes, inline_media_bytes
 from encoder_service.preprocess.media.image import decode_opened, image_header
 from encoder_service.preprocess.media.limits import MediaLimits
@@ -46,6 +47,7 @@ from encoder_service.preprocess.media.url_safety import Resolver, resolve_host
 from encoder_service.preprocess.media_items import MediaItem, Message, collect_media
 from encoder_service.preprocess.processor_cache import ProcessorCache
 from encoder_service.preprocess.processors import FamilyProcessor, ProcessedItem, load_family_processor
+from encoder_service.preprocess.processors.base import PromptFamily
 from encoder_service.preprocess.prompt_tokens import render_prompt, text_chars
 from encoder_service.preprocess.stage_timing import MediaStages
 from encoder_service.types import (
@@ -87,10 +89,14 @@ class Preprocessor:
         aliases: AliasStore | None = None,
         stages: MediaStages | None = None,
         chat_template: str | None = None,
+        family: PromptFamily | None = None,
     ) -> None:
+        """``family``: the ingress's ``HitPathFamily`` (which processes nothing); None: the adapter
+        over the model's loaded HF processor."""
         self.limits = limits or MediaLimits()
         self.stages = stages  # fetch, decode and processor timings (stage_timing.py); None: not timed
-        self.family: FamilyProcessor = load_family_processor(model_dir, self.limits)
+        self.facts: HitPathFacts = read_hit_path_facts(model_dir)  # what the mm_hash covers
+        self.family: PromptFamily = family or load_family_processor(model_dir, self.limits)
         if chat_template is not None:  # the model's override (config ``chat_template``), as the ingress's
             self.family.hf.chat_template = chat_template
         self.model_id = model_id or Path(model_dir).name
@@ -133,9 +139,15 @@ class Preprocessor:
         assert ref.uuid is not None
         return uuid_alias_key(self.model_id, ref.modality, ref.tenant, ref.uuid)
 
+    def hash_kwargs(self, modality: Modality) -> dict[str, object]:
+        """Every setting that changes how an item of ``modality`` is encoded: the processor's as
+        written in the model's files (with the versions that fix its defaults), the sampling and
+        decode settings; the same with or without the processor loaded (``HitPathFacts``)."""
+        return {**self.facts.hash_kwargs(modality, self.limits), **self.family.decode_kwargs(modality)}
+
     def _hash_kwargs_bytes(self, modality: Modality) -> bytes:
-        """The canonical JSON of the family's hash kwargs, re-encoded only when a setting changed."""
-        kwargs = self.family.hash_kwargs(modality)
+        """The canonical JSON of the hash kwargs, re-encoded only when a setting changed."""
+        kwargs = self.hash_kwargs(modality)
         cached = self._kwargs_bytes.get(modality)
         if cached is None or cached[0] != kwargs:
             cached = (copy.deepcopy(kwargs), canonical_kwargs(kwargs))
@@ -317,6 +329,7 @@ class Preprocessor:
             return
         fetched = it.fetched
         assert fetched is not None
+        family = self.processor
         seconds: float | None = None  # a video's, from its decode
         times: list[float] | None = None
         if modality == "image":
@@ -328,14 +341,14 @@ class Preprocessor:
                 fetched,
                 self.limits,
                 item=it.index,
-                sampling_rate=self.family.sampling_rate or 16000,
-                frame_multiple=self.family.frame_multiple,
+                sampling_rate=family.sampling_rate or 16000,
+                frame_multiple=family.frame_multiple,
             )
             decoded_at = time.perf_counter()
             self.num_processor_calls += 1
-            out = processed_or_422(lambda: self.family.process(modality, loaded.value), modality, it.index)
+            out = processed_or_422(lambda: family.process(modality, loaded.value), modality, it.index)
             self._observe_processing(it, start, decoded_at)
-            meta = it.metadata = {**loaded.metadata, **self.family.item_metadata(modality, loaded.metadata)}
+            meta = it.metadata = {**loaded.metadata, **family.item_metadata(modality, loaded.metadata)}
             seconds = cast("float | None", meta.get("second_per_grid_ts"))  # the family's facts
             times = cast("list[float] | None", meta.get("frame_times"))
         it.facts = ItemFacts(out.num_embeds, out.grid_thw, seconds, times)
@@ -346,12 +359,13 @@ class Preprocessor:
         """Decode (at reduced scale when the processor shrinks the image that much anyway) and process."""
         assert it.fetched is not None and it.header is not None
         header, it.header = it.header, None  # opened and checked by ``_fetch``; decoded once, here
+        family = self.processor
         start = time.perf_counter()
-        min_size = self.family.image_decode_size(*header.size)
+        min_size = family.image_decode_size(*header.size)
         decoded = decode_opened(header, min_size=min_size, item=it.index, label=f"image {it.index}")
         decoded_at = time.perf_counter()
         self.num_processor_calls += 1
-        out = processed_or_422(lambda: self.family.process_image(decoded), "image", it.index)
+        out = processed_or_422(lambda: family.process_image(decoded), "image", it.index)
         self._observe_processing(it, start, decoded_at)
         meta: dict[str, object] = {
             "source": it.fetched.source,
@@ -361,6 +375,13 @@ class Preprocessor:
         if decoded.reduced:
             meta["decoded_size"] = list(decoded.image.size)
         return out, meta
+
+    @property
+    def processor(self) -> FamilyProcessor:
+        """The family's adapter over the loaded HF processor (an encoder's; the hit path has none)."""
+        if not isinstance(self.family, FamilyProcessor):  # the hit path raises NeedsEncoding before
+            raise RuntimeError(f"{type(self.family).__name__} processes no media (the ingress's hit path)")
+        return self.family
 
     def _observe_processing(self, it: MediaItem, start: float, decoded_at: float) -> None:
         if self.stages is not None:

@@ -11,12 +11,12 @@ from typing import Any, cast
 from encoder_service.preprocess.errors import ToolsUnsupported
 from encoder_service.preprocess.media_items import MediaItem
 from encoder_service.preprocess.placeholders import expand_placeholders
-from encoder_service.preprocess.processors import FamilyProcessor
+from encoder_service.preprocess.processors.base import PromptFamily
 from encoder_service.types import PreprocessedRequest
 
 
 def render_prompt(
-    family: FamilyProcessor,
+    family: PromptFamily,
     model_id: str,
     template_messages: Sequence[Mapping[str, object]],
     items: list[MediaItem],

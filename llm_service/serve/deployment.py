@@ -24,10 +24,12 @@ from llm_service.errors import RequestFailed, RequestRejected
 from llm_service.kv_handoff import KVBlocks, KVHandoff, KVTransferFailed
 from llm_service.output_channels import ChannelBatch, OutputChannels
 from llm_service.outputs import EngineStats, RequestOutput
+from llm_service.recent_ttft import RecentTTFT
 from llm_service.request_spec import LLMRequestSpec, ReplicaTarget, SubmitReply
 from llm_service.scheduler import WaitingBound
 from llm_service.sequence import Request
 from llm_service.serve.handoff import Address, DecodeImports, KVSource, PrefillHandoffs, TransferStats
+from llm_service.serve.kv_pair import DecodePairs, PairOffer, SendAsk, SendPlan
 from llm_service.serve.metrics import LLMMetrics
 from llm_service.tracing import RequestTraces
 from mmcore.errors import StillHeld
@@ -60,6 +62,7 @@ class HandoffWiring:
     deadline_s: float = 30.0  # a prefill replica holds a hand-off's blocks this long for its pull
     timeout_s: float = 10.0  # a decode replica's pull fails past this
     pull_chunks: bool = False  # a prefill replica answers at once; the decode side pulls chunk by chunk
+    transfer: str = "link"  # "collective": the KV moves on a pair group (llm_service/serve/kv_pair.py)
 
 
 class LLMServer:
@@ -85,6 +88,7 @@ class LLMServer:
         self.replica_id = _replica_id()
         self.engine = engine_cls(engine_config)
         self._metrics = LLMMetrics(model_name)
+        self._ttft = RecentTTFT()  # the prefill pool's autoscaling signal (with a target_ttft_ms)
         self.channels = OutputChannels(self.replica_id, self._abort_all, linger_s=channel_linger_s)
         self.loop = EngineLoop(
             self.engine,
@@ -116,14 +120,26 @@ class LLMServer:
                     self.loop, engine, self.replica_id, handoff.address, handoff.deadline_s, self.kv_stats
                 )
             else:
+                pairs = None
+                if handoff.transfer == "collective":
+                    pairs = DecodePairs(
+                        engine, handoff.address, handoff.timeout_s, self.kv_stats, self.replica_id
+                    )
                 self._decode = DecodeImports(
-                    self.loop, engine, handoff.connect, handoff.timeout_s, self.kv_stats, self.replica_id
+                    self.loop,
+                    engine,
+                    handoff.connect,
+                    handoff.timeout_s,
+                    self.kv_stats,
+                    self.replica_id,
+                    pairs,
                 )
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         if self._prefill is not None:
             self._prefill.on_outputs(outputs)
         self.channels.deliver(outputs)
+        self._ttft.observe(outputs)
         self._metrics.observe_step(outputs, self.loop.last_step_s, self.loop.step_clock.last_cpu_s)
         if self._traces:  # sampled requests in flight: their spans, once done
             for out in outputs:
@@ -209,6 +225,19 @@ class LLMServer:
         if self._prefill is None:
             raise KVTransferFailed(f"replica {self.replica_id} is not a prefill replica")
         return await self._prefill.early.pull_chunks(request_id, from_block, window_from)
+
+    async def kv_pair_join(self, offer: PairOffer) -> None:
+        """A decode replica's invitation to form its pair group with this prefill replica (kv_pair.py)."""
+        if self._prefill is None:
+            raise KVTransferFailed(f"replica {self.replica_id} is not a prefill replica")
+        await self._prefill.pairs.join(offer)
+
+    async def kv_send(self, ask: SendAsk) -> SendPlan:
+        """A decode replica's ask for a handed-off request's KV on their pair group: answered with what
+        will be sent, then sent (llm_service/serve/kv_pair.py)."""
+        if self._prefill is None:
+            raise KVTransferFailed(f"replica {self.replica_id} is not a prefill replica")
+        return await self._prefill.pairs.send(ask)
 
     async def _enqueue(self, spec: LLMRequestSpec) -> tuple[SubmitReply, list[MediaFeature]]:
         """Fetch what must be fetched, put the request on its ingress's channel and in the engine's
@@ -391,6 +420,14 @@ class LLMServer:
             "kv_swap_refused": swap.refused,
         }
 
+    def _pair_counts(self) -> dict[str, int]:
+        """Pair groups held now (``llm.kv_transfer: collective``), either side."""
+        if self._prefill is not None:
+            return {"kv_pairs": len(self._prefill.pairs)}
+        if self._decode is not None and self._decode.pairs is not None:
+            return {"kv_pairs": len(self._decode.pairs)}
+        return {}
+
     def _engine_stats(self) -> EngineStats:
         return self.loop.last_stats or self.engine.stats()
 
@@ -415,6 +452,7 @@ class LLMServer:
             **self.loop.step_clock.stats(),
             **(self.kv_stats.as_dict() if self.role != "both" else {}),
             **({"kv_pins_held": len(self._prefill.pins)} if self._prefill is not None else {}),
+            **self._pair_counts(),
             **(self._swap_counters() if self._decode is not None else {}),
         }
 
@@ -435,6 +473,7 @@ class LLMServer:
             "queued_prompt_tokens": float(
                 self.loop.queued_prompt_tokens
             ),  # E/P/D's prefill pool scales on it
+            "ttft_p90_ms": self._ttft.p90_ms(),  # and on this, given a target_ttft_ms
         }
 
     def check_health(self) -> None:

@@ -27,6 +27,8 @@ from llm_service.kv_handoff import (
 )
 from llm_service.outputs import RequestOutput
 from llm_service.serve.early_handoff import EarlyHandoffs
+from llm_service.serve.kv_pair import DecodePairs
+from llm_service.serve.kv_pair_prefill import PrefillPairs
 from mmcore.errors import Overloaded
 
 if TYPE_CHECKING:
@@ -77,6 +79,9 @@ class TransferStats:
     export_cpu_s: float = 0.0  # prefill side: CPU time of the thread reading blocks out for a pull
     pull_wall_s: float = 0.0  # decode side: from reserving the blocks to the request admitted
     blocks_overlapped: int = 0  # decode side: blocks pulled while their prompt still computed (early)
+    bytes_collective: int = 0  # decode side: of bytes_pulled, those received on a pair group (kv_pair.py)
+    pairs_formed: int = 0  # both sides: pair groups formed (llm.kv_transfer: collective)
+    pairs_dropped: int = 0  # both sides: pair groups dropped after a failed transfer
 
     def as_dict(self) -> dict[str, float]:
         return {f"kv_{k}": float(v) for k, v in self.__dict__.items()}
@@ -109,6 +114,9 @@ class PrefillHandoffs:
         self.stats = stats
         self._held: dict[str, _Held] = {}  # pinned, not yet answered
         self.early = EarlyHandoffs(self)  # hand-offs answered before their first token (kv_pull_chunks)
+        self.pairs = PrefillPairs(
+            self
+        )  # pair groups decode replicas formed with it (kv_transfer: collective)
 
     async def address(self) -> Address:
         return await self._address()
@@ -235,11 +243,13 @@ class DecodeImports:
         timeout_s: float,
         stats: TransferStats,
         replica_id: str = "",
+        pairs: DecodePairs | None = None,
     ) -> None:
         self.loop, self.engine, self.replica_id = loop, engine, replica_id
         self._connect = connect
         self.timeout_s = timeout_s
         self.stats = stats
+        self.pairs = pairs  # llm.kv_transfer: collective: the KV moves on a pair group, not the link
 
     async def import_request(self, spec: LLMRequestSpec) -> None:
         """Reserve blocks, pull what the prefix cache lacks, write it, run the request on. A failed pull
@@ -266,36 +276,17 @@ class DecodeImports:
             self.stats.refused_imports += 1
             raise DecodeRefused(f"decode replica {self.replica_id}: {e}", self.replica_id) from e
         assert isinstance(slots, ImportSlots)
-        writes: list[asyncio.Future[tuple[None, float]]] = []
+        writes: list[asyncio.Future[Any]] = []
         pulled, nbytes = 0, 0
         try:
-            received = slots.hit_blocks  # the blocks this side holds: its hits, then what it pulled
-            last: KVBlocks | None = None
-            while h.early and last is None:  # the prompt's blocks as the prefill computes them
-                part, done = await self._connect(h.address).call(
-                    "pull_kv_chunks", rid, received, slots.window_from, timeout_s=self.timeout_s
+            if self.pairs is not None:  # straight into the reserved blocks, on the pair's group
+                got = await self.pairs.pull(
+                    self._connect(h.address), h.address, rid, slots, slots.hit_blocks, writes
                 )
-                if done:
-                    last = self._checked(part, rid, slots, received)
-                elif part is not None and part.num_blocks:
-                    k = received - slots.hit_blocks
-                    await self._write(writes, slots.block_ids[k : k + part.num_blocks], part)
-                    received += part.num_blocks
-                    pulled, nbytes = pulled + part.num_blocks, nbytes + part.nbytes
-                    self.stats.blocks_overlapped += part.num_blocks
-            blocks = last or await self._pull(h, rid, slots, received)
-            if blocks.block_hashes:  # an early hand-off's: its hashes came with its last pull
-                await self.loop.on_engine(self.engine.check_import_hashes, rid, blocks.block_hashes)
-            if blocks.first is None or not blocks.first.finished:
-                k = received - slots.hit_blocks
-                await self._write(
-                    writes,
-                    slots.block_ids[k:],
-                    blocks,
-                    slots.window_ids,
-                    slots.state_slot,
-                    slots.snapshot_slot,
-                )
+                blocks = KVBlocks(rid, slots.hit_blocks, 0, "", [], [], snapshot=got.snapshot)
+                pulled, nbytes = got.num_blocks, got.nbytes
+            else:
+                blocks, pulled, nbytes = await self._pull_over_link(h, rid, slots, writes)
         except BaseException as e:
             self.stats.failed_imports += 1
             if writes:  # cancelled mid-write: the blocks are the thread's until it has written
@@ -316,9 +307,41 @@ class DecodeImports:
         self.stats.bytes_pulled += nbytes + blocks.nbytes
         self.stats.pull_wall_s += time.perf_counter() - t_start
 
+    async def _pull_over_link(
+        self, h: KVHandoff, rid: str, slots: ImportSlots, writes: list[asyncio.Future[Any]]
+    ) -> tuple[KVBlocks, int, int]:
+        """The KV pulled over the link and written on a thread: an early hand-off's chunks as they
+        compute, then the last pull; returns the last pull's answer (its blocks counted by the caller)
+        and the blocks and bytes of the chunks before it."""
+        assert h.address is not None
+        pulled, nbytes = 0, 0
+        received = slots.hit_blocks  # the blocks this side holds: its hits, then what it pulled
+        last: KVBlocks | None = None
+        while h.early and last is None:  # the prompt's blocks as the prefill computes them
+            part, done = await self._connect(h.address).call(
+                "pull_kv_chunks", rid, received, slots.window_from, timeout_s=self.timeout_s
+            )
+            if done:
+                last = self._checked(part, rid, slots, received)
+            elif part is not None and part.num_blocks:
+                k = received - slots.hit_blocks
+                await self._write(writes, slots.block_ids[k : k + part.num_blocks], part)
+                received += part.num_blocks
+                pulled, nbytes = pulled + part.num_blocks, nbytes + part.nbytes
+                self.stats.blocks_overlapped += part.num_blocks
+        blocks = last or await self._pull(h, rid, slots, received)
+        if blocks.block_hashes:  # an early hand-off's: its hashes came with its last pull
+            await self.loop.on_engine(self.engine.check_import_hashes, rid, blocks.block_hashes)
+        if blocks.first is None or not blocks.first.finished:
+            k = received - slots.hit_blocks
+            await self._write(
+                writes, slots.block_ids[k:], blocks, slots.window_ids, slots.state_slot, slots.snapshot_slot
+            )
+        return blocks, pulled, nbytes
+
     async def _write(
         self,
-        writes: list[asyncio.Future[tuple[None, float]]],
+        writes: list[asyncio.Future[Any]],
         block_ids: list[int],
         blocks: KVBlocks,
         window_ids: list[int] | None = None,

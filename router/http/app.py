@@ -27,7 +27,7 @@ from router.http.metrics import IngressMetrics
 from router.http.responses import ResponsesService
 from router.journey.llm_client import LLMClient
 from router.journey.model_handles import ModelHandles
-from router.journey.orchestrator import Orchestrator, chat_tokenizer
+from router.journey.orchestrator import ChatTokenizer, Orchestrator, chat_tokenizer
 from router.journey.pd_client import PDClient
 from router.protocol.errors import APIError, from_exception
 from router.protocol.messages import MessageLimits
@@ -108,9 +108,10 @@ def _llm_client(m: IngressModel, pools: dict[str, "DeploymentHandle"]) -> LLMCli
     return PDClient(prefill, decode, _link(m, "llm", prefill), _link(m, "llm", decode))
 
 
-def _hit_path(m: IngressModel) -> "RequestPreparer | None":
+def _hit_path(m: IngressModel, tokenizer: ChatTokenizer) -> "RequestPreparer | None":
     """A ``RequestPreparer`` that never encodes: the Orchestrator's hit path (its misses go on to
-    ``prepare`` with what it looked up)."""
+    ``prepare`` with what it looked up). It renders prompts with ``tokenizer``, the Orchestrator's
+    own, and the model's ``HitPathFacts``: no HF processor is loaded here."""
     if m.preprocess is None:
         return None
     from encoder_service.preprocess.make_preparer import make_preparer
@@ -129,6 +130,7 @@ def _hit_path(m: IngressModel) -> "RequestPreparer | None":
         cache=m.cache,
         chat_template=m.chat_template,  # it renders prompts: as the encoder's and the tokenizer's
         encode=no_encode,
+        tokenizer=tokenizer,  # type: ignore[arg-type]  # a transformers tokenizer is both
         model_name=m.name,
         stages=media_stages(m.name, "ingress"),
     )
@@ -172,16 +174,17 @@ class IngressServer:
             self.caches[m.name] = m.cache
             self.encoder_items_dispatched[m.name] = 0
             encoder = pools[m.name]["encoder"]
+            tokenizer = chat_tokenizer(m.model_dir, m.chat_template)  # the override: as the encoder renders
             handles = ModelHandles(
                 encoder,
                 _llm_client(m, pools[m.name]),
                 m.cache,
-                _hit_path(m),
+                _hit_path(m, tokenizer),
                 encoder_links=_link(m, "encoder", encoder),
             )
             orch = Orchestrator(
                 handles,
-                chat_tokenizer(m.model_dir, m.chat_template),  # the override: as the encoder renders
+                tokenizer,
                 m.block_size,
                 m.max_model_len,
                 on_encoder_run=self._counter(m.name),
@@ -287,8 +290,16 @@ class IngressServer:
                 **orchestrator.hit_path_stats(),
             }
             if pools:
-                out[name]["pools"] = await orchestrator.handles.pool_stats()
+                out[name]["pools"] = {
+                    **await orchestrator.handles.pool_stats(),
+                    "ingress_replica": self.replica_stats(),
+                }
         return JSONResponse(out)
+
+    def replica_stats(self) -> dict[str, object]:
+        """This ingress replica's own entry in ``/stats?pools=true`` (``ingress_replica``), as the other
+        pools' replicas report theirs; the wiring adds its id and ``cpu_affinity`` (cluster/replicas.py)."""
+        return {}
 
     def check_health(self) -> None:
         if self.http is not None:

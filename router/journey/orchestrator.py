@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol, cast
 
 from encoder_service.cache.cache_index import ref_id
@@ -87,10 +89,19 @@ class ChatTokenizer(Protocol):
 
 def chat_tokenizer(model_dir: str, chat_template: str | None = None) -> ChatTokenizer:
     """The model's tokenizer, rendering with ``chat_template`` (the model's override of its
-    checkpoint's template, as the encoder's processor renders: ``Preprocessor(chat_template=)``)."""
-    from transformers import AutoTokenizer
+    checkpoint's template, as the encoder's processor renders: ``Preprocessor(chat_template=)``).
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ``AutoTokenizer`` picks the class by the model's config; given none, it loads the model's own
+    config class, and Gemma 4's imports transformers' video and image stack (torchvision,
+    ``torch._dynamo``: ~2 CPU-s of an ingress start). It reads only ``model_type`` and
+    ``tokenizer_class`` of it, so it gets a plain config carrying those two from ``config.json``."""
+    from transformers import AutoTokenizer, PreTrainedConfig
+
+    fields = json.loads((Path(model_dir) / "config.json").read_text())
+    stand_in = type("TokenizerConfig", (PreTrainedConfig,), {"model_type": fields.get("model_type", "")})()
+    if fields.get("tokenizer_class"):
+        stand_in.tokenizer_class = fields["tokenizer_class"]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, config=stand_in)
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     return cast(ChatTokenizer, tokenizer)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from collections.abc import Generator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import ray.serve  # noqa: F401
@@ -151,7 +152,10 @@ def vl_pair_app(tmp_path_factory: pytest.TempPathFactory) -> OpenAI:
         },
     ]
     cache_dir = str(tmp_path_factory.mktemp("models"))
-    return shared_app("vl_pair_app", {"models": models, "models_cache_dir": cache_dir})
+    config: dict[str, Any] = {"models": models, "models_cache_dir": cache_dir}
+    if PAIR_CORES is not None:  # the ingress on both of the pair's cores (it reports them: /stats?pools=true)
+        config["ingress"] = {"deployment": {"cpu_affinity": PAIR_CORES.replace("|", ",")}}
+    return shared_app("vl_pair_app", config)
 
 
 @pytest.hookimpl(hookwrapper=True)

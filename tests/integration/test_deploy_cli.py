@@ -1,7 +1,7 @@
 """The README's cluster commands, run as a user runs them: ``ray start --head``, ``serve deploy`` of the
 shipped ``cluster/deploy/serve-cpu.yaml`` (and of ``serve-cpu-pd.yaml``, E/P/D: a prefill and a decode
 pool, the answer decoded on the decode replica from the KV it pulled), ``serve status`` until RUNNING, one chat request with the
-``openai`` client, ``serve shutdown``, and the cluster stopped; every step a subprocess of the ``ray``
+``openai`` client (and a seeded sampled one, whose tokens must be the same on both), ``serve shutdown``, and the cluster stopped; every step a subprocess of the ``ray``
 and ``serve`` command lines, in the README's environment (``RAY_AUTH_MODE=token``, Serve's settings).
 
 The cluster has its own ``HOME`` (a fresh machine: no auth token until ``ray get-auth-token
@@ -38,8 +38,12 @@ def test_readme_cluster_commands_deploy_the_shipped_cpu_configs(tmp_path: Path) 
     cluster = LocalRayCluster()
     try:
         cluster.start_head(num_cpus=2)
-        for shipped in (SHIPPED, SHIPPED_PD):
-            _deploy_answer_and_shut_down(cluster, shipped, tmp_path)
+        seeded = [
+            _deploy_answer_and_shut_down(cluster, shipped, tmp_path) for shipped in (SHIPPED, SHIPPED_PD)
+        ]
+        # a seeded sampled request: E/P/D's decode replica draws on from where the prefill replica's
+        # generator left off (the first token's), so its tokens are the colocated pool's
+        assert seeded[1] == seeded[0]
     finally:
         cluster.stop()
         left = cluster.leftovers()
@@ -47,7 +51,8 @@ def test_readme_cluster_commands_deploy_the_shipped_cpu_configs(tmp_path: Path) 
     assert not left, f"processes of the cluster alive after it was stopped: {left}"
 
 
-def _deploy_answer_and_shut_down(cluster: LocalRayCluster, shipped: Path, tmp_path: Path) -> None:
+def _deploy_answer_and_shut_down(cluster: LocalRayCluster, shipped: Path, tmp_path: Path) -> list[str]:
+    """Deploy, answer, shut down: a seeded sampled answer's tokens, to compare across the deployments."""
     port = free_port()
     config = tmp_path / shipped.name
     deploy_config(shipped, config, http_port=port)
@@ -84,9 +89,21 @@ def _deploy_answer_and_shut_down(cluster: LocalRayCluster, shipped: Path, tmp_pa
     if shipped == SHIPPED_PD:  # the answer came from the decode replica, over the KV it pulled
         pools = httpx.get(f"http://127.0.0.1:{port}/stats?pools=true", timeout=30).json()
         assert _pd_counters(pools[MODEL]) == (1, 1), pools
+    sampled = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Tell me a story."}],
+        max_tokens=12,
+        temperature=1.0,
+        top_p=0.9,
+        seed=11,
+        logprobs=True,
+    )
+    assert sampled.choices[0].logprobs is not None and sampled.choices[0].logprobs.content is not None
+    tokens = [t.token for t in sampled.choices[0].logprobs.content]
 
     cluster.shutdown_serve()
     assert not cluster.serve_status().get("applications")
+    return tokens
 
 
 def test_bench_config_rewrites_only_model_port_and_missing_markers(tmp_path: Path) -> None:

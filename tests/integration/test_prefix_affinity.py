@@ -12,6 +12,7 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import httpx
 import pytest
 from openai import OpenAI
 
@@ -117,3 +118,8 @@ def test_each_replica_runs_on_the_core_its_pool_gave_it(app: dict[str, Any]) -> 
     cores = [s["cpu_affinity"] for s in _replica_stats().values()]
     want = [[int(c)] for c in PAIR_CORES.split("|")]
     assert sorted(cores) == sorted(want), cores
+    # the ingress replica that answers /stats reports its own, as the pools' replicas do
+    base = str(app["client"].base_url).removesuffix("/").removesuffix("/v1")
+    stats = httpx.get(f"{base}/stats?pools=true", timeout=30, trust_env=False).json()
+    ingress = stats[MODEL]["pools"]["ingress_replica"]
+    assert ingress["cpu_affinity"] == sorted(c for w in want for c in w) and ingress["replica_id"]

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Protocol, TypedDict
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypedDict
 
 from encoder_service.preprocess.media.decoded import MediaMetadata, MediaValue
 from encoder_service.preprocess.media.image import DecodedImage
@@ -32,15 +31,30 @@ class ItemFacts(TypedDict, total=False):
     frame_times: list[float]  # Qwen3-VL video: seconds of each temporal patch
 
 
-class JsonConfigured(Protocol):
-    """An HF sub-processor (image or video processor, feature extractor), as ``processor_config`` reads it."""
+class PromptFamily(Protocol):
+    """What ``Preprocessor`` asks of a family before any item is processed: to hash, check, look up
+    and render a prompt. An adapter over the loaded processor (``FamilyProcessor``) is one; the
+    ingress's ``HitPathFamily`` (the model's tokenizer and its ``HitPathFacts``) is the other."""
 
-    def to_json_string(self) -> str: ...
+    modalities: tuple[Modality, ...]
+    placeholder_token_ids: dict[Modality, int]
+    uses_mrope: bool
+    sampling_rate: int | None
+    frame_multiple: int
+    hf: Any  # what renders the chat template: the HF processor, or the tokenizer on the hit path
+    tokenizer: Any
 
+    def decode_kwargs(self, modality: Modality) -> dict[str, object]: ...
 
-def processor_config(proc: JsonConfigured) -> dict[str, object]:
-    """A sub-processor's full serialised config (what ``save_pretrained`` writes): stable across processes."""
-    return dict(json.loads(proc.to_json_string()))
+    def log_kwargs(self, modality: Modality) -> dict[str, object]: ...
+
+    def check_image_size(self, width: int, height: int) -> None: ...
+
+    def prompt_text(self, text: str) -> str: ...
+
+    def expand_placeholder(
+        self, modality: Modality, token_id: int, num_embeds: int, frame_times: list[float] | None
+    ) -> list[int]: ...
 
 
 class FamilyProcessor(ABC):
@@ -63,13 +77,14 @@ class FamilyProcessor(ABC):
             m: int(self.tokenizer.convert_tokens_to_ids(t)) for m, t in self.placeholder_tokens.items()
         }
 
-    @abstractmethod
-    def hash_kwargs(self, modality: Modality) -> dict[str, object]:
-        """Every setting that changes how an item of ``modality`` is encoded (goes into mm_hash)."""
+    def decode_kwargs(self, modality: Modality) -> dict[str, object]:
+        """mmserve's own decode settings that change an item's encoding (they go into its mm_hash
+        beside ``HitPathFacts.hash_kwargs``). The default: none."""
+        return {}
 
     @abstractmethod
     def log_kwargs(self, modality: Modality) -> dict[str, object]:
-        """The few settings worth a log line (a subset of ``hash_kwargs``)."""
+        """The few settings worth a log line (a subset of what goes into the mm_hash)."""
 
     @abstractmethod
     def process(self, modality: Modality, value: MediaValue) -> ProcessedItem:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from encoder_service.preprocess.media.decoded import MediaValue
 from encoder_service.preprocess.media.limits import MediaLimits
-from encoder_service.preprocess.processors.base import FamilyProcessor, ProcessedItem, processor_config
+from encoder_service.preprocess.processors.base import FamilyProcessor, ProcessedItem
 from encoder_service.types import Modality
 
 if TYPE_CHECKING:
@@ -41,13 +41,9 @@ class Gemma3Family(FamilyProcessor):
         self.num_tokens = int(hf_processor.image_seq_length)
         self.boi_token = str(tok.boi_token)
         self.image_text = f"\n\n{tok.boi_token}{tok.image_token}{tok.eoi_token}\n\n"
-        self._hash_kwargs = {**processor_config(image), "image_seq_length": self.num_tokens}
 
     def prompt_text(self, text: str) -> str:
         return text.replace(self.boi_token, self.image_text)
-
-    def hash_kwargs(self, modality: Modality) -> dict[str, object]:
-        return self._hash_kwargs
 
     def log_kwargs(self, modality: Modality) -> dict[str, object]:
         size = self.hf.image_processor.size

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from encoder_service.preprocess.media.decoded import MediaValue
 from encoder_service.preprocess.media.limits import MediaLimits
-from encoder_service.preprocess.processors.base import FamilyProcessor, ProcessedItem, processor_config
+from encoder_service.preprocess.processors.base import FamilyProcessor, ProcessedItem
 from encoder_service.types import Modality
 
 if TYPE_CHECKING:
@@ -46,18 +46,11 @@ class Gemma4Family(FamilyProcessor):
         image, fe = hf_processor.image_processor, hf_processor.feature_extractor
         self.pooling = int(image.pooling_kernel_size)
         self.sampling_rate = int(fe.sampling_rate)
-        self._hash_kwargs: dict[Modality, dict[str, object]] = {
-            "image": processor_config(image),
-            "audio": processor_config(fe),
-        }
 
     def prompt_text(self, text: str) -> str:
         for marker, widened in self.widen.items():
             text = text.replace(marker, widened)
         return text
-
-    def hash_kwargs(self, modality: Modality) -> dict[str, object]:
-        return self._hash_kwargs[modality]
 
     def log_kwargs(self, modality: Modality) -> dict[str, object]:
         if modality == "audio":

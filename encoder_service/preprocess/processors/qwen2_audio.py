@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, ClassVar
 
 from encoder_service.preprocess.media.decoded import MediaValue
-from encoder_service.preprocess.processors.base import FamilyProcessor, ProcessedItem, processor_config
+from encoder_service.preprocess.processors.base import FamilyProcessor, ProcessedItem
 from encoder_service.types import Modality
 
 if TYPE_CHECKING:
@@ -27,10 +27,6 @@ class Qwen2AudioFamily(FamilyProcessor):
         super().__init__(hf_processor)
         fe = hf_processor.feature_extractor
         self.sampling_rate = int(fe.sampling_rate)
-        self._hash_kwargs = processor_config(fe)
-
-    def hash_kwargs(self, modality: Modality) -> dict[str, object]:
-        return self._hash_kwargs
 
     def log_kwargs(self, modality: Modality) -> dict[str, object]:
         fe = self.hf.feature_extractor

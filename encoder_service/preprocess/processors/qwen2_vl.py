@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING, ClassVar
 
 from PIL import Image
 
+from encoder_service.preprocess.hit_path_facts import DRAFT_POLICY
 from encoder_service.preprocess.media.decoded import MediaValue
 from encoder_service.preprocess.media.image import DecodedImage
 from encoder_service.preprocess.media.limits import MediaLimits
-from encoder_service.preprocess.processors.base import FamilyProcessor, ProcessedItem, processor_config
+from encoder_service.preprocess.processors.base import FamilyProcessor, ProcessedItem
 from encoder_service.preprocess.processors.qwen2_vl_image import Qwen2VLImageTransform, smart_target_size
 from encoder_service.types import Modality
 
@@ -30,10 +31,6 @@ if TYPE_CHECKING:
     import torch
     from transformers import ProcessorMixin
     from transformers.image_processing_utils import BaseImageProcessor
-
-# What a JPEG draft decode changes goes into the image's mm_hash: embeddings computed from a
-# reduced-scale decode are never served for a full-size one, or the other way round.
-_DRAFT_POLICY = "jpeg-dct-scaling-to-target-v1"
 
 
 class Qwen2VLFamily(FamilyProcessor):
@@ -48,23 +45,13 @@ class Qwen2VLFamily(FamilyProcessor):
         self.image_transform = Qwen2VLImageTransform.from_hf(hf_processor.image_processor)
         # A JPEG is decoded at reduced scale only where the transform takes the original size apart.
         self.jpeg_draft = jpeg_draft and self.image_transform is not None
-        self._hash_kwargs = {
-            "image": processor_config(hf_processor.image_processor),
-            "video": {
-                **processor_config(hf_processor.video_processor),
-                "sample_fps": limits.video_fps,
-                "sample_num_frames": limits.video_num_frames,
-                "frame_multiple": self.frame_multiple,
-            },
-        }
 
     def _sub(self, modality: Modality) -> BaseImageProcessor:  # the video processor derives from it too
         return self.hf.image_processor if modality == "image" else self.hf.video_processor
 
-    def hash_kwargs(self, modality: Modality) -> dict[str, object]:
-        if modality == "image" and self.jpeg_draft:
-            return {**self._hash_kwargs["image"], "mmserve_decode": _DRAFT_POLICY}
-        return self._hash_kwargs[modality]
+    def decode_kwargs(self, modality: Modality) -> dict[str, object]:
+        """A JPEG draft decode goes into the image's mm_hash (``DRAFT_POLICY``)."""
+        return {"mmserve_decode": DRAFT_POLICY} if modality == "image" and self.jpeg_draft else {}
 
     def log_kwargs(self, modality: Modality) -> dict[str, object]:
         sub = self._sub(modality)

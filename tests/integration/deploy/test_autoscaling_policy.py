@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from ray.serve._private.common import DeploymentID
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
@@ -74,6 +75,23 @@ def test_prefill_policy_reads_queued_prompt_tokens() -> None:
     n, state = policy(_ctx({LLM_QUEUED_PROMPT_TOKENS: {"r1": 9000.0, "r2": 6000.0}}, running=2))
     assert (n, state) == (4, {})  # 15000 / 4000 -> 4
     assert policy(_ctx(None, running=2, ongoing=20))[0] == 5  # no reports: ongoing requests
+
+
+def test_prefill_policy_adds_a_replica_while_ttft_stays_over_its_target() -> None:
+    from cluster.autoscaling_policy import LLM_QUEUED_PROMPT_TOKENS, LLM_TTFT_P90_MS, PrefillQueuePolicy
+
+    short = {"r1": 1000.0, "r2": 1000.0}  # 2,000 tokens: one replica's worth of the 4,000 target
+    slow = {LLM_QUEUED_PROMPT_TOKENS: short, LLM_TTFT_P90_MS: {"r1": 2500.0, "r2": 400.0}}
+    fast = {LLM_QUEUED_PROMPT_TOKENS: short, LLM_TTFT_P90_MS: {"r1": 300.0, "r2": 200.0}}
+    near = {LLM_QUEUED_PROMPT_TOKENS: short, LLM_TTFT_P90_MS: {"r1": 900.0, "r2": 200.0}}
+    policy = PrefillQueuePolicy(target_queued_prompt_tokens_per_replica=4000, target_ttft_ms=1000)
+    assert policy(_ctx(slow, running=2))[0] == 3  # over 1.1 x target: one more
+    assert policy(_ctx(near, running=2))[0] == 2  # near it: the backlog (-> 1) may not shrink the pool
+    assert policy(_ctx(fast, running=2))[0] == 1  # both under: down
+    # without a target (the default) TTFT is not read: the backlog alone
+    assert PrefillQueuePolicy(target_queued_prompt_tokens_per_replica=4000)(_ctx(slow, running=2))[0] == 1
+    with pytest.raises(ValueError, match="target_ttft_ms"):
+        PrefillQueuePolicy(target_ttft_ms=-1)
 
 
 def test_encoder_policy_falls_back_to_ongoing_requests_without_custom_metrics() -> None:

@@ -20,7 +20,7 @@ from cluster.cpu_affinity import (
     pin_process,
     process_cpus,
 )
-from cluster.serve_cli import check_cpu_affinity
+from cluster.one_machine import check_cpu_affinity
 
 
 @pytest.mark.parametrize(

@@ -61,7 +61,7 @@ LOCAL_CLUSTER_CALLS = (
 )
 
 # Paths that name another project's files, not this repository's.
-EXTERNAL_PATHS = {"ray/serve/_private/replica.py"}
+EXTERNAL_PATHS = {"ray/serve/_private/replica.py", "torchvision/ops/roi_align.py"}
 FILE_SUFFIXES = (".py", ".yaml", ".yml", ".md", ".json", ".toml", ".txt", ".png", ".sh", ".tpl", ".cfg")
 
 

@@ -162,11 +162,14 @@ def test_replica_cores_read_every_replicas_cpu_affinity() -> None:
                     "b2": {"role": "decode", "cpu_affinity": [1]},
                 },
                 "preparing_replica": {"replica_id": "e3", "cpu_affinity": [0, 1]},
+                "ingress_replica": {"replica_id": "i4", "cpu_affinity": [1]},
             }
         }
     }
     cores = replica_cores(stats)
-    assert cores == {"prefill/a1": [0], "decode/b2": [1], "encoder/e3": [0, 1]}
+    assert cores == {"prefill/a1": [0], "decode/b2": [1], "encoder/e3": [0, 1], "ingress/i4": [1]}
     line = cores_line([{"server": "pd", "cores": cores}, {"server": "vllm", "cores": {}}])
-    assert line == "Replicas' cores (cpu_affinity): pd: decode/b2 1, encoder/e3 0-1, prefill/a1 0"
+    assert (
+        line == "Replicas' cores (cpu_affinity): pd: decode/b2 1, encoder/e3 0-1, ingress/i4 1, prefill/a1 0"
+    )
     assert cores_line([{"server": "vllm"}]) == ""

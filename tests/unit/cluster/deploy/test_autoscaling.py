@@ -139,3 +139,48 @@ def test_prefill_pool_scales_on_prompt_tokens_to_compute() -> None:
     assert desired_prefill_replicas(2, {"a": 3_700.0, "b": 3_700.0}, 0, targets, bounds) == 2
     # idle: down to the minimum
     assert desired_prefill_replicas(3, {"a": 0.0, "b": 0.0, "c": 0.0}, 0, targets, bounds) == 1
+
+
+@pytest.mark.parametrize(
+    ("backlog", "running", "ttft", "hold", "expected"),
+    [
+        (2, 2, {"a": 900.0, "b": 1_300.0}, None, 3),  # the slowest over 1.1 x 1,000 ms: one more
+        (5, 2, {"a": 1_300.0}, None, 5),  # the backlog already asks for more: its answer
+        (2, 2, {"a": 1_300.0}, 4, 4),  # a scale-up still starting: none added
+        (7, 7, {"a": 5_000.0}, None, 8),  # capped by the bounds
+        (1, 3, {"a": 800.0, "b": 100.0}, None, 3),  # near the target (0.8): the backlog may not shrink it
+        (1, 3, {"a": 1_050.0}, 2, 2),  # ... nor below what the last decision kept
+        (1, 3, {"a": 600.0, "b": 0.0}, None, 1),  # both under theirs: the backlog's shrink stands
+        (1, 3, {}, None, 1),  # no report: the backlog's
+    ],
+)
+def test_prefill_pool_ttft_over_target_grows_it_and_under_lets_it_shrink(
+    backlog: int, running: int, ttft: dict[str, float], hold: int | None, expected: int
+) -> None:
+    from cluster.autoscaling import with_ttft
+
+    assert with_ttft(backlog, running, ttft, 1_000.0, ScalingBounds(1, 8), hold=hold) == expected
+
+
+def test_recent_ttft_is_the_windows_p90() -> None:
+    from llm_service.outputs import RequestOutput, RequestTiming
+    from llm_service.recent_ttft import RecentTTFT
+
+    now = [0.0]
+    ttft = RecentTTFT(window_s=10.0, clock=lambda: now[0])
+    assert ttft.p90_ms() == 0.0  # nothing yet
+
+    def out(queue: float, prefill: float, tokens: tuple[int, ...] = (5,)) -> RequestOutput:
+        return RequestOutput(
+            "r", list(tokens), None, True, "handoff", 8, 0, timing=RequestTiming(queue, prefill, 0.0)
+        )
+
+    ttft.observe([out(0.5, 0.5)])  # 1,000 ms, soon out of the window
+    now[0] = 5.0
+    ttft.observe([out(0.01 * i, 0.09) for i in range(1, 11)])  # 100, 110, ..., 190 ms
+    ttft.observe([RequestOutput("x", [], None, True, "error", 8, 0, error="e")])  # no first token: none
+    assert ttft.p90_ms() == pytest.approx(190.0)  # 11 samples: the 10th (nearest rank), not the 1,000
+    now[0] = 10.5
+    assert ttft.p90_ms() == pytest.approx(180.0)  # the 1,000 ms one left the window: 9th of 10
+    now[0] = 16.0
+    assert ttft.p90_ms() == 0.0

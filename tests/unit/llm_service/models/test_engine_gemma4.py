@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from llm_service import model_runner
+from llm_service import kv_cache_sizing
 from llm_service.multimodal import MultiModalInput
 from llm_service.outputs import GenerateRequest
 from llm_service.sampling_params import SamplingParams
@@ -240,7 +240,7 @@ def test_sharing_admits_proportionally_more(monkeypatch, model_dir) -> None:
     """Under one KV memory budget the engine derives 7/4 as many blocks for the sharing model (1792 vs
     1024 bytes per token) and admits that many more requests at once."""
     budget = 28 * 4 * 1792  # 28 blocks of 4 tokens for the unshared model
-    monkeypatch.setattr(model_runner, "CPU_KV_CACHE_CAP_BYTES", budget)
+    monkeypatch.setattr(kv_cache_sizing, "CPU_KV_CACHE_CAP_BYTES", budget)
     admitted = {}
     for name, d in (("unshared", tiny_model_dir("gemma4", "unshared")), ("shared", model_dir)):
         eng = engine(
@@ -303,7 +303,7 @@ def test_windows_admit_more(monkeypatch, model_dir) -> None:
     batch can read (4 sequences, 32-token chunks: 36 blocks + the null block) leaves the full layer
     (half of each block's bytes here) 763 blocks: 1.9x the context."""
     budget = 400 * 4 * 1024  # 1024 bytes per token over the three KV-writing layers
-    monkeypatch.setattr(model_runner, "CPU_KV_CACHE_CAP_BYTES", budget)
+    monkeypatch.setattr(kv_cache_sizing, "CPU_KV_CACHE_CAP_BYTES", budget)
     blocks = {}
     for windowed in (False, True):
         eng = engine(

@@ -85,7 +85,7 @@ def test_preprocess_equals_hf_on_a_720p_jpeg(vl, hf_tv):
     assert item.metadata["width"] == 1280 and "decoded_size" not in item.metadata
     # mm_hash covers the ORIGINAL bytes (and the processor config with the decode policy)
     assert item.mm_hash == compute_mm_hash(
-        vl.model_id, "image", data=data, processor_kwargs=vl.family.hash_kwargs("image")
+        vl.model_id, "image", data=data, processor_kwargs=vl.hash_kwargs("image")
     )
 
 

@@ -53,7 +53,7 @@ def test_family_adapter(pre: Preprocessor, model_dir: Path) -> None:
         "image": tok.convert_tokens_to_ids("<|image_pad|>"),
         "video": tok.convert_tokens_to_ids("<|video_pad|>"),
     }
-    assert fam.hash_kwargs("video")["sample_fps"] == 2.0  # the sampling settings go into the video's mm_hash
+    assert pre.hash_kwargs("video")["sample_fps"] == 2.0  # the sampling settings go into the video's mm_hash
 
 
 def test_images_and_video_match_hf(pre: Preprocessor) -> None:
