@@ -1,5 +1,5 @@
-"""A module's own local Ray, shut down however the module ends, and the whole app started on it as
-`mmserve serve` would, on a free loopback port."""
+"""A module's Ray (the session's shared one, or a cluster of the module's own), ended however the
+module ends, and the whole app started on it as `mmserve serve` would, on a free loopback port."""
 
 from __future__ import annotations
 
@@ -266,8 +266,9 @@ def shutdown_wait_loop(seconds: float | None = TEST_SHUTDOWN_WAIT_LOOP_S) -> Ite
 def local_app(
     config: dict[str, Any], num_cpus: int = 2, shutdown_wait_loop_s: float | None = TEST_SHUTDOWN_WAIT_LOOP_S
 ) -> Iterator[OpenAI]:
-    """``config`` (an AppConfig dict without port) served directly on a free port, on this module's
-    own Ray; yields its client, and shuts Serve and Ray down on the way out. ``num_cpus``: Ray's
+    """``config`` (an AppConfig dict without port; its ``ingress`` settings kept, but HTTP direct)
+    served on a free port, on the session's Ray (``own_ray``); yields its client, and ends the app on
+    the way out. ``num_cpus``: Ray's
     logical CPUs (a scheduling budget: an app of many models' fractional replicas needs more than
     the machine's 2, although they mostly idle; short of it, a replica waits to be scheduled forever
     and the requests routed to it hang). ``shutdown_wait_loop_s``: ``shutdown_wait_loop``'s."""
@@ -277,7 +278,8 @@ def local_app(
 
     port = free_port()
     seed_tiny_models(config)
-    cfg = AppConfig.model_validate({**config, "port": port, "ingress": {"http_mode": "direct"}})
+    ingress = {**config.get("ingress", {}), "http_mode": "direct"}  # the config's other ingress settings kept
+    cfg = AppConfig.model_validate({**config, "port": port, "ingress": ingress})
     apply_serve_env()  # what `mmserve serve` runs with, before Ray starts its processes
     with own_ray(num_cpus=num_cpus):
         with shutdown_wait_loop(shutdown_wait_loop_s):
