@@ -122,10 +122,11 @@ def _session_ray(num_cpus: int) -> Iterator[None]:
         _init_ray("local", {"num_cpus": SESSION_CPUS, "include_dashboard": False})
         _SESSION["open"] = True
     holder = _hold_cpus(SESSION_CPUS - num_cpus)
+    module = os.environ.get("PYTEST_CURRENT_TEST", "").split("::")[0]  # the one that started it
     try:
         yield
     finally:
-        _end_module(holder)
+        _end_module(holder, module)
 
 
 def _hold_cpus(cpus: float) -> Any:
@@ -146,7 +147,7 @@ def _hold_cpus(cpus: float) -> Any:
     return holder
 
 
-def _end_module(holder: Any) -> None:
+def _end_module(holder: Any, module: str) -> None:
     """Serve shut down; the holder and whatever else the module left (actors, placement groups) ended
     and waited for, each named in the session's cleanups. A cleanup that fails ends the session Ray:
     the next module starts a fresh one."""
@@ -160,7 +161,6 @@ def _end_module(holder: Any) -> None:
 
     if not session_ray_open():
         return
-    module = os.environ.get("PYTEST_CURRENT_TEST", "").split("::")[0]
 
     def cleaned(what: str) -> None:
         _SESSION.setdefault("cleaned", []).append(f"{module}: {what}")
