@@ -1,9 +1,13 @@
 # The README's commands. The venv is rebuilt from scratch whenever pyproject.toml changes. pip does not
 # byte-compile what it installs (--no-compile): of the ~22,000 modules (torch's, transformers' ~400
 # model families) a run imports a few thousand, which Python compiles and caches on their first import;
-# compiling them all cost ~70 CPU-s of `make setup`.
+# compiling them all cost ~70 CPU-s of `make setup`. That cache is written only where
+# PYTHONDONTWRITEBYTECODE is unset (some shells set it): with it set, every process of a run (each Ray
+# worker imports torch, transformers, Ray and mmserve) compiles again each module it imports that has
+# no cached bytecode, mmserve's own always on a fresh clone (docs/testing.md, "CI's setup").
 SHELL := /bin/bash
 PYTHON ?= python3
+unexport PYTHONDONTWRITEBYTECODE
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stamp-$(shell sha256sum pyproject.toml | cut -c1-16)

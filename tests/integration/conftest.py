@@ -175,7 +175,9 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
     cleaned = session_ray_cleanups()
     if cleaned:
-        terminalreporter.write_sep("-", "left running by integration modules on the session Ray, ended")
+        terminalreporter.write_sep(
+            "-", "left on the session Ray by integration modules (actors and groups ended)"
+        )
         terminalreporter.write_line("\n".join(cleaned))
     for nodeid, errors in _FOUND.items():
         terminalreporter.write_sep("-", f"errors the app's processes logged during {nodeid}")

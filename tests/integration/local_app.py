@@ -1,5 +1,5 @@
-"""A module's own local Ray, shut down however the module ends, and the whole app started on it as
-`mmserve serve` would, on a free loopback port."""
+"""A module's Ray (the session's shared one, or a cluster of the module's own), ended however the
+module ends, and the whole app started on it as `mmserve serve` would, on a free loopback port."""
 
 from __future__ import annotations
 
@@ -122,10 +122,11 @@ def _session_ray(num_cpus: int) -> Iterator[None]:
         _init_ray("local", {"num_cpus": SESSION_CPUS, "include_dashboard": False})
         _SESSION["open"] = True
     holder = _hold_cpus(SESSION_CPUS - num_cpus)
+    module = os.environ.get("PYTEST_CURRENT_TEST", "").split("::")[0]  # the one that started it
     try:
         yield
     finally:
-        _end_module(holder)
+        _end_module(holder, module)
 
 
 def _hold_cpus(cpus: float) -> Any:
@@ -146,18 +147,20 @@ def _hold_cpus(cpus: float) -> Any:
     return holder
 
 
-def _end_module(holder: Any) -> None:
+def _end_module(holder: Any, module: str) -> None:
     """Serve shut down; the holder and whatever else the module left (actors, placement groups) ended
     and waited for, each named in the session's cleanups. A cleanup that fails ends the session Ray:
     the next module starts a fresh one."""
+    import gc
+
     import ray
     from ray import serve
     from ray._private.state import state
+    from ray._private.worker import global_worker
     from ray.util.placement_group import PlacementGroup, remove_placement_group
 
     if not session_ray_open():
         return
-    module = os.environ.get("PYTEST_CURRENT_TEST", "").split("::")[0]
 
     def cleaned(what: str) -> None:
         _SESSION.setdefault("cleaned", []).append(f"{module}: {what}")
@@ -176,6 +179,10 @@ def _end_module(holder: Any) -> None:
                 cleaned(f"placement group {pg['name']!r} {pg['state']}")
                 remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
         _wait_all_dead(state)
+        gc.collect()
+        held = global_worker.core_worker.get_all_reference_counts()
+        if held:  # in the object store until their holders (module globals?) let them go: named only
+            cleaned(f"{len(held)} object references the test process still holds (not freed)")
     except Exception as e:
         cleaned(f"cleanup failed ({e!r}): the session Ray restarted")
         _SESSION.pop("open", None)
@@ -259,8 +266,9 @@ def shutdown_wait_loop(seconds: float | None = TEST_SHUTDOWN_WAIT_LOOP_S) -> Ite
 def local_app(
     config: dict[str, Any], num_cpus: int = 2, shutdown_wait_loop_s: float | None = TEST_SHUTDOWN_WAIT_LOOP_S
 ) -> Iterator[OpenAI]:
-    """``config`` (an AppConfig dict without port) served directly on a free port, on this module's
-    own Ray; yields its client, and shuts Serve and Ray down on the way out. ``num_cpus``: Ray's
+    """``config`` (an AppConfig dict without port; its ``ingress`` settings kept, but HTTP direct)
+    served on a free port, on the session's Ray (``own_ray``); yields its client, and ends the app on
+    the way out. ``num_cpus``: Ray's
     logical CPUs (a scheduling budget: an app of many models' fractional replicas needs more than
     the machine's 2, although they mostly idle; short of it, a replica waits to be scheduled forever
     and the requests routed to it hang). ``shutdown_wait_loop_s``: ``shutdown_wait_loop``'s."""
@@ -270,7 +278,8 @@ def local_app(
 
     port = free_port()
     seed_tiny_models(config)
-    cfg = AppConfig.model_validate({**config, "port": port, "ingress": {"http_mode": "direct"}})
+    ingress = {**config.get("ingress", {}), "http_mode": "direct"}  # the config's other ingress settings kept
+    cfg = AppConfig.model_validate({**config, "port": port, "ingress": ingress})
     apply_serve_env()  # what `mmserve serve` runs with, before Ray starts its processes
     with own_ray(num_cpus=num_cpus):
         with shutdown_wait_loop(shutdown_wait_loop_s):
