@@ -18,7 +18,7 @@ as the tag. The ops go to the group's own ``send``/``recv``, so a group built ou
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -97,20 +97,21 @@ def _wait(works: list[Any], device: torch.device) -> None:
 def send_tensors(parts: Sequence[torch.Tensor], dst: int, group: dist.ProcessGroup | None = None) -> int:
     """Send ``parts`` to rank ``dst`` (its ``recv_tensors`` lists the same shapes); returns the bytes sent."""
     pg = _group(group)
-    if parts:
-        if parts[0].device.type == "cuda":
-            torch.cuda.set_device(parts[0].device)
-        _wait([pg.send([p], dst, tag) for tag, p in enumerate(parts)], parts[0].device)
-    return nbytes(parts)
+    return _post(parts, lambda tag, p: pg.send([p], dst, tag))
 
 
 def recv_tensors(parts: Sequence[torch.Tensor], src: int, group: dist.ProcessGroup | None = None) -> int:
     """Receive what rank ``src`` sends (``send_tensors``) into ``parts``, in place; returns the bytes."""
     pg = _group(group)
+    return _post(parts, lambda tag, p: pg.recv([p], src, tag))
+
+
+def _post(parts: Sequence[torch.Tensor], op: Callable[[int, torch.Tensor], Any]) -> int:
+    """``op(tag, part)`` for each part (its index the tag), all posted before any is waited on."""
     if parts:
         if parts[0].device.type == "cuda":
             torch.cuda.set_device(parts[0].device)
-        _wait([pg.recv([p], src, tag) for tag, p in enumerate(parts)], parts[0].device)
+        _wait([op(tag, p) for tag, p in enumerate(parts)], parts[0].device)
     return nbytes(parts)
 
 

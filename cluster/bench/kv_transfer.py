@@ -39,6 +39,22 @@ def _side(layers: int, heads: int, head_dim: int, blocks: int, block_size: int, 
     )
 
 
+def _row(
+    tokens: int, blocks: int, nbytes: int, repeat: int, wall: float, cpu: float, read: float, write: float
+) -> dict[str, float]:
+    """One size's table row: totals over ``repeat`` transfers, per transfer in ms."""
+    per = 1000 / repeat
+    return {
+        "tokens": tokens,
+        "blocks": blocks,
+        "mib": nbytes / 2**20,
+        "wall_ms": per * wall,
+        "cpu_ms": per * cpu,
+        "read_ms": per * read,
+        "write_ms": per * write,
+    }
+
+
 async def _measure(args: argparse.Namespace, tokens: int) -> dict[str, float]:
     n = -(-tokens // args.block_size)
     blocks = max(2 * n, 8)
@@ -76,16 +92,7 @@ async def _measure(args: argparse.Namespace, tokens: int) -> dict[str, float]:
     assert torch.equal(decode.kv_caches[0][:, dst[-1]], prefill.kv_caches[0][:, src[-1]])
     link.close()
     await server.close()
-    r = args.repeat
-    return {
-        "tokens": tokens,
-        "blocks": n,
-        "mib": nbytes / 2**20,
-        "wall_ms": 1000 * wall / r,
-        "cpu_ms": 1000 * cpu / r,
-        "read_ms": 1000 * (read_s[0] / (r + 1)),
-        "write_ms": 1000 * write / r,
-    }
+    return _row(tokens, n, nbytes, args.repeat, wall, cpu, read_s[0] * args.repeat / (args.repeat + 1), write)
 
 
 def _measure_collective(args: argparse.Namespace, tokens: int, scattered: bool) -> dict[str, float]:
@@ -132,16 +139,7 @@ def _measure_collective(args: argparse.Namespace, tokens: int, scattered: bool) 
                 cpu += time.process_time() - c0
                 read, write = read + sent_s, write + recv_s
     assert torch.equal(decode.kv_caches[0][:, dst[-1]], prefill.kv_caches[0][:, src[-1]])
-    r = args.repeat
-    return {
-        "tokens": tokens,
-        "blocks": n,
-        "mib": nbytes / 2**20,
-        "wall_ms": 1000 * wall / r,
-        "cpu_ms": 1000 * cpu / r,
-        "read_ms": 1000 * read / r,
-        "write_ms": 1000 * write / r,
-    }
+    return _row(tokens, n, nbytes, args.repeat, wall, cpu, read, write)
 
 
 def main() -> None:

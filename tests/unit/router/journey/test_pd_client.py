@@ -25,16 +25,10 @@ from tests.unit.router.journey.pd_world import (
     FlakyLink,
     PrefillHandle,
     TwoDecodeHandle,
-    colocated_tokens,
     make_server,
     tokens,
 )
 from tests.unit.router.journey.test_llm_client import FakeLLMHandle
-
-
-@pytest.fixture(scope="module")
-def colocated(tiny_vl_dir: Path) -> list[int]:
-    return colocated_tokens(tiny_vl_dir)
 
 
 def test_journey_equals_colocated_and_recovers_from_losses(tiny_vl_dir: Path, colocated: list[int]) -> None:

@@ -21,16 +21,10 @@ from tests.unit.router.journey.pd_world import (
     FlakyLink,
     PrefillHandle,
     TwoDecodeHandle,
-    colocated_tokens,
     make_server,
     slow_steps,
     tokens,
 )
-
-
-@pytest.fixture(scope="module")
-def colocated(tiny_vl_dir: Path) -> list[int]:
-    return colocated_tokens(tiny_vl_dir)
 
 
 def test_chunk_by_chunk_pull_overlaps_the_prefill_and_equals_colocated(
